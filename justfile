@@ -1,0 +1,41 @@
+# zigzag developer recipes. `just --list` shows them.
+
+venv := ".venv"
+py := venv + "/bin/python"
+
+# Create the virtual environment and install zigzag with its test tools (CPU torch first).
+setup:
+    test -d {{venv}} || python3 -m venv {{venv}}
+    {{py}} -m pip install -q torch==2.13.0
+    {{py}} -m pip install -q -e '.[dev]'
+
+# The main job: start a node, run the built-in mixed workload through its socket, check the outputs.
+demo *ARGS:
+    {{py}} -m engine.node --demo {{ARGS}}
+
+# Serve on the default control socket (127.0.0.1:7340).
+serve *ARGS:
+    {{py}} -m engine.node {{ARGS}}
+
+# The whole test suite (what CI runs).
+test *ARGS:
+    {{py}} -m pytest {{ARGS}}
+
+# One benchmark (transfer, model, e2e, epd) as JSON rows.
+bench NAME *ARGS:
+    {{py}} -m engine.bench {{NAME}} --json {{ARGS}}
+
+# Lint, format check and type check.
+lint:
+    {{py}} -m ruff check .
+    {{py}} -m ruff format --check .
+    {{py}} -m mypy
+
+# Format the code in place.
+fmt:
+    {{py}} -m ruff format .
+    {{py}} -m ruff check --fix .
+
+# What CI does, on a fresh clone beside ../shared.
+ci:
+    bash .ci/run
