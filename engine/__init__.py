@@ -1,0 +1,1 @@
+"""The node, control server, router, controller, client, log analysis and benchmarks."""
