@@ -1,0 +1,212 @@
+"""Control-socket requests (DESIGN §7): one JSON object per line, tagged by ``op``.
+
+Every request carries ``id``, the client's correlation id, echoed on every reply (the replies live in
+`messages.control_replies`). Numeric bounds are part of the protocol (docs/control-protocol.md lists
+them): a value outside them is a `bad_request` before any replica sees it. Checks that need the model
+(vocabulary size, context length) belong to the node. Messages hold no logic beyond validation.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+import msgspec
+
+from messages.base import Record
+
+# ---------------------------------------------------------------------------------------------- bounds
+MAX_ID_CHARS = 256
+MAX_PROMPT_CHARS = 16 * 1024 * 1024
+MAX_INPUT_IDS = 1 << 20
+MAX_TOKEN_ID = (1 << 31) - 1
+MAX_IMAGES = 64
+MAX_IMAGE_SIDE = 8192
+MAX_NEW_TOKENS = 1 << 20
+MAX_TEMPERATURE = 10.0
+MAX_SEED = (1 << 63) - 1
+MAX_SCALE_REPLICAS = 64
+
+ClientId = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_ID_CHARS)]
+RequestId = Annotated[str, msgspec.Meta(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9._:-]+$")]
+ReplicaName = Annotated[str, msgspec.Meta(max_length=64, pattern=r"^[a-z]+-[0-9]+$")]
+TokenId = Annotated[int, msgspec.Meta(ge=0, le=MAX_TOKEN_ID)]
+Count = Annotated[int, msgspec.Meta(ge=0)]
+Seconds = Annotated[float, msgspec.Meta(ge=0)]
+
+# ---------------------------------------------------------------------------------------------- names
+Op = Literal["generate", "status", "cancel", "transition", "lock", "unlock", "scale", "metrics", "shutdown"]
+OPS: tuple[Op, ...] = (
+    "generate",
+    "status",
+    "cancel",
+    "transition",
+    "lock",
+    "unlock",
+    "scale",
+    "metrics",
+    "shutdown",
+)
+
+ErrorCode = Literal[
+    "bad_request",
+    "not_found",
+    "invalid_transition",
+    "not_supported",
+    "overloaded",
+    "transfer_failed",
+    "transfer_timeout",
+    "replica_failed",
+    "cancelled",
+    "shutting_down",
+    "internal",
+]
+ERROR_CODES: tuple[ErrorCode, ...] = (
+    "bad_request",
+    "not_found",
+    "invalid_transition",
+    "not_supported",
+    "overloaded",
+    "transfer_failed",
+    "transfer_timeout",
+    "replica_failed",
+    "cancelled",
+    "shutting_down",
+    "internal",
+)
+
+ReplicaRole = Literal["encode", "prefill", "decode"]
+# The names of DESIGN §6, as written there; `replicas.states.ReplicaState` holds the same values.
+ReplicaStateName = Literal[
+    "Inactive",
+    "LoadingPrefill",
+    "LoadingDecode",
+    "LoadingEncode",
+    "Prefill",
+    "Decode",
+    "Encode",
+    "NewPrefill",
+    "OldPrefill",
+    "RefractoryPrefill",
+    "MutatingToDecode",
+    "AusPrefill",
+    "AusDecode",
+    "ShuttingPrefill",
+    "ShuttingDecode",
+    "ShuttingEncode",
+    "ShuttingNull",
+]
+LockReason = Literal["manual", "controller"]
+FinishReason = Literal["stop", "length", "cancelled"]
+TransferKind = Literal["embedding", "kv"]
+
+
+# ---------------------------------------------------------------------------------------------- requests
+class ControlRequestBase(
+    msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True, tag_field="op"
+):
+    """Every request: `id` is the client's correlation id, unique among its in-flight requests."""
+
+    id: ClientId
+
+
+class ImageInput(Record, frozen=True):
+    """Raw RGB bytes, row-major, 3 bytes per pixel; base64 in JSON under ``pixels_b64``."""
+
+    width: Annotated[int, msgspec.Meta(ge=1, le=MAX_IMAGE_SIDE)]
+    height: Annotated[int, msgspec.Meta(ge=1, le=MAX_IMAGE_SIDE)]
+    pixels: bytes = msgspec.field(name="pixels_b64")
+
+    def __post_init__(self) -> None:
+        expected = self.width * self.height * 3
+        if len(self.pixels) != expected:
+            raise ValueError(
+                f"pixels_b64 decodes to {len(self.pixels)} bytes, but a {self.width}x{self.height} RGB "
+                f"image needs width*height*3 = {expected}"
+            )
+
+
+class GenerateRequest(ControlRequestBase, frozen=True, tag="generate"):
+    """Generate from `prompt` (text; each ``<image>`` marks where the next image goes) or `input_ids`.
+
+    `request_id` is optional: a name of the client's choosing (unique among the node's live requests) so
+    that any connection can `cancel` it; the node assigns one when it is absent. `temperature` 0 is greedy;
+    sampling randomness is a function of (`seed`, position).
+    """
+
+    prompt: Annotated[str, msgspec.Meta(max_length=MAX_PROMPT_CHARS)] | None = None
+    input_ids: Annotated[list[TokenId], msgspec.Meta(min_length=1, max_length=MAX_INPUT_IDS)] | None = None
+    images: Annotated[list[ImageInput], msgspec.Meta(max_length=MAX_IMAGES)] = []
+    max_tokens: Annotated[int, msgspec.Meta(ge=1, le=MAX_NEW_TOKENS)] = 16
+    temperature: Annotated[float, msgspec.Meta(ge=0.0, le=MAX_TEMPERATURE)] = 0.0
+    top_p: Annotated[float, msgspec.Meta(gt=0.0, le=1.0)] = 1.0
+    seed: Annotated[int, msgspec.Meta(ge=0, le=MAX_SEED)] | None = None
+    ignore_eos: bool = False
+    stream: bool = False
+    request_id: RequestId | None = None
+
+    def __post_init__(self) -> None:
+        if (self.prompt is None) == (self.input_ids is None):
+            given = "both were given" if self.prompt is not None else "neither was given"
+            raise ValueError(f"generate needs exactly one of `prompt` or `input_ids`; {given}")
+
+
+class StatusRequest(ControlRequestBase, frozen=True, tag="status"):
+    """One entry per configured replica."""
+
+
+class CancelRequest(ControlRequestBase, frozen=True, tag="cancel"):
+    """Cancel a live generate by its node-wide `request_id` (from its token replies, or chosen by the client)."""
+
+    request_id: RequestId
+
+
+class TransitionRequest(ControlRequestBase, frozen=True, tag="transition"):
+    """Command `replica` into state `to` (a commanded move of the DESIGN §6 table)."""
+
+    replica: ReplicaName
+    to: ReplicaStateName
+
+
+class LockRequest(ControlRequestBase, frozen=True, tag="lock"):
+    """Set the manual lock: `replica` accepts no new KV migrations until `unlock`."""
+
+    replica: ReplicaName
+
+
+class UnlockRequest(ControlRequestBase, frozen=True, tag="unlock"):
+    """Clear the manual lock (a controller lock, if any, stays until the controller clears it)."""
+
+    replica: ReplicaName
+
+
+class ScaleRequest(ControlRequestBase, frozen=True, tag="scale"):
+    """Set the number of serving replicas of `role`."""
+
+    role: ReplicaRole
+    replicas: Annotated[int, msgspec.Meta(ge=0, le=MAX_SCALE_REPLICAS)]
+
+
+class MetricsRequest(ControlRequestBase, frozen=True, tag="metrics"):
+    """Counters and gauges since the node started."""
+
+
+class ShutdownRequest(ControlRequestBase, frozen=True, tag="shutdown"):
+    """Stop admitting, drain in-flight work within the configured deadline, check pools, exit."""
+
+
+ControlRequest = (
+    GenerateRequest
+    | StatusRequest
+    | CancelRequest
+    | TransitionRequest
+    | LockRequest
+    | UnlockRequest
+    | ScaleRequest
+    | MetricsRequest
+    | ShutdownRequest
+)
+
+
+def request_decoder() -> msgspec.json.Decoder[ControlRequest]:
+    """A decoder of one request line (tagged by ``op``)."""
+    return msgspec.json.Decoder(ControlRequest)

@@ -1,0 +1,363 @@
+"""Typed log events (DESIGN §3): one JSON object per line of the node's log file.
+
+The line *is* the msgspec JSON encoding of one `LogEvent`: the tag field ``event`` names it, ``ts`` is the
+wall-clock time in float seconds (Unix epoch), and the other keys are the fields below, always present
+(null where not applicable). `python -m engine.logs` decodes lines with `event_decoder()`; the schema is
+documented in docs/logging.md and is a contract: add fields with defaults, never rename.
+
+Context: request events carry `request_id` (never null once emitted) and `replica` (the replica that
+emits it, null before one is chosen); replica events carry `replica` (never null). The logger fills both
+from its bound context (`engine.logging.EventLog.bind`), so call sites need not repeat them.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, ClassVar, Literal
+
+import msgspec
+
+from messages.control import ErrorCode, FinishReason, LockReason, ReplicaStateName
+
+Level = Literal["debug", "info", "warning", "error"]
+Transfer = Literal["embedding", "kv"]
+
+
+class Event(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True, tag_field="event"):
+    """Every event: `ts` is stamped when the event is built. `level` is a class constant, not a field."""
+
+    level: ClassVar[Level] = "info"
+    required_context: ClassVar[tuple[str, ...]] = ()
+
+    ts: float = msgspec.field(default_factory=time.time)
+
+
+class RequestEvent(Event, frozen=True, kw_only=True):
+    required_context: ClassVar[tuple[str, ...]] = ("request_id",)
+
+    request_id: str | None = None
+    replica: str | None = None
+
+
+class ReplicaEvent(Event, frozen=True, kw_only=True):
+    required_context: ClassVar[tuple[str, ...]] = ("replica",)
+
+    replica: str | None = None
+
+
+# ---------------------------------------------------------------------------------------------- node
+class NodeStarted(Event, frozen=True, kw_only=True, tag="node_started"):
+    listen: str
+    model: str
+    device: str
+    transport: str
+    replicas: list[str]
+    pid: int
+    version: str
+
+
+class NodeConfigured(Event, frozen=True, kw_only=True, tag="node_config"):
+    """The whole `engine.config.NodeConfig` as JSON (decode it with that type)."""
+
+    config: dict[str, Any]
+
+
+class NodeStopping(Event, frozen=True, kw_only=True, tag="node_stopping"):
+    reason: Literal["signal", "shutdown_op", "fatal"]
+    detail: str
+    in_flight: int
+
+
+class NodeStopped(Event, frozen=True, kw_only=True, tag="node_stopped"):
+    exit_code: int
+    leaked_blocks: int
+    uptime_s: float
+
+
+# ---------------------------------------------------------------------------------------------- control
+ClientCloseReason = Literal["eof", "broken", "line_too_long", "write_timeout", "server_closing"]
+
+
+class ClientConnected(Event, frozen=True, kw_only=True, tag="client_connected"):
+    connection: str
+    peer: str
+
+
+class ClientDisconnected(Event, frozen=True, kw_only=True, tag="client_disconnected"):
+    connection: str
+    peer: str
+    reason: ClientCloseReason
+    cancelled_requests: int
+
+
+class ControlBadLine(Event, frozen=True, kw_only=True, tag="control_bad_line"):
+    """A request line that got a `bad_request` error; `id` is the client's id when it could be read."""
+
+    level: ClassVar[Level] = "warning"
+
+    connection: str
+    peer: str
+    id: str | None
+    message: str
+
+
+class SlowClient(Event, frozen=True, kw_only=True, tag="slow_client"):
+    """The client's outbound queue filled: its in-flight requests were cancelled."""
+
+    level: ClassVar[Level] = "warning"
+
+    connection: str
+    peer: str
+    queued_replies: int
+    cancelled_requests: int
+
+
+class ControlHandlerError(Event, frozen=True, kw_only=True, tag="control_handler_error"):
+    """The node's handler raised an unexpected exception; the client got an `internal` error."""
+
+    level: ClassVar[Level] = "error"
+
+    connection: str
+    peer: str
+    id: str
+    op: str
+    error: str
+    traceback: str
+
+
+# ---------------------------------------------------------------------------------------------- requests
+class RequestArrived(RequestEvent, frozen=True, kw_only=True, tag="request_arrived"):
+    connection: str | None
+    prompt_tokens: int | None
+    images: int
+    max_tokens: int
+    stream: bool
+
+
+class RequestQueued(RequestEvent, frozen=True, kw_only=True, tag="request_queued"):
+    queue: Literal["work", "migration"]
+    position: int
+
+
+class EncodeStarted(RequestEvent, frozen=True, kw_only=True, tag="encode_started"):
+    images: int
+
+
+class EncodeFinished(RequestEvent, frozen=True, kw_only=True, tag="encode_finished"):
+    tokens: int
+    seconds: float
+
+
+class PrefillStarted(RequestEvent, frozen=True, kw_only=True, tag="prefill_started"):
+    tokens: int
+    batch_size: int
+
+
+class PrefillFinished(RequestEvent, frozen=True, kw_only=True, tag="prefill_finished"):
+    tokens: int
+    seconds: float
+
+
+class TransferStarted(RequestEvent, frozen=True, kw_only=True, tag="transfer_started"):
+    kind: Transfer
+    transfer_id: str
+    source: str
+    destination: str
+    transport: str
+    total_tokens: int | None
+    granted_blocks: int
+
+
+class TransferRound(RequestEvent, frozen=True, kw_only=True, tag="transfer_round"):
+    """One round that carried data: `tokens` from `offset`, `bytes` over the wire or copied."""
+
+    kind: Transfer
+    transfer_id: str
+    round: int
+    offset: int
+    tokens: int
+    total_tokens: int
+    bytes: int
+    source: str
+    destination: str
+    transport: str
+
+
+class TransferFinished(RequestEvent, frozen=True, kw_only=True, tag="transfer_finished"):
+    kind: Transfer
+    transfer_id: str
+    status: Literal["success", "failed"]
+    reason: str | None
+    rounds: int
+    tokens: int
+    bytes: int
+    seconds: float
+    source: str
+    destination: str
+    transport: str
+
+
+class FirstToken(RequestEvent, frozen=True, kw_only=True, tag="first_token"):
+    token_id: int
+    ttft_s: float
+
+
+class RequestFinished(RequestEvent, frozen=True, kw_only=True, tag="request_finished"):
+    finish_reason: FinishReason
+    prompt_tokens: int
+    output_tokens: int
+    e2e_s: float
+    ttft_s: float | None
+    tpot_s: float | None
+
+
+class RequestCancelled(RequestEvent, frozen=True, kw_only=True, tag="request_cancelled"):
+    reason: Literal["cancel_op", "client_disconnected", "client_too_slow", "shutdown"]
+    output_tokens: int
+
+
+class RequestFailed(RequestEvent, frozen=True, kw_only=True, tag="request_failed"):
+    level: ClassVar[Level] = "error"
+
+    code: ErrorCode
+    message: str
+
+
+# ---------------------------------------------------------------------------------------------- replicas
+class ReplicaStateChanged(ReplicaEvent, frozen=True, kw_only=True, tag="replica_state"):
+    """`from`/`to` are the DESIGN §6 state names (Python attributes `from_state` / `to_state`)."""
+
+    from_state: ReplicaStateName = msgspec.field(name="from")
+    to_state: ReplicaStateName = msgspec.field(name="to")
+    trigger: Literal["command", "automatic"]
+    reason: str
+
+
+class ReplicaLocked(ReplicaEvent, frozen=True, kw_only=True, tag="replica_locked"):
+    reason: LockReason
+    used_blocks: int
+    total_blocks: int
+
+
+class ReplicaUnlocked(ReplicaEvent, frozen=True, kw_only=True, tag="replica_unlocked"):
+    """One lock reason cleared; `still_locked` when the other reason still holds."""
+
+    reason: LockReason
+    still_locked: bool
+
+
+class ReplicaFailed(ReplicaEvent, frozen=True, kw_only=True, tag="replica_failed"):
+    level: ClassVar[Level] = "error"
+
+    error: str
+    failed_requests: int
+
+
+class WeightsProgress(ReplicaEvent, frozen=True, kw_only=True, tag="weights_progress"):
+    layers_loaded: int
+    layers_total: int
+    seconds: float
+
+
+class FaultInjected(ReplicaEvent, frozen=True, kw_only=True, tag="fault_injected"):
+    level: ClassVar[Level] = "warning"
+
+    fault: str
+    detail: str
+
+
+class PoolLeak(ReplicaEvent, frozen=True, kw_only=True, tag="pool_leak"):
+    """Blocks still owned at shutdown (`owners`: owner → blocks)."""
+
+    level: ClassVar[Level] = "error"
+
+    pool: str
+    leaked_blocks: int
+    owners: dict[str, int]
+
+
+# ---------------------------------------------------------------------------------------------- controller
+class ReplicaBlocks(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    replica: str
+    state: ReplicaStateName
+    used_blocks: int
+    cached_blocks: int
+    total_blocks: int
+    locked: bool
+
+
+class BlocksReport(Event, frozen=True, kw_only=True, tag="blocks_report"):
+    """The controller's periodic report of every replica's state and used blocks."""
+
+    replicas: list[ReplicaBlocks]
+
+
+class Flow(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    source: str
+    destination: str
+    kind: Transfer
+    bytes: int
+
+
+class FlowReport(Event, frozen=True, kw_only=True, tag="flow_report"):
+    """Bytes moved between replicas during the last `interval_s` (the non-zero cells of the flow matrix)."""
+
+    interval_s: float
+    flows: list[Flow]
+
+
+class GpuSample(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    index: int
+    name: str
+    utilization_percent: float
+    memory_used_bytes: int
+    memory_total_bytes: int
+    temperature_c: float | None
+    power_w: float | None
+
+
+class GpuReport(Event, frozen=True, kw_only=True, tag="gpu_report"):
+    """GPU metrics through NVML; only emitted when a GPU is present."""
+
+    gpus: list[GpuSample]
+
+
+LogEvent = (
+    NodeStarted
+    | NodeConfigured
+    | NodeStopping
+    | NodeStopped
+    | ClientConnected
+    | ClientDisconnected
+    | ControlBadLine
+    | SlowClient
+    | ControlHandlerError
+    | RequestArrived
+    | RequestQueued
+    | EncodeStarted
+    | EncodeFinished
+    | PrefillStarted
+    | PrefillFinished
+    | TransferStarted
+    | TransferRound
+    | TransferFinished
+    | FirstToken
+    | RequestFinished
+    | RequestCancelled
+    | RequestFailed
+    | ReplicaStateChanged
+    | ReplicaLocked
+    | ReplicaUnlocked
+    | ReplicaFailed
+    | WeightsProgress
+    | FaultInjected
+    | PoolLeak
+    | BlocksReport
+    | FlowReport
+    | GpuReport
+)
+
+
+def event_decoder() -> msgspec.json.Decoder[LogEvent]:
+    """A decoder of one log line into its typed event."""
+    return msgspec.json.Decoder(LogEvent)
