@@ -1,0 +1,223 @@
+"""The node's configuration: one typed tree (msgspec Structs), from TOML, environment and flags.
+
+`parse_node_config(argv, environ)` is the only way in: defaults < ``--config FILE.toml`` (or
+``ZIGZAG_CONFIG``) < ``ZIGZAG_*`` environment variables < command-line flags. Every leaf option has one
+TOML key (``section.name``), one flag and one environment variable, generated from this tree by
+`engine.cli`; the descriptions below are the ``--help`` text. docs/configuration.md lists them all.
+Errors name the option, where its value came from, and the bad value (`ConfigError`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Annotated, Final, Literal
+
+import msgspec
+
+from engine.control.address import Address, parse_address
+from messages.faults import Fault
+
+Level = Literal["debug", "info", "warning", "error"]
+MIB: Final = 1024 * 1024
+Blocks = Annotated[int, msgspec.Meta(ge=1, le=1 << 24)]
+
+
+class ConfigError(Exception):
+    """A configuration value is wrong; the message names the option, its source and the value."""
+
+
+def _doc(text: str) -> msgspec.Meta:
+    return msgspec.Meta(description=text)
+
+
+class Section(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Base of the config tree's structs."""
+
+
+class ReplicaCounts(Section, frozen=True, kw_only=True):
+    """How many replicas of each role the node starts (``encode=1,prefill=1,decode=1``)."""
+
+    encode: Annotated[int, msgspec.Meta(ge=0, le=64)] = 0
+    prefill: Annotated[int, msgspec.Meta(ge=0, le=64)] = 0
+    decode: Annotated[int, msgspec.Meta(ge=0, le=64)] = 0
+
+    def __post_init__(self) -> None:
+        if self.encode + self.prefill + self.decode == 0:
+            raise ValueError("at least one replica is needed")
+
+    def __str__(self) -> str:
+        return f"encode={self.encode},prefill={self.prefill},decode={self.decode}"
+
+
+class LogConfig(Section, frozen=True, kw_only=True):
+    file: Annotated[str | None, _doc("append JSON-lines events to this file (docs/logging.md)")] = None
+    level: Annotated[Level, _doc("lowest event level written to the file and the console")] = "info"
+    console: Annotated[bool, _doc("readable events on stderr")] = True
+
+
+class KvConfig(Section, frozen=True, kw_only=True):
+    block_size: Annotated[int, msgspec.Meta(ge=1, le=4096), _doc("tokens per KV block")] = 16
+    pool_blocks: Annotated[
+        Blocks | None,
+        _doc("KV blocks per decode/prefill replica (default: one maximum-context request)"),
+    ] = None
+
+
+class EmbeddingConfig(Section, frozen=True, kw_only=True):
+    block_size: Annotated[int, msgspec.Meta(ge=1, le=1 << 16), _doc("tokens per embedding block")] = 128
+    default_blocks: Annotated[
+        int, msgspec.Meta(ge=1, le=1 << 20), _doc("blocks of the round-0 grant when the length is unknown")
+    ] = 8
+    pool_blocks: Annotated[
+        Blocks | None,
+        _doc("embedding landing blocks per language replica (default: one maximum-context request)"),
+    ] = None
+    max_grant_blocks: Annotated[
+        Blocks | None,
+        _doc("cap on the blocks granted per REQUEST_MORE_CACHE round (default: unlimited)"),
+    ] = None
+
+    def __post_init__(self) -> None:
+        if self.pool_blocks is not None and self.default_blocks > self.pool_blocks:
+            raise ValueError(
+                f"default_blocks ({self.default_blocks}) exceeds pool_blocks ({self.pool_blocks}): "
+                "the round-0 grant could never be allocated"
+            )
+
+
+class SchedulerConfig(Section, frozen=True, kw_only=True):
+    max_batch_tokens: Annotated[
+        int,
+        msgspec.Meta(ge=1, le=1 << 20),
+        _doc("prompt tokens per prefill batch (a longer prompt runs alone)"),
+    ] = 4096
+    max_batch_size: Annotated[int, msgspec.Meta(ge=1, le=4096), _doc("sequences per batch")] = 64
+    max_queue: Annotated[
+        int, msgspec.Meta(ge=1, le=1 << 20), _doc("requests admitted at once; more get `overloaded`")
+    ] = 1024
+
+
+class TransferConfig(Section, frozen=True, kw_only=True):
+    progress_timeout: Annotated[
+        float, msgspec.Meta(gt=0, le=3600), _doc("seconds without progress before a transfer fails")
+    ] = 30.0
+    grant_wait_timeout: Annotated[
+        float, msgspec.Meta(gt=0, le=3600), _doc("seconds a receiver waits for free blocks to grant")
+    ] = 10.0
+    heartbeat_interval: Annotated[
+        float, msgspec.Meta(gt=0, le=600), _doc("seconds between heartbeats on an idle network link")
+    ] = 1.0
+
+    def __post_init__(self) -> None:
+        if self.heartbeat_interval >= self.progress_timeout:
+            raise ValueError(
+                f"heartbeat_interval ({self.heartbeat_interval}) must be below progress_timeout "
+                f"({self.progress_timeout}), or idle links would time out"
+            )
+
+
+class ControlConfig(Section, frozen=True, kw_only=True):
+    max_line_bytes: Annotated[
+        int,
+        msgspec.Meta(ge=1024, le=1 << 30),
+        _doc("longest request line; a longer one closes its connection"),
+    ] = 64 * MIB
+    max_outbound_replies: Annotated[
+        int,
+        msgspec.Meta(ge=1, le=1 << 20),
+        _doc("replies queued per client before its requests are cancelled as too slow"),
+    ] = 1024
+    client_write_timeout: Annotated[
+        float,
+        msgspec.Meta(gt=0, le=3600),
+        _doc("seconds a reply write may stall before the client is dropped"),
+    ] = 30.0
+
+
+class ShutdownConfig(Section, frozen=True, kw_only=True):
+    drain_deadline: Annotated[
+        float, msgspec.Meta(ge=0, le=3600), _doc("seconds in-flight requests get to finish at shutdown")
+    ] = 30.0
+
+
+class ControllerConfig(Section, frozen=True, kw_only=True):
+    reject_loop: Annotated[bool, _doc("run the reject-KV loop that locks overloaded decode replicas")] = True
+    reject_period: Annotated[float, msgspec.Meta(gt=0, le=60), _doc("seconds between reject-loop passes")] = (
+        0.1
+    )
+    lock_ratio: Annotated[
+        float, msgspec.Meta(gt=1, le=100), _doc("lock when used blocks exceed this times the others' mean")
+    ] = 2.0
+    lock_capacity_fraction: Annotated[
+        float, msgspec.Meta(gt=0, le=1), _doc("... and exceed this fraction of the replica's own capacity")
+    ] = 0.5
+    unlock_hysteresis: Annotated[
+        float, msgspec.Meta(ge=0, lt=1), _doc("unlock only below (1 - this) times both thresholds")
+    ] = 0.1
+    report_period: Annotated[
+        float, msgspec.Meta(gt=0, le=3600), _doc("seconds between block, flow and GPU reports")
+    ] = 1.0
+
+
+class NodeConfig(Section, frozen=True, kw_only=True):
+    listen: Annotated[str, _doc("control socket: HOST:PORT or unix:PATH")] = "127.0.0.1:7340"
+    model: Annotated[str, msgspec.Meta(min_length=1), _doc("`tiny` (built in) or a checkpoint directory")] = (
+        "tiny"
+    )
+    replicas: Annotated[
+        ReplicaCounts | None,
+        _doc(
+            "replicas per role, e.g. prefill=1,decode=1 (default: the model's: encode=1 with a vision encoder)"
+        ),
+    ] = None
+    device: Annotated[str, msgspec.Meta(pattern=r"^(cpu|cuda|cuda:[0-9]+)$"), _doc("cpu, cuda or cuda:N")] = (
+        "cpu"
+    )
+    dtype: Annotated[
+        Literal["float32", "float16", "bfloat16"] | None,
+        _doc("compute dtype (default: float32 on cpu, bfloat16 on cuda)"),
+    ] = None
+    transport: Annotated[
+        Literal["inproc", "tcp"], _doc("how replicas move blocks: in process, or loopback TCP sockets")
+    ] = "inproc"
+    demo: Annotated[bool, _doc("start, run the built-in workload through the socket, report, exit")] = False
+    faults: Annotated[
+        list[Fault], _doc("fault-injection hooks, KIND:key=value,... (repeatable; off by default)")
+    ] = []
+    log: LogConfig = msgspec.field(default_factory=LogConfig)
+    kv: KvConfig = msgspec.field(default_factory=KvConfig)
+    embedding: EmbeddingConfig = msgspec.field(default_factory=EmbeddingConfig)
+    scheduler: SchedulerConfig = msgspec.field(default_factory=SchedulerConfig)
+    transfer: TransferConfig = msgspec.field(default_factory=TransferConfig)
+    control: ControlConfig = msgspec.field(default_factory=ControlConfig)
+    shutdown: ShutdownConfig = msgspec.field(default_factory=ShutdownConfig)
+    controller: ControllerConfig = msgspec.field(default_factory=ControllerConfig)
+
+    def __post_init__(self) -> None:
+        parse_address(self.listen)
+
+    @property
+    def listen_address(self) -> Address:
+        return parse_address(self.listen)
+
+
+# Flag prefix per section: ``--kv-block-size`` but ``--max-batch-size`` and ``--max-line-bytes``.
+FLAG_PREFIXES: Final[dict[str, str]] = {
+    "log": "log-",
+    "kv": "kv-",
+    "embedding": "embedding-",
+    "scheduler": "",
+    "transfer": "transfer-",
+    "control": "",
+    "shutdown": "shutdown-",
+    "controller": "controller-",
+}
+
+
+def parse_node_config(argv: Sequence[str], environ: Mapping[str, str] | None = None) -> NodeConfig:
+    """The node's config from `argv` (without the program name) and `environ` (the entry point passes
+    ``os.environ``; None reads no environment). Raises `ConfigError`; ``--help`` exits 0 after printing
+    every option with its default."""
+    from engine.cli import load_config  # engine.cli builds on the types above
+
+    return load_config(NodeConfig, FLAG_PREFIXES, argv, environ or {}, prog="python -m engine.node")

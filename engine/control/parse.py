@@ -1,0 +1,91 @@
+"""Turning one request line into a `ControlRequest`, or into a `bad_request` message a person can act on."""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Final, final, get_args
+
+import msgspec
+
+from messages.control import (
+    MAX_ID_CHARS,
+    OPS,
+    ControlRequest,
+    ReplicaRole,
+    ReplicaStateName,
+    request_decoder,
+)
+
+_DECODER: Final = request_decoder()
+_AT_PATH = re.compile(r" - at `(?P<path>[^`]*)`$")
+# What a person needs to know to fix a bad value at these paths.
+_CHOICES: Final[dict[str, str]] = {
+    "$.to": "valid states: " + ", ".join(get_args(ReplicaStateName)),
+    "$.role": "valid roles: " + ", ".join(get_args(ReplicaRole)),
+}
+
+
+@final
+class BadLine(msgspec.Struct, frozen=True, kw_only=True):
+    """A line that is not a valid request: `id` is the client's id when it could be read."""
+
+    id: str | None
+    message: str
+
+
+class _IdProbe(msgspec.Struct):
+    id: Any = None
+    op: Any = None
+
+
+def parse_request(line: bytes) -> ControlRequest | BadLine:
+    """Decode `line` (one JSON object, UTF-8) into a request, or describe what is wrong with it."""
+    try:
+        return _DECODER.decode(line)
+    except msgspec.ValidationError as exc:
+        return BadLine(id=_probe_id(line), message=_validation_message(str(exc), line))
+    except msgspec.DecodeError as exc:
+        return BadLine(id=None, message=f"the line is not valid JSON: {exc}")
+    except UnicodeDecodeError:
+        return BadLine(id=_probe_id(line), message=_utf8_message(line))
+
+
+def _probe_id(line: bytes) -> str | None:
+    probe = _probe(line)
+    if probe is not None and isinstance(probe.id, str) and 1 <= len(probe.id) <= MAX_ID_CHARS:
+        return probe.id
+    return None
+
+
+def _probe(line: bytes) -> _IdProbe | None:
+    try:
+        return msgspec.json.decode(line, type=_IdProbe)
+    except (msgspec.DecodeError, UnicodeDecodeError):
+        return None
+
+
+def _validation_message(text: str, line: bytes) -> str:
+    if text.startswith("Expected `object`, got"):
+        kind = text.removeprefix("Expected `object`, got ").strip("`")
+        return f'a request must be a JSON object with "op" and "id"; got a JSON {kind}'
+    if text == "Object missing required field `op`":
+        return 'the request has no "op"; known ops: ' + ", ".join(OPS)
+    match = _AT_PATH.search(text)
+    path = match.group("path") if match else "$"
+    if path == "$.op":
+        probe = _probe(line)
+        op = probe.op if probe is not None else None
+        return f"unknown op {op!r}; known ops: " + ", ".join(OPS)
+    message = f"invalid request: {text}"
+    if path in _CHOICES and text.startswith("Invalid enum value"):
+        message += f"; {_CHOICES[path]}"
+    return message
+
+
+def _utf8_message(line: bytes) -> str:
+    try:
+        line.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        return f"the line is not valid UTF-8: byte 0x{line[exc.start]:02x} at offset {exc.start}"
+    # msgspec refused a string that Python accepts (e.g. a surrogate code point written raw).
+    return "the line is not valid UTF-8"

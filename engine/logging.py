@@ -1,0 +1,165 @@
+"""Structured logging: typed events (`messages.events`) as JSON lines to a file, readable lines to stderr.
+
+`open_event_log(...)` builds an `EventLog`; the node calls `log.emit(event)`. `log.bind(request_id=...,
+replica=...)` returns a log that fills those fields of the events it emits (where the event has them and
+they are unset). Both sinks are structlog loggers: the file gets exactly `msgspec.json.encode(event)` and
+a newline per event, flushed at once (so a crash loses nothing and a reader may follow the file); the
+console gets structlog's `ConsoleRenderer` output. Events below the configured level go nowhere.
+
+Writes are synchronous and small (one line each); emitting from worker threads is safe (structlog's
+loggers lock their file). `close()` flushes and closes the file; emitting afterwards raises
+`EventLogClosed`.
+"""
+
+from __future__ import annotations
+
+import datetime
+import sys
+from collections.abc import MutableMapping
+from typing import Any, BinaryIO, Final, TextIO, final
+
+import msgspec
+import structlog
+
+from messages.events import Event, Level, LogEvent
+
+LEVELS: Final[dict[Level, int]] = {"debug": 10, "info": 20, "warning": 30, "error": 40}
+CONTEXT_KEYS: Final = ("request_id", "replica")
+
+
+class EventLogError(Exception):
+    """Base class of logging errors."""
+
+
+@final
+class EventLogClosed(EventLogError):
+    """`emit` after `close`."""
+
+
+@final
+class MissingContext(EventLogError):
+    """An event lacks the context it requires (e.g. a request event without `request_id`)."""
+
+
+@final
+class LogFileError(EventLogError):
+    """The log file cannot be opened."""
+
+
+def _encode_event(_logger: Any, _method: str, event_dict: MutableMapping[str, Any]) -> bytes:
+    return msgspec.json.encode(event_dict["typed"])
+
+
+def _console_fields(_logger: Any, method: str, event_dict: MutableMapping[str, Any]) -> dict[str, Any]:
+    event: Event = event_dict["typed"]
+    fields = msgspec.structs.asdict(event)
+    ts = fields.pop("ts")
+    rendered: dict[str, Any] = {
+        "timestamp": datetime.datetime.fromtimestamp(ts).strftime("%H:%M:%S.%f")[:-3],
+        "level": method,
+        "event": event.__struct_config__.tag,
+    }
+    rendered.update((key, value) for key, value in fields.items() if value is not None)
+    return rendered
+
+
+@final
+class _Sinks:
+    """What every bound `EventLog` of one `open_event_log` call shares."""
+
+    def __init__(self, file: BinaryIO | None, console: TextIO | None, level: Level) -> None:
+        self.file = file
+        self.threshold = LEVELS[level]
+        self.closed = False
+        wrapper = structlog.make_filtering_bound_logger(self.threshold)
+        self.file_logger = (
+            structlog.wrap_logger(
+                structlog.BytesLogger(file), processors=[_encode_event], wrapper_class=wrapper
+            )
+            if file is not None
+            else None
+        )
+        self.console_logger = (
+            structlog.wrap_logger(
+                structlog.PrintLogger(console),
+                processors=[
+                    _console_fields,
+                    structlog.dev.ConsoleRenderer(colors=console.isatty(), sort_keys=False),
+                ],
+                wrapper_class=wrapper,
+            )
+            if console is not None
+            else None
+        )
+
+
+@final
+class EventLog:
+    """Emits typed events to the sinks of `open_event_log`, filling the bound context."""
+
+    def __init__(self, sinks: _Sinks, context: dict[str, str]) -> None:
+        self._sinks = sinks
+        self.context = context
+
+    def bind(self, *, request_id: str | None = None, replica: str | None = None) -> EventLog:
+        """A log sharing these sinks whose events get `request_id` / `replica` where unset."""
+        context = dict(self.context)
+        if request_id is not None:
+            context["request_id"] = request_id
+        if replica is not None:
+            context["replica"] = replica
+        return EventLog(self._sinks, context)
+
+    def enabled(self, level: Level) -> bool:
+        """Whether events of `level` are written anywhere (skip building costly events otherwise)."""
+        return LEVELS[level] >= self._sinks.threshold
+
+    def emit(self, event: LogEvent) -> None:
+        """Write `event` with the bound context. Raises `MissingContext`, `EventLogClosed`."""
+        if self._sinks.closed:
+            raise EventLogClosed(f"event {event.__struct_config__.tag!r} emitted after the log was closed")
+        event = self._with_context(event)
+        for logger in (self._sinks.file_logger, self._sinks.console_logger):
+            if logger is not None:
+                getattr(logger, event.level)(event.__struct_config__.tag, typed=event)
+
+    def flush(self) -> None:
+        if self._sinks.file is not None and not self._sinks.closed:
+            self._sinks.file.flush()
+
+    def close(self) -> None:
+        """Flush and close the file (idempotent). The console stream is not closed."""
+        if self._sinks.closed:
+            return
+        self._sinks.closed = True
+        if self._sinks.file is not None:
+            self._sinks.file.flush()
+            self._sinks.file.close()
+
+    def _with_context(self, event: LogEvent) -> LogEvent:
+        fields = event.__struct_fields__
+        updates = {
+            key: value for key, value in self.context.items() if key in fields and getattr(event, key) is None
+        }
+        if updates:
+            event = msgspec.structs.replace(event, **updates)
+        missing = [key for key in event.required_context if getattr(event, key) is None]
+        if missing:
+            raise MissingContext(
+                f"event {event.__struct_config__.tag!r} needs {', '.join(missing)}: pass it or bind it"
+            )
+        return event
+
+
+def open_event_log(
+    *, file: str | None, level: Level = "info", console: TextIO | None = sys.stderr
+) -> EventLog:
+    """Open the node's event log: JSON lines appended to `file` (if any), readable lines to `console`
+    (if any). Raises `LogFileError` naming the path when the file cannot be opened."""
+    handle: BinaryIO | None = None
+    if file is not None:
+        try:
+            handle = open(file, "ab")  # noqa: SIM115 -- closed by EventLog.close
+        except OSError as exc:
+            raise LogFileError(f"log file {file!r}: {exc.strerror or exc}") from exc
+    return EventLog(_Sinks(handle, console, level), {})

@@ -1,0 +1,117 @@
+"""Request lines → requests, or `bad_request` messages that say what to fix (engine.control.parse)."""
+
+import pytest
+
+from engine.control.parse import BadLine, parse_request
+from messages.control import CancelRequest, StatusRequest
+
+KNOWN_OPS = "generate, status, cancel, transition, lock, unlock, scale, metrics, shutdown"
+
+
+def test_a_good_line_is_a_request() -> None:
+    assert parse_request(b'{"op":"status","id":"s1"}') == StatusRequest(id="s1")
+    assert parse_request(b'{"id":"c1","request_id":"r-1","op":"cancel"}') == CancelRequest(
+        id="c1", request_id="r-1"
+    )
+
+
+@pytest.mark.parametrize(
+    ("line", "expected"),
+    [
+        (
+            b"hello",
+            BadLine(
+                id=None, message="the line is not valid JSON: JSON is malformed: invalid character (byte 0)"
+            ),
+        ),
+        (
+            b'{"op":"status","id":"x"',
+            BadLine(id=None, message="the line is not valid JSON: Input data was truncated"),
+        ),
+        (
+            b"\x00\x01\x02\xff garbage",
+            BadLine(
+                id=None, message="the line is not valid JSON: JSON is malformed: invalid character (byte 0)"
+            ),
+        ),
+        (
+            b"[1, 2]",
+            BadLine(id=None, message='a request must be a JSON object with "op" and "id"; got a JSON array'),
+        ),
+        (
+            b'"status"',
+            BadLine(id=None, message='a request must be a JSON object with "op" and "id"; got a JSON str'),
+        ),
+        (b'{"id":"n1"}', BadLine(id="n1", message=f'the request has no "op"; known ops: {KNOWN_OPS}')),
+        (
+            b'{"op":"explode","id":"e1"}',
+            BadLine(id="e1", message=f"unknown op 'explode'; known ops: {KNOWN_OPS}"),
+        ),
+        (b'{"op":7,"id":"e2"}', BadLine(id="e2", message=f"unknown op 7; known ops: {KNOWN_OPS}")),
+        (b'{"op":"status"}', BadLine(id=None, message="invalid request: Object missing required field `id`")),
+        (
+            b'{"op":"status","id":5}',
+            BadLine(id=None, message="invalid request: Expected `str`, got `int` - at `$.id`"),
+        ),
+        (
+            b'{"op":"status","id":""}',
+            BadLine(id=None, message="invalid request: Expected `str` of length >= 1 - at `$.id`"),
+        ),
+        (
+            b'{"op":"cancel","id":"m1"}',
+            BadLine(id="m1", message="invalid request: Object missing required field `request_id`"),
+        ),
+        (
+            b'{"op":"generate","id":"t1","prompt":5}',
+            BadLine(id="t1", message="invalid request: Expected `str | null`, got `int` - at `$.prompt`"),
+        ),
+        (
+            b'{"op":"status","id":"u1","extra":1}',
+            BadLine(id="u1", message="invalid request: Object contains unknown field `extra`"),
+        ),
+        (
+            b'{"op":"generate","id":"v1","prompt":"caf\xe9"}',
+            BadLine(id="v1", message="the line is not valid UTF-8: byte 0xe9 at offset 40"),
+        ),
+        (
+            b'{"op":"status","id":"\xff"}',
+            BadLine(id=None, message="the line is not valid UTF-8: byte 0xff at offset 21"),
+        ),
+        (
+            b'{"op":"transition","id":"t2","replica":"decode-0","to":"Sleeping"}',
+            BadLine(
+                id="t2",
+                message="invalid request: Invalid enum value 'Sleeping' - at `$.to`; valid states: Inactive, "
+                "LoadingPrefill, LoadingDecode, LoadingEncode, Prefill, Decode, Encode, NewPrefill, OldPrefill, "
+                "RefractoryPrefill, MutatingToDecode, AusPrefill, AusDecode, ShuttingPrefill, ShuttingDecode, "
+                "ShuttingEncode, ShuttingNull",
+            ),
+        ),
+        (
+            b'{"op":"scale","id":"s2","role":"vision","replicas":1}',
+            BadLine(
+                id="s2",
+                message="invalid request: Invalid enum value 'vision' - at `$.role`; valid roles: encode, prefill, decode",
+            ),
+        ),
+        (
+            b'{"op":"scale","id":"s3","role":"decode","replicas":1000}',
+            BadLine(id="s3", message="invalid request: Expected `int` <= 64 - at `$.replicas`"),
+        ),
+        (
+            b'{"op":"generate","id":"g1","prompt":"x","max_tokens":-3}',
+            BadLine(id="g1", message="invalid request: Expected `int` >= 1 - at `$.max_tokens`"),
+        ),
+        (
+            b'{"op":"generate","id":"g2","prompt":"x","max_tokens":1e400}',
+            BadLine(id="g2", message="invalid request: Number out of range - at `$.max_tokens`"),
+        ),
+    ],
+)
+def test_bad_lines_say_what_is_wrong(line: bytes, expected: BadLine) -> None:
+    assert parse_request(line) == expected
+
+
+def test_an_overlong_id_is_not_echoed() -> None:
+    bad = parse_request(b'{"op":"status","id":"' + b"x" * 300 + b'"}')
+    assert bad == BadLine(id=None, message="invalid request: Expected `str` of length <= 256 - at `$.id`")
