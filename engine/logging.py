@@ -52,7 +52,8 @@ def _encode_event(_logger: Any, _method: str, event_dict: MutableMapping[str, An
 
 def _console_fields(_logger: Any, method: str, event_dict: MutableMapping[str, Any]) -> dict[str, Any]:
     event: Event = event_dict["typed"]
-    fields = msgspec.structs.asdict(event)
+    fields = msgspec.to_builtins(event)  # JSON names ("from", not "from_state"), as in the file
+    del fields["event"]
     ts = fields.pop("ts")
     rendered: dict[str, Any] = {
         "timestamp": datetime.datetime.fromtimestamp(ts).strftime("%H:%M:%S.%f")[:-3],

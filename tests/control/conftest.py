@@ -119,7 +119,8 @@ class Handler:
                 request_id=request_id,
                 prompt_tokens=len(request.input_ids or [0]),
                 token_ids=tokens,
-                text="".join(map(str, tokens)),
+                text="".join(map(str, tokens))
+                + "".join(f"[{i.width}x{i.height} {i.pixels.hex()}]" for i in request.images),
                 finish_reason=finish,
                 timings=Timings(e2e_s=0.0),
                 transfers=[],

@@ -1,0 +1,255 @@
+"""``python -m engine.client [--address A] [--json] [--timeout S] OP ...``: one subcommand per control op.
+
+Prints readable text by default, or with ``--json`` every reply exactly as the node sent it (one JSON
+object per line). Exit status: 0 success, 1 an ``error`` reply (printed as ``error CODE: message``),
+2 bad usage, 3 no connection, the connection closed, or the timeout expired. The default address
+comes from ``$ZIGZAG_ADDRESS`` (the only environment variable read), else ``127.0.0.1:7340``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Final, TextIO, final, get_args
+
+import msgspec
+import trio
+
+from engine.client.control_client import ControlClient, ControlClientError, ControlError
+from messages.control import ImageInput, ReplicaRole, ReplicaStateName
+from messages.control_replies import (
+    ControlResult,
+    GenerateResult,
+    MetricsResult,
+    StatusResult,
+    TokenReply,
+)
+
+ADDRESS_ENV: Final = "ZIGZAG_ADDRESS"
+DEFAULT_ADDRESS: Final = "127.0.0.1:7340"
+EXIT_ERROR_REPLY, EXIT_USAGE, EXIT_CONNECTION = 1, 2, 3
+
+
+def read_ppm(path: str) -> ImageInput:
+    """A binary PPM (P6, maxval 255) as an RGB image; ValueError says what is wrong with the file."""
+    data = Path(path).read_bytes()
+    fields: list[bytes] = []
+    position = 2
+    if data[:2] != b"P6":
+        raise ValueError(f"{path}: not a binary PPM (P6) file")
+    while len(fields) < 3:
+        while position < len(data) and data[position : position + 1].isspace():
+            position += 1
+        if data[position : position + 1] == b"#":
+            position = data.index(b"\n", position) + 1
+            continue
+        start = position
+        while position < len(data) and not data[position : position + 1].isspace():
+            position += 1
+        fields.append(data[start:position])
+    width, height, maxval = (int(field) for field in fields)
+    if maxval != 255:
+        raise ValueError(f"{path}: maxval {maxval} is not supported (only 255)")
+    pixels = data[position + 1 : position + 1 + width * height * 3]
+    if len(pixels) != width * height * 3:
+        raise ValueError(f"{path}: {len(pixels)} pixel bytes for a {width}x{height} image")
+    return ImageInput(width=width, height=height, pixels=pixels)
+
+
+def read_raw_image(spec: str) -> ImageInput:
+    """``WIDTHxHEIGHT:FILE`` with FILE holding raw RGB bytes."""
+    size, sep, path = spec.partition(":")
+    width_text, x, height_text = size.partition("x")
+    if not sep or not x or not width_text.isdigit() or not height_text.isdigit():
+        raise ValueError(f"--raw-image {spec!r}: expected WIDTHxHEIGHT:FILE, e.g. 64x48:image.rgb")
+    return ImageInput(width=int(width_text), height=int(height_text), pixels=Path(path).read_bytes())
+
+
+def build_parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m engine.client", description=__doc__.split("\n")[0])
+    parser.add_argument(
+        "--address", default=environ.get(ADDRESS_ENV, DEFAULT_ADDRESS), help="HOST:PORT or unix:PATH"
+    )
+    parser.add_argument("--json", action="store_true", help="print the replies as JSON lines")
+    parser.add_argument("--timeout", type=float, default=600.0, help="seconds for the whole op (default 600)")
+    ops = parser.add_subparsers(dest="op", required=True, metavar="OP")
+    generate = ops.add_parser("generate", help="generate text")
+    source = generate.add_mutually_exclusive_group(required=True)
+    source.add_argument("--prompt", help="prompt text (<image> marks where each image goes)")
+    source.add_argument("--input-ids", help="comma-separated token ids")
+    generate.add_argument("--image", action="append", default=[], metavar="FILE.ppm", help="a P6 PPM image")
+    generate.add_argument(
+        "--raw-image", action="append", default=[], metavar="WxH:FILE", help="raw RGB bytes"
+    )
+    generate.add_argument("--max-tokens", type=int, default=16)
+    generate.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    generate.add_argument("--top-p", type=float, default=1.0)
+    generate.add_argument("--seed", type=int)
+    generate.add_argument("--ignore-eos", action="store_true")
+    generate.add_argument("--stream", action="store_true", help="print tokens as they come")
+    generate.add_argument("--request-id", help="name the request (for cancel); default: a fresh uuid")
+    ops.add_parser("status", help="replica states, blocks and queues")
+    ops.add_parser("cancel", help="cancel a running generate").add_argument("request_id")
+    transition = ops.add_parser("transition", help="command a replica state change")
+    transition.add_argument("replica")
+    transition.add_argument("to", choices=get_args(ReplicaStateName), metavar="STATE")
+    ops.add_parser("lock", help="stop KV migrations to a replica").add_argument("replica")
+    ops.add_parser("unlock", help="clear a manual lock").add_argument("replica")
+    scale = ops.add_parser("scale", help="set the number of replicas of a role")
+    scale.add_argument("role", choices=get_args(ReplicaRole))
+    scale.add_argument("replicas", type=int)
+    ops.add_parser("metrics", help="counters and gauges")
+    ops.add_parser("shutdown", help="drain and stop the node")
+    return parser
+
+
+async def run(args: argparse.Namespace, inputs: GenerateInputs | None, out: TextIO, err: TextIO) -> int:
+    """Connect, send the op, print its replies. Raises `ControlError` for an ``error`` reply."""
+    encoder = msgspec.json.Encoder()
+
+    def show(reply: TokenReply | ControlResult) -> None:
+        if args.json:
+            out.write(encoder.encode(reply).decode() + "\n")
+            out.flush()
+
+    with trio.fail_after(args.timeout):
+        async with ControlClient.connect(args.address) as client:
+            if inputs is not None:
+                await _generate(client, args, inputs, out, err, show)
+                return 0
+            result: ControlResult
+            match args.op:
+                case "status":
+                    result = await client.status()
+                case "cancel":
+                    result = await client.cancel(args.request_id)
+                case "transition":
+                    result = await client.transition(args.replica, args.to)
+                case "lock":
+                    result = await client.lock(args.replica)
+                case "unlock":
+                    result = await client.unlock(args.replica)
+                case "scale":
+                    result = await client.scale(args.role, args.replicas)
+                case "metrics":
+                    result = await client.metrics()
+                case "shutdown":
+                    result = await client.shutdown()
+                case other:
+                    raise AssertionError(f"unhandled op {other!r}")
+            show(result)
+            if not args.json:
+                out.write(render(result) + "\n")
+    return 0
+
+
+@final
+class GenerateInputs(msgspec.Struct, frozen=True, kw_only=True):
+    """What `generate` reads from files and flags before connecting (so that a bad file is a usage error)."""
+
+    input_ids: list[int] | None
+    images: list[ImageInput]
+
+
+def read_generate_inputs(args: argparse.Namespace) -> GenerateInputs:
+    input_ids = None
+    if args.input_ids is not None:
+        try:
+            input_ids = [int(part) for part in args.input_ids.split(",") if part.strip()]
+        except ValueError:
+            raise ValueError(f"--input-ids {args.input_ids!r}: expected comma-separated integers") from None
+    images = [read_ppm(path) for path in args.image] + [read_raw_image(spec) for spec in args.raw_image]
+    return GenerateInputs(input_ids=input_ids, images=images)
+
+
+async def _generate(
+    client: ControlClient,
+    args: argparse.Namespace,
+    inputs: GenerateInputs,
+    out: TextIO,
+    err: TextIO,
+    show: Callable[[TokenReply | ControlResult], None],
+) -> None:
+    replies = client.generate(
+        prompt=args.prompt,
+        input_ids=inputs.input_ids,
+        images=inputs.images,
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        seed=args.seed,
+        ignore_eos=args.ignore_eos,
+        stream=args.stream,
+        request_id=args.request_id,
+    )
+    async for reply in replies:
+        show(reply)
+        if args.json:
+            continue
+        if isinstance(reply, TokenReply):
+            out.write(reply.text)
+            out.flush()
+        else:
+            if not args.stream:
+                out.write(reply.text)
+            out.write("\n")
+            err.write(render(reply) + "\n")
+
+
+def render(result: ControlResult) -> str:
+    """A short readable form of a final reply."""
+    match result:
+        case GenerateResult():
+            timing = result.timings
+            parts = [f"request {result.request_id}", f"{len(result.token_ids)} tokens", result.finish_reason]
+            if timing.ttft_s is not None:
+                parts.append(f"ttft {timing.ttft_s * 1000:.1f} ms")
+            if timing.e2e_s is not None:
+                parts.append(f"e2e {timing.e2e_s * 1000:.1f} ms")
+            parts += [
+                f"{t.kind} {t.source}->{t.destination} {t.rounds} rounds {t.bytes} B"
+                for t in result.transfers
+            ]
+            return "[" + ", ".join(parts) + "]"
+        case StatusResult():
+            header = f"{'replica':<12} {'state':<18} {'used':>6} {'cached':>6} {'total':>6} {'lock':<18} {'work':>5} {'migr':>5}  last_error"
+            rows = [header] + [
+                f"{r.name:<12} {r.state:<18} {r.used_blocks:>6} {r.cached_blocks:>6} {r.total_blocks:>6} "
+                f"{','.join(r.lock_reasons) or '-':<18} {r.work_queue:>5} {r.migration_queue:>5}  {r.last_error or '-'}"
+                for r in result.replicas
+            ]
+            return "\n".join(rows + ([] if result.accepting else ["(not accepting: shutting down)"]))
+        case MetricsResult():
+            fields = msgspec.to_builtins(result)
+            fields.pop("type", None)
+            fields.pop("id", None)
+            return "\n".join(f"{key}: {msgspec.json.encode(value).decode()}" for key, value in fields.items())
+        case _:
+            fields = msgspec.to_builtins(result)
+            return " ".join(f"{key}={value}" for key, value in fields.items() if key not in ("type", "id"))
+
+
+def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None) -> int:
+    args = build_parser(os.environ if environ is None else environ).parse_args(argv)
+    try:
+        inputs = read_generate_inputs(args) if args.op == "generate" else None
+    except (ValueError, OSError) as exc:
+        sys.stderr.write(f"{exc}\n")
+        return EXIT_USAGE
+    try:
+        return trio.run(run, args, inputs, sys.stdout, sys.stderr)
+    except ControlError as exc:
+        sys.stderr.write(f"error {exc.code}: {exc.message}\n")
+        return EXIT_ERROR_REPLY
+    except (OSError, ValueError) as exc:
+        sys.stderr.write(f"cannot reach the node at {args.address}: {exc}\n")
+        return EXIT_CONNECTION
+    except ControlClientError as exc:
+        sys.stderr.write(f"{type(exc).__name__}: {exc}\n")
+        return EXIT_CONNECTION
+    except trio.TooSlowError:
+        sys.stderr.write(f"no answer within --timeout {args.timeout} s\n")
+        return EXIT_CONNECTION

@@ -1,0 +1,148 @@
+"""The client library and ``python -m engine.client`` against a live server (the handler of conftest.py)."""
+
+from __future__ import annotations
+
+import re
+import sys
+from pathlib import Path
+
+import msgspec
+import pytest
+import trio
+
+from engine.client import ControlClient, ControlConnectionClosed, ControlError
+from engine.control.address import TcpAddress
+from messages.control import ImageInput
+from messages.control_replies import GenerateResult, TokenReply
+from tests.control.conftest import Served, start_server
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+async def test_ops_and_errors_through_the_client(served: Served) -> None:
+    async with ControlClient.connect(served.address) as client:
+        status = await client.status()
+        assert [replica.name for replica in status.replicas] == ["decode-0"]
+        replies = [
+            reply async for reply in client.generate(prompt="p", max_tokens=3, stream=True, request_id="mine")
+        ]
+        assert [type(reply) for reply in replies] == [TokenReply, TokenReply, TokenReply, GenerateResult]
+        assert "".join(reply.text for reply in replies[:3]) == replies[-1].text == "012"
+        assert {reply.request_id for reply in replies} == {"mine"}
+        image = ImageInput(width=1, height=2, pixels=bytes(range(6)))
+        result = await client.generate_result(input_ids=[5, 6, 7], images=[image], max_tokens=2)
+        assert (result.prompt_tokens, result.text) == (3, "01[1x2 000102030405]")
+        with pytest.raises(ControlError) as refused:
+            await client.cancel("missing")
+        assert (refused.value.code, refused.value.message) == ("not_found", "no live request 'missing'")
+        with pytest.raises(
+            ControlError, match=r"^bad_request: invalid request: Expected `int` >= 1 - at `\$.max_tokens`$"
+        ):
+            await client.generate_result(prompt="x", max_tokens=0)
+        with pytest.raises(ControlError, match=r"^not_supported: lock is not supported here$"):
+            await client.lock("decode-0")
+        assert (await client.shutdown()).in_flight == 0
+
+
+async def test_concurrent_requests_share_one_connection(served: Served) -> None:
+    results: dict[int, GenerateResult] = {}
+    async with ControlClient.connect(served.address) as client:
+
+        async def one(n: int) -> None:
+            results[n] = await client.generate_result(prompt="p", max_tokens=n)
+
+        async with trio.open_nursery() as nursery:
+            for n in range(1, 9):
+                nursery.start_soon(one, n)
+            nursery.start_soon(client.status)
+    assert {n: len(result.token_ids) for n, result in results.items()} == {n: n for n in range(1, 9)}
+
+
+async def test_leaving_a_stream_early_keeps_the_client_usable(served: Served) -> None:
+    async with ControlClient.connect(served.address) as client:
+        replies = client.generate(prompt="p", max_tokens=50, stream=True)
+        async for reply in replies:
+            assert isinstance(reply, TokenReply)
+            break
+        await replies.aclose()
+        assert (await client.status()).accepting
+        assert len((await client.generate_result(prompt="p", max_tokens=4)).token_ids) == 4
+
+
+async def test_a_closing_server_fails_pending_requests(nursery: trio.Nursery, short_dir: Path) -> None:
+    served = await start_server(nursery, TcpAddress(host="127.0.0.1", port=0), short_dir)
+    async with ControlClient.connect(served.address) as client:
+
+        async def close_when_started() -> None:
+            await served.handler.event(served.handler.started, "1").wait()
+            served.server.close()
+
+        nursery.start_soon(close_when_started)
+        with pytest.raises(ControlConnectionClosed, match=r"^the node closed the connection$"):
+            await client.generate_result(prompt="sleep")
+        with pytest.raises(ControlConnectionClosed):
+            await client.status()
+
+
+async def _cli(served: Served, *args: str) -> tuple[int, str, str]:
+    result = await trio.run_process(
+        [sys.executable, "-m", "engine.client", "--address", str(served.address), *args],
+        capture_stdout=True,
+        capture_stderr=True,
+        check=False,
+        cwd=REPO,
+    )
+    return result.returncode, result.stdout.decode(), result.stderr.decode()
+
+
+async def test_cli_against_a_live_server(nursery: trio.Nursery, short_dir: Path, tmp_path: Path) -> None:
+    served = await start_server(nursery, TcpAddress(host="127.0.0.1", port=0), short_dir)
+    code, out, err = await _cli(served, "status")
+    assert code == 0, err
+    assert out.splitlines()[1].split()[:5] == ["decode-0", "Decode", "0", "0", "64"]
+
+    code, out, _ = await _cli(served, "--json", "generate", "--prompt", "hi", "--max-tokens", "2", "--stream")
+    lines = [msgspec.json.decode(line) for line in out.splitlines()]
+    assert code == 0
+    assert [(line["type"], line.get("text")) for line in lines] == [
+        ("token", "0"),
+        ("token", "1"),
+        ("result", "01"),
+    ]
+
+    ppm = tmp_path / "dot.ppm"
+    ppm.write_bytes(b"P6\n# a comment\n2 1\n255\n" + bytes([1, 2, 3, 4, 5, 6]))
+    raw = tmp_path / "dot.rgb"
+    raw.write_bytes(bytes([9, 9, 9]))
+    code, out, err = await _cli(
+        served,
+        "generate",
+        "--input-ids",
+        "1,2",
+        "--max-tokens",
+        "1",
+        "--image",
+        str(ppm),
+        "--raw-image",
+        f"1x1:{raw}",
+    )
+    assert (code, out) == (0, "0[2x1 010203040506][1x1 090909]\n"), err
+    assert re.fullmatch(r"\[request [0-9a-f]{32}, 1 tokens, length, e2e 0.0 ms\]\n", err)
+
+    code, out, err = await _cli(served, "cancel", "nothing-here")
+    assert (code, out, err) == (1, "", "error not_found: no live request 'nothing-here'\n")
+
+    code, _, err = await _cli(served, "generate", "--prompt", "x", "--raw-image", "axb:nofile")
+    assert (code, err) == (2, "--raw-image 'axb:nofile': expected WIDTHxHEIGHT:FILE, e.g. 64x48:image.rgb\n")
+
+
+async def test_cli_without_a_server(short_dir: Path) -> None:
+    result = await trio.run_process(
+        [sys.executable, "-m", "engine.client", "--address", f"unix:{short_dir}/none.sock", "status"],
+        capture_stdout=True,
+        capture_stderr=True,
+        check=False,
+        cwd=REPO,
+    )
+    assert result.returncode == 3
+    assert result.stderr.decode().startswith(f"cannot reach the node at unix:{short_dir}/none.sock: ")

@@ -1,0 +1,205 @@
+"""The node's typed config: TOML < environment < flags, errors that name option, source and value, --help."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from engine.cli import format_default, options
+from engine.config import FLAG_PREFIXES, ConfigError, NodeConfig, ReplicaCounts, parse_node_config
+from engine.control.address import TcpAddress, UnixAddress
+from messages.faults import CorruptTransfer, DropLink, FailReplica, StallSender
+
+DOCS = Path(__file__).resolve().parents[2] / "docs" / "configuration.md"
+
+
+def test_defaults() -> None:
+    config = parse_node_config([])
+    assert config == NodeConfig()
+    assert config.listen_address == TcpAddress(host="127.0.0.1", port=7340)
+    assert (config.model, config.replicas, config.device, config.transport) == ("tiny", None, "cpu", "inproc")
+    assert (config.kv.block_size, config.kv.pool_blocks) == (16, None)
+    assert (
+        config.embedding.block_size,
+        config.embedding.default_blocks,
+        config.embedding.max_grant_blocks,
+    ) == (
+        128,
+        8,
+        None,
+    )
+    assert config.control.max_line_bytes == 64 * 1024 * 1024
+    assert config.faults == []
+
+
+def test_toml_then_environment_then_flags(tmp_path: Path) -> None:
+    toml = tmp_path / "node.toml"
+    toml.write_text(
+        'listen = "unix:/tmp/zz.sock"\nreplicas = "prefill=2,decode=1"\n'
+        "[kv]\nblock_size = 32\npool_blocks = 100\n"
+        '[log]\nlevel = "debug"\n'
+        '[[faults]]\nkind = "stall_sender"\nreplica = "prefill-0"\nseconds = 0.5\n'
+    )
+    environ = {
+        "ZIGZAG_KV_BLOCK_SIZE": "64",
+        "ZIGZAG_MAX_QUEUE": "7",
+        "ZIGZAG_CONFIG": str(toml),
+        "OTHER": "x",
+    }
+    config = parse_node_config(["--kv-block-size", "8", "--no-log-console"], environ)
+    assert config.listen_address == UnixAddress(path="/tmp/zz.sock")
+    assert config.replicas == ReplicaCounts(prefill=2, decode=1)
+    assert (config.kv.block_size, config.kv.pool_blocks) == (8, 100)  # flag beats environment beats file
+    assert config.scheduler.max_queue == 7
+    assert (config.log.level, config.log.console) == ("debug", False)
+    assert config.faults == [StallSender(replica="prefill-0", seconds=0.5)]
+    # --config beats $ZIGZAG_CONFIG; a table works for replicas too.
+    other = tmp_path / "other.toml"
+    other.write_text("[replicas]\nencode = 1\ndecode = 2\n")
+    assert parse_node_config(["--config", str(other)], environ).replicas == ReplicaCounts(encode=1, decode=2)
+
+
+def test_fault_flags_replace_the_files_faults(tmp_path: Path) -> None:
+    config = parse_node_config(
+        [
+            "--fault",
+            "fail_replica:replica=decode-0,after_steps=3",
+            "--fault",
+            "drop_link:source=prefill-0,destination=decode-0",
+            "--fault",
+            "corrupt_transfer:transfer=kv,nth=2",
+        ]
+    )
+    assert config.faults == [
+        FailReplica(replica="decode-0", after_steps=3),
+        DropLink(source="prefill-0", destination="decode-0", after_rounds=0),
+        CorruptTransfer(transfer="kv", nth=2),
+    ]
+
+
+@pytest.mark.parametrize(
+    ("argv", "environ", "message"),
+    [
+        (
+            ["--kv-block-size", "abc"],
+            {},
+            "--kv-block-size (kv.block_size): bad value 'abc' from the command line: Expected `int`, got `str`",
+        ),
+        (
+            ["--kv-block-size", "0"],
+            {},
+            "--kv-block-size (kv.block_size): bad value '0' from the command line: Expected `int` >= 1",
+        ),
+        (
+            [],
+            {"ZIGZAG_MAX_LINE_BYTES": "12"},
+            "--max-line-bytes (control.max_line_bytes): bad value '12' from $ZIGZAG_MAX_LINE_BYTES: Expected `int` >= 1024",
+        ),
+        (
+            ["--replicas", "gpu=1"],
+            {},
+            "--replicas (replicas): bad value 'gpu=1' from the command line: unknown role 'gpu'; roles are encode, prefill, decode",
+        ),
+        (
+            ["--replicas", "prefill=1,prefill=2"],
+            {},
+            "--replicas (replicas): bad value 'prefill=1,prefill=2' from the command line: role 'prefill' is given twice",
+        ),
+        (
+            ["--replicas", "prefill"],
+            {},
+            "--replicas (replicas): bad value 'prefill' from the command line: 'prefill' is not ROLE=COUNT (e.g. prefill=1)",
+        ),
+        (
+            ["--replicas", "decode=0"],
+            {},
+            "--replicas (replicas): bad value 'decode=0' from the command line: at least one replica is needed",
+        ),
+        (
+            ["--listen", "7340"],
+            {},
+            "--listen (listen): bad value '7340' from the command line: address '7340': expected HOST:PORT (e.g. 127.0.0.1:7340) or unix:PATH",
+        ),
+        (
+            ["--listen", "host:99999"],
+            {},
+            "--listen (listen): bad value 'host:99999' from the command line: address 'host:99999': port '99999' is not a number from 0 to 65535",
+        ),
+        (
+            ["--device", "tpu"],
+            {},
+            "--device (device): bad value 'tpu' from the command line: Expected `str` matching regex '^(cpu|cuda|cuda:[0-9]+)$'",
+        ),
+        (
+            ["--transport", "pigeon"],
+            {},
+            "--transport (transport): bad value 'pigeon' from the command line: Invalid enum value 'pigeon'; choices: inproc, tcp",
+        ),
+        (
+            ["--fault", "explode:now=1"],
+            {},
+            "--fault (faults): bad value ['explode:now=1'] from the command line: unknown fault kind 'explode'; kinds are fail_replica, drop_link, stall_sender, corrupt_transfer",
+        ),
+        (
+            ["--fault", "fail_replica:after_steps=2"],
+            {},
+            "--fault (faults): bad value 'fail_replica:after_steps=2' from the command line (at [0]): Object missing required field `replica`",
+        ),
+        (
+            ["--transfer-heartbeat-interval", "60"],
+            {},
+            "[transfer] options: heartbeat_interval (60.0) must be below progress_timeout (30.0), or idle links would time out (given: transfer.heartbeat_interval='60' from the command line)",
+        ),
+        (
+            ["--embedding-pool-blocks", "4"],
+            {},
+            "[embedding] options: default_blocks (8) exceeds pool_blocks (4): the round-0 grant could never be allocated (given: embedding.pool_blocks='4' from the command line)",
+        ),
+        (["--no-such-flag"], {}, "unrecognized arguments: --no-such-flag (see --help)"),
+        (
+            [],
+            {"ZIGZAG_CONFIG": "/nonexistent/node.toml"},
+            "config file '/nonexistent/node.toml': No such file or directory",
+        ),
+    ],
+)
+def test_errors_name_option_source_and_value(argv: list[str], environ: dict[str, str], message: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        parse_node_config(argv, environ)
+    assert str(info.value) == message
+
+
+def test_toml_errors(tmp_path: Path) -> None:
+    cases = {
+        "[kv]\nblok_size = 4\n": "unknown option 'kv.blok_size'; did you mean 'kv.block_size'?",
+        "[kv]\nblock_size = -4\n": "--kv-block-size (kv.block_size): bad value -4 from {path}: Expected `int` >= 1",
+        "model = \n": "is not valid TOML: Invalid value (at line 1, column 9)",
+        '[[faults]]\nkind = "fail_replica"\nreplica = "Decode 0"\n': "--fault (faults): bad value {{'kind': "
+        "'fail_replica', 'replica': 'Decode 0'}} from {path} (at [0].replica): Expected `str` matching regex",
+    }
+    for text, expected in cases.items():
+        path = tmp_path / "bad.toml"
+        path.write_text(text)
+        with pytest.raises(ConfigError) as info:
+            parse_node_config(["--config", str(path)])
+        assert expected.format(path=path) in str(info.value), str(info.value)
+
+
+def test_help_lists_every_option_with_its_default(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        parse_node_config(["--help"])
+    assert exit_info.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())  # undo argparse's line wrapping
+    for option in options(NodeConfig, FLAG_PREFIXES):
+        assert option.flag in text
+        assert f"{option.toml_key}, ${option.env})" in text
+        if "default:" not in option.description:
+            assert f"default: {format_default(option)}; {option.toml_key}" in text
+
+
+def test_every_option_is_documented() -> None:
+    docs = DOCS.read_text()
+    for option in options(NodeConfig, FLAG_PREFIXES):
+        row = rf"| `{option.flag}` | `{option.toml_key}` | `{format_default(option)}` |"
+        assert row in docs, f"docs/configuration.md lacks the row {row!r}"

@@ -1,0 +1,128 @@
+"""engine.logging: typed events as JSON lines in a file, readable lines on the console, bound context."""
+
+from __future__ import annotations
+
+import io
+from pathlib import Path
+
+import pytest
+import trio
+
+from engine.logging import EventLogClosed, LogFileError, MissingContext, open_event_log
+from messages.events import (
+    ClientConnected,
+    FirstToken,
+    NodeStopped,
+    PrefillStarted,
+    ReplicaFailed,
+    ReplicaStateChanged,
+    RequestFailed,
+    event_decoder,
+)
+
+
+def _events(path: Path) -> list[object]:
+    decoder = event_decoder()
+    return [decoder.decode(line) for line in path.read_bytes().splitlines()]
+
+
+def test_events_are_written_as_typed_json_lines_and_readable_console_lines(tmp_path: Path) -> None:
+    path = tmp_path / "node.jsonl"
+    console = io.StringIO()
+    log = open_event_log(file=str(path), level="info", console=console)
+    started = ReplicaStateChanged(
+        ts=1700000000.25,
+        replica="prefill-0",
+        from_state="LoadingPrefill",
+        to_state="Prefill",
+        trigger="automatic",
+        reason="weights loaded",
+    )
+    log.emit(started)
+    log.emit(ClientConnected(ts=1700000001.0, connection="c1", peer="127.0.0.1:5000"))
+    log.close()
+    assert _events(path) == [
+        started,
+        ClientConnected(ts=1700000001.0, connection="c1", peer="127.0.0.1:5000"),
+    ]
+    assert path.read_bytes().splitlines()[0] == (
+        b'{"event":"replica_state","ts":1700000000.25,"replica":"prefill-0","from":"LoadingPrefill",'
+        b'"to":"Prefill","trigger":"automatic","reason":"weights loaded"}'
+    )
+    first, second = console.getvalue().splitlines()
+    assert "[info     ] replica_state" in first
+    assert (
+        "replica=prefill-0" in first and "from=LoadingPrefill" in first and "reason='weights loaded'" in first
+    )
+    assert "client_connected" in second and "peer=127.0.0.1:5000" in second
+
+
+def test_bound_context_fills_unset_fields_only(tmp_path: Path) -> None:
+    path = tmp_path / "node.jsonl"
+    log = open_event_log(file=str(path), console=None)
+    request_log = log.bind(request_id="r1").bind(replica="prefill-0")
+    request_log.emit(PrefillStarted(tokens=12, batch_size=1))
+    request_log.emit(FirstToken(replica="decode-1", token_id=5, ttft_s=0.5))
+    request_log.emit(NodeStopped(exit_code=0, leaked_blocks=0, uptime_s=1.0))
+    log.close()
+    prefill, first, stopped = _events(path)
+    assert isinstance(prefill, PrefillStarted) and (prefill.request_id, prefill.replica) == (
+        "r1",
+        "prefill-0",
+    )
+    assert isinstance(first, FirstToken) and (first.request_id, first.replica) == ("r1", "decode-1")
+    assert isinstance(stopped, NodeStopped)
+
+
+def test_required_context_is_enforced() -> None:
+    log = open_event_log(file=None, console=None)
+    with pytest.raises(
+        MissingContext, match=r"^event 'request_failed' needs request_id: pass it or bind it$"
+    ):
+        log.emit(RequestFailed(code="internal", message="x"))
+    with pytest.raises(MissingContext, match=r"^event 'replica_failed' needs replica: pass it or bind it$"):
+        log.bind(request_id="r").emit(ReplicaFailed(error="boom", failed_requests=1))
+    log.bind(replica="decode-0").emit(ReplicaFailed(error="boom", failed_requests=1))
+
+
+def test_levels_filter_both_sinks(tmp_path: Path) -> None:
+    path = tmp_path / "node.jsonl"
+    console = io.StringIO()
+    log = open_event_log(file=str(path), level="warning", console=console)
+    assert not log.enabled("info") and log.enabled("error")
+    log.emit(ClientConnected(connection="c1", peer="p"))
+    log.bind(request_id="r9").emit(RequestFailed(code="overloaded", message="queue full"))
+    log.close()
+    (failed,) = _events(path)
+    assert isinstance(failed, RequestFailed) and failed.request_id == "r9"
+    assert "client_connected" not in console.getvalue() and "[error    ] request_failed" in console.getvalue()
+
+
+async def test_emitting_from_worker_threads_keeps_lines_whole(tmp_path: Path) -> None:
+    path = tmp_path / "node.jsonl"
+    log = open_event_log(file=str(path), console=None)
+
+    def burst(worker: int) -> None:
+        for index in range(200):
+            log.emit(ClientConnected(connection=f"w{worker}-{index}", peer="x" * 500))
+
+    async with trio.open_nursery() as nursery:
+        for worker in range(4):
+            nursery.start_soon(trio.to_thread.run_sync, burst, worker)
+    log.close()
+    events = _events(path)
+    assert len(events) == 800
+    assert {event.connection for event in events if isinstance(event, ClientConnected)} == {
+        f"w{w}-{i}" for w in range(4) for i in range(200)
+    }
+
+
+def test_close_is_final_and_bad_paths_are_named(tmp_path: Path) -> None:
+    log = open_event_log(file=str(tmp_path / "a.jsonl"), console=None)
+    log.close()
+    log.close()
+    with pytest.raises(EventLogClosed, match=r"^event 'client_connected' emitted after the log was closed$"):
+        log.emit(ClientConnected(connection="c", peer="p"))
+    missing = tmp_path / "no" / "such" / "dir.jsonl"
+    with pytest.raises(LogFileError, match=rf"^log file '{missing}': No such file or directory$"):
+        open_event_log(file=str(missing), console=None)
