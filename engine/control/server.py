@@ -85,8 +85,11 @@ class ControlServer:
         """Listen on `address` and serve clients until `close` or cancellation.
 
         Reports the bound address through `task_status` (use ``nursery.start``). Raises
-        `ControlServerError` before starting when the address cannot be bound.
+        `ControlServerError` before starting when the address cannot be bound (the call may then be
+        retried); a server that has started cannot serve again.
         """
+        if self._address is not None:
+            raise RuntimeError(f"this ControlServer already served {self._address}; create one per address")
         listeners = await _open_listeners(address)
         self._address = _bound_address(address, listeners[0])
         with self._serve_scope:
