@@ -1,0 +1,243 @@
+"""Model executor: prefill and decode tokens/s, zigzag vs HF transformers `generate`, same weights.
+
+A random Llama-architecture checkpoint (~100M parameters, float32 by default) is created with
+transformers, saved with `save_pretrained`, and loaded by zigzag's loader, so both sides run the same
+weights in the same process with the same thread count. The baseline is pinned: `attn_implementation=
+"sdpa"`, HF's own `generate` with its default cache, greedy, as a user would call it; its prefill and
+decode times are read from a streamer's timestamps (the prompt is streamed before prefill, then one put
+per token). zigzag runs the executor the way a replica does: allocate blocks, one batched prefill that
+samples the first token, then one batched decode call per token. Every figure is the median over
+`--repeats` alternating runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+from collections.abc import Iterable
+from typing import Any
+
+from engine.bench.rows import Row, row
+
+BENCH = "model"
+BASELINE = "hf-transformers-generate-sdpa"
+CONFIGS: dict[str, dict[str, Any]] = {
+    # ~100M parameters with tied embeddings (the CPU goal's model).
+    "100m": dict(
+        vocab_size=32000,
+        hidden_size=768,
+        intermediate_size=2048,
+        num_hidden_layers=12,
+        num_attention_heads=12,
+        num_key_value_heads=4,
+        tie_word_embeddings=True,
+    ),
+    # ~1.1B parameters (the GPU goal's model).
+    "1b": dict(
+        vocab_size=32000,
+        hidden_size=2048,
+        intermediate_size=5632,
+        num_hidden_layers=22,
+        num_attention_heads=32,
+        num_key_value_heads=4,
+        tie_word_embeddings=False,
+    ),
+    # A few MB, for smoke runs.
+    "small": dict(
+        vocab_size=4096,
+        hidden_size=256,
+        intermediate_size=688,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        tie_word_embeddings=True,
+    ),
+}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", choices=sorted(CONFIGS), default="100m", help="model size (default 100m)")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
+    parser.add_argument("--batch", type=int, nargs="+", default=[1, 16], help="batch sizes (default 1 16)")
+    parser.add_argument("--prompt-tokens", type=int, default=128, help="prompt length (default 128)")
+    parser.add_argument(
+        "--new-tokens", type=int, default=32, help="generated tokens per sequence (default 32)"
+    )
+    parser.add_argument("--repeats", type=int, default=3, help="measured runs per side (default 3)")
+    parser.add_argument(
+        "--threads", type=int, default=0, help="torch threads for both sides (0 = torch default)"
+    )
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--quick", action="store_true", help="small prompt, few tokens, one repeat")
+
+
+def run(args: argparse.Namespace) -> Iterable[Row]:
+    import torch
+    import transformers
+
+    if args.quick:
+        args.prompt_tokens, args.new_tokens, args.repeats = (
+            min(args.prompt_tokens, 32),
+            min(args.new_tokens, 8),
+            1,
+        )
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    threads = torch.get_num_threads()
+    device = torch.device(args.device)
+    dtype = getattr(torch, args.dtype)
+    torch.manual_seed(args.seed)
+    hf_config = transformers.LlamaConfig(
+        **CONFIGS[args.config],
+        max_position_embeddings=4096,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=0,
+    )
+    hf_class: Any = transformers.LlamaForCausalLM
+    with tempfile.TemporaryDirectory(prefix="zigzag-bench-model-") as directory:
+        hf_model = hf_class(hf_config).to(dtype=dtype)
+        hf_model.save_pretrained(directory)
+        del hf_model
+        hf_model = hf_class.from_pretrained(
+            directory, attn_implementation="sdpa", dtype=dtype
+        ).to(device)
+        hf_model.eval()
+        from replicas.model import load_model
+
+        model = load_model(directory, dtype=args.dtype, device=device)
+    params = sum(p.numel() for p in hf_model.parameters())
+    note = (
+        f"{args.config} ({params / 1e6:.0f}M params) {args.dtype} on {device}, {threads} threads, "
+        f"prompt {args.prompt_tokens}, {args.new_tokens} new tokens, median of {args.repeats}"
+    )
+    for batch in args.batch:
+        prompts = torch.randint(
+            1,
+            hf_config.vocab_size,
+            (batch, args.prompt_tokens),
+            generator=torch.Generator().manual_seed(batch),
+        )
+        zz_prefill, zz_decode, hf_prefill, hf_decode = [], [], [], []
+        for attempt in range(args.repeats + 1):
+            zz = _zigzag_run(model, prompts, args.new_tokens)
+            hf = _hf_run(hf_model, prompts.to(device), args.new_tokens)
+            if attempt == 0:
+                if zz.tokens != hf.tokens:
+                    mismatch = "greedy outputs differ from HF (ties in random weights are possible)"
+                    note_batch = f"{note}; {mismatch}"
+                else:
+                    note_batch = f"{note}; greedy outputs identical to HF"
+                continue
+            zz_prefill.append(zz.prefill_s)
+            zz_decode.append(zz.decode_s)
+            hf_prefill.append(hf.prefill_s)
+            hf_decode.append(hf.decode_s)
+        prefill_tokens = batch * args.prompt_tokens
+        decode_tokens = batch * (args.new_tokens - 1)
+        yield row(
+            BENCH,
+            f"prefill-batch{batch}",
+            "prefill_tokens_per_s",
+            "higher",
+            prefill_tokens / statistics.median(zz_prefill),
+            prefill_tokens / statistics.median(hf_prefill),
+            BASELINE,
+            unit="tokens/s",
+            note=note_batch,
+        )
+        yield row(
+            BENCH,
+            f"decode-batch{batch}",
+            "decode_tokens_per_s",
+            "higher",
+            decode_tokens / statistics.median(zz_decode),
+            decode_tokens / statistics.median(hf_decode),
+            BASELINE,
+            unit="tokens/s",
+            note=note_batch,
+        )
+
+
+class _Timing:
+    def __init__(self, prefill_s: float, decode_s: float, tokens: list[list[int]]) -> None:
+        self.prefill_s = prefill_s
+        self.decode_s = decode_s
+        self.tokens = tokens
+
+
+def _zigzag_run(model: Any, prompts: Any, new_tokens: int) -> _Timing:
+    from replicas.model import DecodeSequence, Executor, KVCache, PrefillSequence
+
+    batch, prompt_len = prompts.shape
+    total = prompt_len + new_tokens
+    cache = KVCache.create(model.config, batch * -(-total // 16) + 1, device=model.device)
+    executor = Executor(model, cache)
+    rows = prompts.tolist()
+    _sync(model.device)
+    start = time.perf_counter()
+    tables = [cache.pool.allocate(cache.blocks_for(prompt_len + 1), f"r{i}") for i in range(batch)]
+    result = executor.prefill([PrefillSequence(block_table=t, token_ids=r) for t, r in zip(tables, rows)])
+    assert result.tokens is not None
+    generated = [[token] for token in result.tokens]
+    _sync(model.device)
+    prefill_done = time.perf_counter()
+    for step in range(1, new_tokens):
+        cached = prompt_len + step - 1
+        if cached + 1 > len(tables[0]) * cache.block_size:
+            for i, table in enumerate(tables):
+                table.extend(cache.pool.allocate(1, f"r{i}"))
+        out = executor.decode(
+            [
+                DecodeSequence(block_table=t, cached_tokens=cached, token_id=g[-1])
+                for t, g in zip(tables, generated)
+            ]
+        )
+        for g, token in zip(generated, out.tokens):
+            g.append(token)
+    _sync(model.device)
+    end = time.perf_counter()
+    for i, table in enumerate(tables):
+        cache.pool.free(table, f"r{i}")
+    return _Timing(prefill_done - start, end - prefill_done, generated)
+
+
+class _Stamps:
+    """A transformers streamer that only records when each put happened."""
+
+    def __init__(self) -> None:
+        self.times: list[float] = []
+
+    def put(self, value: Any) -> None:
+        self.times.append(time.perf_counter())
+
+    def end(self) -> None:
+        self.times.append(time.perf_counter())
+
+
+def _hf_run(hf_model: Any, prompts: Any, new_tokens: int) -> _Timing:
+    import torch
+
+    stamps = _Stamps()
+    with torch.inference_mode():
+        out = hf_model.generate(
+            prompts,
+            attention_mask=torch.ones_like(prompts),
+            max_new_tokens=new_tokens,
+            do_sample=False,
+            streamer=stamps,
+        )
+    # puts: prompt (before prefill), then one per generated token; `end` last.
+    prefill_s = stamps.times[1] - stamps.times[0]
+    decode_s = stamps.times[new_tokens] - stamps.times[1]
+    return _Timing(prefill_s, decode_s, out[:, prompts.shape[1] :].tolist())
+
+
+def _sync(device: Any) -> None:
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)

@@ -1,0 +1,100 @@
+"""The model executor: a Llama/Qwen2 decoder in plain torch over a paged KV cache (see docs/model.md).
+
+Public API (import from here):
+- `Model` (shared weights), `tiny_model()`, `load_model()` / `ModelLoader` (HF checkpoints, layer by layer)
+- `KVCache`, `kv_layout()` — the paged cache: a `BlockPool` plus `PoolStorage` with buffers `k{i}`, `v{i}`
+- `Executor` with `PrefillSequence` / `DecodeSequence` — batched prefill (any layer range) and decode
+- `SamplingParams`, `sample_tokens`, `finish_reason` — greedy and (seed, index)-determined sampling
+- `VisionEncoder`, `ImageEmbedding`, `ImageGrid`, `layout_prompt` — images for the tiny model
+- `generate_in_one_piece` — the reference output of a request
+- exceptions in `replicas.model.errors`
+"""
+
+from replicas.model.config import ModelConfig, RopeConfig, parse_hf_config, read_hf_config
+from replicas.model.errors import (
+    CheckpointError,
+    ContextLengthError,
+    ImageSizeError,
+    InvalidBatchError,
+    ModelError,
+    ModelInputError,
+    ModelLoadError,
+    TokenIdError,
+    UnsupportedModelError,
+    WeightShapeError,
+)
+from replicas.model.executor import DecodeResult, DecodeSequence, Executor, PrefillResult, PrefillSequence
+from replicas.model.kv_cache import DEFAULT_KV_BLOCK_SIZE, KVCache, kv_layout, layer_buffer_names
+from replicas.model.llama import Model
+from replicas.model.loader import LoadProgress, ModelLoader, load_model
+from replicas.model.prompt import PromptLayout, layout_prompt
+from replicas.model.reference import generate_in_one_piece
+from replicas.model.sampling import (
+    GREEDY,
+    SamplingError,
+    SamplingParams,
+    finish_reason,
+    sample_tokens,
+    uniform_draw,
+)
+from replicas.model.tiny import TINY_CONFIG, tiny_model
+from replicas.model.tokenizer import ByteTokenizer, HFTokenizer, TextStream, Tokenizer
+from replicas.model.vision import (
+    PATCH_SIZE,
+    ImageEmbedding,
+    ImageGrid,
+    VisionEncoder,
+    check_image,
+    image_grid,
+)
+
+__all__ = [
+    "DEFAULT_KV_BLOCK_SIZE",
+    "GREEDY",
+    "PATCH_SIZE",
+    "TINY_CONFIG",
+    "ByteTokenizer",
+    "CheckpointError",
+    "ContextLengthError",
+    "DecodeResult",
+    "DecodeSequence",
+    "Executor",
+    "HFTokenizer",
+    "ImageEmbedding",
+    "ImageGrid",
+    "ImageSizeError",
+    "InvalidBatchError",
+    "KVCache",
+    "LoadProgress",
+    "Model",
+    "ModelConfig",
+    "ModelError",
+    "ModelInputError",
+    "ModelLoadError",
+    "ModelLoader",
+    "PrefillResult",
+    "PrefillSequence",
+    "PromptLayout",
+    "RopeConfig",
+    "SamplingError",
+    "SamplingParams",
+    "TextStream",
+    "TokenIdError",
+    "Tokenizer",
+    "UnsupportedModelError",
+    "VisionEncoder",
+    "WeightShapeError",
+    "check_image",
+    "finish_reason",
+    "generate_in_one_piece",
+    "image_grid",
+    "kv_layout",
+    "layer_buffer_names",
+    "layout_prompt",
+    "load_model",
+    "parse_hf_config",
+    "read_hf_config",
+    "sample_tokens",
+    "tiny_model",
+    "uniform_draw",
+]

@@ -1,0 +1,250 @@
+"""The batch-level API a replica calls: prefill (any layer range) and decode on one KV cache.
+
+An `Executor` pairs the shared, read-only `Model` with one replica's `KVCache`. Calls are synchronous and
+meant to run off the event loop (`trio.to_thread.run_sync`); torch releases the GIL inside its kernels.
+Different executors (different caches) may run concurrently on the same model; one executor must not be
+called from two threads at once. A call that raises has validated its inputs first: nothing is written
+to the cache when a `ModelInputError` is raised. Block allocation is the caller's job: before each call,
+every sequence's block table must hold `cached_tokens + new tokens` tokens (`KVCache.blocks_for`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import final
+
+import torch
+
+from replicas.model.attention import (
+    SequenceSpan,
+    decode_attention,
+    plan_decode,
+    plan_prefill,
+    prefill_attention,
+)
+from replicas.model.errors import ContextLengthError, InvalidBatchError
+from replicas.model.kv_cache import KVCache
+from replicas.model.llama import Model
+from replicas.model.sampling import GREEDY, SamplingParams, sample_tokens
+
+
+@final
+@dataclass(frozen=True, slots=True)
+class PrefillSequence:
+    """One sequence of a prefill batch.
+
+    `token_ids` are the new tokens, written at indices `[cached_tokens, cached_tokens + len)`.
+    `positions`: rotary positions, `[T]` or (3-D models) `[T, 3]`; default `cached_tokens + arange(T)`.
+    `embeds` `[n, hidden]` replace the token embeddings at `embed_indices` (indices into `token_ids`).
+    """
+
+    block_table: Sequence[int]
+    token_ids: Sequence[int] | torch.Tensor
+    cached_tokens: int = 0
+    positions: torch.Tensor | None = None
+    embeds: torch.Tensor | None = None
+    embed_indices: Sequence[int] | torch.Tensor | None = None
+    sampling: SamplingParams = GREEDY
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+@final
+@dataclass(frozen=True, slots=True)
+class PrefillResult:
+    """`hidden` (packed `[sum T, hidden]`, sequences in order) when the range stops before the last layer;
+    otherwise `logits` `[B, vocab]` float32 of each sequence's last token and the sampled `tokens`."""
+
+    hidden: torch.Tensor | None
+    logits: torch.Tensor | None
+    tokens: list[int] | None
+
+
+@final
+@dataclass(frozen=True, slots=True)
+class DecodeSequence:
+    """Feed `token_id` at index `cached_tokens` (its KV lands there) and sample the token after it.
+    `position` is its rotary position (default `cached_tokens`; differs after images)."""
+
+    block_table: Sequence[int]
+    cached_tokens: int
+    token_id: int
+    position: int | None = None
+    sampling: SamplingParams = GREEDY
+
+
+@final
+@dataclass(frozen=True, slots=True)
+class DecodeResult:
+    logits: torch.Tensor
+    tokens: list[int]
+
+
+@final
+class Executor:
+    """Runs a model against one KV cache."""
+
+    def __init__(self, model: Model, cache: KVCache) -> None:
+        if cache.config != model.config:
+            raise InvalidBatchError(f"KV cache was built for another model config than {model.name!r}")
+        if cache.device != model.device:
+            raise InvalidBatchError(f"KV cache is on {cache.device}, model {model.name!r} on {model.device}")
+        self.model = model
+        self.cache = cache
+
+    def prefill(
+        self,
+        sequences: Sequence[PrefillSequence],
+        *,
+        layers: range | None = None,
+        hidden: torch.Tensor | None = None,
+    ) -> PrefillResult:
+        """Run `layers` (default all) over a batch; KV is written only for those layers.
+
+        `hidden` is required when `layers.start > 0`: the packed `[sum T, hidden]` output of the range
+        before. Returns hidden states, or logits and sampled first tokens when `layers` ends the model.
+        """
+        model = self.model
+        layer_range = range(model.config.num_layers) if layers is None else layers
+        model.check_layer_range(layer_range)
+        self._check_prefill(sequences, layer_range, hidden)
+        with torch.inference_mode():
+            if layer_range.start == 0:
+                hidden = self._input_embeddings(sequences)
+            else:
+                assert hidden is not None
+                hidden = hidden.to(device=model.device, dtype=model.dtype)
+            cos, sin = model.rotary.cos_sin(self._prefill_positions(sequences), model.dtype)
+            spans = [SequenceSpan(s.block_table, s.cached_tokens, s.num_tokens) for s in sequences]
+            plan = plan_prefill(self.cache, spans)
+
+            def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int) -> torch.Tensor:
+                return prefill_attention(q, k, v, self.cache, layer, plan)
+
+            out = model.run_layers(hidden, layer_range, cos, sin, attend)
+            if layer_range.stop < model.config.num_layers:
+                return PrefillResult(hidden=out, logits=None, tokens=None)
+            last = torch.tensor(plan.lengths, dtype=torch.int64).cumsum(0) - 1
+            logits = model.logits(out.index_select(0, last.to(out.device)))
+            tokens = sample_tokens(
+                logits, [s.sampling for s in sequences], [s.cached_tokens + s.num_tokens for s in sequences]
+            )
+            return PrefillResult(hidden=None, logits=logits, tokens=tokens)
+
+    def decode(self, sequences: Sequence[DecodeSequence]) -> DecodeResult:
+        """One step for every sequence: writes each fed token's KV, returns logits and sampled tokens."""
+        model = self.model
+        model.check_layer_range(range(model.config.num_layers))
+        if not sequences:
+            raise InvalidBatchError("decode: empty batch")
+        token_ids = [s.token_id for s in sequences]
+        for index, seq in enumerate(sequences):
+            self._check_length(seq.cached_tokens, 1, f"decode sequence {index}")
+            self.cache.check_block_table(seq.block_table, seq.cached_tokens + 1, f"decode sequence {index}")
+        with torch.inference_mode():
+            ids = torch.tensor(token_ids, dtype=torch.int64)
+            model.check_token_ids(ids, "decode")
+            positions = torch.tensor(
+                [s.cached_tokens if s.position is None else s.position for s in sequences], dtype=torch.int64
+            )
+            cos, sin = model.rotary.cos_sin(positions.to(model.device), model.dtype)
+            plan = plan_decode(
+                self.cache, [s.block_table for s in sequences], [s.cached_tokens for s in sequences]
+            )
+
+            def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int) -> torch.Tensor:
+                return decode_attention(q, k, v, self.cache, layer, plan)
+
+            hidden = model.run_layers(
+                model.embed(ids.to(model.device)), range(model.config.num_layers), cos, sin, attend
+            )
+            logits = model.logits(hidden)
+            tokens = sample_tokens(
+                logits, [s.sampling for s in sequences], [s.cached_tokens + 1 for s in sequences]
+            )
+            return DecodeResult(logits=logits, tokens=tokens)
+
+    # ------------------------------------------------------------------ helpers
+    def _check_length(self, cached: int, new: int, what: str) -> None:
+        if cached < 0:
+            raise InvalidBatchError(f"{what}: cached_tokens must be >= 0, got {cached}")
+        if cached + new > self.model.context_length:
+            raise ContextLengthError(
+                f"{what}: {cached + new} tokens exceed the context of {self.model.context_length} tokens "
+                f"of {self.model.name!r}"
+            )
+
+    def _check_prefill(
+        self, sequences: Sequence[PrefillSequence], layers: range, hidden: torch.Tensor | None
+    ) -> None:
+        if not sequences:
+            raise InvalidBatchError("prefill: empty batch")
+        config = self.model.config
+        total = 0
+        for index, seq in enumerate(sequences):
+            what = f"prefill sequence {index}"
+            if seq.num_tokens < 1:
+                raise InvalidBatchError(f"{what}: no tokens")
+            self._check_length(seq.cached_tokens, seq.num_tokens, what)
+            self.cache.check_block_table(seq.block_table, seq.cached_tokens + seq.num_tokens, what)
+            total += seq.num_tokens
+            if seq.positions is not None:
+                shape = list(seq.positions.shape)
+                allowed = [[seq.num_tokens]] + ([[seq.num_tokens, 3]] if config.position_axes == 3 else [])
+                if shape not in allowed:
+                    raise InvalidBatchError(
+                        f"{what}: positions have shape {shape}, expected one of {allowed}"
+                    )
+            if (seq.embeds is None) != (seq.embed_indices is None):
+                raise InvalidBatchError(f"{what}: embeds and embed_indices go together")
+            if seq.embeds is not None and seq.embed_indices is not None:
+                rows = len(seq.embed_indices)
+                if list(seq.embeds.shape) != [rows, config.hidden_size]:
+                    raise InvalidBatchError(
+                        f"{what}: embeds have shape {list(seq.embeds.shape)}, expected [{rows}, {config.hidden_size}]"
+                    )
+                indices = torch.as_tensor(seq.embed_indices, dtype=torch.int64)
+                if rows and (int(indices.min()) < 0 or int(indices.max()) >= seq.num_tokens):
+                    raise InvalidBatchError(f"{what}: embed_indices outside [0, {seq.num_tokens})")
+        if layers.start == 0:
+            if hidden is not None:
+                raise InvalidBatchError("prefill: hidden states given to a range that starts at layer 0")
+            return
+        expected = [total, config.hidden_size]
+        if hidden is None or list(hidden.shape) != expected:
+            got = None if hidden is None else list(hidden.shape)
+            raise InvalidBatchError(
+                f"prefill from layer {layers.start}: hidden states {got}, expected {expected}"
+            )
+
+    def _input_embeddings(self, sequences: Sequence[PrefillSequence]) -> torch.Tensor:
+        model = self.model
+        ids = torch.cat([torch.as_tensor(s.token_ids, dtype=torch.int64).reshape(-1) for s in sequences])
+        for index, seq in enumerate(sequences):
+            model.check_token_ids(
+                torch.as_tensor(seq.token_ids, dtype=torch.int64), f"prefill sequence {index}"
+            )
+        hidden = model.embed(ids.to(model.device))
+        offset = 0
+        for seq in sequences:
+            if seq.embeds is not None and seq.embed_indices is not None:
+                rows = torch.as_tensor(seq.embed_indices, dtype=torch.int64, device=model.device) + offset
+                hidden.index_copy_(0, rows, seq.embeds.to(device=model.device, dtype=model.dtype))
+            offset += seq.num_tokens
+        return hidden
+
+    def _prefill_positions(self, sequences: Sequence[PrefillSequence]) -> torch.Tensor:
+        pieces = []
+        three_d = any(s.positions is not None and s.positions.dim() == 2 for s in sequences)
+        for seq in sequences:
+            if seq.positions is None:
+                piece = torch.arange(seq.cached_tokens, seq.cached_tokens + seq.num_tokens, dtype=torch.int64)
+            else:
+                piece = seq.positions.to(torch.int64).cpu()
+            if three_d and piece.dim() == 1:
+                piece = piece[:, None].expand(-1, 3)
+            pieces.append(piece)
+        return torch.cat(pieces).to(self.model.device)

@@ -1,0 +1,191 @@
+"""Loading HF checkpoint directories: `config.json`, `*.safetensors` (one file or sharded with
+`model.safetensors.index.json`), `tokenizer.json`, `generation_config.json`.
+
+Loading is layer by layer: `ModelLoader.steps()` fills the `Model` piece by piece (embeddings, then
+each decoder layer, then the final norm and output head) and yields a `LoadProgress` after each, so a
+replica can show progress and, later, serve the layers already loaded. Every tensor's shape is checked
+against what `config.json` implies before it is read. No pickle: `.bin` checkpoints are refused.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal, final
+
+import msgspec
+import torch
+from safetensors import SafetensorError, safe_open
+
+from replicas.model.config import ModelConfig, ModelDType, read_hf_config
+from replicas.model.errors import CheckpointError, WeightShapeError
+from replicas.model.layers import expected_layer_shapes, fuse_layer
+from replicas.model.llama import Model
+from replicas.model.tokenizer import HFTokenizer
+from transport.storage import torch_dtype
+
+INDEX_FILE = "model.safetensors.index.json"
+
+
+@final
+@dataclass(frozen=True, slots=True)
+class LoadProgress:
+    stage: Literal["embeddings", "layer", "head"]
+    layer: int | None
+    loaded_layers: int
+    total_layers: int
+    bytes_loaded: int
+
+
+@final
+class CheckpointFiles:
+    """Which safetensors file holds which tensor; opens files lazily; checks shapes before reading."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+        self._where: dict[str, Path] = {}
+        self._open: dict[Path, Any] = {}
+        index = directory / INDEX_FILE
+        if index.is_file():
+            self._read_index(index)
+        else:
+            files = sorted(directory.glob("*.safetensors"))
+            if not files:
+                bins = sorted(p.name for p in directory.glob("*.bin"))
+                hint = f" ({', '.join(bins)} found; pickled .bin weights are not loaded)" if bins else ""
+                raise CheckpointError(f"{directory}: no *.safetensors weight files{hint}")
+            for path in files:
+                for name in self._handle(path).keys():  # noqa: SIM118 - a safetensors handle, not a dict
+                    self._where[name] = path
+
+    def _read_index(self, index: Path) -> None:
+        try:
+            weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as exc:
+            raise CheckpointError(f"{index}: not a safetensors index with a weight_map: {exc!r}") from exc
+        if not isinstance(weight_map, dict):
+            raise CheckpointError(f"{index}: weight_map must be an object")
+        for name, file_name in weight_map.items():
+            path = self.directory / str(file_name)
+            if not path.is_file():
+                raise CheckpointError(f"{path}: missing (listed in {INDEX_FILE} for tensor {name!r})")
+            self._where[str(name)] = path
+
+    def _handle(self, path: Path) -> Any:
+        if path not in self._open:
+            try:
+                self._open[path] = safe_open(str(path), framework="pt", device="cpu")
+            except (SafetensorError, OSError) as exc:
+                raise CheckpointError(f"{path}: not a readable safetensors file: {exc}") from exc
+        return self._open[path]
+
+    def has(self, name: str) -> bool:
+        return name in self._where
+
+    def read(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        """Tensor `name`, after checking it exists and has `shape` (CPU, checkpoint dtype)."""
+        path = self._where.get(name)
+        if path is None:
+            raise CheckpointError(f"{self.directory}: tensor {name!r} is in no safetensors file")
+        handle = self._handle(path)
+        actual = tuple(handle.get_slice(name).get_shape())
+        if actual != shape:
+            raise WeightShapeError(
+                f"{path.name}: tensor {name!r} has shape {list(actual)}, config.json implies {list(shape)}"
+            )
+        tensor: torch.Tensor = handle.get_tensor(name)
+        return tensor
+
+    def close(self) -> None:
+        self._open.clear()
+
+
+@final
+class ModelLoader:
+    """Builds a `Model` from a checkpoint directory piece by piece. `model` is usable for the layers
+    loaded so far (see `Model.loaded_layers`). Validation of config and file list happens in `__init__`."""
+
+    def __init__(
+        self, directory: str | Path, *, dtype: ModelDType | None = None, device: str | torch.device = "cpu"
+    ) -> None:
+        self.directory = Path(directory)
+        if not self.directory.is_dir():
+            raise CheckpointError(f"{self.directory}: not a checkpoint directory (does not exist)")
+        config = read_hf_config(self.directory)
+        if dtype is not None:
+            config = msgspec.structs.replace(config, dtype=dtype)
+        self.config: ModelConfig = config
+        self.device = torch.device(device)
+        self.dtype = torch_dtype(config.dtype)
+        self.files = CheckpointFiles(self.directory)
+        tokenizer_path = self.directory / "tokenizer.json"
+        tokenizer = HFTokenizer(tokenizer_path) if tokenizer_path.is_file() else None
+        self._embed = self._place(
+            self.files.read("model.embed_tokens.weight", (config.vocab_size, config.hidden_size))
+        )
+        self.model = Model(
+            config,
+            device=self.device,
+            embed_tokens=self._embed,
+            tokenizer=tokenizer,
+            eos_token_ids=self._generation_eos(),
+            name=self.directory.name,
+        )
+        self.bytes_loaded = self._embed.numel() * self._embed.element_size()
+
+    def steps(self) -> Iterator[LoadProgress]:
+        """Load the rest, yielding after the embeddings, each layer and the head."""
+        config = self.config
+        yield LoadProgress("embeddings", None, 0, config.num_layers, self.bytes_loaded)
+        shapes = expected_layer_shapes(config)
+        for index in range(config.num_layers):
+            prefix = f"model.layers.{index}."
+            tensors = {name: self.files.read(prefix + name, shape) for name, shape in shapes.items()}
+            layer = fuse_layer(tensors, self.dtype, self.device)
+            self.model.set_layer(index, layer)
+            self.bytes_loaded += layer.nbytes()
+            yield LoadProgress("layer", index, index + 1, config.num_layers, self.bytes_loaded)
+        norm = self._place(self.files.read("model.norm.weight", (config.hidden_size,)))
+        self.bytes_loaded += norm.numel() * norm.element_size()
+        if config.tie_word_embeddings:
+            head = self._embed
+        else:
+            head = self._place(self.files.read("lm_head.weight", (config.vocab_size, config.hidden_size)))
+            self.bytes_loaded += head.numel() * head.element_size()
+        self.model.set_head(norm, head)
+        self.files.close()
+        yield LoadProgress("head", None, config.num_layers, config.num_layers, self.bytes_loaded)
+
+    def _place(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor.to(device=self.device, dtype=self.dtype).contiguous()
+
+    def _generation_eos(self) -> tuple[int, ...]:
+        path = self.directory / "generation_config.json"
+        if not path.is_file():
+            return ()
+        try:
+            raw = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise CheckpointError(f"{path}: not readable as JSON: {exc}") from exc
+        value = raw.get("eos_token_id") if isinstance(raw, dict) else None
+        items = value if isinstance(value, list) else [] if value is None else [value]
+        if not all(isinstance(item, int) and not isinstance(item, bool) for item in items):
+            raise CheckpointError(f"{path}: eos_token_id must be an integer or a list of them, got {value!r}")
+        return tuple(items)
+
+
+def load_model(
+    directory: str | Path,
+    *,
+    dtype: ModelDType | None = None,
+    device: str | torch.device = "cpu",
+    progress: Callable[[LoadProgress], None] | None = None,
+) -> Model:
+    """Load a whole checkpoint (see `ModelLoader` to interleave serving with loading)."""
+    loader = ModelLoader(directory, dtype=dtype, device=device)
+    for step in loader.steps():
+        if progress is not None:
+            progress(step)
+    return loader.model

@@ -1,0 +1,96 @@
+"""The built-in `tiny` model: seeded weights, byte tokenizer, 3-D rotary positions, a vision encoder.
+
+Same seed → same weights on every machine: every tensor is drawn in float32 on CPU from one
+`torch.Generator`, in a fixed order, then cast and moved. The output head is scaled so logits are sharp
+(top-2 gaps of several units), which keeps greedy ties — and so replica-to-replica differences — rare.
+About 0.75 M parameters (3 MB in float32); a context of 32 768 tokens.
+"""
+
+from __future__ import annotations
+
+import math
+
+import msgspec
+import torch
+
+from replicas.model.config import ModelConfig, ModelDType, RopeConfig
+from replicas.model.layers import fuse_layer
+from replicas.model.llama import Model
+from replicas.model.tokenizer import ByteTokenizer
+from replicas.model.vision import VisionConfig, VisionEncoder
+
+TINY_SEED = 20240531
+
+TINY_CONFIG = ModelConfig(
+    architecture="tiny",
+    vocab_size=260,
+    hidden_size=128,
+    intermediate_size=256,
+    num_layers=4,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=32,
+    max_position_embeddings=32768,
+    rms_norm_eps=1e-6,
+    qkv_bias=True,
+    rope=RopeConfig(theta=1_000_000.0, mrope_section=(4, 6, 6)),
+    dtype="float32",
+    bos_token_id=ByteTokenizer.BOS,
+    eos_token_ids=(ByteTokenizer.EOS,),
+    image_token_id=ByteTokenizer.IMAGE,
+)
+
+
+def tiny_model(
+    *, seed: int = TINY_SEED, dtype: ModelDType = "float32", device: str | torch.device = "cpu"
+) -> Model:
+    """Build the tiny model (a few milliseconds; no files)."""
+    config = msgspec.structs.replace(TINY_CONFIG, dtype=dtype)
+    generator = torch.Generator(device="cpu").manual_seed(seed)
+    target = torch.device(device)
+    model_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
+
+    def normal(*shape: int, std: float) -> torch.Tensor:
+        return torch.randn(*shape, generator=generator, dtype=torch.float32) * std
+
+    def place(tensor: torch.Tensor) -> torch.Tensor:
+        return tensor.to(device=target, dtype=model_dtype).contiguous()
+
+    hidden, inter = config.hidden_size, config.intermediate_size
+    embed = normal(config.vocab_size, hidden, std=1.0)
+    layers = []
+    for _ in range(config.num_layers):
+        tensors = {
+            "input_layernorm.weight": 1.0 + normal(hidden, std=0.05),
+            "self_attn.q_proj.weight": normal(config.q_size, hidden, std=1 / math.sqrt(hidden)),
+            "self_attn.k_proj.weight": normal(config.kv_size, hidden, std=1 / math.sqrt(hidden)),
+            "self_attn.v_proj.weight": normal(config.kv_size, hidden, std=1 / math.sqrt(hidden)),
+            "self_attn.q_proj.bias": normal(config.q_size, std=0.1),
+            "self_attn.k_proj.bias": normal(config.kv_size, std=0.1),
+            "self_attn.v_proj.bias": normal(config.kv_size, std=0.1),
+            "self_attn.o_proj.weight": normal(hidden, config.q_size, std=0.5 / math.sqrt(config.q_size)),
+            "post_attention_layernorm.weight": 1.0 + normal(hidden, std=0.05),
+            "mlp.gate_proj.weight": normal(inter, hidden, std=1 / math.sqrt(hidden)),
+            "mlp.up_proj.weight": normal(inter, hidden, std=1 / math.sqrt(hidden)),
+            "mlp.down_proj.weight": normal(hidden, inter, std=0.5 / math.sqrt(inter)),
+        }
+        layers.append(fuse_layer(tensors, model_dtype, target))
+    final_norm = 1.0 + normal(hidden, std=0.05)
+    lm_head = normal(config.vocab_size, hidden, std=0.5)
+    vision_seed = int(torch.randint(0, 2**31 - 1, (1,), generator=generator).item())
+    assert config.image_token_id is not None
+    vision = VisionEncoder(
+        VisionConfig(out_hidden=hidden, seed=vision_seed), image_token_id=config.image_token_id, device=target
+    )
+    model = Model(
+        config,
+        device=target,
+        embed_tokens=place(embed),
+        tokenizer=ByteTokenizer(config.vocab_size),
+        vision=vision,
+        name="tiny",
+    )
+    for index, layer in enumerate(layers):
+        model.set_layer(index, layer)
+    model.set_head(place(final_norm), place(lm_head))
+    return model
