@@ -1,9 +1,13 @@
 """Request lines → requests, or `bad_request` messages that say what to fix (engine.control.parse)."""
 
+import msgspec
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from engine.control.parse import BadLine, parse_request
 from messages.control import CancelRequest, StatusRequest
+from tests.control.strategies import JSON_VALUES
 
 KNOWN_OPS = "generate, status, cancel, transition, lock, unlock, scale, metrics, shutdown"
 
@@ -115,3 +119,25 @@ def test_bad_lines_say_what_is_wrong(line: bytes, expected: BadLine) -> None:
 def test_an_overlong_id_is_not_echoed() -> None:
     bad = parse_request(b'{"op":"status","id":"' + b"x" * 300 + b'"}')
     assert bad == BadLine(id=None, message="invalid request: Expected `str` of length <= 256 - at `$.id`")
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.binary(max_size=200).filter(lambda line: b"\n" not in line))
+def test_any_bytes_parse_to_a_request_or_a_bad_line(line: bytes) -> None:
+    parsed = parse_request(line)
+    if isinstance(parsed, BadLine):
+        assert parsed.message
+        assert parsed.id is None or 1 <= len(parsed.id) <= 256
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.dictionaries(st.sampled_from(["op", "id", "prompt", "max_tokens", "replica", "to", "x"]), JSON_VALUES)
+)
+def test_any_json_object_parses_to_a_request_or_a_bad_line_echoing_a_readable_id(
+    fields: dict[str, object],
+) -> None:
+    parsed = parse_request(msgspec.json.encode(fields))
+    if isinstance(parsed, BadLine):
+        readable = isinstance(fields.get("id"), str) and 1 <= len(str(fields["id"])) <= 256
+        assert parsed.id == (fields["id"] if readable else None)

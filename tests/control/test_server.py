@@ -3,6 +3,7 @@ clients, handler failures, shutdown. The handler is the small one in conftest.py
 
 from __future__ import annotations
 
+import random
 import re
 import socket
 from pathlib import Path
@@ -99,6 +100,20 @@ async def test_bad_lines_get_errors_and_the_connection_keeps_working(served: Ser
     assert [(event.id, event.message) for event in logged] == [
         (cid, message) for _, cid, message in BAD_LINES
     ]
+
+
+async def test_random_garbage_lines_each_get_one_error(served: Served, raw: RawClient) -> None:
+    rng = random.Random(20261122)
+    garbage = [
+        bytes(rng.randrange(256) for _ in range(rng.randrange(1, 300))).replace(b"\n", b"")
+        for _ in range(100)
+    ]
+    garbage = [line for line in garbage if line.strip()]
+    await raw.send(*garbage, STATUS)
+    for _ in garbage:
+        reply = await raw.reply()
+        assert (reply["type"], reply["code"]) == ("error", "bad_request")
+    assert (await raw.reply())["id"] == "ok"
 
 
 async def test_an_oversized_line_closes_only_its_own_connection(
