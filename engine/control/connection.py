@@ -31,8 +31,8 @@ from engine.control.lines import LineReader, LineTooLong
 from engine.control.outbox import ConnectionInfo, Outbox, ReplySink
 from engine.control.parse import BadLine, parse_request
 from engine.logging import EventLog
-from messages.control import ControlRequest
-from messages.control_replies import ControlReply, ErrorReply
+from messages.control import ControlRequest, ErrorCode
+from messages.control_replies import ErrorReply
 from messages.events import (
     ClientCloseReason,
     ClientDisconnected,
@@ -153,7 +153,7 @@ class ControlConnection:
                 connection=self.info.connection, peer=self.info.peer, id=bad.id, message=bad.message
             )
         )
-        self._send_final(ErrorReply(id=bad.id, code="bad_request", message=bad.message))
+        self._send_bad_line_error(bad)
 
     # ------------------------------------------------------------------ requests
     async def _serve(self, request: ControlRequest, entry: _InFlight) -> None:
@@ -164,42 +164,31 @@ class ControlConnection:
                 try:
                     await self._handler.handle(request, sink)
                 except RequestFailed as exc:
-                    if not sink.finished:
-                        self._send_final(ErrorReply(id=request.id, code=exc.code, message=exc.message), sink)
+                    self._finish(sink, exc.code, exc.message)
                 except ClientGone:
                     # The connection is already cancelling this request; its final reply follows below.
                     entry.scope.cancel()
                 except Exception as exc:  # noqa: BLE001 -- a handler bug must not take the server down
                     self._handler_crashed(request, exc)
-                    if not sink.finished:
-                        self._send_final(
-                            ErrorReply(
-                                id=request.id, code="internal", message=f"internal error in {op}: {exc!r}"
-                            )
-                        )
-            if not sink.finished:
-                if entry.cancel_message is not None:
-                    self._send_final(
-                        ErrorReply(id=request.id, code="cancelled", message=entry.cancel_message)
-                    )
-                else:
-                    self._send_final(
-                        ErrorReply(id=request.id, code="internal", message=f"the node sent no reply to {op}")
-                    )
+                    self._finish(sink, "internal", f"internal error in {op}: {exc!r}")
+            if entry.cancel_message is not None:
+                self._finish(sink, "cancelled", entry.cancel_message)
+            else:
+                self._finish(sink, "internal", f"the node sent no reply to {op}")
         finally:
             del self._in_flight[request.id]
             if self._close_reason is not None and not self._in_flight:
                 self._outbox.finish()
             self._outbox.notify()
 
-    def _send_final(self, reply: ControlReply, sink: ReplySink | None = None) -> None:
-        """Queue a final reply unless the client is gone (through the request's sink when it has one)."""
-        if not self._outbox.accepting:
-            return
-        if sink is None:
-            self._outbox.put(reply, final=True)
-        else:
-            sink.send(reply)
+    def _finish(self, sink: ReplySink, code: ErrorCode, message: str) -> None:
+        """End the request with an error reply, unless it has its final reply or its client is gone."""
+        if not sink.finished and self._outbox.accepting:
+            sink.send(ErrorReply(id=sink.request.id, code=code, message=message))
+
+    def _send_bad_line_error(self, bad: BadLine) -> None:
+        if self._outbox.accepting:
+            self._outbox.put(ErrorReply(id=bad.id, code="bad_request", message=bad.message), final=True)
 
     def _handler_crashed(self, request: ControlRequest, exc: Exception) -> None:
         self._log.emit(

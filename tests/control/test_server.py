@@ -264,6 +264,8 @@ async def test_handler_failures_become_error_replies(
     replies = await raw.by_id(2)
     assert replies["h"] == {"type": "error", "id": "h", "code": code, "message": message, "request_id": None}
     assert replies["ok"]["type"] == "result"
+    await raw.send(b'{"op":"status","id":"after"}')
+    assert (await raw.reply())["id"] == "after"  # no second final reply for "h"
     crashes = [event for event in served.events() if isinstance(event, ControlHandlerError)]
     assert len(crashes) == (prompt == "crash")
 
