@@ -251,8 +251,11 @@ class ControlClient:
         finished = False
         try:
             line = self._encoder.encode(request) + b"\n"
-            async with self._send_lock:
-                await self._stream.send_all(line)
+            try:
+                async with self._send_lock:
+                    await self._stream.send_all(line)
+            except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
+                raise ControlConnectionClosed(f"cannot send {op} {request.id!r}: {exc!r}") from exc
             while True:
                 try:
                     reply = await pending.receive.receive()

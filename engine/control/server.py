@@ -183,7 +183,10 @@ def _bound_address(address: Address, listener: trio.SocketListener) -> Address:
 
 
 def _peer(stream: trio.SocketStream) -> str:
-    name = stream.socket.getpeername()
+    try:
+        name = stream.socket.getpeername()
+    except OSError:  # the client already reset the connection; its reader will see that
+        return "gone"
     if isinstance(name, tuple):
         host = f"[{name[0]}]" if ":" in name[0] else name[0]
         return f"{host}:{name[1]}"
