@@ -116,7 +116,7 @@ class Executor:
                 hidden = self._input_embeddings(sequences)
             else:
                 assert hidden is not None
-                hidden = hidden.to(device=model.device, dtype=model.dtype)
+                hidden = hidden.to(device=model.device, dtype=model.dtype, copy=True)
             cos, sin = model.rotary.cos_sin(self._prefill_positions(sequences), model.dtype)
             spans = [SequenceSpan(s.block_table, s.cached_tokens, s.num_tokens) for s in sequences]
             plan = plan_prefill(self.cache, spans)

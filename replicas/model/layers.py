@@ -1,8 +1,9 @@
 """The weights of one decoder layer and the element-wise pieces of a layer (norm, MLP).
 
 Weights are stored fused where that saves a matrix product: q, k and v projections as one
-`[q + 2 kv, hidden]` matrix, gate and up projections as one `[2 intermediate, hidden]` matrix. They are
-read-only after loading, so any number of threads may run layers concurrently.
+`[q + 2 kv, hidden]` matrix, gate and up projections as one `[2 intermediate, hidden]` matrix, each a
+`Linear` (which picks the kernel). They are read-only after loading, so any number of threads may run
+layers concurrently.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from replicas.model.config import ModelConfig
+from replicas.model.linear import Linear
 
 
 @final
@@ -22,33 +24,15 @@ class LayerWeights:
     """One decoder layer, in the model's dtype and on its device."""
 
     input_norm: torch.Tensor
-    qkv_weight: torch.Tensor
-    qkv_bias: torch.Tensor | None
-    o_weight: torch.Tensor
-    o_bias: torch.Tensor | None
+    qkv: Linear
+    o: Linear
     post_norm: torch.Tensor
-    gate_up_weight: torch.Tensor
-    gate_up_bias: torch.Tensor | None
-    down_weight: torch.Tensor
-    down_bias: torch.Tensor | None
+    gate_up: Linear
+    down: Linear
 
     def nbytes(self) -> int:
-        return sum(
-            t.numel() * t.element_size()
-            for t in (
-                self.input_norm,
-                self.qkv_weight,
-                self.qkv_bias,
-                self.o_weight,
-                self.o_bias,
-                self.post_norm,
-                self.gate_up_weight,
-                self.gate_up_bias,
-                self.down_weight,
-                self.down_bias,
-            )
-            if t is not None
-        )
+        norms = (self.input_norm.numel() + self.post_norm.numel()) * self.input_norm.element_size()
+        return norms + sum(p.nbytes for p in (self.qkv, self.o, self.gate_up, self.down))
 
 
 def expected_layer_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -78,7 +62,9 @@ def expected_layer_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def fuse_layer(tensors: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device) -> LayerWeights:
+def fuse_layer(
+    tensors: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device, *, fast_kernels: bool = True
+) -> LayerWeights:
     """Build `LayerWeights` from HF-named tensors (shapes already checked against `expected_layer_shapes`)."""
 
     def get(name: str) -> torch.Tensor:
@@ -92,20 +78,23 @@ def fuse_layer(tensors: dict[str, torch.Tensor], dtype: torch.dtype, device: tor
     def optional(name: str) -> torch.Tensor | None:
         return get(name) if name in tensors else None
 
-    qkv = cat("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight")
-    gate_up = cat("mlp.gate_proj.weight", "mlp.up_proj.weight")
-    assert qkv is not None and gate_up is not None
+    def linear(weight: torch.Tensor | None, bias: torch.Tensor | None) -> Linear:
+        assert weight is not None
+        return Linear(weight, bias, allow_packing=fast_kernels)
+
+    attn = "self_attn."
     return LayerWeights(
         input_norm=get("input_layernorm.weight"),
-        qkv_weight=qkv,
-        qkv_bias=cat("self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"),
-        o_weight=get("self_attn.o_proj.weight"),
-        o_bias=optional("self_attn.o_proj.bias"),
+        qkv=linear(
+            cat(f"{attn}q_proj.weight", f"{attn}k_proj.weight", f"{attn}v_proj.weight"),
+            cat(f"{attn}q_proj.bias", f"{attn}k_proj.bias", f"{attn}v_proj.bias"),
+        ),
+        o=linear(get(f"{attn}o_proj.weight"), optional(f"{attn}o_proj.bias")),
         post_norm=get("post_attention_layernorm.weight"),
-        gate_up_weight=gate_up,
-        gate_up_bias=cat("mlp.gate_proj.bias", "mlp.up_proj.bias"),
-        down_weight=get("mlp.down_proj.weight"),
-        down_bias=optional("mlp.down_proj.bias"),
+        gate_up=linear(
+            cat("mlp.gate_proj.weight", "mlp.up_proj.weight"), cat("mlp.gate_proj.bias", "mlp.up_proj.bias")
+        ),
+        down=linear(get("mlp.down_proj.weight"), optional("mlp.down_proj.bias")),
     )
 
 
@@ -117,8 +106,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 
 
-def mlp(x: torch.Tensor, layer: LayerWeights) -> torch.Tensor:
-    """SwiGLU: `down(silu(gate(x)) * up(x))` with gate and up as one matrix product."""
-    gate_up = F.linear(x, layer.gate_up_weight, layer.gate_up_bias)
-    gate, up = gate_up.chunk(2, dim=-1)
-    return F.linear(F.silu(gate) * up, layer.down_weight, layer.down_bias)
+def swiglu(x: torch.Tensor, layer: LayerWeights) -> torch.Tensor:
+    """`silu(gate(x)) * up(x)` with gate and up as one matrix product, activated in place."""
+    gate, up = layer.gate_up(x).chunk(2, dim=-1)
+    return F.silu(gate, inplace=True).mul_(up)

@@ -20,7 +20,8 @@ import torch.nn.functional as F
 from replicas.model.config import ModelConfig
 from replicas.model.errors import InvalidBatchError, TokenIdError
 from replicas.model.kv_cache import DEFAULT_KV_BLOCK_SIZE, kv_layout
-from replicas.model.layers import LayerWeights, mlp, rms_norm
+from replicas.model.layers import LayerWeights, rms_norm, swiglu
+from replicas.model.linear import Linear
 from replicas.model.rope import Rotary, apply_rotary
 from transport.storage import torch_dtype
 
@@ -43,20 +44,20 @@ class Model:
         *,
         device: str | torch.device = "cpu",
         embed_tokens: torch.Tensor,
-        final_norm: torch.Tensor | None = None,
-        lm_head: torch.Tensor | None = None,
         tokenizer: Tokenizer | None = None,
         vision: VisionEncoder | None = None,
         eos_token_ids: Collection[int] = (),
         name: str = "model",
+        fast_kernels: bool = True,
     ) -> None:
         self.config = config
         self.name = name
         self.device = torch.device(device)
         self.dtype = torch_dtype(config.dtype)
         self.embed_tokens = embed_tokens
-        self.final_norm = final_norm
-        self.lm_head = lm_head
+        self.fast_kernels = fast_kernels
+        self.final_norm: torch.Tensor | None = None
+        self.lm_head: Linear | None = None
         self.layers: list[LayerWeights | None] = [None] * config.num_layers
         self.rotary = Rotary(config.rope, config.head_dim, self.device)
         self.tokenizer = tokenizer
@@ -69,8 +70,9 @@ class Model:
         self.layers[index] = weights
 
     def set_head(self, final_norm: torch.Tensor, lm_head: torch.Tensor) -> None:
+        """Install the final norm and the output projection (`lm_head` may be `embed_tokens`: tied)."""
         self.final_norm = final_norm
-        self.lm_head = lm_head
+        self.lm_head = Linear(lm_head, None, allow_packing=self.fast_kernels)
 
     @property
     def loaded_layers(self) -> int:
@@ -90,10 +92,13 @@ class Model:
         return kv_layout(self.config, block_size)
 
     def parameter_bytes(self) -> int:
-        tensors = [self.embed_tokens, self.final_norm]
-        if self.lm_head is not None and self.lm_head.data_ptr() != self.embed_tokens.data_ptr():
-            tensors.append(self.lm_head)
-        total = sum(t.numel() * t.element_size() for t in tensors if t is not None)
+        """Bytes of the weights loaded so far (a tied, unpacked output head is not counted twice)."""
+        total = self.embed_tokens.numel() * self.embed_tokens.element_size()
+        if self.final_norm is not None:
+            total += self.final_norm.numel() * self.final_norm.element_size()
+        head = self.lm_head
+        if head is not None and (head.packed or head.weight.data_ptr() != self.embed_tokens.data_ptr()):
+            total += head.nbytes
         return total + sum(layer.nbytes() for layer in self.layers if layer is not None)
 
     # ------------------------------------------------------------------ compute
@@ -124,7 +129,11 @@ class Model:
     def run_layers(
         self, hidden: torch.Tensor, layers: range, cos: torch.Tensor, sin: torch.Tensor, attend: Attend
     ) -> torch.Tensor:
-        """Run `hidden` `[N, hidden]` through `layers`; `attend` reads and writes the paged KV cache."""
+        """Run `hidden` `[N, hidden]` through `layers`; `attend` reads and writes the paged KV cache.
+
+        Takes ownership of `hidden`: the residual stream is updated in place (fewer large temporaries,
+        which on CPU cost page faults), and the same tensor is returned.
+        """
         config = self.config
         n_tokens = hidden.shape[0]
         heads, kv_heads, head_dim = config.num_heads, config.num_kv_heads, config.head_dim
@@ -134,16 +143,15 @@ class Model:
             layer = self.layers[index]
             assert layer is not None
             x = rms_norm(hidden, layer.input_norm, eps)
-            q, k, v = F.linear(x, layer.qkv_weight, layer.qkv_bias).split(sizes, dim=-1)
+            q, k, v = layer.qkv(x).split(sizes, dim=-1)
             q = apply_rotary(q.view(n_tokens, heads, head_dim), cos, sin)
             k = apply_rotary(k.view(n_tokens, kv_heads, head_dim), cos, sin)
             attended = attend(q, k, v.view(n_tokens, kv_heads, head_dim), index)
-            hidden = hidden + F.linear(attended, layer.o_weight, layer.o_bias)
-            hidden = hidden + mlp(rms_norm(hidden, layer.post_norm, eps), layer)
+            hidden = layer.o.add_to(hidden, attended)
+            hidden = layer.down.add_to(hidden, swiglu(rms_norm(hidden, layer.post_norm, eps), layer))
         return hidden
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final norm and output head on `[B, hidden]` rows → float32 `[B, vocab]`."""
         assert self.final_norm is not None and self.lm_head is not None
-        normed = rms_norm(hidden, self.final_norm, self.config.rms_norm_eps)
-        return F.linear(normed, self.lm_head).float()
+        return self.lm_head(rms_norm(hidden, self.final_norm, self.config.rms_norm_eps)).float()

@@ -108,7 +108,12 @@ class ModelLoader:
     loaded so far (see `Model.loaded_layers`). Validation of config and file list happens in `__init__`."""
 
     def __init__(
-        self, directory: str | Path, *, dtype: ModelDType | None = None, device: str | torch.device = "cpu"
+        self,
+        directory: str | Path,
+        *,
+        dtype: ModelDType | None = None,
+        device: str | torch.device = "cpu",
+        fast_kernels: bool = True,
     ) -> None:
         self.directory = Path(directory)
         if not self.directory.is_dir():
@@ -132,31 +137,30 @@ class ModelLoader:
             tokenizer=tokenizer,
             eos_token_ids=self._generation_eos(),
             name=self.directory.name,
+            fast_kernels=fast_kernels,
         )
-        self.bytes_loaded = self._embed.numel() * self._embed.element_size()
+        self.fast_kernels = fast_kernels
 
     def steps(self) -> Iterator[LoadProgress]:
         """Load the rest, yielding after the embeddings, each layer and the head."""
         config = self.config
-        yield LoadProgress("embeddings", None, 0, config.num_layers, self.bytes_loaded)
+        yield LoadProgress("embeddings", None, 0, config.num_layers, self.model.parameter_bytes())
         shapes = expected_layer_shapes(config)
         for index in range(config.num_layers):
             prefix = f"model.layers.{index}."
             tensors = {name: self.files.read(prefix + name, shape) for name, shape in shapes.items()}
-            layer = fuse_layer(tensors, self.dtype, self.device)
-            self.model.set_layer(index, layer)
-            self.bytes_loaded += layer.nbytes()
-            yield LoadProgress("layer", index, index + 1, config.num_layers, self.bytes_loaded)
+            self.model.set_layer(
+                index, fuse_layer(tensors, self.dtype, self.device, fast_kernels=self.fast_kernels)
+            )
+            yield LoadProgress("layer", index, index + 1, config.num_layers, self.model.parameter_bytes())
         norm = self._place(self.files.read("model.norm.weight", (config.hidden_size,)))
-        self.bytes_loaded += norm.numel() * norm.element_size()
         if config.tie_word_embeddings:
             head = self._embed
         else:
             head = self._place(self.files.read("lm_head.weight", (config.vocab_size, config.hidden_size)))
-            self.bytes_loaded += head.numel() * head.element_size()
         self.model.set_head(norm, head)
         self.files.close()
-        yield LoadProgress("head", None, config.num_layers, config.num_layers, self.bytes_loaded)
+        yield LoadProgress("head", None, config.num_layers, config.num_layers, self.model.parameter_bytes())
 
     def _place(self, tensor: torch.Tensor) -> torch.Tensor:
         return tensor.to(device=self.device, dtype=self.dtype).contiguous()
@@ -182,9 +186,13 @@ def load_model(
     dtype: ModelDType | None = None,
     device: str | torch.device = "cpu",
     progress: Callable[[LoadProgress], None] | None = None,
+    fast_kernels: bool = True,
 ) -> Model:
-    """Load a whole checkpoint (see `ModelLoader` to interleave serving with loading)."""
-    loader = ModelLoader(directory, dtype=dtype, device=device)
+    """Load a whole checkpoint (see `ModelLoader` to interleave serving with loading).
+
+    `fast_kernels=False` keeps every projection on `torch.nn.functional.linear` (see `replicas.model.linear`).
+    """
+    loader = ModelLoader(directory, dtype=dtype, device=device, fast_kernels=fast_kernels)
     for step in loader.steps():
         if progress is not None:
             progress(step)

@@ -59,7 +59,10 @@ class Rotary:
             self.axis_of_frequency = axis.to(device)
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """`positions` is `[N]` (1-D; for a 3-D model it means t = h = w) or `[N, 3]`; returns two `[N, head_dim]`."""
+        """`positions` `[N]` (1-D; for a 3-D model it means t = h = w) or `[N, 3]` → two `[N, head_dim // 2]`.
+
+        Only one half is returned: transformers' tables are `cat(freqs, freqs)`, both halves equal.
+        """
         if positions.dim() == 2:
             if self.axis_of_frequency is None:
                 raise ValueError("3-D positions given to a model with 1-D rotary embeddings")
@@ -67,17 +70,22 @@ class Rotary:
             freqs = per_frequency * self.inv_freq
         else:
             freqs = positions[:, None].to(torch.float) * self.inv_freq
-        emb = torch.cat((freqs, freqs), dim=-1)
-        return emb.cos().to(dtype), emb.sin().to(dtype)
-
-
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+        return freqs.cos().to(dtype), freqs.sin().to(dtype)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """`x` is `[N, heads, head_dim]`, `cos`/`sin` `[N, head_dim]`."""
-    cos = cos[:, None, :]
-    sin = sin[:, None, :]
-    return (x * cos) + (rotate_half(x) * sin)
+    """`x` `[N, heads, head_dim]`, `cos`/`sin` `[N, head_dim // 2]` → a new contiguous tensor.
+
+    Computes transformers' `x * cos + rotate_half(x) * sin` half by half, without its temporaries:
+    first half `x1 * c - x2 * s`, second half `x2 * c + x1 * s`.
+    """
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    c, s = cos[:, None, :], sin[:, None, :]
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    first, second = out[..., :half], out[..., half:]
+    torch.mul(x1, c, out=first)
+    first.addcmul_(x2, s, value=-1)
+    torch.mul(x2, c, out=second)
+    second.addcmul_(x1, s)
+    return out

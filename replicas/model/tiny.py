@@ -42,9 +42,13 @@ TINY_CONFIG = ModelConfig(
 
 
 def tiny_model(
-    *, seed: int = TINY_SEED, dtype: ModelDType = "float32", device: str | torch.device = "cpu"
+    *,
+    seed: int = TINY_SEED,
+    dtype: ModelDType = "float32",
+    device: str | torch.device = "cpu",
+    fast_kernels: bool = True,
 ) -> Model:
-    """Build the tiny model (a few milliseconds; no files)."""
+    """Build the tiny model (a few milliseconds; no files). `fast_kernels=False` keeps plain `F.linear`."""
     config = msgspec.structs.replace(TINY_CONFIG, dtype=dtype)
     generator = torch.Generator(device="cpu").manual_seed(seed)
     target = torch.device(device)
@@ -74,7 +78,7 @@ def tiny_model(
             "mlp.up_proj.weight": normal(inter, hidden, std=1 / math.sqrt(hidden)),
             "mlp.down_proj.weight": normal(hidden, inter, std=0.5 / math.sqrt(inter)),
         }
-        layers.append(fuse_layer(tensors, model_dtype, target))
+        layers.append(fuse_layer(tensors, model_dtype, target, fast_kernels=fast_kernels))
     final_norm = 1.0 + normal(hidden, std=0.05)
     lm_head = normal(config.vocab_size, hidden, std=0.5)
     vision_seed = int(torch.randint(0, 2**31 - 1, (1,), generator=generator).item())
@@ -89,6 +93,7 @@ def tiny_model(
         tokenizer=ByteTokenizer(config.vocab_size),
         vision=vision,
         name="tiny",
+        fast_kernels=fast_kernels,
     )
     for index, layer in enumerate(layers):
         model.set_layer(index, layer)

@@ -20,10 +20,13 @@ def _prompts(seed: int) -> list[list[int]]:
     return [torch.randint(0, VOCAB, (n,), generator=generator).tolist() for n in PROMPT_LENGTHS]
 
 
+@pytest.mark.parametrize("fast_kernels", [True, False], ids=["fast-kernels", "plain-linear"])
 @pytest.mark.parametrize("name", ["llama", "qwen2", "llama-sharded"])
-def test_batched_prefill_logits_match_hf(name: str, hf_checkpoints: dict[str, tuple[Path, Any]]) -> None:
+def test_batched_prefill_logits_match_hf(
+    name: str, fast_kernels: bool, hf_checkpoints: dict[str, tuple[Path, Any]]
+) -> None:
     directory, hf = hf_checkpoints[name]
-    model = load_model(directory)
+    model = load_model(directory, fast_kernels=fast_kernels)
     cache = KVCache.create(model.config, 32)
     prompts = _prompts(7)
     tables = [allocate(cache, f"r{i}", len(p)) for i, p in enumerate(prompts)]
@@ -71,8 +74,8 @@ def test_sharded_checkpoint_has_an_index_and_loads_the_same_weights(
     assert (sharded / INDEX_FILE).is_file()
     assert len(list(sharded.glob("*.safetensors"))) > 2
     progress = []
-    whole = load_model(hf_checkpoints["llama"][0])
-    parts = load_model(sharded, progress=progress.append)
+    whole = load_model(hf_checkpoints["llama"][0], fast_kernels=False)
+    parts = load_model(sharded, progress=progress.append, fast_kernels=False)
     assert [(p.stage, p.layer) for p in progress] == [
         ("embeddings", None),
         *[("layer", i) for i in range(3)],
@@ -81,8 +84,9 @@ def test_sharded_checkpoint_has_an_index_and_loads_the_same_weights(
     assert progress[-1].bytes_loaded == parts.parameter_bytes()
     for mine, theirs in zip(whole.layers, parts.layers):
         assert mine is not None and theirs is not None
-        assert torch.equal(mine.qkv_weight, theirs.qkv_weight)
-        assert torch.equal(mine.down_weight, theirs.down_weight)
+        assert torch.equal(mine.qkv.weight, theirs.qkv.weight)
+        assert torch.equal(mine.down.weight, theirs.down.weight)
+    assert [p.bytes_loaded for p in progress] == sorted({p.bytes_loaded for p in progress})
 
 
 def test_tokenizer_json_encodes_and_decodes_through_the_loader(
