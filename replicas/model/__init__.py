@@ -27,7 +27,7 @@ from replicas.model.executor import DecodeResult, DecodeSequence, Executor, Pref
 from replicas.model.kv_cache import DEFAULT_KV_BLOCK_SIZE, KVCache, kv_layout, layer_buffer_names
 from replicas.model.llama import Model
 from replicas.model.loader import LoadProgress, ModelLoader, load_model
-from replicas.model.prompt import PromptLayout, layout_prompt
+from replicas.model.prompt import IMAGE_PLACEHOLDER, PromptLayout, encode_prompt, layout_prompt
 from replicas.model.reference import generate_in_one_piece
 from replicas.model.sampling import (
     GREEDY,
@@ -45,12 +45,15 @@ from replicas.model.vision import (
     ImageGrid,
     VisionEncoder,
     check_image,
+    embedding_layout,
+    embedding_rows,
     image_grid,
 )
 
 __all__ = [
     "DEFAULT_KV_BLOCK_SIZE",
     "GREEDY",
+    "IMAGE_PLACEHOLDER",
     "PATCH_SIZE",
     "TINY_CONFIG",
     "ByteTokenizer",
@@ -85,6 +88,9 @@ __all__ = [
     "VisionEncoder",
     "WeightShapeError",
     "check_image",
+    "embedding_layout",
+    "embedding_rows",
+    "encode_prompt",
     "finish_reason",
     "generate_in_one_piece",
     "image_grid",

@@ -17,7 +17,10 @@ from typing import final
 import torch
 
 from replicas.model.errors import InvalidBatchError
+from replicas.model.tokenizer import Tokenizer
 from replicas.model.vision import ImageGrid, image_positions
+
+IMAGE_PLACEHOLDER = "<image>"
 
 
 @final
@@ -76,3 +79,27 @@ def layout_prompt(
         image_spans=tuple(spans),
         next_position=next_position,
     )
+
+
+def encode_prompt(tokenizer: Tokenizer, text: str, image_count: int, image_token_id: int | None) -> list[int]:
+    """Token ids of a text prompt with one image marker per image.
+
+    Each `<image>` in `text` marks where the next image goes; a prompt without any puts all images
+    first (after the tokenizer's leading special tokens). Special tokens are added once, at the start.
+    """
+    markers = text.count(IMAGE_PLACEHOLDER)
+    if image_count and image_token_id is None:
+        raise InvalidBatchError(f"this model takes text only; the request has {image_count} images")
+    if markers and markers != image_count:
+        raise InvalidBatchError(
+            f"prompt has {markers} {IMAGE_PLACEHOLDER} markers but {image_count} images were given"
+        )
+    if not markers:
+        text = IMAGE_PLACEHOLDER * image_count + text
+    first, *rest = text.split(IMAGE_PLACEHOLDER)
+    ids = tokenizer.encode(first)
+    for piece in rest:
+        assert image_token_id is not None
+        ids.append(image_token_id)
+        ids.extend(tokenizer.encode(piece, add_special_tokens=False))
+    return ids

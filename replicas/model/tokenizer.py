@@ -21,7 +21,7 @@ class Tokenizer(Protocol):
     @property
     def vocab_size(self) -> int: ...
 
-    def encode(self, text: str) -> list[int]: ...
+    def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]: ...
 
     def decode(self, token_ids: Sequence[int]) -> str: ...
 
@@ -30,8 +30,8 @@ class Tokenizer(Protocol):
 class ByteTokenizer:
     """Ids 0–255 are bytes; then `<bos>`, `<eos>`, `<image>` (one per image patch row), `<pad>`.
 
-    `encode` prepends `<bos>`; `decode` drops the special ids and decodes the bytes as UTF-8 with
-    replacement characters for invalid sequences.
+    `encode` prepends `<bos>` (unless `add_special_tokens=False`); `decode` drops the special ids and
+    decodes the bytes as UTF-8 with replacement characters for invalid sequences.
     """
 
     BOS = 256
@@ -49,8 +49,9 @@ class ByteTokenizer:
     def vocab_size(self) -> int:
         return self._vocab_size
 
-    def encode(self, text: str) -> list[int]:
-        return [self.BOS, *text.encode("utf-8")]
+    def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+        prefix = [self.BOS] if add_special_tokens else []
+        return [*prefix, *text.encode("utf-8")]
 
     def decode(self, token_ids: Sequence[int]) -> str:
         for token in token_ids:
@@ -77,8 +78,8 @@ class HFTokenizer:
     def vocab_size(self) -> int:
         return int(self._impl.get_vocab_size(with_added_tokens=True))
 
-    def encode(self, text: str) -> list[int]:
-        return list(self._impl.encode(text).ids)
+    def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+        return list(self._impl.encode(text, add_special_tokens=add_special_tokens).ids)
 
     def decode(self, token_ids: Sequence[int]) -> str:
         for token in token_ids:

@@ -25,9 +25,24 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from messages.layout import BufferSpec, PoolLayout
 from replicas.model.errors import ImageSizeError
 
 PATCH_SIZE = 16
+DEFAULT_EMBEDDING_BLOCK_SIZE = 128
+
+
+def embedding_layout(hidden_size: int, block_size: int = DEFAULT_EMBEDDING_BLOCK_SIZE) -> PoolLayout:
+    """The node's embedding pool layout (DESIGN §4): per row `embeds [hidden] float32`, `token_ids [] int64`,
+    `positions [3] int64` — exactly the fields of `ImageEmbedding`."""
+    return PoolLayout(
+        block_size=block_size,
+        buffers=(
+            BufferSpec(name="embeds", shape=(hidden_size,), dtype="float32"),
+            BufferSpec(name="token_ids", shape=(), dtype="int64"),
+            BufferSpec(name="positions", shape=(3,), dtype="int64"),
+        ),
+    )
 
 
 @final
@@ -46,10 +61,18 @@ class ImageGrid(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
 @final
 @dataclass(frozen=True, slots=True)
 class ImageEmbedding:
+    """One image's rows: `embeds` `[rows, hidden]` float32, `token_ids` `[rows]` int64 (the image token),
+    `positions` `[rows, 3]` int64 grid coordinates; `grid` is the per-image header."""
+
     grid: ImageGrid
     embeds: torch.Tensor
     token_ids: torch.Tensor
     positions: torch.Tensor
+
+
+def embedding_rows(embedding: ImageEmbedding) -> dict[str, torch.Tensor]:
+    """An image's rows as the buffers of `embedding_layout` (ready for `PoolStorage.scatter`)."""
+    return {"embeds": embedding.embeds, "token_ids": embedding.token_ids, "positions": embedding.positions}
 
 
 @final
@@ -157,7 +180,7 @@ class VisionEncoder:
         x = x + F.linear(F.silu(gate) * up, self.down_weight)
         embeds = F.linear(_norm(x), self.proj_weight).contiguous()
         positions = image_positions(grid)
-        token_ids = torch.full((grid.rows,), self.image_token_id, dtype=torch.int64)
+        token_ids = torch.full((grid.rows,), self.image_token_id, dtype=torch.int64, device=self.device)
         return ImageEmbedding(
             grid=grid, embeds=embeds, token_ids=token_ids, positions=positions.to(self.device)
         )

@@ -251,3 +251,20 @@ def test_kv_layout_is_what_the_pool_storage_holds(tiny: Model) -> None:
     assert cache.storage.tensors["k3"].shape == (3, 16, 2, 32)
     assert cache.storage.layout == layout
     assert layout.bytes_per_token == 4 * 2 * 2 * 32 * 4
+
+
+async def test_replicas_sharing_one_model_run_concurrently_in_threads(tiny: Model) -> None:
+    """As the node runs them: two executors (own caches, shared weights) off the event loop at once."""
+    import trio
+
+    prompts = _prompts(tiny)
+    reference = generate_batch(tiny, prompts, 8)
+    results: dict[int, list[list[int]]] = {}
+
+    async def replica(index: int) -> None:
+        results[index] = await trio.to_thread.run_sync(generate_batch, tiny, prompts, 8)
+
+    async with trio.open_nursery() as nursery:
+        for index in range(3):
+            nursery.start_soon(replica, index)
+    assert results == {0: reference, 1: reference, 2: reference}

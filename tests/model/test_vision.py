@@ -147,3 +147,72 @@ def test_3d_rotary_matches_qwen2_vl_and_reduces_to_1d_for_text(tiny: Model) -> N
     three_d = tiny.rotary.cos_sin(text[:, None].expand(-1, 3), torch.float32)
     assert torch.equal(one_d[0], three_d[0]) and torch.equal(one_d[1], three_d[1])
     assert Rotary(config.rope, config.head_dim, torch.device("cpu")).axes == 3
+
+
+def test_image_rows_through_an_embedding_pool_give_the_reference_output(tiny: Model) -> None:
+    """Encode → rows in a (fragmented) embedding pool → read back → language prefill: same tokens."""
+    from replicas.model import (
+        Executor,
+        KVCache,
+        PrefillSequence,
+        SamplingParams,
+        embedding_layout,
+        embedding_rows,
+        encode_prompt,
+        generate_in_one_piece,
+    )
+    from transport.blocks import BlockPool
+    from transport.storage import PoolStorage
+
+    assert tiny.vision is not None and tiny.tokenizer is not None
+    images = [_image(64, 32, seed=5), _image(16, 48, seed=6)]
+    prompt = encode_prompt(tiny.tokenizer, "first <image> then <image> end", 2, tiny.config.image_token_id)
+    reference = generate_in_one_piece(tiny, prompt, images=images, max_tokens=1)
+
+    layout = embedding_layout(tiny.config.hidden_size, block_size=4)
+    pool, storage = BlockPool(12, 4), PoolStorage(layout, 12)
+    pool.allocate(3, "filler")
+    encoded = tiny.vision.encode(images)
+    landed = []
+    for index, embedding in enumerate(encoded):
+        blocks = pool.allocate(pool.blocks_for(embedding.grid.rows), f"image{index}")
+        storage.scatter(blocks, 0, embedding_rows(embedding))
+        landed.append(storage.gather(blocks, 0, embedding.grid.rows))
+    assert torch.equal(landed[0]["positions"], encoded[0].positions)
+
+    layout_ = layout_prompt(prompt, [e.grid for e in encoded], tiny.config.image_token_id)
+    indices = torch.cat([torch.arange(start, start + rows) for start, rows in layout_.image_spans])
+    cache = KVCache.create(tiny.config, 8)
+    table = cache.pool.allocate(cache.blocks_for(len(layout_.token_ids)), "r")
+    result = Executor(tiny, cache).prefill(
+        [
+            PrefillSequence(
+                block_table=table,
+                token_ids=layout_.token_ids,
+                positions=layout_.positions,
+                embeds=torch.cat([rows["embeds"] for rows in landed]),
+                embed_indices=indices,
+                sampling=SamplingParams(),
+            )
+        ]
+    )
+    assert result.tokens == reference[:1]
+    spans = layout_.image_spans
+    for (start, rows), embedding in zip(spans, encoded):
+        assert torch.equal(
+            layout_.positions[start : start + rows] - layout_.positions[start], embedding.positions
+        )
+
+
+def test_encode_prompt_places_images_at_markers_or_first() -> None:
+    from replicas.model import ByteTokenizer, encode_prompt
+
+    tokenizer = ByteTokenizer()
+    image = ByteTokenizer.IMAGE
+    assert encode_prompt(tokenizer, "a<image>b", 1, image) == [256, 97, image, 98]
+    assert encode_prompt(tokenizer, "ab", 2, image) == [256, image, image, 97, 98]
+    assert encode_prompt(tokenizer, "ab", 0, image) == [256, 97, 98]
+    with pytest.raises(InvalidBatchError, match=r"^prompt has 2 <image> markers but 1 images were given$"):
+        encode_prompt(tokenizer, "<image><image>", 1, image)
+    with pytest.raises(InvalidBatchError, match=r"^this model takes text only; the request has 1 images$"):
+        encode_prompt(tokenizer, "x", 1, None)
