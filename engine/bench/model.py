@@ -17,7 +17,7 @@ import statistics
 import tempfile
 import time
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, final
 
 from engine.bench.rows import Row, row
 
@@ -161,6 +161,7 @@ def run(args: argparse.Namespace) -> Iterable[Row]:
         )
 
 
+@final
 class _Timing:
     def __init__(self, prefill_s: float, decode_s: float, tokens: list[list[int]]) -> None:
         self.prefill_s = prefill_s
@@ -204,6 +205,7 @@ def _zigzag_run(executor: Any, prompts: Any, new_tokens: int) -> _Timing:
     return _Timing(prefill_done - start, end - prefill_done, generated)
 
 
+@final
 class _Stamps:
     """A transformers streamer that only records when each put happened."""
 

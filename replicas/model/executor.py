@@ -6,6 +6,10 @@ Different executors (different caches) may run concurrently on the same model; o
 called from two threads at once. A call that raises has validated its inputs first: nothing is written
 to the cache when a `ModelInputError` is raised. Block allocation is the caller's job: before each call,
 every sequence's block table must hold `cached_tokens + new tokens` tokens (`KVCache.blocks_for`).
+
+Cancellation: a call cannot be interrupted. Run it with `trio.to_thread.run_sync` without abandoning
+it on cancel, so a cancelled replica waits for the call to return before it frees the request's blocks —
+the executor never writes into a block after the allocator gave it to someone else.
 """
 
 from __future__ import annotations

@@ -102,9 +102,12 @@ class KVCache:
                 f"{what}: {tokens} tokens need {self.blocks_for(tokens)} blocks of {self.block_size}, "
                 f"the block table has {len(block_table)}"
             )
-        for block_id in block_table:
-            if not 0 <= block_id < self.num_blocks:
-                raise InvalidBatchError(f"{what}: block id {block_id} outside [0, {self.num_blocks})")
+        if not block_table:
+            return
+        low, high = min(block_table), max(block_table)
+        if low < 0 or high >= self.num_blocks:
+            bad = low if low < 0 else high
+            raise InvalidBatchError(f"{what}: block id {bad} outside [0, {self.num_blocks})")
 
     # ------------------------------------------------------------------ export / import
     def export_kv(self, block_table: Sequence[int], tokens: int, layers: range) -> dict[str, torch.Tensor]:

@@ -3,7 +3,7 @@
 Same seed → same weights on every machine: every tensor is drawn in float32 on CPU from one
 `torch.Generator`, in a fixed order, then cast and moved. The output head is scaled so logits are sharp
 (top-2 gaps of several units), which keeps greedy ties — and so replica-to-replica differences — rare.
-About 0.75 M parameters (3 MB in float32); a context of 32 768 tokens.
+About 0.66 M parameters (2.6 MB in float32); a context of 32 768 tokens.
 """
 
 from __future__ import annotations

@@ -41,12 +41,13 @@ def test_batched_prefill_logits_match_hf(
         assert result.tokens[row] == int(reference.argmax())
 
 
+@pytest.mark.parametrize("fast_kernels", [True, False], ids=["fast-kernels", "plain-linear"])
 @pytest.mark.parametrize("name", ["llama", "qwen2"])
 def test_greedy_generation_matches_hf_generate(
-    name: str, hf_checkpoints: dict[str, tuple[Path, Any]]
+    name: str, fast_kernels: bool, hf_checkpoints: dict[str, tuple[Path, Any]]
 ) -> None:
     directory, hf = hf_checkpoints[name]
-    model = load_model(directory)
+    model = load_model(directory, fast_kernels=fast_kernels)
     prompts = _prompts(11)
     ours = generate_batch(model, prompts, 32)
     for prompt, generated in zip(prompts, ours):
