@@ -25,6 +25,7 @@ from replicas.model.errors import (
 )
 from replicas.model.executor import DecodeResult, DecodeSequence, Executor, PrefillResult, PrefillSequence
 from replicas.model.kv_cache import DEFAULT_KV_BLOCK_SIZE, KVCache, kv_layout, layer_buffer_names
+from replicas.model.linear import Kernels, Linear
 from replicas.model.llama import Model
 from replicas.model.loader import LoadProgress, ModelLoader, load_model
 from replicas.model.prompt import IMAGE_PLACEHOLDER, PromptLayout, encode_prompt, layout_prompt
@@ -68,6 +69,8 @@ __all__ = [
     "ImageSizeError",
     "InvalidBatchError",
     "KVCache",
+    "Kernels",
+    "Linear",
     "LoadProgress",
     "Model",
     "ModelConfig",

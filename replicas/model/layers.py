@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from replicas.model.config import ModelConfig
-from replicas.model.linear import Linear
+from replicas.model.linear import Kernels, Linear
 
 
 @final
@@ -63,7 +63,7 @@ def expected_layer_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
 
 
 def fuse_layer(
-    tensors: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device, *, fast_kernels: bool = True
+    tensors: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device, *, kernels: Kernels = "auto"
 ) -> LayerWeights:
     """Build `LayerWeights` from HF-named tensors (shapes already checked against `expected_layer_shapes`)."""
 
@@ -80,7 +80,7 @@ def fuse_layer(
 
     def linear(weight: torch.Tensor | None, bias: torch.Tensor | None) -> Linear:
         assert weight is not None
-        return Linear(weight, bias, allow_packing=fast_kernels)
+        return Linear(weight, bias, kernels=kernels)
 
     attn = "self_attn."
     return LayerWeights(

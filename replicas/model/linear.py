@@ -2,22 +2,29 @@
 
 On CPU, when PyTorch has oneDNN, a weight is reordered once at load into oneDNN's blocked layout and
 multiplied with oneDNN's linear primitive (what PyTorch's own compiler does for frozen CPU models). For
-the skinny products of decode (a few rows) this is two to three times faster than the default BLAS path
-on CPUs where that path is weak, and never slower in our measurements for prefill-sized products. Where
-that is unavailable — CUDA, a dtype the CPU cannot run in oneDNN, a PyTorch without the ops — the weight
-stays a plain tensor and `torch.nn.functional.linear` runs. The choice is made per weight at load, with
-a self-check against `F.linear` on a small input; the result is read-only and thread-safe.
+the skinny products of decode (a few rows) this is up to two to three times faster than the default
+BLAS path on CPUs where that path is weak (measured on AMD EPYC); from `DENSE_FROM_ROWS` rows on
+(prefill) the BLAS path runs. Where oneDNN is unavailable — CUDA, a dtype the CPU cannot run in oneDNN,
+a PyTorch without the ops — or the weight is small (a oneDNN call has a fixed cost of some 40-50 µs),
+the weight stays a plain tensor and `torch.nn.functional.linear` runs. The choice is made per weight at
+load, with a self-check against `F.linear` on a small input; the result is read-only and thread-safe.
 """
 
 from __future__ import annotations
 
-from typing import final
+from typing import Literal, final
 
 import torch
 import torch.nn.functional as F
 
+# "auto": oneDNN for large CPU float32 weights; "packed": oneDNN wherever it runs (tests, experiments);
+# "plain": `F.linear` everywhere.
+Kernels = Literal["auto", "packed", "plain"]
+
 # The reorder is tuned for a typical decode batch; any batch size works with the reordered weight.
 PACKING_BATCH_HINT = 16
+# A oneDNN call costs some 40-50 µs more than a BLAS call; it pays off only for weights at least this large.
+PACK_MIN_ELEMENTS = 1 << 20
 # From this many rows on (prefill) the BLAS path is as fast or faster; the weight is turned back into a
 # plain tensor for the call (a copy of the weight, about 1 % of such a product's time).
 DENSE_FROM_ROWS = 512
@@ -38,15 +45,15 @@ class Linear:
 
     __slots__ = ("bias", "in_features", "out_features", "packed", "weight")
 
-    def __init__(
-        self, weight: torch.Tensor, bias: torch.Tensor | None, *, allow_packing: bool = True
-    ) -> None:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, *, kernels: Kernels = "auto") -> None:
         self.out_features, self.in_features = int(weight.shape[0]), int(weight.shape[1])
         self.bias = bias
         self.weight = weight
         self.packed = False
+        large_enough = kernels == "packed" or weight.numel() >= PACK_MIN_ELEMENTS
         if (
-            allow_packing
+            kernels != "plain"
+            and large_enough
             and weight.device.type == "cpu"
             and weight.dtype == torch.float32
             and _onednn_ops_present()

@@ -21,7 +21,7 @@ from replicas.model.config import ModelConfig
 from replicas.model.errors import InvalidBatchError, TokenIdError
 from replicas.model.kv_cache import DEFAULT_KV_BLOCK_SIZE, kv_layout
 from replicas.model.layers import LayerWeights, rms_norm, swiglu
-from replicas.model.linear import Linear
+from replicas.model.linear import Kernels, Linear
 from replicas.model.rope import Rotary, apply_rotary
 from transport.storage import torch_dtype
 
@@ -48,14 +48,14 @@ class Model:
         vision: VisionEncoder | None = None,
         eos_token_ids: Collection[int] = (),
         name: str = "model",
-        fast_kernels: bool = True,
+        kernels: Kernels = "auto",
     ) -> None:
         self.config = config
         self.name = name
         self.device = torch.device(device)
         self.dtype = torch_dtype(config.dtype)
         self.embed_tokens = embed_tokens
-        self.fast_kernels = fast_kernels
+        self.kernels = kernels
         self.final_norm: torch.Tensor | None = None
         self.lm_head: Linear | None = None
         self.layers: list[LayerWeights | None] = [None] * config.num_layers
@@ -72,7 +72,7 @@ class Model:
     def set_head(self, final_norm: torch.Tensor, lm_head: torch.Tensor) -> None:
         """Install the final norm and the output projection (`lm_head` may be `embed_tokens`: tied)."""
         self.final_norm = final_norm
-        self.lm_head = Linear(lm_head, None, allow_packing=self.fast_kernels)
+        self.lm_head = Linear(lm_head, None, kernels=self.kernels)
 
     @property
     def loaded_layers(self) -> int:

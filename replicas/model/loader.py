@@ -22,6 +22,7 @@ from safetensors import SafetensorError, safe_open
 from replicas.model.config import ModelConfig, ModelDType, read_hf_config
 from replicas.model.errors import CheckpointError, WeightShapeError
 from replicas.model.layers import expected_layer_shapes, fuse_layer
+from replicas.model.linear import Kernels
 from replicas.model.llama import Model
 from replicas.model.tokenizer import HFTokenizer
 from transport.storage import torch_dtype
@@ -113,7 +114,7 @@ class ModelLoader:
         *,
         dtype: ModelDType | None = None,
         device: str | torch.device = "cpu",
-        fast_kernels: bool = True,
+        kernels: Kernels = "auto",
     ) -> None:
         self.directory = Path(directory)
         if not self.directory.is_dir():
@@ -137,9 +138,9 @@ class ModelLoader:
             tokenizer=tokenizer,
             eos_token_ids=self._generation_eos(),
             name=self.directory.name,
-            fast_kernels=fast_kernels,
+            kernels=kernels,
         )
-        self.fast_kernels = fast_kernels
+        self.kernels = kernels
 
     def steps(self) -> Iterator[LoadProgress]:
         """Load the rest, yielding after the embeddings, each layer and the head."""
@@ -149,9 +150,7 @@ class ModelLoader:
         for index in range(config.num_layers):
             prefix = f"model.layers.{index}."
             tensors = {name: self.files.read(prefix + name, shape) for name, shape in shapes.items()}
-            self.model.set_layer(
-                index, fuse_layer(tensors, self.dtype, self.device, fast_kernels=self.fast_kernels)
-            )
+            self.model.set_layer(index, fuse_layer(tensors, self.dtype, self.device, kernels=self.kernels))
             yield LoadProgress("layer", index, index + 1, config.num_layers, self.model.parameter_bytes())
         norm = self._place(self.files.read("model.norm.weight", (config.hidden_size,)))
         if config.tie_word_embeddings:
@@ -186,13 +185,13 @@ def load_model(
     dtype: ModelDType | None = None,
     device: str | torch.device = "cpu",
     progress: Callable[[LoadProgress], None] | None = None,
-    fast_kernels: bool = True,
+    kernels: Kernels = "auto",
 ) -> Model:
     """Load a whole checkpoint (see `ModelLoader` to interleave serving with loading).
 
-    `fast_kernels=False` keeps every projection on `torch.nn.functional.linear` (see `replicas.model.linear`).
+    `kernels` picks the projection kernels (see `replicas.model.linear.Kernels`).
     """
-    loader = ModelLoader(directory, dtype=dtype, device=device, fast_kernels=fast_kernels)
+    loader = ModelLoader(directory, dtype=dtype, device=device, kernels=kernels)
     for step in loader.steps():
         if progress is not None:
             progress(step)

@@ -15,6 +15,7 @@ import torch
 
 from replicas.model.config import ModelConfig, ModelDType, RopeConfig
 from replicas.model.layers import fuse_layer
+from replicas.model.linear import Kernels
 from replicas.model.llama import Model
 from replicas.model.tokenizer import ByteTokenizer
 from replicas.model.vision import VisionConfig, VisionEncoder
@@ -46,9 +47,9 @@ def tiny_model(
     seed: int = TINY_SEED,
     dtype: ModelDType = "float32",
     device: str | torch.device = "cpu",
-    fast_kernels: bool = True,
+    kernels: Kernels = "auto",
 ) -> Model:
-    """Build the tiny model (a few milliseconds; no files). `fast_kernels=False` keeps plain `F.linear`."""
+    """Build the tiny model (a few milliseconds; no files); `kernels` as in `replicas.model.linear`."""
     config = msgspec.structs.replace(TINY_CONFIG, dtype=dtype)
     generator = torch.Generator(device="cpu").manual_seed(seed)
     target = torch.device(device)
@@ -78,7 +79,7 @@ def tiny_model(
             "mlp.up_proj.weight": normal(inter, hidden, std=1 / math.sqrt(hidden)),
             "mlp.down_proj.weight": normal(hidden, inter, std=0.5 / math.sqrt(inter)),
         }
-        layers.append(fuse_layer(tensors, model_dtype, target, fast_kernels=fast_kernels))
+        layers.append(fuse_layer(tensors, model_dtype, target, kernels=kernels))
     final_norm = 1.0 + normal(hidden, std=0.05)
     lm_head = normal(config.vocab_size, hidden, std=0.5)
     vision_seed = int(torch.randint(0, 2**31 - 1, (1,), generator=generator).item())
@@ -93,7 +94,7 @@ def tiny_model(
         tokenizer=ByteTokenizer(config.vocab_size),
         vision=vision,
         name="tiny",
-        fast_kernels=fast_kernels,
+        kernels=kernels,
     )
     for index, layer in enumerate(layers):
         model.set_layer(index, layer)

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from replicas.model import Executor, KVCache, PrefillSequence, load_model
+from replicas.model.linear import Kernels
 from replicas.model.loader import INDEX_FILE
 from tests.model.helpers import VOCAB, allocate, first_real_divergence, generate_batch
 
@@ -20,13 +21,13 @@ def _prompts(seed: int) -> list[list[int]]:
     return [torch.randint(0, VOCAB, (n,), generator=generator).tolist() for n in PROMPT_LENGTHS]
 
 
-@pytest.mark.parametrize("fast_kernels", [True, False], ids=["fast-kernels", "plain-linear"])
+@pytest.mark.parametrize("kernels", ["packed", "plain"])
 @pytest.mark.parametrize("name", ["llama", "qwen2", "llama-sharded"])
 def test_batched_prefill_logits_match_hf(
-    name: str, fast_kernels: bool, hf_checkpoints: dict[str, tuple[Path, Any]]
+    name: str, kernels: Kernels, hf_checkpoints: dict[str, tuple[Path, Any]]
 ) -> None:
     directory, hf = hf_checkpoints[name]
-    model = load_model(directory, fast_kernels=fast_kernels)
+    model = load_model(directory, kernels=kernels)
     cache = KVCache.create(model.config, 32)
     prompts = _prompts(7)
     tables = [allocate(cache, f"r{i}", len(p)) for i, p in enumerate(prompts)]
@@ -41,13 +42,13 @@ def test_batched_prefill_logits_match_hf(
         assert result.tokens[row] == int(reference.argmax())
 
 
-@pytest.mark.parametrize("fast_kernels", [True, False], ids=["fast-kernels", "plain-linear"])
+@pytest.mark.parametrize("kernels", ["packed", "plain"])
 @pytest.mark.parametrize("name", ["llama", "qwen2"])
 def test_greedy_generation_matches_hf_generate(
-    name: str, fast_kernels: bool, hf_checkpoints: dict[str, tuple[Path, Any]]
+    name: str, kernels: Kernels, hf_checkpoints: dict[str, tuple[Path, Any]]
 ) -> None:
     directory, hf = hf_checkpoints[name]
-    model = load_model(directory, fast_kernels=fast_kernels)
+    model = load_model(directory, kernels=kernels)
     prompts = _prompts(11)
     ours = generate_batch(model, prompts, 32)
     for prompt, generated in zip(prompts, ours):
@@ -75,8 +76,8 @@ def test_sharded_checkpoint_has_an_index_and_loads_the_same_weights(
     assert (sharded / INDEX_FILE).is_file()
     assert len(list(sharded.glob("*.safetensors"))) > 2
     progress = []
-    whole = load_model(hf_checkpoints["llama"][0], fast_kernels=False)
-    parts = load_model(sharded, progress=progress.append, fast_kernels=False)
+    whole = load_model(hf_checkpoints["llama"][0], kernels="plain")
+    parts = load_model(sharded, progress=progress.append, kernels="plain")
     assert [(p.stage, p.layer) for p in progress] == [
         ("embeddings", None),
         *[("layer", i) for i in range(3)],

@@ -20,7 +20,7 @@ from tests.model.helpers import allocate
 
 
 def test_same_seed_same_weights_and_recorded_values(tiny: Model) -> None:
-    plain, again = tiny_model(fast_kernels=False), tiny_model(fast_kernels=False)
+    plain, again = tiny_model(kernels="plain"), tiny_model(kernels="plain")
     assert torch.equal(again.embed_tokens, tiny.embed_tokens)
     for mine, theirs in zip(plain.layers, again.layers):
         assert mine is not None and theirs is not None
