@@ -24,7 +24,7 @@ Kernels = Literal["auto", "packed", "plain"]
 # The reorder is tuned for a typical decode batch; any batch size works with the reordered weight.
 PACKING_BATCH_HINT = 16
 # A oneDNN call costs some 40-50 µs more than a BLAS call; it pays off only for weights at least this large.
-PACK_MIN_ELEMENTS = 1 << 20
+PACK_MIN_ELEMENTS = 1 << 19
 # From this many rows on (prefill) the BLAS path is as fast or faster; the weight is turned back into a
 # plain tensor for the call (a copy of the weight, about 1 % of such a product's time).
 DENSE_FROM_ROWS = 512
