@@ -9,13 +9,19 @@ console gets structlog's `ConsoleRenderer` output. Events below the configured l
 Writes are synchronous and small (one line each); emitting from worker threads is safe (structlog's
 loggers lock their file). `close()` flushes and closes the file; emitting afterwards raises
 `EventLogClosed`.
+
+Observers (`open_event_log(observers=[...])`) get every emitted event, with its context, whatever the
+level: the node feeds its `engine.logs.Aggregator` this way, so its `metrics` op counts what the
+control server logs too. They are called one at a time (under a lock, so a thread-unsafe observer is
+fine) and must not block or emit.
 """
 
 from __future__ import annotations
 
 import datetime
 import sys
-from collections.abc import MutableMapping
+import threading
+from collections.abc import Callable, MutableMapping, Sequence
 from typing import Any, BinaryIO, Final, TextIO, final
 
 import msgspec
@@ -68,8 +74,16 @@ def _console_fields(_logger: Any, method: str, event_dict: MutableMapping[str, A
 class _Sinks:
     """What every bound `EventLog` of one `open_event_log` call shares."""
 
-    def __init__(self, file: BinaryIO | None, console: TextIO | None, level: Level) -> None:
+    def __init__(
+        self,
+        file: BinaryIO | None,
+        console: TextIO | None,
+        level: Level,
+        observers: Sequence[Callable[[LogEvent], None]] = (),
+    ) -> None:
         self.file = file
+        self.observers = tuple(observers)
+        self.observers_lock = threading.Lock()
         self.threshold = LEVELS[level]
         self.closed = False
         wrapper = structlog.make_filtering_bound_logger(self.threshold)
@@ -120,6 +134,10 @@ class EventLog:
         if self._sinks.closed:
             raise EventLogClosed(f"event {event.__struct_config__.tag!r} emitted after the log was closed")
         event = self._with_context(event)
+        if self._sinks.observers:
+            with self._sinks.observers_lock:
+                for observer in self._sinks.observers:
+                    observer(event)
         for logger in (self._sinks.file_logger, self._sinks.console_logger):
             if logger is not None:
                 getattr(logger, event.level)(event.__struct_config__.tag, typed=event)
@@ -153,14 +171,19 @@ class EventLog:
 
 
 def open_event_log(
-    *, file: str | None, level: Level = "info", console: TextIO | None = sys.stderr
+    *,
+    file: str | None,
+    level: Level = "info",
+    console: TextIO | None = sys.stderr,
+    observers: Sequence[Callable[[LogEvent], None]] = (),
 ) -> EventLog:
     """Open the node's event log: JSON lines appended to `file` (if any), readable lines to `console`
-    (if any). Raises `LogFileError` naming the path when the file cannot be opened."""
+    (if any), every event to each of `observers`. Raises `LogFileError` naming the path when the file
+    cannot be opened."""
     handle: BinaryIO | None = None
     if file is not None:
         try:
             handle = open(file, "ab")  # noqa: SIM115 -- closed by EventLog.close
         except OSError as exc:
             raise LogFileError(f"log file {file!r}: {exc.strerror or exc}") from exc
-    return EventLog(_Sinks(handle, console, level), {})
+    return EventLog(_Sinks(handle, console, level, observers), {})

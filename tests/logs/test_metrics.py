@@ -6,10 +6,18 @@ from pathlib import Path
 
 import msgspec
 import pytest
+import trio
 
+from engine.config import ControlConfig
+from engine.control.address import TcpAddress
+from engine.control.errors import RequestFailed as HandlerRequestFailed
+from engine.control.outbox import ReplySink
+from engine.control.server import ControlServer
+from engine.logging import open_event_log
 from engine.logs.aggregate import Aggregator
 from engine.logs.metrics import metrics_result
 from engine.logs.reader import read_entries
+from messages.control import ControlRequest
 from messages.control_replies import MetricsResult, ReplicaGauge, reply_decoder
 from messages.events import (
     FirstToken,
@@ -146,3 +154,32 @@ def test_late_duplicates_of_ended_requests_and_transfers_are_not_counted_twice()
     assert [(t.succeeded, t.rounds, t.bytes) for t in result.transfers] == [(1, {1: 1}, 64)]
     assert dict(aggregator.flows) == {("p", "d", "kv"): 64}
     assert aggregator.requests == {} and aggregator.transfers == {}
+
+
+class _RefusingHandler:
+    """Answers every request with `not_supported` (the control server is what this test is about)."""
+
+    async def handle(self, request: ControlRequest, replies: ReplySink) -> None:
+        raise HandlerRequestFailed("not_supported", f"{request.__struct_config__.tag} is not served here")
+
+
+async def test_an_observer_of_the_event_log_counts_what_the_control_server_logs(tmp_path: Path) -> None:
+    aggregator = Aggregator(keep_requests=False)
+    log = open_event_log(
+        file=str(tmp_path / "node.jsonl"), console=None, level="error", observers=[aggregator.add]
+    )
+    server = ControlServer(_RefusingHandler(), ControlConfig(), log)
+    async with trio.open_nursery() as nursery:
+        address = await nursery.start(server.serve, TcpAddress(host="127.0.0.1", port=0))
+        stream = await trio.open_tcp_stream(address.host, address.port)
+        async with stream:
+            await stream.send_all(b"hello\n")
+            with trio.fail_after(10):
+                reply = await stream.receive_some(65536)
+        assert b'"code":"bad_request"' in reply
+        server.close()
+    log.close()
+    # The observer saw the bad line and the connection although the file only takes errors.
+    assert metrics_result(aggregator, id="m").errors == {"bad_request": 1}
+    assert aggregator.connections == 1
+    assert (tmp_path / "node.jsonl").read_bytes() == b""
