@@ -25,6 +25,10 @@ test *ARGS:
 bench NAME *ARGS:
     {{py}} -m engine.bench {{NAME}} --json {{ARGS}}
 
+# Analyse node logs: summary, timeline or request (docs/logs.md), e.g. `just logs summary node.jsonl`.
+logs *ARGS:
+    {{py}} -m engine.logs {{ARGS}}
+
 # Lint, format check and type check.
 lint:
     {{py}} -m ruff check .

@@ -180,3 +180,16 @@ class ReplicaRecord:
         if self.locks and self.locks[-1][1] is None:
             start, _, reasons = self.locks[-1]
             self.locks[-1] = (start, ts, reasons)
+
+
+_ROLE_ORDER: dict[str, int] = {"encode": 0, "prefill": 1, "decode": 2}
+
+
+def replica_order(name: str) -> tuple[str, int, int, str]:
+    """Sort key putting replicas in pipeline order (encode, prefill, decode; then by index), grouped by the
+    ``label/`` prefix `--label-logs` adds; unknown names last, alphabetically."""
+    label, _, replica = name.rpartition("/")
+    role, _, index = replica.partition("-")
+    if role in _ROLE_ORDER and index.isdigit():
+        return label, _ROLE_ORDER[role], int(index), ""
+    return label, len(_ROLE_ORDER), 0, replica

@@ -15,6 +15,7 @@ import msgspec
 
 from engine.logs.aggregate import Aggregator, FlowKey
 from engine.logs.reader import LogStats
+from engine.logs.records import replica_order
 from messages.control_replies import Timings
 
 PHASES: Final = tuple(Timings.__struct_fields__)
@@ -167,7 +168,7 @@ def state_rows(aggregator: Aggregator, end: float) -> tuple[list[StateRow], list
     """Per replica: seconds in each state (open segments end at `end`), and its lock periods."""
     states: list[StateRow] = []
     locks: list[LockRow] = []
-    for name in sorted(aggregator.replicas):
+    for name in sorted(aggregator.replicas, key=replica_order):
         replica = aggregator.replicas[name]
         seconds: dict[str, float] = {}
         entered: dict[str, int] = {}

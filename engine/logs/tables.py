@@ -8,6 +8,7 @@ from __future__ import annotations
 import datetime
 from collections.abc import Sequence
 
+from engine.logs.records import replica_order
 from engine.logs.request import RequestReport
 from engine.logs.summary import FlowRow, Summary
 from engine.logs.timeline import Timeline
@@ -69,8 +70,8 @@ def _when(ts: float | None) -> str:
 
 def flow_matrix(flows: Sequence[FlowRow], *, title: str) -> str:
     """Bytes from each source (rows) to each destination (columns), all kinds together."""
-    sources = sorted({flow.source for flow in flows})
-    destinations = sorted({flow.destination for flow in flows})
+    sources = sorted({flow.source for flow in flows}, key=replica_order)
+    destinations = sorted({flow.destination for flow in flows}, key=replica_order)
     cells: dict[tuple[str, str], int] = {}
     for flow in flows:
         cells[(flow.source, flow.destination)] = cells.get((flow.source, flow.destination), 0) + flow.bytes

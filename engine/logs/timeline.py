@@ -13,7 +13,7 @@ from typing import Final
 import msgspec
 
 from engine.logs.aggregate import Aggregator
-from engine.logs.records import RequestRecord
+from engine.logs.records import RequestRecord, replica_order
 
 DEFAULT_MAX_ROWS: Final = 48
 
@@ -105,7 +105,7 @@ def build_timeline(aggregator: Aggregator, *, max_rows: int = DEFAULT_MAX_ROWS) 
         raise ValueError("the timeline of a log without events is empty")
     origin, last = aggregator.first_ts, aggregator.last_ts
     lanes = []
-    for name in sorted(aggregator.replicas):
+    for name in sorted(aggregator.replicas, key=replica_order):
         replica = aggregator.replicas[name]
         lanes.append(
             Lane(

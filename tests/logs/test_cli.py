@@ -104,3 +104,20 @@ def test_the_module_runs_as_a_program(tmp_path: Path) -> None:
     )
     assert usage.returncode == 2
     assert b"the following arguments are required: --id" in usage.stderr
+
+
+def test_the_summary_examples_in_the_docs_are_what_the_command_prints(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    docs = (Path(__file__).resolve().parents[2] / "docs" / "logs.md").read_text()
+    section = docs[docs.index("## `summary`") : docs.index("## `timeline`")]
+    examples = section.split("```")[1::2]
+    assert len(examples) == 6
+    path = tmp_path / "node.jsonl"
+    write_scenario(path)
+    assert main(["summary", str(path)]) == 0
+    printed = capsys.readouterr().out.splitlines()
+    for example in examples:
+        for line in example.strip("\n").splitlines():
+            if not line.startswith(("logs: ", "from ")):
+                assert line in printed, line
