@@ -1,0 +1,37 @@
+"""Fault injection for tests and the node's fault hooks (DESIGN §7). Off by default.
+
+An endpoint consults its `FaultPlan` at fixed points; with the default plan every check is a cheap
+`None` comparison. `transfer_id` narrows a fault to one transfer (None: every transfer of the endpoint).
+
+- `stall_before_round` / `stall_seconds`: the sender sleeps before writing that round (a stalled sender;
+  the receiver's progress deadline is what ends it).
+- `drop_link_after_bytes`: the sender's link is torn down abruptly once it has written that many bulk
+  bytes (TCP: the socket is closed mid-frame; inproc: the link breaks).
+- `corrupt_round`: the sender flips one byte of that round's data as it goes out (the receiver notices
+  only with `TransferConfig.checksums`).
+- `malformed_frame_after_bytes`: the sender puts a garbage frame on its link once it has written that
+  many bulk bytes (TCP only; the receiver closes that link with a logged reason).
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+
+class FaultPlan(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    transfer_id: str | None = None
+    stall_before_round: int | None = None
+    stall_seconds: float = 3600.0
+    drop_link_after_bytes: int | None = None
+    corrupt_round: int | None = None
+    malformed_frame_after_bytes: int | None = None
+
+    def applies_to(self, transfer_id: str) -> bool:
+        return self.transfer_id is None or self.transfer_id == transfer_id
+
+    @property
+    def active(self) -> bool:
+        return self != NO_FAULTS
+
+
+NO_FAULTS = FaultPlan()

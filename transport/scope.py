@@ -1,0 +1,38 @@
+"""A nursery that re-raises a lone exception as itself instead of inside an `ExceptionGroup`.
+
+Transfer sessions run helper tasks that never raise (they record a failure and cancel the scope); the
+only exception that can leave the body is the owner's (a consumer error, an outer cancellation), and the
+owner should see that exception, not a group around it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+import trio
+
+
+def describe_exit(exc: BaseException) -> str:
+    """How an owner's exception reads in an abort reason: "cancelled" for (groups of) cancellations."""
+    if isinstance(exc, trio.Cancelled):
+        return "cancelled"
+    if isinstance(exc, BaseExceptionGroup):
+        leaves = exc.split(trio.Cancelled)[1]
+        return (
+            "cancelled"
+            if leaves is None
+            else repr(leaves.exceptions[0] if len(leaves.exceptions) == 1 else leaves)
+        )
+    return repr(exc)
+
+
+@asynccontextmanager
+async def open_task_scope() -> AsyncIterator[trio.Nursery]:
+    try:
+        async with trio.open_nursery() as nursery:
+            yield nursery
+    except BaseExceptionGroup as group:
+        if len(group.exceptions) == 1 and not isinstance(group.exceptions[0], BaseExceptionGroup):
+            raise group.exceptions[0] from group
+        raise
