@@ -65,6 +65,7 @@ class PoolStorage:
         self.block_size = layout.block_size
         self.device = torch.device(device)
         self.tensors: dict[str, torch.Tensor] = {}
+        self._bytes: dict[str, memoryview] = {}
         for spec in layout.buffers:
             shape = (num_blocks, layout.block_size, *spec.shape)
             tensor = torch.zeros(shape, dtype=torch_dtype(spec.dtype), device=self.device)
@@ -86,6 +87,20 @@ class PoolStorage:
             raise ValueError(f"block_bytes needs CPU storage, this pool is on {self.device}")
         block = self.tensors[name][block_id]
         return memoryview(block.view(torch.uint8).numpy()).cast("B")  # type: ignore[arg-type]
+
+    def buffer_bytes(self, name: str) -> memoryview:
+        """All bytes of buffer `name` (CPU storage only), writable in place and cached.
+
+        Flat row `r` (see `flat`) is bytes `[r * bytes_per_token, (r + 1) * bytes_per_token)`.
+        """
+        view = self._bytes.get(name)
+        if view is None:
+            if self.device.type != "cpu":
+                raise ValueError(f"buffer_bytes needs CPU storage, this pool is on {self.device}")
+            flat_bytes = self.tensors[name].view(-1).view(torch.uint8)
+            view = memoryview(flat_bytes.numpy()).cast("B")  # type: ignore[arg-type]
+            self._bytes[name] = view
+        return view
 
     def gather(
         self, ids: Sequence[int], start: int, count: int, names: Sequence[str] | None = None

@@ -1,0 +1,152 @@
+"""A bulk write as *runs*: maximal stretches where source and destination rows are both consecutive.
+
+A buffer tensor is `[num_blocks, block_size, *shape]`, so its flat rows (`block * block_size + row`) are
+contiguous in memory, and a run is one contiguous byte range on each side: one `copy_` (inproc) or one
+bulk frame (tcp). Planning walks block boundaries, not tokens: at most one iteration per source block
+plus one per destination block.
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Sequence
+from typing import Final, final
+
+import torch
+
+from transport.storage import PoolStorage
+
+# Runs at least this large are copied by torch; smaller ones by memcpy (CPU) or index ops (devices).
+TORCH_COPY_BYTES: Final = 64 * 1024
+
+
+@final
+class Run:
+    """Flat rows `[src_row, src_row + rows)` of the source go to `[dst_row, dst_row + rows)`."""
+
+    __slots__ = ("dst_row", "rows", "src_row")
+
+    def __init__(self, src_row: int, dst_row: int, rows: int) -> None:
+        self.src_row = src_row
+        self.dst_row = dst_row
+        self.rows = rows
+
+    def __repr__(self) -> str:
+        return f"Run(src_row={self.src_row}, dst_row={self.dst_row}, rows={self.rows})"
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Run):
+            return NotImplemented
+        return (self.src_row, self.dst_row, self.rows) == (other.src_row, other.dst_row, other.rows)
+
+    __hash__ = None  # type: ignore[assignment]
+
+
+def _check_range(side: str, ids: Sequence[int], offset: int, count: int, block_size: int) -> None:
+    capacity = len(ids) * block_size
+    if offset < 0 or count < 0 or offset + count > capacity:
+        raise ValueError(
+            f"{side} token range [{offset}, {offset + count}) outside its {len(ids)} blocks "
+            f"of {block_size} tokens ({capacity} tokens)"
+        )
+
+
+def plan_runs(
+    src_ids: Sequence[int],
+    src_offset: int,
+    dst_ids: Sequence[int],
+    dst_offset: int,
+    count: int,
+    block_size: int,
+) -> list[Run]:
+    """Runs moving tokens `[src_offset, +count)` of allocation `src_ids` to `[dst_offset, +count)` of `dst_ids`."""
+    _check_range("source", src_ids, src_offset, count, block_size)
+    _check_range("destination", dst_ids, dst_offset, count, block_size)
+    runs: list[Run] = []
+    src, dst, left = src_offset, dst_offset, count
+    while left:
+        src_block, src_in = divmod(src, block_size)
+        dst_block, dst_in = divmod(dst, block_size)
+        rows = min(block_size - src_in, block_size - dst_in, left)
+        src_row = src_ids[src_block] * block_size + src_in
+        dst_row = dst_ids[dst_block] * block_size + dst_in
+        if runs:
+            last = runs[-1]
+            if last.src_row + last.rows == src_row and last.dst_row + last.rows == dst_row:
+                last.rows += rows
+                src, dst, left = src + rows, dst + rows, left - rows
+                continue
+        runs.append(Run(src_row, dst_row, rows))
+        src, dst, left = src + rows, dst + rows, left - rows
+    return runs
+
+
+def _row_index(runs: Sequence[Run], src: bool, device: torch.device) -> torch.Tensor:
+    """All flat rows covered by `runs` on one side, built without a Python loop per row."""
+    starts = torch.tensor([r.src_row if src else r.dst_row for r in runs], dtype=torch.int64)
+    lengths = torch.tensor([r.rows for r in runs], dtype=torch.int64)
+    total = int(lengths.sum())
+    run_of_row = torch.repeat_interleave(torch.arange(len(runs)), lengths, output_size=total)
+    first_row_of_run = torch.cumsum(lengths, 0) - lengths
+    rows = starts[run_of_row] + (torch.arange(total) - first_row_of_run[run_of_row])
+    return rows.to(device)
+
+
+def copy_runs(src: PoolStorage, dst: PoolStorage, runs: Sequence[Run], buffers: Sequence[str]) -> int:
+    """Copy `runs` of each buffer from `src` to `dst` storage; returns the bytes copied. No temporary.
+
+    CPU: a run of at least `TORCH_COPY_BYTES` is one `copy_`; smaller runs are one `memcpy` each through
+    the buffers' memoryviews (a torch call costs microseconds, a memoryview slice assignment a fraction
+    of one). Other devices: one `copy_` per run, or for small runs one gather and one scatter per buffer
+    with indices built once.
+    """
+    if not runs:
+        return 0
+    total_rows = sum(r.rows for r in runs)
+    on_cpu = src.device.type == "cpu" and dst.device.type == "cpu"
+    indices: tuple[torch.Tensor, torch.Tensor] | None = None
+    copied = 0
+    for name in buffers:
+        src_flat, dst_flat = src.flat(name), dst.flat(name)
+        row_bytes = src.spec(name).bytes_per_token
+        copied += total_rows * row_bytes
+        if on_cpu:
+            src_bytes, dst_bytes = src.buffer_bytes(name), dst.buffer_bytes(name)
+            for run in runs:
+                if run.rows * row_bytes >= TORCH_COPY_BYTES:
+                    dst_flat[run.dst_row : run.dst_row + run.rows].copy_(
+                        src_flat[run.src_row : run.src_row + run.rows]
+                    )
+                else:
+                    dst_at, src_at, size = (
+                        run.dst_row * row_bytes,
+                        run.src_row * row_bytes,
+                        run.rows * row_bytes,
+                    )
+                    dst_bytes[dst_at : dst_at + size] = src_bytes[src_at : src_at + size]
+        elif total_rows * row_bytes < TORCH_COPY_BYTES * len(runs):
+            if indices is None:
+                indices = (_row_index(runs, True, src.device), _row_index(runs, False, dst.device))
+            src_rows, dst_rows = indices
+            dst_flat.index_copy_(0, dst_rows, src_flat.index_select(0, src_rows).to(dst.device))
+        else:
+            for run in runs:
+                dst_flat[run.dst_row : run.dst_row + run.rows].copy_(
+                    src_flat[run.src_row : run.src_row + run.rows]
+                )
+    return copied
+
+
+def run_bytes(storage: PoolStorage, name: str, row: int, rows: int) -> memoryview:
+    """The bytes of flat rows `[row, row + rows)` of buffer `name` (CPU storage), writable in place."""
+    row_bytes = storage.spec(name).bytes_per_token
+    return storage.buffer_bytes(name)[row * row_bytes : (row + rows) * row_bytes]
+
+
+def checksum_runs(storage: PoolStorage, runs: Sequence[Run], buffers: Sequence[str], *, source: bool) -> int:
+    """CRC-32 of the runs' bytes on one side, buffer by buffer in token order (CPU storage only)."""
+    crc = 0
+    for name in buffers:
+        for run in runs:
+            crc = zlib.crc32(run_bytes(storage, name, run.src_row if source else run.dst_row, run.rows), crc)
+    return crc
