@@ -1,0 +1,214 @@
+"""The in-process transport: replicas in one process, copies straight between the two pools' tensors.
+
+Control messages travel as objects through a bounded Trio memory channel per direction (one reader per
+link end). A bulk write copies run by run from the sender's blocks into the receiver's blocks — never a
+temporary gather for large runs, never aliasing one tensor — after the receiver's landing has claimed
+every run, so no byte lands outside a standing grant. Rounds of at least
+`TransferConfig.inproc_thread_bytes` are copied in a worker thread (torch releases the GIL), so the event
+loop keeps serving other replicas; such a copy is never abandoned, and `quiesce` waits for it.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Final, final
+
+import trio
+
+from messages.transfer import PeerMessage
+from transport.config import TransferConfig
+from transport.errors import LinkBroken, LinkClosed, LinkError
+from transport.faults import FaultPlan
+from transport.link import BulkWrite, Link, LinkHandler, Role
+from transport.runs import copy_runs, run_bytes
+
+INBOX_MESSAGES: Final = 1024
+_link_numbers = itertools.count(1)
+
+
+@final
+class _InFlight:
+    """Worker-thread copies running on a link pair; `idle` is set when there are none."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.idle = trio.Event()
+        self.idle.set()
+
+    def start(self) -> None:
+        self.count += 1
+        self.idle = trio.Event()
+
+    def finish(self) -> None:
+        self.count -= 1
+        if self.count == 0:
+            self.idle.set()
+
+
+@dataclass(frozen=True, slots=True)
+class _Listener:
+    local: str
+    handler: LinkHandler
+    on_accept: Callable[[InprocLink], None]
+    config: TransferConfig
+    faults: FaultPlan
+
+
+@final
+class InprocNetwork:
+    """The names of the in-process endpoints that accept links (one per node, or per test)."""
+
+    def __init__(self) -> None:
+        self._listeners: dict[str, _Listener] = {}
+
+    def listen(
+        self,
+        name: str,
+        *,
+        handler: LinkHandler,
+        on_accept: Callable[[InprocLink], None],
+        config: TransferConfig,
+        faults: FaultPlan,
+    ) -> str:
+        if name in self._listeners:
+            raise ValueError(f"inproc endpoint name {name!r} is already listening")
+        self._listeners[name] = _Listener(name, handler, on_accept, config, faults)
+        return f"inproc://{name}"
+
+    def unlisten(self, name: str) -> None:
+        self._listeners.pop(name, None)
+
+    def connect(
+        self, name: str, *, local: str, handler: LinkHandler, config: TransferConfig, faults: FaultPlan
+    ) -> InprocLink:
+        """The connecting (receiver) end of a new link to `name`; the accepting end goes to its listener."""
+        listener = self._listeners.get(name)
+        if listener is None:
+            raise LinkClosed(f"no inproc endpoint named {name!r} is listening")
+        link_id = f"inproc-{next(_link_numbers)}"
+        in_flight = _InFlight()
+        mine = InprocLink(
+            link_id=link_id, local=local, role="receiver", handler=handler, config=config, faults=faults
+        )
+        theirs = InprocLink(
+            link_id=link_id,
+            local=listener.local,
+            role="sender",
+            handler=listener.handler,
+            config=listener.config,
+            faults=listener.faults,
+        )
+        mine.pair(theirs, in_flight)
+        theirs.pair(mine, in_flight)
+        listener.on_accept(theirs)
+        return mine
+
+
+@final
+class InprocLink(Link):
+    """One end of an in-process link."""
+
+    def __init__(
+        self,
+        *,
+        link_id: str,
+        local: str,
+        role: Role,
+        handler: LinkHandler,
+        config: TransferConfig,
+        faults: FaultPlan,
+    ) -> None:
+        super().__init__(link_id=link_id, local=local, role=role, handler=handler)
+        self._config = config
+        self._faults = faults
+        self._inbox_send, self._inbox = trio.open_memory_channel[PeerMessage](INBOX_MESSAGES)
+        self._other: InprocLink | None = None
+        self._in_flight = _InFlight()
+        self._bulk_bytes = 0
+        self._reader_scope = trio.CancelScope()
+        self._peer_error: LinkError | None = None
+
+    def pair(self, other: InprocLink, in_flight: _InFlight) -> None:
+        self._other = other
+        self._in_flight = in_flight
+
+    def _check_open(self) -> InprocLink:
+        if self.error is not None:
+            raise type(self.error)(str(self.error))
+        assert self._other is not None
+        return self._other
+
+    async def send(self, message: PeerMessage) -> None:
+        other = self._check_open()
+        try:
+            await other._inbox_send.send(message)
+        except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
+            error = LinkClosed(f"link {self.describe()}: peer end is closed")
+            self.close(error)
+            raise error from exc
+
+    async def write(self, bulk: BulkWrite) -> int:
+        other = self._check_open()
+        if other.error is not None:
+            raise LinkClosed(f"link {self.describe()}: peer end is closed")
+        landing = other.handler.landing(other, bulk.landing_key)
+        if landing is None:
+            return 0
+        if landing.storage.layout != bulk.source.layout:
+            raise LinkBroken(f"link {self.describe()}: sender and receiver storage layouts differ")
+        for name in bulk.buffers:
+            for run in bulk.runs:
+                if not landing.claim(bulk.round, name, run.dst_row, run.rows):
+                    return 0
+        if bulk.nbytes >= self._config.inproc_thread_bytes:
+            self._in_flight.start()
+            try:
+                await trio.to_thread.run_sync(
+                    copy_runs, bulk.source, landing.storage, bulk.runs, bulk.buffers
+                )
+            finally:
+                self._in_flight.finish()
+        else:
+            copy_runs(bulk.source, landing.storage, bulk.runs, bulk.buffers)
+        if bulk.corrupt and bulk.runs:
+            first = run_bytes(landing.storage, bulk.buffers[0], bulk.runs[0].dst_row, 1)
+            first[0] ^= 0xFF
+        self._bulk_bytes += bulk.nbytes
+        limit = self._faults.drop_link_after_bytes
+        if limit is not None and self._bulk_bytes >= limit:
+            error = LinkBroken(f"link {self.describe()} dropped by fault injection after {limit} bytes")
+            self.close(error)
+            raise error
+        return bulk.nbytes
+
+    async def run(self) -> None:
+        with self._reader_scope:
+            async for message in self._inbox:
+                await self.handler.on_message(self, message)
+            # The far end closed: like TCP, what it sent before closing was still read.
+            self._set_error(self._peer_error or LinkClosed(f"link {self.describe()}: peer closed it"))
+        assert self.error is not None
+        self.handler.on_closed(self, self.error)
+
+    def _set_error(self, error: LinkError) -> bool:
+        if self.error is not None:
+            return False
+        self.error = error
+        self.closed.set()
+        self.ready.set()
+        return True
+
+    def close(self, error: LinkError) -> None:
+        if not self._set_error(error):
+            return
+        self._reader_scope.cancel()
+        self._inbox_send.close()
+        other = self._other
+        if other is not None and other.error is None:
+            other._peer_error = type(error)(f"peer: {error}")
+            other._inbox_send.close()
+
+    async def quiesce(self) -> None:
+        await self._in_flight.idle.wait()

@@ -1,0 +1,141 @@
+"""The `Link` interface every transport backend implements (inproc, tcp; later ucx, cuda-ipc).
+
+A link joins one receiver endpoint to one sender endpoint. It carries control messages both ways and
+bulk writes from the sender into the receiver's blocks, **in one order**: a control message sent after a
+`write` returned is handled by the receiver after that write's bytes have landed. That ordering is what
+makes `ChunkDone` (sent after the bytes) and `AbortAck` (sent after the last write) meaningful.
+
+Completion and fences:
+- `write` returns when the source rows may be reused and the bytes are on their way in order; when it
+  returns, no later control message can overtake them.
+- `quiesce()` returns once no write through this link can still land in the receiver's memory (tcp: the
+  reader has stopped; inproc: copies running in worker threads have finished). A closed link that has
+  quiesced is a fence (DESIGN §5.7).
+
+The receiving side's bytes go through a `LinkHandler` (the endpoint): it names the memory a bulk frame
+lands in, or None to discard it (an aborted round), so bytes are never written where no grant stands.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Literal, Protocol
+
+import trio
+
+from messages.transfer import PeerMessage
+from transport.errors import LinkError
+from transport.runs import Run, plan_runs
+from transport.storage import PoolStorage
+
+Role = Literal["receiver", "sender"]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class BulkWrite:
+    """Tokens `[source_offset, +count)` of the sender's allocation `source_ids` in `source` storage go to
+    tokens `[dest_offset, +count)` of the receiver's blocks `dest_ids`, for buffers `buffers` only.
+
+    `landing_key` and `round` name the grant the bytes belong to, so the receiver can check them against
+    it and discard the bytes of an aborted round.
+    """
+
+    source: PoolStorage
+    source_ids: Sequence[int]
+    source_offset: int
+    dest_ids: Sequence[int]
+    dest_offset: int
+    count: int
+    buffers: tuple[str, ...]
+    landing_key: int
+    round: int
+    corrupt: bool = False
+    runs: list[Run] = field(init=False)
+
+    def __post_init__(self) -> None:
+        runs = plan_runs(
+            self.source_ids,
+            self.source_offset,
+            self.dest_ids,
+            self.dest_offset,
+            self.count,
+            self.source.block_size,
+        )
+        object.__setattr__(self, "runs", runs)
+
+    @property
+    def nbytes(self) -> int:
+        return self.count * sum(self.source.spec(name).bytes_per_token for name in self.buffers)
+
+
+class Landing(Protocol):
+    """Where one transfer's bytes may land on the receiving side (a receiver session)."""
+
+    storage: PoolStorage
+
+    def claim(self, round: int, buffer: str, dst_row: int, rows: int) -> bool:
+        """True if flat rows `[dst_row, +rows)` of `buffer` are granted to `round` and still open.
+
+        False means "discard these bytes": the round is over or aborted, or the peer broke the
+        protocol (then the transfer fails; the link lives). Claiming counts as progress.
+        """
+        ...
+
+
+class LinkHandler(Protocol):
+    """What a link calls on its endpoint."""
+
+    async def on_message(self, link: Link, message: PeerMessage) -> None: ...
+
+    def landing(self, link: Link, landing_key: int) -> Landing | None: ...
+
+    def on_closed(self, link: Link, error: LinkError) -> None: ...
+
+
+class Link(abc.ABC):
+    """One end of a link. `role` is this end's role; `peer` is the far endpoint's name once known."""
+
+    def __init__(self, *, link_id: str, local: str, role: Role, handler: LinkHandler) -> None:
+        self.link_id = link_id
+        self.local = local
+        self.role: Role = role
+        self.handler = handler
+        self.peer: str | None = None
+        self.error: LinkError | None = None
+        self.closed = trio.Event()
+        self.ready = trio.Event()  # handshake finished (either outcome)
+        self.refusal: str | None = None
+
+    @property
+    def is_closed(self) -> bool:
+        return self.error is not None
+
+    def describe(self) -> str:
+        return f"{self.local} ⇄ {self.peer or '?'} ({self.link_id})"
+
+    @abc.abstractmethod
+    async def send(self, message: PeerMessage) -> None:
+        """Queue one control message in link order. Raises `LinkError` once closed."""
+
+    @abc.abstractmethod
+    async def write(self, bulk: BulkWrite) -> int:
+        """Move one round's bytes; returns the bytes that went out. Raises `LinkError` once closed.
+
+        Cancellation takes effect between frames (tcp) or not at all while a worker-thread copy runs
+        (inproc): a frame is never left half-written on a link that stays open.
+        """
+
+    @abc.abstractmethod
+    async def run(self) -> None:
+        """The link's reader (and, on networks, heartbeats). Runs in the endpoint's nursery until the
+        link closes; never cancelled by a transfer. Returns after calling `handler.on_closed`."""
+
+    @abc.abstractmethod
+    def close(self, error: LinkError) -> None:
+        """Close now (idempotent); the first error is the one reported."""
+
+    @abc.abstractmethod
+    async def quiesce(self) -> None:
+        """Return once no write through this link can still land (see the module docstring)."""

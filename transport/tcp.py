@@ -1,0 +1,343 @@
+"""The TCP transport: between processes, or between replicas of one process over loopback.
+
+Sockets are plain non-blocking stdlib sockets driven by `trio.lowlevel.wait_readable/wait_writable`: a
+`recv_into` or `sendmsg` is tried first and the task waits only when the kernel says EAGAIN, which is
+what makes a trio reader keep up with a blocking raw-socket loop.
+
+- One reader per link (`run`), started in the endpoint's nursery and cancelled only when the link
+  closes. It reads each frame's fixed header (`transport.tcp_frames`), then `recv_into`s a bulk payload
+  straight into the receiver's block memory named by the endpoint's landing, or into a scratch buffer
+  when that round is gone; control frames are decoded with `messages.peer_codec`.
+- Writers (bulk rounds, control messages, heartbeats) share one FIFO lock, taken per batch of frames and
+  held in a shielded scope with a deadline: a frame is never half-written on a link that stays open, and
+  a peer that stops reading breaks the link after `link_timeout` instead of hanging the writer.
+- Heartbeats: a link quiet for `heartbeat_interval` sends one; a link that received nothing for
+  `link_timeout` is broken. Any received byte counts as liveness.
+"""
+
+from __future__ import annotations
+
+import errno
+import itertools
+import os
+import socket
+from collections.abc import Sequence
+from typing import Final, final
+
+import structlog
+import trio
+
+from messages.layout import PoolLayout
+from messages.peer_codec import PeerCodecError, decode_peer, encode_peer
+from messages.transfer import Heartbeat, PeerMessage
+from transport.config import TransferConfig
+from transport.errors import LinkBroken, LinkClosed, LinkError
+from transport.faults import FaultPlan
+from transport.link import BulkWrite, Link, LinkHandler, Role
+from transport.runs import run_bytes
+from transport.tcp_frames import (
+    CONTROL,
+    HEADER_BYTES,
+    MAX_BULK_FRAME_BYTES,
+    FrameError,
+    FrameHeader,
+    bulk_header,
+    control_header,
+    parse_header,
+)
+
+IOV_MAX: Final = 512
+BATCH_BYTES: Final = 8 * 1024 * 1024
+SCRATCH_BYTES: Final = 1024 * 1024
+YIELD_EVERY_BYTES: Final = 4 * 1024 * 1024
+_link_numbers = itertools.count(1)
+_log = structlog.get_logger("transport.tcp")
+
+Buffer = bytes | bytearray | memoryview
+
+
+def tcp_socket() -> socket.socket:
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setblocking(False)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    return sock
+
+
+def listen_socket(host: str, port: int) -> socket.socket:
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.setblocking(False)
+    sock.bind((host, port))
+    sock.listen(128)
+    return sock
+
+
+async def accept(listener: socket.socket) -> socket.socket:
+    """The next connection; cancellable while waiting."""
+    while True:
+        try:
+            sock, _address = listener.accept()
+        except BlockingIOError:
+            await trio.lowlevel.wait_readable(listener)
+            continue
+        sock.setblocking(False)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        return sock
+
+
+async def connect(host: str, port: int) -> socket.socket:
+    """A connected socket to `host:port` (IPv4); raises `OSError` naming the address."""
+    infos = await trio.socket.getaddrinfo(host, port, socket.AF_INET, socket.SOCK_STREAM)
+    address = infos[0][4]
+    sock = tcp_socket()
+    try:
+        error = sock.connect_ex(address)
+        if error == errno.EINPROGRESS:
+            await trio.lowlevel.wait_writable(sock)
+            error = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
+    except BaseException:
+        sock.close()
+        raise
+    if error:
+        sock.close()
+        raise OSError(error, f"cannot connect to {host}:{port}: {os.strerror(error)}")
+    return sock
+
+
+def new_link_id() -> str:
+    return f"tcp-{next(_link_numbers)}"
+
+
+@final
+class TcpLink(Link):
+    """One end of a TCP link; owns its socket."""
+
+    def __init__(
+        self,
+        sock: socket.socket,
+        *,
+        link_id: str,
+        local: str,
+        role: Role,
+        handler: LinkHandler,
+        layout: PoolLayout,
+        config: TransferConfig,
+        faults: FaultPlan,
+    ) -> None:
+        super().__init__(link_id=link_id, local=local, role=role, handler=handler)
+        self._sock = sock
+        self._layout = layout
+        self._buffer_index = {spec.name: index for index, spec in enumerate(layout.buffers)}
+        self._config = config
+        self._faults = faults
+        self._send_lock = trio.StrictFIFOLock()
+        self._scope = trio.CancelScope()
+        self._scratch = memoryview(bytearray(SCRATCH_BYTES))
+        self._last_received = trio.current_time()
+        self._last_sent = trio.current_time()
+        self._heartbeat_seq = 0
+        self._bulk_sent = 0
+        self._malformed_sent = False
+        self._read_since_yield = 0
+
+    # ------------------------------------------------------------------ closing
+    def close(self, error: LinkError) -> None:
+        if self.error is not None:
+            return
+        self.error = error
+        self.closed.set()
+        self.ready.set()
+        self._scope.cancel()
+        trio.lowlevel.notify_closing(self._sock)
+        self._sock.close()
+
+    async def quiesce(self) -> None:
+        # The reader is the only thing that writes into receiver memory, and it stops when the
+        # socket closes: a closed TCP link has nothing in flight.
+        await self.closed.wait()
+
+    def _raise_closed(self) -> None:
+        assert self.error is not None
+        raise type(self.error)(str(self.error))
+
+    # ------------------------------------------------------------------ sending
+    async def send(self, message: PeerMessage) -> None:
+        body = encode_peer(message)
+        await self._send_batch([control_header(len(body)), body])
+
+    async def write(self, bulk: BulkWrite) -> int:
+        parts: list[Buffer] = []
+        batch_bytes = 0
+        corrupt = bulk.corrupt
+        for name in bulk.buffers:
+            index = self._buffer_index[name]
+            row_bytes = self._layout.buffers[index].bytes_per_token
+            rows_per_frame = max(1, MAX_BULK_FRAME_BYTES // row_bytes)
+            for run in bulk.runs:
+                done = 0
+                while done < run.rows:
+                    rows = min(rows_per_frame, run.rows - done)
+                    payload: Buffer = run_bytes(bulk.source, name, run.src_row + done, rows)
+                    if corrupt:
+                        flipped = bytearray(payload)
+                        flipped[0] ^= 0xFF
+                        payload, corrupt = flipped, False
+                    header = bulk_header(
+                        len(payload), bulk.landing_key, bulk.round, index, run.dst_row + done
+                    )
+                    parts += (header, payload)
+                    batch_bytes += len(payload)
+                    done += rows
+                    if batch_bytes >= BATCH_BYTES or len(parts) >= IOV_MAX:
+                        await self._send_bulk(parts, batch_bytes)
+                        parts, batch_bytes = [], 0
+        if parts:
+            await self._send_bulk(parts, batch_bytes)
+        return bulk.nbytes
+
+    async def _send_bulk(self, parts: list[Buffer], payload_bytes: int) -> None:
+        drop_at = self._faults.drop_link_after_bytes
+        if drop_at is not None and self._bulk_sent + payload_bytes >= drop_at:
+            await self._send_batch(parts[:1])
+            error = LinkBroken(f"link {self.describe()} dropped by fault injection after {drop_at} bytes")
+            self.close(error)
+            raise error
+        malformed_at = self._faults.malformed_frame_after_bytes
+        if malformed_at is not None and not self._malformed_sent and self._bulk_sent >= malformed_at:
+            self._malformed_sent = True
+            parts = [b"\xde\xad" * (HEADER_BYTES // 2), *parts]
+        await self._send_batch(parts)
+        self._bulk_sent += payload_bytes
+
+    async def _send_batch(self, parts: Sequence[Buffer]) -> None:
+        if self.error is not None:
+            self._raise_closed()
+        async with self._send_lock:
+            deadline = trio.current_time() + self._config.link_timeout
+            with trio.CancelScope(shield=True, deadline=deadline) as scope:
+                try:
+                    await self._send_all(list(parts))
+                except (OSError, trio.ClosedResourceError) as exc:
+                    self.close(LinkBroken(f"link {self.describe()}: send failed: {exc!r}"))
+            if scope.cancelled_caught:
+                self.close(
+                    LinkBroken(
+                        f"link {self.describe()}: peer stopped reading for {self._config.link_timeout} s"
+                    )
+                )
+        if self.error is not None:
+            self._raise_closed()
+
+    async def _send_all(self, parts: list[Buffer]) -> None:
+        first = 0
+        while first < len(parts):
+            try:
+                sent = self._sock.sendmsg(parts[first : first + IOV_MAX])
+            except BlockingIOError:
+                await trio.lowlevel.wait_writable(self._sock)
+                continue
+            self._last_sent = trio.current_time()
+            while sent:
+                size = len(parts[first])
+                if sent >= size:
+                    sent -= size
+                    first += 1
+                else:
+                    parts[first] = memoryview(parts[first])[sent:]
+                    sent = 0
+
+    # ------------------------------------------------------------------ receiving
+    async def run(self) -> None:
+        with self._scope:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self._heartbeats)
+                await self._read_frames()
+                nursery.cancel_scope.cancel()
+        if self.error is None:
+            self.close(LinkClosed(f"link {self.describe()}: closed"))
+        self._sock.close()
+        assert self.error is not None
+        self.handler.on_closed(self, self.error)
+
+    async def _read_frames(self) -> None:
+        header = memoryview(bytearray(HEADER_BYTES))
+        try:
+            while True:
+                await self._recv_exact(header)
+                frame = parse_header(header)
+                if frame.kind == CONTROL:
+                    body = bytearray(frame.length)
+                    await self._recv_exact(memoryview(body))
+                    await self.handler.on_message(self, decode_peer(body))
+                else:
+                    target = self._bulk_target(frame)
+                    if target is None:
+                        await self._discard(frame.length)
+                    else:
+                        await self._recv_exact(target)
+        except (FrameError, PeerCodecError) as exc:
+            self.close(LinkBroken(f"link {self.describe()}: malformed frame from the peer: {exc}"))
+        except LinkError as exc:
+            self.close(exc)
+        except OSError as exc:
+            self.close(LinkBroken(f"link {self.describe()}: receive failed: {exc!r}"))
+        except trio.ClosedResourceError:
+            if self.error is None:
+                self.close(LinkClosed(f"link {self.describe()}: socket closed"))
+
+    def _bulk_target(self, frame: FrameHeader) -> memoryview | None:
+        buffers = self._layout.buffers
+        if frame.buffer >= len(buffers):
+            raise FrameError(f"bulk frame for buffer {frame.buffer}; the layout has {len(buffers)} buffers")
+        spec = buffers[frame.buffer]
+        rows, remainder = divmod(frame.length, spec.bytes_per_token)
+        if remainder:
+            raise FrameError(
+                f"bulk frame of {frame.length} bytes for buffer {spec.name!r} is not a whole number of "
+                f"{spec.bytes_per_token}-byte rows"
+            )
+        landing = self.handler.landing(self, frame.landing_key)
+        if landing is None or not landing.claim(frame.round, spec.name, frame.dst_row, rows):
+            return None
+        return run_bytes(landing.storage, spec.name, frame.dst_row, rows)
+
+    async def _discard(self, length: int) -> None:
+        while length:
+            chunk = min(length, len(self._scratch))
+            await self._recv_exact(self._scratch[:chunk])
+            length -= chunk
+
+    async def _recv_exact(self, view: memoryview) -> None:
+        got, size = 0, len(view)
+        while got < size:
+            try:
+                count = self._sock.recv_into(view[got:])
+            except BlockingIOError:
+                self._read_since_yield = 0
+                await trio.lowlevel.wait_readable(self._sock)
+                continue
+            if count == 0:
+                where = "between frames" if got == 0 and size == HEADER_BYTES else "mid-frame"
+                raise LinkClosed(f"link {self.describe()}: the peer closed the connection {where}")
+            got += count
+            self._read_since_yield += count
+        self._last_received = trio.current_time()
+        if self._read_since_yield >= YIELD_EVERY_BYTES:
+            self._read_since_yield = 0
+            await trio.lowlevel.checkpoint()
+
+    async def _heartbeats(self) -> None:
+        interval = self._config.heartbeat_interval
+        while True:
+            await trio.sleep(interval / 2)
+            now = trio.current_time()
+            quiet = now - self._last_received
+            if quiet > self._config.link_timeout:
+                self.close(LinkBroken(f"link {self.describe()}: nothing received for {quiet:.1f} s"))
+                return
+            if now - self._last_sent >= interval and not self._send_lock.locked():
+                self._heartbeat_seq += 1
+                try:
+                    await self.send(Heartbeat(link_id=self.link_id, seq=self._heartbeat_seq))
+                except LinkError:
+                    return
