@@ -1,0 +1,218 @@
+"""Shared pieces of the transfer tests: layouts, random storage, shuffled pools, endpoint pairs."""
+
+from __future__ import annotations
+
+import json
+import random
+import subprocess
+import sys
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+
+import torch
+import trio
+
+from messages.layout import BufferSpec, PoolLayout
+from transport.blocks import BlockPool
+from transport.config import TransferConfig
+from transport.endpoint import TransferEndpoint, open_endpoint
+from transport.faults import NO_FAULTS, FaultPlan
+from transport.inproc import InprocNetwork
+from transport.link import Link
+from transport.receiver import LandedRound
+from transport.storage import PoolStorage
+
+
+def embedding_layout(block_size: int = 128, hidden: int = 8) -> PoolLayout:
+    return PoolLayout(
+        block_size=block_size,
+        buffers=(
+            BufferSpec(name="embeds", shape=(hidden,), dtype="float32"),
+            BufferSpec(name="token_ids", shape=(), dtype="int64"),
+            BufferSpec(name="positions", shape=(3,), dtype="int64"),
+        ),
+    )
+
+
+def kv_layout(layers: int = 2, block_size: int = 16) -> PoolLayout:
+    return PoolLayout(
+        block_size=block_size,
+        buffers=tuple(
+            BufferSpec(name=f"{kind}{layer}", shape=(2, 4), dtype="bfloat16")
+            for layer in range(layers)
+            for kind in ("k", "v")
+        ),
+    )
+
+
+def random_storage(layout: PoolLayout, num_blocks: int, seed: int) -> PoolStorage:
+    """Every byte of every buffer random (deterministic in `seed`)."""
+    storage = PoolStorage(layout, num_blocks)
+    generator = torch.Generator().manual_seed(seed)
+    for tensor in storage.tensors.values():
+        raw = tensor.view(torch.uint8)
+        raw.copy_(torch.randint(0, 256, raw.shape, generator=generator, dtype=torch.uint8))
+    return storage
+
+
+def poisoned_storage(layout: PoolLayout, num_blocks: int) -> PoolStorage:
+    storage = PoolStorage(layout, num_blocks)
+    for tensor in storage.tensors.values():
+        tensor.view(torch.uint8).fill_(0x5A)
+    return storage
+
+
+def shuffled_pool(num_blocks: int, block_size: int, seed: int) -> BlockPool:
+    """A pool whose free list is in random order: allocations are scattered block lists."""
+    pool = BlockPool(num_blocks, block_size)
+    ids = pool.allocate(num_blocks, "shuffle")
+    random.Random(seed).shuffle(ids)
+    pool.free(ids, "shuffle")
+    return pool
+
+
+@dataclass
+class Source:
+    """A sender's pool holding `tokens` random tokens in scattered blocks (deterministic in `seed`)."""
+
+    layout: PoolLayout
+    tokens: int
+    seed: int
+    spare_blocks: int = 4
+    storage: PoolStorage = field(init=False)
+    pool: BlockPool = field(init=False)
+    ids: list[int] = field(init=False)
+
+    def __post_init__(self) -> None:
+        blocks = -(-self.tokens // self.layout.block_size)
+        num_blocks = blocks + self.spare_blocks
+        self.storage = random_storage(self.layout, num_blocks, self.seed)
+        self.pool = shuffled_pool(num_blocks, self.layout.block_size, self.seed)
+        self.ids = self.pool.allocate(blocks, "source")
+
+    def expected(
+        self, buffers: tuple[str, ...] | None = None, tokens: int | None = None
+    ) -> dict[str, torch.Tensor]:
+        """The bytes of the first `tokens` (default: all) source tokens."""
+        count = self.tokens if tokens is None else tokens
+        return as_bytes(self.storage.gather(self.ids, 0, count, buffers))
+
+
+def as_bytes(data: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Byte views, so NaN patterns in random floats compare equal to themselves."""
+    return {name: tensor.contiguous().view(torch.uint8) for name, tensor in data.items()}
+
+
+def assert_same_bytes(got: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> None:
+    assert sorted(got) == sorted(expected)
+    for name in expected:
+        assert torch.equal(got[name], expected[name]), f"buffer {name!r} differs"
+
+
+class Collector:
+    """A consume step that copies each landed round out, in stream order."""
+
+    def __init__(self) -> None:
+        self.parts: list[dict[str, torch.Tensor]] = []
+        self.rounds: list[LandedRound] = []
+
+    async def __call__(self, landed: LandedRound) -> None:
+        assert landed.offset == sum(r.tokens for r in self.rounds)
+        self.rounds.append(landed)
+        self.parts.append(as_bytes(landed.gather()))
+
+    def data(self) -> dict[str, torch.Tensor]:
+        return {name: torch.cat([part[name] for part in self.parts]) for name in self.parts[0]}
+
+
+@dataclass
+class Pair:
+    sender: TransferEndpoint
+    receiver: TransferEndpoint
+    link: Link
+
+
+@asynccontextmanager
+async def endpoint_pair(
+    kind: str,
+    source: Source,
+    receiver_storage: PoolStorage,
+    receiver_pool: BlockPool,
+    *,
+    config: TransferConfig | None = None,
+    sender_config: TransferConfig | None = None,
+    faults: FaultPlan = NO_FAULTS,
+) -> AsyncIterator[Pair]:
+    """A sending endpoint on `source` and a receiving one, linked over `kind` ("inproc" or "tcp")."""
+    network = InprocNetwork()
+    async with (
+        open_endpoint(
+            "sender",
+            source.storage,
+            source.pool,
+            config=sender_config or config,
+            faults=faults,
+            inproc=network,
+        ) as sender,
+        open_endpoint("receiver", receiver_storage, receiver_pool, config=config, inproc=network) as receiver,
+    ):
+        address = sender.listen_inproc() if kind == "inproc" else await sender.listen_tcp()
+        link = await receiver.connect(address)
+        yield Pair(sender, receiver, link)
+
+
+async def send_all(endpoint: TransferEndpoint, transfer_id: str, source: Source) -> None:
+    async with endpoint.open_send(transfer_id) as session:
+        await session.send(source.ids, total_tokens=source.tokens)
+
+
+async def settle() -> None:
+    """Let fence watchers and small control sends run (quarantine release happens there)."""
+    for _ in range(20):
+        await trio.sleep(0.01)
+
+
+class SenderProcess:
+    """`tests.transport.sender_process` running as a child process."""
+
+    def __init__(self, process: trio.Process) -> None:
+        self.process = process
+        self._buffer = b""
+        self.address = ""
+
+    async def line(self) -> dict[str, object]:
+        assert self.process.stdout is not None
+        with trio.fail_after(60):
+            while b"\n" not in self._buffer:
+                chunk = await self.process.stdout.receive_some()
+                if not chunk:
+                    raise EOFError("sender process ended without a reply")
+                self._buffer += chunk
+        line, self._buffer = self._buffer.split(b"\n", 1)
+        parsed: dict[str, object] = json.loads(line)
+        return parsed
+
+
+@asynccontextmanager
+async def sender_process(params: dict[str, object]) -> AsyncIterator[SenderProcess]:
+    process = await trio.lowlevel.open_process(
+        [sys.executable, "-m", "tests.transport.sender_process"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+    )
+    child = SenderProcess(process)
+    try:
+        assert process.stdin is not None
+        await process.stdin.send_all(json.dumps(params).encode() + b"\n")
+        child.address = str((await child.line())["address"])
+        yield child
+    finally:
+        with trio.CancelScope(shield=True):
+            if process.stdin is not None:
+                await process.stdin.aclose()
+            with trio.move_on_after(10):
+                await process.wait()
+            if process.returncode is None:
+                process.kill()
+                await process.wait()

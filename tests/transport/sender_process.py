@@ -1,0 +1,55 @@
+"""A sending endpoint in its own process, for the two-process tests: `python -m tests.transport.sender_process`.
+
+Reads one JSON object on stdin (`hidden`, `block_size`, `seed`, `transfers` = {transfer id: tokens},
+optional `faults` and `config`), prints `{"address": ...}`, sends the first `tokens` tokens of its source
+for each listed transfer when its grant comes, reports each outcome as a JSON line, and exits when stdin
+closes. Its source is `harness.Source(layout, max tokens, seed)`, so the test process rebuilds the
+expected bytes without any of them crossing a pipe.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import msgspec
+import structlog
+import trio
+
+from tests.transport.harness import Source, embedding_layout
+from transport.config import TransferConfig
+from transport.endpoint import open_endpoint
+from transport.errors import TransferError
+from transport.faults import FaultPlan
+
+
+async def main() -> None:
+    structlog.configure(logger_factory=structlog.PrintLoggerFactory(sys.stderr))  # stdout carries replies
+    params = json.loads(sys.stdin.readline())
+    transfers: dict[str, int] = params["transfers"]
+    layout = embedding_layout(params["block_size"], params["hidden"])
+    source = Source(layout, max(transfers.values()), params["seed"])
+    faults = msgspec.convert(params.get("faults", {}), FaultPlan)
+    config = msgspec.convert(params.get("config", {}), TransferConfig)
+    async with open_endpoint(
+        "sender-process", source.storage, source.pool, config=config, faults=faults
+    ) as endpoint:
+        print(json.dumps({"address": await endpoint.listen_tcp()}), flush=True)
+
+        async def send(transfer_id: str, tokens: int) -> None:
+            try:
+                async with endpoint.open_send(transfer_id) as session:
+                    report = await session.send(source.ids, total_tokens=tokens)
+                print(json.dumps({"sent": transfer_id, "rounds": report.rounds}), flush=True)
+            except TransferError as exc:
+                print(json.dumps({"failed": transfer_id, "reason": exc.reason.value}), flush=True)
+
+        async with trio.open_nursery() as nursery:
+            for transfer_id, tokens in transfers.items():
+                nursery.start_soon(send, transfer_id, tokens)
+            await trio.to_thread.run_sync(sys.stdin.read)
+            nursery.cancel_scope.cancel()
+
+
+if __name__ == "__main__":
+    trio.run(main)
