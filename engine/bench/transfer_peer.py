@@ -1,0 +1,157 @@
+"""The sending side of the transfer benchmark: layouts, fragmented source pools, a replica-like owner.
+
+`serve_sender` is the child process of the tcp cases: one sending endpoint per layout on loopback, and a
+raw blocking socket sender for the baseline. It reads one JSON line of parameters on stdin, prints one
+JSON line (addresses and source checksums), and serves until its stdin closes.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import socket
+import sys
+import threading
+import zlib
+from typing import Final
+
+import torch
+import trio
+
+from messages.layout import BufferSpec, PoolLayout
+from messages.transfer import Grant
+from transport.blocks import BlockPool
+from transport.endpoint import SenderDelivery, TransferEndpoint, open_endpoint
+from transport.inproc import InprocNetwork
+from transport.storage import PoolStorage
+
+MiB: Final = 1024 * 1024
+
+
+def _embedding_layout(hidden: int) -> PoolLayout:
+    return PoolLayout(
+        block_size=128,
+        buffers=(
+            BufferSpec(name="embeds", shape=(hidden,), dtype="float32"),
+            BufferSpec(name="token_ids", shape=(), dtype="int64"),
+            BufferSpec(name="positions", shape=(3,), dtype="int64"),
+        ),
+    )
+
+
+LAYOUTS: Final = {
+    "emb4096": _embedding_layout(4096),
+    "emb1024": _embedding_layout(1024),
+    "kv": PoolLayout(
+        block_size=16,
+        buffers=tuple(
+            BufferSpec(name=f"{kind}{layer}", shape=(8, 128), dtype="bfloat16")
+            for layer in range(8)
+            for kind in ("k", "v")
+        ),
+    ),
+}
+PAYLOAD_BYTES: Final = {"emb4096": 64 * MiB, "emb1024": 8 * MiB, "kv": 64 * MiB}
+RAW_BYTES: Final = 64 * MiB
+
+
+def tokens_for(name: str) -> int:
+    return PAYLOAD_BYTES[name] // LAYOUTS[name].bytes_per_token
+
+
+def fragmented_pool(num_blocks: int, block_size: int, seed: int) -> BlockPool:
+    """A pool whose free list is in random order, so every allocation is a scattered block list."""
+    pool = BlockPool(num_blocks, block_size)
+    ids = pool.allocate(num_blocks, "shuffle")
+    random.Random(seed).shuffle(ids)
+    pool.free(ids, "shuffle")
+    return pool
+
+
+def filled_storage(layout: PoolLayout, num_blocks: int, seed: int) -> PoolStorage:
+    storage = PoolStorage(layout, num_blocks)
+    generator = torch.Generator().manual_seed(seed)
+    for tensor in storage.tensors.values():
+        raw = tensor.view(torch.uint8)
+        raw.copy_(torch.randint(0, 256, raw.shape, generator=generator, dtype=torch.uint8))
+    return storage
+
+
+def crc_of(storage: PoolStorage, ids: list[int], tokens: int) -> int:
+    crc = 0
+    for tensor in storage.gather(ids, 0, tokens).values():
+        crc = zlib.crc32(tensor.contiguous().view(torch.uint8).numpy().tobytes(), crc)
+    return crc
+
+
+class Source:
+    """A sender pool holding one payload of `name`'s layout in scattered blocks."""
+
+    def __init__(self, name: str) -> None:
+        layout = LAYOUTS[name]
+        self.name, self.tokens = name, tokens_for(name)
+        blocks = -(-self.tokens // layout.block_size)
+        self.pool = fragmented_pool(2 * blocks, layout.block_size, seed=11)
+        self.storage = filled_storage(layout, 2 * blocks, seed=12)
+        self.ids = self.pool.allocate(blocks, "source")
+        self.crc = crc_of(self.storage, self.ids, self.tokens)
+
+
+async def serve_source(
+    source: Source,
+    network: InprocNetwork | None,
+    task_status: trio.TaskStatus[TransferEndpoint] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """A replica-like owner: sender-bound messages come through its channel (DESIGN §3); a grant for a
+    new transfer id opens a session that sends the whole payload."""
+    send, receive = trio.open_memory_channel[SenderDelivery](1024)
+    async with (
+        open_endpoint(
+            f"{source.name}-sender", source.storage, source.pool, inproc=network, sender_control=send
+        ) as endpoint,
+        trio.open_nursery() as sends,
+    ):
+        if network is None:
+            await endpoint.listen_tcp()
+        else:
+            endpoint.listen_inproc()
+        task_status.started(endpoint)
+        async for delivery in receive:
+            endpoint.deliver(delivery)
+            if isinstance(delivery.message, Grant):
+                sends.start_soon(_send_one, endpoint, delivery.message.transfer_id, source)
+
+
+async def _send_one(endpoint: TransferEndpoint, transfer_id: str, source: Source) -> None:
+    async with endpoint.open_send(transfer_id) as session:
+        await session.send(source.ids, total_tokens=source.tokens)
+
+
+def serve_sender() -> None:
+    params = json.loads(sys.stdin.readline())
+    torch.set_num_threads(params["threads"])
+    trio.run(_serve_sender)
+
+
+async def _serve_sender() -> None:
+    listener = socket.create_server(("127.0.0.1", 0))
+    threading.Thread(target=_raw_sender, args=(listener,), daemon=True).start()
+    ready: dict[str, object] = {"raw": listener.getsockname()[1]}
+    async with trio.open_nursery() as nursery:
+        for name in LAYOUTS:
+            source = Source(name)
+            endpoint = await nursery.start(serve_source, source, None)
+            ready[name] = endpoint.address
+            ready[f"{name}_crc"] = source.crc
+        print(json.dumps(ready), flush=True)
+        await trio.to_thread.run_sync(sys.stdin.read)
+        nursery.cancel_scope.cancel()
+
+
+def _raw_sender(listener: socket.socket) -> None:
+    """The baseline's sender: one connection; each request byte is answered with the whole payload."""
+    payload = memoryview(bytearray(random.randbytes(RAW_BYTES)))
+    connection, _ = listener.accept()
+    with connection:
+        while connection.recv(1):
+            connection.sendall(payload)
