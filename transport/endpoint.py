@@ -21,11 +21,9 @@ from __future__ import annotations
 
 import itertools
 import socket
-from collections import OrderedDict
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
-from typing import Final, assert_never, final
+from typing import assert_never, final
 
 import msgspec
 import structlog
@@ -33,11 +31,9 @@ import trio
 
 from messages.peer_codec import NO_HEADER
 from messages.transfer import (
-    PROTOCOL_VERSION,
     Abort,
     AbortAck,
     ChunkDone,
-    FailureReason,
     Grant,
     Heartbeat,
     Hello,
@@ -49,45 +45,22 @@ from messages.transfer import (
     StatusUpdate,
     TotalAnnounce,
 )
-from transport import tcp
+from transport import handshake, tcp
 from transport.blocks import BlockPool
 from transport.config import TransferConfig
 from transport.errors import HandshakeRefused, LinkBroken, LinkClosed, LinkError
 from transport.faults import NO_FAULTS, FaultPlan
+from transport.fences import Fences
 from transport.inproc import InprocNetwork
-from transport.link import Landing, Link
-from transport.receiver import Consume, ReceiveResult, ReceiveSession
+from transport.landing import Consume, ReceiveResult, check_landing_request
+from transport.link import Landing, Link, Role
+from transport.receiver import ReceiveSession
 from transport.scope import describe_exit, open_task_scope
 from transport.sender import SendSession
+from transport.sender_desk import SenderDelivery, SenderDesk
 from transport.storage import PoolStorage
 
-FINISHED_MEMORY: Final = 4096
-PENDING_MESSAGES: Final = 64
 _log = structlog.get_logger("transport.endpoint")
-
-
-@dataclass(frozen=True, slots=True)
-class SenderDelivery:
-    """A sender-bound control message and the link it came on, for the owner's command channel."""
-
-    link: Link
-    message: SenderBound
-
-
-@dataclass(slots=True)
-class _Pending:
-    link: Link
-    since: float
-    messages: list[SenderBound] = field(default_factory=list)
-
-
-@dataclass(slots=True)
-class _Fence:
-    link: Link
-    transfer_id: str
-    key: str
-    signal: trio.Event = field(default_factory=trio.Event)
-    done: trio.Event = field(default_factory=trio.Event)
 
 
 @asynccontextmanager
@@ -107,7 +80,7 @@ async def open_endpoint(
     )
     async with open_task_scope() as nursery:
         endpoint._nursery = nursery
-        nursery.start_soon(endpoint._sweep_orphans)
+        nursery.start_soon(endpoint.senders.sweep_orphans)
         try:
             yield endpoint
         finally:
@@ -143,10 +116,8 @@ class TransferEndpoint:
         self._links: set[Link] = set()
         self._receivers: dict[str, ReceiveSession] = {}
         self._landings: dict[int, ReceiveSession] = {}
-        self._senders: dict[str, SendSession] = {}
-        self._pending: dict[str, _Pending] = {}
-        self._finished: OrderedDict[str, Abort | None] = OrderedDict()
-        self._fences: dict[tuple[str, str], _Fence] = {}
+        self.senders = SenderDesk(name, config.orphan_timeout, self.send_soon)
+        self._fences = Fences(pool, config.fence_timeout)
         self._landing_keys = itertools.count(1)
         self._listener: trio.CancelScope | None = None
 
@@ -180,18 +151,20 @@ class TransferEndpoint:
         with trio.CancelScope() as scope, listener:
             self._listener = scope
             while True:
-                sock = await tcp.accept(listener)
-                link = tcp.TcpLink(
-                    sock,
-                    link_id=tcp.new_link_id(),
-                    local=self.name,
-                    role="sender",
-                    handler=self,
-                    layout=self.storage.layout,
-                    config=self.config,
-                    faults=self.faults,
-                )
-                self._adopt(link)
+                self._adopt(self._tcp_link(await tcp.accept(listener), "sender"))
+
+    def _tcp_link(self, sock: socket.socket, role: Role) -> tcp.TcpLink:
+        layout, config, faults = self.storage.layout, self.config, self.faults
+        return tcp.TcpLink(
+            sock,
+            link_id=tcp.new_link_id(),
+            local=self.name,
+            role=role,
+            handler=self,
+            layout=layout,
+            config=config,
+            faults=faults,
+        )
 
     def _adopt(self, link: Link) -> None:
         self._links.add(link)
@@ -213,30 +186,13 @@ class TransferEndpoint:
         elif scheme == "tcp":
             host, _, port = rest.rpartition(":")
             with trio.fail_after(self.config.handshake_timeout):
-                sock = await tcp.connect(host, int(port))
-            link = tcp.TcpLink(
-                sock,
-                link_id=tcp.new_link_id(),
-                local=self.name,
-                role="receiver",
-                handler=self,
-                layout=self.storage.layout,
-                config=self.config,
-                faults=self.faults,
-            )
+                link = self._tcp_link(await tcp.connect(host, int(port)), "receiver")
         else:
             raise ValueError(
                 f"unknown transport address {address!r} (expected tcp://host:port or inproc://name)"
             )
         self._adopt(link)
-        hello = Hello(
-            link_id=link.link_id,
-            protocol_version=PROTOCOL_VERSION,
-            endpoint=self.name,
-            layout=self.storage.layout,
-            address=self.address,
-        )
-        await link.send(hello)
+        await link.send(handshake.hello(link.link_id, self.name, self.storage.layout, self.address))
         with trio.move_on_after(self.config.handshake_timeout):
             await link.ready.wait()
         if link.refusal is not None:
@@ -276,19 +232,7 @@ class TransferEndpoint:
         if transfer_id in self._receivers:
             raise ValueError(f"endpoint {self.name!r}: transfer {transfer_id!r} is already being received")
         layout_names = tuple(spec.name for spec in self.storage.layout.buffers)
-        names = layout_names if buffers is None else tuple(buffers)
-        unknown = [name for name in names if name not in layout_names]
-        if unknown or not names:
-            raise ValueError(
-                f"transfer {transfer_id!r}: unknown buffers {unknown}; the layout has {list(layout_names)}"
-            )
-        if blocks is not None:
-            bad = [block for block in blocks if not 0 <= block < self.pool.num_blocks]
-            if bad or not 0 <= landing_offset < max(1, len(blocks)) * self.storage.block_size:
-                raise ValueError(
-                    f"transfer {transfer_id!r}: landing blocks {bad} outside the pool or landing_offset "
-                    f"{landing_offset} outside {len(blocks)} blocks"
-                )
+        names = check_landing_request(transfer_id, layout_names, buffers, self.pool, blocks, landing_offset)
         key = next(self._landing_keys)
         session = ReceiveSession(
             self,
@@ -317,15 +261,9 @@ class TransferEndpoint:
     async def open_send(self, transfer_id: str, *, peer: str | None = None) -> AsyncIterator[SendSession]:
         """The sending session of `transfer_id`, open until the context exits. Leaving it before a
         successful `send` aborts the transfer (the receiver learns why)."""
-        if transfer_id in self._senders:
-            raise ValueError(f"endpoint {self.name!r}: transfer {transfer_id!r} is already being sent")
         known = self.links(peer) if peer is not None else []
         session = SendSession(self, transfer_id, known[0] if known else None)
-        self._senders[transfer_id] = session
-        pending = self._pending.pop(transfer_id, None)
-        if pending is not None:
-            for message in pending.messages:
-                session.handle(pending.link, message)
+        self.senders.opened(session)
         detail = "sender closed the transfer before sending it"
         try:
             async with open_task_scope() as nursery:
@@ -341,57 +279,11 @@ class TransferEndpoint:
             if not session.status.terminal:
                 with trio.CancelScope(shield=True):
                     await session.abort(detail)
-            del self._senders[transfer_id]
-            report = session.report()
-            abort = None
-            if report.reason is not None:
-                abort = Abort(transfer_id=transfer_id, reason=report.reason, detail=report.detail)
-            self._remember_finished(transfer_id, abort)
+            self.senders.closed(session)
 
     def deliver(self, delivery: SenderDelivery) -> None:
-        """Hand a sender-bound message to its session (owners with a `sender_control` channel call this)."""
-        link, message = delivery.link, delivery.message
-        session = self._senders.get(message.transfer_id)
-        if session is not None:
-            session.handle(link, message)
-            return
-        if message.transfer_id in self._finished:
-            failure = self._finished[message.transfer_id]
-            if isinstance(message, Abort):
-                self.send_soon(link, AbortAck(transfer_id=message.transfer_id))
-            elif isinstance(message, Grant) and failure is not None:
-                self.send_soon(link, failure)
-            return
-        if isinstance(message, Abort):
-            self._pending.pop(message.transfer_id, None)
-            self.send_soon(link, AbortAck(transfer_id=message.transfer_id))
-            return
-        pending = self._pending.setdefault(message.transfer_id, _Pending(link, trio.current_time()))
-        if len(pending.messages) >= PENDING_MESSAGES:
-            del self._pending[message.transfer_id]
-            detail = f"over {PENDING_MESSAGES} messages for unopened transfer {message.transfer_id!r}"
-            link.close(LinkBroken(f"{link.describe()}: {detail}"))
-            return
-        pending.messages.append(message)
-
-    def _remember_finished(self, transfer_id: str, failure: Abort | None) -> None:
-        self._finished[transfer_id] = failure
-        while len(self._finished) > FINISHED_MEMORY:
-            self._finished.popitem(last=False)
-
-    async def _sweep_orphans(self) -> None:
-        timeout = self.config.orphan_timeout
-        while True:
-            await trio.sleep(timeout / 4)
-            now = trio.current_time()
-            for transfer_id, pending in list(self._pending.items()):
-                if now - pending.since >= timeout:
-                    del self._pending[transfer_id]
-                    detail = f"no sending session for {transfer_id!r} on {self.name!r} within {timeout} s"
-                    self.send_soon(
-                        pending.link,
-                        Abort(transfer_id=transfer_id, reason=FailureReason.NO_SENDER, detail=detail),
-                    )
+        """Hand a sender-bound message on (owners with a `sender_control` channel call this)."""
+        self.senders.deliver(delivery)
 
     # ------------------------------------------------------------------ LinkHandler
     async def on_message(self, link: Link, message: PeerMessage) -> None:
@@ -420,9 +312,7 @@ class TransferEndpoint:
                 else:
                     self._to_receiver(link, message)
             case AbortAck():
-                fence = self._fences.get((link.link_id, message.transfer_id))
-                if fence is not None:
-                    fence.signal.set()
+                self._fences.acknowledged(link, message.transfer_id)
                 self._to_receiver(link, message)
             case _:
                 assert_never(message)
@@ -431,13 +321,7 @@ class TransferEndpoint:
         if link.role != "sender" or link.peer is not None:
             link.close(LinkBroken(f"{link.describe()}: unexpected hello from {hello.endpoint!r}"))
             return
-        reason = None
-        if hello.protocol_version != PROTOCOL_VERSION:
-            reason = (
-                f"protocol_version mismatch: sender {PROTOCOL_VERSION}, receiver {hello.protocol_version}"
-            )
-        else:
-            reason = self.storage.layout.mismatch(hello.layout)
+        reason = handshake.refusal(hello, self.storage.layout)
         if reason is not None:
             _log.warning("transfer.handshake_refused", endpoint=self.name, peer=hello.endpoint, reason=reason)
             await link.send(Refusal(link_id=hello.link_id, reason=reason))
@@ -476,42 +360,13 @@ class TransferEndpoint:
         for session in list(self._receivers.values()):
             if session.link is link:
                 session.link_lost(str(error))
-        for sender in self._senders.values():
-            if sender.link is link:
-                sender.link_lost(str(error))
-        for fence in self._fences.values():
-            if fence.link is link:
-                fence.signal.set()
-        for transfer_id, pending in list(self._pending.items()):
-            if pending.link is link:
-                del self._pending[transfer_id]
+        self.senders.link_closed(link)
+        self._fences.link_closed(link)
 
     # ------------------------------------------------------------------ fences and small sends
     def open_fence(self, link: Link, transfer_id: str, quarantine: list[int], owner: str) -> trio.Event:
-        """Hold `quarantine` (owned by `owner`) until no write for `transfer_id` can land; returns an
-        event set when that is so and the blocks are back in the pool."""
-        fence = _Fence(link, transfer_id, f"{transfer_id}@{link.link_id}")
-        if quarantine:
-            self.pool.quarantine(quarantine, owner, fence.key)
-        self._fences[(link.link_id, transfer_id)] = fence
-        if link.is_closed:
-            fence.signal.set()
-        self.nursery.start_soon(self._watch_fence, fence)
-        return fence.done
-
-    async def _watch_fence(self, fence: _Fence) -> None:
-        with trio.CancelScope(shield=True):
-            with trio.move_on_after(self.config.fence_timeout):
-                await fence.signal.wait()
-            if not fence.signal.is_set():
-                fence.link.close(
-                    LinkBroken(f"no AbortAck for {fence.transfer_id!r} within {self.config.fence_timeout} s")
-                )
-            if fence.link.is_closed:
-                await fence.link.quiesce()
-            self.pool.release_quarantine(fence.key)
-            del self._fences[(fence.link.link_id, fence.transfer_id)]
-            fence.done.set()
+        """Quarantine `quarantine` until no write for `transfer_id` can land (see `transport.fences`)."""
+        return self._fences.open(self.nursery, link, transfer_id, quarantine, owner)
 
     def send_soon(self, link: Link, message: PeerMessage) -> None:
         """Send a small control message from synchronous code, in a task of the endpoint's nursery."""
@@ -533,6 +388,4 @@ class TransferEndpoint:
             self._inproc.unlisten(self.name)
         for link in list(self._links):
             link.close(LinkClosed(f"endpoint {self.name!r} is closing"))
-        with trio.move_on_after(self.config.fence_timeout + 1):
-            for fence in list(self._fences.values()):
-                await fence.done.wait()
+        await self._fences.drain()

@@ -24,13 +24,11 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Sequence
 from typing import Protocol, assert_never, final
 
 import msgspec
 import structlog
-import torch
 import trio
 
 from messages.transfer import (
@@ -49,46 +47,15 @@ from messages.transfer import (
 from transport.blocks import AllocationTimeout, BlockPool
 from transport.config import TransferConfig
 from transport.errors import LinkError, ProtocolViolation, transfer_error
+from transport.landing import Consume, GrantedRound, LandedRound, Landings, ReceiveResult
 from transport.link import Link
+from transport.liveness import Liveness
 from transport.runs import checksum_runs, plan_runs
 from transport.scope import describe_exit, open_task_scope
 from transport.status import StatusMachine
 from transport.storage import PoolStorage
 
 _log = structlog.get_logger("transport.receiver")
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class LandedRound:
-    """One round's tokens, landed: stream tokens `[offset, offset + tokens)` of `total_tokens`, at token
-    `landing_offset` of `blocks` in `storage`. `header` is the sender's header of that round."""
-
-    round: int
-    offset: int
-    tokens: int
-    total_tokens: int
-    blocks: tuple[int, ...]
-    landing_offset: int
-    header: msgspec.Raw
-    storage: PoolStorage
-    buffers: tuple[str, ...]
-
-    def gather(self) -> dict[str, torch.Tensor]:
-        return self.storage.gather(self.blocks, self.landing_offset, self.tokens, self.buffers)
-
-
-Consume = Callable[[LandedRound], Awaitable[None]]
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class ReceiveResult:
-    """A finished transfer. `blocks`: kept blocks in token order (owned without `consume`: now owned by
-    the caller's `owner`; borrowed: the caller's own list), or `[]` when every round was consumed."""
-
-    report: TransferReport
-    blocks: list[int]
-    total_tokens: int
-    header: msgspec.Raw
 
 
 class ReceiverHost(Protocol):
@@ -102,18 +69,6 @@ class ReceiverHost(Protocol):
     def end_receiver(self, session: ReceiveSession) -> None: ...
 
     def open_fence(self, link: Link, transfer_id: str, quarantine: list[int], owner: str) -> trio.Event: ...
-
-
-@dataclass(slots=True)
-class _Round:
-    number: int
-    offset: int
-    tokens: int
-    blocks: tuple[int, ...]
-    landing_offset: int
-    rows: dict[int, tuple[int, int]] = field(default_factory=dict)  # block -> granted [lo, hi) rows
-    landed: bool = False
-    released: bool = False
 
 
 @final
@@ -138,31 +93,30 @@ class ReceiveSession:
     ) -> None:
         self.host, self.link, self.transfer_id, self.landing_key = host, link, transfer_id, landing_key
         self.storage = host.storage
-        self._pool, self._config, self._bs = host.pool, host.config, host.storage.block_size
+        self._config, self._bs = host.config, host.storage.block_size
         self._header, self._expected, self._buffers = header, expected_tokens, buffers
         self._all_buffers, self._buffer_set = all_buffers, frozenset(buffers)
-        self._borrowed = None if blocks is None else tuple(blocks)
-        self._borrowed_offset = landing_offset
         self._consume, self._owner = consume, owner
-        self._tag = f"transfer:{transfer_id}"
+        self._landings = Landings(
+            host.pool,
+            host.config,
+            f"transfer:{transfer_id}",
+            borrowed=blocks,
+            borrowed_offset=landing_offset,
+            expected=expected_tokens,
+        )
         self._bytes_per_token = sum(self.storage.spec(name).bytes_per_token for name in buffers)
         self.status = StatusMachine(transfer_id)
-        self._rounds: dict[int, _Round] = {}
-        self._next_round = 0
-        self._granted = 0
+        self.liveness = Liveness(self._config.progress_timeout)
+        self._received = self._data_rounds = 0
         self._total: int | None = None
-        self._received = 0
-        self._data_rounds = 0
         self._sender_header: msgspec.Raw = header
         self._landed_send, self._landed = trio.open_memory_channel[LandedRound](math.inf)
         self._wake_granter = trio.Event()
-        self._local_waits = 0
-        self._last_progress = trio.current_time()
         self._failure: tuple[FailureReason, str] | None = None
         self._peer_fenced = False
         self._scope: trio.CancelScope | None = None
-        self._started = trio.current_time()
-        self._started_wall = time.time()
+        self._started, self._started_wall = trio.current_time(), time.time()
 
     # ------------------------------------------------------------------ the session
     async def run(self) -> ReceiveResult:
@@ -171,7 +125,9 @@ class ReceiveSession:
                 self._scope = nursery.cancel_scope
                 nursery.start_soon(self._granter)
                 nursery.start_soon(self._watchdog)
-                nursery.start_soon(self._ticker)
+                nursery.start_soon(
+                    self.liveness.updates, lambda: self.liveness.local_waits > 0, self._say_busy
+                )
                 await self._consume_rounds()
                 nursery.cancel_scope.cancel()
         except BaseException as exc:
@@ -188,27 +144,20 @@ class ReceiveSession:
 
     async def _consume_rounds(self) -> None:
         async for landed in self._landed:
-            if self._consume is not None:
-                self._local_waits += 1
-                try:
-                    await self._consume(landed)
-                finally:
-                    self._local_waits -= 1
-                    self._touch()
-                if self._borrowed is None:
-                    self._release(self._rounds[landed.round])
-                    self._wake()
+            if self._consume is None:
+                continue
+            with self.liveness.local_wait():
+                await self._consume(landed)
+            self._landings.release(self._landings.rounds[landed.round])
+            self._wake_granter.set()
 
     def _succeed(self) -> ReceiveResult:
         self.status.move(TransferStatus.SUCCESS)
-        kept: list[int] = []
-        if self._borrowed is not None:
-            kept = list(self._borrowed)
-        elif self._consume is None:
-            for number in sorted(self._rounds):
-                kept.extend(self._rounds[number].blocks)
-            if self._owner is not None and self._owner != self._tag and kept:
-                self._pool.hand_over(kept, self._tag, self._owner)
+        kept = (
+            []
+            if self._consume is not None and self._landings.borrowed is None
+            else self._landings.kept(self._owner)
+        )
         self.host.end_receiver(self)
         assert self._total is not None
         return ReceiveResult(
@@ -216,106 +165,58 @@ class ReceiveSession:
         )
 
     # ------------------------------------------------------------------ granting
-    def _next_grant_tokens(self) -> int:
-        """Tokens the next round may grant now; 0 when it must wait (window full, total unknown) or is done."""
-        cap = math.inf if self._config.round_cap_blocks is None else self._config.round_cap_blocks * self._bs
-        if self._next_round == 0:
-            if self._expected is not None:
-                want: float = self._expected
-            elif self._borrowed is not None:
-                want = math.inf
-            else:
-                want = self._config.default_grant_blocks * self._bs
-        else:
-            outstanding = sum(1 for r in self._rounds.values() if not r.landed)
-            if self._total is None or outstanding >= self._config.window:
-                return 0
-            want = self._total - self._granted
-        if self._borrowed is not None:
-            want = min(want, len(self._borrowed) * self._bs - self._borrowed_offset - self._granted)
-        return int(max(0, min(want, cap)))
-
     async def _granter(self) -> None:
         try:
-            while self._total is None or self._granted < self._total:
-                tokens = self._next_grant_tokens()
-                if tokens == 0 and not (self._next_round == 0 and self._total is None):
+            await self._grant(self._landings.next_tokens(self._total))  # round 0 opens the transfer
+            while self._total is None or self._landings.granted < self._total:
+                tokens = self._landings.next_tokens(self._total)
+                if tokens == 0:
                     await self._wake_granter.wait()
                     self._wake_granter = trio.Event()
-                    continue
-                await self._grant(tokens)
+                else:
+                    await self._grant(tokens)
         except LinkError as exc:
             self._fail(FailureReason.LINK_LOST, str(exc))
         except AllocationTimeout as exc:
             self._fail(FailureReason.MEMORY_PRESSURE, str(exc))
 
     async def _grant(self, tokens: int) -> None:
-        number, offset = self._next_round, self._granted
-        if self._borrowed is None:
-            blocks = tuple(await self._allocate(self._pool.blocks_for(tokens)))
-            tokens, landing = min(tokens, len(blocks) * self._bs), 0
-        else:
-            start = self._borrowed_offset + offset
-            first, landing = divmod(start, self._bs)
-            blocks = self._borrowed[first : -(-(start + tokens) // self._bs)]
-        granted = _Round(number, offset, tokens, blocks, landing)
-        for index, block in enumerate(blocks):
-            lo, hi = max(0, landing - index * self._bs), min(self._bs, landing + tokens - index * self._bs)
-            if lo < hi:
-                granted.rows[block] = (lo, hi)
-        self._rounds[number] = granted
-        self._next_round, self._granted = number + 1, offset + tokens
-        if number == 0:
-            # Before the send: the reply may be handled while this task waits in `send`.
-            self.status.move(TransferStatus.WAITING_FOR_INPUT)
-            await self.link.send(
-                Grant(
-                    transfer_id=self.transfer_id,
-                    round=0,
-                    landing_key=self.landing_key,
-                    stream_offset=0,
-                    tokens=tokens,
-                    blocks=blocks,
-                    header=self._header,
-                    landing_offset=landing,
-                    buffers=None if self._all_buffers else self._buffers,
-                    expected_tokens=self._expected,
-                )
+        granted = await self._landings.take(tokens, self.liveness)
+        number, offset, tokens = granted.number, granted.offset, granted.tokens
+        blocks, landing = granted.blocks, granted.landing_offset
+        if number > 0:
+            more = RequestMoreCache(
+                transfer_id=self.transfer_id,
+                round=number,
+                stream_offset=offset,
+                tokens=tokens,
+                blocks=blocks,
+                landing_offset=landing,
             )
-        else:
-            await self.link.send(
-                RequestMoreCache(
-                    transfer_id=self.transfer_id,
-                    round=number,
-                    stream_offset=offset,
-                    tokens=tokens,
-                    blocks=blocks,
-                    landing_offset=landing,
-                )
-            )
-
-    async def _allocate(self, n_blocks: int) -> list[int]:
-        """Up to `n_blocks` blocks now; when none are free, wait (bounded) for at least one."""
-        if n_blocks == 0:
-            return []
-        ids = self._pool.try_allocate(min(n_blocks, self._pool.free_blocks), self._tag)
-        if ids:
-            return ids
-        self._local_waits += 1
-        try:
-            deadline = trio.current_time() + self._config.pressure_timeout
-            ids = await self._pool.allocate_wait(1, self._tag, deadline=deadline)
-        finally:
-            self._local_waits -= 1
-            self._touch()
-        return ids + (self._pool.try_allocate(min(n_blocks - 1, self._pool.free_blocks), self._tag) or [])
+            await self.link.send(more)
+            return
+        # Before the send: the reply may be handled while this task waits in `send`.
+        self.status.move(TransferStatus.WAITING_FOR_INPUT)
+        grant = Grant(
+            transfer_id=self.transfer_id,
+            round=0,
+            landing_key=self.landing_key,
+            stream_offset=0,
+            tokens=tokens,
+            blocks=blocks,
+            header=self._header,
+            landing_offset=landing,
+            buffers=None if self._all_buffers else self._buffers,
+            expected_tokens=self._expected,
+        )
+        await self.link.send(grant)
 
     # ------------------------------------------------------------------ incoming
     def handle(self, message: ReceiverBound) -> None:
         """A message from the sender (called by the endpoint's link reader; never blocks)."""
         if self._failure is not None or self.status.terminal:
             return
-        self._touch()
+        self.liveness.touch()
         try:
             match message:
                 case ChunkDone():
@@ -323,13 +224,11 @@ class ReceiveSession:
                 case TotalAnnounce():
                     self._set_total(message.total_tokens)
                     self._sender_header = message.header
-                    self._wake()
+                    self._wake_granter.set()
                 case Abort():
-                    self._peer_fenced = True
+                    self._peer_fenced = True  # the sender's Abort follows its last write
                     self._fail(message.reason, f"sender aborted: {message.detail}")
-                case AbortAck():
-                    pass
-                case StatusUpdate():
+                case AbortAck() | StatusUpdate():
                     pass
                 case _:
                     assert_never(message)
@@ -343,11 +242,7 @@ class ReceiveSession:
             return
         if self._expected is not None and total != self._expected:
             raise ProtocolViolation(f"sender total {total} tokens, receiver expected {self._expected}")
-        capacity = None
-        if self._borrowed is not None:
-            capacity = len(self._borrowed) * self._bs - self._borrowed_offset
-        elif self._consume is None:
-            capacity = self._pool.num_blocks * self._bs
+        capacity = self._landings.capacity(consuming=self._consume is not None)
         if capacity is not None and total > capacity:
             self._fail(
                 FailureReason.TOO_LARGE, f"{total} tokens cannot fit: the receiver can hold {capacity}"
@@ -355,9 +250,9 @@ class ReceiveSession:
         self._total = total
 
     def _on_chunk_done(self, message: ChunkDone) -> None:
-        granted = self._rounds.get(message.round)
+        granted = self._landings.rounds.get(message.round)
         if granted is None:
-            if message.round < self._next_round:
+            if message.round < self._landings.next_round:
                 return
             raise ProtocolViolation(f"ChunkDone for round {message.round}, which was never granted")
         if granted.landed:
@@ -377,115 +272,70 @@ class ReceiveSession:
             )
         if (message.checksum is not None or self._config.checksums) and not self._verify(granted, message):
             return
-        granted.landed, granted.tokens = True, message.tokens
+        self._landings.land(granted, message.tokens)
         self._received += message.tokens
         self._data_rounds += message.tokens > 0
         self._sender_header = message.header
-        if self._borrowed is None:
-            keep = self._pool.blocks_for(message.tokens)
-            if keep < len(granted.blocks):
-                self._pool.free(granted.blocks[keep:], self._tag)
-                granted.blocks = granted.blocks[:keep]
         self.status.move(TransferStatus.TRANSFERRING)
-        self._landed_send.send_nowait(
-            LandedRound(
-                round=message.round,
-                offset=message.offset,
-                tokens=message.tokens,
-                total_tokens=self._total,
-                blocks=granted.blocks,
-                landing_offset=granted.landing_offset,
-                header=message.header,
-                storage=self.storage,
-                buffers=self._buffers,
-            )
+        landed = LandedRound(
+            round=message.round,
+            offset=message.offset,
+            tokens=message.tokens,
+            total_tokens=self._total,
+            blocks=granted.blocks,
+            landing_offset=granted.landing_offset,
+            header=message.header,
+            storage=self.storage,
+            buffers=self._buffers,
         )
+        self._landed_send.send_nowait(landed)
         if self._received >= self._total:
             self._landed_send.close()
-        self._wake()
+        self._wake_granter.set()
 
-    def _verify(self, granted: _Round, message: ChunkDone) -> bool:
+    def _verify(self, granted: GrantedRound, message: ChunkDone) -> bool:
         if message.checksum is None:
             raise ProtocolViolation(f"round {message.round}: checksums are required, ChunkDone has none")
-        runs = plan_runs(
-            granted.blocks,
-            granted.landing_offset,
-            granted.blocks,
-            granted.landing_offset,
-            message.tokens,
-            self._bs,
-        )
+        own = (granted.blocks, granted.landing_offset)
+        runs = plan_runs(*own, *own, message.tokens, self._bs)
         actual = checksum_runs(self.storage, runs, self._buffers, source=False)
-        if actual != message.checksum:
-            self._fail(
-                FailureReason.CORRUPTED,
-                f"round {message.round}: checksum 0x{actual:08x}, sender sent 0x{message.checksum:08x}",
-            )
-            return False
-        return True
+        if actual == message.checksum:
+            return True
+        detail = f"round {message.round}: checksum 0x{actual:08x}, sender sent 0x{message.checksum:08x}"
+        self._fail(FailureReason.CORRUPTED, detail)
+        return False
 
     def claim(self, round: int, buffer: str, dst_row: int, rows: int) -> bool:
         """Landing check for bulk bytes (see `transport.link.Landing`)."""
         if self._failure is not None:
             return False
-        granted = self._rounds.get(round)
+        granted = self._landings.rounds.get(round)
         if granted is None:
             self._fail(FailureReason.PROTOCOL_ERROR, f"bytes for round {round}, which was never granted")
             return False
         if granted.landed:
             return False
-        if buffer not in self._buffer_set:
-            self._fail(FailureReason.PROTOCOL_ERROR, f"bytes for buffer {buffer!r}, not selected")
+        refusal = None if buffer in self._buffer_set else f"bytes for buffer {buffer!r}, not selected"
+        refusal = refusal or granted.refusal(dst_row, rows)
+        if refusal is not None:
+            self._fail(FailureReason.PROTOCOL_ERROR, refusal)
             return False
-        row, end = dst_row, dst_row + rows
-        while row < end:
-            block, first = divmod(row, self._bs)
-            last = min(end - block * self._bs, self._bs)
-            span = granted.rows.get(block)
-            if span is None or first < span[0] or last > span[1]:
-                self._fail(
-                    FailureReason.PROTOCOL_ERROR,
-                    f"round {round}: bytes for rows {first}..{last} of block {block}, which are not granted",
-                )
-                return False
-            row = (block + 1) * self._bs
-        self._touch()
+        self.liveness.touch()
         return True
 
     # ------------------------------------------------------------------ liveness
-    def _touch(self) -> None:
-        self._last_progress = trio.current_time()
-
-    def _wake(self) -> None:
-        self._wake_granter.set()
-
     async def _watchdog(self) -> None:
-        timeout = self._config.progress_timeout
-        while True:
-            await trio.sleep_until(self._last_progress + timeout)
-            if self._local_waits:
-                self._touch()
-            elif trio.current_time() >= self._last_progress + timeout:
-                self._fail(
-                    FailureReason.NO_PROGRESS,
-                    f"nothing from the sender for {timeout} s in {self.status.status.value}",
-                )
-                return
+        await self.liveness.watch()
+        detail = f"nothing from the sender for {self.liveness.timeout} s in {self.status.status.value}"
+        self._fail(FailureReason.NO_PROGRESS, detail)
 
-    async def _ticker(self) -> None:
-        """While this side holds things up (waiting for blocks or its consumer), tell the sender."""
-        while True:
-            await trio.sleep(self._config.progress_timeout / 3)
-            if self._local_waits:
-                try:
-                    await self.link.send(
-                        StatusUpdate(
-                            transfer_id=self.transfer_id, status=self.status.status, detail="receiver busy"
-                        )
-                    )
-                except LinkError as exc:
-                    self._fail(FailureReason.LINK_LOST, str(exc))
-                    return
+    async def _say_busy(self) -> None:
+        try:
+            await self.link.send(
+                StatusUpdate(transfer_id=self.transfer_id, status=self.status.status, detail="receiver busy")
+            )
+        except LinkError as exc:
+            self._fail(FailureReason.LINK_LOST, str(exc))
 
     # ------------------------------------------------------------------ failure
     def link_lost(self, detail: str) -> None:
@@ -499,11 +349,6 @@ class ReceiveSession:
         if self._scope is not None:
             self._scope.cancel()
 
-    def _release(self, granted: _Round) -> None:
-        if not granted.released and self._borrowed is None and granted.blocks:
-            self._pool.free(granted.blocks, self._tag)
-        granted.released = True
-
     async def _clean_up_failure(self) -> None:
         """Shielded by the caller. Ends `Failed`; every block back, or quarantined until the fence."""
         assert self._failure is not None
@@ -512,30 +357,21 @@ class ReceiveSession:
         self.host.end_receiver(self)
         self._landed_send.close()
         if not self._peer_fenced and not self.link.is_closed:
-            abort = Abort(transfer_id=self.transfer_id, reason=reason, detail=detail)
             with trio.move_on_after(self._config.fence_timeout):
                 try:
-                    await self.link.send(abort)
+                    await self.link.send(Abort(transfer_id=self.transfer_id, reason=reason, detail=detail))
                 except LinkError as exc:
                     # A link that cannot carry the Abort is closed, and a closed link is the fence.
                     _log.info("transfer.abort_undelivered", transfer_id=self.transfer_id, error=str(exc))
         if self.link.is_closed:
             await self.link.quiesce()
-        fenced = self._peer_fenced or self.link.is_closed
-        in_flight: list[int] = []
-        writes_pending = False
-        for granted in self._rounds.values():
-            if granted.landed or fenced:
-                self._release(granted)
-                continue
-            writes_pending = True
-            if self._borrowed is None and not granted.released:
-                in_flight.extend(granted.blocks)
-                granted.released = True
+        in_flight, writes_pending = self._landings.settle_failure(
+            fenced=self._peer_fenced or self.link.is_closed
+        )
         if writes_pending:
-            fence = self.host.open_fence(self.link, self.transfer_id, in_flight, self._tag)
-            if self._borrowed is not None:
-                await fence.wait()
+            fence = self.host.open_fence(self.link, self.transfer_id, in_flight, self._landings.tag)
+            if self._landings.borrowed is not None:
+                await fence.wait()  # the caller owns these blocks: it may reuse them once we return
 
     def _report(self) -> TransferReport:
         reason, detail = self._failure if self._failure is not None else (None, "")
@@ -545,7 +381,7 @@ class ReceiveSession:
             peer=self.link.peer or "?",
             status=self.status.status,
             rounds=self._data_rounds,
-            grants=self._next_round,
+            grants=self._landings.next_round,
             tokens=self._received,
             bytes=self._received * self._bytes_per_token,
             seconds=trio.current_time() - self._started,

@@ -42,6 +42,7 @@ from transport.config import TransferConfig
 from transport.errors import LinkError, transfer_error
 from transport.faults import FaultPlan
 from transport.link import BulkWrite, Link
+from transport.liveness import Liveness
 from transport.runs import checksum_runs
 from transport.scope import describe_exit
 from transport.status import StatusMachine
@@ -84,7 +85,7 @@ class SendSession:
         self._position = self._rounds = self._bytes = 0
         self._wake = trio.Event()
         self._ended = trio.Event()  # set on an abort from the receiver or a failure
-        self._last_progress = trio.current_time()
+        self.liveness = Liveness(self._config.progress_timeout)
         self._started = trio.current_time()
         self._started_wall = time.time()
 
@@ -95,7 +96,7 @@ class SendSession:
             self.link = link
         elif link is not self.link:
             return
-        self._last_progress = trio.current_time()
+        self.liveness.touch()
         match message:
             case Grant():
                 if 0 in self._grants or self._next_round > 0 or self.status.terminal:
@@ -265,7 +266,7 @@ class SendSession:
                 self._rounds += count > 0
                 self._bytes += bulk.nbytes
                 self._next_round += 1
-                self._last_progress = trio.current_time()
+                self.liveness.touch()
                 if self._position >= self._total:
                     return
                 self.status.move(TransferStatus.WAITING_FOR_INPUT)
@@ -274,7 +275,6 @@ class SendSession:
 
     async def _next_grant(self) -> Grant | RequestMoreCache | None:
         """The grant for the next round, or None once the transfer failed (peer abort acknowledged)."""
-        timeout = self._config.progress_timeout
         while True:
             if self._peer_abort is not None:
                 self._ack()
@@ -284,23 +284,28 @@ class SendSession:
             grant = self._grants.pop(self._next_round, None)
             if grant is not None:
                 return grant
-            deadline = self._last_progress + timeout
-            if trio.current_time() >= deadline:
+            if trio.current_time() >= self.liveness.deadline:
+                timeout = self.liveness.timeout
                 self._fail(FailureReason.NO_PROGRESS, f"no grant from the receiver for {timeout} s")
                 return None
-            with trio.move_on_at(deadline):
+            with trio.move_on_at(self.liveness.deadline):
                 await self._wake.wait()
             self._wake = trio.Event()
 
     async def run_ticker(self) -> None:
         """While the owner prepares the data, tell the receiver this side is alive and queued."""
-        while not self.status.terminal:
-            await trio.sleep(self._config.progress_timeout / 3)
-            if self.link is not None and not self._data_ready and not self.status.terminal:
-                update = StatusUpdate(
-                    transfer_id=self.transfer_id, status=self.status.status, detail="sender preparing data"
-                )
-                self.host.send_soon(self.link, update)
+
+        def preparing() -> bool:
+            return self.link is not None and not self._data_ready and not self.status.terminal
+
+        async def say_preparing() -> None:
+            assert self.link is not None
+            update = StatusUpdate(
+                transfer_id=self.transfer_id, status=self.status.status, detail="sender preparing data"
+            )
+            self.host.send_soon(self.link, update)
+
+        await self.liveness.updates(preparing, say_preparing)
 
     # ------------------------------------------------------------------ failure
     def _ack(self) -> None:

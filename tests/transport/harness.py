@@ -19,8 +19,8 @@ from transport.config import TransferConfig
 from transport.endpoint import TransferEndpoint, open_endpoint
 from transport.faults import NO_FAULTS, FaultPlan
 from transport.inproc import InprocNetwork
+from transport.landing import LandedRound
 from transport.link import Link
-from transport.receiver import LandedRound
 from transport.storage import PoolStorage
 
 

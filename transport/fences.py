@@ -1,0 +1,81 @@
+"""Quarantine until the fence (DESIGN §5.7): a failed transfer's blocks are not reused while a write
+into them may still be in flight.
+
+A fence falls when the sender acknowledges the abort (`AbortAck`, sent after its last write on the
+ordered link), or when the link is closed and has quiesced. A sender that does not acknowledge within
+`fence_timeout` gets its link torn down, which is a fence too, so blocks always come back.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import final
+
+import trio
+
+from transport.blocks import BlockPool
+from transport.errors import LinkBroken
+from transport.link import Link
+
+
+@dataclass(slots=True)
+class _Fence:
+    link: Link
+    transfer_id: str
+    key: str
+    signal: trio.Event = field(default_factory=trio.Event)
+    done: trio.Event = field(default_factory=trio.Event)
+
+
+@final
+class Fences:
+    """The open fences of one endpoint; watchers run in the endpoint's nursery."""
+
+    def __init__(self, pool: BlockPool, fence_timeout: float) -> None:
+        self._pool = pool
+        self._timeout = fence_timeout
+        self._open: dict[tuple[str, str], _Fence] = {}
+
+    def open(
+        self, nursery: trio.Nursery, link: Link, transfer_id: str, quarantine: list[int], owner: str
+    ) -> trio.Event:
+        """Hold `quarantine` (owned by `owner`) until the fence; the returned event is set once no write
+        for `transfer_id` can land any more and the blocks are back in the pool."""
+        fence = _Fence(link, transfer_id, f"{transfer_id}@{link.link_id}")
+        if quarantine:
+            self._pool.quarantine(quarantine, owner, fence.key)
+        self._open[(link.link_id, transfer_id)] = fence
+        if link.is_closed:
+            fence.signal.set()
+        nursery.start_soon(self._watch, fence)
+        return fence.done
+
+    def acknowledged(self, link: Link, transfer_id: str) -> None:
+        fence = self._open.get((link.link_id, transfer_id))
+        if fence is not None:
+            fence.signal.set()
+
+    def link_closed(self, link: Link) -> None:
+        for fence in self._open.values():
+            if fence.link is link:
+                fence.signal.set()
+
+    async def _watch(self, fence: _Fence) -> None:
+        with trio.CancelScope(shield=True):
+            with trio.move_on_after(self._timeout):
+                await fence.signal.wait()
+            if not fence.signal.is_set():
+                fence.link.close(
+                    LinkBroken(f"no AbortAck for {fence.transfer_id!r} within {self._timeout} s")
+                )
+            if fence.link.is_closed:
+                await fence.link.quiesce()
+            self._pool.release_quarantine(fence.key)
+            del self._open[(fence.link.link_id, fence.transfer_id)]
+            fence.done.set()
+
+    async def drain(self) -> None:
+        """Wait (bounded) until every open fence has fallen; call after closing the links."""
+        with trio.move_on_after(self._timeout + 1):
+            for fence in list(self._open.values()):
+                await fence.done.wait()

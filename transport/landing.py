@@ -1,0 +1,253 @@
+"""Where a receiver's rounds land: granted rounds, their landing checks, and what consumers see.
+
+A `GrantedRound` is one grant: stream tokens `[offset, offset + tokens)` landing at token
+`landing_offset` of `blocks`. It knows, per block, which rows the grant covers, so a bulk frame can be
+checked against it before a byte is written (two rounds may share a block when a borrowed landing starts
+mid-block). `Landings` keeps a transfer's rounds and the blocks behind them: *owned* (allocated per
+round from the pool, `min(want, free)`, waiting bounded by `pressure_timeout` only when none are free)
+or *borrowed* (slices of the caller's allocation). `grant_size` is the sizing rule (DESIGN §5.2-5.4).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import final
+
+import msgspec
+import torch
+import trio
+
+from messages.transfer import TransferReport
+from transport.blocks import BlockPool
+from transport.config import TransferConfig
+from transport.liveness import Liveness
+from transport.storage import PoolStorage
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class LandedRound:
+    """One round's tokens, landed: stream tokens `[offset, offset + tokens)` of `total_tokens`, at token
+    `landing_offset` of `blocks` in `storage`. `header` is the sender's header of that round."""
+
+    round: int
+    offset: int
+    tokens: int
+    total_tokens: int
+    blocks: tuple[int, ...]
+    landing_offset: int
+    header: msgspec.Raw
+    storage: PoolStorage
+    buffers: tuple[str, ...]
+
+    def gather(self) -> dict[str, torch.Tensor]:
+        """The round's tokens, one fresh `[tokens, *shape]` tensor per transferred buffer."""
+        return self.storage.gather(self.blocks, self.landing_offset, self.tokens, self.buffers)
+
+
+Consume = Callable[[LandedRound], Awaitable[None]]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ReceiveResult:
+    """A finished transfer. `blocks`: kept blocks in token order (owned without `consume`: now owned by
+    the caller's `owner`; borrowed: the caller's own list), or `[]` when every round was consumed."""
+
+    report: TransferReport
+    blocks: list[int]
+    total_tokens: int
+    header: msgspec.Raw
+
+
+@dataclass(slots=True)
+class GrantedRound:
+    number: int
+    offset: int
+    tokens: int
+    blocks: tuple[int, ...]
+    landing_offset: int
+    block_size: int
+    rows: dict[int, tuple[int, int]] = field(default_factory=dict)  # block -> granted rows [lo, hi)
+    landed: bool = False
+    released: bool = False
+
+    def __post_init__(self) -> None:
+        size, start, end = self.block_size, self.landing_offset, self.landing_offset + self.tokens
+        for index, block in enumerate(self.blocks):
+            lo, hi = max(0, start - index * size), min(size, end - index * size)
+            if lo < hi:
+                self.rows[block] = (lo, hi)
+
+    def refusal(self, dst_row: int, rows: int) -> str | None:
+        """Why flat rows `[dst_row, +rows)` are not this grant's, or None when they all are."""
+        size, row, end = self.block_size, dst_row, dst_row + rows
+        while row < end:
+            block, first = divmod(row, size)
+            last = min(end - block * size, size)
+            span = self.rows.get(block)
+            if span is None or first < span[0] or last > span[1]:
+                return f"round {self.number}: bytes for rows {first}..{last} of block {block}, which are not granted"
+            row = (block + 1) * size
+        return None
+
+
+def grant_size(
+    *,
+    first: bool,
+    expected: int | None,
+    default_tokens: int,
+    cap_tokens: float,
+    total: int | None,
+    granted: int,
+    room: float,
+) -> int:
+    """Tokens the next grant asks for (0: none now). Round 0: the exact length when known, else the
+    default; later rounds: what remains of a known total. Always within the per-round cap and `room`
+    (what a borrowed allocation has left; unbounded for owned landings)."""
+    if first:
+        want: float = expected if expected is not None else (room if math.isfinite(room) else default_tokens)
+    elif total is None:
+        return 0
+    else:
+        want = total - granted
+    return int(max(0, min(want, cap_tokens, room)))
+
+
+@final
+class Landings:
+    """The rounds one receiver granted, and the blocks behind them (owned under `tag`, or borrowed)."""
+
+    def __init__(
+        self,
+        pool: BlockPool,
+        config: TransferConfig,
+        tag: str,
+        *,
+        borrowed: Sequence[int] | None,
+        borrowed_offset: int,
+        expected: int | None,
+    ) -> None:
+        self.pool, self.config, self.tag, self.expected = pool, config, tag, expected
+        self.block_size = pool.block_size
+        self.borrowed = None if borrowed is None else tuple(borrowed)
+        self.borrowed_offset = borrowed_offset
+        self.rounds: dict[int, GrantedRound] = {}
+        self.next_round = 0
+        self.granted = 0
+
+    def capacity(self, consuming: bool) -> int | None:
+        """Most tokens this landing can ever hold (None: unbounded, rounds are consumed and freed)."""
+        if self.borrowed is not None:
+            return len(self.borrowed) * self.block_size - self.borrowed_offset
+        return None if consuming else self.pool.num_blocks * self.block_size
+
+    def next_tokens(self, total: int | None) -> int:
+        """Tokens the next grant asks for now; 0 when it must wait (window full, total unknown)."""
+        outstanding = sum(1 for granted in self.rounds.values() if not granted.landed)
+        if self.next_round > 0 and outstanding >= self.config.window:
+            return 0
+        cap = self.config.round_cap_blocks
+        room: float = math.inf
+        if self.borrowed is not None:
+            room = len(self.borrowed) * self.block_size - self.borrowed_offset - self.granted
+        return grant_size(
+            first=self.next_round == 0,
+            expected=self.expected,
+            default_tokens=self.config.default_grant_blocks * self.block_size,
+            cap_tokens=math.inf if cap is None else cap * self.block_size,
+            total=total,
+            granted=self.granted,
+            room=room,
+        )
+
+    async def take(self, tokens: int, liveness: Liveness) -> GrantedRound:
+        """Record the next round for `tokens` tokens (fewer when the pool has fewer blocks free).
+        Raises `AllocationTimeout` when no block frees up before the pressure deadline."""
+        size, offset = self.block_size, self.granted
+        if self.borrowed is None:
+            blocks = tuple(await self._allocate(self.pool.blocks_for(tokens), liveness))
+            tokens, landing = min(tokens, len(blocks) * size), 0
+        else:
+            start = self.borrowed_offset + offset
+            first, landing = divmod(start, size)
+            blocks = self.borrowed[first : -(-(start + tokens) // size)]
+        granted = GrantedRound(self.next_round, offset, tokens, blocks, landing, size)
+        self.rounds[granted.number] = granted
+        self.next_round, self.granted = granted.number + 1, offset + tokens
+        return granted
+
+    async def _allocate(self, n_blocks: int, liveness: Liveness) -> list[int]:
+        if n_blocks == 0:
+            return []
+        ids = self.pool.try_allocate(min(n_blocks, self.pool.free_blocks), self.tag)
+        if ids:
+            return ids
+        with liveness.local_wait():
+            deadline = trio.current_time() + self.config.pressure_timeout
+            ids = await self.pool.allocate_wait(1, self.tag, deadline=deadline)
+        return ids + (self.pool.try_allocate(min(n_blocks - 1, self.pool.free_blocks), self.tag) or [])
+
+    def land(self, granted: GrantedRound, tokens: int) -> None:
+        """Round `granted` landed `tokens` tokens; owned blocks it did not need go back at once."""
+        granted.landed, granted.tokens = True, tokens
+        if self.borrowed is None:
+            keep = self.pool.blocks_for(tokens)
+            if keep < len(granted.blocks):
+                self.pool.free(granted.blocks[keep:], self.tag)
+                granted.blocks = granted.blocks[:keep]
+
+    def release(self, granted: GrantedRound) -> None:
+        if not granted.released and self.borrowed is None and granted.blocks:
+            self.pool.free(granted.blocks, self.tag)
+        granted.released = True
+
+    def kept(self, owner: str | None) -> list[int]:
+        """All landed blocks in token order, handed over to `owner` when the session owned them."""
+        if self.borrowed is not None:
+            return list(self.borrowed)
+        blocks = [block for number in sorted(self.rounds) for block in self.rounds[number].blocks]
+        if owner is not None and owner != self.tag and blocks:
+            self.pool.hand_over(blocks, self.tag, owner)
+        return blocks
+
+    def settle_failure(self, fenced: bool) -> tuple[list[int], bool]:
+        """Free what no write can still reach; return the owned blocks a write may still reach (to
+        quarantine) and whether any round (owned or borrowed) still awaits its fence."""
+        in_flight: list[int] = []
+        pending = False
+        for granted in self.rounds.values():
+            if granted.landed or fenced:
+                self.release(granted)
+                continue
+            pending = True
+            if self.borrowed is None and not granted.released:
+                in_flight.extend(granted.blocks)
+                granted.released = True
+        return in_flight, pending
+
+
+def check_landing_request(
+    transfer_id: str,
+    layout_names: tuple[str, ...],
+    buffers: Sequence[str] | None,
+    pool: BlockPool,
+    blocks: Sequence[int] | None,
+    landing_offset: int,
+) -> tuple[str, ...]:
+    """The selected buffer names; `ValueError` naming the bad value for unknown buffers or a borrowed
+    landing outside the pool."""
+    names = layout_names if buffers is None else tuple(buffers)
+    unknown = [name for name in names if name not in layout_names]
+    if unknown or not names:
+        raise ValueError(
+            f"transfer {transfer_id!r}: unknown buffers {unknown}; the layout has {list(layout_names)}"
+        )
+    if blocks is not None:
+        bad = [block for block in blocks if not 0 <= block < pool.num_blocks]
+        if bad or not 0 <= landing_offset < max(1, len(blocks)) * pool.block_size:
+            raise ValueError(
+                f"transfer {transfer_id!r}: landing blocks {bad} outside the pool or landing_offset "
+                f"{landing_offset} outside {len(blocks)} blocks"
+            )
+    return names
