@@ -12,6 +12,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Final
 
+from matplotlib.axes import Axes
+from matplotlib.collections import LineCollection, PolyCollection
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 
@@ -48,6 +50,35 @@ OUTCOME_MARKERS: Final[dict[str, tuple[str, str]]] = {"failed": ("x", "#c0392b")
 UNKNOWN_COLOUR: Final = "#999999"
 
 
+class _Boxes:
+    """Rectangles grouped by style, drawn as one collection per style: a timeline of thousands of
+    requests stays thousands of vertices, not thousands of artists."""
+
+    def __init__(self) -> None:
+        self._groups: dict[tuple[str, str, str], list[list[tuple[float, float]]]] = {}
+
+    def add(
+        self, start: float, end: float, y: float, half_height: float, style: tuple[str, str, str]
+    ) -> None:
+        end = max(end, start)
+        low, high = y - half_height, y + half_height
+        self._groups.setdefault(style, []).append([(start, low), (end, low), (end, high), (start, high)])
+
+    def draw(self, axes: Axes) -> None:
+        for (face, edge, hatch), boxes in self._groups.items():
+            axes.add_collection(
+                PolyCollection(
+                    boxes,
+                    facecolors=face,
+                    edgecolors=edge,
+                    hatch=hatch or None,
+                    # Fills get no outline: at a few pixels per box an outline would paint over its
+                    # neighbours (a busy timeline is thousands of boxes); lock periods keep theirs.
+                    linewidths=0.6 if hatch else 0.0,
+                )
+            )
+
+
 def draw_timeline(
     timeline: Timeline, path: str | Path, *, title: str | None = None, width: float = 12.0
 ) -> None:
@@ -60,56 +91,54 @@ def draw_timeline(
     figure = Figure(figsize=(width, lane_height + request_height + 1.2), layout="constrained")
     top, bottom = figure.subplots(2, 1, sharex=True, height_ratios=[lane_height, request_height])
 
-    states_used: list[str] = []
+    states_used: set[str] = set()
+    boxes = _Boxes()
+    failures_x: list[float] = []
+    failures_y: list[float] = []
     for index, lane in enumerate(lanes):
         y = len(lanes) - 1 - index
         for segment in lane.segments:
-            if segment.state not in states_used:
-                states_used.append(segment.state)
-            top.broken_barh(
-                [(segment.start, max(segment.end - segment.start, 0.0))],
-                (y - 0.35, 0.7),
-                facecolors=STATE_COLOURS.get(segment.state, UNKNOWN_COLOUR),
-                edgecolors="white",
-                linewidth=0.5,
-            )
+            states_used.add(segment.state)
+            colour = STATE_COLOURS.get(segment.state, UNKNOWN_COLOUR)
+            boxes.add(segment.start, segment.end, y, 0.35, (colour, "none", ""))
         for lock in lane.locks:
-            top.broken_barh(
-                [(lock.start, max(lock.end - lock.start, 0.0))],
-                (y - 0.35, 0.7),
-                facecolors="none",
-                edgecolors="black",
-                hatch="///",
-                linewidth=0.8,
-            )
-        for failure in lane.failures:
-            top.plot([failure.at], [y], marker="X", color="#c0392b", markersize=10, linestyle="none")
+            boxes.add(lock.start, lock.end, y, 0.35, ("none", "black", "///"))
+        failures_x.extend(failure.at for failure in lane.failures)
+        failures_y.extend(y for _ in lane.failures)
+    boxes.draw(top)
+    if failures_x:
+        top.plot(failures_x, failures_y, marker="X", color="#c0392b", markersize=10, linestyle="none")
     top.set_yticks(range(len(lanes)), [lane.replica for lane in reversed(lanes)])
     top.set_ylim(-0.6, max(len(lanes), 1) - 0.4)
     top.set_title(title or "replica states")
     ordered = [state for state in STATE_COLOURS if state in states_used]
-    ordered += [state for state in states_used if state not in STATE_COLOURS]
+    ordered += sorted(state for state in states_used if state not in STATE_COLOURS)
     handles = [Patch(facecolor=STATE_COLOURS.get(state, UNKNOWN_COLOUR), label=state) for state in ordered]
     if any(lane.locks for lane in lanes):
         handles.append(Patch(facecolor="none", edgecolor="black", hatch="///", label="locked"))
     if handles:
         top.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize="small")
 
-    phases_used: list[str] = []
+    phases_used: set[str] = set()
+    phase_boxes = _Boxes()
+    spans: list[list[tuple[float, float]]] = []
+    ends: dict[str, tuple[list[float], list[float]]] = {outcome: ([], []) for outcome in OUTCOME_MARKERS}
     for span in timeline.requests:
         y = -span.row
-        bottom.plot([span.start, span.end], [y, y], color="#bbbbbb", linewidth=0.6)
+        spans.append([(span.start, y), (span.end, y)])
         for phase in span.phases:
-            if phase.name not in phases_used:
-                phases_used.append(phase.name)
-            bottom.broken_barh(
-                [(phase.start, max(phase.end - phase.start, 0.0))],
-                (y - 0.3, 0.6),
-                facecolors=PHASE_COLOURS.get(phase.name, UNKNOWN_COLOUR),
-            )
-        if span.outcome in OUTCOME_MARKERS:
-            marker, colour = OUTCOME_MARKERS[span.outcome]
-            bottom.plot([span.end], [y], marker=marker, color=colour, markersize=6, linestyle="none")
+            phases_used.add(phase.name)
+            colour = PHASE_COLOURS.get(phase.name, UNKNOWN_COLOUR)
+            phase_boxes.add(phase.start, phase.end, y, 0.3, (colour, "none", ""))
+        if span.outcome in ends:
+            ends[span.outcome][0].append(span.end)
+            ends[span.outcome][1].append(y)
+    bottom.add_collection(LineCollection(spans, colors="#bbbbbb", linewidths=0.6))
+    phase_boxes.draw(bottom)
+    for outcome, (xs, ys) in ends.items():
+        if xs:
+            marker, colour = OUTCOME_MARKERS[outcome]
+            bottom.plot(xs, ys, marker=marker, color=colour, markersize=6, linestyle="none")
     bottom.set_ylim(-rows + 0.4, 0.6)
     bottom.set_yticks([])
     bottom.set_ylabel(f"requests ({len(timeline.requests)})")
