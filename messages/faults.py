@@ -29,11 +29,12 @@ class FailReplica(FaultBase, frozen=True, tag="fail_replica"):
 
 
 class DropLink(FaultBase, frozen=True, tag="drop_link"):
-    """The link from `source` to `destination` is torn down after `after_rounds` data rounds crossed it."""
+    """`source`'s outgoing links are torn down abruptly once `after_bytes` bulk bytes crossed one (the
+    receiver sees the link break mid-transfer). `destination` is informational: every link of `source`."""
 
     source: ReplicaName
     destination: ReplicaName
-    after_rounds: Annotated[int, msgspec.Meta(ge=0)] = 0
+    after_bytes: Annotated[int, msgspec.Meta(ge=0)] = 0
 
 
 class StallSender(FaultBase, frozen=True, tag="stall_sender"):

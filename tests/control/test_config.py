@@ -73,7 +73,7 @@ def test_fault_flags_replace_the_files_faults(tmp_path: Path) -> None:
     )
     assert config.faults == [
         FailReplica(replica="decode-0", after_steps=3),
-        DropLink(source="prefill-0", destination="decode-0", after_rounds=0),
+        DropLink(source="prefill-0", destination="decode-0", after_bytes=0),
         CorruptTransfer(transfer="kv", nth=2),
     ]
 

@@ -1,0 +1,106 @@
+"""Turning a `generate` into a `ServingRequest`, with every check that needs the model.
+
+The control messages already bound every number; here come the model's limits: the vocabulary, the
+context, the KV pool a request must fit in, images only for a model with a vision encoder and with
+sides that are multiples of the patch size. Each refusal is a `RequestFailed` whose message names the
+value and the limit.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+
+import numpy as np
+
+from engine.control.errors import RequestFailed
+from messages.control import GenerateRequest, ImageInput
+from replicas.model import ImageSizeError, InvalidBatchError, SamplingParams, check_image, encode_prompt
+from replicas.request import ServingRequest
+from replicas.services import ReplicaSettings
+from replicas.weights import ModelHost
+
+
+def new_request_id() -> str:
+    return f"req-{uuid.uuid4().hex[:12]}"
+
+
+def build_request(request: GenerateRequest, host: ModelHost, settings: ReplicaSettings) -> ServingRequest:
+    """A validated `ServingRequest` for `request`, or `RequestFailed` (`bad_request`, `not_supported`)."""
+    config = host.config
+    images = [_image_array(image, index) for index, image in enumerate(request.images)]
+    if images and config.image_token_id is None:
+        raise RequestFailed(
+            "not_supported", f"model {host.name!r} takes text only; this request has {len(images)} images"
+        )
+    prompt_ids = _prompt_ids(request, host, len(images))
+    context = config.max_position_embeddings
+    if len(prompt_ids) >= context:
+        raise RequestFailed(
+            "bad_request",
+            f"prompt of {len(prompt_ids)} tokens does not fit the context of {context} tokens "
+            "(it must leave room for one generated token)",
+        )
+    capacity = min(len(prompt_ids) + request.max_tokens - 1, context)
+    blocks = -(-capacity // settings.kv_block_size)
+    if blocks > settings.kv_pool_blocks:
+        raise RequestFailed(
+            "bad_request",
+            f"prompt ({len(prompt_ids)} tokens) + max_tokens ({request.max_tokens}) needs {blocks} KV blocks, "
+            f"but a replica's KV pool has {settings.kv_pool_blocks} (lower max_tokens or raise --kv-pool-blocks)",
+        )
+    seed = request.seed if request.seed is not None else int.from_bytes(os.urandom(8), "little") >> 1
+    return ServingRequest(
+        request_id=request.request_id or new_request_id(),
+        prompt_ids=prompt_ids,
+        images=images,
+        sampling=SamplingParams(
+            temperature=request.temperature, top_p=request.top_p, seed=seed, ignore_eos=request.ignore_eos
+        ),
+        max_tokens=request.max_tokens,
+        eos_token_ids=config.eos_token_ids,
+    )
+
+
+def _prompt_ids(request: GenerateRequest, host: ModelHost, image_count: int) -> list[int]:
+    config = host.config
+    if request.prompt is not None:
+        if host.tokenizer is None:
+            raise RequestFailed(
+                "bad_request",
+                f"model {host.name!r} has no tokenizer.json: send `input_ids` instead of `prompt`",
+            )
+        if not request.prompt:
+            raise RequestFailed("bad_request", "prompt is empty")
+        try:
+            return encode_prompt(host.tokenizer, request.prompt, image_count, config.image_token_id)
+        except InvalidBatchError as exc:
+            raise RequestFailed("bad_request", str(exc)) from None
+    assert request.input_ids is not None
+    ids = list(request.input_ids)
+    for index, token in enumerate(ids):
+        if token >= config.vocab_size:
+            raise RequestFailed(
+                "bad_request",
+                f"input_ids[{index}] = {token} is outside the vocabulary of {config.vocab_size} tokens",
+            )
+    marker = config.image_token_id
+    markers = 0 if marker is None else ids.count(marker)
+    if image_count and markers == 0:
+        assert marker is not None
+        ids = [marker] * image_count + ids
+    elif markers != image_count:
+        raise RequestFailed(
+            "bad_request",
+            f"input_ids hold {markers} image markers (token {marker}) but {image_count} images were given",
+        )
+    return ids
+
+
+def _image_array(image: ImageInput, index: int) -> np.ndarray:
+    array = np.frombuffer(image.pixels, dtype=np.uint8).reshape(image.height, image.width, 3)
+    try:
+        check_image(array, index)
+    except ImageSizeError as exc:
+        raise RequestFailed("bad_request", str(exc)) from None
+    return array

@@ -1,0 +1,187 @@
+"""`python -m engine.node --demo`: serve, run a mixed workload through the socket, check, report, exit.
+
+The workload mixes prompt lengths, greedy and seeded sampling, streamed and whole results, sent
+concurrently by a real client over the node's control socket. Each output is compared with the model
+run in one piece (`engine.verify.compare`: same weights, one sequence, no disaggregation). Exit code 0
+only when every output matched, no request failed and no block leaked.
+"""
+
+from __future__ import annotations
+
+import random
+import statistics
+from collections import Counter
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, TextIO
+
+import trio
+
+from engine.client import ControlClient, ControlError
+from engine.control.address import Address
+from engine.verify import compare
+from messages.control_replies import GenerateResult, TokenReply
+from replicas.model import Model, SamplingParams, encode_prompt
+
+if TYPE_CHECKING:
+    from engine.node import Node
+
+WORDS = [
+    "the",
+    "quick",
+    "brown",
+    "fox",
+    "jumps",
+    "over",
+    "a",
+    "lazy",
+    "dog",
+    "while",
+    "zigzag",
+    "moves",
+    "blocks",
+    "between",
+    "replicas",
+]
+
+
+@dataclass(frozen=True, slots=True)
+class DemoRequest:
+    prompt: str
+    max_tokens: int
+    temperature: float
+    seed: int
+    stream: bool
+
+
+def demo_workload(count: int, seed: int = 7) -> list[DemoRequest]:
+    rng = random.Random(seed)
+    workload = []
+    for index in range(count):
+        text = " ".join(rng.choice(WORDS) for _ in range(rng.randint(2, 160)))
+        workload.append(
+            DemoRequest(
+                prompt=text,
+                max_tokens=rng.randint(4, 40),
+                temperature=0.0 if index % 3 else 0.8,
+                seed=1000 + index,
+                stream=index % 2 == 0,
+            )
+        )
+    return workload
+
+
+async def run_demo(node: Node, *, requests: int = 24, out: TextIO | None = None) -> int:
+    """Run the demo against `node` (not yet serving); returns the process exit code."""
+    import sys
+
+    out = out or sys.stdout
+    node_code = 1
+    results: dict[int, GenerateResult | ControlError] = {}
+    workload = demo_workload(requests)
+
+    async def serve(task_status: trio.TaskStatus[Address]) -> None:
+        nonlocal node_code
+        node_code = await node.serve(task_status=task_status)
+
+    async with trio.open_nursery() as nursery:
+        address = await nursery.start(serve)
+        print(
+            f"demo: node listening on {address} ({node.config.transport} transport), model {node.host.name}",
+            file=out,
+        )
+        reference_model = await node.host.acquire("demo-reference")
+        async with ControlClient.connect(address) as client:
+            with trio.fail_after(600):
+                async with trio.open_nursery() as clients:
+                    for index, item in enumerate(workload):
+                        clients.start_soon(_one, client, index, item, results)
+                status = await client.status()
+                await client.shutdown()
+    states = ", ".join(f"{r.name} ({r.state})" for r in status.replicas)
+    print(f"demo: replicas {states}", file=out)
+    matched = await trio.to_thread.run_sync(_verify, reference_model, node, workload, results)
+    node.host.release("demo-reference")
+    failed = [r for r in results.values() if isinstance(r, ControlError)]
+    done = [r for r in results.values() if isinstance(r, GenerateResult)]
+    _report(out, workload, done, failed)
+    print(f"demo: outputs identical to the model run in one piece: {matched}/{len(workload)}", file=out)
+    print(f"demo: failed requests: {len(failed)}; node exit code {node_code} (1 = leaked blocks)", file=out)
+    return 0 if matched == len(workload) and not failed and node_code == 0 else 1
+
+
+async def _one(
+    client: ControlClient, index: int, item: DemoRequest, results: dict[int, GenerateResult | ControlError]
+) -> None:
+    try:
+        async for reply in client.generate(
+            prompt=item.prompt,
+            max_tokens=item.max_tokens,
+            temperature=item.temperature,
+            seed=item.seed,
+            stream=item.stream,
+        ):
+            if isinstance(reply, GenerateResult):
+                results[index] = reply
+            else:
+                assert isinstance(reply, TokenReply)
+    except ControlError as exc:
+        results[index] = exc
+
+
+def _verify(
+    model: Model, node: Node, workload: list[DemoRequest], results: dict[int, GenerateResult | ControlError]
+) -> int:
+    tokenizer = node.host.tokenizer
+    assert tokenizer is not None
+    matched = 0
+    for index, item in enumerate(workload):
+        result = results.get(index)
+        if not isinstance(result, GenerateResult):
+            continue
+        prompt_ids = encode_prompt(tokenizer, item.prompt, 0, model.config.image_token_id)
+        sampling = SamplingParams(temperature=item.temperature, seed=item.seed)
+        verdict = compare(model, prompt_ids, result.token_ids, sampling=sampling, max_tokens=item.max_tokens)
+        matched += verdict.accepted
+    return matched
+
+
+def _report(
+    out: TextIO, workload: list[DemoRequest], done: list[GenerateResult], failed: list[ControlError]
+) -> None:
+    sampled = sum(1 for item in workload if item.temperature > 0)
+    streamed = sum(1 for item in workload if item.stream)
+    tokens = sum(len(r.token_ids) for r in done)
+    print(
+        f"demo: {len(workload)} requests ({len(workload) - sampled} greedy, {sampled} sampled; {streamed} streamed), "
+        f"{tokens} tokens generated",
+        file=out,
+    )
+
+    def pct(values: list[float], q: float) -> str:
+        if not values:
+            return "-"
+        ordered = sorted(values)
+        return f"{ordered[min(len(ordered) - 1, int(q * len(ordered)))] * 1000:.1f} ms"
+
+    ttft = [r.timings.ttft_s for r in done if r.timings.ttft_s is not None]
+    tpot = [r.timings.tpot_s for r in done if r.timings.tpot_s is not None]
+    e2e = [r.timings.e2e_s for r in done if r.timings.e2e_s is not None]
+    print(
+        f"demo: TTFT p50 {pct(ttft, 0.5)} p90 {pct(ttft, 0.9)}; TPOT p50 {pct(tpot, 0.5)}; "
+        f"end to end p50 {pct(e2e, 0.5)}",
+        file=out,
+    )
+    transfers = [t for r in done for t in r.transfers]
+    for kind in ("embedding", "kv"):
+        of_kind = [t for t in transfers if t.kind == kind]
+        if of_kind:
+            rounds = Counter(t.rounds for t in of_kind)
+            histogram = ", ".join(f"{n} round{'s' if n != 1 else ''}: {c}" for n, c in sorted(rounds.items()))
+            mean_ms = statistics.fmean(t.seconds for t in of_kind) * 1000
+            print(
+                f"demo: {kind} transfers: {len(of_kind)} ({histogram}), "
+                f"{sum(t.bytes for t in of_kind) / 1e6:.1f} MB, mean {mean_ms:.2f} ms",
+                file=out,
+            )
+    for error in failed:
+        print(f"demo: failed: {error.code}: {error}", file=out)

@@ -1,0 +1,252 @@
+"""`python -m engine.node`: serve a model with disaggregated replicas behind a JSON-lines control socket.
+
+Startup: read the config (flags, TOML, environment — the only place the environment is read), open the
+event log, create the replicas and command each into `Loading*`, start the controller and the control
+server, and print one JSON line `{"listening": ADDRESS}` on stdout. Requests sent while replicas still
+load wait in the queue.
+
+Shutdown (SIGINT, SIGTERM or the `shutdown` op): stop admitting, let in-flight requests finish within
+`--shutdown-drain-deadline`, cancel the rest, stop the replicas, check every pool for leaked blocks and
+exit 0 — or 1 when blocks leaked. A second signal exits at once (code 130).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import os
+import signal
+import sys
+import time
+from collections.abc import Sequence
+from functools import partial
+from typing import final
+
+import msgspec
+import trio
+
+from engine.config import ConfigError, NodeConfig, ReplicaCounts, parse_node_config
+from engine.control.address import Address
+from engine.control.server import ControlServer, ControlServerError
+from engine.controller import Controller
+from engine.logging import EventLog, LogFileError, open_event_log
+from engine.logs import Aggregator
+from engine.router import Router
+from engine.service import NodeService
+from messages.commands import Transition
+from messages.events import NodeConfigured, NodeStarted, NodeStopped, NodeStopping, PoolLeak
+from replicas.actor import Replica
+from replicas.fabric import Fabric
+from replicas.inbox import new_command_id
+from replicas.model import ModelLoadError
+from replicas.services import ReplicaServices, ReplicaSettings
+from replicas.states import LOADING_STATE, ROLES, Role
+from replicas.supervisor import supervise
+from replicas.weights import ModelHost
+from transport.config import TransferConfig
+
+VERSION = "0.1.0"
+SETTLE_SECONDS = 5.0
+
+
+def replica_settings(config: NodeConfig, host: ModelHost) -> ReplicaSettings:
+    """The replicas' sizes and limits; pool defaults hold one maximum-context request (DESIGN §4)."""
+    context = host.config.max_position_embeddings
+    transfer = config.transfer
+    common = {
+        "progress_timeout": transfer.progress_timeout,
+        "pressure_timeout": transfer.grant_wait_timeout,
+        "heartbeat_interval": transfer.heartbeat_interval,
+        "link_timeout": max(5.0, 5 * transfer.heartbeat_interval),
+    }
+    return ReplicaSettings(
+        kv_block_size=config.kv.block_size,
+        kv_pool_blocks=config.kv.pool_blocks or math.ceil(context / config.kv.block_size),
+        embedding_block_size=config.embedding.block_size,
+        embedding_pool_blocks=config.embedding.pool_blocks
+        or math.ceil(context / config.embedding.block_size),
+        embedding_default_blocks=config.embedding.default_blocks,
+        embedding_max_grant_blocks=config.embedding.max_grant_blocks,
+        max_batch_tokens=config.scheduler.max_batch_tokens,
+        max_batch_size=config.scheduler.max_batch_size,
+        kv_transfer=TransferConfig(**common),  # type: ignore[arg-type]
+        embedding_transfer=TransferConfig(
+            default_grant_blocks=config.embedding.default_blocks,
+            round_cap_blocks=config.embedding.max_grant_blocks,
+            **common,  # type: ignore[arg-type]
+        ),
+    )
+
+
+def default_counts(host: ModelHost) -> ReplicaCounts:
+    vision = host.config.image_token_id is not None
+    return ReplicaCounts(encode=1 if vision else 0, prefill=1, decode=1)
+
+
+@final
+class Node:
+    """One node: its replicas, router, controller and control server (see the module docstring)."""
+
+    def __init__(self, config: NodeConfig, log: EventLog, aggregator: Aggregator) -> None:
+        self.config = config
+        self.log = log
+        dtype = config.dtype or ("float32" if config.device == "cpu" else "bfloat16")
+        self.host = ModelHost(config.model, device=config.device, dtype=dtype)
+        self.counts = config.replicas or default_counts(self.host)
+        self.services = ReplicaServices(
+            settings=replica_settings(config, self.host),
+            host=self.host,
+            fabric=Fabric(config.transport),
+            log=log,
+            faults=list(config.faults),
+        )
+        self.router = Router(self.services, max_queue=config.scheduler.max_queue)
+        self.service = NodeService(self, self.services, self.router, aggregator)
+        self.controller = Controller(self.services, config.controller)
+        self.drain_deadline = config.shutdown.drain_deadline
+        self.started = time.monotonic()
+        self._shutdown = trio.Event()
+        self._shutdown_reason: tuple[str, str] = ("shutdown_op", "")
+        self._replica_nursery: trio.Nursery | None = None
+        self._indices = {role: itertools.count(0) for role in ROLES}
+
+    def request_shutdown(self, detail: str, reason: str = "shutdown_op") -> None:
+        if not self._shutdown.is_set():
+            self._shutdown_reason = (reason, detail)
+            self._shutdown.set()
+
+    async def add_replica(self, role: Role) -> Replica:
+        """Create replica `{role}-{n}` (Inactive) and start its supervised task."""
+        assert self._replica_nursery is not None
+        index = next(self._indices[role])
+        while f"{role}-{index}" in self.services.replicas:
+            index = next(self._indices[role])
+        replica = Replica(f"{role}-{index}", role, self.services)
+        self.services.replicas[replica.name] = replica
+        await self._replica_nursery.start(supervise, replica)
+        return replica
+
+    async def serve(self, *, task_status: trio.TaskStatus[Address] = trio.TASK_STATUS_IGNORED) -> int:
+        """Run until shutdown; returns the exit code (0, or 1 when blocks leaked)."""
+        config = self.config
+        async with trio.open_nursery() as nursery:
+            self._replica_nursery = nursery
+            for role in ROLES:
+                for _ in range(getattr(self.counts, role)):
+                    await self.add_replica(role)
+            for replica in list(self.services.replicas.values()):
+                replica.tell(
+                    Transition(
+                        command_id=new_command_id(), to=LOADING_STATE[replica.role].value, origin="node"
+                    )
+                )
+            nursery.start_soon(self.controller.run)
+            nursery.start_soon(self._watch_signals, nursery.cancel_scope)
+            server = ControlServer(self.service, config.control, self.log)
+            address = await nursery.start(server.serve, config.listen_address)
+            self.log.emit(NodeConfigured(config=msgspec.to_builtins(config)))
+            self.log.emit(
+                NodeStarted(
+                    listen=str(address),
+                    model=self.host.name,
+                    device=config.device,
+                    transport=config.transport,
+                    replicas=list(self.services.replicas),
+                    pid=os.getpid(),
+                    version=VERSION,
+                )
+            )
+            task_status.started(address)
+            await self._shutdown.wait()
+            await self._drain(server)
+            nursery.cancel_scope.cancel()
+        return self._finish()
+
+    async def _drain(self, server: ControlServer) -> None:
+        reason, detail = self._shutdown_reason
+        requests = self.services.requests
+        self.log.emit(NodeStopping(reason=reason, detail=detail, in_flight=len(requests)))  # type: ignore[arg-type]
+        self.router.accepting = False
+        server.stop_accepting()
+        with trio.move_on_after(self.drain_deadline):
+            await self.router.wait_idle()
+        for request in list(requests.values()):
+            request.cancel_reason = "shutdown"
+            self.router.cancel(request.request_id)
+        with trio.move_on_after(SETTLE_SECONDS):
+            await self.router.wait_idle()
+        server.close()
+
+    def _finish(self) -> int:
+        leaked = 0
+        for replica in self.services.replicas.values():
+            for pool, owners in replica.pools.leaks().items():
+                blocks = sum(owners.values())
+                leaked += blocks
+                self.log.bind(replica=replica.name).emit(
+                    PoolLeak(pool=pool, leaked_blocks=blocks, owners=owners)
+                )
+        code = 1 if leaked else 0
+        self.log.emit(
+            NodeStopped(exit_code=code, leaked_blocks=leaked, uptime_s=time.monotonic() - self.started)
+        )
+        return code
+
+    async def _watch_signals(self, node_scope: trio.CancelScope) -> None:
+        with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+            async for signum in signals:
+                if self._shutdown.is_set():
+                    self.log.emit(
+                        NodeStopping(reason="signal", detail="second signal: exiting at once", in_flight=0)
+                    )
+                    self.log.close()
+                    os._exit(130)
+                self.request_shutdown(f"signal {signal.Signals(signum).name}", reason="signal")
+
+
+async def run_node(config: NodeConfig, *, demo: bool = False) -> int:
+    aggregator = Aggregator(keep_requests=False)
+    log = open_event_log(
+        file=config.log.file,
+        level=config.log.level,
+        console=sys.stderr if config.log.console else None,
+        observers=[aggregator.add],
+    )
+    try:
+        node = Node(config, log, aggregator)
+        if not demo:
+            exit_code = 0
+
+            async def serve(task_status: trio.TaskStatus[Address]) -> None:
+                nonlocal exit_code
+                exit_code = await node.serve(task_status=task_status)
+
+            async with trio.open_nursery() as nursery:
+                address = await nursery.start(serve)
+                print(msgspec.json.encode({"listening": str(address)}).decode(), flush=True)
+            return exit_code
+        from engine.demo import run_demo
+
+        return await run_demo(node)
+    finally:
+        log.close()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else list(argv)
+    try:
+        config = parse_node_config(args, os.environ)
+    except ConfigError as exc:
+        print(f"engine.node: {exc}", file=sys.stderr)
+        return 2
+    if config.demo and config.listen == NodeConfig().listen:
+        config = msgspec.structs.replace(config, listen="127.0.0.1:0")
+    try:
+        return trio.run(partial(run_node, config, demo=config.demo))
+    except (ModelLoadError, LogFileError, ControlServerError) as exc:
+        print(f"engine.node: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

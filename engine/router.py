@@ -1,0 +1,112 @@
+"""The router: admission, first-come-first-served dispatch to prefill replicas, cancellation.
+
+Admitted requests wait in one FCFS queue until a replica in `Prefill` takes them; the replica with the
+fewest queued prompt tokens gets the next one. A request sent while replicas are still loading simply
+waits here. A replica that stops taking work (role change) hands its unstarted requests back; they go
+to the front again. Admission refuses with `overloaded` when `max_queue` requests are live.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from typing import final
+
+import trio
+
+from engine.control.errors import RequestFailed
+from messages.events import RequestQueued
+from replicas.actor import Replica
+from replicas.request import ServingRequest
+from replicas.services import ReplicaServices
+from replicas.states import ReplicaState
+
+S = ReplicaState
+
+
+@final
+class Router:
+    """See the module docstring. Single Trio thread: no locking."""
+
+    def __init__(self, services: ReplicaServices, *, max_queue: int) -> None:
+        self.services = services
+        self.max_queue = max_queue
+        self.pending: deque[ServingRequest] = deque()
+        self.accepting = True
+        self._idle = trio.Event()
+        self._idle.set()
+        services.return_work = self.take_back
+        services.readiness_changed = self.dispatch
+
+    @property
+    def live(self) -> int:
+        return len(self.services.requests)
+
+    def admit(self, request: ServingRequest) -> None:
+        """Register and queue `request`; raises `RequestFailed` (`shutting_down`, `overloaded`, ...)."""
+        if not self.accepting:
+            raise RequestFailed("shutting_down", "the node is shutting down and admits no new requests")
+        if request.request_id in self.services.requests:
+            raise RequestFailed("bad_request", f"request_id {request.request_id!r} is already in use")
+        if self.live >= self.max_queue:
+            raise RequestFailed(
+                "overloaded", f"{self.live} requests are in flight (max_queue {self.max_queue}); retry later"
+            )
+        self.services.requests[request.request_id] = request
+        if self._idle.is_set():
+            self._idle = trio.Event()
+        request.on_end.append(self._forget)
+        self.pending.append(request)
+        self.services.log.bind(request_id=request.request_id).emit(
+            RequestQueued(queue="work", position=len(self.pending) - 1)
+        )
+        self.dispatch()
+
+    def take_back(self, request: ServingRequest) -> None:
+        """A replica returns a request it will not start; it goes to the front of the queue."""
+        self.pending.appendleft(request)
+
+    def dispatch(self) -> None:
+        """Hand pending requests to prefill replicas (called on arrivals and readiness changes)."""
+        while self.pending:
+            request = self.pending[0]
+            if request.cancelled:
+                self.pending.popleft()
+                request.finish("cancelled")
+                continue
+            replica = self._choose_prefill()
+            if replica is None:
+                return
+            self.pending.popleft()
+            request.stamps.dispatched = request.stamps.dispatched or time.time()
+            if not replica.submit(request):
+                self.pending.appendleft(request)
+                return
+
+    def cancel(self, request_id: str) -> bool:
+        """Cancel a live request (its holder frees its blocks and ends it `cancelled`)."""
+        request = self.services.requests.get(request_id)
+        if request is None or request.ended:
+            return False
+        request.cancel()
+        if request in self.pending:
+            self.pending.remove(request)
+            request.finish("cancelled")
+        for replica in self.services.replicas.values():
+            replica.post()
+        return True
+
+    def _choose_prefill(self) -> Replica | None:
+        candidates = [r for r in self.services.replicas.values() if r.state is S.PREFILL]
+        if not candidates:
+            return None
+        return min(candidates, key=lambda r: sum(q.prompt_tokens for q in r.work.prefill.queue))
+
+    def _forget(self, request: ServingRequest) -> None:
+        self.services.requests.pop(request.request_id, None)
+        if not self.services.requests:
+            self._idle.set()
+
+    async def wait_idle(self) -> None:
+        """Return once no request is live."""
+        await self._idle.wait()

@@ -1,0 +1,251 @@
+"""The node's `ControlHandler`: every control op of DESIGN §7, served against the live replicas.
+
+`generate` admits the request, then relays its updates (streamed tokens, the final result or error).
+If the handler is cancelled first — the client disconnected or stopped reading, or the node is shutting
+down — the request is cancelled in shielded cleanup: its holder frees its blocks at the next step.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Any, assert_never, final
+
+from engine.admission import build_request
+from engine.control.errors import ClientTooSlow, RequestFailed
+from engine.control.outbox import ReplySink
+from engine.logs import Aggregator, metrics_result
+from engine.router import Router
+from engine.scaling import scale
+from messages.commands import Lock, Transition, Unlock
+from messages.control import (
+    CancelRequest,
+    ControlRequest,
+    GenerateRequest,
+    LockRequest,
+    MetricsRequest,
+    ScaleRequest,
+    ShutdownRequest,
+    StatusRequest,
+    TransitionRequest,
+    UnlockRequest,
+)
+from messages.control_replies import (
+    CancelResult,
+    GenerateResult,
+    LockResult,
+    ReplicaGauge,
+    ReplicaStatus,
+    ShutdownResult,
+    StatusResult,
+    TokenReply,
+    TransitionResult,
+)
+from messages.events import RequestArrived, RequestCancelled, RequestFinished
+from messages.events import RequestFailed as RequestFailedEvent
+from replicas.actor import Replica
+from replicas.inbox import CommandRefused, new_command_id
+from replicas.model import TextStream
+from replicas.request import FailedUpdate, FinishedUpdate, ServingRequest, TokensUpdate
+from replicas.services import ReplicaServices
+from replicas.states import SERVING_ROLE
+
+if TYPE_CHECKING:
+    from engine.node import Node
+
+
+@final
+class NodeService:
+    """Implements `engine.control.handler.ControlHandler` for one node."""
+
+    def __init__(self, node: Node, services: ReplicaServices, router: Router, aggregator: Aggregator) -> None:
+        self.node = node
+        self.services = services
+        self.router = router
+        self.aggregator = aggregator
+        self.started = time.monotonic()
+
+    async def handle(self, request: ControlRequest, replies: ReplySink) -> None:
+        match request:
+            case GenerateRequest():
+                await self._generate(request, replies)
+            case StatusRequest():
+                replies.send(
+                    StatusResult(id=request.id, accepting=self.router.accepting, replicas=self.statuses())
+                )
+            case CancelRequest(request_id=request_id):
+                if not self.router.cancel(request_id):
+                    raise RequestFailed("not_found", f"no live request {request_id!r}")
+                replies.send(CancelResult(id=request.id, request_id=request_id))
+            case TransitionRequest(replica=name, to=to):
+                replica = self._replica(name)
+                previous = await self._ask(replica, Transition(command_id=new_command_id(), to=to))
+                replies.send(
+                    TransitionResult(
+                        id=request.id, replica=name, previous=previous.value, state=replica.state.value
+                    )
+                )
+            case LockRequest(replica=name):
+                replica = self._replica(name)
+                reasons = await self._ask(replica, Lock(command_id=new_command_id(), reason="manual"))
+                replies.send(
+                    LockResult(id=request.id, replica=name, locked=replica.locked, lock_reasons=reasons)
+                )
+            case UnlockRequest(replica=name):
+                replica = self._replica(name)
+                reasons = await self._ask(replica, Unlock(command_id=new_command_id(), reason="manual"))
+                replies.send(
+                    LockResult(id=request.id, replica=name, locked=replica.locked, lock_reasons=reasons)
+                )
+            case ScaleRequest():
+                replies.send(await scale(self.node, request))
+            case MetricsRequest():
+                replies.send(
+                    metrics_result(
+                        self.aggregator,
+                        id=request.id,
+                        uptime_s=time.monotonic() - self.started,
+                        replicas=self.gauges(),
+                    )
+                )
+            case ShutdownRequest():
+                in_flight = len(self.services.requests)
+                self.node.request_shutdown("shutdown op")
+                replies.send(
+                    ShutdownResult(
+                        id=request.id, drain_deadline_s=self.node.drain_deadline, in_flight=in_flight
+                    )
+                )
+            case _:
+                assert_never(request)
+
+    # ------------------------------------------------------------------ generate
+    async def _generate(self, request: GenerateRequest, replies: ReplySink) -> None:
+        serving = build_request(request, self.services.host, self.services.settings)
+        log = self.services.log.bind(request_id=serving.request_id)
+        log.emit(
+            RequestArrived(
+                connection=replies.connection.connection,
+                prompt_tokens=len(serving.prompt_ids),
+                images=len(serving.images),
+                max_tokens=serving.max_tokens,
+                stream=request.stream,
+            )
+        )
+        serving.on_end.append(self._log_end)
+        try:
+            self.router.admit(serving)
+        except RequestFailed as exc:
+            serving.fail(exc.code, exc.message)
+            raise
+        tokenizer = self.services.host.tokenizer
+        stream = TextStream(tokenizer) if tokenizer is not None and request.stream else None
+        try:
+            async for update in serving.updates:
+                match update:
+                    case TokensUpdate(token_ids=token_ids):
+                        if request.stream:
+                            replies.send(
+                                TokenReply(
+                                    id=request.id,
+                                    request_id=serving.request_id,
+                                    index=len(serving.generated) - len(token_ids),
+                                    token_ids=list(token_ids),
+                                    text=stream.push(token_ids) if stream is not None else "",
+                                )
+                            )
+                    case FinishedUpdate(finish_reason=reason):
+                        text = tokenizer.decode(serving.generated) if tokenizer is not None else ""
+                        replies.send(
+                            GenerateResult(
+                                id=request.id,
+                                request_id=serving.request_id,
+                                prompt_tokens=serving.prompt_tokens or len(serving.prompt_ids),
+                                token_ids=list(serving.generated),
+                                text=text,
+                                finish_reason=reason,
+                                timings=serving.timings(),
+                                transfers=list(serving.transfers),
+                            )
+                        )
+                        return
+                    case FailedUpdate(code=code, message=message):
+                        raise RequestFailed(code, message)
+                    case _:
+                        assert_never(update)
+        except ClientTooSlow:
+            serving.cancel_reason = "client_too_slow"
+            raise
+        finally:
+            if not serving.ended:  # cancelled before the end: no await here, so nothing can interrupt it
+                if serving.cancel_reason == "cancel_op":
+                    serving.cancel_reason = "shutdown" if not self.router.accepting else "client_disconnected"
+                self.router.cancel(serving.request_id)
+
+    def _log_end(self, serving: ServingRequest) -> None:
+        log = self.services.log.bind(request_id=serving.request_id)
+        update = serving.final_update
+        timings = serving.timings()
+        if isinstance(update, FailedUpdate):
+            log.emit(RequestFailedEvent(code=update.code, message=update.message))
+        elif isinstance(update, FinishedUpdate) and update.finish_reason == "cancelled":
+            log.emit(RequestCancelled(reason=serving.cancel_reason, output_tokens=len(serving.generated)))
+        elif isinstance(update, FinishedUpdate):
+            log.emit(
+                RequestFinished(
+                    finish_reason=update.finish_reason,
+                    prompt_tokens=serving.prompt_tokens,
+                    output_tokens=len(serving.generated),
+                    e2e_s=timings.e2e_s or 0.0,
+                    ttft_s=timings.ttft_s,
+                    tpot_s=timings.tpot_s,
+                )
+            )
+
+    # ------------------------------------------------------------------ helpers
+    def _replica(self, name: str) -> Replica:
+        replica = self.services.replicas.get(name)
+        if replica is None:
+            known = ", ".join(self.services.replicas)
+            raise RequestFailed("not_found", f"no replica {name!r}; replicas are {known}")
+        return replica
+
+    async def _ask(self, replica: Replica, command: Transition | Lock | Unlock) -> Any:
+        try:
+            return await replica.ask(command)
+        except CommandRefused as exc:
+            raise RequestFailed(exc.code, str(exc)) from None  # type: ignore[arg-type]
+
+    def statuses(self) -> list[ReplicaStatus]:
+        statuses = []
+        for replica in self.services.replicas.values():
+            work, migration = replica.work.queue_lengths()
+            used_kv, _ = replica.pools.kv_usage()
+            statuses.append(
+                ReplicaStatus(
+                    name=replica.name,
+                    role=SERVING_ROLE.get(replica.state) or replica.role,
+                    state=replica.state.value,
+                    used_blocks=replica.pools.used_blocks(),
+                    cached_blocks=used_kv,
+                    total_blocks=replica.pools.total_blocks(),
+                    locked=replica.locked,
+                    lock_reasons=sorted(replica.lock_reasons),
+                    work_queue=work,
+                    migration_queue=migration,
+                    last_error=replica.last_error,
+                    transport=self.services.fabric.kind,
+                )
+            )
+        return statuses
+
+    def gauges(self) -> list[ReplicaGauge]:
+        return [
+            ReplicaGauge(
+                name=replica.name,
+                state=replica.state.value,
+                used_blocks=replica.pools.used_blocks(),
+                total_blocks=replica.pools.total_blocks(),
+                locked=replica.locked,
+            )
+            for replica in self.services.replicas.values()
+        ]

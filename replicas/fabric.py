@@ -1,0 +1,76 @@
+"""The node's transfer fabric: which endpoint listens where, and the links between them.
+
+Every replica pool that sends or receives blocks has a `TransferEndpoint` named `{replica}/{pool}`
+(`prefill-0/kv`, `encode-0/emb`). Endpoints register their address here when they open. A receiver asks
+`link(endpoint, sender_name)` for a handshaken link to a sender; links are made once per pair and
+reused by every later transfer (receivers connect to senders, DESIGN §5.1).
+"""
+
+from __future__ import annotations
+
+from typing import Literal, final
+
+import trio
+
+from transport.endpoint import TransferEndpoint
+from transport.errors import LinkError
+from transport.inproc import InprocNetwork
+from transport.link import Link
+
+TransportKind = Literal["inproc", "tcp"]
+
+
+@final
+class UnknownEndpoint(Exception):
+    """A transfer names an endpoint that is not open (its replica is not running)."""
+
+
+@final
+class Fabric:
+    """Endpoint directory and link cache for one node. Single Trio thread; no locking beyond per-pair."""
+
+    def __init__(self, kind: TransportKind) -> None:
+        self.kind = kind
+        self.inproc = InprocNetwork()
+        self._addresses: dict[str, str] = {}
+        self._connecting: dict[tuple[str, str], trio.Lock] = {}
+        self.bytes_between: dict[tuple[str, str, str], int] = {}
+
+    async def listen(self, endpoint: TransferEndpoint) -> str:
+        """Start `endpoint` listening on this fabric's transport and register its address."""
+        if self.kind == "inproc":
+            address = endpoint.listen_inproc()
+        else:
+            address = await endpoint.listen_tcp("127.0.0.1", 0)
+        self._addresses[endpoint.name] = address
+        return address
+
+    def forget(self, endpoint_name: str) -> None:
+        self._addresses.pop(endpoint_name, None)
+
+    def address(self, endpoint_name: str) -> str:
+        try:
+            return self._addresses[endpoint_name]
+        except KeyError:
+            raise UnknownEndpoint(f"transfer endpoint {endpoint_name!r} is not open") from None
+
+    async def link(self, endpoint: TransferEndpoint, sender: str) -> Link:
+        """An open, handshaken link from receiving `endpoint` to the sending endpoint `sender`.
+
+        Raises `UnknownEndpoint`, `transport.errors.HandshakeRefused` or `LinkError` (with the reason)."""
+        key = (endpoint.name, sender)
+        lock = self._connecting.setdefault(key, trio.Lock())
+        async with lock:
+            for link in endpoint.links(sender):
+                if link.role == "receiver" and not link.is_closed:
+                    return link
+            address = self.address(sender)
+            try:
+                return await endpoint.connect(address)
+            except OSError as exc:
+                raise LinkError(f"{endpoint.name}: cannot connect to {sender} at {address}: {exc}") from exc
+
+    def count_bytes(self, source: str, destination: str, kind: str, nbytes: int) -> None:
+        """Account `nbytes` of `kind` (kv, embedding) moved from replica `source` to `destination`."""
+        key = (source, destination, kind)
+        self.bytes_between[key] = self.bytes_between.get(key, 0) + nbytes

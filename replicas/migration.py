@@ -1,0 +1,198 @@
+"""KV migration, prefill side: the migration queue and the task that empties it (DESIGN §6, seed 004).
+
+Prefilled requests wait in `outbound` (the replica's migration queue) for a decode replica. The
+migrator takes the head entry, asks the unlocked `Decode` replicas in turn (round robin) to reserve its
+KV all-or-nothing (`ReserveKV`; the decode replica may refuse), and on acceptance streams the prompt's
+KV blocks with the resumable transfer while the decode replica receives them straight into the blocks
+it reserved. Several migrations run at once (`migrations_in_flight`). When no decode replica accepts,
+the entry waits — for a lock to clear or blocks to free — up to `migration_wait`, then fails with
+`overloaded`. A replica in `MutatingToDecode` adopts the entries still queued instead (`take_unclaimed`).
+
+An entry being offered to decode replicas is *claimed*: flushing skips it; a refusal unclaims it.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections import deque
+from typing import TYPE_CHECKING, final
+
+import trio
+
+from messages.commands import ReserveKV
+from messages.events import RequestQueued
+from replicas.inbox import CommandRefused, Completed, new_command_id
+from replicas.prefill import Prefilled
+from replicas.states import ReplicaState
+from transport.errors import TransferError
+
+if TYPE_CHECKING:
+    from replicas.actor import Replica
+    from replicas.roles import RoleWork
+
+S = ReplicaState
+MIGRATING_STATES = frozenset({S.PREFILL, S.SHUTTING_PREFILL, S.MUTATING_TO_DECODE})
+_transfer_numbers = itertools.count(1)
+
+
+@final
+class Migrator:
+    """The migration queue of one prefill replica and its sending task."""
+
+    def __init__(self, work: RoleWork) -> None:
+        self.work = work
+        self.outbound: deque[Prefilled] = deque()
+        self.claimed: set[str] = set()
+        self.in_flight: dict[str, Prefilled] = {}
+        self._wake = trio.Event()
+        self._next_decode = 0
+        self._queued_at: dict[str, float] = {}
+
+    @property
+    def replica(self) -> Replica:
+        return self.work.replica
+
+    @property
+    def queued(self) -> int:
+        return len(self.outbound)
+
+    @property
+    def idle(self) -> bool:
+        return not self.outbound and not self.in_flight
+
+    def wake(self) -> None:
+        self._wake.set()
+
+    def enqueue(self, item: Prefilled) -> None:
+        self.outbound.append(item)
+        self._queued_at[item.request.request_id] = trio.current_time()
+        self.replica.log.bind(request_id=item.request.request_id).emit(
+            RequestQueued(queue="migration", position=len(self.outbound) - 1)
+        )
+        self.wake()
+
+    def take_unclaimed(self) -> list[Prefilled]:
+        """Remove and return the queued entries no decode replica is being asked about (for Flush)."""
+        taken = [item for item in self.outbound if item.request.request_id not in self.claimed]
+        self.outbound = deque(item for item in self.outbound if item.request.request_id in self.claimed)
+        return taken
+
+    # ------------------------------------------------------------------ the task
+    async def run(self) -> None:
+        """Offer queued entries to decode replicas until cancelled."""
+        settings = self.replica.services.settings
+        while True:
+            self._drop_cancelled()
+            head = self._head()
+            if head is None or len(self.in_flight) >= settings.migrations_in_flight:
+                await self._sleep(None)
+                continue
+            request_id = head.request.request_id
+            self.claimed.add(request_id)
+            try:
+                destination = await self._find_destination(head)
+            finally:
+                self.claimed.discard(request_id)
+            if destination is None:
+                waited = trio.current_time() - self._queued_at.get(request_id, trio.current_time())
+                if waited >= settings.migration_wait and head in self.outbound:
+                    self.outbound.remove(head)
+                    self._release(head)
+                    head.request.fail(
+                        "overloaded",
+                        f"no decode replica took the KV of request {request_id} within "
+                        f"{settings.migration_wait:g} s (all locked, full or not decoding)",
+                    )
+                    continue
+                await self._sleep(0.05)
+                continue
+            if head not in self.outbound:  # flushed or cancelled while we asked: the decode side will
+                continue  # see its transfer never start and give the reservation back (orphan timeout)
+            self.outbound.remove(head)
+            self.in_flight[request_id] = head
+            self.work.spawn(self._send, head, destination)
+
+    def _head(self) -> Prefilled | None:
+        if self.replica.state not in MIGRATING_STATES or self.replica.state is S.MUTATING_TO_DECODE:
+            return None
+        return self.outbound[0] if self.outbound else None
+
+    async def _sleep(self, timeout: float | None) -> None:
+        self._wake = trio.Event()
+        with trio.move_on_after(timeout if timeout is not None else float("inf")):
+            await self._wake.wait()
+
+    def _drop_cancelled(self) -> None:
+        for item in [i for i in self.outbound if i.request.cancelled]:
+            self.outbound.remove(item)
+            self._release(item)
+            item.request.finish("cancelled")
+
+    def _release(self, item: Prefilled) -> None:
+        kv = self.replica.pools.kv
+        assert kv is not None
+        kv.pool.free(item.table, item.request.request_id)
+        self._queued_at.pop(item.request.request_id, None)
+
+    async def _find_destination(self, item: Prefilled) -> tuple[str, str] | None:
+        """Ask decode replicas in turn; returns (replica name, transfer id) of the one that accepted."""
+        request = item.request
+        services = self.replica.services
+        decoders = [r for r in services.replicas.values() if r.state is S.DECODE and not r.lock_reasons]
+        if not decoders:
+            return None
+        start = self._next_decode % len(decoders)
+        context = self.work.context_length
+        for offset in range(len(decoders)):
+            decoder = decoders[(start + offset) % len(decoders)]
+            if decoder is self.replica:
+                continue
+            transfer_id = f"{request.request_id}/kv{next(_transfer_numbers)}"
+            command = ReserveKV(
+                command_id=new_command_id(),
+                request_id=request.request_id,
+                transfer_id=transfer_id,
+                source_endpoint=self.replica.pools.kv_endpoint_name,
+                prompt_tokens=request.prompt_tokens,
+                capacity_tokens=request.kv_capacity_tokens(context),
+            )
+            try:
+                await decoder.ask(command, timeout=services.settings.kv_transfer.handshake_timeout)
+            except CommandRefused:
+                continue
+            except trio.TooSlowError:
+                continue
+            self._next_decode = start + offset + 1
+            return decoder.name, transfer_id
+        return None
+
+    async def _send(self, item: Prefilled, destination: tuple[str, str]) -> None:
+        """Stream the prompt's KV; the decode replica is receiving it (see `DecodeWork.reserve`)."""
+        request = item.request
+        endpoint = self.replica.pools.kv_endpoint
+        assert endpoint is not None
+        _, transfer_id = destination
+        if request.stamps.kv_started is None:
+            request.stamps.kv_started = time.time()
+        error: BaseException | None = None
+        with trio.CancelScope() as scope:
+            request.cancel_hooks.append(scope)
+            try:
+                async with endpoint.open_send(transfer_id) as session:
+                    await session.send(item.table, total_tokens=request.prompt_tokens)
+            except TransferError as exc:
+                error = exc
+        if scope in request.cancel_hooks:
+            request.cancel_hooks.remove(scope)
+        self.replica.post(Completed(lambda _: self._sent(item, error)))
+
+    def _sent(self, item: Prefilled, error: BaseException | None) -> None:
+        request = item.request
+        self.in_flight.pop(request.request_id, None)
+        self._release(item)
+        if error is not None and isinstance(error, TransferError):
+            request.fail(error.code, f"KV migration of request {request.request_id} failed: {error}")  # type: ignore[arg-type]
+        elif request.cancelled:
+            request.finish("cancelled")
+        self.wake()

@@ -1,0 +1,142 @@
+"""A replica's block pools and their transfer endpoints.
+
+Language replicas (prefill / decode) have a KV cache (`KVCache`: a `BlockPool` plus one preallocated
+tensor per layer's K and V) and, for a model with a vision encoder, an embedding landing pool. Encode
+replicas have an embedding pool holding encoder output until it is sent. Every pool is served by one
+`TransferEndpoint` named `{replica}/kv` or `{replica}/emb`, registered with the node's fabric.
+"""
+
+from __future__ import annotations
+
+from contextlib import AsyncExitStack
+from typing import final
+
+import trio
+
+from messages.faults import DropLink, StallSender
+from replicas.model import KVCache, embedding_layout
+from replicas.services import ReplicaServices
+from replicas.states import Role
+from transport.blocks import BlockPool
+from transport.endpoint import SenderDelivery, TransferEndpoint, open_endpoint
+from transport.faults import NO_FAULTS, FaultPlan
+from transport.storage import PoolStorage
+
+
+@final
+class ReplicaPools:
+    """The pools of replica `name` (see the module docstring)."""
+
+    def __init__(self, name: str, role: Role, services: ReplicaServices) -> None:
+        self.name = name
+        self.services = services
+        settings = services.settings
+        config = services.host.config
+        self.kv: KVCache | None = None
+        self.emb_pool: BlockPool | None = None
+        self.emb_storage: PoolStorage | None = None
+        if role in ("prefill", "decode"):
+            self.kv = KVCache.create(
+                config,
+                settings.kv_pool_blocks,
+                block_size=settings.kv_block_size,
+                device=services.host.device,
+                name=f"{name}/kv",
+            )
+        if role == "encode" or (config.image_token_id is not None and role == "prefill"):
+            layout = embedding_layout(config.hidden_size, settings.embedding_block_size)
+            self.emb_pool = BlockPool(settings.embedding_pool_blocks, layout.block_size, name=f"{name}/emb")
+            self.emb_storage = PoolStorage(layout, settings.embedding_pool_blocks, device="cpu")
+        self.kv_endpoint: TransferEndpoint | None = None
+        self.emb_endpoint: TransferEndpoint | None = None
+
+    @property
+    def kv_endpoint_name(self) -> str:
+        return f"{self.name}/kv"
+
+    @property
+    def emb_endpoint_name(self) -> str:
+        return f"{self.name}/emb"
+
+    async def open_endpoints(
+        self, stack: AsyncExitStack, sender_control: trio.MemorySendChannel[SenderDelivery]
+    ) -> None:
+        """Open and register this replica's endpoints; they close when `stack` unwinds."""
+        fabric = self.services.fabric
+        settings = self.services.settings
+        faults = self._fault_plan()
+        if self.kv is not None:
+            endpoint = await stack.enter_async_context(
+                open_endpoint(
+                    self.kv_endpoint_name,
+                    self.kv.storage,
+                    self.kv.pool,
+                    config=settings.kv_transfer,
+                    faults=faults,
+                    inproc=fabric.inproc,
+                    sender_control=sender_control,
+                )
+            )
+            self.kv_endpoint = endpoint
+            await fabric.listen(endpoint)
+            stack.callback(fabric.forget, self.kv_endpoint_name)
+        if self.emb_pool is not None and self.emb_storage is not None:
+            endpoint = await stack.enter_async_context(
+                open_endpoint(
+                    self.emb_endpoint_name,
+                    self.emb_storage,
+                    self.emb_pool,
+                    config=settings.embedding_transfer,
+                    faults=faults,
+                    inproc=fabric.inproc,
+                    sender_control=sender_control,
+                )
+            )
+            self.emb_endpoint = endpoint
+            await fabric.listen(endpoint)
+            stack.callback(fabric.forget, self.emb_endpoint_name)
+
+    def deliver(self, delivery: SenderDelivery) -> None:
+        """Hand a sender-bound protocol message to the endpoint whose link it came on."""
+        for endpoint in (self.kv_endpoint, self.emb_endpoint):
+            if endpoint is not None and delivery.link.local == endpoint.name:
+                endpoint.deliver(delivery)
+                return
+        raise AssertionError(f"{self.name}: message on a link of no endpoint of this replica: {delivery}")
+
+    # ------------------------------------------------------------------ accounting
+    def pools(self) -> list[BlockPool]:
+        found = [] if self.kv is None else [self.kv.pool]
+        return found + ([] if self.emb_pool is None else [self.emb_pool])
+
+    def kv_usage(self) -> tuple[int, int]:
+        if self.kv is None:
+            return 0, 0
+        return self.kv.pool.used_blocks, self.kv.pool.num_blocks
+
+    def used_blocks(self) -> int:
+        return sum(pool.used_blocks for pool in self.pools())
+
+    def total_blocks(self) -> int:
+        return sum(pool.num_blocks for pool in self.pools())
+
+    def free_everything(self) -> int:
+        """Return every block to its pool (after a crash, once no transfer can write any more)."""
+        freed = 0
+        for pool in self.pools():
+            for owner in list(pool.owners()):
+                freed += pool.free_owner(owner)
+        return freed
+
+    def leaks(self) -> dict[str, dict[str, int]]:
+        """Pool name → owner → blocks still allocated."""
+        return {pool.name: pool.leaks() for pool in self.pools() if pool.leaks()}
+
+    def _fault_plan(self) -> FaultPlan:
+        plan = NO_FAULTS
+        for fault in self.services.faults:
+            if isinstance(fault, StallSender) and fault.replica == self.name:
+                plan = FaultPlan(stall_before_round=0, stall_seconds=fault.seconds)
+            elif isinstance(fault, DropLink) and fault.source == self.name:
+                plan = FaultPlan(drop_link_after_bytes=max(1, fault.after_bytes))
+        return plan

@@ -1,0 +1,205 @@
+"""A request in flight: what every replica that touches it reads and writes, and how it reports back.
+
+A `ServingRequest` is created by the router when a `generate` is admitted and lives until its final
+update. At any moment exactly one party *holds* it (the router's queue, one replica's queue or batch, or
+one migration) — the holder is the only one that changes its KV tables or appends tokens; the others only
+read. Updates to the client travel through `updates`, a channel the control handler drains; its buffer
+is larger than the number of updates a request can ever produce, so replicas never block on it.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Literal, final
+
+import numpy as np
+import torch
+import trio
+
+from messages.control import ErrorCode
+from messages.control_replies import Timings, TransferSummary
+from replicas.model import ImageGrid, SamplingParams
+
+FinishReason = Literal["stop", "length", "cancelled"]
+
+
+@final
+@dataclass(frozen=True, slots=True)
+class TokensUpdate:
+    """New tokens, in order."""
+
+    token_ids: tuple[int, ...]
+
+
+@final
+@dataclass(frozen=True, slots=True)
+class FinishedUpdate:
+    """The final update of a request that ended normally (or was cancelled)."""
+
+    finish_reason: FinishReason
+
+
+@final
+@dataclass(frozen=True, slots=True)
+class FailedUpdate:
+    """The final update of a request that failed."""
+
+    code: ErrorCode
+    message: str
+
+
+RequestUpdate = TokensUpdate | FinishedUpdate | FailedUpdate
+
+
+@final
+class RequestCancelled(Exception):
+    """Raised inside a replica's work on a request that was cancelled meanwhile."""
+
+
+@final
+@dataclass(slots=True)
+class Stamps:
+    """Wall-clock seconds (`time.time()`) of the request's milestones; None until reached."""
+
+    arrived: float = field(default_factory=time.time)
+    dispatched: float | None = None
+    encode_started: float | None = None
+    encode_finished: float | None = None
+    embedding_started: float | None = None
+    embedding_finished: float | None = None
+    prefill_started: float | None = None
+    prefill_finished: float | None = None
+    kv_started: float | None = None
+    kv_finished: float | None = None
+    first_token: float | None = None
+    finished: float | None = None
+
+
+@final
+class ServingRequest:
+    """One admitted `generate`. See the module docstring for who may change what."""
+
+    def __init__(
+        self,
+        *,
+        request_id: str,
+        prompt_ids: Sequence[int],
+        images: Sequence[np.ndarray],
+        sampling: SamplingParams,
+        max_tokens: int,
+        eos_token_ids: Sequence[int],
+    ) -> None:
+        self.request_id = request_id
+        self.prompt_ids = list(prompt_ids)
+        self.images = list(images)
+        self.sampling = sampling
+        self.max_tokens = max_tokens
+        self.eos_token_ids = tuple(eos_token_ids)
+        self.generated: list[int] = []
+        self.stamps = Stamps()
+        self.transfers: list[TransferSummary] = []
+        # Filled once the prompt is laid out (images expanded: after the embedding transfer).
+        self.token_ids: list[int] = list(prompt_ids) if not images else []
+        self.positions: torch.Tensor | None = None
+        self.next_position: int = len(self.token_ids)
+        self.image_grids: list[ImageGrid] = []
+        self.embeds: torch.Tensor | None = None
+        self.embed_indices: torch.Tensor | None = None
+        self.cancelled = False
+        self.ended = False
+        self.cancel_reason: Literal["cancel_op", "client_disconnected", "client_too_slow", "shutdown"] = (
+            "cancel_op"
+        )
+        self.final_update: FinishedUpdate | FailedUpdate | None = None
+        self.holder: str | None = None  # the replica holding it (None: the router or a migration)
+        self._update_send, self.updates = trio.open_memory_channel[RequestUpdate](max_tokens + 4)
+        self.cancel_hooks: list[trio.CancelScope] = []
+        self.on_end: list[Callable[[ServingRequest], None]] = []
+
+    # ------------------------------------------------------------------ facts
+    @property
+    def has_images(self) -> bool:
+        return bool(self.images)
+
+    @property
+    def prompt_ready(self) -> bool:
+        """The token ids (images expanded) and embeddings are known: prefill may run."""
+        return bool(self.token_ids)
+
+    @property
+    def prompt_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def context_tokens(self) -> int:
+        """Tokens whose KV a decode step attends to: prompt plus all but the newest generated token."""
+        return len(self.token_ids) + max(0, len(self.generated) - 1)
+
+    def decode_position(self) -> int:
+        """Rotary position of the newest generated token (fed at the next decode step)."""
+        return self.next_position + len(self.generated) - 1
+
+    def kv_capacity_tokens(self, context_length: int) -> int:
+        """Tokens of KV the request may ever hold: prompt + max_tokens - 1, capped by the context."""
+        return min(len(self.token_ids) + self.max_tokens - 1, context_length)
+
+    # ------------------------------------------------------------------ reporting
+    def emit_tokens(self, token_ids: Sequence[int]) -> None:
+        if not self.ended and token_ids:
+            if self.stamps.first_token is None:
+                self.stamps.first_token = time.time()
+            self._update_send.send_nowait(TokensUpdate(tuple(token_ids)))
+
+    def finish(self, reason: FinishReason) -> None:
+        """End normally. Idempotent with `fail`: the first final update wins."""
+        if not self.ended:
+            self.ended = True
+            self.stamps.finished = time.time()
+            self.final_update = FinishedUpdate(reason)
+            self._update_send.send_nowait(self.final_update)
+            self._ended()
+
+    def fail(self, code: ErrorCode, message: str) -> None:
+        if not self.ended:
+            self.ended = True
+            self.stamps.finished = time.time()
+            self.final_update = FailedUpdate(code, message)
+            self._update_send.send_nowait(self.final_update)
+            self._ended()
+
+    def _ended(self) -> None:
+        for callback in self.on_end:
+            callback(self)
+
+    def cancel(self) -> None:
+        """Mark cancelled and interrupt whatever work on it can be interrupted (transfers in flight).
+
+        The holder notices `cancelled` at its next step boundary, frees the request's blocks and
+        reports `finish("cancelled")`."""
+        self.cancelled = True
+        for scope in self.cancel_hooks:
+            scope.cancel()
+
+    def timings(self) -> Timings:
+        s = self.stamps
+
+        def span(start: float | None, end: float | None) -> float | None:
+            return None if start is None or end is None else max(0.0, end - start)
+
+        generated = len(self.generated)
+        tpot = None
+        if s.first_token is not None and s.finished is not None and generated > 1:
+            tpot = max(0.0, s.finished - s.first_token) / (generated - 1)
+        queued_until = s.encode_started or s.prefill_started
+        return Timings(
+            queued_s=span(s.arrived, queued_until),
+            encode_s=span(s.encode_started, s.encode_finished),
+            embedding_transfer_s=span(s.embedding_started, s.embedding_finished),
+            prefill_s=span(s.prefill_started, s.prefill_finished),
+            kv_transfer_s=span(s.kv_started, s.kv_finished),
+            ttft_s=span(s.arrived, s.first_token),
+            tpot_s=tpot,
+            e2e_s=span(s.arrived, s.finished),
+        )

@@ -1,0 +1,65 @@
+"""What a replica gets from its node: settings, weights, the transfer fabric, the log, its peers.
+
+`replicas/` never imports `engine/`: the node maps its `NodeConfig` into `ReplicaSettings` and hands
+each replica one `ReplicaServices`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Protocol, final
+
+import msgspec
+
+from messages.events import LogEvent
+from messages.faults import Fault
+from replicas.fabric import Fabric
+from replicas.request import ServingRequest
+from replicas.weights import ModelHost
+from transport.config import TransferConfig
+
+if TYPE_CHECKING:
+    from replicas.actor import Replica
+
+
+class EventSink(Protocol):
+    """Where replicas write typed log events (the node's `engine.logging.EventLog` is one)."""
+
+    def emit(self, event: LogEvent) -> None: ...
+
+    def bind(self, *, request_id: str | None = None, replica: str | None = None) -> EventSink: ...
+
+
+class ReplicaSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Per-replica sizes and limits (from the node's config)."""
+
+    kv_block_size: int = 16
+    kv_pool_blocks: int = 2048
+    embedding_block_size: int = 128
+    embedding_pool_blocks: int = 256
+    embedding_default_blocks: int = 8
+    embedding_max_grant_blocks: int | None = None
+    max_batch_tokens: int = 4096
+    max_batch_size: int = 64
+    migration_wait: float = 60.0
+    migrations_in_flight: int = 8
+    kv_transfer: TransferConfig = msgspec.field(default_factory=TransferConfig)
+    embedding_transfer: TransferConfig = msgspec.field(default_factory=TransferConfig)
+
+
+@final
+@dataclass(slots=True)
+class ReplicaServices:
+    """Shared by every replica of one node (one Trio thread: no locks)."""
+
+    settings: ReplicaSettings
+    host: ModelHost
+    fabric: Fabric
+    log: EventSink
+    faults: list[Fault] = field(default_factory=list)
+    requests: dict[str, ServingRequest] = field(default_factory=dict)
+    replicas: dict[str, Replica] = field(default_factory=dict)
+    # The router's hooks: take back work a replica will not do; a replica's readiness changed.
+    return_work: Callable[[ServingRequest], None] = lambda request: None
+    readiness_changed: Callable[[], None] = lambda: None

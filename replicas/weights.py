@@ -1,0 +1,103 @@
+"""Shared, read-only model weights: loaded once per node, held by the replicas that serve them.
+
+Replicas of one model in one process share its weights (DESIGN §6). `ModelHost.acquire` returns the
+loaded model, loading it layer by layer (off the event loop, progress reported per layer) if no replica
+holds it; `release` drops a holder, and the weights are freed when the last one goes (a replica moving
+to `Inactive`). Two replicas acquiring at once share one load.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import final
+
+import trio
+
+from replicas.model import (
+    ByteTokenizer,
+    HFTokenizer,
+    LoadProgress,
+    Model,
+    ModelConfig,
+    ModelLoader,
+    Tokenizer,
+    read_hf_config,
+    tiny_model,
+)
+from replicas.model.config import ModelDType
+
+Progress = Callable[[LoadProgress], None]
+
+
+@final
+class ModelHost:
+    """Loads `source` (`tiny` or a checkpoint directory) on demand; see the module docstring.
+
+    Cancellation: a cancelled `acquire` does not hold the model; a load in progress finishes in its
+    worker thread (threads are never abandoned) and is kept for the next `acquire` if anyone waits.
+    """
+
+    def __init__(self, source: str, *, device: str, dtype: ModelDType | None) -> None:
+        self.source = source
+        self.device = device
+        self.dtype = dtype
+        self.config: ModelConfig = self._read_config()
+        self.tokenizer: Tokenizer | None = self._read_tokenizer()
+        self._model: Model | None = None
+        self._holders: set[str] = set()
+        self._lock = trio.Lock()
+        self.loads = 0
+
+    @property
+    def name(self) -> str:
+        return "tiny" if self.source == "tiny" else Path(self.source).name
+
+    @property
+    def loaded(self) -> Model | None:
+        return self._model
+
+    @property
+    def holders(self) -> frozenset[str]:
+        return frozenset(self._holders)
+
+    async def acquire(self, holder: str, progress: Progress | None = None) -> Model:
+        """The loaded model, now held by `holder`. Raises the loader's `ModelLoadError` on bad files."""
+        async with self._lock:
+            if self._model is None:
+                self._model = await trio.to_thread.run_sync(self._load, progress)
+                self.loads += 1
+            self._holders.add(holder)
+            return self._model
+
+    def release(self, holder: str) -> None:
+        """`holder` no longer serves the model; the last release frees the weights."""
+        self._holders.discard(holder)
+        if not self._holders:
+            self._model = None
+
+    def _read_config(self) -> ModelConfig:
+        if self.source == "tiny":
+            from replicas.model import TINY_CONFIG
+
+            return TINY_CONFIG
+        return read_hf_config(self.source)
+
+    def _read_tokenizer(self) -> Tokenizer | None:
+        if self.source == "tiny":
+            return ByteTokenizer(self.config.vocab_size)
+        path = Path(self.source) / "tokenizer.json"
+        return HFTokenizer(path) if path.is_file() else None
+
+    def _load(self, progress: Progress | None) -> Model:
+        if self.source == "tiny":
+            model = tiny_model(dtype=self.dtype or "float32", device=self.device)
+            if progress is not None:
+                layers = model.config.num_layers
+                progress(LoadProgress("head", None, layers, layers, model.parameter_bytes()))
+            return model
+        loader = ModelLoader(self.source, dtype=self.dtype, device=self.device)
+        for step in loader.steps():
+            if progress is not None:
+                progress(step)
+        return loader.model
