@@ -149,7 +149,13 @@ class InprocLink(Link):
             self.close(error)
             raise error from exc
 
-    async def write(self, bulk: BulkWrite) -> int:
+    async def write(self, bulk: BulkWrite, trailer: PeerMessage | None = None) -> int:
+        copied = await self._copy(bulk)
+        if trailer is not None:
+            await self.send(trailer)
+        return copied
+
+    async def _copy(self, bulk: BulkWrite) -> int:
         other = self._check_open()
         if other.error is not None:
             raise LinkClosed(f"link {self.describe()}: peer end is closed")

@@ -120,11 +120,13 @@ class Link(abc.ABC):
         """Queue one control message in link order. Raises `LinkError` once closed."""
 
     @abc.abstractmethod
-    async def write(self, bulk: BulkWrite) -> int:
-        """Move one round's bytes; returns the bytes that went out. Raises `LinkError` once closed.
+    async def write(self, bulk: BulkWrite, trailer: PeerMessage | None = None) -> int:
+        """Move one round's bytes, then `trailer` (the round's `ChunkDone`) in link order; returns the
+        bytes that went out. Raises `LinkError` once closed.
 
         Cancellation takes effect between frames (tcp) or not at all while a worker-thread copy runs
-        (inproc): a frame is never left half-written on a link that stays open.
+        (inproc): a frame is never left half-written on a link that stays open. A trailer goes out
+        only after every byte of the write (tcp: in the same `sendmsg` batch as the last frames).
         """
 
     @abc.abstractmethod

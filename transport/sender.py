@@ -8,7 +8,7 @@ Control messages from the receiver reach the session through `handle(link, messa
 endpoint directly, or by the owner after they went through the owner's command channel (DESIGN §3).
 
 Rounds are written strictly in order; a grant for a round already written is a duplicate and ignored.
-Each round: bytes first (`Link.write`), then `ChunkDone` with the header and total, on the same ordered
+Each round: bytes first, then `ChunkDone` with the header and total as the write's trailer, on the same ordered
 link. An `Abort` from the receiver is answered with `AbortAck` once no write for this transfer is in
 flight (the fence the receiver waits for). Deadlines: while waiting on the receiver, a lack of progress
 for `progress_timeout` fails the transfer; while the owner prepares the data, the session tells the
@@ -238,30 +238,28 @@ class SendSession:
                     round=grant.round,
                     corrupt=faulty and faults.corrupt_round == grant.round,
                 )
-                if count and self._peer_abort is None:
-                    self._writing = True
-                    try:
-                        await self.link.write(bulk)
-                    finally:
-                        self._writing = False
+                checksum = None
+                if self._config.checksums:
+                    checksum = checksum_runs(self._storage, bulk.runs, self._buffers, source=True)
+                done = ChunkDone(
+                    transfer_id=self.transfer_id,
+                    round=grant.round,
+                    offset=self._position,
+                    tokens=count,
+                    total_tokens=self._total,
+                    header=self._header,
+                    checksum=checksum,
+                )
                 if self._peer_abort is not None:
                     continue  # _next_grant acknowledges and ends the transfer
-                checksum = (
-                    checksum_runs(self._storage, bulk.runs, self._buffers, source=True)
-                    if self._config.checksums
-                    else None
-                )
-                await self.link.send(
-                    ChunkDone(
-                        transfer_id=self.transfer_id,
-                        round=grant.round,
-                        offset=self._position,
-                        tokens=count,
-                        total_tokens=self._total,
-                        header=self._header,
-                        checksum=checksum,
-                    )
-                )
+                if count:
+                    self._writing = True
+                    try:
+                        await self.link.write(bulk, trailer=done)
+                    finally:
+                        self._writing = False
+                else:
+                    await self.link.send(done)
                 self._position += count
                 self._rounds += count > 0
                 self._bytes += bulk.nbytes

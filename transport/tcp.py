@@ -165,7 +165,7 @@ class TcpLink(Link):
         body = encode_peer(message)
         await self._send_batch([control_header(len(body)), body])
 
-    async def write(self, bulk: BulkWrite) -> int:
+    async def write(self, bulk: BulkWrite, trailer: PeerMessage | None = None) -> int:
         parts: list[Buffer] = []
         batch_bytes = 0
         corrupt = bulk.corrupt
@@ -191,6 +191,9 @@ class TcpLink(Link):
                     if batch_bytes >= BATCH_BYTES or len(parts) >= IOV_MAX:
                         await self._send_bulk(parts, batch_bytes)
                         parts, batch_bytes = [], 0
+        if trailer is not None:
+            body = encode_peer(trailer)
+            parts += (control_header(len(body)), body)
         if parts:
             await self._send_bulk(parts, batch_bytes)
         return bulk.nbytes
@@ -269,6 +272,10 @@ class TcpLink(Link):
                     body = bytearray(frame.length)
                     await self._recv_exact(memoryview(body))
                     await self.handler.on_message(self, decode_peer(body))
+                    # Let whoever the message woke (a granter, a consumer) run before more bulk
+                    # bytes: bulk reads rarely block, so without this they would wait megabytes.
+                    self._read_since_yield = 0
+                    await trio.lowlevel.checkpoint()
                 else:
                     target = self._bulk_target(frame)
                     if target is None:

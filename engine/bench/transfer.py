@@ -59,6 +59,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeats", type=int, default=None, help="measurements per figure (default 15)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads, project and baselines")
     parser.add_argument("--window", type=int, default=4, help="grant window of the receivers")
+    parser.add_argument(
+        "--only", default="inproc,tcp,resume", help="comma-separated case groups: inproc, tcp, resume"
+    )
 
 
 @final
@@ -225,7 +228,6 @@ def tcp_rows(portal: Portal, args: argparse.Namespace, repeats: int, ready: dict
                 unit="GB/s",
                 note=note,
             )
-    yield from resume_rows(portal, args, repeats, ready)
 
 
 def resume_rows(
@@ -280,7 +282,13 @@ def resume_rows(
 def run(args: argparse.Namespace) -> Iterable[Row]:
     torch.set_num_threads(args.threads)
     repeats = args.repeats or (5 if args.quick else 15)
+    groups = set(args.only.split(","))
     with trio_thread() as portal:
-        yield from inproc_rows(portal, args, repeats)
-        with sender_process(args.threads) as ready:
-            yield from tcp_rows(portal, args, repeats, ready)
+        if "inproc" in groups:
+            yield from inproc_rows(portal, args, repeats)
+        if groups & {"tcp", "resume"}:
+            with sender_process(args.threads) as ready:
+                if "tcp" in groups:
+                    yield from tcp_rows(portal, args, repeats, ready)
+                if "resume" in groups:
+                    yield from resume_rows(portal, args, repeats, ready)
