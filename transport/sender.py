@@ -127,8 +127,8 @@ class SendSession:
             if unknown:
                 self._fail(FailureReason.PROTOCOL_ERROR, f"grant selects unknown buffers {unknown}")
             self._buffers = tuple(grant.buffers)
-        if not self._data_ready and not self.status.terminal:
-            self.status.move(TransferStatus.WAITING_FOR_INPUT)
+        if not self._data_ready:
+            self._advance(TransferStatus.WAITING_FOR_INPUT)
         self._announce_soon()
 
     def link_lost(self, detail: str) -> None:
@@ -187,12 +187,14 @@ class SendSession:
             with trio.CancelScope(shield=True):
                 await self._abort_peer()
             raise transfer_error(self.report())
-        self.status.move(TransferStatus.SUCCESS)
+        self.status.move(TransferStatus.SUCCESS)  # no await since the last failure check
         return self.report()
 
     async def abort(self, detail: str) -> None:
         """Give up (the data source failed, the request was cancelled). Not while `send` runs in
         another task: cancel that task instead."""
+        if self._peer_abort is not None:  # the receiver gave up first: its reason is the reason
+            self._fail(self._peer_abort.reason, f"receiver aborted: {self._peer_abort.detail}")
         self._fail(FailureReason.ABORTED, detail)
         await self._abort_peer()
 
@@ -222,10 +224,11 @@ class SendSession:
                     )
                     return
                 count = max(0, min(grant.tokens, self._total - self._position))
-                self.status.move(TransferStatus.TRANSFERRING)
                 if faulty and faults.stall_before_round == grant.round:
                     with trio.move_on_after(faults.stall_seconds):
                         await self._ended.wait()
+                if not self._advance(TransferStatus.TRANSFERRING):
+                    continue  # failed meanwhile: _next_grant acknowledges an abort and returns None
                 bulk = BulkWrite(
                     source=self._storage,
                     source_ids=source_ids,
@@ -265,11 +268,18 @@ class SendSession:
                 self._bytes += bulk.nbytes
                 self._next_round += 1
                 self.liveness.touch()
-                if self._position >= self._total:
+                if self._position >= self._total or not self._advance(TransferStatus.WAITING_FOR_INPUT):
                     return
-                self.status.move(TransferStatus.WAITING_FOR_INPUT)
         except LinkError as exc:
             self._fail(FailureReason.LINK_LOST, str(exc))
+
+    def _advance(self, status: TransferStatus) -> bool:
+        """Move to `status` unless the transfer failed meanwhile (an abort or a lost link arrives
+        between any two awaits); False then."""
+        if self._failure is not None:
+            return False
+        self.status.move(status)
+        return True
 
     async def _next_grant(self) -> Grant | RequestMoreCache | None:
         """The grant for the next round, or None once the transfer failed (peer abort acknowledged)."""
