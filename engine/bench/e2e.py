@@ -1,0 +1,250 @@
+"""End to end: the disaggregated node vs the same model run in one piece in one process.
+
+The project side starts a node in this process (prefill=1, decode=1; the transport of `--transport`)
+and drives it through its real control socket with a client keeping `--concurrency` requests in
+flight. The baseline runs the same requests on one executor with one KV cache in a plain loop —
+continuous batching with the same batch limits, no replicas, no transfers, no socket: the model "in one
+piece". Both generate exactly `--max-tokens` tokens per request (`ignore_eos`), greedy, from the same
+prompts and the same weights. Rows: requests/s (project over baseline, honestly: on 2 CPU cores
+disaggregation buys nothing, the point is that its overhead is small), TTFT and TPOT percentiles of both,
+and the p50 share of a request's TTFT that its KV transfer took (the goal: ≤ 10 %).
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import tempfile
+import time
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import trio
+
+from engine.bench.rows import Row, row
+
+BENCH = "e2e"
+BASELINE = "colocated-executor-loop"
+
+
+@dataclass(frozen=True, slots=True)
+class Sample:
+    ttft: float
+    tpot: float | None
+    kv_share: float | None
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--models", nargs="+", default=["tiny", "100m"], help="tiny and/or 100m (default both)"
+    )
+    parser.add_argument("--transport", choices=["inproc", "tcp"], default="inproc")
+    parser.add_argument("--concurrency", type=int, default=8, help="requests in flight (default 8)")
+    parser.add_argument("--requests", type=int, default=32, help="requests per run (default 32)")
+    parser.add_argument(
+        "--max-tokens", type=int, default=32, help="tokens generated per request (default 32)"
+    )
+    parser.add_argument("--prompt-min", type=int, default=32)
+    parser.add_argument("--prompt-max", type=int, default=512)
+    parser.add_argument("--repeats", type=int, default=3, help="alternating runs per side (default 3)")
+    parser.add_argument("--quick", action="store_true", help="few requests, one repeat, tiny model only")
+
+
+def run(args: argparse.Namespace) -> Iterable[Row]:
+    if args.quick:
+        args.models, args.requests, args.repeats, args.max_tokens = ["tiny"], 8, 1, 8
+    for name in args.models:
+        with _model_source(name) as source:
+            yield from _bench_model(name, source, args)
+
+
+@contextmanager
+def _model_source(name: str) -> Iterator[str]:
+    if name == "tiny":
+        yield "tiny"
+        return
+    import torch
+    import transformers
+
+    from engine.bench.model import CONFIGS
+
+    transformers.utils.logging.set_verbosity_error()
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        **CONFIGS[name], max_position_embeddings=4096, bos_token_id=None, eos_token_id=None, pad_token_id=0
+    )
+    with tempfile.TemporaryDirectory(prefix="zigzag-bench-e2e-") as directory:
+        transformers.LlamaForCausalLM(config).save_pretrained(directory)
+        yield directory
+
+
+def _bench_model(name: str, source: str, args: argparse.Namespace) -> Iterable[Row]:
+    from replicas.weights import ModelHost
+
+    host = ModelHost(source, device="cpu", dtype="float32")
+    vocab = host.config.vocab_size
+    rng = random.Random(1)
+    prompts = [
+        [rng.randrange(1, min(vocab, 256)) for _ in range(rng.randint(args.prompt_min, args.prompt_max))]
+        for _ in range(args.requests)
+    ]
+    project_rates, baseline_rates = [], []
+    project_samples: list[Sample] = []
+    baseline_samples: list[Sample] = []
+    for attempt in range(args.repeats + 1):
+        rate, samples = trio.run(_project_run, source, prompts, args)
+        base_rate, base_samples = _baseline_run(host, prompts, args)
+        if attempt == 0:
+            continue  # warm-up: weights loaded, caches and allocator warm
+        project_rates.append(rate)
+        baseline_rates.append(base_rate)
+        project_samples += samples
+        baseline_samples += base_samples
+    note = (
+        f"model {name}, {args.requests} requests, concurrency {args.concurrency}, prompts "
+        f"{args.prompt_min}-{args.prompt_max} tokens, {args.max_tokens} new tokens, transport {args.transport}, "
+        f"median of {args.repeats}"
+    )
+    case = f"{name}-c{args.concurrency}-{args.transport}"
+    yield row(BENCH, case, "requests_per_s", "higher", statistics.median(project_rates),
+              statistics.median(baseline_rates), BASELINE, unit="req/s", note=note)  # fmt: skip
+    for metric, pick in (("ttft", lambda s: s.ttft), ("tpot", lambda s: s.tpot)):
+        for q in (0.5, 0.9, 0.99):
+            mine = _quantile([pick(s) for s in project_samples if pick(s) is not None], q)
+            theirs = _quantile([pick(s) for s in baseline_samples if pick(s) is not None], q)
+            yield row(
+                BENCH,
+                case,
+                f"{metric}_p{int(q * 100)}_s",
+                "lower",
+                mine,
+                theirs,
+                BASELINE,
+                unit="s",
+                note=note,
+            )
+    shares = [s.kv_share for s in project_samples if s.kv_share is not None]
+    yield row(BENCH, case, "kv_transfer_share_of_ttft_p50", "lower", _quantile(shares, 0.5), unit="fraction",
+              note=note + "; goal <= 0.10")  # fmt: skip
+
+
+def _quantile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else float("nan")
+
+
+# ---------------------------------------------------------------------------------------------- project
+async def _project_run(
+    source: str, prompts: list[list[int]], args: argparse.Namespace
+) -> tuple[float, list[Sample]]:
+    from engine.client import ControlClient
+    from engine.config import LogConfig, NodeConfig, ReplicaCounts
+    from engine.logging import open_event_log
+    from engine.logs import Aggregator
+    from engine.node import Node
+    from messages.control_replies import GenerateResult
+
+    config = NodeConfig(
+        listen="127.0.0.1:0",
+        model=source,
+        replicas=ReplicaCounts(prefill=1, decode=1),
+        transport=args.transport,
+        log=LogConfig(console=False),
+    )
+    aggregator = Aggregator(keep_requests=False)
+    log = open_event_log(file=None, console=None, observers=[aggregator.add])
+    node = Node(config, log, aggregator)
+    samples: list[Sample] = []
+    limiter = trio.Semaphore(args.concurrency)
+
+    async def one(client: ControlClient, prompt: list[int]) -> None:
+        async with limiter:
+            result: Any = await client.generate_result(
+                input_ids=prompt, max_tokens=args.max_tokens, ignore_eos=True
+            )
+        assert isinstance(result, GenerateResult)
+        timings = result.timings
+        share = None
+        if timings.kv_transfer_s is not None and timings.ttft_s:
+            share = timings.kv_transfer_s / timings.ttft_s
+        samples.append(Sample(ttft=timings.ttft_s or 0.0, tpot=timings.tpot_s, kv_share=share))
+
+    async with trio.open_nursery() as nursery:
+        address = await nursery.start(node.serve)
+        async with ControlClient.connect(address) as client:
+            with trio.fail_after(120):  # weights load in the background; requests would queue meanwhile
+                ready = ("Prefill", "Decode")
+                while not all(r.state in ready for r in (await client.status()).replicas):  # noqa: ASYNC110
+                    await trio.sleep(0.05)
+            started = time.perf_counter()
+            async with trio.open_nursery() as clients:
+                for prompt in prompts:
+                    clients.start_soon(one, client, prompt)
+            elapsed = time.perf_counter() - started
+            await client.shutdown()
+    log.close()
+    return len(prompts) / elapsed, samples
+
+
+# ---------------------------------------------------------------------------------------------- baseline
+def _baseline_run(
+    host: Any, prompts: list[list[int]], args: argparse.Namespace
+) -> tuple[float, list[Sample]]:
+    """Continuous batching on one executor: admit up to `concurrency`, prefill new arrivals as a batch,
+    then one decode step for every running sequence; the same limits the node's replicas use."""
+    from replicas.model import DecodeSequence, Executor, KVCache, PrefillSequence
+
+    model = trio.run(host.acquire, "bench-baseline")
+    context = len(max(prompts, key=len)) + args.max_tokens
+    cache = KVCache.create(model.config, args.concurrency * (-(-context // 16)) + 1, device="cpu")
+    executor = Executor(model, cache)
+    waiting = list(range(len(prompts)))
+    running: dict[int, tuple[list[int], list[int], float, float | None]] = {}
+    samples: list[Sample] = []
+    started = time.perf_counter()
+    while waiting or running:
+        arrivals: list[int] = []
+        admitted = time.perf_counter()
+        while waiting and len(running) + len(arrivals) < args.concurrency:
+            arrivals.append(waiting.pop(0))
+        if arrivals:
+            tables = {
+                i: cache.pool.allocate(cache.blocks_for(len(prompts[i]) + args.max_tokens), str(i))
+                for i in arrivals
+            }
+            result = executor.prefill(
+                [PrefillSequence(block_table=tables[i], token_ids=prompts[i]) for i in arrivals]
+            )
+            now = time.perf_counter()
+            assert result.tokens is not None
+            for i, token in zip(arrivals, result.tokens, strict=True):
+                running[i] = (tables[i], [token], admitted, now)
+        if not running:
+            continue
+        order = list(running)
+        step = executor.decode(
+            [
+                DecodeSequence(
+                    block_table=running[i][0],
+                    cached_tokens=len(prompts[i]) + len(running[i][1]) - 1,
+                    token_id=running[i][1][-1],
+                )
+                for i in order
+            ]
+        )
+        now = time.perf_counter()
+        for i, token in zip(order, step.tokens, strict=True):
+            table, generated, arrived, first = running[i]
+            generated.append(token)
+            if len(generated) >= args.max_tokens:
+                cache.pool.free(table, str(i))
+                del running[i]
+                ttft = (first or now) - arrived
+                tpot = (now - (first or now)) / (len(generated) - 1)
+                samples.append(Sample(ttft=ttft, tpot=tpot, kv_share=None))
+    elapsed = time.perf_counter() - started
+    host.release("bench-baseline")
+    return len(prompts) / elapsed, samples
