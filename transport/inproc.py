@@ -190,13 +190,18 @@ class InprocLink(Link):
         return bulk.nbytes
 
     async def run(self) -> None:
-        with self._reader_scope:
-            async for message in self._inbox:
-                await self.handler.on_message(self, message)
-            # The far end closed: like TCP, what it sent before closing was still read.
-            self._set_error(self._peer_error or LinkClosed(f"link {self.describe()}: peer closed it"))
-        assert self.error is not None
-        self.handler.on_closed(self, self.error)
+        try:
+            with self._reader_scope:
+                async for message in self._inbox:
+                    await self.handler.on_message(self, message)
+                # The far end closed: like TCP, what it sent before closing was still read.
+                self._set_error(self._peer_error or LinkClosed(f"link {self.describe()}: peer closed it"))
+        finally:
+            # Also when the endpoint itself is cancelled: the link's transfers and fences must hear it.
+            if self.error is None:
+                self.close(LinkClosed(f"link {self.describe()}: its endpoint stopped"))
+            assert self.error is not None
+            self.handler.on_closed(self, self.error)
 
     def _set_error(self, error: LinkError) -> bool:
         if self.error is not None:

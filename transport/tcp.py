@@ -251,16 +251,19 @@ class TcpLink(Link):
 
     # ------------------------------------------------------------------ receiving
     async def run(self) -> None:
-        with self._scope:
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(self._heartbeats)
-                await self._read_frames()
-                nursery.cancel_scope.cancel()
-        if self.error is None:
-            self.close(LinkClosed(f"link {self.describe()}: closed"))
-        self._sock.close()
-        assert self.error is not None
-        self.handler.on_closed(self, self.error)
+        try:
+            with self._scope:
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(self._heartbeats)
+                    await self._read_frames()
+                    nursery.cancel_scope.cancel()
+        finally:
+            # Also when the endpoint itself is cancelled: the link's transfers and fences must hear it.
+            if self.error is None:
+                self.close(LinkClosed(f"link {self.describe()}: its endpoint stopped"))
+            self._sock.close()
+            assert self.error is not None
+            self.handler.on_closed(self, self.error)
 
     async def _read_frames(self) -> None:
         header = memoryview(bytearray(HEADER_BYTES))

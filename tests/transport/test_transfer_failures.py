@@ -286,3 +286,44 @@ async def test_a_mismatched_handshake_is_refused_naming_both_values(
             await receiver.connect(address)
         await settle()
         assert receiver.links() == [] and sender.links() == []
+
+
+async def test_closing_the_endpoints_is_a_fence_and_returns_quarantined_blocks_at_once() -> None:
+    source, storage, pool = parts(16 * 4, seed=11)
+    network = InprocNetwork()
+    control_send, control = trio.open_memory_channel[SenderDelivery](64)
+    config = TransferConfig(default_grant_blocks=1, round_cap_blocks=1, window=2, fence_timeout=30.0)
+    with trio.move_on_after(5) as watchdog:
+        async with (
+            trio.open_nursery() as outer,
+            open_endpoint(
+                "enc",
+                source.storage,
+                source.pool,
+                config=config,
+                inproc=network,
+                sender_control=control_send,
+            ) as enc,
+            open_endpoint("lang", storage, pool, config=config, inproc=network) as lang,
+        ):
+            link = await lang.connect(enc.listen_inproc())
+
+            async def replica() -> None:  # never delivers the Abort: no AbortAck will come
+                async for delivery in control:
+                    if type(delivery.message).__name__ != "Abort":
+                        enc.deliver(delivery)
+
+            async def sender() -> None:
+                async with enc.open_send("t") as session:
+                    session.announce_total(source.tokens)
+                    await trio.sleep_forever()
+
+            outer.start_soon(replica)
+            outer.start_soon(sender)
+            with trio.move_on_after(0.2):
+                await lang.receive("t", peer=link, consume=Collector())
+            await settle()
+            assert pool.quarantined_blocks == 2
+            outer.cancel_scope.cancel()  # the whole node stops: the links close, which is a fence
+    assert not watchdog.cancelled_caught
+    assert pool.used_blocks == 0
