@@ -131,8 +131,8 @@ class Model:
     ) -> torch.Tensor:
         """Run `hidden` `[N, hidden]` through `layers`; `attend` reads and writes the paged KV cache.
 
-        Takes ownership of `hidden`: the residual stream is updated in place (fewer large temporaries,
-        which on CPU cost page faults), and the same tensor is returned.
+        Takes ownership of `hidden`: the residual stream is updated in place where the kernel allows
+        (fewer large temporaries, which on CPU cost page faults); the result is returned.
         """
         config = self.config
         n_tokens = hidden.shape[0]
