@@ -98,7 +98,8 @@ def _prompt_ids(request: GenerateRequest, host: ModelHost, image_count: int) -> 
 
 
 def _image_array(image: ImageInput, index: int) -> np.ndarray:
-    array = np.frombuffer(image.pixels, dtype=np.uint8).reshape(image.height, image.width, 3)
+    # A writable copy: torch refuses to wrap read-only memory without a warning.
+    array = np.frombuffer(bytearray(image.pixels), dtype=np.uint8).reshape(image.height, image.width, 3)
     try:
         check_image(array, index)
     except ImageSizeError as exc:

@@ -4,6 +4,11 @@ Admitted requests wait in one FCFS queue until a replica in `Prefill` takes them
 fewest queued prompt tokens gets the next one. A request sent while replicas are still loading simply
 waits here. A replica that stops taking work (role change) hands its unstarted requests back; they go
 to the front again. Admission refuses with `overloaded` when `max_queue` requests are live.
+
+An image request also needs an encode replica (EPD, docs/epd.md): it goes to the least loaded replica
+in `Encode` and to a prefill replica with an embedding pool, with one transfer id both use. While no
+encode replica is in `Encode`, image requests keep their place in the queue and text requests behind
+them go ahead. A node with no encode replica at all refuses image requests (`not_supported`).
 """
 
 from __future__ import annotations
@@ -17,7 +22,8 @@ import trio
 from engine.control.errors import RequestFailed
 from messages.events import RequestQueued
 from replicas.actor import Replica
-from replicas.request import ServingRequest
+from replicas.embedding_receive import new_embedding_transfer_id
+from replicas.request import EmbeddingRoute, ServingRequest
 from replicas.services import ReplicaServices
 from replicas.states import ReplicaState
 
@@ -52,6 +58,12 @@ class Router:
             raise RequestFailed(
                 "overloaded", f"{self.live} requests are in flight (max_queue {self.max_queue}); retry later"
             )
+        if request.needs_embeddings and not any(r.role == "encode" for r in self.services.replicas.values()):
+            raise RequestFailed(
+                "not_supported",
+                f"this node has no encode replica for the {len(request.images)} images of this request "
+                "(add one: --replicas encode=1,... or the scale op with role encode)",
+            )
         self.services.requests[request.request_id] = request
         if self._idle.is_set():
             self._idle = trio.Event()
@@ -68,20 +80,42 @@ class Router:
 
     def dispatch(self) -> None:
         """Hand pending requests to prefill replicas (called on arrivals and readiness changes)."""
-        while self.pending:
-            request = self.pending[0]
-            if request.cancelled:
+        # Image requests with no encode replica (or no prefill replica with an embedding pool) to go
+        # to: they keep their place, and the requests behind them may go ahead.
+        waiting_for_encoder: list[ServingRequest] = []
+        try:
+            while self.pending:
+                request = self.pending[0]
+                if request.cancelled:
+                    self.pending.popleft()
+                    request.finish("cancelled")
+                    continue
+                images = request.needs_embeddings
+                replica = self._choose_prefill(images)
+                encoder = self._choose_encoder() if images else None
+                if images and (replica is None or encoder is None):
+                    waiting_for_encoder.append(self.pending.popleft())
+                    continue
+                if replica is None:
+                    return
                 self.pending.popleft()
-                request.finish("cancelled")
-                continue
-            replica = self._choose_prefill()
-            if replica is None:
-                return
-            self.pending.popleft()
-            request.stamps.dispatched = request.stamps.dispatched or time.time()
-            if not replica.submit(request):
-                self.pending.appendleft(request)
-                return
+                request.stamps.dispatched = request.stamps.dispatched or time.time()
+                if encoder is not None:
+                    request.embedding_route = EmbeddingRoute(
+                        encoder=encoder.name, transfer_id=new_embedding_transfer_id(request.request_id)
+                    )
+                    if not encoder.submit(request):
+                        request.embedding_route = None
+                        self.pending.appendleft(request)
+                        return
+                if not replica.submit(request):
+                    if encoder is not None:
+                        encoder.work.encode.withdraw(request)
+                        request.embedding_route = None
+                    self.pending.appendleft(request)
+                    return
+        finally:
+            self.pending.extendleft(reversed(waiting_for_encoder))
 
     def cancel(self, request_id: str) -> bool:
         """Cancel a live request (its holder frees its blocks and ends it `cancelled`)."""
@@ -96,11 +130,21 @@ class Router:
             replica.post()
         return True
 
-    def _choose_prefill(self) -> Replica | None:
-        candidates = [r for r in self.services.replicas.values() if r.state is S.PREFILL]
+    def _choose_prefill(self, images: bool) -> Replica | None:
+        candidates = [
+            r
+            for r in self.services.replicas.values()
+            if r.state is S.PREFILL and (not images or r.pools.emb_endpoint is not None)
+        ]
         if not candidates:
             return None
         return min(candidates, key=lambda r: sum(q.prompt_tokens for q in r.work.prefill.queue))
+
+    def _choose_encoder(self) -> Replica | None:
+        candidates = [r for r in self.services.replicas.values() if r.state is S.ENCODE]
+        if not candidates:
+            return None
+        return min(candidates, key=lambda r: r.work.encode.load)
 
     def _forget(self, request: ServingRequest) -> None:
         self.services.requests.pop(request.request_id, None)

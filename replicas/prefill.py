@@ -48,7 +48,7 @@ class PrefillWork:
     def enqueue(self, request: ServingRequest) -> None:
         request.holder = self._replica.name
         self.queue.append(request)
-        if request.has_images:
+        if request.needs_embeddings:
             self.work.encode.start_receiving(request)
 
     def return_queued(self, why: str) -> None:

@@ -54,6 +54,16 @@ RequestUpdate = TokensUpdate | FinishedUpdate | FailedUpdate
 
 
 @final
+@dataclass(frozen=True, slots=True)
+class EmbeddingRoute:
+    """Where an image request's embeddings come from: encode replica `encoder` sends them as transfer
+    `transfer_id` (both sides use this id) to the prefill replica that holds the request."""
+
+    encoder: str
+    transfer_id: str
+
+
+@final
 class RequestCancelled(Exception):
     """Raised inside a replica's work on a request that was cancelled meanwhile."""
 
@@ -107,6 +117,7 @@ class ServingRequest:
         self.image_grids: list[ImageGrid] = []
         self.embeds: torch.Tensor | None = None
         self.embed_indices: torch.Tensor | None = None
+        self.embedding_route: EmbeddingRoute | None = None  # set by the router for an image request
         self.cancelled = False
         self.ended = False
         self.cancel_reason: Literal["cancel_op", "client_disconnected", "client_too_slow", "shutdown"] = (
@@ -122,6 +133,11 @@ class ServingRequest:
     @property
     def has_images(self) -> bool:
         return bool(self.images)
+
+    @property
+    def needs_embeddings(self) -> bool:
+        """Images whose embeddings have not landed yet: an encode replica and a transfer are needed."""
+        return bool(self.images) and not self.token_ids
 
     @property
     def prompt_ready(self) -> bool:
