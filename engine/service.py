@@ -139,22 +139,41 @@ class NodeService:
             raise
         tokenizer = self.services.host.tokenizer
         stream = TextStream(tokenizer) if tokenizer is not None and request.stream else None
+        relayed = 0  # tokens relayed so far: the replicas may be ahead of this task
         try:
             async for update in serving.updates:
                 match update:
                     case TokensUpdate(token_ids=token_ids):
+                        index, relayed = relayed, relayed + len(token_ids)
                         if request.stream:
+                            text = stream.push(token_ids) if stream is not None else ""
+                            if stream is not None and serving.ended and relayed == len(serving.generated):
+                                # The last tokens (the final update is already queued): send the
+                                # text held back for an unfinished character too, so the streamed
+                                # texts add up to the result's.
+                                text += stream.finish()
                             replies.send(
                                 TokenReply(
                                     id=request.id,
                                     request_id=serving.request_id,
-                                    index=len(serving.generated) - len(token_ids),
+                                    index=index,
                                     token_ids=list(token_ids),
-                                    text=stream.push(token_ids) if stream is not None else "",
+                                    text=text,
                                 )
                             )
                     case FinishedUpdate(finish_reason=reason):
                         text = tokenizer.decode(serving.generated) if tokenizer is not None else ""
+                        held_back = stream.finish() if stream is not None else ""
+                        if held_back:  # ended without tokens after the held-back ones (cancelled)
+                            replies.send(
+                                TokenReply(
+                                    id=request.id,
+                                    request_id=serving.request_id,
+                                    index=len(serving.generated),
+                                    token_ids=[],
+                                    text=held_back,
+                                )
+                            )
                         replies.send(
                             GenerateResult(
                                 id=request.id,
