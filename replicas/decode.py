@@ -18,7 +18,7 @@ import trio
 
 from messages.commands import ReserveKV
 from messages.control_replies import TransferSummary
-from messages.events import TransferFinished, TransferStarted
+from messages.events import FaultInjected, TransferFinished, TransferStarted
 from messages.faults import CorruptTransfer
 from messages.transfer import TransferReport
 from replicas.inbox import CommandRefused, Completed
@@ -188,21 +188,33 @@ class DecodeWork:
                 transport=self.replica.services.fabric.kind,
             )
         )
-        self._maybe_corrupt(sequence, command.prompt_tokens)
+        self._maybe_corrupt(sequence, command)
         self.arrived.append(sequence)
 
-    def _maybe_corrupt(self, sequence: DecodeSlot, tokens: int) -> None:
-        """The `corrupt_transfer` fault hook: flip the landed K of layer 0 (the output must change)."""
-        for fault in self.replica.services.faults:
-            if isinstance(fault, CorruptTransfer) and fault.transfer == "kv":
-                index = self.kv_transfers_landed
-                if fault.nth is None or fault.nth == index:
-                    kv = self.replica.pools.kv
-                    assert kv is not None
-                    rows = kv.slot_rows(sequence.table, 0, tokens)
-                    keys = kv.keys(0)
-                    keys.index_copy_(0, rows, -keys.index_select(0, rows) * 3.0 + 1.0)
+    def _maybe_corrupt(self, sequence: DecodeSlot, command: ReserveKV) -> None:
+        """The `corrupt_transfer` fault hook: alter the landed K of layer 0 (the output must change).
+
+        `nth` counts the KV transfers this replica received, from 0, in the order they finished."""
+        index = self.kv_transfers_landed
         self.kv_transfers_landed += 1
+        hit = any(
+            isinstance(fault, CorruptTransfer) and fault.transfer == "kv" and fault.nth in (None, index)
+            for fault in self.replica.services.faults
+        )
+        if not hit:
+            return
+        kv = self.replica.pools.kv
+        assert kv is not None
+        rows = kv.slot_rows(sequence.table, 0, command.prompt_tokens)
+        keys = kv.keys(0)
+        keys.index_copy_(0, rows, -keys.index_select(0, rows) * 3.0 + 1.0)
+        self.replica.log.emit(
+            FaultInjected(
+                fault="corrupt_transfer",
+                detail=f"kv transfer {command.transfer_id} of request {command.request_id} altered "
+                f"(transfer {index} received by {self.replica.name})",
+            )
+        )
 
     def adopt_local(self, items: list[Prefilled]) -> int:
         """Flush: take this replica's own prefilled requests (KV already here), growing their tables."""
