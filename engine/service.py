@@ -79,11 +79,9 @@ class NodeService:
             case TransitionRequest(replica=name, to=to):
                 replica = self._replica(name)
                 previous = await self._ask(replica, Transition(command_id=new_command_id(), to=to))
-                replies.send(
-                    TransitionResult(
-                        id=request.id, replica=name, previous=previous.value, state=replica.state.value
-                    )
-                )
+                # The state the command entered: an automatic move (AusDecode → Decode, a quick load)
+                # may already have followed by now; `status` shows where the replica is.
+                replies.send(TransitionResult(id=request.id, replica=name, previous=previous.value, state=to))
             case LockRequest(replica=name):
                 replica = self._replica(name)
                 reasons = await self._ask(replica, Lock(command_id=new_command_id(), reason="manual"))
