@@ -1,8 +1,8 @@
 """The `scale` op: bring the number of replicas serving a role to a target, through the state machine.
 
 Scaling up revives idle replicas first (`ShuttingNull` → `AusPrefill` / `AusDecode`, weights still
-resident), then starts `Inactive` replicas configured for the role (`Loading*`), then adds new replicas
-named `{role}-{n}`. Scaling down commands the least loaded serving replicas into `Shutting*`: they
+resident; those configured for the role before others whose pools can serve it), then starts `Inactive`
+replicas configured for the role (`Loading*`), then adds new replicas named `{role}-{n}`. Scaling down commands the least loaded serving replicas into `Shutting*`: they
 finish what they hold, admit nothing new, and end `ShuttingNull`. Every move is a commanded transition
 of DESIGN §6, logged like any other.
 """
@@ -77,7 +77,8 @@ async def scale(node: Node, request: ScaleRequest) -> ScaleResult:
 
 
 async def _scale_up(node: Node, role: Role, needed: int) -> None:
-    replicas = list(node.services.replicas.values())
+    # Replicas configured for the role first: reviving another role's replica changes its role.
+    replicas = sorted(node.services.replicas.values(), key=lambda r: r.role != role)
     if role in AUS_STATE:
         for replica in replicas:
             if needed and replica.state is S.SHUTTING_NULL and _fits(replica, role):
@@ -86,7 +87,7 @@ async def _scale_up(node: Node, role: Role, needed: int) -> None:
                 )
                 needed -= 1
     for replica in replicas:
-        if needed and replica.state is S.INACTIVE and _fits(replica, role):
+        if needed and replica.state is S.INACTIVE and replica.role == role:
             await replica.ask(
                 Transition(command_id=new_command_id(), to=LOADING_STATE[role].value, origin="planner")
             )
