@@ -164,10 +164,10 @@ class InprocLink(Link):
             return 0
         if landing.storage.layout != bulk.source.layout:
             raise LinkBroken(f"link {self.describe()}: sender and receiver storage layouts differ")
+        segments = [(run.dst_row, run.rows) for run in bulk.runs]
         for name in bulk.buffers:
-            for run in bulk.runs:
-                if not landing.claim(bulk.round, name, run.dst_row, run.rows):
-                    return 0
+            if not landing.claim(bulk.round, name, segments):
+                return 0
         if bulk.nbytes >= self._config.inproc_thread_bytes:
             self._in_flight.start()
             try:

@@ -75,8 +75,9 @@ class Landing(Protocol):
 
     storage: PoolStorage
 
-    def claim(self, round: int, buffer: str, dst_row: int, rows: int) -> bool:
-        """True if flat rows `[dst_row, +rows)` of `buffer` are granted to `round` and still open.
+    def claim(self, round: int, buffer: str, segments: Sequence[tuple[int, int]]) -> bool:
+        """True if every `(dst_row, rows)` segment of flat rows of `buffer` is granted to `round`, and
+        the round is still open.
 
         False means "discard these bytes": the round is over or aborted, or the peer broke the
         protocol (then the transfer fails; the link lives). Claiming counts as progress.

@@ -305,7 +305,7 @@ class ReceiveSession:
         self._fail(FailureReason.CORRUPTED, detail)
         return False
 
-    def claim(self, round: int, buffer: str, dst_row: int, rows: int) -> bool:
+    def claim(self, round: int, buffer: str, segments: Sequence[tuple[int, int]]) -> bool:
         """Landing check for bulk bytes (see `transport.link.Landing`)."""
         if self._failure is not None:
             return False
@@ -316,7 +316,8 @@ class ReceiveSession:
         if granted.landed:
             return False
         refusal = None if buffer in self._buffer_set else f"bytes for buffer {buffer!r}, not selected"
-        refusal = refusal or granted.refusal(dst_row, rows)
+        for dst_row, rows in segments:
+            refusal = refusal or granted.refusal(dst_row, rows)
         if refusal is not None:
             self._fail(FailureReason.PROTOCOL_ERROR, refusal)
             return False

@@ -108,7 +108,7 @@ def copy_runs(src: PoolStorage, dst: PoolStorage, runs: Sequence[Run], buffers: 
     copied = 0
     for name in buffers:
         src_flat, dst_flat = src.flat(name), dst.flat(name)
-        row_bytes = src.spec(name).bytes_per_token
+        row_bytes = src.row_bytes[name]
         copied += total_rows * row_bytes
         if on_cpu:
             src_bytes, dst_bytes = src.buffer_bytes(name), dst.buffer_bytes(name)
@@ -139,7 +139,7 @@ def copy_runs(src: PoolStorage, dst: PoolStorage, runs: Sequence[Run], buffers: 
 
 def run_bytes(storage: PoolStorage, name: str, row: int, rows: int) -> memoryview:
     """The bytes of flat rows `[row, row + rows)` of buffer `name` (CPU storage), writable in place."""
-    row_bytes = storage.spec(name).bytes_per_token
+    row_bytes = storage.row_bytes[name]
     return storage.buffer_bytes(name)[row * row_bytes : (row + rows) * row_bytes]
 
 

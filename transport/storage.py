@@ -66,6 +66,7 @@ class PoolStorage:
         self.device = torch.device(device)
         self.tensors: dict[str, torch.Tensor] = {}
         self._bytes: dict[str, memoryview] = {}
+        self.row_bytes: dict[str, int] = {spec.name: spec.bytes_per_token for spec in layout.buffers}
         for spec in layout.buffers:
             shape = (num_blocks, layout.block_size, *spec.shape)
             tensor = torch.zeros(shape, dtype=torch_dtype(spec.dtype), device=self.device)

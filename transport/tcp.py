@@ -5,9 +5,10 @@ Sockets are plain non-blocking stdlib sockets driven by `trio.lowlevel.wait_read
 what makes a trio reader keep up with a blocking raw-socket loop.
 
 - One reader per link (`run`), started in the endpoint's nursery and cancelled only when the link
-  closes. It reads each frame's fixed header (`transport.tcp_frames`), then `recv_into`s a bulk payload
-  straight into the receiver's block memory named by the endpoint's landing, or into a scratch buffer
-  when that round is gone; control frames are decoded with `messages.peer_codec`.
+  closes. It reads each frame's header (`transport.tcp_frames`); a bulk frame's segments are checked
+  against the endpoint's landing and its payload scatter-read straight into the receiver's block memory
+  (or into a scratch buffer when that round is gone); control frames are decoded with
+  `messages.peer_codec`.
 - Writers (bulk rounds, control messages, heartbeats) share one FIFO lock, taken per batch of frames and
   held in a shielded scope with a deadline: a frame is never half-written on a link that stays open, and
   a peer that stops reading breaks the link after `link_timeout` instead of hanging the writer.
@@ -34,26 +35,26 @@ from transport.config import TransferConfig
 from transport.errors import LinkBroken, LinkClosed, LinkError
 from transport.faults import FaultPlan
 from transport.link import BulkWrite, Link, LinkHandler, Role
-from transport.runs import run_bytes
 from transport.tcp_frames import (
     CONTROL,
     HEADER_BYTES,
-    MAX_BULK_FRAME_BYTES,
+    MAX_SEGMENTS,
+    SEGMENT,
+    Buffer,
     FrameError,
     FrameHeader,
-    bulk_header,
+    bulk_frames,
     control_header,
     parse_header,
+    parse_segments,
 )
 
-IOV_MAX: Final = 512
+IOV_MAX: Final = 1024
 BATCH_BYTES: Final = 8 * 1024 * 1024
 SCRATCH_BYTES: Final = 1024 * 1024
 YIELD_EVERY_BYTES: Final = 4 * 1024 * 1024
 _link_numbers = itertools.count(1)
 _log = structlog.get_logger("transport.tcp")
-
-Buffer = bytes | bytearray | memoryview
 
 
 def tcp_socket() -> socket.socket:
@@ -128,6 +129,8 @@ class TcpLink(Link):
         self._sock = sock
         self._layout = layout
         self._buffer_index = {spec.name: index for index, spec in enumerate(layout.buffers)}
+        self._row_bytes = [spec.bytes_per_token for spec in layout.buffers]
+        self._table = memoryview(bytearray(MAX_SEGMENTS * SEGMENT.size))
         self._config = config
         self._faults = faults
         self._send_lock = trio.StrictFIFOLock()
@@ -171,26 +174,14 @@ class TcpLink(Link):
         corrupt = bulk.corrupt
         for name in bulk.buffers:
             index = self._buffer_index[name]
-            row_bytes = self._layout.buffers[index].bytes_per_token
-            rows_per_frame = max(1, MAX_BULK_FRAME_BYTES // row_bytes)
-            for run in bulk.runs:
-                done = 0
-                while done < run.rows:
-                    rows = min(rows_per_frame, run.rows - done)
-                    payload: Buffer = run_bytes(bulk.source, name, run.src_row + done, rows)
-                    if corrupt:
-                        flipped = bytearray(payload)
-                        flipped[0] ^= 0xFF
-                        payload, corrupt = flipped, False
-                    header = bulk_header(
-                        len(payload), bulk.landing_key, bulk.round, index, run.dst_row + done
-                    )
-                    parts += (header, payload)
-                    batch_bytes += len(payload)
-                    done += rows
-                    if batch_bytes >= BATCH_BYTES or len(parts) >= IOV_MAX:
-                        await self._send_bulk(parts, batch_bytes)
-                        parts, batch_bytes = [], 0
+            row_bytes = self._row_bytes[index]
+            for frame, length in bulk_frames(bulk, index, name, row_bytes, corrupt):
+                corrupt = False
+                parts += frame
+                batch_bytes += length
+                if batch_bytes >= BATCH_BYTES or len(parts) >= IOV_MAX:
+                    await self._send_bulk(parts, batch_bytes)
+                    parts, batch_bytes = [], 0
         if trailer is not None:
             body = encode_peer(trailer)
             parts += (control_header(len(body)), body)
@@ -267,24 +258,27 @@ class TcpLink(Link):
 
     async def _read_frames(self) -> None:
         header = memoryview(bytearray(HEADER_BYTES))
+        ahead = 0  # bytes of the next header already read together with the previous payload
         try:
             while True:
-                await self._recv_exact(header)
+                await self._recv_into([header[ahead:]], None)
                 frame = parse_header(header)
                 if frame.kind == CONTROL:
                     body = bytearray(frame.length)
-                    await self._recv_exact(memoryview(body))
+                    ahead = await self._recv_into([memoryview(body)], header)
                     await self.handler.on_message(self, decode_peer(body))
                     # Let whoever the message woke (a granter, a consumer) run before more bulk
                     # bytes: bulk reads rarely block, so without this they would wait megabytes.
                     self._read_since_yield = 0
                     await trio.lowlevel.checkpoint()
+                    continue
+                table = self._table[: frame.segments * SEGMENT.size]
+                await self._recv_into([table], None)
+                targets = self._bulk_targets(frame, table)
+                if targets is None:
+                    ahead = await self._discard(frame.length, header)
                 else:
-                    target = self._bulk_target(frame)
-                    if target is None:
-                        await self._discard(frame.length)
-                    else:
-                        await self._recv_exact(target)
+                    ahead = await self._recv_into(targets, header)
         except (FrameError, PeerCodecError) as exc:
             self.close(LinkBroken(f"link {self.describe()}: malformed frame from the peer: {exc}"))
         except LinkError as exc:
@@ -295,46 +289,61 @@ class TcpLink(Link):
             if self.error is None:
                 self.close(LinkClosed(f"link {self.describe()}: socket closed"))
 
-    def _bulk_target(self, frame: FrameHeader) -> memoryview | None:
-        buffers = self._layout.buffers
-        if frame.buffer >= len(buffers):
-            raise FrameError(f"bulk frame for buffer {frame.buffer}; the layout has {len(buffers)} buffers")
-        spec = buffers[frame.buffer]
-        rows, remainder = divmod(frame.length, spec.bytes_per_token)
-        if remainder:
+    def _bulk_targets(self, frame: FrameHeader, table: memoryview) -> list[memoryview] | None:
+        """The receiver memory of each segment, or None to discard the frame (round gone or refused)."""
+        if frame.buffer >= len(self._row_bytes):
             raise FrameError(
-                f"bulk frame of {frame.length} bytes for buffer {spec.name!r} is not a whole number of "
-                f"{spec.bytes_per_token}-byte rows"
+                f"bulk frame for buffer {frame.buffer}; the layout has {len(self._row_bytes)} buffers"
             )
+        row_bytes = self._row_bytes[frame.buffer]
+        segments = parse_segments(table, frame.segments, row_bytes, frame.length)
         landing = self.handler.landing(self, frame.landing_key)
-        if landing is None or not landing.claim(frame.round, spec.name, frame.dst_row, rows):
+        name = self._layout.buffers[frame.buffer].name
+        if landing is None or not landing.claim(frame.round, name, segments):
             return None
-        return run_bytes(landing.storage, spec.name, frame.dst_row, rows)
+        memory = landing.storage.buffer_bytes(name)
+        return [memory[row * row_bytes : (row + rows) * row_bytes] for row, rows in segments]
 
-    async def _discard(self, length: int) -> None:
+    async def _discard(self, length: int, header: memoryview) -> int:
+        ahead = 0
         while length:
             chunk = min(length, len(self._scratch))
-            await self._recv_exact(self._scratch[:chunk])
             length -= chunk
+            ahead = await self._recv_into([self._scratch[:chunk]], header if length == 0 else None)
+        return ahead
 
-    async def _recv_exact(self, view: memoryview) -> None:
-        got, size = 0, len(view)
-        while got < size:
+    async def _recv_into(self, views: list[memoryview], ahead: memoryview | None) -> int:
+        """Fill `views` exactly, in order (`recvmsg_into` scatters one kernel read over them). With
+        `ahead` (the header buffer), the same reads also take the start of the next frame's header —
+        one syscall per small frame instead of two, still no copy — and its byte count is returned."""
+        first, extra = 0, 0
+        views = [view for view in views if len(view)]  # a 0 from the kernel must mean EOF
+        tail = [] if ahead is None else [ahead]
+        while first < len(views):
             try:
-                count = self._sock.recv_into(view[got:])
+                if len(views) - first == 1 and ahead is None:
+                    count = self._sock.recv_into(views[first])
+                else:
+                    count = self._sock.recvmsg_into(views[first:] + tail)[0]
             except BlockingIOError:
                 self._read_since_yield = 0
                 await trio.lowlevel.wait_readable(self._sock)
                 continue
             if count == 0:
-                where = "between frames" if got == 0 and size == HEADER_BYTES else "mid-frame"
-                raise LinkClosed(f"link {self.describe()}: the peer closed the connection {where}")
-            got += count
+                raise LinkClosed(f"link {self.describe()}: the peer closed the connection")
             self._read_since_yield += count
+            while first < len(views) and count >= len(views[first]):
+                count -= len(views[first])
+                first += 1
+            if first < len(views):
+                views[first] = views[first][count:]
+            else:
+                extra += count
         self._last_received = trio.current_time()
         if self._read_since_yield >= YIELD_EVERY_BYTES:
             self._read_since_yield = 0
             await trio.lowlevel.checkpoint()
+        return extra
 
     async def _heartbeats(self) -> None:
         interval = self._config.heartbeat_interval

@@ -1,34 +1,45 @@
-"""The TCP link's frame header: one fixed 32-byte header before every frame.
+"""The TCP link's frames: a fixed 32-byte header, then (bulk only) a segment table, then the payload.
 
-    magic u16 | kind u8 | flags u8 | length u32 | landing_key u64 | round u32 | buffer u16 | pad u16 | dst_row u64
+    header   magic u16 | kind u8 | flags u8 | length u32 | landing_key u64 | round u32 | buffer u16
+             | pad u16 | segments u64
+    segment  dst_row u64 | rows u64                          (bulk frames: `segments` of them)
 
 - `CONTROL` frames: `length` bytes of msgpack (`messages.peer_codec`); the bulk fields are zero.
-- `BULK` frames: `length` bytes of buffer `buffer` (index in the pool layout) for flat rows starting at
-  `dst_row` of the receiver's storage, belonging to round `round` of the transfer with `landing_key`.
-  The reader `recv_into`s them straight into that memory, or into a scratch buffer when the round is
-  gone (aborted) — the link stays in step either way.
-Little-endian throughout. A bad magic or kind or an oversized control frame is a malformed frame: the
-reader closes the link with that reason.
+- `BULK` frames: rows of one buffer (`buffer`, its index in the pool layout) for round `round` of the
+  transfer with `landing_key`. Each segment is a run of consecutive flat rows of the receiver's storage;
+  the payload is the segments' bytes back to back (`length` = rows × bytes per row). The reader checks
+  every segment against the grant and scatter-reads the payload straight into those rows with one
+  `recvmsg_into` per kernel read (or into a scratch buffer when the round is gone). Many small blocks
+  (KV: 16-token blocks) thus cost one frame, not one frame per block.
+Little-endian throughout. A bad magic, kind, segment count or length is a malformed frame: the reader
+closes the link with that reason.
 """
 
 from __future__ import annotations
 
 import struct
+from collections.abc import Iterator
 from typing import Final, NamedTuple, final
 
 from messages.peer_codec import MAX_CONTROL_BYTES
+from transport.link import BulkWrite
+from transport.runs import run_bytes
 
 HEADER: Final = struct.Struct("<HBBIQIHHQ")
 HEADER_BYTES: Final = HEADER.size
+SEGMENT: Final = struct.Struct("<QQ")
 MAGIC: Final = 0x5A7A
 CONTROL: Final = 1
 BULK: Final = 2
 MAX_BULK_FRAME_BYTES: Final = 8 * 1024 * 1024
+MAX_SEGMENTS: Final = 256
+
+Buffer = bytes | bytearray | memoryview
 
 
 @final
 class FrameError(Exception):
-    """A frame header that no zigzag peer writes."""
+    """A frame that no zigzag peer writes."""
 
 
 class FrameHeader(NamedTuple):
@@ -37,19 +48,15 @@ class FrameHeader(NamedTuple):
     landing_key: int
     round: int
     buffer: int
-    dst_row: int
+    segments: int
 
 
 def control_header(length: int) -> bytes:
     return HEADER.pack(MAGIC, CONTROL, 0, length, 0, 0, 0, 0, 0)
 
 
-def bulk_header(length: int, landing_key: int, round: int, buffer: int, dst_row: int) -> bytes:
-    return HEADER.pack(MAGIC, BULK, 0, length, landing_key, round, buffer, 0, dst_row)
-
-
-def parse_header(data: bytes | bytearray | memoryview) -> FrameHeader:
-    magic, kind, _flags, length, landing_key, round, buffer, _pad, dst_row = HEADER.unpack(data)
+def parse_header(data: Buffer) -> FrameHeader:
+    magic, kind, _flags, length, landing_key, round, buffer, _pad, segments = HEADER.unpack(data)
     if magic != MAGIC:
         raise FrameError(f"bad frame magic 0x{magic:04x} (expected 0x{MAGIC:04x})")
     if kind == CONTROL:
@@ -58,6 +65,57 @@ def parse_header(data: bytes | bytearray | memoryview) -> FrameHeader:
     elif kind == BULK:
         if length == 0 or length > MAX_BULK_FRAME_BYTES:
             raise FrameError(f"bulk frame of {length} bytes (allowed 1 to {MAX_BULK_FRAME_BYTES})")
+        if not 1 <= segments <= MAX_SEGMENTS:
+            raise FrameError(f"bulk frame with {segments} segments (allowed 1 to {MAX_SEGMENTS})")
     else:
         raise FrameError(f"unknown frame kind {kind}")
-    return FrameHeader(kind, length, landing_key, round, buffer, dst_row)
+    return FrameHeader(kind, length, landing_key, round, buffer, segments)
+
+
+def parse_segments(table: Buffer, count: int, row_bytes: int, length: int) -> list[tuple[int, int]]:
+    """The (dst_row, rows) segments of a bulk frame, checked to add up to its payload length."""
+    segments = [SEGMENT.unpack_from(table, index * SEGMENT.size) for index in range(count)]
+    if (
+        any(rows == 0 for _row, rows in segments)
+        or sum(rows for _row, rows in segments) * row_bytes != length
+    ):
+        raise FrameError(
+            f"bulk frame segments {segments[:4]}{'…' if count > 4 else ''} do not add up to its "
+            f"{length} bytes of {row_bytes}-byte rows"
+        )
+    return segments
+
+
+def bulk_frames(
+    bulk: BulkWrite, buffer: int, name: str, row_bytes: int, corrupt: bool
+) -> Iterator[tuple[list[Buffer], int]]:
+    """The frames moving buffer `name` of `bulk`: each as its parts (header, segment table, payload
+    views of the sender's blocks — no copy) and its payload size. `corrupt` flips the first byte."""
+    rows_per_frame = max(1, MAX_BULK_FRAME_BYTES // row_bytes)
+    table = bytearray()
+    views: list[Buffer] = []
+    rows_in_frame = 0
+
+    def frame() -> tuple[list[Buffer], int]:
+        length = rows_in_frame * row_bytes
+        header = HEADER.pack(MAGIC, BULK, 0, length, bulk.landing_key, bulk.round, buffer, 0, len(views))
+        return [header, bytes(table), *views], length
+
+    for run in bulk.runs:
+        done = 0
+        while done < run.rows:
+            rows = min(rows_per_frame - rows_in_frame, run.rows - done)
+            payload: Buffer = run_bytes(bulk.source, name, run.src_row + done, rows)
+            if corrupt:
+                flipped = bytearray(payload)
+                flipped[0] ^= 0xFF
+                payload, corrupt = flipped, False
+            table += SEGMENT.pack(run.dst_row + done, rows)
+            views.append(payload)
+            rows_in_frame += rows
+            done += rows
+            if rows_in_frame == rows_per_frame or len(views) == MAX_SEGMENTS:
+                yield frame()
+                table, views, rows_in_frame = bytearray(), [], 0
+    if views:
+        yield frame()

@@ -24,7 +24,16 @@ from tests.transport.harness import (
 from transport.config import TransferConfig
 from transport.endpoint import open_endpoint
 from transport.errors import TransferFailed
-from transport.tcp_frames import CONTROL, HEADER_BYTES, bulk_header, control_header, parse_header
+from transport.tcp_frames import (
+    BULK,
+    CONTROL,
+    HEADER,
+    HEADER_BYTES,
+    MAGIC,
+    SEGMENT,
+    control_header,
+    parse_header,
+)
 
 LAYOUT = embedding_layout(block_size=16)
 FAST_LINKS = TransferConfig(heartbeat_interval=0.05, link_timeout=0.3)
@@ -43,7 +52,10 @@ class FakePeer:
     async def send_bulk(
         self, landing_key: int, round: int, buffer: int, dst_row: int, payload: bytes
     ) -> None:
-        await self.stream.send_all(bulk_header(len(payload), landing_key, round, buffer, dst_row) + payload)
+        """One bulk frame of one segment, exactly as `tcp_frames` lays it out."""
+        rows = len(payload) // LAYOUT.buffers[buffer].bytes_per_token
+        header = HEADER.pack(MAGIC, BULK, 0, len(payload), landing_key, round, buffer, 0, 1)
+        await self.stream.send_all(header + SEGMENT.pack(dst_row, rows) + payload)
 
     async def _exactly(self, size: int) -> bytes:
         data = b""

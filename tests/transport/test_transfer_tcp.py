@@ -81,7 +81,9 @@ async def test_sender_process_killed_mid_transfer() -> None:
             with pytest.raises(TransferFailed) as raised:
                 await receiver.receive("doomed", peer=link, consume=collector)
         assert raised.value.reason is FailureReason.LINK_LOST
-        assert "the peer closed the connection" in raised.value.report.detail
+        # FIN or, when the killed process left unread bytes behind, RST: either way the link is lost.
+        detail = raised.value.report.detail
+        assert "the peer closed the connection" in detail or "ConnectionResetError" in detail
         await settle()
     assert pool.used_blocks == 0
 
