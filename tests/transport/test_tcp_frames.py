@@ -1,0 +1,94 @@
+"""The TCP frame format: what the sender builds is what the reader parses; malformed frames are named."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tests.transport.harness import kv_layout, random_storage
+from transport.link import BulkWrite
+from transport.tcp_frames import (
+    BULK,
+    HEADER,
+    HEADER_BYTES,
+    MAGIC,
+    MAX_SEGMENTS,
+    SEGMENT,
+    FrameError,
+    bulk_frames,
+    parse_header,
+    parse_segments,
+)
+
+
+@settings(max_examples=60, deadline=None)
+@given(blocks=st.integers(1, 40), offset=st.integers(0, 15), seed=st.integers(0, 1000))
+def test_bulk_frames_carry_every_run_once(blocks: int, offset: int, seed: int) -> None:
+    layout = kv_layout(block_size=16)
+    storage = random_storage(layout, 80, seed=1)
+    rng = random.Random(seed)
+    src, dst = rng.sample(range(80), blocks), rng.sample(range(80), blocks + 1)
+    count = blocks * 16 - offset
+    bulk = BulkWrite(
+        source=storage,
+        source_ids=src,
+        source_offset=offset,
+        dest_ids=dst,
+        dest_offset=offset,
+        count=count,
+        buffers=("k0",),
+        landing_key=7,
+        round=3,
+    )
+    row_bytes = layout.buffers[0].bytes_per_token
+    landed: list[tuple[int, int]] = []
+    payload = b""
+    for parts, length in bulk_frames(bulk, 0, "k0", row_bytes, corrupt=False):
+        frame = parse_header(parts[0])
+        assert (frame.kind, frame.landing_key, frame.round, frame.buffer, frame.length) == (
+            BULK,
+            7,
+            3,
+            0,
+            length,
+        )
+        assert frame.segments <= MAX_SEGMENTS and len(parts) == 2 + frame.segments
+        landed += parse_segments(parts[1], frame.segments, row_bytes, frame.length)
+        payload += b"".join(bytes(part) for part in parts[2:])
+    assert landed == [(run.dst_row, run.rows) for run in bulk.runs]
+    expected = b"".join(
+        bytes(storage.buffer_bytes("k0")[run.src_row * row_bytes : (run.src_row + run.rows) * row_bytes])
+        for run in bulk.runs
+    )
+    assert payload == expected
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ((0xBEEF, BULK, 0, 10, 0, 0, 0, 0, 1), r"^bad frame magic 0xbeef \(expected 0x5a7a\)$"),
+        ((MAGIC, 9, 0, 10, 0, 0, 0, 0, 1), r"^unknown frame kind 9$"),
+        ((MAGIC, BULK, 0, 0, 0, 0, 0, 0, 1), r"^bulk frame of 0 bytes \(allowed 1 to 8388608\)$"),
+        ((MAGIC, BULK, 0, 10, 0, 0, 0, 0, 0), r"^bulk frame with 0 segments \(allowed 1 to 256\)$"),
+        (
+            (MAGIC, 1, 0, 2**31, 0, 0, 0, 0, 0),
+            r"^control frame of 2147483648 bytes, over the 16777216 limit$",
+        ),
+    ],
+)
+def test_malformed_headers_are_named(fields: tuple[int, ...], message: str) -> None:
+    assert HEADER.size == HEADER_BYTES == 32
+    with pytest.raises(FrameError, match=message):
+        parse_header(HEADER.pack(*fields))
+
+
+def test_segments_must_add_up_to_the_payload() -> None:
+    table = SEGMENT.pack(0, 2) + SEGMENT.pack(10, 1)
+    assert parse_segments(table, 2, 4, 12) == [(0, 2), (10, 1)]
+    with pytest.raises(FrameError, match=r"do not add up to its 16 bytes of 4-byte rows"):
+        parse_segments(table, 2, 4, 16)
+    with pytest.raises(FrameError, match=r"do not add up"):
+        parse_segments(SEGMENT.pack(5, 0), 1, 4, 0)
