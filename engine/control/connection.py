@@ -208,14 +208,15 @@ class ControlConnection:
             f"cancelled: the client stopped reading its replies ({queued} were waiting; "
             f"the limit is --max-outbound-replies {self._outbox.max_replies})"
         )
-        self._log.emit(
-            SlowClient(
-                connection=self.info.connection,
-                peer=self.info.peer,
-                queued_replies=queued,
-                cancelled_requests=cancelled,
+        if cancelled:  # the first reply to find the queue full; the others' requests are cancelled already
+            self._log.emit(
+                SlowClient(
+                    connection=self.info.connection,
+                    peer=self.info.peer,
+                    queued_replies=queued,
+                    cancelled_requests=cancelled,
+                )
             )
-        )
 
     def _cancel_all(self, message: str) -> int:
         cancelled = 0
