@@ -10,7 +10,9 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING, Any, assert_never, final
 
-from engine.admission import build_request
+import msgspec
+
+from engine.admission import build_request, new_request_id
 from engine.control.errors import ClientTooSlow, RequestFailed
 from engine.control.outbox import ReplySink
 from engine.logs import Aggregator, metrics_result
@@ -118,23 +120,34 @@ class NodeService:
 
     # ------------------------------------------------------------------ generate
     async def _generate(self, request: GenerateRequest, replies: ReplySink) -> None:
-        serving = build_request(request, self.services.host, self.services.settings)
-        log = self.services.log.bind(request_id=serving.request_id)
-        log.emit(
-            RequestArrived(
+        request_id = request.request_id or new_request_id()
+        if request_id in self.services.requests:  # before any event: the log of the live one stays its own
+            raise RequestFailed("bad_request", f"request_id {request_id!r} is already in use", request_id)
+        request = msgspec.structs.replace(request, request_id=request_id)
+        log = self.services.log.bind(request_id=request_id)
+
+        def arrived(prompt_tokens: int | None) -> RequestArrived:
+            return RequestArrived(
                 connection=replies.connection.connection,
-                prompt_tokens=len(serving.prompt_ids),
-                images=len(serving.images),
-                max_tokens=serving.max_tokens,
+                prompt_tokens=prompt_tokens,
+                images=len(request.images),
+                max_tokens=request.max_tokens,
                 stream=request.stream,
             )
-        )
+
+        try:
+            serving = build_request(request, self.services.host, self.services.settings)
+        except RequestFailed as exc:  # refused at admission: it still arrived, and failed
+            log.emit(arrived(None))
+            log.emit(RequestFailedEvent(code=exc.code, message=exc.message))
+            raise RequestFailed(exc.code, exc.message, request_id) from None
+        log.emit(arrived(len(serving.prompt_ids)))
         serving.on_end.append(self._log_end)
         try:
             self.router.admit(serving)
         except RequestFailed as exc:
             serving.fail(exc.code, exc.message)
-            raise
+            raise RequestFailed(exc.code, exc.message, request_id) from None
         tokenizer = self.services.host.tokenizer
         stream = TextStream(tokenizer) if tokenizer is not None and request.stream else None
         relayed = 0  # tokens relayed so far: the replicas may be ahead of this task
@@ -186,7 +199,7 @@ class NodeService:
                         )
                         return
                     case FailedUpdate(code=code, message=message):
-                        raise RequestFailed(code, message)
+                        raise RequestFailed(code, message, serving.request_id)
                     case _:
                         assert_never(update)
         except ClientTooSlow:

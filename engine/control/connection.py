@@ -31,7 +31,7 @@ from engine.control.lines import LineReader, LineTooLong
 from engine.control.outbox import ConnectionInfo, Outbox, ReplySink
 from engine.control.parse import BadLine, parse_request
 from engine.logging import EventLog
-from messages.control import ControlRequest, ErrorCode
+from messages.control import ControlRequest, ErrorCode, GenerateRequest
 from messages.control_replies import ErrorReply
 from messages.events import (
     ClientCloseReason,
@@ -164,7 +164,7 @@ class ControlConnection:
                 try:
                     await self._handler.handle(request, sink)
                 except RequestFailed as exc:
-                    self._finish(sink, exc.code, exc.message)
+                    self._finish(sink, exc.code, exc.message, exc.request_id)
                 except ClientGone:
                     # The connection is already cancelling this request; its final reply follows below.
                     entry.scope.cancel()
@@ -172,7 +172,8 @@ class ControlConnection:
                     self._handler_crashed(request, exc)
                     self._finish(sink, "internal", f"internal error in {op}: {exc!r}")
             if entry.cancel_message is not None:
-                self._finish(sink, "cancelled", entry.cancel_message)
+                generate = request.request_id if isinstance(request, GenerateRequest) else None
+                self._finish(sink, "cancelled", entry.cancel_message, generate)
             else:
                 self._finish(sink, "internal", f"the node sent no reply to {op}")
         finally:
@@ -181,10 +182,10 @@ class ControlConnection:
                 self._outbox.finish()
             self._outbox.notify()
 
-    def _finish(self, sink: ReplySink, code: ErrorCode, message: str) -> None:
+    def _finish(self, sink: ReplySink, code: ErrorCode, message: str, request_id: str | None = None) -> None:
         """End the request with an error reply, unless it has its final reply or its client is gone."""
         if not sink.finished and self._outbox.accepting:
-            sink.send(ErrorReply(id=sink.request.id, code=code, message=message))
+            sink.send(ErrorReply(id=sink.request.id, code=code, message=message, request_id=request_id))
 
     def _send_bad_line_error(self, bad: BadLine) -> None:
         if self._outbox.accepting:

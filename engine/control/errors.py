@@ -12,13 +12,15 @@ class RequestFailed(Exception):
     """Raised by a handler to end its request with an ``error`` reply of `code` (DESIGN §7's closed set).
 
     Raise it outside the handler's own nurseries (or unwrap it): an `ExceptionGroup` that reaches the
-    connection is reported as `internal`.
+    connection is reported as `internal`. `request_id` names the generate it ends (the reply's
+    ``request_id``), when there is one.
     """
 
-    def __init__(self, code: ErrorCode, message: str) -> None:
+    def __init__(self, code: ErrorCode, message: str, request_id: str | None = None) -> None:
         super().__init__(f"{code}: {message}")
         self.code: ErrorCode = code
         self.message = message
+        self.request_id = request_id
 
 
 class ClientGone(Exception):
