@@ -45,8 +45,12 @@ class ReplicaPools:
             )
         if role == "encode" or (config.image_token_id is not None and role == "prefill"):
             layout = embedding_layout(config.hidden_size, settings.embedding_block_size)
-            self.emb_pool = BlockPool(settings.embedding_pool_blocks, layout.block_size, name=f"{name}/emb")
-            self.emb_storage = PoolStorage(layout, settings.embedding_pool_blocks, device="cpu")
+            blocks = settings.embedding_pool_blocks
+            if role == "encode":  # `--embedding-pool-blocks` sizes the landing pools; an encode pool
+                # holds whole requests (docs/epd.md), so at least one maximum-context request's rows.
+                blocks = max(blocks, -(-config.max_position_embeddings // layout.block_size))
+            self.emb_pool = BlockPool(blocks, layout.block_size, name=f"{name}/emb")
+            self.emb_storage = PoolStorage(layout, blocks, device="cpu")
         self.kv_endpoint: TransferEndpoint | None = None
         self.emb_endpoint: TransferEndpoint | None = None
 
