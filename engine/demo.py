@@ -1,6 +1,8 @@
 """`python -m engine.node --demo`: serve, run a mixed workload through the socket, check, report, exit.
 
-The workload mixes prompt lengths, greedy and seeded sampling, streamed and whole results, sent
+The workload mixes prompt lengths, greedy and seeded sampling, streamed and whole results, and — on a
+model with a vision encoder — image requests (docs/epd.md), some of whose embeddings need more than the
+default 1024-token grant (a 512×640 image is 1280 rows: a REQUEST_MORE_CACHE round), all sent
 concurrently by a real client over the node's control socket. Each output is compared with the model
 run in one piece (`engine.verify.compare`: same weights, one sequence, no disaggregation). Exit code 0
 only when every output matched, no request failed and no block leaked.
@@ -14,11 +16,13 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, TextIO
 
+import numpy as np
 import trio
 
 from engine.client import ControlClient, ControlError
 from engine.control.address import Address
 from engine.verify import compare
+from messages.control import ImageInput
 from messages.control_replies import GenerateResult, TokenReply
 from replicas.model import Model, SamplingParams, encode_prompt
 
@@ -44,6 +48,11 @@ WORDS = [
 ]
 
 
+# (width, height) of the demo's images: 256, 400 and 1280 embedding rows (16×16 patches); the last needs
+# more than the default grant of 1024 rows, so its embeddings arrive in two rounds.
+IMAGE_SIZES = ((256, 256), (320, 320), (512, 640))
+
+
 @dataclass(frozen=True, slots=True)
 class DemoRequest:
     prompt: str
@@ -51,13 +60,25 @@ class DemoRequest:
     temperature: float
     seed: int
     stream: bool
+    images: tuple[np.ndarray, ...] = ()
 
 
-def demo_workload(count: int, seed: int = 7) -> list[DemoRequest]:
+def demo_workload(count: int, seed: int = 7, *, images: bool = False) -> list[DemoRequest]:
+    """`count` requests; with `images`, every third carries one or two images (`<image>` placeholders
+    in the text, or none: the images go first)."""
     rng = random.Random(seed)
+    pixels = np.random.default_rng(seed)
     workload = []
     for index in range(count):
         text = " ".join(rng.choice(WORDS) for _ in range(rng.randint(2, 160)))
+        pictures: tuple[np.ndarray, ...] = ()
+        if images and index % 3 == 1:
+            sizes = [IMAGE_SIZES[(index // 3) % len(IMAGE_SIZES)]]
+            if index % 9 == 4:
+                sizes.append(IMAGE_SIZES[2])
+            pictures = tuple(pixels.integers(0, 256, (h, w, 3), dtype=np.uint8) for w, h in sizes)
+            if index % 2:
+                text = " <image> ".join([text, *["and then"] * len(pictures)])
         workload.append(
             DemoRequest(
                 prompt=text,
@@ -65,6 +86,7 @@ def demo_workload(count: int, seed: int = 7) -> list[DemoRequest]:
                 temperature=0.0 if index % 3 else 0.8,
                 seed=1000 + index,
                 stream=index % 2 == 0,
+                images=pictures,
             )
         )
     return workload
@@ -77,7 +99,7 @@ async def run_demo(node: Node, *, requests: int = 24, out: TextIO | None = None)
     out = out or sys.stdout
     node_code = 1
     results: dict[int, GenerateResult | ControlError] = {}
-    workload = demo_workload(requests)
+    workload = demo_workload(requests, images=node.host.config.image_token_id is not None)
 
     async def serve(task_status: trio.TaskStatus[Address]) -> None:
         nonlocal node_code
@@ -119,6 +141,7 @@ async def _one(
             temperature=item.temperature,
             seed=item.seed,
             stream=item.stream,
+            images=[ImageInput(width=i.shape[1], height=i.shape[0], pixels=i.tobytes()) for i in item.images],
         ):
             if isinstance(reply, GenerateResult):
                 results[index] = reply
@@ -138,9 +161,16 @@ def _verify(
         result = results.get(index)
         if not isinstance(result, GenerateResult):
             continue
-        prompt_ids = encode_prompt(tokenizer, item.prompt, 0, model.config.image_token_id)
+        prompt_ids = encode_prompt(tokenizer, item.prompt, len(item.images), model.config.image_token_id)
         sampling = SamplingParams(temperature=item.temperature, seed=item.seed)
-        verdict = compare(model, prompt_ids, result.token_ids, sampling=sampling, max_tokens=item.max_tokens)
+        verdict = compare(
+            model,
+            prompt_ids,
+            result.token_ids,
+            sampling=sampling,
+            max_tokens=item.max_tokens,
+            images=item.images,
+        )
         matched += verdict.accepted
     return matched
 
@@ -150,10 +180,12 @@ def _report(
 ) -> None:
     sampled = sum(1 for item in workload if item.temperature > 0)
     streamed = sum(1 for item in workload if item.stream)
+    with_images = sum(1 for item in workload if item.images)
+    pictures = sum(len(item.images) for item in workload)
     tokens = sum(len(r.token_ids) for r in done)
     print(
-        f"demo: {len(workload)} requests ({len(workload) - sampled} greedy, {sampled} sampled; {streamed} streamed), "
-        f"{tokens} tokens generated",
+        f"demo: {len(workload)} requests ({len(workload) - sampled} greedy, {sampled} sampled; {streamed} streamed; "
+        f"{with_images} with {pictures} images), {tokens} tokens generated",
         file=out,
     )
 
