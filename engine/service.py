@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any, assert_never, final
 import msgspec
 
 from engine.admission import build_request, new_request_id
-from engine.control.errors import ClientTooSlow, RequestFailed
+from engine.control.errors import RequestFailed
 from engine.control.outbox import ReplySink
 from engine.logs import Aggregator, metrics_result
 from engine.router import Router
@@ -202,13 +202,12 @@ class NodeService:
                         raise RequestFailed(code, message, serving.request_id)
                     case _:
                         assert_never(update)
-        except ClientTooSlow:
-            serving.cancel_reason = "client_too_slow"
-            raise
         finally:
             if not serving.ended:  # cancelled before the end: no await here, so nothing can interrupt it
                 if serving.cancel_reason == "cancel_op":
-                    serving.cancel_reason = "shutdown" if not self.router.accepting else "client_disconnected"
+                    serving.cancel_reason = replies.cancelled_because or (
+                        "shutdown" if not self.router.accepting else "client_disconnected"
+                    )
                 self.router.cancel(serving.request_id)
 
     def _log_end(self, serving: ServingRequest) -> None:

@@ -20,7 +20,7 @@ what is still queued within the write timeout, and closes the stream.
 from __future__ import annotations
 
 import traceback
-from typing import Final, final
+from typing import Final, Literal, final
 
 import trio
 
@@ -207,7 +207,8 @@ class ControlConnection:
         queued = self._outbox.queued
         cancelled = self._cancel_all(
             f"cancelled: the client stopped reading its replies ({queued} were waiting; "
-            f"the limit is --max-outbound-replies {self._outbox.max_replies})"
+            f"the limit is --max-outbound-replies {self._outbox.max_replies})",
+            "client_too_slow",
         )
         if cancelled:  # the first reply to find the queue full; the others' requests are cancelled already
             self._log.emit(
@@ -219,11 +220,14 @@ class ControlConnection:
                 )
             )
 
-    def _cancel_all(self, message: str) -> int:
+    def _cancel_all(
+        self, message: str, because: Literal["client_too_slow", "client_disconnected", "shutdown"]
+    ) -> int:
         cancelled = 0
         for entry in self._in_flight.values():
             if entry.cancel_message is None and not entry.sink.finished:
                 entry.cancel_message = message
+                entry.sink.cancelled_because = because
                 entry.scope.cancel()
                 cancelled += 1
         self._cancelled_requests += cancelled
@@ -252,7 +256,10 @@ class ControlConnection:
             return
         self._close_reason = reason
         if reason != "line_too_long":
-            self._cancel_all(f"cancelled: {_CLOSE_MESSAGES[reason]}")
+            self._cancel_all(
+                f"cancelled: {_CLOSE_MESSAGES[reason]}",
+                "shutdown" if reason == "server_closing" else "client_disconnected",
+            )
         self._read_scope.cancel()
         if not self._in_flight:
             self._outbox.finish()

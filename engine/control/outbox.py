@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable
-from typing import Final, final
+from typing import Final, Literal, final
 
 import msgspec
 import trio
@@ -134,6 +134,9 @@ class ReplySink:
         self._outbox = outbox
         self._on_too_slow = on_too_slow
         self._finished = False
+        # Why the connection is cancelling this request, once it is: the client stopped reading, the
+        # client is gone, or the server is closing.
+        self.cancelled_because: Literal["client_too_slow", "client_disconnected", "shutdown"] | None = None
 
     @property
     def finished(self) -> bool:
