@@ -165,14 +165,14 @@ class DecodeWork:
         assert kv is not None
         if outcome is not None or request.cancelled or request.ended:
             kv.pool.free(sequence.table, request.request_id)
-            if isinstance(outcome, TransferError):
+            if request.cancelled or outcome is None:  # a cancel aborts the transfer: no failure
+                request.finish("cancelled")
+            elif isinstance(outcome, TransferError):
                 request.fail(outcome.code, f"KV migration of request {request.request_id} failed: {outcome}")  # type: ignore[arg-type]
-            elif outcome is not None:
+            else:
                 request.fail(
                     "transfer_failed", f"KV migration of request {request.request_id} failed: {outcome}"
                 )
-            else:
-                request.finish("cancelled")
             return
         assert report is not None
         request.stamps.kv_finished = time.time()

@@ -191,8 +191,8 @@ class Migrator:
         request = item.request
         self.in_flight.pop(request.request_id, None)
         self._release(item)
-        if error is not None and isinstance(error, TransferError):
-            request.fail(error.code, f"KV migration of request {request.request_id} failed: {error}")  # type: ignore[arg-type]
-        elif request.cancelled:
+        if request.cancelled:  # first: a cancel aborts the transfer, and that abort is no failure
             request.finish("cancelled")
+        elif error is not None and isinstance(error, TransferError):
+            request.fail(error.code, f"KV migration of request {request.request_id} failed: {error}")  # type: ignore[arg-type]
         self.wake()
