@@ -170,11 +170,14 @@ class Node:
         server.stop_accepting()
         with trio.move_on_after(self.drain_deadline):
             await self.router.wait_idle()
+            # The handlers relay the final updates: closing before they did lost those results.
+            await server.wait_requests_done()
         for request in list(requests.values()):
             request.cancel_reason = "shutdown"
             self.router.cancel(request.request_id)
         with trio.move_on_after(SETTLE_SECONDS):
             await self.router.wait_idle()
+            await server.wait_requests_done()
         server.close()
 
     def _finish(self) -> int:

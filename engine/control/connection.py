@@ -20,6 +20,7 @@ what is still queued within the write timeout, and closes the stream.
 from __future__ import annotations
 
 import traceback
+from collections.abc import Callable
 from typing import Final, Literal, final
 
 import trio
@@ -71,8 +72,10 @@ class ControlConnection:
         limits: ControlConfig,
         log: EventLog,
         info: ConnectionInfo,
+        on_request_end: Callable[[], None] = lambda: None,
     ) -> None:
         self.info = info
+        self._on_request_end = on_request_end
         self._stream = stream
         self._handler = handler
         self._limits = limits
@@ -181,6 +184,7 @@ class ControlConnection:
             if self._close_reason is not None and not self._in_flight:
                 self._outbox.finish()
             self._outbox.notify()
+            self._on_request_end()
 
     def _finish(self, sink: ReplySink, code: ErrorCode, message: str, request_id: str | None = None) -> None:
         """End the request with an error reply, unless it has its final reply or its client is gone."""

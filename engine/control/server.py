@@ -54,6 +54,7 @@ class ControlServer:
         self._accept_scope = trio.CancelScope()
         self._serve_scope = trio.CancelScope()
         self._address: Address | None = None
+        self._request_ended = trio.Event()
 
     @property
     def address(self) -> Address:
@@ -70,6 +71,18 @@ class ControlServer:
     def in_flight(self) -> int:
         """Requests in flight over every connection."""
         return sum(connection.in_flight for connection in self._connections)
+
+    async def wait_requests_done(self) -> None:
+        """Until no request is in flight on any connection: each has queued its final reply, which a
+        closing connection still sends. Cancellation: just stops waiting."""
+        while True:
+            ended = self._request_ended = trio.Event()
+            if not self.in_flight:
+                return
+            await ended.wait()
+
+    def _note_request_end(self) -> None:
+        self._request_ended.set()
 
     def stop_accepting(self) -> None:
         """Close the listeners (a unix socket file is removed); open connections keep being served."""
@@ -125,7 +138,9 @@ class ControlServer:
 
     async def _run_connection(self, stream: trio.SocketStream) -> None:
         info = ConnectionInfo(connection=f"c{next(self._ids)}", peer=_peer(stream))
-        connection = ControlConnection(stream, self._handler, self._limits, self._log, info)
+        connection = ControlConnection(
+            stream, self._handler, self._limits, self._log, info, on_request_end=self._note_request_end
+        )
         self._connections.add(connection)
         self._log.emit(ClientConnected(connection=info.connection, peer=info.peer))
         try:
