@@ -29,6 +29,7 @@ from replicas.embedding import EmbeddedPrompt, EmbeddingAssembler, EmbeddingMism
 from replicas.fabric import UnknownEndpoint
 from replicas.inbox import Completed
 from replicas.request import EmbeddingRoute, ServingRequest
+from replicas.states import ReplicaState
 from transport.errors import HandshakeRefused, LinkError, TransferError
 from transport.landing import LandedRound
 
@@ -39,6 +40,7 @@ ReceiveFailure = (
     TransferError | LinkError | HandshakeRefused | UnknownEndpoint | EmbeddingMismatch | PromptTooLong
 )
 _transfer_numbers = itertools.count(1)
+PREFILLING = frozenset({ReplicaState.PREFILL, ReplicaState.SHUTTING_PREFILL})
 
 
 def new_embedding_transfer_id(request_id: str) -> str:
@@ -128,6 +130,8 @@ class EmbeddingReceives:
         failure: ReceiveFailure | None = None
         with trio.CancelScope() as scope:
             request.cancel_hooks.append(scope)
+            # A request that ends elsewhere meanwhile (its encode side failed it) stops receiving too.
+            request.on_end.append(lambda _: scope.cancel())
             try:
                 link = await services.fabric.link(endpoint, encode_endpoint_name(route.encoder))
                 await endpoint.receive(route.transfer_id, peer=link, consume=assembler.consume)
@@ -147,25 +151,25 @@ class EmbeddingReceives:
         # last round consumed here; the wait for the encoder before it is not the transfer's.
         begun = request.stamps.embedding_started or started
         seconds = max(0.0, ended - begun)
-        if not scope.cancelled_caught:
-            log.emit(
-                TransferFinished(
-                    kind="embedding",
-                    transfer_id=route.transfer_id,
-                    status="success" if failure is None else "failed",
-                    reason=_reason(failure),
-                    rounds=assembler.rounds,
-                    tokens=assembler.filled,
-                    bytes=assembler.filled * bytes_per_token,
-                    seconds=seconds,
-                    source=route.encoder,
-                    destination=replica.name,
-                    transport=transport,
-                )
+        succeeded = failure is None and not scope.cancelled_caught
+        log.emit(
+            TransferFinished(
+                kind="embedding",
+                transfer_id=route.transfer_id,
+                status="success" if succeeded else "failed",
+                reason=None if succeeded else (_reason(failure) or "aborted"),
+                rounds=assembler.rounds,
+                tokens=assembler.filled,
+                bytes=assembler.filled * bytes_per_token,
+                seconds=seconds,
+                source=route.encoder,
+                destination=replica.name,
+                transport=transport,
             )
-            services.fabric.count_bytes(
-                route.encoder, replica.name, "embedding", assembler.filled * bytes_per_token
-            )
+        )
+        services.fabric.count_bytes(
+            route.encoder, replica.name, "embedding", assembler.filled * bytes_per_token
+        )
         summary = TransferSummary(
             kind="embedding",
             transfer_id=route.transfer_id,
@@ -207,6 +211,17 @@ class EmbeddingReceives:
             request.fail("bad_request", refusal)
             return
         self._maybe_corrupt(request, prompt)
+        self._give(request, prompt, summary, ended)
+        if self.work.replica.state not in PREFILLING:  # e.g. becoming a decode replica meanwhile
+            self._drop(request, keep_input=True)
+            request.holder = None
+            self.work.replica.services.return_work(request)
+            self.work.replica.services.readiness_changed()
+
+    def _give(
+        self, request: ServingRequest, prompt: EmbeddedPrompt, summary: TransferSummary, ended: float
+    ) -> None:
+        """The request's input is complete: it is ready for prefill."""
         request.token_ids = prompt.token_ids
         request.positions = prompt.positions
         request.next_position = prompt.next_position
@@ -256,12 +271,13 @@ class EmbeddingReceives:
                 )
             )
 
-    def _drop(self, request: ServingRequest) -> None:
-        """Take `request` out of the prefill queue and forget its input."""
+    def _drop(self, request: ServingRequest, *, keep_input: bool = False) -> None:
+        """Take `request` out of the prefill queue (and forget its input unless kept)."""
         queue = self.work.prefill.queue
         if request in queue:
             queue.remove(request)
-        release_input(request)
+        if not keep_input:
+            release_input(request)
 
 
 def release_input(request: ServingRequest) -> None:
