@@ -24,8 +24,9 @@ async def supervise(replica: Replica, task_status: trio.TaskStatus[None] = trio.
             else:
                 await replica.run(task_status)
             return
-        except Exception as error:  # noqa: BLE001 - every failure of a replica is contained here and reported
+        except Exception as raised:  # noqa: BLE001 - every failure of a replica is contained here and reported
             started = True
+            error = root_cause(raised)
             failed = fail_held_requests(replica, error)
             freed = replica.pools.free_everything()
             replica.work.release_weights()
@@ -34,6 +35,13 @@ async def supervise(replica: Replica, task_status: trio.TaskStatus[None] = trio.
                 ReplicaFailed(error=f"{replica.last_error} ({freed} blocks returned)", failed_requests=failed)
             )
             replica.reset()
+
+
+def root_cause(error: Exception) -> Exception:
+    """What to report: the replica's nurseries wrap the exception that failed it in groups of one."""
+    while isinstance(error, ExceptionGroup) and len(error.exceptions) == 1:
+        error = error.exceptions[0]
+    return error
 
 
 def fail_held_requests(replica: Replica, error: BaseException) -> int:
