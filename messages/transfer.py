@@ -170,7 +170,6 @@ class StatusUpdate(Message, frozen=True, tag="status"):
 SenderBound = Grant | RequestMoreCache | Abort | StatusUpdate
 # Sender → receiver.
 ReceiverBound = TotalAnnounce | ChunkDone | Abort | AbortAck | StatusUpdate
-LinkMessage = Hello | HelloAck | Refusal | Heartbeat
 PeerMessage = (
     Hello
     | HelloAck

@@ -119,7 +119,7 @@ class TransferEndpoint:
         self.senders = SenderDesk(name, config.orphan_timeout, self.send_soon)
         self._fences = Fences(pool, config.fence_timeout)
         self._landing_keys = itertools.count(1)
-        self._listener: trio.CancelScope | None = None
+        self._listeners: list[trio.CancelScope] = []
 
     @property
     def nursery(self) -> trio.Nursery:
@@ -149,7 +149,7 @@ class TransferEndpoint:
 
     async def _accept_tcp(self, listener: socket.socket) -> None:
         with trio.CancelScope() as scope, listener:
-            self._listener = scope
+            self._listeners.append(scope)
             while True:
                 self._adopt(self._tcp_link(await tcp.accept(listener), "sender"))
 
@@ -382,8 +382,8 @@ class TransferEndpoint:
             )
 
     async def _shut_down(self) -> None:
-        if self._listener is not None:
-            self._listener.cancel()
+        for listener in self._listeners:
+            listener.cancel()
         if self._inproc is not None and self.address.startswith("inproc://"):
             self._inproc.unlisten(self.name)
         for link in list(self._links):

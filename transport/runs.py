@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import zlib
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Final, final
 
 import torch
@@ -21,25 +22,14 @@ TORCH_COPY_BYTES: Final = 64 * 1024
 
 
 @final
+@dataclass(slots=True)
 class Run:
-    """Flat rows `[src_row, src_row + rows)` of the source go to `[dst_row, dst_row + rows)`."""
+    """Flat rows `[src_row, src_row + rows)` of the source go to `[dst_row, dst_row + rows)`.
+    Mutable only while `plan_runs` extends it."""
 
-    __slots__ = ("dst_row", "rows", "src_row")
-
-    def __init__(self, src_row: int, dst_row: int, rows: int) -> None:
-        self.src_row = src_row
-        self.dst_row = dst_row
-        self.rows = rows
-
-    def __repr__(self) -> str:
-        return f"Run(src_row={self.src_row}, dst_row={self.dst_row}, rows={self.rows})"
-
-    def __eq__(self, other: object) -> bool:
-        if not isinstance(other, Run):
-            return NotImplemented
-        return (self.src_row, self.dst_row, self.rows) == (other.src_row, other.dst_row, other.rows)
-
-    __hash__ = None  # type: ignore[assignment]
+    src_row: int
+    dst_row: int
+    rows: int
 
 
 def _check_range(side: str, ids: Sequence[int], offset: int, count: int, block_size: int) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from functools import partial
 
 import pytest
 import torch
@@ -202,11 +203,10 @@ async def test_kv_layer_ranges_from_two_senders_land_in_one_allocation() -> None
                 (links[0], "r1:kv:0", ("k0", "v0")),
                 (links[1], "r1:kv:1", ("k1", "v1")),
             ):
-                nursery.start_soon(
-                    lambda link=link, tid=transfer_id, names=layers: decode.receive(
-                        tid, peer=link, blocks=blocks, expected_tokens=70, buffers=names
-                    )
+                receive = partial(
+                    decode.receive, peer=link, blocks=blocks, expected_tokens=70, buffers=layers
                 )
+                nursery.start_soon(receive, transfer_id)
     pool.hand_over(blocks, "request:1", "decode-cache:1")
     landed = as_bytes(storage.gather(blocks, 0, 70))
     assert_same_bytes({k: landed[k] for k in ("k0", "v0")}, first.expected(("k0", "v0")))

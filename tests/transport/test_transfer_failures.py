@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import re
+from collections.abc import Awaitable, Callable
 
 import pytest
 import trio
 import trio.testing
 
+from messages.layout import PoolLayout
 from messages.transfer import FailureReason, RequestMoreCache, TransferStatus
 from tests.transport.harness import (
     Collector,
@@ -21,16 +23,18 @@ from tests.transport.harness import (
     settle,
     shuffled_pool,
 )
+from transport.blocks import BlockPool
 from transport.config import TransferConfig
-from transport.endpoint import SenderDelivery, open_endpoint
-from transport.errors import HandshakeRefused, TransferFailed, TransferTimeout
+from transport.endpoint import SenderDelivery, TransferEndpoint, open_endpoint
+from transport.errors import HandshakeRefused, TransferError, TransferFailed, TransferTimeout
 from transport.faults import FaultPlan
 from transport.inproc import InprocNetwork
+from transport.storage import PoolStorage
 
 LAYOUT = embedding_layout(block_size=16)
 
 
-def parts(total: int, seed: int, blocks: int = 16) -> tuple[Source, object, object]:
+def parts(total: int, seed: int, blocks: int = 16) -> tuple[Source, PoolStorage, BlockPool]:
     return (
         Source(LAYOUT, total, seed=seed),
         random_storage(LAYOUT, blocks, seed + 1),
@@ -38,9 +42,11 @@ def parts(total: int, seed: int, blocks: int = 16) -> tuple[Source, object, obje
     )
 
 
-async def expect_sender_failure(pair_sender, transfer_id: str, source: Source, into: dict) -> None:  # type: ignore[no-untyped-def]
+async def expect_sender_failure(
+    sender: TransferEndpoint, transfer_id: str, source: Source, into: dict[str, TransferError]
+) -> None:
     try:
-        await send_all(pair_sender, transfer_id, source)
+        await send_all(sender, transfer_id, source)
     except (TransferFailed, TransferTimeout) as exc:
         into[transfer_id] = exc
 
@@ -52,7 +58,7 @@ async def test_memory_pressure_fails_at_the_deadline_not_before(
     source, storage, pool = parts(16 * 6, seed=1, blocks=8)
     config = TransferConfig(default_grant_blocks=2, pressure_timeout=10.0, progress_timeout=60.0)
     hog = pool.allocate(6, "hog")  # round 0 fits (2 blocks); the rest, kept, must wait for the hog
-    failures: dict[str, Exception] = {}
+    failures: dict[str, TransferError] = {}
     async with endpoint_pair("inproc", source, storage, pool, config=config) as pair:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(expect_sender_failure, pair.sender, "t", source, failures)
@@ -92,7 +98,7 @@ async def test_a_stalled_sender_fails_at_the_progress_deadline(
 ) -> None:
     source, storage, pool = parts(16 * 4, seed=2)
     config = TransferConfig(default_grant_blocks=1, round_cap_blocks=1, progress_timeout=20.0)
-    failures: dict[str, Exception] = {}
+    failures: dict[str, TransferError] = {}
     async with endpoint_pair(
         "inproc", source, storage, pool, config=config, faults=FaultPlan(stall_before_round=2)
     ) as pair:
@@ -112,7 +118,7 @@ async def test_aborts_from_either_side_fail_both_sides_and_spare_other_transfers
     source, storage, pool = parts(16 * 6, seed=3, blocks=30)
     config = TransferConfig(default_grant_blocks=1, round_cap_blocks=1, window=2)
     faults = FaultPlan(transfer_id="victim", stall_before_round=2)
-    failures: dict[str, Exception] = {}
+    failures: dict[str, TransferError] = {}
     async with endpoint_pair("inproc", source, storage, pool, config=config, faults=faults) as pair:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(expect_sender_failure, pair.sender, "victim", source, failures)
@@ -143,7 +149,7 @@ async def test_aborts_from_either_side_fail_both_sides_and_spare_other_transfers
     assert pool.quarantined_blocks == 0
 
 
-async def _expect_runtime_error(fn) -> None:  # type: ignore[no-untyped-def]
+async def _expect_runtime_error(fn: Callable[[], Awaitable[None]]) -> None:
     with pytest.raises(RuntimeError, match="vision encoder crashed"):
         await fn()
 
@@ -238,7 +244,7 @@ async def test_a_grant_nobody_sends_for_fails_with_no_sender(autojump_clock: tri
 async def test_a_corrupted_round_is_caught_by_checksums(checksums: bool) -> None:
     source, storage, pool = parts(16 * 3, seed=7)
     config = TransferConfig(default_grant_blocks=1, round_cap_blocks=1, window=1, checksums=checksums)
-    failures: dict[str, Exception] = {}
+    failures: dict[str, TransferError] = {}
     async with endpoint_pair(
         "inproc", source, storage, pool, config=config, faults=FaultPlan(corrupt_round=0)
     ) as pair:
@@ -269,8 +275,8 @@ async def test_a_corrupted_round_is_caught_by_checksums(checksums: bool) -> None
     ids=["block-size", "layout"],
 )
 async def test_a_mismatched_handshake_is_refused_naming_both_values(
-    kind: str, receiver_layout, message: str
-) -> None:  # type: ignore[no-untyped-def]
+    kind: str, receiver_layout: PoolLayout, message: str
+) -> None:
     source = Source(embedding_layout(), 10, seed=8)
     network = InprocNetwork()
     storage, pool = (
