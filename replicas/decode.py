@@ -20,7 +20,7 @@ from messages.commands import ReserveKV
 from messages.control_replies import TransferSummary
 from messages.events import FaultInjected, TransferFinished, TransferStarted
 from messages.faults import CorruptTransfer
-from messages.transfer import TransferReport
+from messages.transfer import FailureReason, TransferReport
 from replicas.inbox import CommandRefused, Completed
 from replicas.model import DecodeResult, DecodeSequence, ModelInputError, finish_reason
 from replicas.prefill import Prefilled
@@ -118,6 +118,7 @@ class DecodeWork:
         )
         outcome: BaseException | None = None
         report = None
+        started = time.monotonic()
         with trio.CancelScope() as scope:
             request.cancel_hooks.append(scope)
             try:
@@ -149,6 +150,23 @@ class DecodeWork:
                 )
             )
             replica.services.fabric.count_bytes(source, replica.name, "kv", report.bytes)
+        else:  # cancelled (the request was), or no link to the sender: the transfer ends all the same
+            reason = FailureReason.ABORTED if scope.cancelled_caught else FailureReason.LINK_LOST
+            log.emit(
+                TransferFinished(
+                    kind="kv",
+                    transfer_id=command.transfer_id,
+                    status="failed",
+                    reason=reason.value,
+                    rounds=0,
+                    tokens=0,
+                    bytes=0,
+                    seconds=time.monotonic() - started,
+                    source=source,
+                    destination=replica.name,
+                    transport=transport,
+                )
+            )
         replica.post(Completed(lambda _: self._landed(sequence, command, report, outcome, source)))
 
     def _landed(
