@@ -1,0 +1,366 @@
+"""A real node for the end-to-end tests: `python -m engine.node` as a subprocess, driven over its socket.
+
+    with node_process(directory, "--replicas", "prefill=1,decode=2") as node:
+        ...                                     # node.address, node.events(...), node.stderr()
+        async with node.client() as client:     # an engine.client.ControlClient (inside a trio test)
+            await wait_serving(client)
+            ...
+
+`start_node` runs `python -m engine.node --listen 127.0.0.1:0 --log-file DIR/node-N.jsonl
+--no-log-console [options]` and reads the `{"listening": ...}` line from its stdout (the node prints it
+once the control socket is bound); stderr (tracebacks only, the console log is off) goes to a file that
+every failure message quotes. `NodeProcess.stop` sends `shutdown` (or SIGTERM) and asserts the exit
+code — 0 means the node drained and found no leaked block — killing the process if it does not exit
+within its deadline. `node_process` stops the node when its block ends, unless the test already did.
+
+Every wait here has a deadline (no test can hang); no assertion depends on how fast anything runs.
+The stop is synchronous (a blocking socket), so module-scoped fixtures can use it outside any trio run.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import select
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping
+from contextlib import AbstractAsyncContextManager, asynccontextmanager, contextmanager
+from pathlib import Path
+from typing import Any, Literal, final
+
+import trio
+
+from engine.client import ControlClient
+from messages.control_replies import ReplicaStatus, StatusResult
+
+START_TIMEOUT = 60.0  # process start + imports + binding the socket (a loaded CI machine is slow)
+STATE_TIMEOUT = 60.0  # replicas loading weights, draining, reviving
+STOP_TIMEOUT = 60.0  # shutdown: drain (deadline 10 s by default here) + leak check + exit
+SERVING_STATES = frozenset({"Prefill", "Decode", "Encode"})
+REPO_ROOT = Path(__file__).resolve().parents[2]
+_node_numbers = itertools.count(1)
+
+StopHow = Literal["shutdown", "sigterm"]
+
+
+class NodeFailed(AssertionError):
+    """The node process misbehaved (exited early, did not start, did not stop, wrong exit code)."""
+
+
+@final
+class NodeProcess:
+    """A running `python -m engine.node`; see the module docstring."""
+
+    def __init__(self, process: subprocess.Popen[bytes], address: str, log_file: Path, stderr_file: Path):
+        self.process = process
+        self.address = address
+        self.log_file = log_file
+        self.stderr_file = stderr_file
+        self.exit_code: int | None = None
+
+    # ------------------------------------------------------------------ looking at it
+    def stderr(self) -> str:
+        return self.stderr_file.read_text(errors="replace") if self.stderr_file.exists() else ""
+
+    def events(self, *names: str) -> list[dict[str, Any]]:
+        """The log's events so far (only those named, when names are given), as decoded JSON objects."""
+        found = []
+        for line in self.log_file.read_bytes().splitlines():
+            if line.strip():
+                event = json.loads(line)
+                if not names or event["event"] in names:
+                    found.append(event)
+        return found
+
+    async def wait_event(
+        self, name: str, predicate: Callable[[dict[str, Any]], bool], *, timeout: float = STATE_TIMEOUT
+    ) -> dict[str, Any]:
+        """The first logged `name` event that satisfies `predicate`, polling the log until `timeout`."""
+        with trio.move_on_after(timeout):
+            while True:
+                found = [event for event in self.events(name) if predicate(event)]
+                if found:
+                    return found[0]
+                await trio.sleep(0.02)
+        raise AssertionError(f"no matching {name} event in the log within {timeout} s")
+
+    def diagnosis(self) -> str:
+        """What a failure message should show: the exit code, stderr's tail and the log's errors."""
+        errors = [
+            json.dumps(e)[:400]
+            for e in self.events()
+            if e["event"] in ("pool_leak", "replica_failed", "control_handler_error", "request_failed")
+        ]
+        return (
+            f"node {self.address} (exit code {self.process.poll()}); log {self.log_file}\n"
+            f"--- stderr (tail) ---\n{self.stderr()[-4000:]}\n--- error events (last 20) ---\n"
+            + "\n".join(errors[-20:])
+        )
+
+    def client(self, **options: Any) -> AbstractAsyncContextManager[ControlClient]:
+        """A `ControlClient` connected to this node (`async with node.client() as client:`)."""
+        return ControlClient.connect(self.address, **options)
+
+    @property
+    def host_port(self) -> tuple[str, int]:
+        host, _, port = self.address.rpartition(":")
+        return host, int(port)
+
+    # ------------------------------------------------------------------ stopping it
+    def stop(self, how: StopHow = "shutdown", *, expect_exit: int = 0) -> int:
+        """Ask the node to stop (`shutdown` op or SIGTERM) unless it already exited, wait, and assert
+        its exit code."""
+        if self.exit_code is None and self.process.poll() is None:
+            if how == "shutdown":
+                reply = self.send_lines(b'{"op":"shutdown","id":"harness-shutdown"}\n', replies=1)
+                if reply[0].get("type") != "result":
+                    raise NodeFailed(f"shutdown refused: {reply}\n{self.diagnosis()}")
+            else:
+                self.process.send_signal(signal.SIGTERM)
+        code = self.wait_exit() if self.exit_code is None else self.exit_code
+        if code != expect_exit:
+            raise NodeFailed(f"the node exited with {code}, expected {expect_exit}\n{self.diagnosis()}")
+        return code
+
+    def wait_exit(self, timeout: float = STOP_TIMEOUT) -> int:
+        """Wait for the process to exit; kill it (and fail) if it does not within `timeout`."""
+        try:
+            code = self.process.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            raise NodeFailed(
+                f"the node did not exit within {timeout} s; killed\n{self.diagnosis()}"
+            ) from None
+        self.exit_code = code
+        self._close_pipes()
+        return code
+
+    def kill(self) -> None:
+        if self.process.poll() is None:
+            self.process.kill()
+            self.process.wait(timeout=STOP_TIMEOUT)
+        self._close_pipes()
+
+    def _close_pipes(self) -> None:
+        if self.process.stdout is not None:
+            self.process.stdout.close()
+
+    def send_lines(
+        self, data: bytes, *, replies: int, timeout: float = STATE_TIMEOUT
+    ) -> list[dict[str, Any]]:
+        """Blocking: open a connection, send `data`, read `replies` reply lines (no trio needed)."""
+        with socket.create_connection(self.host_port, timeout=timeout) as sock:
+            sock.sendall(data)
+            buffer = b""
+            lines: list[dict[str, Any]] = []
+            deadline = time.monotonic() + timeout
+            while len(lines) < replies:
+                sock.settimeout(max(0.01, deadline - time.monotonic()))
+                chunk = sock.recv(65536)
+                if not chunk:
+                    raise NodeFailed(f"connection closed after {lines}\n{self.diagnosis()}")
+                buffer += chunk
+                while b"\n" in buffer and len(lines) < replies:
+                    line, buffer = buffer.split(b"\n", 1)
+                    lines.append(json.loads(line))
+            return lines
+
+
+def node_command(log_file: Path, options: tuple[str, ...]) -> list[str]:
+    return [
+        sys.executable,
+        "-m",
+        "engine.node",
+        "--listen",
+        "127.0.0.1:0",
+        "--log-file",
+        str(log_file),
+        "--no-log-console",
+        "--shutdown-drain-deadline",
+        "10",
+        *options,
+    ]
+
+
+def start_node(directory: Path, *options: str) -> NodeProcess:
+    """Start a node with `options` (flags of `python -m engine.node`) and wait for its listening line."""
+    number = next(_node_numbers)
+    log_file = directory / f"node-{os.getpid()}-{number}.jsonl"
+    stderr_file = log_file.with_suffix(".stderr")
+    with stderr_file.open("wb") as stderr:
+        process = subprocess.Popen(
+            node_command(log_file, options),
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=stderr,
+            cwd=REPO_ROOT,
+        )
+    node = NodeProcess(process, "", log_file, stderr_file)
+    try:
+        node.address = _read_listening_line(process)
+    except NodeFailed as exc:
+        node.kill()
+        raise NodeFailed(f"{exc}\n{node.diagnosis()}") from None
+    return node
+
+
+def _read_listening_line(process: subprocess.Popen[bytes]) -> str:
+    assert process.stdout is not None
+    deadline = time.monotonic() + START_TIMEOUT
+    while True:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise NodeFailed(f"no listening line within {START_TIMEOUT} s")
+        ready, _, _ = select.select([process.stdout], [], [], remaining)
+        if not ready:
+            continue
+        line = process.stdout.readline()
+        if not line:
+            raise NodeFailed(f"the node exited before listening (exit code {process.wait()})")
+        try:
+            message = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(message, dict) and "listening" in message:
+            return str(message["listening"])
+
+
+@contextmanager
+def node_process(directory: Path, *options: str, stop: StopHow = "shutdown") -> Iterator[NodeProcess]:
+    """A started node, stopped (exit code 0 asserted) when the block ends — killed if the block raised."""
+    node = start_node(directory, *options)
+    try:
+        yield node
+    except BaseException:
+        if node.exit_code is None:
+            node.kill()
+        raise
+    node.stop(stop)
+
+
+# ---------------------------------------------------------------------- waiting on status (async)
+async def wait_status(
+    client: ControlClient,
+    predicate: Callable[[StatusResult], bool],
+    what: str,
+    *,
+    timeout: float = STATE_TIMEOUT,
+    interval: float = 0.02,
+) -> StatusResult:
+    """Poll `status` until `predicate` holds; fail naming `what` and the last status after `timeout`."""
+    last: StatusResult | None = None
+    try:
+        with trio.fail_after(timeout):
+            while True:
+                last = await client.status()
+                if predicate(last):
+                    return last
+                await trio.sleep(interval)
+    except trio.TooSlowError:
+        raise AssertionError(f"timed out after {timeout} s waiting for {what}; last status: {last}") from None
+
+
+def by_name(status: StatusResult) -> dict[str, ReplicaStatus]:
+    return {replica.name: replica for replica in status.replicas}
+
+
+async def wait_states(client: ControlClient, wanted: Mapping[str, str | frozenset[str]]) -> StatusResult:
+    """Until each named replica is in its wanted state (or one of a set of states)."""
+
+    def holds(status: StatusResult) -> bool:
+        states = {name: replica.state for name, replica in by_name(status).items()}
+        return all(
+            states.get(name) in (want if isinstance(want, frozenset) else {want})
+            for name, want in wanted.items()
+        )
+
+    return await wait_status(client, holds, f"states {dict(wanted)}")
+
+
+async def wait_serving(client: ControlClient) -> StatusResult:
+    """Until every replica serves (weights loaded: Prefill, Decode or Encode)."""
+    return await wait_status(
+        client,
+        lambda status: all(replica.state in SERVING_STATES for replica in status.replicas),
+        "every replica serving",
+    )
+
+
+async def wait_idle(client: ControlClient) -> StatusResult:
+    """Until no replica holds a block or has queued work (every request's blocks are back)."""
+    return await wait_status(
+        client,
+        lambda status: all(
+            replica.used_blocks == 0 and replica.work_queue == 0 and replica.migration_queue == 0
+            for replica in status.replicas
+        ),
+        "every replica idle with used_blocks 0",
+    )
+
+
+# ---------------------------------------------------------------------- a raw connection (async)
+@final
+class RawConnection:
+    """Bytes in, decoded reply lines out: for input no client would send. Every read has a deadline."""
+
+    def __init__(self, stream: trio.SocketStream) -> None:
+        self.stream = stream
+        self._buffer = b""
+
+    async def send(self, data: bytes) -> None:
+        with trio.fail_after(STATE_TIMEOUT):
+            await self.stream.send_all(data)
+
+    async def reply(self, timeout: float = STATE_TIMEOUT) -> dict[str, Any]:
+        """The next reply line, decoded; fails if the connection closes or nothing comes in time."""
+        line = await self._line(timeout)
+        assert line is not None, "the node closed the connection"
+        decoded = json.loads(line)
+        assert isinstance(decoded, dict), decoded
+        return decoded
+
+    async def ask(self, data: bytes) -> dict[str, Any]:
+        """Send one line and return the one reply it gets (the connection must have nothing else in flight)."""
+        await self.send(data)
+        return await self.reply()
+
+    async def closed(self, timeout: float = STATE_TIMEOUT) -> list[dict[str, Any]]:
+        """The replies left before the node closes the connection (fails if it does not close in time)."""
+        replies = []
+        while (line := await self._line(timeout)) is not None:
+            replies.append(json.loads(line))
+        return replies
+
+    async def _line(self, timeout: float) -> bytes | None:
+        with trio.fail_after(timeout):
+            while b"\n" not in self._buffer:
+                chunk = await self.stream.receive_some(65536)
+                if not chunk:
+                    assert not self._buffer, f"connection closed inside a line: {self._buffer[:200]!r}"
+                    return None
+                self._buffer += chunk
+        line, self._buffer = self._buffer.split(b"\n", 1)
+        return line
+
+
+@asynccontextmanager
+async def raw_connection(
+    node: NodeProcess, *, receive_buffer: int | None = None
+) -> AsyncIterator[RawConnection]:
+    """A plain TCP connection to `node`; `receive_buffer` shrinks SO_RCVBUF (a client that reads little)."""
+    sock = trio.socket.socket()
+    if receive_buffer is not None:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, receive_buffer)
+    with trio.fail_after(START_TIMEOUT):
+        await sock.connect(node.host_port)
+    stream = trio.SocketStream(sock)
+    try:
+        yield RawConnection(stream)
+    finally:
+        with trio.CancelScope(shield=True):
+            await stream.aclose()
