@@ -187,3 +187,20 @@ def open_event_log(
         except OSError as exc:
             raise LogFileError(f"log file {file!r}: {exc.strerror or exc}") from exc
     return EventLog(_Sinks(handle, console, level, observers), {})
+
+
+def configure_diagnostics(level: Level = "info", stream: TextIO = sys.stderr) -> None:
+    """Route the untyped diagnostics of library code (`structlog.get_logger(...)` in `transport/`: a
+    link closed, a handshake refused) to `stream`, at `level` and above. Entry points call this once;
+    without it structlog's default prints them on stdout, where the node's `listening` line and the
+    benchmarks' JSON rows go."""
+    structlog.configure(
+        logger_factory=structlog.PrintLoggerFactory(stream),
+        wrapper_class=structlog.make_filtering_bound_logger(LEVELS[level]),
+        processors=[
+            structlog.processors.add_log_level,
+            structlog.processors.TimeStamper(fmt="%H:%M:%S.%f"),
+            structlog.dev.ConsoleRenderer(colors=False),
+        ],
+        cache_logger_on_first_use=True,
+    )

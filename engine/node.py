@@ -29,7 +29,7 @@ from engine.config import ConfigError, NodeConfig, ReplicaCounts, parse_node_con
 from engine.control.address import Address
 from engine.control.server import ControlServer, ControlServerError
 from engine.controller import Controller
-from engine.logging import EventLog, LogFileError, open_event_log
+from engine.logging import EventLog, LogFileError, configure_diagnostics, open_event_log
 from engine.logs import Aggregator
 from engine.router import Router
 from engine.service import NodeService
@@ -242,6 +242,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"engine.node: {exc}", file=sys.stderr)
         return 2
+    configure_diagnostics(config.log.level)
     if config.demo and config.listen == NodeConfig().listen:
         config = msgspec.structs.replace(config, listen="127.0.0.1:0")
     try:

@@ -9,6 +9,7 @@ import sys
 import msgspec
 
 from engine.bench.rows import Row
+from engine.logging import configure_diagnostics
 
 BENCHMARKS = {
     "transfer": "engine.bench.transfer",
@@ -44,6 +45,7 @@ def main(argv: list[str] | None = None) -> int:
         bench_parser.add_argument("--json", action="store_true", help="one JSON object per row")
         module.add_arguments(bench_parser)
     args = parser.parse_args(argv)
+    configure_diagnostics("warning")
     encoder = msgspec.json.Encoder()
     for result in modules[args.name].run(args):
         if args.json:

@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import itertools
 import math
-import sys
 import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
@@ -28,7 +27,6 @@ from functools import partial
 from typing import Literal
 
 import numpy as np
-import structlog
 import torch
 import trio
 
@@ -224,8 +222,6 @@ def _rows(
 
 
 def run(args: argparse.Namespace) -> Iterable[Row]:
-    # The transport's diagnostics (links closing at the end) go to stderr: stdout carries only the rows.
-    structlog.configure(logger_factory=structlog.PrintLoggerFactory(sys.stderr))
     torch.set_num_threads(args.threads)
     repeats = args.repeats or (5 if args.quick else 15)
     embeddings = _embeddings(args.hidden)
