@@ -54,7 +54,6 @@ class DecodeWork:
         self.arrived: deque[DecodeSlot] = deque()
         self.incoming: dict[str, DecodeSlot] = {}
         self.stepping: list[DecodeSlot] = []
-        self.kv_transfers_landed = 0
 
     @property
     def replica(self) -> Replica:
@@ -212,9 +211,10 @@ class DecodeWork:
     def _maybe_corrupt(self, sequence: DecodeSlot, command: ReserveKV) -> None:
         """The `corrupt_transfer` fault hook: alter the landed K of layer 0 (the output must change).
 
-        `nth` counts the KV transfers this replica received, from 0, in the order they finished."""
-        index = self.kv_transfers_landed
-        self.kv_transfers_landed += 1
+        `nth` counts the KV transfers that landed on this node, from 0, in the order they finished."""
+        landed = self.replica.services.transfers_landed
+        index = landed["kv"]
+        landed["kv"] += 1
         hit = any(
             isinstance(fault, CorruptTransfer) and fault.transfer == "kv" and fault.nth in (None, index)
             for fault in self.replica.services.faults
@@ -230,7 +230,7 @@ class DecodeWork:
             FaultInjected(
                 fault="corrupt_transfer",
                 detail=f"kv transfer {command.transfer_id} of request {command.request_id} altered "
-                f"(transfer {index} received by {self.replica.name})",
+                f"(kv transfer {index} of the node, received by {self.replica.name})",
             )
         )
 

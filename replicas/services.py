@@ -6,6 +6,7 @@ each replica one `ReplicaServices`.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol, final
@@ -60,6 +61,9 @@ class ReplicaServices:
     faults: list[Fault] = field(default_factory=list)
     requests: dict[str, ServingRequest] = field(default_factory=dict)
     replicas: dict[str, Replica] = field(default_factory=dict)
+    # Transfers that finished landing on this node, per kind: the `nth` of the corrupt_transfer fault
+    # counts these (node-wide, in finishing order).
+    transfers_landed: Counter[str] = field(default_factory=Counter)
     # The router's hooks: take back work a replica will not do; a replica's readiness changed.
     return_work: Callable[[ServingRequest], None] = lambda request: None
     readiness_changed: Callable[[], None] = lambda: None

@@ -99,15 +99,15 @@ async def test_qwen2_checkpoint_over_tcp(
 async def test_llama_checkpoint_over_inproc_and_a_corrupted_transfer(
     tmp_path: Path, hf_dirs: dict[str, Path], hf_models: dict[str, Model]
 ) -> None:
-    """The fault hook corrupts the first KV transfer only (`nth=0`): that request's output changes,
-    the 32 after it are identical (one node for both: a node start costs seconds)."""
+    """The fault hook corrupts the node's first KV transfer only (`nth=0`, two decode replicas): that
+    request's output changes, the 32 after it are identical (one node for both: a start costs seconds)."""
     model = hf_models["llama"]
     with node_process(
         tmp_path,
         "--model",
         str(hf_dirs["llama"]),
         "--replicas",
-        "prefill=1,decode=1",
+        "prefill=1,decode=2",
         "--transport",
         "inproc",
         "--fault",
@@ -124,3 +124,5 @@ async def test_llama_checkpoint_over_inproc_and_a_corrupted_transfer(
         assert [e["fault"] for e in faults] == ["corrupt_transfer"]
         assert f"of request {outcome.result.request_id} altered" in faults[0]["detail"]
         await run_identity(node, model, transport="inproc", text=True)
+        # nth=0 is the node's first KV transfer, not each decode replica's.
+        assert len(node.events("fault_injected")) == 1
