@@ -181,13 +181,18 @@ async def _run_node(
     stderr = run.log.with_suffix(".stderr")
     with stderr.open("wb") as errors:
         process = await trio.lowlevel.open_process(
-            _node_command(socket, run.log, *options), stdout=subprocess.DEVNULL, stderr=errors
+            _node_command(socket, run.log, *options), stdout=subprocess.PIPE, stderr=errors
         )
         try:
+            # The node prints {"listening": ...} once its socket accepts (the socket file exists earlier).
+            assert process.stdout is not None
+            line = b""
             with trio.fail_after(STARTUP_TIMEOUT):
-                while not socket.exists():
-                    assert process.poll() is None, f"node {run.name} exited early: {stderr.read_text()}"
-                    await trio.sleep(0.05)
+                while not line.endswith(b"\n"):
+                    chunk = await process.stdout.receive_some(4096)
+                    assert chunk, f"node {run.name} exited before listening: {stderr.read_text()}"
+                    line += chunk
+            assert b"listening" in line, line
             await drive(socket, run)
             with trio.fail_after(STARTUP_TIMEOUT):
                 run.exit_code = await process.wait()

@@ -16,7 +16,7 @@ import trio
 from messages.layout import BufferSpec, PoolLayout
 from transport.blocks import BlockPool
 from transport.config import TransferConfig
-from transport.endpoint import TransferEndpoint, open_endpoint
+from transport.endpoint import SenderDelivery, TransferEndpoint, open_endpoint
 from transport.faults import NO_FAULTS, FaultPlan
 from transport.inproc import InprocNetwork
 from transport.landing import LandedRound
@@ -143,6 +143,7 @@ async def endpoint_pair(
     config: TransferConfig | None = None,
     sender_config: TransferConfig | None = None,
     faults: FaultPlan = NO_FAULTS,
+    sender_control: trio.MemorySendChannel[SenderDelivery] | None = None,
 ) -> AsyncIterator[Pair]:
     """A sending endpoint on `source` and a receiving one, linked over `kind` ("inproc" or "tcp")."""
     network = InprocNetwork()
@@ -154,6 +155,7 @@ async def endpoint_pair(
             config=sender_config or config,
             faults=faults,
             inproc=network,
+            sender_control=sender_control,  # the owner's command channel, when given
         ) as sender,
         open_endpoint("receiver", receiver_storage, receiver_pool, config=config, inproc=network) as receiver,
     ):
