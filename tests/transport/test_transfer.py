@@ -218,17 +218,13 @@ async def test_owner_channel_seam_and_early_total_open_the_window_before_the_dat
     layout = embedding_layout(block_size=16)
     source = Source(layout, 16 * 9, seed=12)
     storage, pool = random_storage(layout, 20, seed=13), shuffled_pool(20, 16, seed=14)
-    network = InprocNetwork()
     control_send, control = trio.open_memory_channel[SenderDelivery](64)
     config = TransferConfig(default_grant_blocks=1, round_cap_blocks=2, window=3)
     seen: list[type] = []
-    async with (
-        open_endpoint(
-            "enc", source.storage, source.pool, config=config, inproc=network, sender_control=control_send
-        ) as enc,
-        open_endpoint("lang", storage, pool, config=config, inproc=network) as lang,
-    ):
-        link = await lang.connect(enc.listen_inproc())
+    async with endpoint_pair(
+        "inproc", source, storage, pool, config=config, sender_control=control_send
+    ) as pair:
+        enc, lang, link = pair.sender, pair.receiver, pair.link
 
         async def replica() -> None:  # the owner: its command channel, then the session
             async for delivery in control:

@@ -156,17 +156,13 @@ async def _expect_runtime_error(fn: Callable[[], Awaitable[None]]) -> None:
 
 async def test_blocks_stay_quarantined_until_the_sender_acknowledges_the_abort() -> None:
     source, storage, pool = parts(16 * 4, seed=4)
-    network = InprocNetwork()
     control_send, control = trio.open_memory_channel[SenderDelivery](64)
     config = TransferConfig(default_grant_blocks=1, round_cap_blocks=1, window=3)
     held: list[SenderDelivery] = []
-    async with (
-        open_endpoint(
-            "enc", source.storage, source.pool, config=config, inproc=network, sender_control=control_send
-        ) as enc,
-        open_endpoint("lang", storage, pool, config=config, inproc=network) as lang,
-    ):
-        link = await lang.connect(enc.listen_inproc())
+    async with endpoint_pair(
+        "inproc", source, storage, pool, config=config, sender_control=control_send
+    ) as pair:
+        enc, lang, link = pair.sender, pair.receiver, pair.link
 
         async def replica() -> None:  # a busy owner: it holds the Abort in its command queue
             async for delivery in control:
@@ -195,16 +191,12 @@ async def test_blocks_stay_quarantined_until_the_sender_acknowledges_the_abort()
 
 async def test_duplicate_and_late_request_more_cache_are_ignored() -> None:
     source, storage, pool = parts(16 * 5, seed=5)
-    network = InprocNetwork()
     control_send, control = trio.open_memory_channel[SenderDelivery](64)
     config = TransferConfig(default_grant_blocks=1, round_cap_blocks=1, window=1)
-    async with (
-        open_endpoint(
-            "enc", source.storage, source.pool, config=config, inproc=network, sender_control=control_send
-        ) as enc,
-        open_endpoint("lang", storage, pool, config=config, inproc=network) as lang,
-    ):
-        link = await lang.connect(enc.listen_inproc())
+    async with endpoint_pair(
+        "inproc", source, storage, pool, config=config, sender_control=control_send
+    ) as pair:
+        enc, lang, link = pair.sender, pair.receiver, pair.link
 
         async def replica() -> None:  # every message delivered twice: duplicates
             async for delivery in control:
@@ -296,23 +288,16 @@ async def test_a_mismatched_handshake_is_refused_naming_both_values(
 
 async def test_closing_the_endpoints_is_a_fence_and_returns_quarantined_blocks_at_once() -> None:
     source, storage, pool = parts(16 * 4, seed=11)
-    network = InprocNetwork()
     control_send, control = trio.open_memory_channel[SenderDelivery](64)
     config = TransferConfig(default_grant_blocks=1, round_cap_blocks=1, window=2, fence_timeout=30.0)
     with trio.move_on_after(5) as watchdog:
         async with (
             trio.open_nursery() as outer,
-            open_endpoint(
-                "enc",
-                source.storage,
-                source.pool,
-                config=config,
-                inproc=network,
-                sender_control=control_send,
-            ) as enc,
-            open_endpoint("lang", storage, pool, config=config, inproc=network) as lang,
+            endpoint_pair(
+                "inproc", source, storage, pool, config=config, sender_control=control_send
+            ) as pair,
         ):
-            link = await lang.connect(enc.listen_inproc())
+            enc, lang, link = pair.sender, pair.receiver, pair.link
 
             async def replica() -> None:  # never delivers the Abort: no AbortAck will come
                 async for delivery in control:
