@@ -23,7 +23,7 @@ import itertools
 import socket
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
-from typing import assert_never, final
+from typing import Literal, assert_never, final
 
 import msgspec
 import structlog
@@ -147,6 +147,13 @@ class TransferEndpoint:
         await trio.lowlevel.checkpoint()
         return self.address
 
+    async def listen_on(self, kind: Literal["ucx", "cuda-ipc"], host: str = "127.0.0.1") -> str:
+        """Accept links over `ucx` or `cuda-ipc` (`transport.dial`); returns the address."""
+        from transport import dial
+
+        self.address = await dial.listen(self, kind, self._adopt, host)
+        return self.address
+
     async def _accept_tcp(self, listener: socket.socket) -> None:
         with trio.CancelScope() as scope, listener:
             self._listeners.append(scope)
@@ -187,10 +194,10 @@ class TransferEndpoint:
             host, _, port = rest.rpartition(":")
             with trio.fail_after(self.config.handshake_timeout):
                 link = self._tcp_link(await tcp.connect(host, int(port)), "receiver")
-        else:
-            raise ValueError(
-                f"unknown transport address {address!r} (expected tcp://host:port or inproc://name)"
-            )
+        else:  # ucx://, cuda-ipc:// (optional dependencies: transport.dial imports them when used)
+            from transport import dial
+
+            link = await dial.dial(self, address)
         self._adopt(link)
         await link.send(handshake.hello(link.link_id, self.name, self.storage.layout, self.address))
         with trio.move_on_after(self.config.handshake_timeout):

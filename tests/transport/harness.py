@@ -145,7 +145,7 @@ async def endpoint_pair(
     faults: FaultPlan = NO_FAULTS,
     sender_control: trio.MemorySendChannel[SenderDelivery] | None = None,
 ) -> AsyncIterator[Pair]:
-    """A sending endpoint on `source` and a receiving one, linked over `kind` ("inproc" or "tcp")."""
+    """A sending endpoint on `source` and a receiving one, linked over `kind` ("inproc", "tcp" or "ucx")."""
     network = InprocNetwork()
     async with (
         open_endpoint(
@@ -159,9 +159,19 @@ async def endpoint_pair(
         ) as sender,
         open_endpoint("receiver", receiver_storage, receiver_pool, config=config, inproc=network) as receiver,
     ):
-        address = sender.listen_inproc() if kind == "inproc" else await sender.listen_tcp()
+        address = await listen(sender, kind)
         link = await receiver.connect(address)
         yield Pair(sender, receiver, link)
+
+
+async def listen(endpoint: TransferEndpoint, kind: str) -> str:
+    """Start `endpoint` listening over transport `kind`; its address."""
+    if kind == "inproc":
+        return endpoint.listen_inproc()
+    if kind == "tcp":
+        return await endpoint.listen_tcp()
+    assert kind == "ucx", kind
+    return await endpoint.listen_on("ucx")
 
 
 async def send_all(endpoint: TransferEndpoint, transfer_id: str, source: Source) -> None:
@@ -197,11 +207,14 @@ class SenderProcess:
 
 
 @asynccontextmanager
-async def sender_process(params: dict[str, object]) -> AsyncIterator[SenderProcess]:
+async def sender_process(
+    params: dict[str, object], env: dict[str, str] | None = None
+) -> AsyncIterator[SenderProcess]:
     process = await trio.lowlevel.open_process(
         [sys.executable, "-m", "tests.transport.sender_process"],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
+        env=env,
     )
     child = SenderProcess(process)
     try:

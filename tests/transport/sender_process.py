@@ -1,7 +1,7 @@
 """A sending endpoint in its own process, for the two-process tests: `python -m tests.transport.sender_process`.
 
 Reads one JSON object on stdin (`hidden`, `block_size`, `seed`, `transfers` = {transfer id: tokens},
-optional `faults` and `config`), prints `{"address": ...}`, sends the first `tokens` tokens of its source
+optional `faults`, `config` and `transport` — tcp or ucx), prints `{"address": ...}`, sends the first `tokens` tokens of its source
 for each listed transfer when its grant comes, reports each outcome as a JSON line, and exits when stdin
 closes. Its source is `harness.Source(layout, max tokens, seed)`, so the test process rebuilds the
 expected bytes without any of them crossing a pipe.
@@ -16,7 +16,7 @@ import msgspec
 import structlog
 import trio
 
-from tests.transport.harness import Source, embedding_layout
+from tests.transport.harness import Source, embedding_layout, listen
 from transport.config import TransferConfig
 from transport.endpoint import open_endpoint
 from transport.errors import TransferError
@@ -34,7 +34,7 @@ async def main() -> None:
     async with open_endpoint(
         "sender-process", source.storage, source.pool, config=config, faults=faults
     ) as endpoint:
-        print(json.dumps({"address": await endpoint.listen_tcp()}), flush=True)
+        print(json.dumps({"address": await listen(endpoint, params.get("transport", "tcp"))}), flush=True)
 
         async def send(transfer_id: str, tokens: int) -> None:
             try:

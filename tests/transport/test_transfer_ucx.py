@@ -1,0 +1,410 @@
+"""The resumable transfer over UCX (issue 7): the protocol suite's scenarios, properties and faults, run
+on CPU over UCX's shared-memory and TCP transports (`UCX_TLS=sm,tcp`, the `ucx_env` fixture).
+
+Real time throughout: the UCX progress task waits on the worker's file descriptor, which a mock clock
+cannot jump, so deadlines here are short real ones.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+
+import pytest
+import torch
+import trio
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from messages.transfer import FailureReason
+from tests.transport.harness import (
+    Collector,
+    Source,
+    as_bytes,
+    assert_same_bytes,
+    embedding_layout,
+    endpoint_pair,
+    kv_layout,
+    poisoned_storage,
+    random_storage,
+    send_all,
+    settle,
+    shuffled_pool,
+)
+from tests.transport.test_transfer import SEED_SCENARIOS, rows_of, untouched_rows_are_poisoned
+from transport.blocks import BlockPool
+from transport.config import TransferConfig
+from transport.endpoint import SenderDelivery, TransferEndpoint, open_endpoint
+from transport.errors import HandshakeRefused, LinkBroken, TransferError, TransferFailed
+from transport.faults import FaultPlan
+
+pytestmark = pytest.mark.usefixtures("ucx_env")
+
+LAYOUT = embedding_layout(block_size=16)
+# Quick liveness, so a vanished peer is noticed in about a second.
+LIVELY = {"heartbeat_interval": 0.2, "link_timeout": 1.0}
+
+
+@pytest.mark.parametrize(("total", "cap", "rounds"), SEED_SCENARIOS)
+async def test_seed_scenarios_over_ucx(total: int, cap: int | None, rounds: int) -> None:
+    layout = embedding_layout()
+    source = Source(layout, total, seed=total)
+    storage, pool = random_storage(layout, 100, seed=1), shuffled_pool(100, 128, seed=2)
+    config = TransferConfig(default_grant_blocks=8, round_cap_blocks=cap)
+    collector = Collector()
+    async with endpoint_pair("ucx", source, storage, pool, config=config) as pair:
+        assert pair.link.link_id.startswith("ucx-")
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(send_all, pair.sender, "t", source)
+            result = await pair.receiver.receive("t", peer=pair.link, consume=collector)
+    assert (result.report.rounds, result.report.grants) == (rounds, rounds)
+    assert_same_bytes(collector.data(), source.expected())
+    assert pool.used_blocks == 0
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    block_size=st.sampled_from([1, 5, 16, 64]),
+    hidden=st.sampled_from([3, 4096]),  # 16 KiB rows: runs of whole blocks go direct, others packed
+    total=st.integers(0, 300),
+    window=st.integers(1, 4),
+    cap=st.none() | st.integers(1, 5),
+    mode=st.sampled_from(["keep", "consume", "borrowed"]),
+    fragmentation=st.lists(st.tuples(st.integers(1, 4), st.booleans()), max_size=8),
+    seed=st.integers(0, 2**16),
+)
+def test_random_transfers_over_ucx_land_identical_data_and_nothing_else(
+    block_size: int,
+    hidden: int,
+    total: int,
+    window: int,
+    cap: int | None,
+    mode: str,
+    fragmentation: list[tuple[int, bool]],
+    seed: int,
+) -> None:
+    layout = embedding_layout(block_size=block_size, hidden=hidden)
+    source = Source(layout, total, seed=seed)
+    need = -(-total // block_size)
+    num_blocks = need + 2 + sum(n for n, _keep in fragmentation)
+    storage, pool = poisoned_storage(layout, num_blocks), BlockPool(num_blocks, block_size)
+    rng = random.Random(seed)
+    held: list[int] = []
+    for n, keep in fragmentation:
+        ids = pool.allocate(n, "other")
+        rng.shuffle(ids)
+        (held.extend if keep else lambda got: pool.free(got, "other"))(ids)
+    config = TransferConfig(default_grant_blocks=2, round_cap_blocks=cap, window=window)
+    landing_offset = rng.randrange(block_size)
+    borrowed = (
+        pool.allocate(-(-(landing_offset + total) // block_size), "request") if mode == "borrowed" else None
+    )
+    collector = Collector()
+
+    async def scenario() -> set[int]:
+        async with (
+            endpoint_pair("ucx", source, storage, pool, config=config) as pair,
+            trio.open_nursery() as nursery,
+        ):
+            nursery.start_soon(send_all, pair.sender, "t", source)
+            result = await pair.receiver.receive(
+                "t",
+                peer=pair.link,
+                consume=collector if mode == "consume" else None,
+                blocks=borrowed,
+                landing_offset=landing_offset if borrowed else 0,
+                expected_tokens=total if borrowed else None,
+                owner="request",
+            )
+        if mode == "consume":
+            assert_same_bytes(collector.data() if total else {}, source.expected() if total else {})
+            return set().union(
+                *(rows_of(r.blocks, r.landing_offset, r.tokens, block_size) for r in collector.rounds)
+            )
+        offset = landing_offset if borrowed else 0
+        assert_same_bytes(as_bytes(storage.gather(result.blocks, offset, total)), source.expected())
+        pool.free(result.blocks, "request")
+        return rows_of(result.blocks, offset, total, block_size)
+
+    written = trio.run(scenario)
+    assert untouched_rows_are_poisoned(storage, written)
+    pool.free(held, "other")
+    assert pool.used_blocks == 0
+    pool.check_invariants()
+
+
+async def test_kv_layer_ranges_from_two_ucx_senders_land_in_one_allocation_without_aliasing() -> None:
+    layout = kv_layout(layers=2)
+    first, second = Source(layout, 70, seed=9), Source(layout, 70, seed=10)
+    storage, pool = poisoned_storage(layout, 12), shuffled_pool(12, 16, seed=11)
+    blocks = pool.allocate(5, "request:1")
+    async with (
+        open_endpoint("prefill-a", first.storage, first.pool) as a,
+        open_endpoint("prefill-b", second.storage, second.pool) as b,
+        open_endpoint("decode", storage, pool) as decode,
+    ):
+        links = [
+            await decode.connect(await a.listen_on("ucx")),
+            await decode.connect(await b.listen_on("ucx")),
+        ]
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(send_all, a, "r1:kv:0", first)
+            nursery.start_soon(send_all, b, "r1:kv:1", second)
+            for link, transfer_id, layers in (
+                (links[0], "r1:kv:0", ("k0", "v0")),
+                (links[1], "r1:kv:1", ("k1", "v1")),
+            ):
+
+                async def receive(link=link, transfer_id=transfer_id, layers=layers) -> None:
+                    await decode.receive(
+                        transfer_id, peer=link, blocks=blocks, expected_tokens=70, buffers=layers
+                    )
+
+                nursery.start_soon(receive)
+    landed = as_bytes(storage.gather(blocks, 0, 70))
+    assert_same_bytes({k: landed[k] for k in ("k0", "v0")}, first.expected(("k0", "v0")))
+    assert_same_bytes({k: landed[k] for k in ("k1", "v1")}, second.expected(("k1", "v1")))
+    for tensor in (*first.storage.tensors.values(), *second.storage.tensors.values()):
+        tensor.view(torch.uint8).fill_(0)  # the senders' blocks change; what landed does not
+    assert_same_bytes(as_bytes(storage.gather(blocks, 0, 70)), landed)
+    pool.free(blocks, "request:1")
+    assert pool.used_blocks == 0
+
+
+async def _expect_sender_failure(
+    sender: TransferEndpoint, transfer_id: str, source: Source, into: dict[str, TransferError]
+) -> None:
+    try:
+        await send_all(sender, transfer_id, source)
+    except TransferError as exc:
+        into[transfer_id] = exc
+
+
+async def test_a_stalled_ucx_sender_fails_at_the_progress_deadline() -> None:
+    source, storage, pool = (
+        Source(LAYOUT, 64, seed=2),
+        random_storage(LAYOUT, 16, 3),
+        shuffled_pool(16, 16, 4),
+    )
+    config = TransferConfig(default_grant_blocks=1, round_cap_blocks=1, progress_timeout=1.0)
+    failures: dict[str, TransferError] = {}
+    faults = FaultPlan(stall_before_round=2)
+    async with endpoint_pair("ucx", source, storage, pool, config=config, faults=faults) as pair:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(_expect_sender_failure, pair.sender, "t", source, failures)
+            start = trio.current_time()
+            with pytest.raises(TransferFailed, match=r"\(no_progress\): nothing from the sender for 1.0 s"):
+                await pair.receiver.receive("t", peer=pair.link, consume=Collector())
+            assert 1.0 <= trio.current_time() - start < 3.0
+        await settle()
+    assert failures["t"].reason is FailureReason.NO_PROGRESS
+    assert pool.used_blocks == 0
+
+
+async def test_ucx_aborts_from_either_side_fail_both_sides_and_spare_other_transfers() -> None:
+    source, storage, pool = (
+        Source(LAYOUT, 96, seed=3),
+        random_storage(LAYOUT, 30, 4),
+        shuffled_pool(30, 16, 5),
+    )
+    config = TransferConfig(default_grant_blocks=1, round_cap_blocks=1, window=2)
+    faults = FaultPlan(transfer_id="victim", stall_before_round=2)
+    failures: dict[str, TransferError] = {}
+    async with endpoint_pair("ucx", source, storage, pool, config=config, faults=faults) as pair:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(_expect_sender_failure, pair.sender, "victim", source, failures)
+            nursery.start_soon(send_all, pair.sender, "bystander", source)
+            bystander = Collector()
+            nursery.start_soon(lambda: pair.receiver.receive("bystander", peer=pair.link, consume=bystander))
+            with trio.move_on_after(0.5):
+                await pair.receiver.receive("victim", peer=pair.link, consume=Collector())
+        assert_same_bytes(bystander.data(), source.expected())
+        assert failures["victim"].report.detail == "receiver aborted: receiver gave up: cancelled"
+
+        async def failing_encoder() -> None:
+            with pytest.raises(RuntimeError, match="vision encoder crashed"):
+                async with pair.sender.open_send("broken"):
+                    await trio.sleep(0.05)
+                    raise RuntimeError("vision encoder crashed")
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(failing_encoder)
+            with pytest.raises(TransferFailed) as raised:
+                await pair.receiver.receive("broken", peer=pair.link, consume=Collector())
+        assert raised.value.report.detail == (
+            "sender aborted: sender failed before sending: RuntimeError('vision encoder crashed')"
+        )
+        await settle()
+    assert (pool.used_blocks, pool.quarantined_blocks) == (0, 0)
+
+
+async def test_ucx_blocks_stay_quarantined_until_the_sender_acknowledges_the_abort() -> None:
+    source, storage, pool = (
+        Source(LAYOUT, 64, seed=4),
+        random_storage(LAYOUT, 16, 5),
+        shuffled_pool(16, 16, 6),
+    )
+    control_send, control = trio.open_memory_channel[SenderDelivery](64)
+    config = TransferConfig(default_grant_blocks=1, round_cap_blocks=1, window=3)
+    held: list[SenderDelivery] = []
+    async with (
+        open_endpoint("enc", source.storage, source.pool, config=config, sender_control=control_send) as enc,
+        open_endpoint("lang", storage, pool, config=config) as lang,
+    ):
+        link = await lang.connect(await enc.listen_on("ucx"))
+
+        async def replica() -> None:  # a busy owner: it holds the Abort in its command queue
+            async for delivery in control:
+                (held.append if type(delivery.message).__name__ == "Abort" else enc.deliver)(delivery)
+
+        async def sender() -> None:
+            async with enc.open_send("t") as session:
+                session.announce_total(source.tokens)
+                await trio.sleep_forever()
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(replica)
+            nursery.start_soon(sender)
+            with trio.move_on_after(0.3):
+                await lang.receive("t", peer=link, consume=Collector())
+            await settle()
+            assert pool.quarantined_blocks == 3
+            enc.deliver(held.pop())
+            await settle()
+            assert pool.used_blocks == 0
+            nursery.cancel_scope.cancel()
+
+
+@pytest.mark.parametrize("hidden", [8, 4096], ids=["packed", "direct"])
+async def test_a_corrupted_ucx_round_is_caught_by_checksums(hidden: int) -> None:
+    layout = embedding_layout(block_size=16, hidden=hidden)
+    source, storage, pool = (
+        Source(layout, 48, seed=7),
+        random_storage(layout, 16, 8),
+        shuffled_pool(16, 16, 9),
+    )
+    config = TransferConfig(default_grant_blocks=1, round_cap_blocks=1, window=1, checksums=True)
+    failures: dict[str, TransferError] = {}
+    async with endpoint_pair(
+        "ucx", source, storage, pool, config=config, faults=FaultPlan(corrupt_round=0)
+    ) as pair:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(_expect_sender_failure, pair.sender, "t", source, failures)
+            with pytest.raises(
+                TransferFailed, match=r"\(corrupted\): round 0: checksum 0x[0-9a-f]{8}, sender sent"
+            ):
+                await pair.receiver.receive("t", peer=pair.link, consume=Collector())
+        await settle()
+    assert failures["t"].reason is FailureReason.CORRUPTED
+    assert_same_bytes(Source(layout, 48, seed=7).expected(), source.expected())  # the sender's blocks intact
+    assert pool.used_blocks == 0
+
+
+@pytest.mark.parametrize("how", ["receiver-gone", "link-dropped"])
+async def test_a_lost_ucx_receiver_or_link_fails_both_sides_within_the_deadline(how: str) -> None:
+    source, storage, pool = (
+        Source(LAYOUT, 96, seed=47),
+        random_storage(LAYOUT, 16, 48),
+        shuffled_pool(16, 16, 49),
+    )
+    config = TransferConfig(default_grant_blocks=1, round_cap_blocks=1, window=2, **LIVELY)
+    faults = FaultPlan(stall_before_round=2) if how == "receiver-gone" else FaultPlan(drop_link_after_bytes=1)
+    failures: dict[str, TransferError] = {}
+    async with endpoint_pair("ucx", source, storage, pool, config=config, faults=faults) as pair:
+        collector = Collector()
+
+        async def receiver_goes_away() -> None:
+            while len(collector.rounds) < 2:
+                await trio.sleep(0.01)
+            pair.link.close(LinkBroken("receiver gone"))
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(_expect_sender_failure, pair.sender, "t", source, failures)
+            if how == "receiver-gone":
+                nursery.start_soon(receiver_goes_away)
+            start = trio.current_time()
+            with pytest.raises(TransferFailed) as raised:
+                await pair.receiver.receive("t", peer=pair.link, consume=collector)
+            assert trio.current_time() - start < 3.0
+        assert raised.value.reason is FailureReason.LINK_LOST
+        assert failures["t"].reason is FailureReason.LINK_LOST
+        if how == "link-dropped":  # torn down mid-frame, no goodbye: the heartbeats notice
+            assert "nothing received for" in raised.value.report.detail
+        await settle()
+    assert pool.used_blocks == 0
+
+
+async def test_a_malformed_ucx_frame_closes_only_that_peers_link() -> None:
+    good, bad = Source(LAYOUT, 80, seed=50), Source(LAYOUT, 80, seed=51)
+    storage, pool = random_storage(LAYOUT, 30, seed=52), shuffled_pool(30, 16, seed=53)
+    config = TransferConfig(default_grant_blocks=1, round_cap_blocks=1, window=2)
+    async with (
+        open_endpoint("good", good.storage, good.pool, config=config) as good_sender,
+        open_endpoint(
+            "bad", bad.storage, bad.pool, config=config, faults=FaultPlan(malformed_frame_after_bytes=1)
+        ) as bad_sender,
+        open_endpoint("receiver", storage, pool, config=config) as receiver,
+    ):
+        good_link = await receiver.connect(await good_sender.listen_on("ucx"))
+        bad_link = await receiver.connect(await bad_sender.listen_on("ucx"))
+        good_data = Collector()
+        failures: dict[str, TransferError] = {}
+
+        async def receive_bad() -> None:
+            try:
+                await receiver.receive("b", peer=bad_link, consume=Collector())
+            except TransferFailed as exc:
+                failures["receiver"] = exc
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(send_all, good_sender, "g", good)
+            nursery.start_soon(_expect_sender_failure, bad_sender, "b", bad, failures)
+            nursery.start_soon(receive_bad)
+            await receiver.receive("g", peer=good_link, consume=good_data)
+        await settle()
+        assert receiver.links() == [good_link]
+        assert bad_link.error is not None
+        assert "malformed frame from the peer: control body of unknown kind 0xde" in str(bad_link.error)
+    assert_same_bytes(good_data.data(), good.expected())
+    assert [failures[side].reason for side in ("receiver", "b")] == [FailureReason.LINK_LOST] * 2
+    assert pool.used_blocks == 0
+
+
+async def test_a_mismatched_ucx_handshake_is_refused_naming_both_values() -> None:
+    source = Source(embedding_layout(), 10, seed=8)
+    layout = embedding_layout(block_size=64)
+    storage, pool = random_storage(layout, 4, seed=9), shuffled_pool(4, 64, seed=9)
+    async with (
+        open_endpoint("sender", source.storage, source.pool) as sender,
+        open_endpoint("receiver", storage, pool) as receiver,
+    ):
+        address = await sender.listen_on("ucx")
+        with pytest.raises(
+            HandshakeRefused, match=f"^{re.escape('block_size mismatch: sender 128, receiver 64')}$"
+        ):
+            await receiver.connect(address)
+        await settle()
+        assert receiver.links() == [] and sender.links() == []
+
+
+async def test_nobody_listening_at_a_ucx_address_fails_within_the_handshake_timeout() -> None:
+    source = Source(LAYOUT, 16, seed=1)
+    config = TransferConfig(handshake_timeout=0.5)
+    async with (
+        open_endpoint("gone", source.storage, source.pool, config=config) as gone,
+        open_endpoint(
+            "receiver", random_storage(LAYOUT, 4, 2), shuffled_pool(4, 16, 3), config=config
+        ) as receiver,
+    ):
+        # A live worker whose endpoint never listened: the connect message finds no listener.
+        from transport.ucx import worker_for
+
+        address = f"ucx://{(await worker_for(gone)).address.hex()}"
+        start = trio.current_time()
+        with pytest.raises(LinkBroken, match=r"no answer from ucx://.* within 0.5 s"):
+            await receiver.connect(address)
+        assert trio.current_time() - start < 2.0
+        with pytest.raises(
+            ValueError, match=r"bad ucx address 'ucx://zz': expected ucx://<hex worker address>"
+        ):
+            await receiver.connect("ucx://zz")

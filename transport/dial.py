@@ -1,0 +1,42 @@
+"""The transports beyond inproc and tcp, reached through `TransferEndpoint.connect` / `listen_on`.
+
+`ucx` (`transport.ucx`) needs the optional `ucx` extra (ucxx), and `cuda-ipc` (`transport.cuda_ipc`)
+needs CUDA pools; their modules are imported only here, when a link is made, so importing zigzag never
+needs either.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Literal
+
+from transport.link import Link
+
+if TYPE_CHECKING:
+    from transport.endpoint import TransferEndpoint
+
+ListenKind = Literal["ucx", "cuda-ipc"]
+
+
+async def dial(endpoint: TransferEndpoint, address: str) -> Link:
+    """A new link (not yet handshaken) from receiving `endpoint` to the sender at `address`."""
+    scheme, _, _rest = address.partition("://")
+    if scheme == "ucx":
+        from transport import ucx
+
+        return await ucx.dial(endpoint, address)
+    raise ValueError(
+        f"unknown transport address {address!r} (expected inproc://name, tcp://host:port or "
+        "ucx://<worker address>)"
+    )
+
+
+async def listen(
+    endpoint: TransferEndpoint, kind: ListenKind, on_accept: Callable[[Link], None], host: str
+) -> str:
+    """Accept links of `kind` to `endpoint`; returns the address peers connect to."""
+    if kind == "ucx":
+        from transport import ucx
+
+        return await ucx.listen(endpoint, on_accept)
+    raise ValueError(f"endpoint {endpoint.name!r}: cannot listen on {kind!r} yet")

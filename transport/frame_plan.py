@@ -1,0 +1,88 @@
+"""A bulk write cut into frames of one buffer: at most `MAX_FRAME_BYTES` and `MAX_SEGMENTS` pieces each.
+
+A *piece* is a stretch of rows consecutive on both sides: a run (`transport.runs`), or a slice of one that
+would not fit a frame. Frames are what the ucx transport describes in one control message, and what a
+pool on a GPU is staged through host memory by (tcp, ucx without CUDA transports).
+
+`direct(piece_bytes)` sorts the pieces: *direct* frames send each piece as its own message, straight
+from the sender's block memory into the receiver's; *packed* frames carry their pieces' bytes back to
+back in one host chunk (`transport.staging`). A ucxx message costs about what a 64 KiB memcpy does on
+this class of machine, so small pieces travel packed and large ones direct.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Final, final
+
+from transport.link import BulkWrite
+
+MAX_FRAME_BYTES: Final = 8 * 1024 * 1024
+MAX_SEGMENTS: Final = 256
+
+
+@dataclass(frozen=True, slots=True)
+class Piece:
+    """Rows `[src_row, +rows)` of the sender's buffer go to rows `[dst_row, +rows)` of the receiver's."""
+
+    src_row: int
+    dst_row: int
+    rows: int
+
+
+@final
+@dataclass(slots=True)
+class Frame:
+    """Pieces of buffer `name` (index `buffer` in the layout); `packed`: one message, bytes back to back."""
+
+    packed: bool
+    buffer: int
+    name: str
+    row_bytes: int
+    pieces: list[Piece] = field(default_factory=list)
+    rows: int = 0
+
+    @property
+    def length(self) -> int:
+        return self.rows * self.row_bytes
+
+    def segments(self) -> list[tuple[int, int]]:
+        """The receiver's side: `(dst_row, rows)` per piece."""
+        return [(piece.dst_row, piece.rows) for piece in self.pieces]
+
+    def sources(self) -> list[tuple[int, int]]:
+        """The sender's side: `(src_row, rows)` per piece."""
+        return [(piece.src_row, piece.rows) for piece in self.pieces]
+
+
+def frame_rows(row_bytes: int) -> int:
+    """Rows one frame may hold (at least one, however wide a row)."""
+    return max(1, MAX_FRAME_BYTES // row_bytes)
+
+
+def plan_frames(
+    bulk: BulkWrite, buffer: int, name: str, row_bytes: int, direct: Callable[[int], bool]
+) -> Iterator[Frame]:
+    """The frames moving buffer `name` of `bulk`, in the order their pieces appear in its runs (direct
+    and packed frames interleave; each frame's pieces keep that order)."""
+    limit = frame_rows(row_bytes)
+    filling: dict[bool, Frame] = {}
+    for run in bulk.runs:
+        done = 0
+        while done < run.rows:
+            rows = min(limit, run.rows - done)
+            packed = not direct(rows * row_bytes)
+            frame = filling.get(packed)
+            if frame is not None and (frame.rows + rows > limit or len(frame.pieces) == MAX_SEGMENTS):
+                yield frame
+                frame = None
+            if frame is None:
+                frame = filling[packed] = Frame(packed, buffer, name, row_bytes)
+            frame.pieces.append(Piece(run.src_row + done, run.dst_row + done, rows))
+            frame.rows += rows
+            done += rows
+    for packed in (False, True):
+        frame = filling.get(packed)
+        if frame is not None:
+            yield frame

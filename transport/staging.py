@@ -1,0 +1,162 @@
+"""Rows of a pool's storage to and from a contiguous host chunk: packing, and GPU staging (issue 7).
+
+A packed frame's payload is its pieces' bytes back to back (`transport.frame_plan`):
+- `pack(storage, name, rows, chunk)` gathers rows `[(row, count), …]` of buffer `name` into the front of
+  `chunk` and returns the byte count;
+- `unpack(storage, name, rows, chunk)` scatters the front of `chunk` back into those rows.
+
+CPU storage: one memcpy per stretch through memoryviews (a frame is at most 8 MiB, so the event loop is
+held for well under a millisecond). Any other device (a pool on a GPU): one gather (`index_select`) into
+a device temporary and one copy into the pinned chunk — or the reverse with one `index_copy_` — on a
+staging stream, synchronised before returning: the chunk is ready to send, or the rows are in place
+before the round's `ChunkDone` is handled. That is how tcp and UCX without CUDA transports move GPU
+pools; `gather_rows` / `scatter_rows` are that device path, callable on CPU tensors too.
+
+`HostChunks` hands out reusable `MAX_FRAME_BYTES` chunks — pinned when CUDA is available (device copies
+from pageable memory go through a driver bounce buffer) — and keeps a few, so a link's steady state
+neither allocates nor page-faults.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from typing import Final, final
+
+import torch
+
+from transport.frame_plan import MAX_FRAME_BYTES, plan_frames
+from transport.link import BulkWrite
+from transport.storage import PoolStorage
+from transport.tcp_frames import BULK, HEADER, MAGIC, SEGMENT, Buffer
+
+KEEP_CHUNKS: Final = 4
+
+
+@final
+class HostChunk:
+    """One host buffer: `tensor` (uint8, pinned or not) and `view`, a writable memoryview of its bytes."""
+
+    def __init__(self, size: int, pinned: bool) -> None:
+        self.tensor = torch.empty(size, dtype=torch.uint8, pin_memory=pinned)
+        self.view = memoryview(self.tensor.numpy()).cast("B")  # type: ignore[arg-type]
+
+
+@final
+class HostChunks:
+    """Reusable host chunks of one link (single Trio thread, no locking)."""
+
+    def __init__(self, *, pinned: bool | None = None) -> None:
+        self.pinned = torch.cuda.is_available() if pinned is None else pinned
+        self._free: list[HostChunk] = []
+
+    def take(self, size: int = MAX_FRAME_BYTES) -> HostChunk:
+        """A chunk of at least `size` bytes (frames of one row wider than a chunk get their own)."""
+        if size <= MAX_FRAME_BYTES and self._free:
+            return self._free.pop()
+        return HostChunk(max(size, MAX_FRAME_BYTES), self.pinned)
+
+    def give(self, chunk: HostChunk) -> None:
+        if len(self._free) < KEEP_CHUNKS and len(chunk.view) == MAX_FRAME_BYTES:
+            self._free.append(chunk)
+
+
+def pack(storage: PoolStorage, name: str, rows: Sequence[tuple[int, int]], chunk: HostChunk) -> int:
+    """Rows `(row, count)` of buffer `name`, back to back at the front of `chunk`; returns the bytes."""
+    if storage.device.type != "cpu":
+        return gather_rows(storage, name, rows, chunk)
+    row_bytes = storage.row_bytes[name]
+    memory, view, at = storage.buffer_bytes(name), chunk.view, 0
+    for row, count in rows:
+        size = count * row_bytes
+        view[at : at + size] = memory[row * row_bytes : row * row_bytes + size]
+        at += size
+    return at
+
+
+def unpack(storage: PoolStorage, name: str, rows: Sequence[tuple[int, int]], chunk: HostChunk) -> int:
+    """The front of `chunk` scattered into rows `(row, count)` of buffer `name`; returns the bytes."""
+    if storage.device.type != "cpu":
+        return scatter_rows(storage, name, rows, chunk)
+    row_bytes = storage.row_bytes[name]
+    memory, view, at = storage.buffer_bytes(name), chunk.view, 0
+    for row, count in rows:
+        size = count * row_bytes
+        memory[row * row_bytes : row * row_bytes + size] = view[at : at + size]
+        at += size
+    return at
+
+
+def row_index(rows: Sequence[tuple[int, int]], device: torch.device) -> torch.Tensor:
+    """Every flat row of the stretches `(row, count)`, in order, without a Python loop per row."""
+    starts = torch.tensor([row for row, _count in rows], dtype=torch.int64)
+    counts = torch.tensor([count for _row, count in rows], dtype=torch.int64)
+    total = int(counts.sum())
+    stretch = torch.repeat_interleave(torch.arange(len(rows)), counts, output_size=total)
+    first = torch.cumsum(counts, 0) - counts
+    return (starts[stretch] + torch.arange(total) - first[stretch]).to(device)
+
+
+@functools.cache
+def _staging_stream(device: torch.device) -> torch.cuda.Stream:
+    return torch.cuda.Stream(device)
+
+
+@contextmanager
+def _staged(device: torch.device) -> Iterator[None]:
+    """Run the block's device work on the staging stream (after the work already queued on the
+    current one) and wait for it; a no-op off CUDA."""
+    if device.type != "cuda":
+        yield
+        return
+    stream = _staging_stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    try:
+        with torch.cuda.stream(stream):
+            yield
+    finally:
+        stream.synchronize()  # also on error: nothing may still read or write the chunk
+
+
+def _host_rows(chunk: HostChunk, flat: torch.Tensor, count: int) -> torch.Tensor:
+    length = count * flat[0].numel() * flat.element_size()
+    return chunk.tensor[:length].view(flat.dtype).view(count, *flat.shape[1:])
+
+
+def gather_rows(storage: PoolStorage, name: str, rows: Sequence[tuple[int, int]], chunk: HostChunk) -> int:
+    """`pack` for storage off the CPU: one gather on the device, one copy into the (pinned) chunk."""
+    flat = storage.flat(name)
+    index = row_index(rows, flat.device)
+    host = _host_rows(chunk, flat, index.numel())
+    with _staged(flat.device):
+        host.copy_(flat.index_select(0, index), non_blocking=True)
+    return host.numel() * host.element_size()
+
+
+def scatter_rows(storage: PoolStorage, name: str, rows: Sequence[tuple[int, int]], chunk: HostChunk) -> int:
+    """`unpack` for storage off the CPU: one copy from the (pinned) chunk, one scatter on the device."""
+    flat = storage.flat(name)
+    index = row_index(rows, flat.device)
+    host = _host_rows(chunk, flat, index.numel())
+    with _staged(flat.device):
+        flat.index_copy_(0, index, host.to(flat.device, non_blocking=True))
+    return host.numel() * host.element_size()
+
+
+def staged_tcp_frames(
+    bulk: BulkWrite, buffer: int, name: str, row_bytes: int, chunk: HostChunk, corrupt: bool
+) -> Iterator[tuple[list[Buffer], int]]:
+    """TCP bulk frames (`transport.tcp_frames` layout) of buffer `name` of a pool off the CPU: each
+    frame's rows are packed into `chunk` just before it is yielded, so send each frame before taking the
+    next. `corrupt` flips the first payload byte."""
+    for frame in plan_frames(bulk, buffer, name, row_bytes, direct=lambda _bytes: False):
+        length = pack(bulk.source, name, frame.sources(), chunk)
+        if corrupt:
+            chunk.view[0] ^= 0xFF
+            corrupt = False
+        header = HEADER.pack(
+            MAGIC, BULK, 0, length, bulk.landing_key, bulk.round, buffer, 0, len(frame.pieces)
+        )
+        table = b"".join(SEGMENT.pack(row, rows) for row, rows in frame.segments())
+        yield [header, table, chunk.view[:length]], length

@@ -1,0 +1,501 @@
+"""The UCX transport (issue 7): links over ucxx tag messages, driven from Trio (`transport.ucx_worker`).
+
+Each endpoint that uses UCX gets one worker (`worker_for`), progressed by a task in the endpoint's
+nursery. A sending endpoint listens at `ucx://<hex of its worker address>`; with UCX's shared-memory
+transports that address reaches the worker from any process on the host, and with `tcp` in `UCX_TLS`
+from other hosts too.
+
+- Connecting (receiver → sender): `dial` makes a UCX endpoint from the sender's worker address and sends
+  `connect{its link number, its own worker address}` to the sender's listener; the listener makes the
+  sending link and an endpoint back, and answers `accept{its link number}`. Then the handshake of DESIGN
+  §5.1 (`Hello` / `HelloAck`) runs over the link like on any transport.
+- Control messages: one UCX message each on the far link's control tag (`transport.ucx_frames`).
+- Bulk writes: cut into frames (`transport.frame_plan`); each frame is a descriptor on the control tag,
+  then its bytes on the bulk tag — a *direct* frame one message per piece, straight from the sender's
+  block memory (or GPU memory, when UCX has CUDA transports) into the receiver's; a *packed* frame one
+  message of pieces under 64 KiB packed back to back, or of a GPU pool's rows staged through pinned host
+  memory (`transport.staging`). The receiver's reader posts each frame's receives where its landing
+  claims them, or into a scratch chunk when the round is gone; before it handles any later peer message
+  (`ChunkDone`, `AbortAck`) it waits until every earlier frame landed, which keeps the link's one order.
+- `write` returns once every send completed (UCX reads the source rows until then); it waits for that
+  shielded, failing the link when the peer takes nothing for `link_timeout`. Cancellation takes effect
+  between frames: a frame's descriptor and bytes are posted together.
+- Liveness as on tcp: heartbeats after `heartbeat_interval` of silence, broken after `link_timeout`
+  without receiving. Endpoints have no UCX peer-failure handling (its shared-memory transports refuse
+  it), so a vanished peer is found by the missing heartbeats; a closing peer says `goodbye`.
+- `quiesce` returns once every receive posted into block memory has completed or was cancelled (closing
+  the UCX endpoint cancels them).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import weakref
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Final, final
+
+import structlog
+import torch
+import trio
+
+from messages.layout import PoolLayout
+from messages.peer_codec import PeerCodecError
+from messages.transfer import Heartbeat, PeerMessage
+from transport.config import TransferConfig
+from transport.errors import LinkBroken, LinkClosed, LinkError
+from transport.faults import FaultPlan
+from transport.frame_plan import Frame, plan_frames
+from transport.link import BulkWrite, Link, LinkHandler, Role
+from transport.runs import run_bytes
+from transport.staging import HostChunk, HostChunks, pack, unpack
+from transport.storage import PoolStorage
+from transport.ucx_frames import (
+    ACCEPT,
+    CONNECT,
+    DESCRIPTOR,
+    GOODBYE,
+    MESSAGE,
+    Descriptor,
+    UcxFrameError,
+    accept_body,
+    connect_body,
+    descriptor_body,
+    goodbye_body,
+    kind_of,
+    message_body,
+    parse_descriptor,
+    parse_goodbye,
+    parse_message,
+    parse_number,
+)
+from transport.ucx_worker import BULK, CONTROL, LISTENER, Arrival, UcxFailed, UcxWorker, tag
+
+if TYPE_CHECKING:
+    from transport.endpoint import TransferEndpoint
+
+DIRECT_MIN_BYTES: Final = 64 * 1024
+PACKED_WINDOW: Final = 4
+_link_numbers = itertools.count(1)
+_workers: weakref.WeakKeyDictionary[TransferEndpoint, UcxWorker] = weakref.WeakKeyDictionary()
+_log = structlog.get_logger("transport.ucx")
+
+
+async def worker_for(endpoint: TransferEndpoint) -> UcxWorker:
+    """The endpoint's UCX worker, created (and its progress task started) on first use."""
+    worker = _workers.get(endpoint)
+    if worker is None:
+        worker = _workers[endpoint] = UcxWorker(endpoint.name)
+        await endpoint.nursery.start(worker.run)
+    return worker
+
+
+def parse_address(address: str) -> bytes:
+    """The worker address in `ucx://<hex>` (or the part after `ucx://`); ValueError naming it."""
+    text = address.removeprefix("ucx://")
+    try:
+        raw = bytes.fromhex(text)
+    except ValueError:
+        raw = b""
+    if not raw:
+        raise ValueError(f"bad ucx address {address!r}: expected ucx://<hex worker address>")
+    return raw
+
+
+@dataclass(slots=True)
+class _Landing:
+    """One frame's receives; `chunk` (and `rows`, to scatter into when the round stands) when it lands
+    through host memory."""
+
+    requests: list[Any]
+    chunk: HostChunk | None = None
+    rows: tuple[PoolStorage, str, list[tuple[int, int]]] | None = None
+
+
+@final
+class UcxLink(Link):
+    """One end of a UCX link (see the module docstring)."""
+
+    def __init__(
+        self,
+        worker: UcxWorker,
+        *,
+        local: str,
+        role: Role,
+        handler: LinkHandler,
+        layout: PoolLayout,
+        config: TransferConfig,
+        faults: FaultPlan,
+    ) -> None:
+        super().__init__(link_id=f"ucx-{next(_link_numbers)}", local=local, role=role, handler=handler)
+        self._worker, self._layout, self._config, self._faults = worker, layout, config, faults
+        self._buffer_index = {spec.name: index for index, spec in enumerate(layout.buffers)}
+        self._row_bytes = [spec.bytes_per_token for spec in layout.buffers]
+        self._inbox_send, self._inbox = trio.open_memory_channel[Arrival](math.inf)
+        self.number = worker.register(self._arrive)
+        self._endpoint: Any = None
+        self._peer_number = LISTENER
+        self._scope = trio.CancelScope()
+        self._chunks = HostChunks()
+        self._landing: deque[_Landing] = deque()
+        self._last_received = self._last_sent = trio.current_time()
+        self._heartbeat_seq = self._bulk_sent = 0
+        self._malformed_sent = self._silent_close = False
+
+    def attach(self, endpoint: Any, peer_number: int) -> None:
+        """Talk to the far link `peer_number` (its listener, `LISTENER`, until accepted) over `endpoint`."""
+        self._endpoint, self._peer_number = endpoint, peer_number
+
+    def accepted(self, peer_number: int) -> None:
+        self._peer_number = peer_number
+
+    def _arrive(self, arrival: Arrival) -> None:
+        # Any arrival is liveness, even while the reader waits for bulk bytes.
+        self._last_received = trio.current_time()
+        if self.error is None:
+            self._inbox_send.send_nowait(arrival)
+
+    async def next_body(self) -> bytearray:
+        """The next control body, read before `run` starts (the connect handshake)."""
+        arrival = await self._inbox.receive()
+        await self._worker.wait([arrival.request])
+        return arrival.body
+
+    # ------------------------------------------------------------------ closing
+    def close(self, error: LinkError) -> None:
+        if self.error is not None:
+            return
+        self.error = error
+        self.closed.set()
+        self.ready.set()
+        self._scope.cancel()
+        self._inbox_send.close()
+        self._worker.unregister(self.number)
+        if self._endpoint is None:
+            return
+        if not self._silent_close:
+            try:
+                self._worker.send(self._endpoint, tag(self._peer_number, CONTROL), goodbye_body(str(error)))
+            except UcxFailed as exc:
+                _log.info("transfer.ucx_goodbye_unsent", link=self.describe(), error=str(exc))
+        self._worker.disconnect(self._endpoint)
+
+    async def quiesce(self) -> None:
+        await self.closed.wait()
+        with trio.CancelScope(shield=True):
+            for landing in list(self._landing):
+                await self._worker.wait(landing.requests, check=False)
+
+    def _raise_closed(self) -> None:
+        assert self.error is not None
+        raise type(self.error)(str(self.error))
+
+    # ------------------------------------------------------------------ sending
+    async def send(self, message: PeerMessage) -> None:
+        await self._post_and_settle(message_body(message))
+
+    async def post_control(self, body: bytes) -> None:
+        """Send one control body to the far link (or its listener, before `accept`)."""
+        await self._post_and_settle(body)
+
+    async def _post_and_settle(self, body: bytes) -> None:
+        if self.error is not None:
+            self._raise_closed()
+        try:
+            request = self._worker.send(self._endpoint, tag(self._peer_number, CONTROL), body)
+        except UcxFailed as exc:
+            self.close(LinkBroken(f"link {self.describe()}: {exc}"))
+            self._raise_closed()
+        self._last_sent = trio.current_time()
+        await self._settle([request])
+
+    async def _settle(self, requests: list[Any]) -> None:
+        """Wait until `requests` completed, shielded, each within `link_timeout`; the link fails
+        otherwise (and this raises its error)."""
+        with trio.CancelScope(shield=True):
+            for request in requests:
+                if request.completed or self.error is not None:
+                    continue
+                with trio.move_on_after(self._config.link_timeout) as scope:
+                    await self._worker.wait([request], check=False)
+                if scope.cancelled_caught:
+                    timeout = self._config.link_timeout
+                    self.close(LinkBroken(f"link {self.describe()}: peer took nothing for {timeout} s"))
+        for request in requests:
+            if self.error is None and request.completed:
+                try:
+                    self._worker.check(request)
+                except UcxFailed as exc:
+                    self.close(LinkBroken(f"link {self.describe()}: send failed: {exc}"))
+        if self.error is not None:
+            self._raise_closed()
+
+    async def write(self, bulk: BulkWrite, trailer: PeerMessage | None = None) -> int:
+        if self.error is not None:
+            self._raise_closed()
+        direct = self._direct_rule(bulk.source)
+        posted: list[tuple[list[Any], HostChunk | None]] = []
+        corrupt = bulk.corrupt
+        try:
+            for name in bulk.buffers:
+                index = self._buffer_index[name]
+                for frame in plan_frames(bulk, index, name, self._row_bytes[index], direct):
+                    while sum(chunk is not None for _r, chunk in posted) >= PACKED_WINDOW:
+                        await self._settle_oldest_chunk(posted)
+                    self._check_faults(frame)
+                    posted.append(self._post_frame(bulk, frame, corrupt))
+                    corrupt = False
+            if trailer is not None:
+                posted.append(([self._post(CONTROL, message_body(trailer))], None))
+        finally:
+            with trio.CancelScope(shield=True):
+                await self._settle([request for requests, _chunk in posted for request in requests])
+                for requests, chunk in posted:
+                    if chunk is not None and all(request.completed for request in requests):
+                        self._chunks.give(chunk)
+        return bulk.nbytes
+
+    async def _settle_oldest_chunk(self, posted: list[tuple[list[Any], HostChunk | None]]) -> None:
+        at = next(i for i, (_requests, chunk) in enumerate(posted) if chunk is not None)
+        requests, chunk = posted.pop(at)
+        await self._settle(requests)
+        assert chunk is not None
+        self._chunks.give(chunk)
+
+    def _direct_rule(self, storage: PoolStorage) -> Callable[[int], bool]:
+        if storage.device.type == "cpu":
+            return lambda nbytes: nbytes >= DIRECT_MIN_BYTES
+        capable = self._worker.cuda_capable
+        return lambda _nbytes: capable
+
+    def _post(self, kind: int, body: object) -> Any:
+        number = self._peer_number
+        try:
+            request = self._worker.send(self._endpoint, tag(number, kind), body)
+        except UcxFailed as exc:
+            self.close(LinkBroken(f"link {self.describe()}: {exc}"))
+            self._raise_closed()
+        self._last_sent = trio.current_time()
+        return request
+
+    def _post_frame(self, bulk: BulkWrite, frame: Frame, corrupt: bool) -> tuple[list[Any], HostChunk | None]:
+        """Post one frame's descriptor and bytes, with no await in between (see `write`)."""
+        requests = [self._post(CONTROL, descriptor_body(frame, bulk.landing_key, bulk.round))]
+        chunk = None
+        if frame.packed:
+            chunk = self._chunks.take(frame.length)
+            length = pack(bulk.source, frame.name, frame.sources(), chunk)
+            if corrupt:
+                chunk.view[0] ^= 0xFF
+            requests.append(self._post(BULK, chunk.view[:length]))
+        else:
+            for piece in frame.pieces:
+                payload: object = _rows(bulk.source, frame.name, piece.src_row, piece.rows)
+                if corrupt:
+                    payload, corrupt = (
+                        _flipped(_rows(bulk.source, frame.name, piece.src_row, piece.rows)),
+                        False,
+                    )
+                requests.append(self._post(BULK, payload))
+        self._bulk_sent += frame.length
+        return requests, chunk
+
+    def _check_faults(self, frame: Frame) -> None:
+        malformed_at = self._faults.malformed_frame_after_bytes
+        if malformed_at is not None and not self._malformed_sent and self._bulk_sent >= malformed_at:
+            self._malformed_sent = True
+            self._post(CONTROL, b"\xde\xad" * 16)
+        drop_at = self._faults.drop_link_after_bytes
+        if drop_at is not None and self._bulk_sent + frame.length >= drop_at:
+            self._silent_close = True  # torn down mid-frame: the peer hears nothing more
+            error = LinkBroken(f"link {self.describe()} dropped by fault injection after {drop_at} bytes")
+            self.close(error)
+            raise error
+
+    # ------------------------------------------------------------------ receiving
+    async def run(self) -> None:
+        try:
+            with self._scope:
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(self._heartbeats)
+                    await self._read()
+                    nursery.cancel_scope.cancel()
+        finally:
+            # Also when the endpoint itself is cancelled: the link's transfers and fences must hear it.
+            if self.error is None:
+                self.close(LinkClosed(f"link {self.describe()}: its endpoint stopped"))
+            assert self.error is not None
+            self.handler.on_closed(self, self.error)
+
+    async def _read(self) -> None:
+        try:
+            async for arrival in self._inbox:
+                await self._worker.wait([arrival.request])
+                body = arrival.body
+                kind = kind_of(body, (DESCRIPTOR, MESSAGE, GOODBYE))
+                if kind == DESCRIPTOR:
+                    await self._receive_frame(parse_descriptor(body, self._row_bytes))
+                elif kind == MESSAGE:
+                    message = parse_message(body)
+                    await self._land_all()
+                    await self.handler.on_message(self, message)
+                    await trio.lowlevel.checkpoint()  # let whoever the message woke run first
+                else:
+                    self._silent_close = True
+                    self.close(
+                        LinkClosed(f"link {self.describe()}: the peer closed it ({parse_goodbye(body)})")
+                    )
+        except (UcxFrameError, PeerCodecError) as exc:
+            self.close(LinkBroken(f"link {self.describe()}: malformed frame from the peer: {exc}"))
+        except UcxFailed as exc:
+            self.close(LinkBroken(f"link {self.describe()}: receive failed: {exc}"))
+        except LinkError as exc:
+            self.close(exc)
+
+    async def _receive_frame(self, frame: Descriptor) -> None:
+        """Post the frame's receives: into block memory when the landing claims it and UCX can reach
+        that memory, else into a chunk (scattered into the rows once landed when the round stands)."""
+        landing = self.handler.landing(self, frame.landing_key)
+        name = self._layout.buffers[frame.buffer].name
+        claimed = landing is not None and landing.claim(frame.round, name, frame.segments)
+        on = tag(self.number, BULK)
+        worker, endpoint = self._worker, self._endpoint
+        if claimed and landing is not None and not frame.packed:
+            storage = landing.storage
+            if storage.device.type == "cpu" or worker.cuda_capable:
+                targets = [_rows(storage, name, row, rows) for row, rows in frame.segments]
+                self._landing.append(_Landing([worker.receive(endpoint, on, t) for t in targets]))
+                return
+        while sum(pending.chunk is not None for pending in self._landing) >= PACKED_WINDOW:
+            await self._land_oldest()
+        chunk = self._chunks.take(frame.length)
+        if frame.packed:
+            requests = [worker.receive(endpoint, on, chunk.view[: frame.length])]
+        else:
+            width, at, requests = self._row_bytes[frame.buffer], 0, []
+            for _row, rows in frame.segments:
+                requests.append(worker.receive(endpoint, on, chunk.view[at : at + rows * width]))
+                at += rows * width
+        scatter = (landing.storage, name, frame.segments) if claimed and landing is not None else None
+        self._landing.append(_Landing(requests, chunk, scatter))
+
+    async def _land_oldest(self) -> None:
+        pending = self._landing[0]
+        await self._worker.wait(pending.requests)
+        self._landing.popleft()
+        self._last_received = trio.current_time()
+        if pending.chunk is not None:
+            if pending.rows is not None:
+                unpack(*pending.rows, pending.chunk)
+            self._chunks.give(pending.chunk)
+
+    async def _land_all(self) -> None:
+        while self._landing:
+            await self._land_oldest()
+
+    async def _heartbeats(self) -> None:
+        interval = self._config.heartbeat_interval
+        while True:
+            await trio.sleep(interval / 2)
+            now = trio.current_time()
+            quiet = now - self._last_received
+            if quiet > self._config.link_timeout:
+                self.close(LinkBroken(f"link {self.describe()}: nothing received for {quiet:.1f} s"))
+                return
+            if now - self._last_sent >= interval:
+                self._heartbeat_seq += 1
+                try:
+                    await self.send(Heartbeat(link_id=self.link_id, seq=self._heartbeat_seq))
+                except LinkError:
+                    return
+
+
+def _rows(storage: PoolStorage, name: str, row: int, rows: int) -> memoryview | torch.Tensor:
+    """Rows of a buffer as UCX sees them: bytes of CPU storage, a CUDA tensor slice of GPU storage."""
+    if storage.device.type == "cpu":
+        return run_bytes(storage, name, row, rows)
+    return storage.flat(name)[row : row + rows]
+
+
+def _flipped(payload: memoryview | torch.Tensor) -> bytearray | torch.Tensor:
+    """A copy of `payload` with its first byte flipped (fault injection never touches the sender's blocks)."""
+    if isinstance(payload, memoryview):
+        copy = bytearray(payload)
+        copy[0] ^= 0xFF
+        return copy
+    flipped = payload.clone()
+    first = flipped.view(-1).view(torch.uint8)[:1]
+    first.bitwise_xor_(0xFF)
+    return flipped
+
+
+# ---------------------------------------------------------------------- connecting and listening
+def _link(endpoint: TransferEndpoint, worker: UcxWorker, role: Role) -> UcxLink:
+    return UcxLink(
+        worker,
+        local=endpoint.name,
+        role=role,
+        handler=endpoint,
+        layout=endpoint.storage.layout,
+        config=endpoint.config,
+        faults=endpoint.faults,
+    )
+
+
+async def dial(endpoint: TransferEndpoint, address: str) -> UcxLink:
+    """A UCX link from receiving `endpoint` to the listener at `address` (not yet handshaken).
+    Raises `ValueError` for a malformed address, `LinkBroken` when nobody accepts within
+    `handshake_timeout`."""
+    peer = parse_address(address)
+    worker = await worker_for(endpoint)
+    link = _link(endpoint, worker, "receiver")
+    shown = f"{address[:24]}…"
+    timeout = endpoint.config.handshake_timeout
+    try:
+        link.attach(worker.connect(peer), LISTENER)
+        await link.post_control(connect_body(link.number, worker.address))
+        with trio.move_on_after(timeout):
+            number, _rest = parse_number(await link.next_body(), ACCEPT)
+            link.accepted(number)
+            return link
+        error = LinkBroken(f"no answer from {shown} within {timeout} s")
+    except (UcxFailed, UcxFrameError, trio.EndOfChannel, trio.ClosedResourceError) as exc:
+        error = LinkBroken(f"cannot connect to {shown}: {exc}")
+    except BaseException as exc:
+        link.close(LinkClosed(f"connecting to {shown} given up: {exc!r}"))
+        raise
+    link.close(error)
+    raise error
+
+
+async def listen(endpoint: TransferEndpoint, on_accept: Callable[[Link], None]) -> str:
+    """Accept UCX links to `endpoint`; returns its address `ucx://<hex worker address>`."""
+    worker = await worker_for(endpoint)
+    inbox_send, inbox = trio.open_memory_channel[Arrival](math.inf)
+    worker.register(inbox_send.send_nowait, LISTENER)
+    endpoint.nursery.start_soon(_accept_links, endpoint, worker, inbox, on_accept)
+    return f"ucx://{worker.address.hex()}"
+
+
+async def _accept_links(
+    endpoint: TransferEndpoint,
+    worker: UcxWorker,
+    inbox: trio.MemoryReceiveChannel[Arrival],
+    on_accept: Callable[[Link], None],
+) -> None:
+    async for arrival in inbox:
+        link: UcxLink | None = None
+        try:
+            await worker.wait([arrival.request])
+            number, address = parse_number(arrival.body, CONNECT)
+            link = _link(endpoint, worker, "sender")
+            link.attach(worker.connect(address), number)
+            await link.post_control(accept_body(link.number))
+        except (UcxFailed, UcxFrameError, LinkError) as exc:
+            _log.warning("transfer.ucx_connect_failed", endpoint=endpoint.name, error=str(exc))
+            if link is not None:
+                link.close(LinkBroken(f"accepting failed: {exc}"))
+            continue
+        on_accept(link)

@@ -1,0 +1,130 @@
+"""The UCX link's control bodies: each is one UCX message on the link's control tag, and its first byte
+says what it is.
+
+    M  a peer message (msgpack, `messages.peer_codec`)
+    B  a bulk frame descriptor (below); its bytes follow on the link's bulk tag
+    C  connect, receiver → listener: the receiver's link number (u64) and worker address
+    A  accept, listener → receiver: the sender's link number (u64)
+    G  goodbye: the far end closed the link; UTF-8 reason
+
+Bulk descriptor: `B` | flavour u8 (1 direct, 2 packed) | buffer u16 | round u32 | landing_key u64 |
+length u64 | segments u32, then `segments` × (dst_row u64, rows u64), little-endian. A *direct* frame's
+bytes follow as one bulk message per segment, in order, each straight from the sender's block memory; a
+*packed* frame's as one message of `length` bytes, the segments back to back. UCX matches messages of one
+tag in the order they were sent, so the receiver, reading descriptors in order, posts each receive where
+its bytes belong. A body that breaks these rules is a malformed frame: the reader closes the link.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Sequence
+from typing import Final, NamedTuple, final
+
+from messages.peer_codec import decode_peer, encode_peer
+from messages.transfer import PeerMessage
+from transport.frame_plan import MAX_FRAME_BYTES, MAX_SEGMENTS, Frame
+from transport.tcp_frames import SEGMENT
+
+MESSAGE: Final = ord("M")
+DESCRIPTOR: Final = ord("B")
+CONNECT: Final = ord("C")
+ACCEPT: Final = ord("A")
+GOODBYE: Final = ord("G")
+DIRECT: Final = 1
+PACKED: Final = 2
+
+_HEADER: Final = struct.Struct("<BBHIQQI")
+_NUMBER: Final = struct.Struct("<BQ")
+
+
+@final
+class UcxFrameError(Exception):
+    """A control body that no zigzag peer sends."""
+
+
+class Descriptor(NamedTuple):
+    packed: bool
+    buffer: int
+    round: int
+    landing_key: int
+    length: int
+    segments: list[tuple[int, int]]
+
+
+def message_body(message: PeerMessage) -> bytes:
+    return bytes((MESSAGE,)) + encode_peer(message)
+
+
+def descriptor_body(frame: Frame, landing_key: int, round: int) -> bytes:
+    flavour = PACKED if frame.packed else DIRECT
+    header = _HEADER.pack(
+        DESCRIPTOR, flavour, frame.buffer, round, landing_key, frame.length, len(frame.pieces)
+    )
+    return header + b"".join(SEGMENT.pack(piece.dst_row, piece.rows) for piece in frame.pieces)
+
+
+def connect_body(number: int, address: bytes) -> bytes:
+    return _NUMBER.pack(CONNECT, number) + address
+
+
+def accept_body(number: int) -> bytes:
+    return _NUMBER.pack(ACCEPT, number)
+
+
+def goodbye_body(reason: str) -> bytes:
+    return bytes((GOODBYE,)) + reason.encode()
+
+
+def kind_of(body: bytes | bytearray, expected: tuple[int, ...]) -> int:
+    """The body's kind, one of `expected`; `UcxFrameError` otherwise."""
+    if body[0] not in expected:
+        raise UcxFrameError(f"control body of unknown kind 0x{body[0]:02x}")
+    return body[0]
+
+
+def parse_message(body: bytes | bytearray) -> PeerMessage:
+    """Raises `messages.peer_codec.PeerCodecError` for an undecodable message."""
+    return decode_peer(memoryview(body)[1:])
+
+
+def parse_number(body: bytes | bytearray, kind: int) -> tuple[int, bytes]:
+    """The link number of a connect or accept body, and what follows it (a connect's worker address)."""
+    if len(body) < _NUMBER.size or body[0] != kind:
+        raise UcxFrameError(
+            f"expected a {chr(kind)!r} body of at least {_NUMBER.size} bytes, got {len(body)}"
+        )
+    _kind, number = _NUMBER.unpack_from(body)
+    return number, bytes(body[_NUMBER.size :])
+
+
+def parse_goodbye(body: bytes | bytearray) -> str:
+    return bytes(body[1:]).decode(errors="replace")
+
+
+def parse_descriptor(body: bytes | bytearray, row_bytes: Sequence[int]) -> Descriptor:
+    """A bulk descriptor, checked: known flavour and buffer, 1 to `MAX_SEGMENTS` non-empty segments
+    adding up to `length`, and no more than one frame's bytes."""
+    if len(body) < _HEADER.size:
+        raise UcxFrameError(
+            f"bulk descriptor of {len(body)} bytes, shorter than its {_HEADER.size}-byte header"
+        )
+    _kind, flavour, buffer, round, landing_key, length, count = _HEADER.unpack_from(body)
+    if flavour not in (DIRECT, PACKED):
+        raise UcxFrameError(f"bulk descriptor of unknown flavour {flavour}")
+    if buffer >= len(row_bytes):
+        raise UcxFrameError(f"bulk descriptor for buffer {buffer}; the layout has {len(row_bytes)} buffers")
+    if not 1 <= count <= MAX_SEGMENTS:
+        raise UcxFrameError(f"bulk descriptor with {count} segments (allowed 1 to {MAX_SEGMENTS})")
+    if len(body) != _HEADER.size + count * SEGMENT.size:
+        raise UcxFrameError(f"bulk descriptor of {len(body)} bytes does not hold its {count} segments")
+    width = row_bytes[buffer]
+    segments = [SEGMENT.unpack_from(body, _HEADER.size + i * SEGMENT.size) for i in range(count)]
+    if any(rows == 0 for _row, rows in segments) or sum(rows for _row, rows in segments) * width != length:
+        raise UcxFrameError(
+            f"bulk descriptor segments {segments[:4]}{'…' if count > 4 else ''} do not add up to its "
+            f"{length} bytes of {width}-byte rows"
+        )
+    if length > max(MAX_FRAME_BYTES, width):
+        raise UcxFrameError(f"bulk descriptor of {length} bytes, over the {MAX_FRAME_BYTES}-byte frame limit")
+    return Descriptor(flavour == PACKED, buffer, round, landing_key, length, segments)

@@ -1,0 +1,306 @@
+"""A ucxx worker driven from Trio: no threads, no asyncio (the UCX transport's engine, issue 7).
+
+ucxx offers a progress thread or asyncio; zigzag's replicas live in one Trio thread, so this module drives
+the worker itself, as `../shared/tools/ucxx_trio_sketch.py` measured:
+
+- the worker runs in UCX's *blocking progress mode*: `progress()` does the work that is ready, `arm()` says
+  whether more is pending, and the worker's epoll file descriptor turns readable when an event arrives.
+  `run` (one task per worker, in its endpoint's nursery) loops: progress, hand out what completed, arm,
+  and wait on the fd with `trio.lowlevel.wait_readable` (plus a `SAFETY_POLL` timeout for UCX's own
+  timers);
+- a task that posts a request and awaits it (`wait`) registers a waiter; the loop sets its event once the
+  requests completed. Posting kicks the loop out of its fd wait: a message already queued inside UCX needs
+  a progress call, not an fd event;
+- control messages are found by probing (`tag_probe` with a mask on the kind bits) and received into a
+  buffer of their exact size; each goes to the inbox of the link its tag names (`register`).
+
+Tags: bits 8..63 are the destination's link number on the receiving worker (0: its listener), bits 0..7
+the kind (`CONTROL`, `BULK`). Numbers are never reused within a worker, so a stale peer finds no inbox.
+
+Cancellation: `wait` is cancellable, but its requests stay posted; the worker keeps their buffers alive
+until they complete (a cancelled request completes too), so UCX never writes into freed memory. `run`,
+when cancelled, closes the endpoints still open and progresses (shielded, bounded) until every tracked
+request has completed.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import itertools
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Final, final
+
+import structlog
+import trio
+
+KIND_BITS: Final = 8
+KIND_MASK: Final = (1 << KIND_BITS) - 1
+CONTROL: Final = 1
+BULK: Final = 2
+LISTENER: Final = 0
+SAFETY_POLL: Final = 0.05
+TEARDOWN_SECONDS: Final = 2.0
+INSTALL_HINT: Final = "pip install 'zigzag[ucx]' (ucxx-cu12; ucxx-cu13 on CUDA 13 hosts)"
+
+_log = structlog.get_logger("transport.ucx")
+# Buffers of requests that never completed before their worker went away: UCX may still touch them.
+_abandoned: list[object] = []
+
+
+@final
+class UcxUnavailable(Exception):
+    """ucxx (the `ucx` extra) is not installed."""
+
+
+@final
+class UcxFailed(Exception):
+    """A UCX operation failed: a request ended in error (cancelled, truncated), an address was unusable."""
+
+
+def ucx_installed() -> bool:
+    return importlib.util.find_spec("ucxx") is not None
+
+
+@functools.cache
+def libucxx() -> Any:
+    """The ucxx core module, imported on first use: importing zigzag never needs ucxx."""
+    if not ucx_installed():
+        raise UcxUnavailable(f"the ucx transport needs ucxx, which is not installed: {INSTALL_HINT}")
+    import ucxx._lib.libucxx as lib
+
+    return lib
+
+
+@functools.cache
+def ucx_context() -> Any:
+    """The process's UCX context (tag matching and wakeup), created once and kept: contexts are heavy.
+    UCX reads its own `UCX_*` environment variables (e.g. `UCX_TLS`) here."""
+    lib = libucxx()
+    return lib.UCXContext(feature_flags=(lib.Feature.TAG, lib.Feature.WAKEUP))
+
+
+def cuda_transports_allowed(tls: str) -> bool:
+    """Whether a `UCX_TLS` value lets UCX move CUDA memory itself (`all`, `cuda_copy`, `^tcp`, …)."""
+    names = [name.strip() for name in tls.split(",") if name.strip()]
+    if names and names[0].startswith("^"):
+        excluded = [names[0][1:], *names[1:]]
+        return not any(name in ("cuda", "cuda_copy") for name in excluded)
+    return any(name == "all" or name.startswith("cuda") for name in names)
+
+
+def tag(number: int, kind: int) -> int:
+    return (number << KIND_BITS) | kind
+
+
+@dataclass(frozen=True, slots=True)
+class Arrival:
+    """A control message on its way in: `request` receives it into `body`."""
+
+    request: Any
+    body: bytearray
+
+
+@final
+class _Waiter:
+    __slots__ = ("done", "index", "requests")
+
+    def __init__(self, requests: list[Any]) -> None:
+        self.requests = requests
+        self.index = 0
+        self.done = trio.Event()
+
+    def advance(self) -> bool:
+        while self.index < len(self.requests) and self.requests[self.index].completed:
+            self.index += 1
+        return self.index == len(self.requests)
+
+
+@final
+class UcxWorker:
+    """One ucxx worker, its progress task and its endpoints (see the module docstring)."""
+
+    def __init__(self, name: str) -> None:
+        lib = libucxx()
+        from ucxx._lib.arr import Array
+
+        self.name = name
+        self._lib, self._array = lib, Array
+        context = ucx_context()
+        self._worker = lib.UCXWorker(context)
+        self._worker.init_blocking_progress_mode()
+        self._fd: int = self._worker.epoll_file_descriptor
+        self.address: bytes = self._worker.address.tobytes()
+        self.cuda_capable: bool = bool(context.cuda_support) and cuda_transports_allowed(
+            str(context.config.get("TLS", "all"))
+        )
+        self._control_tag = lib.UCXXTag(CONTROL)
+        self._control_mask = lib.UCXXTagMask(KIND_MASK)
+        self._inboxes: dict[int, Callable[[Arrival], None]] = {}
+        self._numbers = itertools.count(LISTENER + 1)
+        self._waiters: set[_Waiter] = set()
+        self._tracked: list[tuple[Any, object]] = []  # (request, what it reads or writes) until completed
+        self._prune_at = 64
+        self._endpoints: set[Any] = set()
+        self._sleep: trio.CancelScope | None = None
+        self._kicked = False
+        self._running = False
+
+    # ------------------------------------------------------------------ links and endpoints
+    def register(self, deliver: Callable[[Arrival], None], number: int | None = None) -> int:
+        """A new link number (or `number`, e.g. `LISTENER`) whose control messages go to `deliver`."""
+        number = next(self._numbers) if number is None else number
+        self._inboxes[number] = deliver
+        return number
+
+    def unregister(self, number: int) -> None:
+        self._inboxes.pop(number, None)
+
+    def connect(self, address: bytes) -> Any:
+        """A UCX endpoint to the worker at `address` (no peer-failure handling: UCX's shared-memory
+        transports refuse it; the links' heartbeats detect a lost peer instead)."""
+        lib = self._lib
+        try:
+            endpoint = lib.UCXEndpoint.create_from_worker_address(
+                self._worker, lib.UCXAddress.create_from_buffer(address), False
+            )
+        except lib.UCXError as exc:
+            raise UcxFailed(
+                f"cannot reach the UCX worker at that address: {type(exc).__name__}: {exc}"
+            ) from exc
+        self._endpoints.add(endpoint)
+        return endpoint
+
+    def disconnect(self, endpoint: Any) -> None:
+        """Close `endpoint`: its posted receives are cancelled (they complete on the next progress)."""
+        if endpoint in self._endpoints:
+            self._endpoints.discard(endpoint)
+            endpoint.close()
+            self.kick()
+
+    # ------------------------------------------------------------------ requests
+    def send(self, endpoint: Any, to: int, buffer: object) -> Any:
+        """Post a tag send of `buffer` (anything with the buffer or CUDA array interface)."""
+        array = self._array(buffer)
+        try:
+            request = endpoint.tag_send(array, self._lib.UCXXTag(to))
+        except self._lib.UCXError as exc:
+            raise UcxFailed(f"send not posted: {type(exc).__name__}: {exc}") from exc
+        self._track(request, array)
+        return request
+
+    def receive(self, endpoint: Any, on: int, buffer: object) -> Any:
+        """Post a tag receive into `buffer` for the next message tagged exactly `on`."""
+        array = self._array(buffer)
+        try:
+            request = endpoint.tag_recv(array, self._lib.UCXXTag(on))
+        except self._lib.UCXError as exc:
+            raise UcxFailed(f"receive not posted: {type(exc).__name__}: {exc}") from exc
+        self._track(request, array)
+        return request
+
+    def _track(self, request: Any, keep: object) -> None:
+        self._tracked.append((request, keep))
+        if len(self._tracked) >= self._prune_at:
+            self._tracked = [entry for entry in self._tracked if not entry[0].completed]
+            self._prune_at = max(64, 2 * len(self._tracked))
+        self.kick()
+
+    async def wait(self, requests: Sequence[Any], *, check: bool = True) -> None:
+        """Until every request completed; with `check`, raises `UcxFailed` for the first that failed.
+        Cancellable: the requests stay posted and tracked."""
+        waiter = _Waiter(list(requests))
+        if not waiter.advance():
+            self._waiters.add(waiter)
+            self.kick()
+            try:
+                if self._running:
+                    await waiter.done.wait()
+                else:  # the progress task is gone (teardown): drive the worker here
+                    while not waiter.advance():
+                        self._worker.progress()
+                        await trio.sleep(0.001)
+            finally:
+                self._waiters.discard(waiter)
+        for request in requests:
+            if not request.completed:
+                raise UcxFailed(f"UCX worker {self.name!r} stopped with the request pending")
+            if check:
+                self.check(request)
+
+    def check(self, request: Any) -> None:
+        """Raise `UcxFailed` if the completed `request` ended in error."""
+        try:
+            request.check_error()
+        except self._lib.UCXError as exc:
+            raise UcxFailed(f"{type(exc).__name__}: {exc}") from exc
+
+    def kick(self) -> None:
+        """Make the progress loop run again now (it may be waiting on the fd)."""
+        self._kicked = True
+        if self._sleep is not None:
+            self._sleep.cancel()
+
+    # ------------------------------------------------------------------ the progress task
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        self._running = True
+        task_status.started()
+        try:
+            while True:
+                self._progress()
+                if self._kicked:
+                    self._kicked = False
+                    await trio.lowlevel.checkpoint()
+                elif self._worker.arm():
+                    with trio.move_on_after(SAFETY_POLL) as scope:
+                        self._sleep = scope
+                        await trio.lowlevel.wait_readable(self._fd)
+                    self._sleep = None
+                else:
+                    await trio.lowlevel.checkpoint()
+        finally:
+            self._running = False
+            self._sleep = None
+            with trio.CancelScope(shield=True):
+                await self._teardown()
+
+    def _progress(self) -> None:
+        self._worker.progress()
+        self._receive_control()
+        if self._waiters:
+            for waiter in [w for w in self._waiters if w.advance()]:
+                self._waiters.discard(waiter)
+                waiter.done.set()
+
+    def _receive_control(self) -> None:
+        worker = self._worker
+        while True:
+            probe = worker.tag_probe(self._control_tag, self._control_mask, True)
+            if not probe.matched:
+                return
+            body = bytearray(max(1, probe.length))  # an empty message reads as one zero byte: malformed
+            array = self._array(memoryview(body))
+            request = worker.tag_recv_with_handle(array, probe)
+            self._tracked.append((request, array))
+            deliver = self._inboxes.get(probe.sender_tag.value >> KIND_BITS)
+            if deliver is not None:
+                deliver(Arrival(request, body))
+
+    async def _teardown(self) -> None:
+        for endpoint in list(self._endpoints):
+            self.disconnect(endpoint)
+        self._worker.cancel_inflight_requests()
+        deadline = trio.current_time() + TEARDOWN_SECONDS
+        pending = self._tracked
+        while pending and trio.current_time() < deadline:
+            self._worker.progress()
+            pending = [entry for entry in pending if not entry[0].completed]
+            if pending:
+                await trio.sleep(0.001)
+        self._tracked = []
+        if pending:
+            _abandoned.extend(keep for _request, keep in pending)
+            _log.warning("transfer.ucx_requests_abandoned", worker=self.name, requests=len(pending))
+        for waiter in self._waiters:
+            waiter.done.set()
