@@ -2,8 +2,10 @@
 
 Node starts cost seconds (a fresh Python importing torch), so the nodes that several modules share are
 session-scoped, and every test that uses one leaves it as it found it: replicas serving, unlocked, no
-request live. A test whose steps cannot be undone (a replica that fails, a role change, the node's
-shutdown) starts its own node.
+request live. The function-scoped fixtures check that before each test (`NodeProcess.check_ready`), so
+a test that breaks a shared node fails its successors at once instead of letting each time out. A
+test whose steps cannot be undone (a replica that fails, a role change, the node's shutdown) starts its
+own node.
 
 - `tiny_inproc_node`: tiny model, inproc transport, prefill=1 decode=2, 4 KiB request lines and 16
   queued replies per client (so the bad-input tests can reach both limits cheaply);
@@ -46,8 +48,20 @@ def hf_models(hf_dirs: dict[str, Path]) -> dict[str, Model]:
     return {kind: load_model(directory) for kind, directory in hf_dirs.items()}
 
 
+@pytest.fixture
+def tiny_inproc_node(tiny_inproc_process: NodeProcess) -> NodeProcess:
+    tiny_inproc_process.check_ready()
+    return tiny_inproc_process
+
+
+@pytest.fixture
+def tiny_tcp_node(tiny_tcp_process: NodeProcess) -> NodeProcess:
+    tiny_tcp_process.check_ready()
+    return tiny_tcp_process
+
+
 @pytest.fixture(scope="session")
-def tiny_inproc_node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NodeProcess]:
+def tiny_inproc_process(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NodeProcess]:
     with node_process(
         tmp_path_factory.mktemp("tiny-inproc"),
         "--replicas",
@@ -63,7 +77,7 @@ def tiny_inproc_node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NodeP
 
 
 @pytest.fixture(scope="session")
-def tiny_tcp_node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NodeProcess]:
+def tiny_tcp_process(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NodeProcess]:
     with node_process(
         tmp_path_factory.mktemp("tiny-tcp"), "--replicas", "prefill=2,decode=3", "--transport", "tcp"
     ) as node:

@@ -33,6 +33,7 @@ from contextlib import AbstractAsyncContextManager, asynccontextmanager, context
 from pathlib import Path
 from typing import Any, Literal, final
 
+import pytest
 import trio
 
 from engine.client import ControlClient
@@ -62,6 +63,7 @@ class NodeProcess:
         self.log_file = log_file
         self.stderr_file = stderr_file
         self.exit_code: int | None = None
+        self.unready: str | None = None  # what `check_ready` found wrong, once it failed
 
     # ------------------------------------------------------------------ looking at it
     def stderr(self) -> str:
@@ -88,6 +90,31 @@ class NodeProcess:
                     return found[0]
                 await trio.sleep(0.02)
         raise AssertionError(f"no matching {name} event in the log within {timeout} s")
+
+    def check_ready(self, timeout: float = 20.0) -> None:
+        """Blocking: fail unless every replica serves, unlocked, idle, with no block held, within
+        `timeout`. For a node shared by several tests (each must leave it so); once a check failed, the
+        later ones fail at once, naming the first failure, instead of each test timing out on its own."""
+        if self.unready is not None:
+            pytest.fail(f"the shared node was left unready by an earlier test: {self.unready}")
+        deadline = time.monotonic() + timeout
+        while True:
+            (status,) = self.send_lines(b'{"op":"status","id":"ready"}\n', replies=1)
+            wrong = [
+                replica
+                for replica in status.get("replicas", [])
+                if replica["state"] not in SERVING_STATES
+                or replica["lock_reasons"]
+                or replica["used_blocks"]
+                or replica["work_queue"]
+                or replica["migration_queue"]
+            ]
+            if not wrong and status.get("type") == "result":
+                return
+            if time.monotonic() > deadline:
+                self.unready = json.dumps(wrong or status)[:2000]
+                pytest.fail(f"the shared node is not ready after {timeout} s: {self.unready}")
+            time.sleep(0.05)
 
     def diagnosis(self) -> str:
         """What a failure message should show: the exit code, stderr's tail and the log's errors."""
