@@ -43,6 +43,15 @@ from replicas.states import (
 from transport.endpoint import SenderDelivery
 
 S = ReplicaState
+# The role each commanded state serves or leads to (for the pool check of a role change).
+TARGET_ROLE: dict[ReplicaState, Role] = {
+    S.LOADING_PREFILL: "prefill",
+    S.AUS_PREFILL: "prefill",
+    S.LOADING_DECODE: "decode",
+    S.AUS_DECODE: "decode",
+    S.MUTATING_TO_DECODE: "decode",
+    S.LOADING_ENCODE: "encode",
+}
 
 
 @final
@@ -182,8 +191,32 @@ class Replica:
             raise CommandRefused("not_supported", str(exc)) from None
         except InvalidTransition as exc:
             raise CommandRefused("invalid_transition", str(exc)) from None
+        missing = self._missing_pool(target)
+        if missing is not None:
+            raise CommandRefused(
+                "invalid_transition",
+                f"{self.name}: cannot move from {previous.value} to {target.value}: {missing} "
+                f"(it was configured as a {self.role} replica)",
+            )
         self._enter(target, "command", f"{origin} command")
         return previous
+
+    def _missing_pool(self, target: ReplicaState) -> str | None:
+        """Why this replica's pools cannot serve the role `target` leads to (None: they can).
+
+        A role change keeps the pools the replica was built with: prefill needs a KV cache and, for a
+        model with a vision encoder, an embedding landing pool; decode a KV cache; encode an encoder's
+        embedding pool. (Image requests would otherwise wait for a prefill replica that can take them.)"""
+        role = TARGET_ROLE.get(target)
+        pools = self.pools
+        if role == "encode" and self.role != "encode":
+            return "it has no encoder output pool to serve encode"
+        if role in ("prefill", "decode") and pools.kv is None:
+            return f"it has no KV cache to serve {role}"
+        vision = self.services.host.config.image_token_id is not None
+        if role == "prefill" and vision and pools.emb_pool is None:
+            return "it has no embedding landing pool for the model's images, so it cannot serve prefill"
+        return None
 
     def move(self, target: ReplicaState, reason: str) -> None:
         """An automatic move (called by the role behaviour from the main loop)."""

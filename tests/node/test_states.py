@@ -327,3 +327,45 @@ async def test_whole_node_to_inactive_and_back_with_scale(tiny_tcp_node: NodePro
         assert_correct(tiny, waiting)
         await wait_serving(client)
         await wait_idle(client)
+
+
+async def test_a_role_change_by_revival_needs_pools_that_serve_the_role(
+    tiny_tcp_node: NodeProcess, tiny: Model
+) -> None:
+    """A prefill replica revived as a decode replica (AusDecode) serves as one; a decode replica has no
+    embedding landing pool, so with the tiny model (which has a vision encoder) it cannot be revived as a
+    prefill replica: refused, naming both states and why."""
+    async with tiny_tcp_node.client() as client:
+        await wait_serving(client)
+        await transition(client, "prefill-1", "ShuttingPrefill", "Prefill")
+        await wait_states(client, {"prefill-1": "ShuttingNull"})
+        await transition(client, "prefill-1", "AusDecode", "ShuttingNull")
+        status = await wait_states(client, {"prefill-1": "Decode"})
+        assert (by_name(status)["prefill-1"].role, by_name(status)["prefill-1"].locked) == ("decode", False)
+        for decoder in DECODERS:
+            await client.lock(decoder)
+        outcome = await send(client, distinct_asks(1, max_tokens=4, offset=90)[0])
+        assert_correct(tiny, [outcome])
+        assert (outcome.result.transfers[0].source, outcome.result.transfers[0].destination) == (
+            "prefill-0",
+            "prefill-1",
+        )
+        for decoder in DECODERS:
+            await client.unlock(decoder)
+        await transition(client, "prefill-1", "ShuttingDecode", "Decode")
+        await wait_states(client, {"prefill-1": "ShuttingNull"})
+        await transition(client, "prefill-1", "AusPrefill", "ShuttingNull")
+
+        await transition(client, "decode-2", "ShuttingDecode", "Decode")
+        await wait_states(client, {"decode-2": "ShuttingNull"})
+        with pytest.raises(ControlError) as refused:
+            await client.transition("decode-2", "AusPrefill")
+        assert (refused.value.code, refused.value.message) == (
+            "invalid_transition",
+            "decode-2: cannot move from ShuttingNull to AusPrefill: it has no embedding landing pool for the "
+            "model's images, so it cannot serve prefill (it was configured as a decode replica)",
+        )
+        assert by_name(await client.status())["decode-2"].state == "ShuttingNull"
+        await transition(client, "decode-2", "AusDecode", "ShuttingNull")
+        await wait_serving(client)
+        await wait_idle(client)
