@@ -16,6 +16,8 @@ import msgspec
 
 from engine.control.address import Address, parse_address
 from messages.faults import Fault
+from transport.kinds import TransportChoice
+from transport.kinds import unavailable as transport_unavailable
 
 Level = Literal["debug", "info", "warning", "error"]
 MIB: Final = 1024 * 1024
@@ -178,7 +180,8 @@ class NodeConfig(Section, frozen=True, kw_only=True):
         _doc("compute dtype (default: float32 on cpu, bfloat16 on cuda)"),
     ] = None
     transport: Annotated[
-        Literal["inproc", "tcp"], _doc("how replicas move blocks: in process, or loopback TCP sockets")
+        TransportChoice,
+        _doc("how replicas move blocks: inproc, tcp, ucx, cuda-ipc or auto (docs/transports.md)"),
     ] = "inproc"
     demo: Annotated[bool, _doc("start, run the built-in workload through the socket, report, exit")] = False
     faults: Annotated[
@@ -195,6 +198,9 @@ class NodeConfig(Section, frozen=True, kw_only=True):
 
     def __post_init__(self) -> None:
         parse_address(self.listen)
+        problem = transport_unavailable(self.transport, device=self.device)
+        if problem is not None:
+            raise ValueError(problem)
 
     @property
     def listen_address(self) -> Address:

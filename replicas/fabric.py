@@ -4,20 +4,28 @@ Every replica pool that sends or receives blocks has a `TransferEndpoint` named 
 (`prefill-0/kv`, `encode-0/emb`). Endpoints register their address here when they open. A receiver asks
 `link(endpoint, sender_name)` for a handshaken link to a sender; links are made once per pair and
 reused by every later transfer (receivers connect to senders, DESIGN §5.1).
+
+The transport (`--transport`, `transport.kinds`): `inproc`, `tcp` (loopback), `ucx` (ucxx; even between
+replicas of one process, over UCX's shared memory) or `cuda-ipc`. `auto` chooses per link with
+`transport.kinds.choose`; every endpoint a fabric knows lives in the node's process, so each link
+resolves to inproc, and `kind` (each replica's `transport` in `status`) says so. The choice is logged
+(`transfer.transport_chosen`).
 """
 
 from __future__ import annotations
 
-from typing import Literal, final
+from typing import final
 
+import structlog
 import trio
 
 from transport.endpoint import TransferEndpoint
 from transport.errors import LinkError
 from transport.inproc import InprocNetwork
+from transport.kinds import LinkFacts, TransportChoice, TransportKind, choose
 from transport.link import Link
 
-TransportKind = Literal["inproc", "tcp"]
+_log = structlog.get_logger("transport.fabric")
 
 
 @final
@@ -29,8 +37,15 @@ class UnknownEndpoint(Exception):
 class Fabric:
     """Endpoint directory and link cache for one node. Single Trio thread; no locking beyond per-pair."""
 
-    def __init__(self, kind: TransportKind) -> None:
-        self.kind = kind
+    def __init__(self, kind: TransportChoice) -> None:
+        self.requested: TransportChoice = kind
+        self.kind: TransportKind
+        if kind == "auto":
+            # Every endpoint registers here from this process: each link is a same-process link.
+            self.kind, reason = choose(LinkFacts(same_process=True, same_host=True, gpu_pools=False))
+            _log.info("transfer.transport_chosen", requested=kind, transport=self.kind, reason=reason)
+        else:
+            self.kind = kind
         self.inproc = InprocNetwork()
         self._addresses: dict[str, str] = {}
         self._connecting: dict[tuple[str, str], trio.Lock] = {}
@@ -40,8 +55,10 @@ class Fabric:
         """Start `endpoint` listening on this fabric's transport and register its address."""
         if self.kind == "inproc":
             address = endpoint.listen_inproc()
-        else:
+        elif self.kind == "tcp":
             address = await endpoint.listen_tcp("127.0.0.1", 0)
+        else:
+            address = await endpoint.listen_on(self.kind)
         self._addresses[endpoint.name] = address
         return address
 

@@ -212,8 +212,8 @@ class UcxLink(Link):
         await self._settle([request])
 
     async def _settle(self, requests: list[Any]) -> None:
-        """Wait until `requests` completed, shielded, each within `link_timeout`; the link fails
-        otherwise (and this raises its error)."""
+        """Wait until `requests` completed, shielded, each within `link_timeout`. Returns when all went
+        out — a close that came after does not undo them; otherwise the link fails and this raises."""
         with trio.CancelScope(shield=True):
             for request in requests:
                 if request.completed or self.error is not None:
@@ -223,13 +223,13 @@ class UcxLink(Link):
                 if scope.cancelled_caught:
                     timeout = self._config.link_timeout
                     self.close(LinkBroken(f"link {self.describe()}: peer took nothing for {timeout} s"))
-        for request in requests:
-            if self.error is None and request.completed:
-                try:
-                    self._worker.check(request)
-                except UcxFailed as exc:
-                    self.close(LinkBroken(f"link {self.describe()}: send failed: {exc}"))
-        if self.error is not None:
+        try:
+            for request in requests:
+                if not request.completed:
+                    self._raise_closed()
+                self._worker.check(request)
+        except UcxFailed as exc:
+            self.close(LinkBroken(f"link {self.describe()}: send failed: {exc}"))
             self._raise_closed()
 
     async def write(self, bulk: BulkWrite, trailer: PeerMessage | None = None) -> int:

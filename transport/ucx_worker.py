@@ -28,6 +28,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 import itertools
+import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Final, final
@@ -68,6 +69,9 @@ def libucxx() -> Any:
     """The ucxx core module, imported on first use: importing zigzag never needs ucxx."""
     if not ucx_installed():
         raise UcxUnavailable(f"the ucx transport needs ucxx, which is not installed: {INSTALL_HINT}")
+    # UCX logs to stdout unless told otherwise, and stdout carries the node's listening line and the
+    # benchmarks' JSON rows. UCX reads this when its library loads, so it can only be set here.
+    os.environ.setdefault("UCX_LOG_FILE", "stderr")
     import ucxx._lib.libucxx as lib
 
     return lib
@@ -180,8 +184,15 @@ class UcxWorker:
             self.kick()
 
     # ------------------------------------------------------------------ requests
+    def _check_endpoint(self, endpoint: Any) -> None:
+        # ucxx crashes the process when asked to post on an endpoint it has closed.
+        if endpoint not in self._endpoints:
+            raise UcxFailed(f"the UCX endpoint is closed (worker {self.name!r})")
+
     def send(self, endpoint: Any, to: int, buffer: object) -> Any:
-        """Post a tag send of `buffer` (anything with the buffer or CUDA array interface)."""
+        """Post a tag send of `buffer` (anything with the buffer or CUDA array interface).
+        Raises `UcxFailed` once `endpoint` is disconnected."""
+        self._check_endpoint(endpoint)
         array = self._array(buffer)
         try:
             request = endpoint.tag_send(array, self._lib.UCXXTag(to))
@@ -191,7 +202,9 @@ class UcxWorker:
         return request
 
     def receive(self, endpoint: Any, on: int, buffer: object) -> Any:
-        """Post a tag receive into `buffer` for the next message tagged exactly `on`."""
+        """Post a tag receive into `buffer` for the next message tagged exactly `on`.
+        Raises `UcxFailed` once `endpoint` is disconnected."""
+        self._check_endpoint(endpoint)
         array = self._array(buffer)
         try:
             request = endpoint.tag_recv(array, self._lib.UCXXTag(on))

@@ -134,7 +134,7 @@ def test_fault_flags_replace_the_files_faults(tmp_path: Path) -> None:
         (
             ["--transport", "pigeon"],
             {},
-            "--transport (transport): bad value 'pigeon' from the command line: Invalid enum value 'pigeon'; choices: inproc, tcp",
+            "--transport (transport): bad value 'pigeon' from the command line: Invalid enum value 'pigeon'; choices: auto, cuda-ipc, inproc, tcp, ucx",
         ),
         (
             ["--fault", "explode:now=1"],

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import random
 import re
+import signal
+from functools import partial
 
 import pytest
 import torch
@@ -28,6 +30,7 @@ from tests.transport.harness import (
     poisoned_storage,
     random_storage,
     send_all,
+    sender_process,
     settle,
     shuffled_pool,
 )
@@ -408,3 +411,88 @@ async def test_nobody_listening_at_a_ucx_address_fails_within_the_handshake_time
             ValueError, match=r"bad ucx address 'ucx://zz': expected ucx://<hex worker address>"
         ):
             await receiver.connect("ucx://zz")
+
+
+@pytest.mark.slow  # a child process: importing torch there takes seconds
+async def test_seed_scenarios_and_a_killed_sender_between_two_processes_over_ucx(
+    ucx_env: dict[str, str],
+) -> None:
+    """The seeds' transfers from a sender in another process, then that process killed mid-round: the
+    receiver fails `link_lost` within the link deadline and every block is back."""
+    layout = embedding_layout(block_size=128, hidden=8)
+    seeds = {"t500": 500, "t2000": 2000, "t10000-cap8": 10_000, "doomed": 10_000}
+    params = {
+        "block_size": 128,
+        "hidden": 8,
+        "seed": 41,
+        "transfers": seeds,
+        "transport": "ucx",
+        "faults": {"transfer_id": "doomed", "stall_before_round": 2},
+        "config": LIVELY,
+    }
+    source = Source(layout, max(seeds.values()), seed=41)
+    expected_rounds = {"t500": 1, "t2000": 2, "t10000-cap8": 10}
+    async with sender_process(params, env=ucx_env) as child:
+        for transfer_id, rounds in expected_rounds.items():
+            cap = 8 if "cap8" in transfer_id else None
+            config = TransferConfig(default_grant_blocks=8, round_cap_blocks=cap)
+            storage, pool = random_storage(layout, 100, seed=42), shuffled_pool(100, 128, seed=43)
+            async with open_endpoint(f"receiver-{transfer_id}", storage, pool, config=config) as receiver:
+                collector = Collector()
+                link = await receiver.connect(child.address)
+                result = await receiver.receive(transfer_id, peer=link, consume=collector)
+            assert (result.report.rounds, result.report.grants) == (rounds, rounds)
+            assert_same_bytes(collector.data(), source.expected(tokens=seeds[transfer_id]))
+            assert pool.used_blocks == 0
+            assert await child.line() == {"sent": transfer_id, "rounds": rounds}
+
+        config = TransferConfig(default_grant_blocks=1, round_cap_blocks=1, window=3, **LIVELY)
+        storage, pool = random_storage(layout, 16, seed=45), shuffled_pool(16, 128, seed=46)
+        async with open_endpoint("receiver", storage, pool, config=config) as receiver:
+            link = await receiver.connect(child.address)
+            collector = Collector()
+            killed_at: list[float] = []
+
+            async def kill_when_stalled() -> None:
+                while len(collector.rounds) < 2:  # rounds 0 and 1 landed, round 2 granted
+                    await trio.sleep(0.01)
+                child.process.send_signal(signal.SIGKILL)
+                killed_at.append(trio.current_time())
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(kill_when_stalled)
+                with pytest.raises(TransferFailed) as raised:
+                    await receiver.receive("doomed", peer=link, consume=collector)
+            assert raised.value.reason is FailureReason.LINK_LOST
+            assert "nothing received for" in raised.value.report.detail
+            assert trio.current_time() - killed_at[0] < LIVELY["link_timeout"] + 1.0
+            await settle()
+        assert (pool.used_blocks, pool.quarantined_blocks) == (0, 0)
+
+
+async def test_cancelling_everything_mid_transfer_tears_ucx_down_cleanly() -> None:
+    """A node's shutdown cancels its endpoints' tasks all at once: link readers, progress tasks and the
+    transfers, in any order (ucxx crashed the process when a closing link posted its goodbye on an
+    endpoint its worker had already closed)."""
+    for attempt in range(4):
+        source, storage, pool = (
+            Source(LAYOUT, 160, seed=60),
+            random_storage(LAYOUT, 16, 61),
+            BlockPool(16, 16),
+        )
+        config = TransferConfig(default_grant_blocks=1, round_cap_blocks=1, window=2)
+        with trio.move_on_after(5) as watchdog:
+            with trio.CancelScope() as everything:
+                async with (
+                    endpoint_pair("ucx", source, storage, pool, config=config) as pair,
+                    trio.open_nursery() as nursery,
+                ):
+                    collector = Collector()
+                    nursery.start_soon(send_all, pair.sender, "t", source)
+                    receive = partial(pair.receiver.receive, "t", peer=pair.link, consume=collector)
+                    nursery.start_soon(receive)
+                    while len(collector.rounds) < 1 + attempt:
+                        await trio.sleep(0.001)
+                    everything.cancel()
+        assert not watchdog.cancelled_caught
+        assert pool.used_blocks == 0
