@@ -7,8 +7,8 @@ a test that breaks a shared node fails its successors at once instead of letting
 test whose steps cannot be undone (a replica that fails, a role change, the node's shutdown) starts its
 own node.
 
-- `tiny_inproc_node`: tiny model, inproc transport, prefill=1 decode=2, 4 KiB request lines and 16
-  queued replies per client (so the bad-input tests can reach both limits cheaply);
+- `tiny_inproc_node`: tiny model, inproc transport, prefill=1 decode=2, 4 KiB request lines, 16 queued
+  replies per client and 40 live requests (so the bad-input tests can reach these limits cheaply);
 - `tiny_tcp_node`: tiny model, loopback TCP transport, prefill=2 decode=3 (state machine and Lock).
 """
 
@@ -24,6 +24,7 @@ from tests.node.harness import NodeProcess, node_process
 
 MAX_LINE_BYTES = 4096
 MAX_OUTBOUND_REPLIES = 16
+MAX_QUEUE = 40  # above the 32 concurrent requests of the identity test
 
 
 @pytest.fixture(scope="session")
@@ -72,6 +73,8 @@ def tiny_inproc_process(tmp_path_factory: pytest.TempPathFactory) -> Iterator[No
         str(MAX_LINE_BYTES),
         "--max-outbound-replies",
         str(MAX_OUTBOUND_REPLIES),
+        "--max-queue",
+        str(MAX_QUEUE),
     ) as node:
         yield node
 

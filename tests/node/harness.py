@@ -259,7 +259,8 @@ def _read_listening_line(process: subprocess.Popen[bytes]) -> str:
 
 @contextmanager
 def node_process(directory: Path, *options: str, stop: StopHow = "shutdown") -> Iterator[NodeProcess]:
-    """A started node, stopped (exit code 0 asserted) when the block ends — killed if the block raised."""
+    """A started node, stopped (exit code 0 asserted) when the block ends — unless the block stopped it
+    (and checked its exit code) itself; killed if the block raised."""
     node = start_node(directory, *options)
     try:
         yield node
@@ -267,7 +268,8 @@ def node_process(directory: Path, *options: str, stop: StopHow = "shutdown") -> 
         if node.exit_code is None:
             node.kill()
         raise
-    node.stop(stop)
+    if node.exit_code is None:
+        node.stop(stop)
 
 
 # ---------------------------------------------------------------------- waiting on status (async)

@@ -15,13 +15,14 @@ from typing import Any
 
 import msgspec
 import pytest
+import trio
 
 from engine.client import ControlError
 from messages.control_replies import GenerateResult, TokenReply
 from replicas.model import Model
-from tests.node.conftest import MAX_LINE_BYTES, MAX_OUTBOUND_REPLIES
-from tests.node.harness import NodeProcess, raw_connection, wait_idle, wait_serving
-from tests.node.workload import Ask, Outcome, assert_correct, assert_model_tokens, distinct_asks, send
+from tests.node.conftest import MAX_LINE_BYTES, MAX_OUTBOUND_REPLIES, MAX_QUEUE
+from tests.node.harness import NodeProcess, by_name, raw_connection, wait_idle, wait_serving, wait_status
+from tests.node.workload import Ask, Outcome, assert_correct, assert_model_tokens, distinct_asks, launch, send
 
 OPS = "generate, status, cancel, transition, lock, unlock, scale, metrics, shutdown"
 STATES = (
@@ -413,3 +414,36 @@ async def test_cancel_mid_generation_ends_the_generate_and_the_connection_goes_o
         await wait_idle(client)
     (event,) = [e for e in node.events("request_cancelled") if e["request_id"] == request_id]
     assert (event["reason"], event["output_tokens"]) == ("cancel_op", len(result.token_ids))
+
+
+async def test_more_live_requests_than_max_queue_are_overloaded(
+    tiny_inproc_node: NodeProcess, tiny: Model
+) -> None:
+    """With the decode replicas locked, MAX_QUEUE requests stay live (prefilled, waiting to migrate);
+    one more is refused `overloaded`; once unlocked, the MAX_QUEUE finish correctly. (Three connections:
+    one connection has at most --max-outbound-replies requests in flight.)"""
+    node = tiny_inproc_node
+    held: list[Outcome] = []
+    asks = distinct_asks(MAX_QUEUE, max_tokens=2, offset=500)
+    async with node.client() as client, node.client() as second, node.client() as third:
+        for decoder in ("decode-0", "decode-1"):
+            await client.lock(decoder)
+        async with trio.open_nursery() as nursery:
+            for index, connection in enumerate((client, second, third)):
+                launch(nursery, connection, asks[index::3], held)
+            await wait_status(
+                client,
+                lambda s: by_name(s)["prefill-0"].migration_queue == MAX_QUEUE,
+                f"{MAX_QUEUE} requests prefilled and waiting",
+            )
+            with pytest.raises(ControlError) as refused:
+                await client.generate_result(input_ids=[1, 2, 3], max_tokens=2, request_id="one-too-many")
+            assert (refused.value.code, refused.value.message, refused.value.request_id) == (
+                "overloaded",
+                f"{MAX_QUEUE} requests are in flight (max_queue {MAX_QUEUE}); retry later",
+                "one-too-many",
+            )
+            for decoder in ("decode-0", "decode-1"):
+                await client.unlock(decoder)
+        assert_correct(tiny, held, transport="inproc")
+        await wait_idle(client)

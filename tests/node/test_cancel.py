@@ -3,18 +3,20 @@
 that a request is reliably caught in the middle of its transfer. Wherever it is cancelled — half-way
 through its KV transfer, prefilled and waiting for a decode replica, or queued in the router — its
 generate ends with a result whose finish_reason is `cancelled` (not an error), its token so far is the
-model's, and every block returns. (Cancelling while decoding is in `test_bad_input.py`.)
+model's, and every block returns. (Cancelling while decoding is in `test_bad_input.py`.) Then, with
+that stalled transfer in flight, a second SIGTERM ends the draining node at once (exit code 130).
 """
 
 from __future__ import annotations
 
+import signal
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import pytest
 import trio
 
-from engine.client import ControlClient
+from engine.client import ControlClient, ControlConnectionClosed
 from replicas.model import Model
 from tests.node.harness import by_name, node_process, wait_idle, wait_serving, wait_states, wait_status
 from tests.node.workload import Ask, Outcome, assert_model_tokens, distinct_asks, send
@@ -97,3 +99,26 @@ async def test_cancel_mid_transfer_in_the_migration_queue_and_in_the_router_queu
             ("mid-transfer", "in-migration-queue", "in-router-queue"), "cancel_op"
         )
         assert not node.events("request_failed")
+
+        # SIGTERM drains (the stalled request would hold the node for seconds); a second one exits at once.
+        async with node.client() as client:
+            lost: list[BaseException] = []
+
+            async def stalled() -> None:
+                try:
+                    await send(client, ask, request_id="stalled")
+                except ControlConnectionClosed as exc:
+                    lost.append(exc)
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(stalled)
+                await node.wait_event("transfer_started", lambda e: e["request_id"] == "stalled")
+                node.process.send_signal(signal.SIGTERM)
+                await node.wait_event("node_stopping", lambda e: e["reason"] == "signal")
+                node.process.send_signal(signal.SIGTERM)
+            assert len(lost) == 1
+        assert await trio.to_thread.run_sync(node.wait_exit) == 130
+        assert [e["detail"] for e in node.events("node_stopping")] == [
+            "signal SIGTERM",
+            "second signal: exiting at once",
+        ]
