@@ -122,17 +122,28 @@ async def test_shutting_decode_finishes_its_sequences_admits_none_and_revives(
 
 
 async def test_decode_replica_through_inactive_and_loading(tiny_tcp_node: NodeProcess, tiny: Model) -> None:
+    """decode-2 goes ShuttingDecode → ShuttingNull → Inactive → LoadingDecode → Decode while requests run
+    on the node (some on decode-2 itself when it starts shutting down); they all finish correctly."""
     node = tiny_tcp_node
+    background: list[Outcome] = []
     async with node.client() as client:
         await wait_serving(client)
-        await transition(client, "decode-2", "ShuttingDecode", "Decode")
-        await wait_states(client, {"decode-2": "ShuttingNull"})
-        await transition(client, "decode-2", "Inactive", "ShuttingNull")
-        status = by_name(await client.status())["decode-2"]
-        assert (status.state, status.used_blocks, status.locked) == ("Inactive", 0, True)
-        await transition(client, "decode-2", "LoadingDecode", "Inactive")
-        await wait_states(client, {"decode-2": "Decode"})
-        assert state_moves(node, "decode-2")[-4:] == [
+        async with trio.open_nursery() as nursery:
+            launch(nursery, client, distinct_asks(9, max_tokens=60, offset=30), background)
+            await wait_status(
+                client, lambda s: by_name(s)["decode-2"].used_blocks > 0, "requests decoding on decode-2"
+            )
+            await transition(client, "decode-2", "ShuttingDecode", "Decode")
+            await wait_states(client, {"decode-2": "ShuttingNull"})
+            await transition(client, "decode-2", "Inactive", "ShuttingNull")
+            status = by_name(await client.status())["decode-2"]
+            assert (status.state, status.used_blocks, status.locked) == ("Inactive", 0, True)
+            await transition(client, "decode-2", "LoadingDecode", "Inactive")
+            await wait_states(client, {"decode-2": "Decode"})
+        assert_correct(tiny, background)
+        assert "decode-2" in {o.result.transfers[0].destination for o in background}
+        assert state_moves(node, "decode-2")[-5:] == [
+            ("Decode", "ShuttingDecode", "command"),
             ("ShuttingDecode", "ShuttingNull", "automatic"),
             ("ShuttingNull", "Inactive", "command"),
             ("Inactive", "LoadingDecode", "command"),
@@ -140,7 +151,7 @@ async def test_decode_replica_through_inactive_and_loading(tiny_tcp_node: NodePr
         ]
         await client.lock("decode-0")
         await client.lock("decode-1")
-        await serves_alone(client, tiny, "decode-2", offset=30)
+        await serves_alone(client, tiny, "decode-2", offset=39)
         await client.unlock("decode-0")
         await client.unlock("decode-1")
         await wait_idle(client)
