@@ -237,24 +237,29 @@ def start_node(directory: Path, *options: str) -> NodeProcess:
 
 
 def _read_listening_line(process: subprocess.Popen[bytes]) -> str:
+    """The address in the node's `{"listening": ...}` stdout line (other lines before it are skipped)."""
     assert process.stdout is not None
+    descriptor = process.stdout.fileno()
     deadline = time.monotonic() + START_TIMEOUT
+    pending = b""
     while True:
+        while b"\n" in pending:
+            line, pending = pending.split(b"\n", 1)
+            try:
+                message = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if isinstance(message, dict) and "listening" in message:
+                return str(message["listening"])
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             raise NodeFailed(f"no listening line within {START_TIMEOUT} s")
-        ready, _, _ = select.select([process.stdout], [], [], remaining)
-        if not ready:
-            continue
-        line = process.stdout.readline()
-        if not line:
-            raise NodeFailed(f"the node exited before listening (exit code {process.wait()})")
-        try:
-            message = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if isinstance(message, dict) and "listening" in message:
-            return str(message["listening"])
+        ready, _, _ = select.select([descriptor], [], [], remaining)
+        if ready:
+            chunk = os.read(descriptor, 65536)
+            if not chunk:
+                raise NodeFailed(f"the node exited before listening (exit code {process.wait()})")
+            pending += chunk
 
 
 @contextmanager
