@@ -14,7 +14,7 @@ code — 0 means the node drained and found no leaked block — killing the proc
 within its deadline. `node_process` stops the node when its block ends, unless the test already did.
 
 Every wait here has a deadline (no test can hang); no assertion depends on how fast anything runs.
-The stop is synchronous (a blocking socket), so module-scoped fixtures can use it outside any trio run.
+The stop is synchronous (a blocking socket), so session-scoped fixtures can use it outside any trio run.
 """
 
 from __future__ import annotations
@@ -70,9 +70,12 @@ class NodeProcess:
         return self.stderr_file.read_text(errors="replace") if self.stderr_file.exists() else ""
 
     def events(self, *names: str) -> list[dict[str, Any]]:
-        """The log's events so far (only those named, when names are given), as decoded JSON objects."""
+        """The log's events so far (only those named, when names are given), as decoded JSON objects.
+
+        A line the node is still writing (no newline yet) is left for the next call."""
         found = []
-        for line in self.log_file.read_bytes().splitlines():
+        *complete, _unfinished = self.log_file.read_bytes().split(b"\n")
+        for line in complete:
             if line.strip():
                 event = json.loads(line)
                 if not names or event["event"] in names:
