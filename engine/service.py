@@ -180,7 +180,7 @@ class NodeService:
                                 TokenReply(
                                     id=request.id,
                                     request_id=serving.request_id,
-                                    index=len(serving.generated),
+                                    index=relayed,
                                     token_ids=[],
                                     text=held_back,
                                 )
