@@ -14,6 +14,8 @@ what makes a trio reader keep up with a blocking raw-socket loop.
   a peer that stops reading breaks the link after `link_timeout` instead of hanging the writer.
 - Heartbeats: a link quiet for `heartbeat_interval` sends one; a link that received nothing for
   `link_timeout` is broken. Any received byte counts as liveness.
+- Pools on a GPU: each bulk frame goes through a pinned host chunk (`transport.staging`): packed from
+  the device before it is sent, scattered onto it once read.
 """
 
 from __future__ import annotations
@@ -35,6 +37,8 @@ from transport.config import TransferConfig
 from transport.errors import LinkBroken, LinkClosed, LinkError
 from transport.faults import FaultPlan
 from transport.link import BulkWrite, Link, LinkHandler, Role
+from transport.staging import HostChunk, HostChunks, staged_tcp_frames, unpack
+from transport.storage import PoolStorage
 from transport.tcp_frames import (
     CONTROL,
     HEADER_BYTES,
@@ -142,6 +146,8 @@ class TcpLink(Link):
         self._bulk_sent = 0
         self._malformed_sent = False
         self._read_since_yield = 0
+        self._chunks = HostChunks()  # pools on a GPU go through pinned host chunks (transport.staging)
+        self._staged: tuple[PoolStorage, str, list[tuple[int, int]], HostChunk] | None = None
 
     # ------------------------------------------------------------------ closing
     def close(self, error: LinkError) -> None:
@@ -169,6 +175,8 @@ class TcpLink(Link):
         await self._send_batch([control_header(len(body)), body])
 
     async def write(self, bulk: BulkWrite, trailer: PeerMessage | None = None) -> int:
+        if bulk.source.device.type != "cpu":
+            return await self._write_staged(bulk, trailer)
         parts: list[Buffer] = []
         batch_bytes = 0
         corrupt = bulk.corrupt
@@ -187,6 +195,19 @@ class TcpLink(Link):
             parts += (control_header(len(body)), body)
         if parts:
             await self._send_bulk(parts, batch_bytes)
+        return bulk.nbytes
+
+    async def _write_staged(self, bulk: BulkWrite, trailer: PeerMessage | None) -> int:
+        """A pool on a GPU: each frame is packed into a pinned host chunk, and sent before the next."""
+        chunk, corrupt = self._chunks.take(), bulk.corrupt
+        for name in bulk.buffers:
+            index = self._buffer_index[name]
+            for parts, length in staged_tcp_frames(bulk, index, name, self._row_bytes[index], chunk, corrupt):
+                corrupt = False
+                await self._send_bulk(parts, length)
+        self._chunks.give(chunk)
+        if trailer is not None:
+            await self.send(trailer)
         return bulk.nbytes
 
     async def _send_bulk(self, parts: list[Buffer], payload_bytes: int) -> None:
@@ -279,6 +300,7 @@ class TcpLink(Link):
                     ahead = await self._discard(frame.length, header)
                 else:
                     ahead = await self._recv_into(targets, header)
+                    self._land_staged()
         except (FrameError, PeerCodecError) as exc:
             self.close(LinkBroken(f"link {self.describe()}: malformed frame from the peer: {exc}"))
         except LinkError as exc:
@@ -301,8 +323,19 @@ class TcpLink(Link):
         name = self._layout.buffers[frame.buffer].name
         if landing is None or not landing.claim(frame.round, name, segments):
             return None
+        if landing.storage.device.type != "cpu":  # a pool on a GPU: through a pinned host chunk
+            chunk = self._chunks.take(frame.length)
+            self._staged = (landing.storage, name, segments, chunk)
+            return [chunk.view[: frame.length]]
         memory = landing.storage.buffer_bytes(name)
         return [memory[row * row_bytes : (row + rows) * row_bytes] for row, rows in segments]
+
+    def _land_staged(self) -> None:
+        if self._staged is not None:
+            storage, name, segments, chunk = self._staged
+            self._staged = None
+            unpack(storage, name, segments, chunk)
+            self._chunks.give(chunk)
 
     async def _discard(self, length: int, header: memoryview) -> int:
         ahead = 0

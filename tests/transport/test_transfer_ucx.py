@@ -10,7 +10,6 @@ from __future__ import annotations
 import random
 import re
 import signal
-from functools import partial
 
 import pytest
 import torch
@@ -21,6 +20,7 @@ from hypothesis import strategies as st
 from messages.transfer import FailureReason
 from tests.transport.harness import (
     Collector,
+    Pair,
     Source,
     as_bytes,
     assert_same_bytes,
@@ -181,6 +181,13 @@ async def _expect_sender_failure(
         await send_all(sender, transfer_id, source)
     except TransferError as exc:
         into[transfer_id] = exc
+
+
+async def _expect_receiver_failure(pair: Pair, collector: Collector, into: dict[str, TransferError]) -> None:
+    try:
+        await pair.receiver.receive("t", peer=pair.link, consume=collector)
+    except TransferError as exc:
+        into["receiver"] = exc
 
 
 async def test_a_stalled_ucx_sender_fails_at_the_progress_deadline() -> None:
@@ -487,10 +494,10 @@ async def test_cancelling_everything_mid_transfer_tears_ucx_down_cleanly() -> No
                     endpoint_pair("ucx", source, storage, pool, config=config) as pair,
                     trio.open_nursery() as nursery,
                 ):
-                    collector = Collector()
-                    nursery.start_soon(send_all, pair.sender, "t", source)
-                    receive = partial(pair.receiver.receive, "t", peer=pair.link, consume=collector)
-                    nursery.start_soon(receive)
+                    collector, failures = Collector(), dict[str, TransferError]()
+                    # Either side may see its link close before its own cancellation: link_lost.
+                    nursery.start_soon(_expect_sender_failure, pair.sender, "t", source, failures)
+                    nursery.start_soon(_expect_receiver_failure, pair, collector, failures)
                     while len(collector.rounds) < 1 + attempt:
                         await trio.sleep(0.001)
                     everything.cancel()

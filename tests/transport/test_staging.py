@@ -1,0 +1,108 @@
+"""Packing rows into host chunks and back (`transport.staging`): the CPU path, the device path's index
+arithmetic run on CPU tensors (`gather_rows` / `scatter_rows`), and TCP frames built through a chunk."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tests.transport.harness import embedding_layout, kv_layout, poisoned_storage, random_storage
+from transport.frame_plan import MAX_FRAME_BYTES
+from transport.link import BulkWrite
+from transport.staging import (
+    HostChunks,
+    gather_rows,
+    pack,
+    scatter_rows,
+    staged_tcp_frames,
+    unpack,
+)
+from transport.tcp_frames import BULK, HEADER_BYTES, SEGMENT, parse_header, parse_segments
+
+
+def stretches(seed: int, total_rows: int, count: int) -> list[tuple[int, int]]:
+    """`count` disjoint stretches of rows in random order."""
+    rng = random.Random(seed)
+    cuts = sorted(rng.sample(range(1, total_rows), 2 * count))
+    pairs = [(cuts[i], cuts[i + 1] - cuts[i]) for i in range(0, 2 * count, 2)]
+    rng.shuffle(pairs)
+    return pairs
+
+
+@settings(max_examples=25, deadline=None)
+@given(seed=st.integers(0, 2**16), count=st.integers(1, 12), device_path=st.booleans())
+def test_packed_rows_come_back_where_they_were(seed: int, count: int, device_path: bool) -> None:
+    layout = kv_layout(layers=1)
+    source, target = random_storage(layout, 16, seed), poisoned_storage(layout, 16)
+    rows = stretches(seed, 16 * 16, count)
+    chunks = HostChunks(pinned=False)
+    for name in ("k0", "v0"):
+        chunk = chunks.take()
+        length = (gather_rows if device_path else pack)(source, name, rows, chunk)
+        assert length == sum(n for _row, n in rows) * source.row_bytes[name]
+        flat = source.flat(name).view(torch.uint8).reshape(16 * 16, -1)
+        packed = torch.cat([flat[row : row + n] for row, n in rows]).reshape(-1)
+        assert torch.equal(chunk.tensor[:length], packed)
+        assert (scatter_rows if device_path else unpack)(target, name, rows, chunk) == length
+        chunks.give(chunk)
+        landed = target.flat(name).view(torch.uint8).reshape(16 * 16, -1)
+        touched = torch.zeros(16 * 16, dtype=torch.bool)
+        for row, n in rows:
+            assert torch.equal(landed[row : row + n], flat[row : row + n])
+            touched[row : row + n] = True
+        assert bool((landed[~touched] == 0x5A).all())
+
+
+def test_host_chunks_are_reused_and_wide_frames_get_their_own() -> None:
+    chunks = HostChunks(pinned=False)
+    first = chunks.take()
+    chunks.give(first)
+    assert chunks.take() is first
+    wide = chunks.take(MAX_FRAME_BYTES + 1)
+    assert len(wide.view) == MAX_FRAME_BYTES + 1
+    chunks.give(wide)
+    assert chunks.take() is not wide
+
+
+@pytest.mark.parametrize("corrupt", [False, True])
+def test_staged_tcp_frames_parse_back_to_the_rows(corrupt: bool) -> None:
+    layout = embedding_layout(block_size=16, hidden=64)
+    source = random_storage(layout, 32, seed=5)
+    src, dst = random.Random(6).sample(range(32), 20), random.Random(7).sample(range(32), 20)
+    bulk = BulkWrite(
+        source=source,
+        source_ids=src,
+        source_offset=3,
+        dest_ids=dst,
+        dest_offset=9,
+        count=300,
+        buffers=("embeds", "token_ids"),
+        landing_key=11,
+        round=2,
+        corrupt=corrupt,
+    )
+    chunk = HostChunks(pinned=False).take()
+    rows_seen = 0
+    for index, name in ((0, "embeds"), (1, "token_ids")):
+        width = source.row_bytes[name]
+        for parts, length in staged_tcp_frames(bulk, index, name, width, chunk, corrupt and index == 0):
+            header, table, payload = parts
+            frame = parse_header(header[:HEADER_BYTES])
+            assert (frame.kind, frame.landing_key, frame.round, frame.buffer) == (BULK, 11, 2, index)
+            segments = parse_segments(table, len(table) // SEGMENT.size, width, length)
+            expected = bytearray()
+            memory = source.buffer_bytes(name)
+            by_destination = {run.dst_row: run for run in bulk.runs}
+            for dst_row, rows in segments:
+                run = next(r for start, r in by_destination.items() if start <= dst_row < start + r.rows)
+                src_row = run.src_row + dst_row - run.dst_row
+                expected += memory[src_row * width : (src_row + rows) * width]
+                rows_seen += rows
+            if corrupt and index == 0 and rows_seen == sum(rows for _row, rows in segments):
+                expected[0] ^= 0xFF
+            assert bytes(payload) == bytes(expected)
+    assert rows_seen == 2 * 300
