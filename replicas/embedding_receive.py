@@ -59,7 +59,6 @@ class EmbeddingReceives:
     def __init__(self, work: RoleWork) -> None:
         self.work = work
         self.active: dict[str, ServingRequest] = {}
-        self.finished_transfers = 0  # successful receives here, in finishing order (corrupt_transfer's nth)
 
     def receiving(self, request: ServingRequest) -> bool:
         return request.request_id in self.active
@@ -252,9 +251,12 @@ class EmbeddingReceives:
         return None
 
     def _maybe_corrupt(self, request: ServingRequest, prompt: EmbeddedPrompt) -> None:
-        """The `corrupt_transfer` fault hook for embeddings: alter the landed rows (the output must change)."""
-        index = self.finished_transfers
-        self.finished_transfers += 1
+        """The `corrupt_transfer` fault hook for embeddings: alter the landed rows (the output must change).
+
+        `nth` counts the embedding transfers that landed on this node, from 0, in the order they finished."""
+        landed = self.work.replica.services.transfers_landed
+        index = landed["embedding"]
+        landed["embedding"] += 1
         hits = [
             fault
             for fault in self.work.replica.services.faults
@@ -267,7 +269,7 @@ class EmbeddingReceives:
             self.work.replica.log.bind(request_id=request.request_id).emit(
                 FaultInjected(
                     fault="corrupt_transfer",
-                    detail=f"embedding transfer {index} of {self.work.replica.name} altered",
+                    detail=f"embedding transfer {index} of the node (on {self.work.replica.name}) altered",
                 )
             )
 
