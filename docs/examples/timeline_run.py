@@ -11,7 +11,6 @@ Text and image requests run while decode-1 is locked and unlocked, prefill-1 bec
 
 from __future__ import annotations
 
-import base64
 import random
 import sys
 
