@@ -6,7 +6,8 @@ Every replica pool that sends or receives blocks has a `TransferEndpoint` named 
 reused by every later transfer (receivers connect to senders, DESIGN §5.1).
 
 The transport (`--transport`, `transport.kinds`): `inproc`, `tcp` (loopback), `ucx` (ucxx; even between
-replicas of one process, over UCX's shared memory) or `cuda-ipc`. `auto` chooses per link with
+replicas of one process, over UCX's shared memory) or `cuda-ipc` (pools on the CPU — embedding pools —
+then listen on tcp). `auto` chooses per link with
 `transport.kinds.choose`; every endpoint a fabric knows lives in the node's process, so each link
 resolves to inproc, and `kind` (each replica's `transport` in `status`) says so. The choice is logged
 (`transfer.transport_chosen`).
@@ -53,12 +54,18 @@ class Fabric:
 
     async def listen(self, endpoint: TransferEndpoint) -> str:
         """Start `endpoint` listening on this fabric's transport and register its address."""
-        if self.kind == "inproc":
+        kind = self.kind
+        if kind == "cuda-ipc" and endpoint.storage.device.type != "cuda":
+            kind = "tcp"  # a pool on the CPU (embeddings) cannot be mapped through CUDA IPC
+            _log.info(
+                "transfer.transport_chosen", endpoint=endpoint.name, transport=kind, reason="pool on cpu"
+            )
+        if kind == "inproc":
             address = endpoint.listen_inproc()
-        elif self.kind == "tcp":
+        elif kind == "tcp":
             address = await endpoint.listen_tcp("127.0.0.1", 0)
         else:
-            address = await endpoint.listen_on(self.kind)
+            address = await endpoint.listen_on(kind)
         self._addresses[endpoint.name] = address
         return address
 

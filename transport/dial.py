@@ -1,6 +1,6 @@
 """The transports beyond inproc and tcp, reached through `TransferEndpoint.connect` / `listen_on`.
 
-`ucx` (`transport.ucx`) needs the optional `ucx` extra (ucxx), and `cuda-ipc` (`transport.cuda_ipc`)
+`ucx` (`transport.ucx_connect`) needs the optional `ucx` extra (ucxx), and `cuda-ipc` (`transport.cuda_ipc`)
 needs CUDA pools; their modules are imported only here, when a link is made, so importing zigzag never
 needs either.
 """
@@ -20,14 +20,19 @@ ListenKind = Literal["ucx", "cuda-ipc"]
 
 async def dial(endpoint: TransferEndpoint, address: str) -> Link:
     """A new link (not yet handshaken) from receiving `endpoint` to the sender at `address`."""
-    scheme, _, _rest = address.partition("://")
+    scheme, _, rest = address.partition("://")
     if scheme == "ucx":
-        from transport import ucx
+        from transport import ucx_connect
 
-        return await ucx.dial(endpoint, address)
+        return await ucx_connect.dial(endpoint, address)
+    if scheme == "cuda-ipc":
+        from transport import cuda_ipc
+
+        host, _, port = rest.rpartition(":")
+        return await cuda_ipc.dial(endpoint, host, int(port))
     raise ValueError(
-        f"unknown transport address {address!r} (expected inproc://name, tcp://host:port or "
-        "ucx://<worker address>)"
+        f"unknown transport address {address!r} (expected inproc://name, tcp://host:port, "
+        "ucx://<worker address> or cuda-ipc://host:port)"
     )
 
 
@@ -36,7 +41,9 @@ async def listen(
 ) -> str:
     """Accept links of `kind` to `endpoint`; returns the address peers connect to."""
     if kind == "ucx":
-        from transport import ucx
+        from transport import ucx_connect
 
-        return await ucx.listen(endpoint, on_accept)
-    raise ValueError(f"endpoint {endpoint.name!r}: cannot listen on {kind!r} yet")
+        return await ucx_connect.listen(endpoint, on_accept)
+    from transport import cuda_ipc
+
+    return await cuda_ipc.listen(endpoint, on_accept, host)

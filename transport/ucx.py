@@ -1,14 +1,7 @@
 """The UCX transport (issue 7): links over ucxx tag messages, driven from Trio (`transport.ucx_worker`).
 
-Each endpoint that uses UCX gets one worker (`worker_for`), progressed by a task in the endpoint's
-nursery. A sending endpoint listens at `ucx://<hex of its worker address>`; with UCX's shared-memory
-transports that address reaches the worker from any process on the host, and with `tcp` in `UCX_TLS`
-from other hosts too.
+How links are made: `transport.ucx_connect`. On a link:
 
-- Connecting (receiver → sender): `dial` makes a UCX endpoint from the sender's worker address and sends
-  `connect{its link number, its own worker address}` to the sender's listener; the listener makes the
-  sending link and an endpoint back, and answers `accept{its link number}`. Then the handshake of DESIGN
-  §5.1 (`Hello` / `HelloAck`) runs over the link like on any transport.
 - Control messages: one UCX message each on the far link's control tag (`transport.ucx_frames`).
 - Bulk writes: cut into frames (`transport.frame_plan`); each frame is a descriptor on the control tag,
   then its bytes on the bulk tag — a *direct* frame one message per piece, straight from the sender's
@@ -31,14 +24,12 @@ from __future__ import annotations
 
 import itertools
 import math
-import weakref
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Final, final
+from typing import Any, Final, final
 
 import structlog
-import torch
 import trio
 
 from messages.layout import PoolLayout
@@ -49,59 +40,30 @@ from transport.errors import LinkBroken, LinkClosed, LinkError
 from transport.faults import FaultPlan
 from transport.frame_plan import Frame, plan_frames
 from transport.link import BulkWrite, Link, LinkHandler, Role
-from transport.runs import run_bytes
 from transport.staging import HostChunk, HostChunks, pack, unpack
 from transport.storage import PoolStorage
 from transport.ucx_frames import (
-    ACCEPT,
-    CONNECT,
     DESCRIPTOR,
     GOODBYE,
     MESSAGE,
     Descriptor,
     UcxFrameError,
-    accept_body,
-    connect_body,
     descriptor_body,
+    flipped_copy,
     goodbye_body,
     kind_of,
     message_body,
     parse_descriptor,
     parse_goodbye,
     parse_message,
-    parse_number,
+    payload_rows,
 )
 from transport.ucx_worker import BULK, CONTROL, LISTENER, Arrival, UcxFailed, UcxWorker, tag
-
-if TYPE_CHECKING:
-    from transport.endpoint import TransferEndpoint
 
 DIRECT_MIN_BYTES: Final = 64 * 1024
 PACKED_WINDOW: Final = 4
 _link_numbers = itertools.count(1)
-_workers: weakref.WeakKeyDictionary[TransferEndpoint, UcxWorker] = weakref.WeakKeyDictionary()
 _log = structlog.get_logger("transport.ucx")
-
-
-async def worker_for(endpoint: TransferEndpoint) -> UcxWorker:
-    """The endpoint's UCX worker, created (and its progress task started) on first use."""
-    worker = _workers.get(endpoint)
-    if worker is None:
-        worker = _workers[endpoint] = UcxWorker(endpoint.name)
-        await endpoint.nursery.start(worker.run)
-    return worker
-
-
-def parse_address(address: str) -> bytes:
-    """The worker address in `ucx://<hex>` (or the part after `ucx://`); ValueError naming it."""
-    text = address.removeprefix("ucx://")
-    try:
-        raw = bytes.fromhex(text)
-    except ValueError:
-        raw = b""
-    if not raw:
-        raise ValueError(f"bad ucx address {address!r}: expected ucx://<hex worker address>")
-    return raw
 
 
 @dataclass(slots=True)
@@ -292,12 +254,9 @@ class UcxLink(Link):
             requests.append(self._post(BULK, chunk.view[:length]))
         else:
             for piece in frame.pieces:
-                payload: object = _rows(bulk.source, frame.name, piece.src_row, piece.rows)
-                if corrupt:
-                    payload, corrupt = (
-                        _flipped(_rows(bulk.source, frame.name, piece.src_row, piece.rows)),
-                        False,
-                    )
+                rows = payload_rows(bulk.source, frame.name, piece.src_row, piece.rows)
+                payload = flipped_copy(rows) if corrupt else rows
+                corrupt = False
                 requests.append(self._post(BULK, payload))
         self._bulk_sent += frame.length
         return requests, chunk
@@ -365,7 +324,7 @@ class UcxLink(Link):
         if claimed and landing is not None and not frame.packed:
             storage = landing.storage
             if storage.device.type == "cpu" or worker.cuda_capable:
-                targets = [_rows(storage, name, row, rows) for row, rows in frame.segments]
+                targets = [payload_rows(storage, name, row, rows) for row, rows in frame.segments]
                 self._landing.append(_Landing([worker.receive(endpoint, on, t) for t in targets]))
                 return
         while sum(pending.chunk is not None for pending in self._landing) >= PACKED_WINDOW:
@@ -410,92 +369,3 @@ class UcxLink(Link):
                     await self.send(Heartbeat(link_id=self.link_id, seq=self._heartbeat_seq))
                 except LinkError:
                     return
-
-
-def _rows(storage: PoolStorage, name: str, row: int, rows: int) -> memoryview | torch.Tensor:
-    """Rows of a buffer as UCX sees them: bytes of CPU storage, a CUDA tensor slice of GPU storage."""
-    if storage.device.type == "cpu":
-        return run_bytes(storage, name, row, rows)
-    return storage.flat(name)[row : row + rows]
-
-
-def _flipped(payload: memoryview | torch.Tensor) -> bytearray | torch.Tensor:
-    """A copy of `payload` with its first byte flipped (fault injection never touches the sender's blocks)."""
-    if isinstance(payload, memoryview):
-        copy = bytearray(payload)
-        copy[0] ^= 0xFF
-        return copy
-    flipped = payload.clone()
-    first = flipped.view(-1).view(torch.uint8)[:1]
-    first.bitwise_xor_(0xFF)
-    return flipped
-
-
-# ---------------------------------------------------------------------- connecting and listening
-def _link(endpoint: TransferEndpoint, worker: UcxWorker, role: Role) -> UcxLink:
-    return UcxLink(
-        worker,
-        local=endpoint.name,
-        role=role,
-        handler=endpoint,
-        layout=endpoint.storage.layout,
-        config=endpoint.config,
-        faults=endpoint.faults,
-    )
-
-
-async def dial(endpoint: TransferEndpoint, address: str) -> UcxLink:
-    """A UCX link from receiving `endpoint` to the listener at `address` (not yet handshaken).
-    Raises `ValueError` for a malformed address, `LinkBroken` when nobody accepts within
-    `handshake_timeout`."""
-    peer = parse_address(address)
-    worker = await worker_for(endpoint)
-    link = _link(endpoint, worker, "receiver")
-    shown = f"{address[:24]}…"
-    timeout = endpoint.config.handshake_timeout
-    try:
-        link.attach(worker.connect(peer), LISTENER)
-        await link.post_control(connect_body(link.number, worker.address))
-        with trio.move_on_after(timeout):
-            number, _rest = parse_number(await link.next_body(), ACCEPT)
-            link.accepted(number)
-            return link
-        error = LinkBroken(f"no answer from {shown} within {timeout} s")
-    except (UcxFailed, UcxFrameError, trio.EndOfChannel, trio.ClosedResourceError) as exc:
-        error = LinkBroken(f"cannot connect to {shown}: {exc}")
-    except BaseException as exc:
-        link.close(LinkClosed(f"connecting to {shown} given up: {exc!r}"))
-        raise
-    link.close(error)
-    raise error
-
-
-async def listen(endpoint: TransferEndpoint, on_accept: Callable[[Link], None]) -> str:
-    """Accept UCX links to `endpoint`; returns its address `ucx://<hex worker address>`."""
-    worker = await worker_for(endpoint)
-    inbox_send, inbox = trio.open_memory_channel[Arrival](math.inf)
-    worker.register(inbox_send.send_nowait, LISTENER)
-    endpoint.nursery.start_soon(_accept_links, endpoint, worker, inbox, on_accept)
-    return f"ucx://{worker.address.hex()}"
-
-
-async def _accept_links(
-    endpoint: TransferEndpoint,
-    worker: UcxWorker,
-    inbox: trio.MemoryReceiveChannel[Arrival],
-    on_accept: Callable[[Link], None],
-) -> None:
-    async for arrival in inbox:
-        link: UcxLink | None = None
-        try:
-            await worker.wait([arrival.request])
-            number, address = parse_number(arrival.body, CONNECT)
-            link = _link(endpoint, worker, "sender")
-            link.attach(worker.connect(address), number)
-            await link.post_control(accept_body(link.number))
-        except (UcxFailed, UcxFrameError, LinkError) as exc:
-            _log.warning("transfer.ucx_connect_failed", endpoint=endpoint.name, error=str(exc))
-            if link is not None:
-                link.close(LinkBroken(f"accepting failed: {exc}"))
-            continue
-        on_accept(link)

@@ -21,9 +21,13 @@ import struct
 from collections.abc import Sequence
 from typing import Final, NamedTuple, final
 
+import torch
+
 from messages.peer_codec import decode_peer, encode_peer
 from messages.transfer import PeerMessage
 from transport.frame_plan import MAX_FRAME_BYTES, MAX_SEGMENTS, Frame
+from transport.runs import run_bytes
+from transport.storage import PoolStorage
 from transport.tcp_frames import SEGMENT
 
 MESSAGE: Final = ord("M")
@@ -128,3 +132,23 @@ def parse_descriptor(body: bytes | bytearray, row_bytes: Sequence[int]) -> Descr
     if length > max(MAX_FRAME_BYTES, width):
         raise UcxFrameError(f"bulk descriptor of {length} bytes, over the {MAX_FRAME_BYTES}-byte frame limit")
     return Descriptor(flavour == PACKED, buffer, round, landing_key, length, segments)
+
+
+def payload_rows(storage: PoolStorage, name: str, row: int, rows: int) -> memoryview | torch.Tensor:
+    """Rows of a buffer as UCX sees them: bytes of CPU storage, a CUDA tensor slice of GPU storage."""
+    if storage.device.type == "cpu":
+        return run_bytes(storage, name, row, rows)
+    # As bytes: torch's CUDA array interface has no bfloat16.
+    return storage.flat(name)[row : row + rows].view(-1).view(torch.uint8)
+
+
+def flipped_copy(payload: memoryview | torch.Tensor) -> bytearray | torch.Tensor:
+    """A copy of `payload` with its first byte flipped (fault injection never touches the sender's blocks)."""
+    if isinstance(payload, memoryview):
+        copy = bytearray(payload)
+        copy[0] ^= 0xFF
+        return copy
+    flipped = payload.clone()
+    first = flipped.view(-1).view(torch.uint8)[:1]
+    first.bitwise_xor_(0xFF)
+    return flipped

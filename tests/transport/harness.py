@@ -56,6 +56,16 @@ def random_storage(layout: PoolLayout, num_blocks: int, seed: int) -> PoolStorag
     return storage
 
 
+def on_device(storage: PoolStorage, device: str) -> PoolStorage:
+    """`storage`'s bytes in a new storage on `device` (itself when that is where it already is)."""
+    if torch.device(device) == storage.device:
+        return storage
+    moved = PoolStorage(storage.layout, storage.num_blocks, device=device)
+    for name, tensor in storage.tensors.items():
+        moved.tensors[name].copy_(tensor)
+    return moved
+
+
 def poisoned_storage(layout: PoolLayout, num_blocks: int) -> PoolStorage:
     storage = PoolStorage(layout, num_blocks)
     for tensor in storage.tensors.values():
@@ -80,6 +90,7 @@ class Source:
     tokens: int
     seed: int
     spare_blocks: int = 4
+    device: str = "cpu"
     storage: PoolStorage = field(init=False)
     pool: BlockPool = field(init=False)
     ids: list[int] = field(init=False)
@@ -87,7 +98,7 @@ class Source:
     def __post_init__(self) -> None:
         blocks = -(-self.tokens // self.layout.block_size)
         num_blocks = blocks + self.spare_blocks
-        self.storage = random_storage(self.layout, num_blocks, self.seed)
+        self.storage = on_device(random_storage(self.layout, num_blocks, self.seed), self.device)
         self.pool = shuffled_pool(num_blocks, self.layout.block_size, self.seed)
         self.ids = self.pool.allocate(blocks, "source")
 
@@ -145,7 +156,7 @@ async def endpoint_pair(
     faults: FaultPlan = NO_FAULTS,
     sender_control: trio.MemorySendChannel[SenderDelivery] | None = None,
 ) -> AsyncIterator[Pair]:
-    """A sending endpoint on `source` and a receiving one, linked over `kind` ("inproc", "tcp" or "ucx")."""
+    """A sending endpoint on `source` and a receiving one, linked over `kind` ("inproc", "tcp", "ucx", "cuda-ipc")."""
     network = InprocNetwork()
     async with (
         open_endpoint(
@@ -170,8 +181,8 @@ async def listen(endpoint: TransferEndpoint, kind: str) -> str:
         return endpoint.listen_inproc()
     if kind == "tcp":
         return await endpoint.listen_tcp()
-    assert kind == "ucx", kind
-    return await endpoint.listen_on("ucx")
+    assert kind in ("ucx", "cuda-ipc"), kind
+    return await endpoint.listen_on("ucx" if kind == "ucx" else "cuda-ipc")
 
 
 async def send_all(endpoint: TransferEndpoint, transfer_id: str, source: Source) -> None:

@@ -1,7 +1,7 @@
 """A sending endpoint in its own process, for the two-process tests: `python -m tests.transport.sender_process`.
 
 Reads one JSON object on stdin (`hidden`, `block_size`, `seed`, `transfers` = {transfer id: tokens},
-optional `faults`, `config` and `transport` — tcp or ucx), prints `{"address": ...}`, sends the first `tokens` tokens of its source
+optional `faults`, `config`, `transport` — tcp, ucx or cuda-ipc — and `device`), prints `{"address": ...}`, sends the first `tokens` tokens of its source
 for each listed transfer when its grant comes, reports each outcome as a JSON line, and exits when stdin
 closes. Its source is `harness.Source(layout, max tokens, seed)`, so the test process rebuilds the
 expected bytes without any of them crossing a pipe.
@@ -28,7 +28,7 @@ async def main() -> None:
     params = json.loads(sys.stdin.readline())
     transfers: dict[str, int] = params["transfers"]
     layout = embedding_layout(params["block_size"], params["hidden"])
-    source = Source(layout, max(transfers.values()), params["seed"])
+    source = Source(layout, max(transfers.values()), params["seed"], device=params.get("device", "cpu"))
     faults = msgspec.convert(params.get("faults", {}), FaultPlan)
     config = msgspec.convert(params.get("config", {}), TransferConfig)
     async with open_endpoint(

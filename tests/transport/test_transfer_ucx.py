@@ -407,7 +407,7 @@ async def test_nobody_listening_at_a_ucx_address_fails_within_the_handshake_time
         ) as receiver,
     ):
         # A live worker whose endpoint never listened: the connect message finds no listener.
-        from transport.ucx import worker_for
+        from transport.ucx_connect import worker_for
 
         address = f"ucx://{(await worker_for(gone)).address.hex()}"
         start = trio.current_time()

@@ -14,7 +14,8 @@ from hypothesis import strategies as st
 from tests.transport.harness import embedding_layout, random_storage
 from transport.frame_plan import MAX_FRAME_BYTES, MAX_SEGMENTS, frame_rows, plan_frames
 from transport.link import BulkWrite
-from transport.ucx import DIRECT_MIN_BYTES, parse_address
+from transport.ucx import DIRECT_MIN_BYTES
+from transport.ucx_connect import parse_address
 from transport.ucx_frames import (
     ACCEPT,
     CONNECT,

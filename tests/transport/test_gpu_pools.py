@@ -1,0 +1,144 @@
+"""Pools on a GPU (issue 7): every transport moves them, and the protocol's fences hold — inproc device
+to device, tcp and ucx through pinned host chunks (or straight, when UCX has CUDA transports), cuda-ipc
+by device copies into the receiver's pool mapped through CUDA IPC.
+
+Needs a CUDA device (the `cuda` fixture skips without one). The session that wrote these had no GPU:
+they were not run there (docs/transports.md says so).
+"""
+
+from __future__ import annotations
+
+import signal
+
+import pytest
+import trio
+
+from messages.transfer import FailureReason
+from tests.transport.harness import (
+    Collector,
+    Source,
+    as_bytes,
+    assert_same_bytes,
+    embedding_layout,
+    endpoint_pair,
+    kv_layout,
+    on_device,
+    poisoned_storage,
+    random_storage,
+    send_all,
+    sender_process,
+    settle,
+    shuffled_pool,
+)
+from tests.transport.test_transfer import SEED_SCENARIOS
+from transport.config import TransferConfig
+from transport.endpoint import open_endpoint
+from transport.errors import TransferFailed
+
+pytestmark = pytest.mark.gpu
+KINDS = ["inproc", "tcp", "ucx", "cuda-ipc"]
+
+
+@pytest.fixture
+def kind(request: pytest.FixtureRequest, cuda: object) -> str:
+    name: str = request.param
+    if name == "ucx":
+        request.getfixturevalue("ucx_env")
+    return name
+
+
+@pytest.mark.parametrize("kind", KINDS, indirect=True)
+@pytest.mark.parametrize(("total", "cap", "rounds"), SEED_SCENARIOS)
+async def test_seed_scenarios_with_gpu_pools(kind: str, total: int, cap: int | None, rounds: int) -> None:
+    layout = embedding_layout()
+    source = Source(layout, total, seed=total, device="cuda")
+    storage, pool = on_device(random_storage(layout, 100, seed=1), "cuda"), shuffled_pool(100, 128, seed=2)
+    config = TransferConfig(default_grant_blocks=8, round_cap_blocks=cap)
+    collector = Collector()
+    async with (
+        endpoint_pair(kind, source, storage, pool, config=config) as pair,
+        trio.open_nursery() as nursery,
+    ):
+        nursery.start_soon(send_all, pair.sender, "t", source)
+        result = await pair.receiver.receive("t", peer=pair.link, consume=collector)
+    assert (result.report.rounds, result.report.grants) == (rounds, rounds)
+    assert_same_bytes(collector.data(), source.expected())
+    assert pool.used_blocks == 0
+
+
+@pytest.mark.parametrize("kind", KINDS, indirect=True)
+async def test_gpu_kv_lands_in_a_borrowed_allocation_and_an_aborted_round_is_fenced(kind: str) -> None:
+    layout = kv_layout(layers=2)
+    source = Source(layout, 200, seed=9, device="cuda")
+    storage, pool = on_device(poisoned_storage(layout, 40), "cuda"), shuffled_pool(40, 16, seed=11)
+    blocks = pool.allocate(13, "request:1")
+    config = TransferConfig(default_grant_blocks=2, round_cap_blocks=2, window=2)
+    async with endpoint_pair(kind, source, storage, pool, config=config) as pair:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(send_all, pair.sender, "kv", source)
+            await pair.receiver.receive("kv", peer=pair.link, blocks=blocks, expected_tokens=200)
+        assert_same_bytes(as_bytes(storage.gather(blocks, 0, 200)), source.expected())
+        pool.free(blocks, "request:1")
+
+        async def stalled_sender() -> None:
+            async with pair.sender.open_send("aborted") as session:
+                session.announce_total(200)
+                await trio.sleep_forever()
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(stalled_sender)
+            with trio.move_on_after(0.3):
+                await pair.receiver.receive("aborted", peer=pair.link, consume=Collector())
+            await settle()
+            nursery.cancel_scope.cancel()
+        await settle()
+    assert (pool.used_blocks, pool.quarantined_blocks) == (0, 0)
+
+
+@pytest.mark.slow  # a child process importing torch and initialising CUDA
+async def test_cuda_ipc_between_two_processes_and_a_killed_sender(cuda: object) -> None:
+    layout = embedding_layout(block_size=128, hidden=8)
+    seeds = {"t2000": 2000, "t10000-cap8": 10_000, "doomed": 10_000}
+    lively = {"heartbeat_interval": 0.2, "link_timeout": 1.0}
+    params = {
+        "block_size": 128,
+        "hidden": 8,
+        "seed": 41,
+        "transfers": seeds,
+        "transport": "cuda-ipc",
+        "device": "cuda",
+        "faults": {"transfer_id": "doomed", "stall_before_round": 2},
+        "config": lively,
+    }
+    source = Source(layout, max(seeds.values()), seed=41)  # the child's bytes, rebuilt here on the CPU
+    async with sender_process(params) as child:
+        for transfer_id, rounds in (("t2000", 2), ("t10000-cap8", 10)):
+            cap = 8 if "cap8" in transfer_id else None
+            config = TransferConfig(default_grant_blocks=8, round_cap_blocks=cap)
+            storage, pool = on_device(random_storage(layout, 100, 42), "cuda"), shuffled_pool(100, 128, 43)
+            async with open_endpoint(f"receiver-{transfer_id}", storage, pool, config=config) as receiver:
+                collector = Collector()
+                link = await receiver.connect(child.address)
+                result = await receiver.receive(transfer_id, peer=link, consume=collector)
+            assert result.report.rounds == rounds
+            landed = {name: tensor.cpu() for name, tensor in collector.data().items()}
+            assert_same_bytes(landed, source.expected(tokens=seeds[transfer_id]))
+            assert await child.line() == {"sent": transfer_id, "rounds": rounds}
+        config = TransferConfig(default_grant_blocks=1, round_cap_blocks=1, window=3, **lively)
+        storage, pool = on_device(random_storage(layout, 16, 45), "cuda"), shuffled_pool(16, 128, 46)
+        async with open_endpoint("receiver", storage, pool, config=config) as receiver:
+            link = await receiver.connect(child.address)
+            collector = Collector()
+
+            async def kill_when_stalled() -> None:
+                while len(collector.rounds) < 2:
+                    await trio.sleep(0.01)
+                child.process.send_signal(signal.SIGKILL)
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(kill_when_stalled)
+                with pytest.raises(TransferFailed) as raised:
+                    await receiver.receive("doomed", peer=link, consume=collector)
+            assert raised.value.reason is FailureReason.LINK_LOST
+            await settle()
+        assert (pool.used_blocks, pool.quarantined_blocks) == (0, 0)

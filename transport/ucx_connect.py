@@ -1,0 +1,124 @@
+"""Making UCX links (issue 7): one worker per endpoint, listening, and the connect exchange.
+
+Each endpoint that uses UCX gets one worker (`worker_for`), progressed by a task in the endpoint's
+nursery. A sending endpoint listens at `ucx://<hex of its worker address>`; with UCX's shared-memory
+transports that address reaches the worker from any process on the host, and with `tcp` in `UCX_TLS`
+from other hosts too.
+
+Connecting (receiver → sender): `dial` makes a UCX endpoint from the sender's worker address and sends
+`connect{its link number, its own worker address}` to the sender's listener (link number 0); the
+listener makes the sending link and an endpoint back, and answers `accept{its link number}`. Then the
+handshake of DESIGN §5.1 (`Hello` / `HelloAck`) runs over the link as on any transport.
+"""
+
+from __future__ import annotations
+
+import math
+import weakref
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import structlog
+import trio
+
+from transport.errors import LinkBroken, LinkClosed, LinkError
+from transport.link import Link, Role
+from transport.ucx import UcxLink
+from transport.ucx_frames import ACCEPT, CONNECT, UcxFrameError, accept_body, connect_body, parse_number
+from transport.ucx_worker import LISTENER, Arrival, UcxFailed, UcxWorker
+
+if TYPE_CHECKING:
+    from transport.endpoint import TransferEndpoint
+
+_workers: weakref.WeakKeyDictionary[TransferEndpoint, UcxWorker] = weakref.WeakKeyDictionary()
+_log = structlog.get_logger("transport.ucx")
+
+
+async def worker_for(endpoint: TransferEndpoint) -> UcxWorker:
+    """The endpoint's UCX worker, created (and its progress task started) on first use."""
+    worker = _workers.get(endpoint)
+    if worker is None:
+        worker = _workers[endpoint] = UcxWorker(endpoint.name)
+        await endpoint.nursery.start(worker.run)
+    return worker
+
+
+def parse_address(address: str) -> bytes:
+    """The worker address in `ucx://<hex>` (or the part after `ucx://`); ValueError naming it."""
+    text = address.removeprefix("ucx://")
+    try:
+        raw = bytes.fromhex(text)
+    except ValueError:
+        raw = b""
+    if not raw:
+        raise ValueError(f"bad ucx address {address!r}: expected ucx://<hex worker address>")
+    return raw
+
+
+def _link(endpoint: TransferEndpoint, worker: UcxWorker, role: Role) -> UcxLink:
+    return UcxLink(
+        worker,
+        local=endpoint.name,
+        role=role,
+        handler=endpoint,
+        layout=endpoint.storage.layout,
+        config=endpoint.config,
+        faults=endpoint.faults,
+    )
+
+
+async def dial(endpoint: TransferEndpoint, address: str) -> UcxLink:
+    """A UCX link from receiving `endpoint` to the listener at `address` (not yet handshaken).
+    Raises `ValueError` for a malformed address, `LinkBroken` when nobody accepts within
+    `handshake_timeout`."""
+    peer = parse_address(address)
+    worker = await worker_for(endpoint)
+    link = _link(endpoint, worker, "receiver")
+    shown = f"{address[:24]}…"
+    timeout = endpoint.config.handshake_timeout
+    try:
+        link.attach(worker.connect(peer), LISTENER)
+        await link.post_control(connect_body(link.number, worker.address))
+        with trio.move_on_after(timeout):
+            number, _rest = parse_number(await link.next_body(), ACCEPT)
+            link.accepted(number)
+            return link
+        error = LinkBroken(f"no answer from {shown} within {timeout} s")
+    except (UcxFailed, UcxFrameError, trio.EndOfChannel, trio.ClosedResourceError) as exc:
+        error = LinkBroken(f"cannot connect to {shown}: {exc}")
+    except BaseException as exc:
+        link.close(LinkClosed(f"connecting to {shown} given up: {exc!r}"))
+        raise
+    link.close(error)
+    raise error
+
+
+async def listen(endpoint: TransferEndpoint, on_accept: Callable[[Link], None]) -> str:
+    """Accept UCX links to `endpoint`; returns its address `ucx://<hex worker address>`."""
+    worker = await worker_for(endpoint)
+    inbox_send, inbox = trio.open_memory_channel[Arrival](math.inf)
+    worker.register(inbox_send.send_nowait, LISTENER)
+    endpoint.nursery.start_soon(_accept_links, endpoint, worker, inbox, on_accept)
+    return f"ucx://{worker.address.hex()}"
+
+
+async def _accept_links(
+    endpoint: TransferEndpoint,
+    worker: UcxWorker,
+    inbox: trio.MemoryReceiveChannel[Arrival],
+    on_accept: Callable[[Link], None],
+) -> None:
+    async for arrival in inbox:
+        link: UcxLink | None = None
+        try:
+            await worker.wait([arrival.request])
+            number, address = parse_number(arrival.body, CONNECT)
+            link = _link(endpoint, worker, "sender")
+            link.attach(worker.connect(address), number)
+            await link.post_control(accept_body(link.number))
+        except (UcxFailed, UcxFrameError, LinkError) as exc:
+            _log.warning("transfer.ucx_connect_failed", endpoint=endpoint.name, error=str(exc))
+            if link is not None:
+                link.close(LinkBroken(f"accepting failed: {exc}"))
+            continue
+        on_accept(link)
