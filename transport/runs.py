@@ -88,7 +88,7 @@ def copy_runs(src: PoolStorage, dst: PoolStorage, runs: Sequence[Run], buffers: 
     CPU: a run of at least `TORCH_COPY_BYTES` is one `copy_`; smaller runs are one `memcpy` each through
     the buffers' memoryviews (a torch call costs microseconds, a memoryview slice assignment a fraction
     of one). Other devices: one `copy_` per run, or for small runs one gather and one scatter per buffer
-    with indices built once.
+    with indices built once; on CUDA it returns once the copies are done (the write fence).
     """
     if not runs:
         return 0
@@ -124,6 +124,10 @@ def copy_runs(src: PoolStorage, dst: PoolStorage, runs: Sequence[Run], buffers: 
                 dst_flat[run.dst_row : run.dst_row + run.rows].copy_(
                     src_flat[run.src_row : run.src_row + run.rows]
                 )
+    if not on_cpu:  # device copies run asynchronously: the round's ChunkDone must follow them (§5.7)
+        device = dst.device if dst.device.type == "cuda" else src.device
+        if device.type == "cuda":
+            torch.cuda.current_stream(device).synchronize()
     return copied
 
 

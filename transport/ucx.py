@@ -34,7 +34,7 @@ import trio
 
 from messages.layout import PoolLayout
 from messages.peer_codec import PeerCodecError
-from messages.transfer import Heartbeat, PeerMessage
+from messages.transfer import ChunkDone, Heartbeat, PeerMessage
 from transport.config import TransferConfig
 from transport.errors import LinkBroken, LinkClosed, LinkError
 from transport.faults import FaultPlan
@@ -102,6 +102,7 @@ class UcxLink(Link):
         self._scope = trio.CancelScope()
         self._chunks = HostChunks()
         self._landing: deque[_Landing] = deque()
+        self._in_flight: list[tuple[list[Any], HostChunk | None]] = []  # sends of writes not yet settled
         self._last_received = self._last_sent = trio.current_time()
         self._heartbeat_seq = self._bulk_sent = 0
         self._malformed_sent = self._silent_close = False
@@ -195,11 +196,15 @@ class UcxLink(Link):
             self._raise_closed()
 
     async def write(self, bulk: BulkWrite, trailer: PeerMessage | None = None) -> int:
+        """See `Link.write`. The sends of a round that does not end its transfer may still be in flight
+        when this returns — UCX reads its rows until they complete, and the sending session keeps its
+        allocation until `send` returns — so the next round is posted without a bubble; the round whose
+        `ChunkDone` ends the stream (or any write that fails) waits for every send still in flight."""
         if self.error is not None:
             self._raise_closed()
         direct = self._direct_rule(bulk.source)
-        posted: list[tuple[list[Any], HostChunk | None]] = []
-        corrupt = bulk.corrupt
+        posted = self._in_flight
+        corrupt, defer = bulk.corrupt, False
         try:
             for name in bulk.buffers:
                 index = self._buffer_index[name]
@@ -211,13 +216,20 @@ class UcxLink(Link):
                     corrupt = False
             if trailer is not None:
                 posted.append(([self._post(CONTROL, message_body(trailer))], None))
+            defer = isinstance(trailer, ChunkDone) and trailer.offset + trailer.tokens < trailer.total_tokens
         finally:
-            with trio.CancelScope(shield=True):
-                await self._settle([request for requests, _chunk in posted for request in requests])
-                for requests, chunk in posted:
-                    if chunk is not None and all(request.completed for request in requests):
-                        self._chunks.give(chunk)
+            if not defer:
+                with trio.CancelScope(shield=True):
+                    await self._settle_all(posted)
         return bulk.nbytes
+
+    async def _settle_all(self, posted: list[tuple[list[Any], HostChunk | None]]) -> None:
+        requests = [request for requests, _chunk in posted for request in requests]
+        chunks = [chunk for _requests, chunk in posted if chunk is not None]
+        posted.clear()
+        await self._settle(requests)
+        for chunk in chunks:
+            self._chunks.give(chunk)
 
     async def _settle_oldest_chunk(self, posted: list[tuple[list[Any], HostChunk | None]]) -> None:
         at = next(i for i, (_requests, chunk) in enumerate(posted) if chunk is not None)

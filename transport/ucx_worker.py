@@ -261,8 +261,8 @@ class UcxWorker:
         task_status.started()
         try:
             while True:
-                self._progress()
-                if self._kicked:
+                busy = self._progress()
+                if self._kicked or busy:
                     self._kicked = False
                     await trio.lowlevel.checkpoint()
                 elif self._worker.arm():
@@ -278,13 +278,16 @@ class UcxWorker:
             with trio.CancelScope(shield=True):
                 await self._teardown()
 
-    def _progress(self) -> None:
-        self._worker.progress()
+    def _progress(self) -> bool:
+        """One round of UCX progress (one transport event, e.g. one rendezvous copy, so other tasks run
+        between copies), then hand out what arrived and completed; True when UCX did something."""
+        busy = bool(self._worker.progress_once())
         self._receive_control()
         if self._waiters:
             for waiter in [w for w in self._waiters if w.advance()]:
                 self._waiters.discard(waiter)
                 waiter.done.set()
+        return busy
 
     def _receive_control(self) -> None:
         worker = self._worker

@@ -9,6 +9,9 @@ Cases (figures and machine in docs/benchmarks.md):
   over the one-round time (lower is better). `_k8_window1`: one grant per round trip (the seeds'
   design). `resume_tcp_8MiB_k8_extra_us_per_round`: extra µs per round, window vs window 1.
 - `inproc_kv_64MiB`, `tcp_kv_64MiB` (not with `--quick`): a KV layout, 16-token blocks of 64 KiB.
+- `ucx_64MiB`, `ucx_kv_64MiB` (`engine.bench.transfer_ucx`): zigzag over ucx vs raw ucxx between two
+  processes; `cuda_ipc_1GiB`, `gpu_pool_tcp`, `gpu_pool_ucx` (`engine.bench.transfer_gpu`): GPU pools,
+  skipped with a note on stderr without a CUDA device.
 
 Every transfer is the real protocol: unknown length (default grant, then more rounds with a window of
 grants), both pools' free lists shuffled so every allocation is a scattered block list, the sender a
@@ -49,6 +52,7 @@ from transport.endpoint import TransferEndpoint, open_endpoint
 from transport.inproc import InprocNetwork
 from transport.link import Link
 from transport.storage import PoolStorage
+from transport.ucx_worker import INSTALL_HINT, ucx_installed
 
 BENCH = "transfer"
 T = TypeVar("T")
@@ -60,8 +64,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=int, default=1, help="torch threads, project and baselines")
     parser.add_argument("--window", type=int, default=4, help="grant window of the receivers")
     parser.add_argument(
-        "--only", default="inproc,tcp,resume", help="comma-separated case groups: inproc, tcp, resume"
+        "--only",
+        default="inproc,tcp,resume,ucx,gpu",
+        help="comma-separated case groups: inproc, tcp, resume, ucx, gpu (ucx: the ucx extra; gpu: CUDA)",
     )
+    parser.add_argument("--ucx-tls", default="sm", help="UCX_TLS of the ucx cases (default: shared memory)")
 
 
 @final
@@ -292,3 +299,22 @@ def run(args: argparse.Namespace) -> Iterable[Row]:
                     yield from tcp_rows(portal, args, repeats, ready)
                 if "resume" in groups:
                     yield from resume_rows(portal, args, repeats, ready)
+        if "ucx" in groups:
+            yield from extra_rows("ucx", portal, args, repeats)
+        if "gpu" in groups:
+            yield from extra_rows("gpu", portal, args, repeats)
+
+
+def extra_rows(group: str, portal: Portal, args: argparse.Namespace, repeats: int) -> Iterator[Row]:
+    """The ucx and gpu cases (issue 7), or a note on stderr saying why they were skipped."""
+    if group == "ucx":
+        if not ucx_installed():
+            print(f"transfer: ucx cases skipped: ucxx is not installed ({INSTALL_HINT})", file=sys.stderr)
+            return
+        from engine.bench.transfer_ucx import ucx_rows
+
+        yield from ucx_rows(portal, args, repeats, lambda name, source: Receiver(name, source, _config(args)))
+        return
+    from engine.bench.transfer_gpu import gpu_rows
+
+    yield from gpu_rows(portal, args, repeats)

@@ -1,0 +1,216 @@
+"""The transfer benchmark's GPU cases (issue 7). They need a CUDA device; without one they are skipped
+with a note on stderr. NOT RUN in the session that wrote them (it had no GPU): docs/benchmarks.md.
+
+- `cuda_ipc_1GiB`: 1 GiB of embedding rows (4096 wide, 128-token blocks, both free lists shuffled) from a
+  sender process's GPU pool into this process's over `cuda-ipc`, against a raw device-to-device `copy_`
+  of 1 GiB by the sender process into a buffer of this process mapped through CUDA IPC (timed there,
+  synchronised). GB/s, higher is better; goal ratio >= 0.85.
+- `gpu_pool_tcp`, `gpu_pool_ucx`: 256 MiB between GPU pools of two processes over tcp / ucx (staged
+  through pinned host memory unless UCX has CUDA transports), beside this host's pinned host → device
+  copy bandwidth (GB/s; the ratio shows how close a network transport gets to the PCIe copy alone).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from functools import partial
+from typing import Any, Final
+
+import msgspec
+import torch
+import trio
+
+from engine.bench.rows import Row, alternate, row
+from engine.bench.transfer_peer import LAYOUTS, filled_storage, fragmented_pool
+from messages.cuda_ipc import PoolShare
+from messages.layout import BufferSpec, PoolLayout
+from messages.transfer import Grant
+from transport.config import TransferConfig
+from transport.cuda_ipc_share import open_share, share_pool
+from transport.endpoint import SenderDelivery, TransferEndpoint, open_endpoint
+from transport.storage import PoolStorage
+from transport.ucx_worker import ucx_installed
+
+BENCH = "transfer"
+GiB: Final = 1024**3
+LAYOUT: Final = LAYOUTS["emb4096"]
+SIZES: Final = {"cuda-ipc": GiB, "tcp": 256 * 1024**2, "ucx": 256 * 1024**2}
+
+
+def _tokens(kind: str) -> int:
+    return SIZES[kind] // LAYOUT.bytes_per_token
+
+
+def _gpu_pool(layout: PoolLayout, tokens: int, seed: int) -> tuple[PoolStorage, Any, list[int]]:
+    """A GPU pool twice the payload, filled with random bytes, shuffled free list; the payload's blocks."""
+    blocks = -(-tokens // layout.block_size)
+    host = filled_storage(layout, 2 * blocks, seed)
+    storage = PoolStorage(layout, 2 * blocks, device="cuda")
+    for name, tensor in host.tensors.items():
+        storage.tensors[name].copy_(tensor)
+    pool = fragmented_pool(2 * blocks, layout.block_size, seed)
+    return storage, pool, pool.allocate(blocks, "source")
+
+
+# ---------------------------------------------------------------------- the sender process
+async def _serve(kind: str, task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED) -> None:
+    tokens = _tokens(kind)
+    storage, pool, ids = _gpu_pool(LAYOUT, tokens, seed=12)
+    send, receive = trio.open_memory_channel[SenderDelivery](1024)
+    async with (
+        open_endpoint(f"gpu-{kind}-sender", storage, pool, sender_control=send) as endpoint,
+        trio.open_nursery() as sends,
+    ):
+        if kind == "tcp":
+            address = await endpoint.listen_tcp()
+        else:
+            address = await endpoint.listen_on("ucx" if kind == "ucx" else "cuda-ipc")
+        task_status.started(address)
+        async for delivery in receive:
+            endpoint.deliver(delivery)
+            if isinstance(delivery.message, Grant):
+                sends.start_soon(_send_one, endpoint, delivery.message.transfer_id, ids, tokens)
+
+
+async def _send_one(endpoint: TransferEndpoint, transfer_id: str, ids: list[int], tokens: int) -> None:
+    async with endpoint.open_send(transfer_id) as session:
+        await session.send(ids, total_tokens=tokens)
+
+
+def serve_gpu_sender() -> None:
+    """The sender process: prints its addresses; then each stdin line `{"share": …}` maps a buffer of the
+    parent, and each `{"copy": true}` copies 1 GiB into it and prints the seconds; ends at EOF."""
+    kinds = json.loads(sys.stdin.readline())["kinds"]
+    trio.run(_serve_gpu_sender, kinds)
+
+
+async def _serve_gpu_sender(kinds: list[str]) -> None:
+    async with trio.open_nursery() as nursery:
+        ready = {kind: await nursery.start(_serve, kind) for kind in kinds}
+        print(json.dumps(ready), flush=True)
+        source = torch.empty(GiB, dtype=torch.uint8, device="cuda").random_(0, 256)
+        target: torch.Tensor | None = None
+        while line := await trio.to_thread.run_sync(sys.stdin.readline):
+            command = json.loads(line)
+            if "share" in command:
+                share = msgspec.json.decode(command["share"], type=PoolShare)
+                target = open_share(share, _raw_storage(blocks=1))["raw"]
+            elif target is not None:
+                torch.cuda.synchronize()
+                start = time.perf_counter()
+                target.view(-1).copy_(source)
+                torch.cuda.synchronize()
+                print(json.dumps({"seconds": time.perf_counter() - start}), flush=True)
+        nursery.cancel_scope.cancel()
+
+
+def _raw_storage(blocks: int = GiB // (1024 * 1024)) -> PoolStorage:
+    """1 GiB as a one-buffer pool, so the cuda-ipc share and open paths serve the baseline too (the
+    sender checks a share against a one-block pool of the same layout)."""
+    layout = PoolLayout(block_size=1024, buffers=(BufferSpec(name="raw", shape=(1024,), dtype="uint8"),))
+    return PoolStorage(layout, blocks, device="cuda")
+
+
+@contextmanager
+def gpu_sender(kinds: list[str]) -> Iterator[tuple[subprocess.Popen[str], dict[str, str]]]:
+    child = subprocess.Popen(
+        [sys.executable, "-c", "from engine.bench.transfer_gpu import serve_gpu_sender; serve_gpu_sender()"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert child.stdin is not None and child.stdout is not None
+    try:
+        child.stdin.write(json.dumps({"kinds": kinds}) + "\n")
+        child.stdin.flush()
+        yield child, json.loads(child.stdout.readline())
+    finally:
+        child.stdin.close()
+        child.wait(timeout=120)
+
+
+# ---------------------------------------------------------------------- this process
+class GpuReceiver:
+    """A receiving endpoint with a shuffled GPU pool and one link to a sender."""
+
+    def __init__(self, kind: str) -> None:
+        self.kind, self.tokens = kind, _tokens(kind)
+        storage, self.pool, ids = _gpu_pool(LAYOUT, self.tokens, seed=21)
+        self.pool.free(ids, "source")
+        self.storage, self.count, self.rounds = storage, 0, 0
+        self.endpoint: TransferEndpoint | None = None
+        self.link: Any = None
+
+    async def open(self, nursery: trio.Nursery, address: str) -> None:
+        async def hold(task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+            async with open_endpoint(
+                f"gpu-{self.kind}", self.storage, self.pool, config=TransferConfig()
+            ) as ep:
+                self.endpoint, self.link = ep, await ep.connect(address)
+                task_status.started()
+                await trio.sleep_forever()
+
+        await nursery.start(hold)
+
+    async def receive_once(self) -> float:
+        assert self.endpoint is not None
+        self.count += 1
+        start = time.perf_counter()
+        result = await self.endpoint.receive(f"gpu-{self.count}", peer=self.link, owner="bench")
+        seconds = time.perf_counter() - start
+        self.pool.free(result.blocks, "bench")
+        self.rounds = result.report.rounds
+        return seconds
+
+    def gbps(self, portal: Any) -> float:
+        return self.tokens * LAYOUT.bytes_per_token / portal.call(self.receive_once) / 1e9
+
+
+def _pinned_to_device_gbps() -> float:
+    host = torch.empty(SIZES["tcp"], dtype=torch.uint8, pin_memory=True)
+    device = torch.empty(SIZES["tcp"], dtype=torch.uint8, device="cuda")
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    device.copy_(host, non_blocking=True)
+    torch.cuda.synchronize()
+    return SIZES["tcp"] / (time.perf_counter() - start) / 1e9
+
+
+def gpu_rows(portal: Any, args: argparse.Namespace, repeats: int) -> Iterator[Row]:
+    if not torch.cuda.is_available():
+        print(
+            "transfer: gpu cases skipped: no CUDA device (torch.cuda.is_available() is false)",
+            file=sys.stderr,
+        )
+        return
+    kinds = ["cuda-ipc", "tcp"] + (["ucx"] if ucx_installed() else [])
+    with gpu_sender(kinds) as (child, ready):
+        assert child.stdin is not None and child.stdout is not None
+        storage = _raw_storage()  # the baseline's target, in this process
+        child.stdin.write(json.dumps({"share": msgspec.json.encode(share_pool(storage)).decode()}) + "\n")
+        child.stdin.flush()
+
+        def raw_gbps() -> float:
+            assert child.stdin is not None and child.stdout is not None
+            child.stdin.write('{"copy": true}\n')
+            child.stdin.flush()
+            return GiB / json.loads(child.stdout.readline())["seconds"] / 1e9
+
+        for kind in kinds:
+            receiver = GpuReceiver(kind)
+            portal.call(receiver.open, portal.nursery, ready[kind])
+            baseline_fn, name = (
+                (raw_gbps, "raw copy_ into an IPC buffer")
+                if kind == "cuda-ipc"
+                else (_pinned_to_device_gbps, "pinned host→device copy_")
+            )
+            project, baseline = alternate(partial(receiver.gbps, portal), baseline_fn, repeats)
+            case = "cuda_ipc_1GiB" if kind == "cuda-ipc" else f"gpu_pool_{kind}"
+            note = f"{SIZES[kind]} bytes in {receiver.rounds} rounds, fragmented GPU pools, two processes"
+            yield row(BENCH, case, "GB/s", "higher", project, baseline, name, unit="GB/s", note=note)

@@ -1,0 +1,210 @@
+"""The transfer benchmark's UCX cases (issue 7): zigzag over ucx against raw ucxx between two processes.
+
+- `ucx_64MiB`: one 64 MiB embedding transfer (4096-wide rows, 128-token blocks, both free lists
+  shuffled, unknown length: default grant then more rounds, window of grants) from a sender process
+  over `--transport ucx`, against the raw ucxx core API moving the same number of bytes between two
+  processes: one tag receive into a preallocated buffer, one tag send from another process, both
+  workers busy-polled during the transfer. GB/s, higher is better; goal ratio >= 0.85.
+- `ucx_kv_64MiB` (not with `--quick`): the KV layout, 16-token blocks of 32 KiB per buffer (packed frames).
+
+UCX runs over `--ucx-tls` (default `sm`: shared memory, what one host offers without a NIC or GPU);
+the benchmark sets `UCX_TLS` for itself and its children, as the entry point.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import queue
+import select
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from functools import partial
+from typing import Any, Final
+
+import numpy as np
+import trio
+
+from engine.bench.rows import Row, alternate, row
+from engine.bench.transfer_peer import RAW_BYTES, Source
+from messages.transfer import Grant
+from transport.endpoint import SenderDelivery, TransferEndpoint, open_endpoint
+from transport.ucx_worker import libucxx
+
+BENCH = "transfer"
+ADDRESS: Final = 1  # raw baseline tags: the receiver's worker address, a request, the payload
+REQUEST: Final = 2
+PAYLOAD: Final = 3
+
+
+def _poll_until(worker: Any, done: Callable[[], bool], idle: float | None = None) -> None:
+    """Progress `worker` until `done()`; between events sleep on its fd when `idle` (blocking mode)."""
+    while not done():
+        worker.progress()
+        if not done() and idle is not None and worker.arm():
+            select.select([worker.epoll_file_descriptor], [], [], idle)
+
+
+def _raw_worker(blocking: bool) -> tuple[Any, Any, Any]:
+    """A worker on its own context: the raw baseline shares nothing with zigzag's UCX."""
+    lib = libucxx()
+    from ucxx._lib.arr import Array
+
+    worker = lib.UCXWorker(lib.UCXContext(feature_flags=(lib.Feature.TAG, lib.Feature.WAKEUP)))
+    if blocking:
+        worker.init_blocking_progress_mode()
+    return lib, worker, Array
+
+
+def _raw_sender(addresses: queue.Queue[bytes], stop: threading.Event) -> None:
+    """The baseline's sender (a thread of the sender process): each request gets the whole payload."""
+    lib, worker, array = _raw_worker(blocking=True)
+    addresses.put(worker.address.tobytes())
+    peer = bytearray(4096)
+    first = worker.tag_recv(array(memoryview(peer)), lib.UCXXTag(ADDRESS))
+    _poll_until(worker, lambda: first.completed or stop.is_set(), idle=0.5)
+    if stop.is_set():
+        return
+    length = int.from_bytes(peer[:4], "little")
+    endpoint = lib.UCXEndpoint.create_from_worker_address(
+        worker, lib.UCXAddress.create_from_buffer(bytes(peer[4 : 4 + length])), False
+    )
+    payload = np.frombuffer(os.urandom(RAW_BYTES), dtype=np.uint8).copy()
+    request = bytearray(1)
+
+    def completed(request: Any) -> Callable[[], bool]:
+        return lambda: bool(request.completed) or stop.is_set()
+
+    while not stop.is_set():
+        asked = worker.tag_recv(array(memoryview(request)), lib.UCXXTag(REQUEST))
+        _poll_until(worker, completed(asked), idle=0.5)
+        if asked.completed:
+            _poll_until(worker, completed(endpoint.tag_send(array(payload), lib.UCXXTag(PAYLOAD))))
+
+
+async def _serve(source: Source, task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED) -> None:
+    """A replica-like owner sending `source` over ucx for every new grant (as `serve_source` does on tcp)."""
+    send, receive = trio.open_memory_channel[SenderDelivery](1024)
+    async with (
+        open_endpoint(f"{source.name}-sender", source.storage, source.pool, sender_control=send) as endpoint,
+        trio.open_nursery() as sends,
+    ):
+        task_status.started(await endpoint.listen_on("ucx"))
+        async for delivery in receive:
+            endpoint.deliver(delivery)
+            if isinstance(delivery.message, Grant):
+                sends.start_soon(_send_one, endpoint, delivery.message.transfer_id, source)
+
+
+async def _send_one(endpoint: TransferEndpoint, transfer_id: str, source: Source) -> None:
+    async with endpoint.open_send(transfer_id) as session:
+        await session.send(source.ids, total_tokens=source.tokens)
+
+
+def serve_ucx_sender() -> None:
+    """The sender process: `python -c 'from engine.bench.transfer_ucx import serve_ucx_sender; ...'`.
+    Reads `{"layouts": [...]}` on stdin, prints addresses and checksums as one JSON line, serves until
+    stdin closes."""
+    params = json.loads(sys.stdin.readline())
+    addresses: queue.Queue[bytes] = queue.Queue()
+    stop = threading.Event()
+    raw = threading.Thread(target=_raw_sender, args=(addresses, stop))
+    raw.start()
+    try:
+        trio.run(_serve_sender, params["layouts"], addresses.get())
+    finally:
+        stop.set()
+        raw.join()
+
+
+async def _serve_sender(layouts: list[str], raw_address: bytes) -> None:
+    ready: dict[str, object] = {"raw": raw_address.hex()}
+    async with trio.open_nursery() as nursery:
+        for name in layouts:
+            source = Source(name)
+            ready[name] = await nursery.start(_serve, source)
+            ready[f"{name}_crc"] = source.crc
+        print(json.dumps(ready), flush=True)
+        await trio.to_thread.run_sync(sys.stdin.read)
+        nursery.cancel_scope.cancel()
+
+
+@contextmanager
+def sender_process(layouts: list[str]) -> Iterator[dict[str, Any]]:
+    child = subprocess.Popen(
+        [sys.executable, "-c", "from engine.bench.transfer_ucx import serve_ucx_sender; serve_ucx_sender()"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert child.stdin is not None and child.stdout is not None
+    try:
+        child.stdin.write(json.dumps({"layouts": layouts}) + "\n")
+        child.stdin.flush()
+        yield json.loads(child.stdout.readline())
+    finally:
+        child.stdin.close()
+        child.wait(timeout=60)
+
+
+class RawReceiver:
+    """The baseline's receiving side, in this process's main thread on its own UCX context."""
+
+    def __init__(self, sender_address: str) -> None:
+        self.lib, self.worker, self.array = _raw_worker(blocking=False)
+        lib = self.lib
+        self.endpoint = lib.UCXEndpoint.create_from_worker_address(
+            self.worker, lib.UCXAddress.create_from_buffer(bytes.fromhex(sender_address)), False
+        )
+        own = self.worker.address.tobytes()
+        hello = self.endpoint.tag_send(self.array(len(own).to_bytes(4, "little") + own), lib.UCXXTag(ADDRESS))
+        _poll_until(self.worker, lambda: hello.completed)
+        self.buffer = np.ones(RAW_BYTES, dtype=np.uint8)  # touched: no page faults in the timing
+        self.landed = self.array(self.buffer)
+        self.ask = self.array(b"g")
+
+    def gbps(self) -> float:
+        lib = self.lib
+        start = time.perf_counter()
+        received = self.endpoint.tag_recv(self.landed, lib.UCXXTag(PAYLOAD))
+        asked = self.endpoint.tag_send(self.ask, lib.UCXXTag(REQUEST))
+        _poll_until(self.worker, lambda: received.completed and asked.completed)
+        seconds = time.perf_counter() - start
+        received.check_error()
+        return RAW_BYTES / seconds / 1e9
+
+
+def ucx_rows(portal: Any, args: argparse.Namespace, repeats: int, receiver_factory: Any) -> Iterator[Row]:
+    """The rows, alternating zigzag and raw; `receiver_factory` builds `transfer.Receiver`s."""
+    os.environ["UCX_TLS"] = args.ucx_tls  # this process's and its children's UCX, set by the entry point
+    cases = [("emb4096", "ucx_64MiB")] + ([] if args.quick else [("kv", "ucx_kv_64MiB")])
+    with sender_process([name for name, _case in cases]) as ready:
+        raw = RawReceiver(str(ready["raw"]))
+        raw.gbps()
+        if bool((raw.buffer == 1).all()):
+            raise RuntimeError("the raw ucxx baseline received nothing")
+        for source_name, case in cases:
+            receiver = receiver_factory(f"{case}-receiver", source_name)
+            portal.call(receiver.open, portal, ready[source_name], None)
+            receiver.checked(portal, ready[f"{source_name}_crc"])
+            project, baseline = alternate(partial(receiver.gbps, portal), raw.gbps, repeats)
+            note = (
+                f"{receiver.nbytes} bytes in {receiver.rounds} rounds, {source_name} layout, "
+                f"UCX_TLS={args.ucx_tls}; baseline {RAW_BYTES} bytes in one tag message; goal >= 0.85"
+            )
+            yield row(
+                BENCH,
+                case,
+                "GB/s",
+                "higher",
+                project,
+                baseline,
+                "raw ucxx tag send/recv",
+                unit="GB/s",
+                note=note,
+            )
