@@ -18,6 +18,7 @@ from typing import final
 import torch
 
 from messages.layout import BufferSpec, PoolLayout
+from transport.host_memory import zeroed_host_tensor
 
 TORCH_DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -69,7 +70,10 @@ class PoolStorage:
         self.row_bytes: dict[str, int] = {spec.name: spec.bytes_per_token for spec in layout.buffers}
         for spec in layout.buffers:
             shape = (num_blocks, layout.block_size, *spec.shape)
-            tensor = torch.zeros(shape, dtype=torch_dtype(spec.dtype), device=self.device)
+            if self.device.type == "cpu":
+                tensor = zeroed_host_tensor(shape, torch_dtype(spec.dtype))
+            else:
+                tensor = torch.zeros(shape, dtype=torch_dtype(spec.dtype), device=self.device)
             if pin_memory and self.device.type == "cpu" and torch.cuda.is_available():
                 tensor = tensor.pin_memory()
             self.tensors[spec.name] = tensor
