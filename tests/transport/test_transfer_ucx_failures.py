@@ -1,0 +1,369 @@
+"""Failures of the resumable transfer over UCX (issue 7): deadlines, aborts, quarantine, corruption, lost
+peers and links, malformed frames, refused handshakes, a killed sender process, cancellation — on CPU over
+`UCX_TLS=sm,tcp` (the `ucx_env` fixture). Real time throughout, as in test_transfer_ucx.py.
+"""
+
+from __future__ import annotations
+
+import re
+import signal
+
+import pytest
+import trio
+
+from messages.transfer import FailureReason
+from tests.transport.harness import (
+    Collector,
+    Pair,
+    Source,
+    assert_same_bytes,
+    embedding_layout,
+    endpoint_pair,
+    random_storage,
+    send_all,
+    sender_process,
+    settle,
+    shuffled_pool,
+)
+from transport.blocks import BlockPool
+from transport.config import TransferConfig
+from transport.endpoint import SenderDelivery, TransferEndpoint, open_endpoint
+from transport.errors import HandshakeRefused, LinkBroken, TransferError, TransferFailed
+from transport.faults import FaultPlan
+
+pytestmark = pytest.mark.usefixtures("ucx_env")
+
+LAYOUT = embedding_layout(block_size=16)
+# Quick liveness, so a vanished peer is noticed in about a second.
+LIVELY = {"heartbeat_interval": 0.2, "link_timeout": 1.0}
+
+
+async def _expect_sender_failure(
+    sender: TransferEndpoint, transfer_id: str, source: Source, into: dict[str, TransferError]
+) -> None:
+    try:
+        await send_all(sender, transfer_id, source)
+    except TransferError as exc:
+        into[transfer_id] = exc
+
+
+async def _expect_receiver_failure(pair: Pair, collector: Collector, into: dict[str, TransferError]) -> None:
+    try:
+        await pair.receiver.receive("t", peer=pair.link, consume=collector)
+    except TransferError as exc:
+        into["receiver"] = exc
+
+
+async def test_a_stalled_ucx_sender_fails_at_the_progress_deadline() -> None:
+    source, storage, pool = (
+        Source(LAYOUT, 64, seed=2),
+        random_storage(LAYOUT, 16, 3),
+        shuffled_pool(16, 16, 4),
+    )
+    config = TransferConfig(default_grant_blocks=1, round_cap_blocks=1, progress_timeout=1.0)
+    failures: dict[str, TransferError] = {}
+    faults = FaultPlan(stall_before_round=2)
+    async with endpoint_pair("ucx", source, storage, pool, config=config, faults=faults) as pair:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(_expect_sender_failure, pair.sender, "t", source, failures)
+            start = trio.current_time()
+            with pytest.raises(TransferFailed, match=r"\(no_progress\): nothing from the sender for 1.0 s"):
+                await pair.receiver.receive("t", peer=pair.link, consume=Collector())
+            assert 1.0 <= trio.current_time() - start < 3.0
+        await settle()
+    assert failures["t"].reason is FailureReason.NO_PROGRESS
+    assert pool.used_blocks == 0
+
+
+async def test_ucx_aborts_from_either_side_fail_both_sides_and_spare_other_transfers() -> None:
+    source, storage, pool = (
+        Source(LAYOUT, 96, seed=3),
+        random_storage(LAYOUT, 30, 4),
+        shuffled_pool(30, 16, 5),
+    )
+    config = TransferConfig(default_grant_blocks=1, round_cap_blocks=1, window=2)
+    faults = FaultPlan(transfer_id="victim", stall_before_round=2)
+    failures: dict[str, TransferError] = {}
+    async with endpoint_pair("ucx", source, storage, pool, config=config, faults=faults) as pair:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(_expect_sender_failure, pair.sender, "victim", source, failures)
+            nursery.start_soon(send_all, pair.sender, "bystander", source)
+            bystander = Collector()
+            nursery.start_soon(lambda: pair.receiver.receive("bystander", peer=pair.link, consume=bystander))
+            with trio.move_on_after(0.5):
+                await pair.receiver.receive("victim", peer=pair.link, consume=Collector())
+        assert_same_bytes(bystander.data(), source.expected())
+        assert failures["victim"].report.detail == "receiver aborted: receiver gave up: cancelled"
+
+        async def failing_encoder() -> None:
+            with pytest.raises(RuntimeError, match="vision encoder crashed"):
+                async with pair.sender.open_send("broken"):
+                    await trio.sleep(0.05)
+                    raise RuntimeError("vision encoder crashed")
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(failing_encoder)
+            with pytest.raises(TransferFailed) as raised:
+                await pair.receiver.receive("broken", peer=pair.link, consume=Collector())
+        assert raised.value.report.detail == (
+            "sender aborted: sender failed before sending: RuntimeError('vision encoder crashed')"
+        )
+        await settle()
+    assert (pool.used_blocks, pool.quarantined_blocks) == (0, 0)
+
+
+async def test_ucx_blocks_stay_quarantined_until_the_sender_acknowledges_the_abort() -> None:
+    source, storage, pool = (
+        Source(LAYOUT, 64, seed=4),
+        random_storage(LAYOUT, 16, 5),
+        shuffled_pool(16, 16, 6),
+    )
+    control_send, control = trio.open_memory_channel[SenderDelivery](64)
+    config = TransferConfig(default_grant_blocks=1, round_cap_blocks=1, window=3)
+    held: list[SenderDelivery] = []
+    async with (
+        open_endpoint("enc", source.storage, source.pool, config=config, sender_control=control_send) as enc,
+        open_endpoint("lang", storage, pool, config=config) as lang,
+    ):
+        link = await lang.connect(await enc.listen_on("ucx"))
+
+        async def replica() -> None:  # a busy owner: it holds the Abort in its command queue
+            async for delivery in control:
+                (held.append if type(delivery.message).__name__ == "Abort" else enc.deliver)(delivery)
+
+        async def sender() -> None:
+            async with enc.open_send("t") as session:
+                session.announce_total(source.tokens)
+                await trio.sleep_forever()
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(replica)
+            nursery.start_soon(sender)
+            with trio.move_on_after(0.3):
+                await lang.receive("t", peer=link, consume=Collector())
+            await settle()
+            assert pool.quarantined_blocks == 3
+            enc.deliver(held.pop())
+            await settle()
+            assert pool.used_blocks == 0
+            nursery.cancel_scope.cancel()
+
+
+@pytest.mark.parametrize("hidden", [8, 4096], ids=["packed", "direct"])
+async def test_a_corrupted_ucx_round_is_caught_by_checksums(hidden: int) -> None:
+    layout = embedding_layout(block_size=16, hidden=hidden)
+    source, storage, pool = (
+        Source(layout, 48, seed=7),
+        random_storage(layout, 16, 8),
+        shuffled_pool(16, 16, 9),
+    )
+    config = TransferConfig(default_grant_blocks=1, round_cap_blocks=1, window=1, checksums=True)
+    failures: dict[str, TransferError] = {}
+    async with endpoint_pair(
+        "ucx", source, storage, pool, config=config, faults=FaultPlan(corrupt_round=0)
+    ) as pair:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(_expect_sender_failure, pair.sender, "t", source, failures)
+            with pytest.raises(
+                TransferFailed, match=r"\(corrupted\): round 0: checksum 0x[0-9a-f]{8}, sender sent"
+            ):
+                await pair.receiver.receive("t", peer=pair.link, consume=Collector())
+        await settle()
+    assert failures["t"].reason is FailureReason.CORRUPTED
+    assert_same_bytes(Source(layout, 48, seed=7).expected(), source.expected())  # the sender's blocks intact
+    assert pool.used_blocks == 0
+
+
+@pytest.mark.parametrize("how", ["receiver-gone", "link-dropped"])
+async def test_a_lost_ucx_receiver_or_link_fails_both_sides_within_the_deadline(how: str) -> None:
+    source, storage, pool = (
+        Source(LAYOUT, 96, seed=47),
+        random_storage(LAYOUT, 16, 48),
+        shuffled_pool(16, 16, 49),
+    )
+    config = TransferConfig(default_grant_blocks=1, round_cap_blocks=1, window=2, **LIVELY)
+    faults = FaultPlan(stall_before_round=2) if how == "receiver-gone" else FaultPlan(drop_link_after_bytes=1)
+    failures: dict[str, TransferError] = {}
+    async with endpoint_pair("ucx", source, storage, pool, config=config, faults=faults) as pair:
+        collector = Collector()
+
+        async def receiver_goes_away() -> None:
+            while len(collector.rounds) < 2:
+                await trio.sleep(0.01)
+            pair.link.close(LinkBroken("receiver gone"))
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(_expect_sender_failure, pair.sender, "t", source, failures)
+            if how == "receiver-gone":
+                nursery.start_soon(receiver_goes_away)
+            start = trio.current_time()
+            with pytest.raises(TransferFailed) as raised:
+                await pair.receiver.receive("t", peer=pair.link, consume=collector)
+            assert trio.current_time() - start < 3.0
+        assert raised.value.reason is FailureReason.LINK_LOST
+        assert failures["t"].reason is FailureReason.LINK_LOST
+        if how == "link-dropped":  # torn down mid-frame, no goodbye: the heartbeats notice
+            assert "nothing received for" in raised.value.report.detail
+        await settle()
+    assert pool.used_blocks == 0
+
+
+async def test_a_malformed_ucx_frame_closes_only_that_peers_link() -> None:
+    good, bad = Source(LAYOUT, 80, seed=50), Source(LAYOUT, 80, seed=51)
+    storage, pool = random_storage(LAYOUT, 30, seed=52), shuffled_pool(30, 16, seed=53)
+    config = TransferConfig(default_grant_blocks=1, round_cap_blocks=1, window=2)
+    async with (
+        open_endpoint("good", good.storage, good.pool, config=config) as good_sender,
+        open_endpoint(
+            "bad", bad.storage, bad.pool, config=config, faults=FaultPlan(malformed_frame_after_bytes=1)
+        ) as bad_sender,
+        open_endpoint("receiver", storage, pool, config=config) as receiver,
+    ):
+        good_link = await receiver.connect(await good_sender.listen_on("ucx"))
+        bad_link = await receiver.connect(await bad_sender.listen_on("ucx"))
+        good_data = Collector()
+        failures: dict[str, TransferError] = {}
+
+        async def receive_bad() -> None:
+            try:
+                await receiver.receive("b", peer=bad_link, consume=Collector())
+            except TransferFailed as exc:
+                failures["receiver"] = exc
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(send_all, good_sender, "g", good)
+            nursery.start_soon(_expect_sender_failure, bad_sender, "b", bad, failures)
+            nursery.start_soon(receive_bad)
+            await receiver.receive("g", peer=good_link, consume=good_data)
+        await settle()
+        assert receiver.links() == [good_link]
+        assert bad_link.error is not None
+        assert "malformed frame from the peer: control body of unknown kind 0xde" in str(bad_link.error)
+    assert_same_bytes(good_data.data(), good.expected())
+    assert [failures[side].reason for side in ("receiver", "b")] == [FailureReason.LINK_LOST] * 2
+    assert pool.used_blocks == 0
+
+
+async def test_a_mismatched_ucx_handshake_is_refused_naming_both_values() -> None:
+    source = Source(embedding_layout(), 10, seed=8)
+    layout = embedding_layout(block_size=64)
+    storage, pool = random_storage(layout, 4, seed=9), shuffled_pool(4, 64, seed=9)
+    async with (
+        open_endpoint("sender", source.storage, source.pool) as sender,
+        open_endpoint("receiver", storage, pool) as receiver,
+    ):
+        address = await sender.listen_on("ucx")
+        with pytest.raises(
+            HandshakeRefused, match=f"^{re.escape('block_size mismatch: sender 128, receiver 64')}$"
+        ):
+            await receiver.connect(address)
+        await settle()
+        assert receiver.links() == [] and sender.links() == []
+
+
+async def test_nobody_listening_at_a_ucx_address_fails_within_the_handshake_timeout() -> None:
+    source = Source(LAYOUT, 16, seed=1)
+    config = TransferConfig(handshake_timeout=0.5)
+    async with (
+        open_endpoint("gone", source.storage, source.pool, config=config) as gone,
+        open_endpoint(
+            "receiver", random_storage(LAYOUT, 4, 2), shuffled_pool(4, 16, 3), config=config
+        ) as receiver,
+    ):
+        # A live worker whose endpoint never listened: the connect message finds no listener.
+        from transport.ucx_connect import worker_for
+
+        address = f"ucx://{(await worker_for(gone)).address.hex()}"
+        start = trio.current_time()
+        with pytest.raises(LinkBroken, match=r"no answer from ucx://.* within 0.5 s"):
+            await receiver.connect(address)
+        assert trio.current_time() - start < 2.0
+        with pytest.raises(
+            ValueError, match=r"bad ucx address 'ucx://zz': expected ucx://<hex worker address>"
+        ):
+            await receiver.connect("ucx://zz")
+
+
+@pytest.mark.slow  # a child process: importing torch there takes seconds
+async def test_seed_scenarios_and_a_killed_sender_between_two_processes_over_ucx(
+    ucx_env: dict[str, str],
+) -> None:
+    """The seeds' transfers from a sender in another process, then that process killed mid-round: the
+    receiver fails `link_lost` within the link deadline and every block is back."""
+    layout = embedding_layout(block_size=128, hidden=8)
+    seeds = {"t500": 500, "t2000": 2000, "t10000-cap8": 10_000, "doomed": 10_000}
+    params = {
+        "block_size": 128,
+        "hidden": 8,
+        "seed": 41,
+        "transfers": seeds,
+        "transport": "ucx",
+        "faults": {"transfer_id": "doomed", "stall_before_round": 2},
+        "config": LIVELY,
+    }
+    source = Source(layout, max(seeds.values()), seed=41)
+    expected_rounds = {"t500": 1, "t2000": 2, "t10000-cap8": 10}
+    async with sender_process(params, env=ucx_env) as child:
+        for transfer_id, rounds in expected_rounds.items():
+            cap = 8 if "cap8" in transfer_id else None
+            config = TransferConfig(default_grant_blocks=8, round_cap_blocks=cap)
+            storage, pool = random_storage(layout, 100, seed=42), shuffled_pool(100, 128, seed=43)
+            async with open_endpoint(f"receiver-{transfer_id}", storage, pool, config=config) as receiver:
+                collector = Collector()
+                link = await receiver.connect(child.address)
+                result = await receiver.receive(transfer_id, peer=link, consume=collector)
+            assert (result.report.rounds, result.report.grants) == (rounds, rounds)
+            assert_same_bytes(collector.data(), source.expected(tokens=seeds[transfer_id]))
+            assert pool.used_blocks == 0
+            assert await child.line() == {"sent": transfer_id, "rounds": rounds}
+
+        config = TransferConfig(default_grant_blocks=1, round_cap_blocks=1, window=3, **LIVELY)
+        storage, pool = random_storage(layout, 16, seed=45), shuffled_pool(16, 128, seed=46)
+        async with open_endpoint("receiver", storage, pool, config=config) as receiver:
+            link = await receiver.connect(child.address)
+            collector = Collector()
+            killed_at: list[float] = []
+
+            async def kill_when_stalled() -> None:
+                while len(collector.rounds) < 2:  # rounds 0 and 1 landed, round 2 granted
+                    await trio.sleep(0.01)
+                child.process.send_signal(signal.SIGKILL)
+                killed_at.append(trio.current_time())
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(kill_when_stalled)
+                with pytest.raises(TransferFailed) as raised:
+                    await receiver.receive("doomed", peer=link, consume=collector)
+            assert raised.value.reason is FailureReason.LINK_LOST
+            assert "nothing received for" in raised.value.report.detail
+            assert trio.current_time() - killed_at[0] < LIVELY["link_timeout"] + 1.0
+            await settle()
+        assert (pool.used_blocks, pool.quarantined_blocks) == (0, 0)
+
+
+async def test_cancelling_everything_mid_transfer_tears_ucx_down_cleanly() -> None:
+    """A node's shutdown cancels its endpoints' tasks all at once: link readers, progress tasks and the
+    transfers, in any order (ucxx crashed the process when a closing link posted its goodbye on an
+    endpoint its worker had already closed)."""
+    for attempt in range(4):
+        source, storage, pool = (
+            Source(LAYOUT, 160, seed=60),
+            random_storage(LAYOUT, 16, 61),
+            BlockPool(16, 16),
+        )
+        config = TransferConfig(default_grant_blocks=1, round_cap_blocks=1, window=2)
+        with trio.move_on_after(5) as watchdog:
+            with trio.CancelScope() as everything:
+                async with (
+                    endpoint_pair("ucx", source, storage, pool, config=config) as pair,
+                    trio.open_nursery() as nursery,
+                ):
+                    collector, failures = Collector(), dict[str, TransferError]()
+                    # Either side may see its link close before its own cancellation: link_lost.
+                    nursery.start_soon(_expect_sender_failure, pair.sender, "t", source, failures)
+                    nursery.start_soon(_expect_receiver_failure, pair, collector, failures)
+                    while len(collector.rounds) < 1 + attempt:
+                        await trio.sleep(0.001)
+                    everything.cancel()
+        assert not watchdog.cancelled_caught
+        assert pool.used_blocks == 0
