@@ -1,5 +1,6 @@
-"""The resumable transfer over UCX (issue 7): the protocol suite's scenarios and properties (faults: test_transfer_ucx_failures.py), run
-on CPU over UCX's shared-memory and TCP transports (`UCX_TLS=sm,tcp`, the `ucx_env` fixture).
+"""The resumable transfer over UCX (issue 7): the protocol suite's scenarios and properties (its faults
+are in test_transfer_ucx_failures.py), run on CPU over UCX's shared-memory and TCP transports
+(`UCX_TLS=sm,tcp`, the `ucx_env` fixture).
 
 Real time throughout: the UCX progress task waits on the worker's file descriptor, which a mock clock
 cannot jump, so deadlines here are short real ones.
