@@ -28,8 +28,8 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator, Callable, Iterator, Mapping
-from contextlib import AbstractAsyncContextManager, asynccontextmanager, contextmanager
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import AbstractAsyncContextManager, contextmanager
 from pathlib import Path
 from typing import Any, Literal, final
 
@@ -338,66 +338,3 @@ async def wait_idle(client: ControlClient) -> StatusResult:
         ),
         "every replica idle with used_blocks 0",
     )
-
-
-# ---------------------------------------------------------------------- a raw connection (async)
-@final
-class RawConnection:
-    """Bytes in, decoded reply lines out: for input no client would send. Every read has a deadline."""
-
-    def __init__(self, stream: trio.SocketStream) -> None:
-        self.stream = stream
-        self._buffer = b""
-
-    async def send(self, data: bytes) -> None:
-        with trio.fail_after(STATE_TIMEOUT):
-            await self.stream.send_all(data)
-
-    async def reply(self, timeout: float = STATE_TIMEOUT) -> dict[str, Any]:
-        """The next reply line, decoded; fails if the connection closes or nothing comes in time."""
-        line = await self._line(timeout)
-        assert line is not None, "the node closed the connection"
-        decoded = json.loads(line)
-        assert isinstance(decoded, dict), decoded
-        return decoded
-
-    async def ask(self, data: bytes) -> dict[str, Any]:
-        """Send one line and return the one reply it gets (the connection must have nothing else in flight)."""
-        await self.send(data)
-        return await self.reply()
-
-    async def closed(self, timeout: float = STATE_TIMEOUT) -> list[dict[str, Any]]:
-        """The replies left before the node closes the connection (fails if it does not close in time)."""
-        replies = []
-        while (line := await self._line(timeout)) is not None:
-            replies.append(json.loads(line))
-        return replies
-
-    async def _line(self, timeout: float) -> bytes | None:
-        with trio.fail_after(timeout):
-            while b"\n" not in self._buffer:
-                chunk = await self.stream.receive_some(65536)
-                if not chunk:
-                    assert not self._buffer, f"connection closed inside a line: {self._buffer[:200]!r}"
-                    return None
-                self._buffer += chunk
-        line, self._buffer = self._buffer.split(b"\n", 1)
-        return line
-
-
-@asynccontextmanager
-async def raw_connection(
-    node: NodeProcess, *, receive_buffer: int | None = None
-) -> AsyncIterator[RawConnection]:
-    """A plain TCP connection to `node`; `receive_buffer` shrinks SO_RCVBUF (a client that reads little)."""
-    sock = trio.socket.socket()
-    if receive_buffer is not None:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, receive_buffer)
-    with trio.fail_after(START_TIMEOUT):
-        await sock.connect(node.host_port)
-    stream = trio.SocketStream(sock)
-    try:
-        yield RawConnection(stream)
-    finally:
-        with trio.CancelScope(shield=True):
-            await stream.aclose()

@@ -3,7 +3,7 @@
 that a request is reliably caught in the middle of its transfer. Wherever it is cancelled — half-way
 through its KV transfer, prefilled and waiting for a decode replica, or queued in the router — its
 generate ends with a result whose finish_reason is `cancelled` (not an error), its token so far is the
-model's, and every block returns. (Cancelling while decoding is in `test_bad_input.py`.) Then, with
+model's, and every block returns. (Cancelling while decoding is in `test_slow_clients.py`.) Then, with
 that stalled transfer in flight, a second SIGTERM ends the draining node at once (exit code 130).
 """
 

@@ -13,6 +13,7 @@ import random
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import trio
@@ -21,6 +22,7 @@ from engine.client import ControlClient
 from engine.verify import compare
 from messages.control_replies import GenerateResult, TokenReply
 from replicas.model import Model, SamplingParams, encode_prompt, finish_reason
+from tests.node.harness import NodeProcess, wait_idle, wait_serving
 
 WORDS = ("hello", "world", "the", "cat", "sat", "on", "mat", "zig", "zag")
 # Prompt lengths around the 16-token KV block (1, 15, 16, 17, 31, 32, 33) and some long ones.
@@ -255,3 +257,16 @@ def assert_model_tokens(model: Model, ask: Ask, token_ids: Sequence[int]) -> Non
             model, ask.prompt_ids(model), token_ids, sampling=ask.sampling(), max_tokens=len(token_ids)
         )
     assert verdict.accepted, verdict
+
+
+def names_request(request_id: str, event: dict[str, Any]) -> bool:
+    return bool(event["request_id"] == request_id)
+
+
+async def still_serving(node: NodeProcess, model: Model, *, offset: int) -> None:
+    """The node serves a request correctly, then every replica is idle with no block held."""
+    async with node.client() as client:
+        await wait_serving(client)
+        outcome = await send(client, distinct_asks(1, max_tokens=3, offset=offset)[0])
+        assert_correct(model, [outcome], transport="inproc")
+        await wait_idle(client)
