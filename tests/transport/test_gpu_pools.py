@@ -9,6 +9,7 @@ they were not run there (docs/transports.md says so).
 from __future__ import annotations
 
 import signal
+from typing import Any
 
 import pytest
 import trio
@@ -99,7 +100,7 @@ async def test_gpu_kv_lands_in_a_borrowed_allocation_and_an_aborted_round_is_fen
 async def test_cuda_ipc_between_two_processes_and_a_killed_sender(cuda: object) -> None:
     layout = embedding_layout(block_size=128, hidden=8)
     seeds = {"t2000": 2000, "t10000-cap8": 10_000, "doomed": 10_000}
-    lively = {"heartbeat_interval": 0.2, "link_timeout": 1.0}
+    lively: dict[str, Any] = {"heartbeat_interval": 0.2, "link_timeout": 1.0}
     params = {
         "block_size": 128,
         "hidden": 8,

@@ -11,6 +11,7 @@ import trio
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from messages.layout import PoolLayout
 from messages.transfer import Grant, RequestMoreCache
 from tests.transport.harness import (
     Collector,
@@ -100,7 +101,34 @@ def test_random_transfers_land_identical_data_and_nothing_else(
     fragmentation: list[tuple[int, bool]],
     seed: int,
 ) -> None:
-    layout = embedding_layout(block_size=block_size, hidden=3)
+    check_random_transfer(
+        "inproc",
+        embedding_layout(block_size=block_size, hidden=3),
+        total=total,
+        window=window,
+        default_grant=default_grant,
+        cap=cap,
+        mode=mode,
+        fragmentation=fragmentation,
+        seed=seed,
+    )
+
+
+def check_random_transfer(
+    transport: str,
+    layout: PoolLayout,
+    *,
+    total: int,
+    window: int,
+    default_grant: int,
+    cap: int | None,
+    mode: str,
+    fragmentation: list[tuple[int, bool]],
+    seed: int,
+) -> None:
+    """One random transfer over `transport` into a fragmented, poisoned pool: the data lands identical,
+    no row outside the allocation is touched, and every block returns. `mode`: keep, consume, borrowed."""
+    block_size = layout.block_size
     source = Source(layout, total, seed=seed)
     need = -(-total // block_size)
     num_blocks = need + 2 + sum(n for n, _keep in fragmentation)
@@ -120,7 +148,7 @@ def test_random_transfers_land_identical_data_and_nothing_else(
 
     async def scenario() -> set[int]:
         async with (
-            endpoint_pair("inproc", source, storage, pool, config=config) as pair,
+            endpoint_pair(transport, source, storage, pool, config=config) as pair,
             trio.open_nursery() as nursery,
         ):
             nursery.start_soon(send_all, pair.sender, "t", source)

@@ -8,8 +8,6 @@ cannot jump, so deadlines here are short real ones.
 
 from __future__ import annotations
 
-import random
-
 import pytest
 import torch
 import trio
@@ -29,8 +27,7 @@ from tests.transport.harness import (
     send_all,
     shuffled_pool,
 )
-from tests.transport.test_transfer import SEED_SCENARIOS, rows_of, untouched_rows_are_poisoned
-from transport.blocks import BlockPool
+from tests.transport.test_transfer import SEED_SCENARIOS, check_random_transfer
 from transport.config import TransferConfig
 from transport.endpoint import open_endpoint
 
@@ -75,54 +72,17 @@ def test_random_transfers_over_ucx_land_identical_data_and_nothing_else(
     fragmentation: list[tuple[int, bool]],
     seed: int,
 ) -> None:
-    layout = embedding_layout(block_size=block_size, hidden=hidden)
-    source = Source(layout, total, seed=seed)
-    need = -(-total // block_size)
-    num_blocks = need + 2 + sum(n for n, _keep in fragmentation)
-    storage, pool = poisoned_storage(layout, num_blocks), BlockPool(num_blocks, block_size)
-    rng = random.Random(seed)
-    held: list[int] = []
-    for n, keep in fragmentation:
-        ids = pool.allocate(n, "other")
-        rng.shuffle(ids)
-        (held.extend if keep else lambda got: pool.free(got, "other"))(ids)
-    config = TransferConfig(default_grant_blocks=2, round_cap_blocks=cap, window=window)
-    landing_offset = rng.randrange(block_size)
-    borrowed = (
-        pool.allocate(-(-(landing_offset + total) // block_size), "request") if mode == "borrowed" else None
+    check_random_transfer(
+        "ucx",
+        embedding_layout(block_size=block_size, hidden=hidden),
+        total=total,
+        window=window,
+        default_grant=2,
+        cap=cap,
+        mode=mode,
+        fragmentation=fragmentation,
+        seed=seed,
     )
-    collector = Collector()
-
-    async def scenario() -> set[int]:
-        async with (
-            endpoint_pair("ucx", source, storage, pool, config=config) as pair,
-            trio.open_nursery() as nursery,
-        ):
-            nursery.start_soon(send_all, pair.sender, "t", source)
-            result = await pair.receiver.receive(
-                "t",
-                peer=pair.link,
-                consume=collector if mode == "consume" else None,
-                blocks=borrowed,
-                landing_offset=landing_offset if borrowed else 0,
-                expected_tokens=total if borrowed else None,
-                owner="request",
-            )
-        if mode == "consume":
-            assert_same_bytes(collector.data() if total else {}, source.expected() if total else {})
-            return set().union(
-                *(rows_of(r.blocks, r.landing_offset, r.tokens, block_size) for r in collector.rounds)
-            )
-        offset = landing_offset if borrowed else 0
-        assert_same_bytes(as_bytes(storage.gather(result.blocks, offset, total)), source.expected())
-        pool.free(result.blocks, "request")
-        return rows_of(result.blocks, offset, total, block_size)
-
-    written = trio.run(scenario)
-    assert untouched_rows_are_poisoned(storage, written)
-    pool.free(held, "other")
-    assert pool.used_blocks == 0
-    pool.check_invariants()
 
 
 async def test_kv_layer_ranges_from_two_ucx_senders_land_in_one_allocation_without_aliasing() -> None:

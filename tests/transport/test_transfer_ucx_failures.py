@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import re
 import signal
+from typing import Any
 
 import pytest
 import trio
@@ -35,7 +36,7 @@ pytestmark = pytest.mark.usefixtures("ucx_env")
 
 LAYOUT = embedding_layout(block_size=16)
 # Quick liveness, so a vanished peer is noticed in about a second.
-LIVELY = {"heartbeat_interval": 0.2, "link_timeout": 1.0}
+LIVELY: dict[str, Any] = {"heartbeat_interval": 0.2, "link_timeout": 1.0}
 
 
 async def _expect_sender_failure(
