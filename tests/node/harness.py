@@ -141,6 +141,14 @@ class NodeProcess:
         host, _, port = self.address.rpartition(":")
         return host, int(port)
 
+    def await_listening(self) -> None:
+        """Blocking: read the node's listening line into `address` (killing the node if none comes)."""
+        try:
+            self.address = _read_listening_line(self.process)
+        except NodeFailed as exc:
+            self.kill()
+            raise NodeFailed(f"{exc}\n{self.diagnosis()}") from None
+
     # ------------------------------------------------------------------ stopping it
     def stop(self, how: StopHow = "shutdown", *, expect_exit: int = 0) -> int:
         """Ask the node to stop (`shutdown` op or SIGTERM) unless it already exited, wait, and assert
@@ -219,6 +227,14 @@ def node_command(log_file: Path, options: tuple[str, ...]) -> list[str]:
 
 def start_node(directory: Path, *options: str) -> NodeProcess:
     """Start a node with `options` (flags of `python -m engine.node`) and wait for its listening line."""
+    node = launch_node(directory, *options)
+    node.await_listening()
+    return node
+
+
+def launch_node(directory: Path, *options: str) -> NodeProcess:
+    """Start a node process without waiting for it (its `address` is empty until `await_listening`):
+    several nodes launched first and awaited after start up side by side."""
     number = next(_node_numbers)
     log_file = directory / f"node-{os.getpid()}-{number}.jsonl"
     stderr_file = log_file.with_suffix(".stderr")
@@ -230,13 +246,7 @@ def start_node(directory: Path, *options: str) -> NodeProcess:
             stderr=stderr,
             cwd=REPO_ROOT,
         )
-    node = NodeProcess(process, "", log_file, stderr_file)
-    try:
-        node.address = _read_listening_line(process)
-    except NodeFailed as exc:
-        node.kill()
-        raise NodeFailed(f"{exc}\n{node.diagnosis()}") from None
-    return node
+    return NodeProcess(process, "", log_file, stderr_file)
 
 
 def _read_listening_line(process: subprocess.Popen[bytes]) -> str:
