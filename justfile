@@ -3,11 +3,11 @@
 venv := ".venv"
 py := venv + "/bin/python"
 
-# Create the virtual environment and install zigzag with its test tools (CPU torch first).
+# Create the virtual environment and install zigzag with its test tools and UCX (CPU torch first).
 setup:
     test -d {{venv}} || python3 -m venv {{venv}}
     {{py}} -m pip install -q torch==2.13.0
-    {{py}} -m pip install -q -e '.[dev]'
+    {{py}} -m pip install -q -e '.[dev,ucx]'
 
 # The main job: start a node, run the built-in mixed workload through its socket, check the outputs.
 demo *ARGS:
