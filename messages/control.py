@@ -8,7 +8,7 @@ them): a value outside them is a `bad_request` before any replica sees it. Check
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Literal, get_args
 
 import msgspec
 
@@ -35,17 +35,7 @@ Seconds = Annotated[float, msgspec.Meta(ge=0)]
 
 # ---------------------------------------------------------------------------------------------- names
 Op = Literal["generate", "status", "cancel", "transition", "lock", "unlock", "scale", "metrics", "shutdown"]
-OPS: tuple[Op, ...] = (
-    "generate",
-    "status",
-    "cancel",
-    "transition",
-    "lock",
-    "unlock",
-    "scale",
-    "metrics",
-    "shutdown",
-)
+OPS: tuple[Op, ...] = get_args(Op)
 
 ErrorCode = Literal[
     "bad_request",
@@ -60,19 +50,7 @@ ErrorCode = Literal[
     "shutting_down",
     "internal",
 ]
-ERROR_CODES: tuple[ErrorCode, ...] = (
-    "bad_request",
-    "not_found",
-    "invalid_transition",
-    "not_supported",
-    "overloaded",
-    "transfer_failed",
-    "transfer_timeout",
-    "replica_failed",
-    "cancelled",
-    "shutting_down",
-    "internal",
-)
+ERROR_CODES: tuple[ErrorCode, ...] = get_args(ErrorCode)
 
 ReplicaRole = Literal["encode", "prefill", "decode"]
 # The names of DESIGN §6, as written there; `replicas.states.ReplicaState` holds the same values.
