@@ -302,28 +302,38 @@ class UcxLink(Link):
 
     async def _read(self) -> None:
         try:
-            async for arrival in self._inbox:
-                await self._worker.wait([arrival.request])
-                body = arrival.body
-                kind = kind_of(body, (DESCRIPTOR, MESSAGE, GOODBYE))
-                if kind == DESCRIPTOR:
-                    await self._receive_frame(parse_descriptor(body, self._row_bytes))
-                elif kind == MESSAGE:
-                    message = parse_message(body)
-                    await self._land_all()
-                    await self.handler.on_message(self, message)
-                    await trio.lowlevel.checkpoint()  # let whoever the message woke run first
-                else:
-                    self._silent_close = True
-                    self.close(
-                        LinkClosed(f"link {self.describe()}: the peer closed it ({parse_goodbye(body)})")
-                    )
+            async for first in self._inbox:
+                arrival: Arrival | None = first
+                while arrival is not None:  # what already arrived is read without a trio turn each
+                    await self._read_one(arrival)
+                    arrival = self._arrived()
         except (UcxFrameError, PeerCodecError) as exc:
             self.close(LinkBroken(f"link {self.describe()}: malformed frame from the peer: {exc}"))
         except UcxFailed as exc:
             self.close(LinkBroken(f"link {self.describe()}: receive failed: {exc}"))
         except LinkError as exc:
             self.close(exc)
+
+    def _arrived(self) -> Arrival | None:
+        try:
+            return self._inbox.receive_nowait()
+        except (trio.WouldBlock, trio.EndOfChannel):
+            return None
+
+    async def _read_one(self, arrival: Arrival) -> None:
+        await self._worker.wait([arrival.request])
+        body = arrival.body
+        kind = kind_of(body, (DESCRIPTOR, MESSAGE, GOODBYE))
+        if kind == DESCRIPTOR:
+            await self._receive_frame(parse_descriptor(body, self._row_bytes))
+        elif kind == MESSAGE:
+            message = parse_message(body)
+            await self._land_all()
+            await self.handler.on_message(self, message)
+            await trio.lowlevel.checkpoint()  # let whoever the message woke run first
+        else:
+            self._silent_close = True
+            self.close(LinkClosed(f"link {self.describe()}: the peer closed it ({parse_goodbye(body)})"))
 
     async def _receive_frame(self, frame: Descriptor) -> None:
         """Post the frame's receives: into block memory when the landing claims it and UCX can reach
