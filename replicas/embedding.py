@@ -110,6 +110,25 @@ async def send_embeddings(
         pool.free(ids, owner)
 
 
+def _landing_runs(
+    blocks: Sequence[int], block_size: int, landing_offset: int, count: int
+) -> list[tuple[int, int]]:
+    """`(flat row, rows)` runs of tokens `[landing_offset, landing_offset + count)` of the allocation
+    `blocks`, consecutive blocks merged: one Python step per block, never per token."""
+    runs: list[tuple[int, int]] = []
+    token, end = landing_offset, landing_offset + count
+    while token < end:
+        index, row = divmod(token, block_size)
+        rows = min(block_size - row, end - token)
+        flat = blocks[index] * block_size + row
+        if runs and runs[-1][0] + runs[-1][1] == flat:
+            runs[-1] = (runs[-1][0], runs[-1][1] + rows)
+        else:
+            runs.append((flat, rows))
+        token += rows
+    return runs
+
+
 def _landing_rows(blocks: Sequence[int], block_size: int, landing_offset: int, count: int) -> np.ndarray:
     """Flat storage rows of tokens `[landing_offset, landing_offset + count)` of the allocation `blocks`
     (token t lives in block `blocks[t // block_size]`, row `t % block_size`). NumPy: a round's index costs a
@@ -117,6 +136,11 @@ def _landing_rows(blocks: Sequence[int], block_size: int, landing_offset: int, c
     tokens = np.arange(landing_offset, landing_offset + count, dtype=np.int64)
     ids = np.asarray(blocks, dtype=np.int64)
     return ids[tokens // block_size] * block_size + tokens % block_size
+
+
+def _tensor_bytes(tensor: torch.Tensor) -> memoryview:
+    """The bytes of a contiguous CPU tensor, writable in place."""
+    return memoryview(tensor.view(-1).view(torch.uint8).numpy()).cast("B")  # type: ignore[arg-type]
 
 
 def _write_rows(storage: PoolStorage, ids: list[int], embeddings: Sequence[ImageEmbedding]) -> None:
@@ -168,6 +192,8 @@ class EmbeddingAssembler:
         self.rounds = 0
         self.header: msgspec.Raw | None = None
         self.first_round_at: float | None = None
+        self._bytes: dict[str, memoryview] = {}  # CPU pools: the rows' bytes, per buffer
+        self._row_bytes: dict[str, int] = {}
 
     async def consume(self, landed: LandedRound) -> None:
         """Copy one landed round into place (the transport frees its blocks afterwards)."""
@@ -189,6 +215,8 @@ class EmbeddingAssembler:
             nbytes = landed.tokens * landed.storage.layout.bytes_per_token
             if nbytes >= THREAD_BYTES:
                 await trio.to_thread.run_sync(self._copy, landed)
+            elif self._bytes:
+                self._copy_bytes(landed)
             else:
                 self._copy(landed)
         self.filled += landed.tokens
@@ -209,6 +237,23 @@ class EmbeddingAssembler:
         for name in landed.buffers:
             flat = storage.flat(name)
             self.rows[name] = torch.empty((total, *flat.shape[1:]), dtype=flat.dtype, device=flat.device)
+        if storage.device.type == "cpu":
+            self._row_bytes = {name: storage.row_bytes[name] for name in self.rows}
+            self._bytes = {name: _tensor_bytes(rows) for name, rows in self.rows.items()}
+
+    def _copy_bytes(self, landed: LandedRound) -> None:
+        """A round on the event loop, CPU pools: one `memcpy` per run of consecutive landing blocks
+        (a round's fixed cost is a few microseconds, not an index build and a torch call per buffer).
+        Large rounds go to `_copy` in a worker thread instead: memoryview copies hold the GIL."""
+        storage = landed.storage
+        runs = _landing_runs(landed.blocks, storage.block_size, landed.landing_offset, landed.tokens)
+        for name, target in self._bytes.items():
+            source, row_bytes = storage.buffer_bytes(name), self._row_bytes[name]
+            at = landed.offset * row_bytes
+            for row, rows in runs:
+                size = rows * row_bytes
+                target[at : at + size] = source[row * row_bytes : row * row_bytes + size]
+                at += size
 
     def _copy(self, landed: LandedRound) -> None:
         storage, start, count = landed.storage, landed.offset, landed.tokens

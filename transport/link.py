@@ -67,7 +67,8 @@ class BulkWrite:
 
     @property
     def nbytes(self) -> int:
-        return self.count * sum(self.source.spec(name).bytes_per_token for name in self.buffers)
+        row_bytes = self.source.row_bytes
+        return self.count * sum(row_bytes[name] for name in self.buffers)
 
 
 class Landing(Protocol):

@@ -67,6 +67,7 @@ class PoolStorage:
         self.device = torch.device(device)
         self.tensors: dict[str, torch.Tensor] = {}
         self._bytes: dict[str, memoryview] = {}
+        self._flat: dict[str, torch.Tensor] = {}
         self.row_bytes: dict[str, int] = {spec.name: spec.bytes_per_token for spec in layout.buffers}
         for spec in layout.buffers:
             shape = (num_blocks, layout.block_size, *spec.shape)
@@ -82,9 +83,14 @@ class PoolStorage:
         return self.layout.buffer(name)
 
     def flat(self, name: str) -> torch.Tensor:
-        """Buffer `name` viewed as `[num_blocks * block_size, *shape]` (one row per token slot)."""
-        tensor = self.tensors[name]
-        return tensor.view(self.num_blocks * self.block_size, *tensor.shape[2:])
+        """Buffer `name` viewed as `[num_blocks * block_size, *shape]` (one row per token slot); the
+        view is made once (a `view` call costs microseconds, and transports ask for it every round)."""
+        view = self._flat.get(name)
+        if view is None:
+            tensor = self.tensors[name]
+            view = tensor.view(self.num_blocks * self.block_size, *tensor.shape[2:])
+            self._flat[name] = view
+        return view
 
     def block_bytes(self, name: str, block_id: int) -> memoryview:
         """The raw bytes of one block of one buffer (CPU storage only), writable in place."""
