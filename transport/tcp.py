@@ -9,9 +9,11 @@ what makes a trio reader keep up with a blocking raw-socket loop.
   against the endpoint's landing and its payload scatter-read straight into the receiver's block memory
   (or into a scratch buffer when that round is gone); control frames are decoded with
   `messages.peer_codec`.
-- Writers (bulk rounds, control messages, heartbeats) share one FIFO lock, taken per batch of frames and
-  held in a shielded scope with a deadline: a frame is never half-written on a link that stays open, and
-  a peer that stops reading breaks the link after `link_timeout` instead of hanging the writer.
+- Writers (bulk rounds, control messages, heartbeats) share one FIFO lock per batch of frames. A batch
+  the kernel takes whole while no one writes goes out at once, without a Trio turn; otherwise the writer
+  holds the lock in a shielded scope with a deadline: a frame is never half-written on a link that stays
+  open, and a peer that stops reading breaks the link after `link_timeout` instead of hanging the writer.
+  Sockets are opened, accepted and connected in `transport.tcp_socket`.
 - Heartbeats: a link quiet for `heartbeat_interval` sends one; a link that received nothing for
   `link_timeout` is broken. Any received byte counts as liveness.
 - Pools on a GPU: each bulk frame goes through a pinned host chunk (`transport.staging`): packed from
@@ -20,12 +22,10 @@ what makes a trio reader keep up with a blocking raw-socket loop.
 
 from __future__ import annotations
 
-import errno
 import itertools
-import os
 import socket
 from collections.abc import Sequence
-from typing import Final, final
+from typing import Final, NoReturn, final
 
 import structlog
 import trio
@@ -52,6 +52,9 @@ from transport.tcp_frames import (
     parse_header,
     parse_segments,
 )
+from transport.tcp_socket import accept as accept
+from transport.tcp_socket import connect as connect
+from transport.tcp_socket import listen_socket as listen_socket
 
 IOV_MAX: Final = 1024
 BATCH_BYTES: Final = 8 * 1024 * 1024
@@ -59,54 +62,6 @@ SCRATCH_BYTES: Final = 1024 * 1024
 YIELD_EVERY_BYTES: Final = 4 * 1024 * 1024
 _link_numbers = itertools.count(1)
 _log = structlog.get_logger("transport.tcp")
-
-
-def tcp_socket() -> socket.socket:
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.setblocking(False)
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    return sock
-
-
-def listen_socket(host: str, port: int) -> socket.socket:
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.setblocking(False)
-    sock.bind((host, port))
-    sock.listen(128)
-    return sock
-
-
-async def accept(listener: socket.socket) -> socket.socket:
-    """The next connection; cancellable while waiting."""
-    while True:
-        try:
-            sock, _address = listener.accept()
-        except BlockingIOError:
-            await trio.lowlevel.wait_readable(listener)
-            continue
-        sock.setblocking(False)
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        return sock
-
-
-async def connect(host: str, port: int) -> socket.socket:
-    """A connected socket to `host:port` (IPv4); raises `OSError` naming the address."""
-    infos = await trio.socket.getaddrinfo(host, port, socket.AF_INET, socket.SOCK_STREAM)
-    address = infos[0][4]
-    sock = tcp_socket()
-    try:
-        error = sock.connect_ex(address)
-        if error == errno.EINPROGRESS:
-            await trio.lowlevel.wait_writable(sock)
-            error = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
-    except BaseException:
-        sock.close()
-        raise
-    if error:
-        sock.close()
-        raise OSError(error, f"cannot connect to {host}:{port}: {os.strerror(error)}")
-    return sock
 
 
 def new_link_id() -> str:
@@ -165,7 +120,7 @@ class TcpLink(Link):
         # socket closes: a closed TCP link has nothing in flight.
         await self.closed.wait()
 
-    def _raise_closed(self) -> None:
+    def _raise_closed(self) -> NoReturn:
         assert self.error is not None
         raise type(self.error)(str(self.error))
 
@@ -227,30 +182,40 @@ class TcpLink(Link):
     async def _send_batch(self, parts: Sequence[Buffer]) -> None:
         if self.error is not None:
             self._raise_closed()
-        async with self._send_lock:
-            deadline = trio.current_time() + self._config.link_timeout
-            with trio.CancelScope(shield=True, deadline=deadline) as scope:
-                try:
-                    await self._send_all(list(parts))
-                except (OSError, trio.ClosedResourceError) as exc:
-                    self.close(LinkBroken(f"link {self.describe()}: send failed: {exc!r}"))
+        pending, first = list(parts), 0
+        if self._send_lock.locked():
+            await self._send_lock.acquire()
+        else:
+            # Nobody is writing: hand the batch to the kernel now, without a Trio turn (a grant or a
+            # ChunkDone costs one syscall); nothing interleaves before it returns or holds the lock.
+            first = self._send_ready(pending, 0)
+            if first == len(pending):
+                return
+            self._send_lock.acquire_nowait()  # the socket is full: wait for it holding the lock
+        try:
+            timeout = self._config.link_timeout
+            with trio.CancelScope(shield=True, deadline=trio.current_time() + timeout) as scope:
+                while (first := self._send_ready(pending, first)) < len(pending):
+                    try:
+                        await trio.lowlevel.wait_writable(self._sock)
+                    except trio.ClosedResourceError as exc:
+                        self._send_failed(exc)
             if scope.cancelled_caught:
-                self.close(
-                    LinkBroken(
-                        f"link {self.describe()}: peer stopped reading for {self._config.link_timeout} s"
-                    )
-                )
+                self.close(LinkBroken(f"link {self.describe()}: peer stopped reading for {timeout} s"))
+        finally:
+            self._send_lock.release()
         if self.error is not None:
             self._raise_closed()
 
-    async def _send_all(self, parts: list[Buffer]) -> None:
-        first = 0
+    def _send_ready(self, parts: list[Buffer], first: int) -> int:
+        """`sendmsg` `parts[first:]` until all went out or the socket is full; the first unsent index."""
         while first < len(parts):
             try:
                 sent = self._sock.sendmsg(parts[first : first + IOV_MAX])
             except BlockingIOError:
-                await trio.lowlevel.wait_writable(self._sock)
-                continue
+                return first
+            except OSError as exc:
+                self._send_failed(exc)
             self._last_sent = trio.current_time()
             while sent:
                 size = len(parts[first])
@@ -260,6 +225,11 @@ class TcpLink(Link):
                 else:
                     parts[first] = memoryview(parts[first])[sent:]
                     sent = 0
+        return first
+
+    def _send_failed(self, exc: BaseException) -> NoReturn:
+        self.close(LinkBroken(f"link {self.describe()}: send failed: {exc!r}"))
+        self._raise_closed()
 
     # ------------------------------------------------------------------ receiving
     async def run(self) -> None:
