@@ -342,7 +342,10 @@ class TransferEndpoint:
         if link.role != "sender":
             link.close(LinkBroken(f"{link.describe()}: {type(message).__name__} sent to the receiving end"))
         elif self._sender_control is not None:
-            await self._sender_control.send(SenderDelivery(link, message))
+            try:  # no Trio turn when the owner's channel has room (one fewer task switch per round)
+                self._sender_control.send_nowait(SenderDelivery(link, message))
+            except trio.WouldBlock:
+                await self._sender_control.send(SenderDelivery(link, message))
         else:
             self.deliver(SenderDelivery(link, message))
 

@@ -143,9 +143,8 @@ class ReceiveSession:
         return self._succeed()
 
     async def _consume_rounds(self) -> None:
-        async for landed in self._landed:
-            if self._consume is None:
-                continue
+        async for landed in self._landed:  # without a consumer only the end comes (the channel closes)
+            assert self._consume is not None
             with self.liveness.local_wait():
                 await self._consume(landed)
             self._landings.release(self._landings.rounds[landed.round])
@@ -277,18 +276,19 @@ class ReceiveSession:
         self._data_rounds += message.tokens > 0
         self._sender_header = message.header
         self.status.move(TransferStatus.TRANSFERRING)
-        landed = LandedRound(
-            round=message.round,
-            offset=message.offset,
-            tokens=message.tokens,
-            total_tokens=self._total,
-            blocks=granted.blocks,
-            landing_offset=granted.landing_offset,
-            header=message.header,
-            storage=self.storage,
-            buffers=self._buffers,
-        )
-        self._landed_send.send_nowait(landed)
+        if self._consume is not None:
+            landed = LandedRound(
+                round=message.round,
+                offset=message.offset,
+                tokens=message.tokens,
+                total_tokens=self._total,
+                blocks=granted.blocks,
+                landing_offset=granted.landing_offset,
+                header=message.header,
+                storage=self.storage,
+                buffers=self._buffers,
+            )
+            self._landed_send.send_nowait(landed)
         if self._received >= self._total:
             self._landed_send.close()
         self._wake_granter.set()

@@ -79,6 +79,7 @@ class SendSession:
         self._announced = False
         self._data_ready = False
         self._writing = False
+        self._awaiting_grant = False
         self._peer_abort: Abort | None = None
         self._acked = False
         self._failure: tuple[FailureReason, str] | None = None
@@ -293,15 +294,34 @@ class SendSession:
             if grant is not None:
                 return grant
             if trio.current_time() >= self.liveness.deadline:
-                timeout = self.liveness.timeout
-                self._fail(FailureReason.NO_PROGRESS, f"no grant from the receiver for {timeout} s")
+                self._no_grant()
                 return None
-            with trio.move_on_at(self.liveness.deadline):
+            self._awaiting_grant = True  # `_watch_grants` keeps the deadline: no cancel scope per wait
+            try:
                 await self._wake.wait()
+            finally:
+                self._awaiting_grant = False
             self._wake = trio.Event()
 
+    def _no_grant(self) -> None:
+        self._fail(FailureReason.NO_PROGRESS, f"no grant from the receiver for {self.liveness.timeout} s")
+
+    async def _watch_grants(self) -> None:
+        """Fail the transfer when `send` waits for a grant past the progress deadline."""
+        while not self.status.terminal:
+            deadline = self.liveness.deadline
+            await trio.sleep_until(deadline)
+            if self.liveness.deadline > deadline:
+                continue  # progress meanwhile
+            if self._awaiting_grant:
+                self._no_grant()
+                return
+            # Not waiting on the receiver: `_next_grant` checks the deadline itself before it waits.
+            await trio.sleep(self.liveness.timeout / 3)
+
     async def run_ticker(self) -> None:
-        """While the owner prepares the data, tell the receiver this side is alive and queued."""
+        """While the owner prepares the data, tell the receiver this side is alive and queued; while
+        `send` waits for the receiver, keep its progress deadline (`_watch_grants`)."""
 
         def preparing() -> bool:
             return self.link is not None and not self._data_ready and not self.status.terminal
@@ -313,7 +333,9 @@ class SendSession:
             )
             self.host.send_soon(self.link, update)
 
-        await self.liveness.updates(preparing, say_preparing)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._watch_grants)
+            await self.liveness.updates(preparing, say_preparing)
 
     # ------------------------------------------------------------------ failure
     def _ack(self) -> None:

@@ -10,7 +10,8 @@ import trio
 import trio.testing
 
 from messages.layout import PoolLayout
-from messages.transfer import FailureReason, RequestMoreCache, TransferStatus
+from messages.peer_codec import NO_HEADER
+from messages.transfer import FailureReason, Grant, RequestMoreCache, TransferStatus
 from tests.transport.harness import (
     Collector,
     Source,
@@ -112,6 +113,36 @@ async def test_a_stalled_sender_fails_at_the_progress_deadline(
         await settle()
         assert failures["t"].reason is FailureReason.NO_PROGRESS
         assert pool.used_blocks == 0
+
+
+async def test_a_sender_left_without_grants_fails_at_the_progress_deadline(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    source, storage, pool = parts(16 * 4, seed=2)
+    config = TransferConfig(progress_timeout=20.0)
+    failures: dict[str, TransferError] = {}
+    async with endpoint_pair("inproc", source, storage, pool, config=config) as pair:
+        start = trio.current_time()
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(expect_sender_failure, pair.sender, "t", source, failures)
+            # A receiver that grants round 0 (one block, landing nowhere) and then falls silent.
+            grant = Grant(
+                transfer_id="t",
+                round=0,
+                landing_key=999,
+                stream_offset=0,
+                tokens=16,
+                blocks=(0,),
+                header=NO_HEADER,
+                landing_offset=0,
+                buffers=None,
+                expected_tokens=None,
+            )
+            await pair.link.send(grant)
+        assert 20.0 <= trio.current_time() - start < 21.0
+        assert failures["t"].reason is FailureReason.NO_PROGRESS
+        assert "no grant from the receiver for 20.0 s" in str(failures["t"])
+        assert failures["t"].report.tokens == 16
 
 
 async def test_aborts_from_either_side_fail_both_sides_and_spare_other_transfers() -> None:
