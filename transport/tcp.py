@@ -8,7 +8,8 @@ what makes a trio reader keep up with a blocking raw-socket loop.
   closes. It reads each frame's header (`transport.tcp_frames`); a bulk frame's segments are checked
   against the endpoint's landing and its payload scatter-read straight into the receiver's block memory
   (or into a scratch buffer when that round is gone); control frames are decoded with
-  `messages.peer_codec`.
+  `messages.peer_codec`. Each read also takes up to `AHEAD_BYTES` of what follows, so the small frames
+  of a round after its large payload (and its ChunkDone) are parsed without a syscall each.
 - Writers (bulk rounds, control messages, heartbeats) share one FIFO lock per batch of frames. A batch
   the kernel takes whole while no one writes goes out at once, without a Trio turn; otherwise the writer
   holds the lock in a shielded scope with a deadline: a frame is never half-written on a link that stays
@@ -59,6 +60,7 @@ from transport.tcp_socket import listen_socket as listen_socket
 IOV_MAX: Final = 1024
 BATCH_BYTES: Final = 8 * 1024 * 1024
 SCRATCH_BYTES: Final = 1024 * 1024
+AHEAD_BYTES: Final = 64 * 1024
 YIELD_EVERY_BYTES: Final = 4 * 1024 * 1024
 _link_numbers = itertools.count(1)
 _log = structlog.get_logger("transport.tcp")
@@ -95,6 +97,8 @@ class TcpLink(Link):
         self._send_lock = trio.StrictFIFOLock()
         self._scope = trio.CancelScope()
         self._scratch = memoryview(bytearray(SCRATCH_BYTES))
+        self._ahead = memoryview(bytearray(AHEAD_BYTES))  # bytes read past the current frame
+        self._ahead_at = self._ahead_end = 0
         self._last_received = trio.current_time()
         self._last_sent = trio.current_time()
         self._heartbeat_seq = 0
@@ -249,14 +253,13 @@ class TcpLink(Link):
 
     async def _read_frames(self) -> None:
         header = memoryview(bytearray(HEADER_BYTES))
-        ahead = 0  # bytes of the next header already read together with the previous payload
         try:
             while True:
-                await self._recv_into([header[ahead:]], None)
+                await self._recv_into([header])
                 frame = parse_header(header)
                 if frame.kind == CONTROL:
                     body = bytearray(frame.length)
-                    ahead = await self._recv_into([memoryview(body)], header)
+                    await self._recv_into([memoryview(body)])
                     await self.handler.on_message(self, decode_peer(body))
                     # Let whoever the message woke (a granter, a consumer) run before more bulk
                     # bytes: bulk reads rarely block, so without this they would wait megabytes.
@@ -264,12 +267,12 @@ class TcpLink(Link):
                     await trio.lowlevel.checkpoint()
                     continue
                 table = self._table[: frame.segments * SEGMENT.size]
-                await self._recv_into([table], None)
+                await self._recv_into([table])
                 targets = self._bulk_targets(frame, table)
                 if targets is None:
-                    ahead = await self._discard(frame.length, header)
+                    await self._discard(frame.length)
                 else:
-                    ahead = await self._recv_into(targets, header)
+                    await self._recv_into(targets)
                     self._land_staged()
         except (FrameError, PeerCodecError) as exc:
             self.close(LinkBroken(f"link {self.describe()}: malformed frame from the peer: {exc}"))
@@ -307,27 +310,21 @@ class TcpLink(Link):
             unpack(storage, name, segments, chunk)
             self._chunks.give(chunk)
 
-    async def _discard(self, length: int, header: memoryview) -> int:
-        ahead = 0
+    async def _discard(self, length: int) -> None:
         while length:
             chunk = min(length, len(self._scratch))
             length -= chunk
-            ahead = await self._recv_into([self._scratch[:chunk]], header if length == 0 else None)
-        return ahead
+            await self._recv_into([self._scratch[:chunk]])
 
-    async def _recv_into(self, views: list[memoryview], ahead: memoryview | None) -> int:
-        """Fill `views` exactly, in order (`recvmsg_into` scatters one kernel read over them). With
-        `ahead` (the header buffer), the same reads also take the start of the next frame's header —
-        one syscall per small frame instead of two, still no copy — and its byte count is returned."""
-        first, extra = 0, 0
-        views = [view for view in views if len(view)]  # a 0 from the kernel must mean EOF
-        tail = [] if ahead is None else [ahead]
+    async def _recv_into(self, views: list[memoryview]) -> None:
+        """Fill `views` exactly, in order: first from the bytes read ahead, then from the socket. Each
+        `recvmsg_into` scatters one kernel read over the views and then the read-ahead buffer, so the
+        frames that follow (the rest of a round: small frames, its ChunkDone) cost no syscall of their
+        own, and payloads still land straight in block memory (no copy but the read-ahead bytes)."""
+        views, first = self._take_ahead(views), 0
         while first < len(views):
             try:
-                if len(views) - first == 1 and ahead is None:
-                    count = self._sock.recv_into(views[first])
-                else:
-                    count = self._sock.recvmsg_into(views[first:] + tail)[0]
+                count = self._sock.recvmsg_into([*views[first:], self._ahead])[0]
             except BlockingIOError:
                 self._read_since_yield = 0
                 await trio.lowlevel.wait_readable(self._sock)
@@ -341,12 +338,25 @@ class TcpLink(Link):
             if first < len(views):
                 views[first] = views[first][count:]
             else:
-                extra += count
+                self._ahead_at, self._ahead_end = 0, count  # it was empty: the views came first
         self._last_received = trio.current_time()
         if self._read_since_yield >= YIELD_EVERY_BYTES:
             self._read_since_yield = 0
             await trio.lowlevel.checkpoint()
-        return extra
+
+    def _take_ahead(self, views: list[memoryview]) -> list[memoryview]:
+        """Fill `views` from the read-ahead bytes as far as they go; the (parts of) views still empty."""
+        left = [view for view in views if len(view)]  # a 0 from the kernel must mean EOF
+        first = 0
+        while first < len(left) and self._ahead_at < self._ahead_end:
+            size = min(len(left[first]), self._ahead_end - self._ahead_at)
+            left[first][:size] = self._ahead[self._ahead_at : self._ahead_at + size]
+            self._ahead_at += size
+            if size == len(left[first]):
+                first += 1
+            else:
+                left[first] = left[first][size:]
+        return left[first:]
 
     async def _heartbeats(self) -> None:
         interval = self._config.heartbeat_interval
