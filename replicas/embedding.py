@@ -194,6 +194,7 @@ class EmbeddingAssembler:
         self.first_round_at: float | None = None
         self._bytes: dict[str, memoryview] = {}  # CPU pools: the rows' bytes, per buffer
         self._row_bytes: dict[str, int] = {}
+        self._bytes_per_token = 0
 
     async def consume(self, landed: LandedRound) -> None:
         """Copy one landed round into place (the transport frees its blocks afterwards)."""
@@ -212,8 +213,7 @@ class EmbeddingAssembler:
         if self.first_round_at is None:
             self.first_round_at = time.time()
         if landed.tokens:
-            nbytes = landed.tokens * landed.storage.layout.bytes_per_token
-            if nbytes >= THREAD_BYTES:
+            if landed.tokens * self._bytes_per_token >= THREAD_BYTES:
                 await trio.to_thread.run_sync(self._copy, landed)
             elif self._bytes:
                 self._copy_bytes(landed)
@@ -234,6 +234,7 @@ class EmbeddingAssembler:
             )
         self.total = total
         storage = landed.storage
+        self._bytes_per_token = storage.layout.bytes_per_token
         for name in landed.buffers:
             flat = storage.flat(name)
             self.rows[name] = torch.empty((total, *flat.shape[1:]), dtype=flat.dtype, device=flat.device)

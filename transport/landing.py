@@ -135,6 +135,7 @@ class Landings:
         self.rounds: dict[int, GrantedRound] = {}
         self.next_round = 0
         self.granted = 0
+        self.outstanding = 0  # rounds granted and not landed yet
 
     def capacity(self, consuming: bool) -> int | None:
         """Most tokens this landing can ever hold (None: unbounded, rounds are consumed and freed)."""
@@ -144,8 +145,7 @@ class Landings:
 
     def next_tokens(self, total: int | None) -> int:
         """Tokens the next grant asks for now; 0 when it must wait (window full, total unknown)."""
-        outstanding = sum(1 for granted in self.rounds.values() if not granted.landed)
-        if self.next_round > 0 and outstanding >= self.config.window:
+        if self.next_round > 0 and self.outstanding >= self.config.window:
             return 0
         cap = self.config.round_cap_blocks
         room: float = math.inf
@@ -175,6 +175,7 @@ class Landings:
         granted = GrantedRound(self.next_round, offset, tokens, blocks, landing, size)
         self.rounds[granted.number] = granted
         self.next_round, self.granted = granted.number + 1, offset + tokens
+        self.outstanding += 1
         return granted
 
     async def _allocate(self, n_blocks: int, liveness: Liveness) -> list[int]:
@@ -191,6 +192,7 @@ class Landings:
     def land(self, granted: GrantedRound, tokens: int) -> None:
         """Round `granted` landed `tokens` tokens; owned blocks it did not need go back at once."""
         granted.landed, granted.tokens = True, tokens
+        self.outstanding -= 1
         if self.borrowed is None:
             keep = self.pool.blocks_for(tokens)
             if keep < len(granted.blocks):

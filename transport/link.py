@@ -53,6 +53,7 @@ class BulkWrite:
     round: int
     corrupt: bool = False
     runs: list[Run] = field(init=False)
+    nbytes: int = field(init=False)  # bytes the write moves (all selected buffers)
 
     def __post_init__(self) -> None:
         runs = plan_runs(
@@ -64,11 +65,8 @@ class BulkWrite:
             self.source.block_size,
         )
         object.__setattr__(self, "runs", runs)
-
-    @property
-    def nbytes(self) -> int:
         row_bytes = self.source.row_bytes
-        return self.count * sum(row_bytes[name] for name in self.buffers)
+        object.__setattr__(self, "nbytes", self.count * sum(row_bytes[name] for name in self.buffers))
 
 
 class Landing(Protocol):
