@@ -33,6 +33,7 @@ from messages.cuda_ipc import ShareVerdict
 from messages.transfer import PeerMessage
 from transport import tcp
 from transport.cuda_ipc_share import (
+    RowIndices,
     ShareRefused,
     copy_rows,
     decode_share,
@@ -171,8 +172,9 @@ class CudaIpcLink(Link):
         stream, source = self._stream, bulk.source
         stream.wait_stream(torch.cuda.current_stream(source.device))
         with torch.cuda.stream(stream):
+            indices = RowIndices()
             for name in bulk.buffers:
-                copy_rows(source.flat(name), self._remote[name], bulk.runs)
+                copy_rows(source.flat(name), self._remote[name], bulk.runs, indices)
             if bulk.corrupt and bulk.runs:
                 row = self._remote[bulk.buffers[0]][bulk.runs[0].dst_row]
                 row.view(-1).view(torch.uint8)[:1].bitwise_xor_(0xFF)

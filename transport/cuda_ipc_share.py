@@ -8,7 +8,7 @@ while another process maps it, and a cache so one process opens a handle once. A
 own handles, so a pool shared within one process (replicas of one node) is looked up in `_exported`.
 
 Setup messages travel length-prefixed (u32) before the link's first TCP frame, read to the exact byte.
-`copy_rows` is the sender's device copy: one `torch._foreach_copy_` for all runs of a buffer.
+`copy_rows` is the sender's device copy: a `copy_` per run, or one gather and one scatter for many.
 """
 
 from __future__ import annotations
@@ -27,10 +27,11 @@ import trio
 
 from messages.cuda_ipc import PoolShare, SharedBuffer, ShareVerdict
 from transport.errors import LinkClosed
-from transport.runs import Run
+from transport.runs import Run, row_index
 from transport.storage import PoolStorage, torch_dtype
 
 MAX_SETUP_BYTES: Final = 1024 * 1024
+FEW_RUNS: Final = 4  # up to this many runs per buffer, one copy_ each
 _LENGTH: Final = struct.Struct("<I")
 _encoder = msgspec.msgpack.Encoder()
 _share_decoder = msgspec.msgpack.Decoder(PoolShare)
@@ -138,17 +139,33 @@ def _open(share: PoolShare, buffer: SharedBuffer) -> torch.Tensor:
         raise ShareRefused(f"cuda-ipc: cannot open the receiver's buffer {buffer.name!r}: {exc}") from exc
 
 
-def copy_rows(source: torch.Tensor, target: torch.Tensor, runs: Sequence[Run]) -> None:
-    """Rows of `runs` from flat `source` into flat `target`, asynchronously on the current stream: one
-    `torch._foreach_copy_` for every run when both are on one device (a launch per run would cost more
-    than the bytes), else one `copy_` per run (peer copies between GPUs)."""
-    targets = [target[run.dst_row : run.dst_row + run.rows] for run in runs]
-    sources = [source[run.src_row : run.src_row + run.rows] for run in runs]
-    if source.device == target.device:
-        torch._foreach_copy_(targets, sources, non_blocking=True)
-    else:
-        for into, rows in zip(targets, sources):
-            into.copy_(rows, non_blocking=True)
+def copy_rows(source: torch.Tensor, target: torch.Tensor, runs: Sequence[Run], indices: RowIndices) -> None:
+    """Rows of `runs` from flat `source` into flat `target`, asynchronously on the current stream, byte
+    for byte. A few runs (or peer copies between GPUs): one `copy_` each. Many runs on one device: one
+    gather and one scatter through the rows of `indices` — two launches instead of one per run, whose
+    launch cost (microseconds each, hundreds per round) would dominate. Never `torch._foreach_copy_`:
+    it moves bfloat16 and half through float, which changes the bytes of NaN payloads."""
+    if len(runs) <= FEW_RUNS or source.device != target.device:
+        for run in runs:
+            target[run.dst_row : run.dst_row + run.rows].copy_(
+                source[run.src_row : run.src_row + run.rows], non_blocking=True
+            )
+        return
+    src_rows, dst_rows = indices.get(runs, source.device)
+    target.index_copy_(0, dst_rows, source.index_select(0, src_rows))
+
+
+@final
+class RowIndices:
+    """The flat row indices of one round's runs on one device, built once for all of its buffers."""
+
+    def __init__(self) -> None:
+        self._built: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def get(self, runs: Sequence[Run], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._built is None:
+            self._built = (row_index(runs, True, device), row_index(runs, False, device))
+        return self._built
 
 
 # ---------------------------------------------------------------------- setup messages on the socket

@@ -71,7 +71,7 @@ def plan_runs(
     return runs
 
 
-def _row_index(runs: Sequence[Run], src: bool, device: torch.device) -> torch.Tensor:
+def row_index(runs: Sequence[Run], src: bool, device: torch.device) -> torch.Tensor:
     """All flat rows covered by `runs` on one side, built without a Python loop per row."""
     starts = torch.tensor([r.src_row if src else r.dst_row for r in runs], dtype=torch.int64)
     lengths = torch.tensor([r.rows for r in runs], dtype=torch.int64)
@@ -116,7 +116,7 @@ def copy_runs(src: PoolStorage, dst: PoolStorage, runs: Sequence[Run], buffers: 
                     dst_bytes[dst_at : dst_at + size] = src_bytes[src_at : src_at + size]
         elif total_rows * row_bytes < TORCH_COPY_BYTES * len(runs):
             if indices is None:
-                indices = (_row_index(runs, True, src.device), _row_index(runs, False, dst.device))
+                indices = (row_index(runs, True, src.device), row_index(runs, False, dst.device))
             src_rows, dst_rows = indices
             dst_flat.index_copy_(0, dst_rows, src_flat.index_select(0, src_rows).to(dst.device))
         else:

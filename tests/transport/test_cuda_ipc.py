@@ -16,6 +16,8 @@ from messages.cuda_ipc import PoolShare, SharedBuffer
 from tests.transport.harness import Source, embedding_layout, random_storage, settle, shuffled_pool
 from transport import tcp
 from transport.cuda_ipc_share import (
+    FEW_RUNS,
+    RowIndices,
     ShareRefused,
     copy_rows,
     decode_verdict,
@@ -30,16 +32,20 @@ from transport.runs import plan_runs
 LAYOUT = embedding_layout(block_size=16)
 
 
-def test_copy_rows_moves_exactly_the_runs() -> None:
+@pytest.mark.parametrize("blocks", [1, 10])  # a copy_ per run; one gather and one scatter
+def test_copy_rows_moves_exactly_the_runs_byte_for_byte(blocks: int) -> None:
     rng = random.Random(3)
-    source, target = torch.randn(64 * 16, 8), torch.zeros(64 * 16, 8)
-    src_ids, dst_ids = rng.sample(range(64), 10), rng.sample(range(64), 10)
-    runs = plan_runs(src_ids, 5, dst_ids, 11, 140, 16)
-    copy_rows(source, target, runs)
+    # Random bfloat16 bits: NaN payloads included, which a copy through float would change.
+    source = torch.randint(-(2**15), 2**15, (64 * 16, 8), dtype=torch.int16).view(torch.bfloat16)
+    target = torch.zeros(64 * 16, 8, dtype=torch.bfloat16)
+    src_ids, dst_ids = rng.sample(range(64), blocks), rng.sample(range(64), blocks)
+    runs = plan_runs(src_ids, 5, dst_ids, 11, 16 * blocks - 11, 16)
+    assert (len(runs) <= FEW_RUNS) == (blocks == 1)
+    copy_rows(source, target, runs, RowIndices())
     expected = torch.zeros_like(target)
     for run in runs:
         expected[run.dst_row : run.dst_row + run.rows] = source[run.src_row : run.src_row + run.rows]
-    assert torch.equal(target, expected)
+    assert torch.equal(target.view(torch.int16), expected.view(torch.int16))
 
 
 def share(host: str) -> PoolShare:
