@@ -2,7 +2,9 @@
 
 Transfer sessions run helper tasks that never raise (they record a failure and cancel the scope); the
 only exception that can leave the body is the owner's (a consumer error, an outer cancellation), and the
-owner should see that exception, not a group around it.
+owner should see that exception, not a group around it. When an outer scope is cancelled at the moment
+the body fails, the helpers' `Cancelled` travel beside the owner's exception; they are dropped, which is
+safe: Trio's cancellation is level-triggered, so the cancelled scope's next checkpoint raises it again.
 """
 
 from __future__ import annotations
@@ -33,6 +35,9 @@ async def open_task_scope() -> AsyncIterator[trio.Nursery]:
         async with trio.open_nursery() as nursery:
             yield nursery
     except BaseExceptionGroup as group:
-        if len(group.exceptions) == 1 and not isinstance(group.exceptions[0], BaseExceptionGroup):
-            raise group.exceptions[0] from group
+        _cancelled, others = group.split(trio.Cancelled)
+        if others is None:
+            raise  # only cancellations: the cancelled scope catches them as a group
+        if len(others.exceptions) == 1 and not isinstance(others.exceptions[0], BaseExceptionGroup):
+            raise others.exceptions[0] from group
         raise

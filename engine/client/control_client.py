@@ -58,6 +58,7 @@ from messages.control_replies import (
     TransitionResult,
     reply_decoder,
 )
+from transport.scope import open_task_scope
 
 DEFAULT_MAX_LINE_BYTES: Final = 64 * 1024 * 1024
 R = TypeVar("R", bound=ControlResult)
@@ -133,17 +134,13 @@ class ControlClient:
             stream = await trio.open_unix_socket(target.path)
         client = cls(stream, max_line_bytes)
         try:
-            async with trio.open_nursery() as nursery:
+            # The reader never raises: what leaves this block is what the caller's block raised.
+            async with open_task_scope() as nursery:
                 nursery.start_soon(client._read_loop)
                 try:
                     yield client
                 finally:
                     nursery.cancel_scope.cancel()
-        except BaseExceptionGroup as group:
-            # The reader never raises, so a group holds what the caller's block raised: unwrap it.
-            if len(group.exceptions) == 1:
-                raise group.exceptions[0] from None
-            raise
         finally:
             with trio.CancelScope(shield=True):
                 await stream.aclose()
