@@ -110,8 +110,7 @@ class TransferEndpoint:
             )
         self.name, self.storage, self.pool, self.config, self.faults = name, storage, pool, config, faults
         self.address = ""
-        self._inproc = inproc
-        self._sender_control = sender_control
+        self._inproc, self._sender_control = inproc, sender_control
         self._nursery: trio.Nursery | None = None
         self._links: set[Link] = set()
         self._receivers: dict[str, ReceiveSession] = {}
