@@ -19,14 +19,15 @@ lands in, or None to discard it (an aborted round), so bytes are never written w
 from __future__ import annotations
 
 import abc
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
 import trio
 
-from messages.transfer import PeerMessage
-from transport.errors import LinkError
+from messages.transfer import Heartbeat, PeerMessage
+from transport.config import TransferConfig
+from transport.errors import LinkBroken, LinkError
 from transport.runs import Run, plan_runs
 from transport.storage import PoolStorage
 
@@ -141,3 +142,30 @@ class Link(abc.ABC):
     @abc.abstractmethod
     async def quiesce(self) -> None:
         """Return once no write through this link can still land (see the module docstring)."""
+
+
+async def keep_alive(
+    link: Link,
+    config: TransferConfig,
+    last_received: Callable[[], float],
+    last_sent: Callable[[], float],
+    may_send: Callable[[], bool] = lambda: True,
+) -> None:
+    """A network link's liveness (DESIGN §5): a `Heartbeat` after `heartbeat_interval` without sending
+    (when `may_send`: not while a write holds the link), and the link closed as broken after
+    `link_timeout` without receiving anything. Returns once it closed the link or a send failed; the
+    link's reader cancels it otherwise."""
+    interval, seq = config.heartbeat_interval, 0
+    while True:
+        await trio.sleep(interval / 2)
+        now = trio.current_time()
+        quiet = now - last_received()
+        if quiet > config.link_timeout:
+            link.close(LinkBroken(f"link {link.describe()}: nothing received for {quiet:.1f} s"))
+            return
+        if now - last_sent() >= interval and may_send():
+            seq += 1
+            try:
+                await link.send(Heartbeat(link_id=link.link_id, seq=seq))
+            except LinkError:
+                return

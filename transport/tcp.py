@@ -33,11 +33,11 @@ import trio
 
 from messages.layout import PoolLayout
 from messages.peer_codec import PeerCodecError, decode_peer, encode_peer
-from messages.transfer import Heartbeat, PeerMessage
+from messages.transfer import PeerMessage
 from transport.config import TransferConfig
 from transport.errors import LinkBroken, LinkClosed, LinkError
 from transport.faults import FaultPlan
-from transport.link import BulkWrite, Link, LinkHandler, Role
+from transport.link import BulkWrite, Link, LinkHandler, Role, keep_alive
 from transport.staging import HostChunk, HostChunks, staged_tcp_frames, unpack
 from transport.storage import PoolStorage
 from transport.tcp_frames import (
@@ -101,7 +101,6 @@ class TcpLink(Link):
         self._ahead_at = self._ahead_end = 0
         self._last_received = trio.current_time()
         self._last_sent = trio.current_time()
-        self._heartbeat_seq = 0
         self._bulk_sent = 0
         self._malformed_sent = False
         self._read_since_yield = 0
@@ -240,7 +239,14 @@ class TcpLink(Link):
         try:
             with self._scope:
                 async with trio.open_nursery() as nursery:
-                    nursery.start_soon(self._heartbeats)
+                    nursery.start_soon(
+                        keep_alive,
+                        self,
+                        self._config,
+                        lambda: self._last_received,
+                        lambda: self._last_sent,
+                        lambda: not self._send_lock.locked(),
+                    )
                     await self._read_frames()
                     nursery.cancel_scope.cancel()
         finally:
@@ -357,19 +363,3 @@ class TcpLink(Link):
             else:
                 left[first] = left[first][size:]
         return left[first:]
-
-    async def _heartbeats(self) -> None:
-        interval = self._config.heartbeat_interval
-        while True:
-            await trio.sleep(interval / 2)
-            now = trio.current_time()
-            quiet = now - self._last_received
-            if quiet > self._config.link_timeout:
-                self.close(LinkBroken(f"link {self.describe()}: nothing received for {quiet:.1f} s"))
-                return
-            if now - self._last_sent >= interval and not self._send_lock.locked():
-                self._heartbeat_seq += 1
-                try:
-                    await self.send(Heartbeat(link_id=self.link_id, seq=self._heartbeat_seq))
-                except LinkError:
-                    return

@@ -34,12 +34,12 @@ import trio
 
 from messages.layout import PoolLayout
 from messages.peer_codec import PeerCodecError
-from messages.transfer import ChunkDone, Heartbeat, PeerMessage
+from messages.transfer import ChunkDone, PeerMessage
 from transport.config import TransferConfig
 from transport.errors import LinkBroken, LinkClosed, LinkError
 from transport.faults import FaultPlan
 from transport.frame_plan import Frame, plan_frames
-from transport.link import BulkWrite, Link, LinkHandler, Role
+from transport.link import BulkWrite, Link, LinkHandler, Role, keep_alive
 from transport.staging import HostChunk, HostChunks, pack, unpack
 from transport.storage import PoolStorage
 from transport.ucx_frames import (
@@ -104,7 +104,7 @@ class UcxLink(Link):
         self._landing: deque[_Landing] = deque()
         self._in_flight: list[tuple[list[Any], HostChunk | None]] = []  # sends of writes not yet settled
         self._last_received = self._last_sent = trio.current_time()
-        self._heartbeat_seq = self._bulk_sent = 0
+        self._bulk_sent = 0
         self._malformed_sent = self._silent_close = False
 
     def attach(self, endpoint: Any, peer_number: int) -> None:
@@ -290,7 +290,9 @@ class UcxLink(Link):
         try:
             with self._scope:
                 async with trio.open_nursery() as nursery:
-                    nursery.start_soon(self._heartbeats)
+                    nursery.start_soon(
+                        keep_alive, self, self._config, lambda: self._last_received, lambda: self._last_sent
+                    )
                     await self._read()
                     nursery.cancel_scope.cancel()
         finally:
@@ -375,19 +377,3 @@ class UcxLink(Link):
     async def _land_all(self) -> None:
         while self._landing:
             await self._land_oldest()
-
-    async def _heartbeats(self) -> None:
-        interval = self._config.heartbeat_interval
-        while True:
-            await trio.sleep(interval / 2)
-            now = trio.current_time()
-            quiet = now - self._last_received
-            if quiet > self._config.link_timeout:
-                self.close(LinkBroken(f"link {self.describe()}: nothing received for {quiet:.1f} s"))
-                return
-            if now - self._last_sent >= interval:
-                self._heartbeat_seq += 1
-                try:
-                    await self.send(Heartbeat(link_id=self.link_id, seq=self._heartbeat_seq))
-                except LinkError:
-                    return
