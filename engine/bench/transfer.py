@@ -22,10 +22,8 @@ each figure a median over `--repeats`; trio runs in a helper thread so the timin
 from __future__ import annotations
 
 import argparse
-import json
 import queue
 import socket
-import subprocess
 import sys
 import threading
 import time
@@ -44,6 +42,7 @@ from engine.bench.transfer_peer import (
     Source,
     crc_of,
     fragmented_pool,
+    peer_process,
     serve_source,
     tokens_for,
 )
@@ -185,24 +184,6 @@ def inproc_rows(portal: Portal, args: argparse.Namespace, repeats: int) -> Itera
         )
 
 
-@contextmanager
-def sender_process(threads: int) -> Iterator[dict[str, Any]]:
-    child = subprocess.Popen(
-        [sys.executable, "-c", "from engine.bench.transfer_peer import serve_sender; serve_sender()"],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        text=True,
-    )
-    assert child.stdin is not None and child.stdout is not None
-    try:
-        child.stdin.write(json.dumps({"threads": threads}) + "\n")
-        child.stdin.flush()
-        yield json.loads(child.stdout.readline())
-    finally:
-        child.stdin.close()
-        child.wait(timeout=60)
-
-
 def tcp_rows(portal: Portal, args: argparse.Namespace, repeats: int, ready: dict[str, Any]) -> Iterator[Row]:
     raw = socket.create_connection(("127.0.0.1", ready["raw"]))
     raw_buffer = memoryview(bytearray(RAW_BYTES))
@@ -294,7 +275,8 @@ def run(args: argparse.Namespace) -> Iterable[Row]:
         if "inproc" in groups:
             yield from inproc_rows(portal, args, repeats)
         if groups & {"tcp", "resume"}:
-            with sender_process(args.threads) as ready:
+            params = {"threads": args.threads}
+            with peer_process("engine.bench.transfer_peer:serve_sender", params) as (_child, ready):
                 if "tcp" in groups:
                     yield from tcp_rows(portal, args, repeats, ready)
                 if "resume" in groups:

@@ -14,11 +14,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
 from functools import partial
 from typing import Any, Final
 
@@ -27,10 +25,9 @@ import torch
 import trio
 
 from engine.bench.rows import Row, alternate, row
-from engine.bench.transfer_peer import LAYOUTS, filled_storage, fragmented_pool
+from engine.bench.transfer_peer import LAYOUTS, filled_storage, fragmented_pool, peer_process, serve_grants
 from messages.cuda_ipc import PoolShare
 from messages.layout import BufferSpec, PoolLayout
-from messages.transfer import Grant
 from transport.config import TransferConfig
 from transport.cuda_ipc_share import open_share, share_pool
 from transport.endpoint import SenderDelivery, TransferEndpoint, open_endpoint
@@ -63,24 +60,13 @@ async def _serve(kind: str, task_status: trio.TaskStatus[str] = trio.TASK_STATUS
     tokens = _tokens(kind)
     storage, pool, ids = _gpu_pool(LAYOUT, tokens, seed=12)
     send, receive = trio.open_memory_channel[SenderDelivery](1024)
-    async with (
-        open_endpoint(f"gpu-{kind}-sender", storage, pool, sender_control=send) as endpoint,
-        trio.open_nursery() as sends,
-    ):
+    async with open_endpoint(f"gpu-{kind}-sender", storage, pool, sender_control=send) as endpoint:
         if kind == "tcp":
             address = await endpoint.listen_tcp()
         else:
             address = await endpoint.listen_on("ucx" if kind == "ucx" else "cuda-ipc")
         task_status.started(address)
-        async for delivery in receive:
-            endpoint.deliver(delivery)
-            if isinstance(delivery.message, Grant):
-                sends.start_soon(_send_one, endpoint, delivery.message.transfer_id, ids, tokens)
-
-
-async def _send_one(endpoint: TransferEndpoint, transfer_id: str, ids: list[int], tokens: int) -> None:
-    async with endpoint.open_send(transfer_id) as session:
-        await session.send(ids, total_tokens=tokens)
+        await serve_grants(endpoint, receive, ids, tokens)
 
 
 def serve_gpu_sender() -> None:
@@ -115,24 +101,6 @@ def _raw_storage(blocks: int = GiB // (1024 * 1024)) -> PoolStorage:
     sender checks a share against a one-block pool of the same layout)."""
     layout = PoolLayout(block_size=1024, buffers=(BufferSpec(name="raw", shape=(1024,), dtype="uint8"),))
     return PoolStorage(layout, blocks, device="cuda")
-
-
-@contextmanager
-def gpu_sender(kinds: list[str]) -> Iterator[tuple[subprocess.Popen[str], dict[str, str]]]:
-    child = subprocess.Popen(
-        [sys.executable, "-c", "from engine.bench.transfer_gpu import serve_gpu_sender; serve_gpu_sender()"],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        text=True,
-    )
-    assert child.stdin is not None and child.stdout is not None
-    try:
-        child.stdin.write(json.dumps({"kinds": kinds}) + "\n")
-        child.stdin.flush()
-        yield child, json.loads(child.stdout.readline())
-    finally:
-        child.stdin.close()
-        child.wait(timeout=120)
 
 
 # ---------------------------------------------------------------------- this process
@@ -190,7 +158,7 @@ def gpu_rows(portal: Any, args: argparse.Namespace, repeats: int) -> Iterator[Ro
         )
         return
     kinds = ["cuda-ipc", "tcp"] + (["ucx"] if ucx_installed() else [])
-    with gpu_sender(kinds) as (child, ready):
+    with peer_process("engine.bench.transfer_gpu:serve_gpu_sender", {"kinds": kinds}) as (child, ready):
         assert child.stdin is not None and child.stdout is not None
         storage = _raw_storage()  # the baseline's target, in this process
         child.stdin.write(json.dumps({"share": msgspec.json.encode(share_pool(storage)).decode()}) + "\n")

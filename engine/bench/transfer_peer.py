@@ -10,10 +10,13 @@ from __future__ import annotations
 import json
 import random
 import socket
+import subprocess
 import sys
 import threading
 import zlib
-from typing import Final
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any, Final
 
 import torch
 import trio
@@ -102,29 +105,61 @@ async def serve_source(
     network: InprocNetwork | None,
     task_status: trio.TaskStatus[TransferEndpoint] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    """A replica-like owner: sender-bound messages come through its channel (DESIGN §3); a grant for a
-    new transfer id opens a session that sends the whole payload."""
+    """`source` on a sending endpoint (loopback tcp, or `network`), served by `serve_grants`."""
     send, receive = trio.open_memory_channel[SenderDelivery](1024)
-    async with (
-        open_endpoint(
-            f"{source.name}-sender", source.storage, source.pool, inproc=network, sender_control=send
-        ) as endpoint,
-        trio.open_nursery() as sends,
-    ):
+    async with open_endpoint(
+        f"{source.name}-sender", source.storage, source.pool, inproc=network, sender_control=send
+    ) as endpoint:
         if network is None:
             await endpoint.listen_tcp()
         else:
             endpoint.listen_inproc()
         task_status.started(endpoint)
-        async for delivery in receive:
+        await serve_grants(endpoint, receive, source.ids, source.tokens)
+
+
+async def serve_grants(
+    endpoint: TransferEndpoint,
+    deliveries: trio.MemoryReceiveChannel[SenderDelivery],
+    ids: list[int],
+    tokens: int,
+) -> None:
+    """A replica-like owner: sender-bound messages come through its channel (DESIGN §3); a grant for a
+    new transfer id opens a session that sends the `tokens` in blocks `ids`."""
+    async with trio.open_nursery() as sends:
+        async for delivery in deliveries:
             endpoint.deliver(delivery)
             if isinstance(delivery.message, Grant):
-                sends.start_soon(_send_one, endpoint, delivery.message.transfer_id, source)
+                sends.start_soon(_send_payload, endpoint, delivery.message.transfer_id, ids, tokens)
 
 
-async def _send_one(endpoint: TransferEndpoint, transfer_id: str, source: Source) -> None:
+async def _send_payload(endpoint: TransferEndpoint, transfer_id: str, ids: list[int], tokens: int) -> None:
     async with endpoint.open_send(transfer_id) as session:
-        await session.send(source.ids, total_tokens=source.tokens)
+        await session.send(ids, total_tokens=tokens)
+
+
+@contextmanager
+def peer_process(
+    entry: str, params: dict[str, Any]
+) -> Iterator[tuple[subprocess.Popen[str], dict[str, Any]]]:
+    """A benchmark's sender process running `entry` ("module:function"): `params` as its first stdin
+    line, its first stdout line (addresses, checksums) yielded with it; its stdin closed at the end,
+    which ends it."""
+    module, function = entry.split(":")
+    child = subprocess.Popen(
+        [sys.executable, "-c", f"from {module} import {function}; {function}()"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert child.stdin is not None and child.stdout is not None
+    try:
+        child.stdin.write(json.dumps(params) + "\n")
+        child.stdin.flush()
+        yield child, json.loads(child.stdout.readline())
+    finally:
+        child.stdin.close()
+        child.wait(timeout=120)
 
 
 def serve_sender() -> None:

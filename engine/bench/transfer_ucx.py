@@ -18,12 +18,10 @@ import json
 import os
 import queue
 import select
-import subprocess
 import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 from functools import partial
 from typing import Any, Final
 
@@ -31,9 +29,8 @@ import numpy as np
 import trio
 
 from engine.bench.rows import Row, alternate, row
-from engine.bench.transfer_peer import RAW_BYTES, Source
-from messages.transfer import Grant
-from transport.endpoint import SenderDelivery, TransferEndpoint, open_endpoint
+from engine.bench.transfer_peer import RAW_BYTES, Source, peer_process, serve_grants
+from transport.endpoint import SenderDelivery, open_endpoint
 from transport.ucx_worker import libucxx
 
 BENCH = "transfer"
@@ -88,22 +85,13 @@ def _raw_sender(addresses: queue.Queue[bytes], stop: threading.Event) -> None:
 
 
 async def _serve(source: Source, task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED) -> None:
-    """A replica-like owner sending `source` over ucx for every new grant (as `serve_source` does on tcp)."""
+    """`source` on a sending endpoint listening over ucx, served as `serve_source` serves it on tcp."""
     send, receive = trio.open_memory_channel[SenderDelivery](1024)
-    async with (
-        open_endpoint(f"{source.name}-sender", source.storage, source.pool, sender_control=send) as endpoint,
-        trio.open_nursery() as sends,
-    ):
+    async with open_endpoint(
+        f"{source.name}-sender", source.storage, source.pool, sender_control=send
+    ) as endpoint:
         task_status.started(await endpoint.listen_on("ucx"))
-        async for delivery in receive:
-            endpoint.deliver(delivery)
-            if isinstance(delivery.message, Grant):
-                sends.start_soon(_send_one, endpoint, delivery.message.transfer_id, source)
-
-
-async def _send_one(endpoint: TransferEndpoint, transfer_id: str, source: Source) -> None:
-    async with endpoint.open_send(transfer_id) as session:
-        await session.send(source.ids, total_tokens=source.tokens)
+        await serve_grants(endpoint, receive, source.ids, source.tokens)
 
 
 def serve_ucx_sender() -> None:
@@ -132,24 +120,6 @@ async def _serve_sender(layouts: list[str], raw_address: bytes) -> None:
         print(json.dumps(ready), flush=True)
         await trio.to_thread.run_sync(sys.stdin.read)
         nursery.cancel_scope.cancel()
-
-
-@contextmanager
-def sender_process(layouts: list[str]) -> Iterator[dict[str, Any]]:
-    child = subprocess.Popen(
-        [sys.executable, "-c", "from engine.bench.transfer_ucx import serve_ucx_sender; serve_ucx_sender()"],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        text=True,
-    )
-    assert child.stdin is not None and child.stdout is not None
-    try:
-        child.stdin.write(json.dumps({"layouts": layouts}) + "\n")
-        child.stdin.flush()
-        yield json.loads(child.stdout.readline())
-    finally:
-        child.stdin.close()
-        child.wait(timeout=60)
 
 
 class RawReceiver:
@@ -183,7 +153,8 @@ def ucx_rows(portal: Any, args: argparse.Namespace, repeats: int, receiver_facto
     """The rows, alternating zigzag and raw; `receiver_factory` builds `transfer.Receiver`s."""
     os.environ["UCX_TLS"] = args.ucx_tls  # this process's and its children's UCX, set by the entry point
     cases = [("emb4096", "ucx_64MiB")] + ([] if args.quick else [("kv", "ucx_kv_64MiB")])
-    with sender_process([name for name, _case in cases]) as ready:
+    layouts = [name for name, _case in cases]
+    with peer_process("engine.bench.transfer_ucx:serve_ucx_sender", {"layouts": layouts}) as (_child, ready):
         raw = RawReceiver(str(ready["raw"]))
         raw.gbps()
         if bool((raw.buffer == 1).all()):
