@@ -18,6 +18,7 @@ from replicas.model import KVCache, embedding_layout
 from replicas.services import ReplicaServices
 from replicas.states import Role
 from transport.blocks import BlockPool
+from transport.config import TransferConfig
 from transport.endpoint import SenderDelivery, TransferEndpoint, open_endpoint
 from transport.faults import NO_FAULTS, FaultPlan
 from transport.storage import PoolStorage
@@ -69,36 +70,33 @@ class ReplicaPools:
         fabric = self.services.fabric
         settings = self.services.settings
         faults = self._fault_plan()
+
+        async def open_one(
+            name: str, storage: PoolStorage, pool: BlockPool, config: TransferConfig
+        ) -> TransferEndpoint:
+            endpoint = await stack.enter_async_context(
+                open_endpoint(
+                    name,
+                    storage,
+                    pool,
+                    config=config,
+                    faults=faults,
+                    inproc=fabric.inproc,
+                    sender_control=sender_control,
+                )
+            )
+            await fabric.listen(endpoint)
+            stack.callback(fabric.forget, name)
+            return endpoint
+
         if self.kv is not None:
-            endpoint = await stack.enter_async_context(
-                open_endpoint(
-                    self.kv_endpoint_name,
-                    self.kv.storage,
-                    self.kv.pool,
-                    config=settings.kv_transfer,
-                    faults=faults,
-                    inproc=fabric.inproc,
-                    sender_control=sender_control,
-                )
+            self.kv_endpoint = await open_one(
+                self.kv_endpoint_name, self.kv.storage, self.kv.pool, settings.kv_transfer
             )
-            self.kv_endpoint = endpoint
-            await fabric.listen(endpoint)
-            stack.callback(fabric.forget, self.kv_endpoint_name)
         if self.emb_pool is not None and self.emb_storage is not None:
-            endpoint = await stack.enter_async_context(
-                open_endpoint(
-                    self.emb_endpoint_name,
-                    self.emb_storage,
-                    self.emb_pool,
-                    config=settings.embedding_transfer,
-                    faults=faults,
-                    inproc=fabric.inproc,
-                    sender_control=sender_control,
-                )
+            self.emb_endpoint = await open_one(
+                self.emb_endpoint_name, self.emb_storage, self.emb_pool, settings.embedding_transfer
             )
-            self.emb_endpoint = endpoint
-            await fabric.listen(endpoint)
-            stack.callback(fabric.forget, self.emb_endpoint_name)
 
     def deliver(self, delivery: SenderDelivery) -> None:
         """Hand a sender-bound protocol message to the endpoint whose link it came on."""
