@@ -125,9 +125,6 @@ class ReceiveSession:
                 self._scope = nursery.cancel_scope
                 nursery.start_soon(self._granter)
                 nursery.start_soon(self._watchdog)
-                nursery.start_soon(
-                    self.liveness.updates, lambda: self.liveness.local_waits > 0, self._say_busy
-                )
                 await self._consume_rounds()
                 nursery.cancel_scope.cancel()
         except BaseException as exc:
@@ -326,7 +323,9 @@ class ReceiveSession:
 
     # ------------------------------------------------------------------ liveness
     async def _watchdog(self) -> None:
-        await self.liveness.watch()
+        """Says `StatusUpdate` while this side holds things up; fails the transfer when the sender
+        made no progress for `progress_timeout`."""
+        await self.liveness.keep(lambda: self.liveness.local_waits > 0, self._say_busy)
         detail = f"nothing from the sender for {self.liveness.timeout} s in {self.status.status.value}"
         self._fail(FailureReason.NO_PROGRESS, detail)
 

@@ -296,7 +296,7 @@ class SendSession:
             if trio.current_time() >= self.liveness.deadline:
                 self._no_grant()
                 return None
-            self._awaiting_grant = True  # `_watch_grants` keeps the deadline: no cancel scope per wait
+            self._awaiting_grant = True  # `run_ticker` keeps the deadline: no cancel scope per wait
             try:
                 await self._wake.wait()
             finally:
@@ -306,22 +306,10 @@ class SendSession:
     def _no_grant(self) -> None:
         self._fail(FailureReason.NO_PROGRESS, f"no grant from the receiver for {self.liveness.timeout} s")
 
-    async def _watch_grants(self) -> None:
-        """Fail the transfer when `send` waits for a grant past the progress deadline."""
-        while not self.status.terminal:
-            deadline = self.liveness.deadline
-            await trio.sleep_until(deadline)
-            if self.liveness.deadline > deadline:
-                continue  # progress meanwhile
-            if self._awaiting_grant:
-                self._no_grant()
-                return
-            # Not waiting on the receiver: `_next_grant` checks the deadline itself before it waits.
-            await trio.sleep(self.liveness.timeout / 3)
-
     async def run_ticker(self) -> None:
         """While the owner prepares the data, tell the receiver this side is alive and queued; while
-        `send` waits for the receiver, keep its progress deadline (`_watch_grants`)."""
+        `send` waits for a grant, fail the transfer once the receiver made no progress for
+        `progress_timeout` (`send` checks the deadline itself before it waits: no cancel scope per wait)."""
 
         def preparing() -> bool:
             return self.link is not None and not self._data_ready and not self.status.terminal
@@ -333,9 +321,8 @@ class SendSession:
             )
             self.host.send_soon(self.link, update)
 
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(self._watch_grants)
-            await self.liveness.updates(preparing, say_preparing)
+        await self.liveness.keep(preparing, say_preparing, overdue=lambda: self._awaiting_grant)
+        self._no_grant()
 
     # ------------------------------------------------------------------ failure
     def _ack(self) -> None:
