@@ -8,10 +8,8 @@ How links are made: `transport.ucx_connect`. On a link:
   block memory (or GPU memory, when UCX has CUDA transports) into the receiver's; a *packed* frame one
   message of pieces under 64 KiB packed back to back, or of a GPU pool's rows staged through pinned host
   memory (`transport.staging`). The receiver's reader posts each frame's receives where its landing
-  claims them, or into a scratch chunk when the round is gone, as soon as the descriptor arrives — also
-  past peer messages that wait for earlier frames, so the next round's bytes flow while the last ones
-  land. A second task, the lander, takes frames and messages in link order: it hands a peer message
-  (`ChunkDone`, `AbortAck`) on only once every earlier frame landed, which keeps the link's one order.
+  claims them, or into a scratch chunk when the round is gone; before it handles any later peer message
+  (`ChunkDone`, `AbortAck`) it waits until every earlier frame landed, which keeps the link's one order.
 - `write` returns once every send completed (UCX reads the source rows until then); it waits for that
   shielded, failing the link when the peer takes nothing for `link_timeout`. Cancellation takes effect
   between frames: a frame's descriptor and bytes are posted together.
@@ -78,14 +76,6 @@ class _Landing:
     rows: tuple[PoolStorage, str, list[tuple[int, int]]] | None = None
 
 
-@dataclass(frozen=True, slots=True)
-class _Goodbye:
-    reason: str
-
-
-_InOrder = _Landing | PeerMessage | _Goodbye  # what the lander takes, in link order
-
-
 @final
 class UcxLink(Link):
     """One end of a UCX link (see the module docstring)."""
@@ -111,9 +101,7 @@ class UcxLink(Link):
         self._peer_number = LISTENER
         self._scope = trio.CancelScope()
         self._chunks = HostChunks()
-        self._landing: deque[_Landing] = deque()  # posted and not landed yet, oldest first
-        self._in_order_send, self._in_order = trio.open_memory_channel[_InOrder](math.inf)
-        self._chunk_slots = trio.Semaphore(PACKED_WINDOW)  # frames landing through a chunk at once
+        self._landing: deque[_Landing] = deque()
         self._in_flight: list[tuple[list[Any], HostChunk | None]] = []  # sends of writes not yet settled
         self._last_received = self._last_sent = trio.current_time()
         self._bulk_sent = 0
@@ -305,7 +293,6 @@ class UcxLink(Link):
                     nursery.start_soon(
                         keep_alive, self, self._config, lambda: self._last_received, lambda: self._last_sent
                     )
-                    nursery.start_soon(self._land_in_order)
                     await self._read()
                     nursery.cancel_scope.cancel()
         finally:
@@ -316,7 +303,6 @@ class UcxLink(Link):
             self.handler.on_closed(self, self.error)
 
     async def _read(self) -> None:
-        """The reader: control bodies as they arrive; frames posted at once, the rest to the lander."""
         try:
             async for first in self._inbox:
                 arrival: Arrival | None = first
@@ -327,6 +313,8 @@ class UcxLink(Link):
             self.close(LinkBroken(f"link {self.describe()}: malformed frame from the peer: {exc}"))
         except UcxFailed as exc:
             self.close(LinkBroken(f"link {self.describe()}: receive failed: {exc}"))
+        except LinkError as exc:
+            self.close(exc)
 
     def _arrived(self) -> Arrival | None:
         try:
@@ -339,32 +327,17 @@ class UcxLink(Link):
         body = arrival.body
         kind = kind_of(body, (DESCRIPTOR, MESSAGE, GOODBYE))
         if kind == DESCRIPTOR:
-            landing = await self._receive_frame(parse_descriptor(body, self._row_bytes))
-            self._landing.append(landing)
-            self._in_order_send.send_nowait(landing)
+            await self._receive_frame(parse_descriptor(body, self._row_bytes))
         elif kind == MESSAGE:
-            self._in_order_send.send_nowait(parse_message(body))
+            message = parse_message(body)
+            await self._land_all()
+            await self.handler.on_message(self, message)
+            await trio.lowlevel.checkpoint()  # let whoever the message woke run first
         else:
-            self._in_order_send.send_nowait(_Goodbye(parse_goodbye(body)))
+            self._silent_close = True
+            self.close(LinkClosed(f"link {self.describe()}: the peer closed it ({parse_goodbye(body)})"))
 
-    async def _land_in_order(self) -> None:
-        """The lander: each frame landed, then the peer messages after it handed on, in link order."""
-        try:
-            async for entry in self._in_order:
-                if isinstance(entry, _Landing):
-                    await self._land(entry)
-                elif isinstance(entry, _Goodbye):
-                    self._silent_close = True
-                    self.close(LinkClosed(f"link {self.describe()}: the peer closed it ({entry.reason})"))
-                else:
-                    await self.handler.on_message(self, entry)
-                    await trio.lowlevel.checkpoint()  # let whoever the message woke run first
-        except UcxFailed as exc:
-            self.close(LinkBroken(f"link {self.describe()}: receive failed: {exc}"))
-        except LinkError as exc:
-            self.close(exc)
-
-    async def _receive_frame(self, frame: Descriptor) -> _Landing:
+    async def _receive_frame(self, frame: Descriptor) -> None:
         """Post the frame's receives: into block memory when the landing claims it and UCX can reach
         that memory, else into a chunk (scattered into the rows once landed when the round stands)."""
         landing = self.handler.landing(self, frame.landing_key)
@@ -376,8 +349,10 @@ class UcxLink(Link):
             storage = landing.storage
             if storage.device.type == "cpu" or worker.cuda_capable:
                 targets = [payload_rows(storage, name, row, rows) for row, rows in frame.segments]
-                return _Landing([worker.receive(endpoint, on, t) for t in targets])
-        await self._chunk_slots.acquire()
+                self._landing.append(_Landing([worker.receive(endpoint, on, t) for t in targets]))
+                return
+        while sum(pending.chunk is not None for pending in self._landing) >= PACKED_WINDOW:
+            await self._land_oldest()
         chunk = self._chunks.take(frame.length)
         if frame.packed:
             requests = [worker.receive(endpoint, on, chunk.view[: frame.length])]
@@ -387,9 +362,10 @@ class UcxLink(Link):
                 requests.append(worker.receive(endpoint, on, chunk.view[at : at + rows * width]))
                 at += rows * width
         scatter = (landing.storage, name, frame.segments) if claimed and landing is not None else None
-        return _Landing(requests, chunk, scatter)
+        self._landing.append(_Landing(requests, chunk, scatter))
 
-    async def _land(self, pending: _Landing) -> None:
+    async def _land_oldest(self) -> None:
+        pending = self._landing[0]
         await self._worker.wait(pending.requests)
         self._landing.popleft()
         self._last_received = trio.current_time()
@@ -397,4 +373,7 @@ class UcxLink(Link):
             if pending.rows is not None:
                 unpack(*pending.rows, pending.chunk)
             self._chunks.give(pending.chunk)
-            self._chunk_slots.release()
+
+    async def _land_all(self) -> None:
+        while self._landing:
+            await self._land_oldest()
