@@ -6,12 +6,11 @@ the worker itself, as `../shared/tools/ucxx_trio_sketch.py` measured:
 - the worker runs in UCX's *blocking progress mode*: `progress()` does the work that is ready, `arm()` says
   whether more is pending, and the worker's epoll file descriptor turns readable when an event arrives.
   `run` (one task per worker, in its endpoint's nursery) loops: progress, hand out what completed, arm,
-  and sleep until woken (plus a `SAFETY_POLL` timeout for UCX's own timers). A watcher task waits on the
-  fd with `trio.lowlevel.wait_readable` and wakes it;
+  and wait on the fd with `trio.lowlevel.wait_readable` (plus a `SAFETY_POLL` timeout for UCX's own
+  timers);
 - a task that posts a request and awaits it (`wait`) registers a waiter; the loop sets its event once the
-  requests completed. Posting kicks the loop awake: a message already queued inside UCX needs a progress
-  call, not an fd event. Waking is an event, never a cancellation: cancelling a task out of its fd wait
-  costs about 60 µs of Trio bookkeeping here, and every post would pay it;
+  requests completed. Posting kicks the loop out of its fd wait: a message already queued inside UCX needs
+  a progress call, not an fd event;
 - control messages are found by probing (`tag_probe` with a mask on the kind bits) and received into a
   buffer of their exact size; each goes to the inbox of the link its tag names (`register`).
 
@@ -152,9 +151,9 @@ class UcxWorker:
         self._tracked: list[tuple[Any, object]] = []  # (request, what it reads or writes) until completed
         self._prune_at = 64
         self._endpoints: set[Any] = set()
-        self._wake = trio.Event()  # set by `kick` and by the fd watcher; the loop sleeps on it
-        self._armed = trio.Event()  # set by the loop when it armed the worker: the watcher waits on the fd
-        self._sleeping = self._kicked = self._running = False
+        self._sleep: trio.CancelScope | None = None
+        self._kicked = False
+        self._running = False
 
     # ------------------------------------------------------------------ links and endpoints
     def register(self, deliver: Callable[[Arrival], None], number: int | None = None) -> int:
@@ -257,47 +256,31 @@ class UcxWorker:
     def kick(self) -> None:
         """Make the progress loop run again now (it may be waiting on the fd)."""
         self._kicked = True
-        if self._sleeping:
-            self._wake.set()
+        if self._sleep is not None:
+            self._sleep.cancel()
 
     # ------------------------------------------------------------------ the progress task
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         self._running = True
         task_status.started()
         try:
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(self._watch_fd)
-                while True:
-                    busy = self._progress()
-                    if self._kicked or busy:
-                        self._kicked = False
-                        await trio.lowlevel.checkpoint()
-                    elif self._worker.arm():
-                        await self._sleep()
-                    else:
-                        await trio.lowlevel.checkpoint()
+            while True:
+                busy = self._progress()
+                if self._kicked or busy:
+                    self._kicked = False
+                    await trio.lowlevel.checkpoint()
+                elif self._worker.arm():
+                    with trio.move_on_after(SAFETY_POLL) as scope:
+                        self._sleep = scope
+                        await trio.lowlevel.wait_readable(self._fd)
+                    self._sleep = None
+                else:
+                    await trio.lowlevel.checkpoint()
         finally:
             self._running = False
+            self._sleep = None
             with trio.CancelScope(shield=True):
                 await self._teardown()
-
-    async def _sleep(self) -> None:
-        """Until `kick`, an fd event or `SAFETY_POLL`, whichever comes first."""
-        self._sleeping = True
-        self._armed.set()
-        with trio.move_on_after(SAFETY_POLL):
-            await self._wake.wait()
-        self._sleeping = False
-        self._wake = trio.Event()
-
-    async def _watch_fd(self) -> None:
-        """Wake the loop when the worker's fd turns readable after it armed. A wake that comes after
-        the loop already woke only costs it one more progress call."""
-        while True:
-            await self._armed.wait()
-            self._armed = trio.Event()
-            await trio.lowlevel.wait_readable(self._fd)
-            self._wake.set()
 
     def _progress(self) -> bool:
         """One round of UCX progress — transport events (e.g. rendezvous copies) until none is ready, a
