@@ -76,6 +76,9 @@ def libucxx() -> Any:
     # UCX logs to stdout unless told otherwise, and stdout carries the node's listening line and the
     # benchmarks' JSON rows. UCX reads this when its library loads, so it can only be set here.
     os.environ.setdefault("UCX_LOG_FILE", "stderr")
+    # ucxx sets UCX_MEMTYPE_CACHE, which the UCX it bundles (1.21) no longer knows: every context would
+    # warn about it on stderr.
+    os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
     import ucxx._lib.libucxx as lib
 
     return lib
