@@ -7,9 +7,10 @@
         async with endpoint.open_send("req-7/emb") as session:     # on the sending endpoint
             result = await session.send(ids, total_tokens=n)
 
-The endpoint's nursery owns every link's reader, fence watchers and small control sends; transfers run
-in their callers' tasks (`receive`, `SendSession.send`). Leaving the context closes the links (which
-fences every write) and returns quarantined blocks.
+The endpoint's nursery owns every link's reader, fence watchers, small control sends and the one task
+that keeps every transfer's deadlines and keep-alives (`transport.liveness`); transfers run in their
+callers' tasks (`receive`, `SendSession.send`). Leaving the context closes the links (which fences every
+write) and returns quarantined blocks.
 
 Sender-bound control messages (`Grant`, `RequestMoreCache`, `Abort`, `StatusUpdate`) are delivered to
 the sending sessions directly, or — when the owner passes `sender_control` — pushed into that channel as
@@ -21,7 +22,7 @@ from __future__ import annotations
 
 import itertools
 import socket
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Sequence
 from contextlib import asynccontextmanager
 from typing import Literal, assert_never, final
 
@@ -54,6 +55,7 @@ from transport.fences import Fences
 from transport.inproc import InprocNetwork
 from transport.landing import Consume, ReceiveResult, check_landing_request
 from transport.link import Landing, Link, Role
+from transport.liveness import KeptAlive, keep_alive_sessions
 from transport.receiver import ReceiveSession
 from transport.scope import describe_exit, open_task_scope
 from transport.sender import SendSession
@@ -81,6 +83,7 @@ async def open_endpoint(
     async with open_task_scope() as nursery:
         endpoint._nursery = nursery
         nursery.start_soon(endpoint.senders.sweep_orphans)
+        nursery.start_soon(keep_alive_sessions, endpoint.kept_alive, endpoint.config.progress_timeout)
         try:
             yield endpoint
         finally:
@@ -109,15 +112,13 @@ class TransferEndpoint:
                 f"pool has {pool.num_blocks} of {pool.block_size}"
             )
         self.name, self.storage, self.pool, self.config, self.faults = name, storage, pool, config, faults
-        self.address = ""
-        self._inproc, self._sender_control = inproc, sender_control
+        self.address, self._inproc, self._sender_control = "", inproc, sender_control
         self._nursery: trio.Nursery | None = None
         self._links: set[Link] = set()
         self._receivers: dict[str, ReceiveSession] = {}
         self._landings: dict[int, ReceiveSession] = {}
         self.senders = SenderDesk(name, config.orphan_timeout, self.send_soon)
-        self._fences = Fences(pool, config.fence_timeout)
-        self._landing_keys = itertools.count(1)
+        self._fences, self._landing_keys = Fences(pool, config.fence_timeout), itertools.count(1)
         self._listeners: list[trio.CancelScope] = []
 
     @property
@@ -258,6 +259,10 @@ class TransferEndpoint:
         self._landings[key] = session
         return await session.run()
 
+    def kept_alive(self) -> Iterator[KeptAlive]:  # the sessions `keep_alive_sessions` ticks
+        yield from self._receivers.values()
+        yield from self.senders.sessions.values()
+
     def end_receiver(self, session: ReceiveSession) -> None:
         self._landings.pop(session.landing_key, None)
         if self._receivers.get(session.transfer_id) is session:
@@ -272,15 +277,10 @@ class TransferEndpoint:
         self.senders.opened(session)
         detail = "sender closed the transfer before sending it"
         try:
-            async with open_task_scope() as nursery:
-                nursery.start_soon(session.run_ticker)
-                try:
-                    yield session
-                except BaseException as exc:
-                    detail = f"sender failed before sending: {describe_exit(exc)}"
-                    raise
-                finally:
-                    nursery.cancel_scope.cancel()
+            yield session
+        except BaseException as exc:
+            detail = f"sender failed before sending: {describe_exit(exc)}"
+            raise
         finally:
             if not session.status.terminal:
                 with trio.CancelScope(shield=True):

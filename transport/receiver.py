@@ -70,6 +70,8 @@ class ReceiverHost(Protocol):
 
     def open_fence(self, link: Link, transfer_id: str, quarantine: list[int], owner: str) -> trio.Event: ...
 
+    def send_soon(self, link: Link, message: StatusUpdate) -> None: ...
+
 
 @final
 class ReceiveSession:
@@ -124,7 +126,6 @@ class ReceiveSession:
             async with open_task_scope() as nursery:
                 self._scope = nursery.cancel_scope
                 nursery.start_soon(self._granter)
-                nursery.start_soon(self._watchdog)
                 await self._consume_rounds()
                 nursery.cancel_scope.cancel()
         except BaseException as exc:
@@ -322,20 +323,22 @@ class ReceiveSession:
         return True
 
     # ------------------------------------------------------------------ liveness
-    async def _watchdog(self) -> None:
-        """Says `StatusUpdate` while this side holds things up; fails the transfer when the sender
-        made no progress for `progress_timeout`."""
-        await self.liveness.keep(lambda: self.liveness.local_waits > 0, self._say_busy)
-        detail = f"nothing from the sender for {self.liveness.timeout} s in {self.status.status.value}"
-        self._fail(FailureReason.NO_PROGRESS, detail)
-
-    async def _say_busy(self) -> None:
-        try:
-            await self.link.send(
-                StatusUpdate(transfer_id=self.transfer_id, status=self.status.status, detail="receiver busy")
+    def tick(self, now: float) -> float:
+        """Called by the endpoint's keep-alive task (`transport.liveness`): say `StatusUpdate` while this
+        side holds things up; fail the transfer when the sender made no progress for `progress_timeout`."""
+        if self._failure is not None or self.status.terminal:
+            return math.inf
+        say_busy, expired = self.liveness.tick(now, busy=self.liveness.local_waits > 0)
+        if say_busy:
+            update = StatusUpdate(
+                transfer_id=self.transfer_id, status=self.status.status, detail="receiver busy"
             )
-        except LinkError as exc:
-            self._fail(FailureReason.LINK_LOST, str(exc))
+            self.host.send_soon(self.link, update)
+        if expired:
+            detail = f"nothing from the sender for {self.liveness.timeout} s in {self.status.status.value}"
+            self._fail(FailureReason.NO_PROGRESS, detail)
+            return math.inf
+        return self.liveness.wake_at(now)
 
     # ------------------------------------------------------------------ failure
     def link_lost(self, detail: str) -> None:

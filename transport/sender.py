@@ -17,6 +17,7 @@ receiver so (`StatusUpdate`) instead. Cancellation of `send` aborts the transfer
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Sequence
 from typing import Protocol, assert_never, final
@@ -296,7 +297,7 @@ class SendSession:
             if trio.current_time() >= self.liveness.deadline:
                 self._no_grant()
                 return None
-            self._awaiting_grant = True  # `run_ticker` keeps the deadline: no cancel scope per wait
+            self._awaiting_grant = True  # `tick` keeps the deadline: no cancel scope per wait
             try:
                 await self._wake.wait()
             finally:
@@ -306,23 +307,24 @@ class SendSession:
     def _no_grant(self) -> None:
         self._fail(FailureReason.NO_PROGRESS, f"no grant from the receiver for {self.liveness.timeout} s")
 
-    async def run_ticker(self) -> None:
-        """While the owner prepares the data, tell the receiver this side is alive and queued; while
-        `send` waits for a grant, fail the transfer once the receiver made no progress for
-        `progress_timeout` (`send` checks the deadline itself before it waits: no cancel scope per wait)."""
-
-        def preparing() -> bool:
-            return self.link is not None and not self._data_ready and not self.status.terminal
-
-        async def say_preparing() -> None:
-            assert self.link is not None
+    def tick(self, now: float) -> float:
+        """Called by the endpoint's keep-alive task (`transport.liveness`): while the owner prepares the
+        data, tell the receiver this side is alive and queued; while `send` waits for a grant, fail the
+        transfer once the receiver made no progress for `progress_timeout` (`send` checks the deadline
+        itself before it waits: no cancel scope per wait)."""
+        if self.status.terminal:
+            return math.inf
+        preparing = self.link is not None and not self._data_ready
+        say_preparing, expired = self.liveness.tick(now, busy=preparing, overdue=self._awaiting_grant)
+        if say_preparing and self.link is not None:
             update = StatusUpdate(
                 transfer_id=self.transfer_id, status=self.status.status, detail="sender preparing data"
             )
             self.host.send_soon(self.link, update)
-
-        await self.liveness.keep(preparing, say_preparing, overdue=lambda: self._awaiting_grant)
-        self._no_grant()
+        if expired:
+            self._no_grant()
+            return math.inf
+        return self.liveness.wake_at(now)
 
     # ------------------------------------------------------------------ failure
     def _ack(self) -> None:
