@@ -9,6 +9,9 @@ Cases (figures and machine in docs/benchmarks.md):
   over the one-round time (lower is better). `_k8_window1`: one grant per round trip (the seeds'
   design). `resume_tcp_8MiB_k8_extra_us_per_round`: extra µs per round, window vs window 1.
 - `inproc_kv_64MiB`, `tcp_kv_64MiB` (not with `--quick`): a KV layout, 16-token blocks of 64 KiB.
+- `inproc_1block_us`: one 128-token embedding block (516 KiB) between two in-process endpoints, µs per
+  transfer, vs the least a Trio replica pair could do: a request through a memory channel, a task that
+  `copy_`s the same bytes, a reply. Lower is better; it is what a transfer costs beyond its bytes.
 - `ucx_64MiB`, `ucx_kv_64MiB` (`engine.bench.transfer_ucx`): zigzag over ucx vs raw ucxx between two
   processes; `cuda_ipc_1GiB`, `gpu_pool_tcp`, `gpu_pool_ucx` (`engine.bench.transfer_gpu`): GPU pools,
   skipped with a note on stderr without a CUDA device.
@@ -24,6 +27,7 @@ from __future__ import annotations
 import argparse
 import queue
 import socket
+import statistics
 import sys
 import threading
 import time
@@ -182,6 +186,56 @@ def inproc_rows(portal: Portal, args: argparse.Namespace, repeats: int) -> Itera
         yield row(
             BENCH, case, "GB/s", "higher", project, baseline, "contiguous torch copy_", unit="GB/s", note=note
         )
+    yield one_block_row(portal, args, repeats, network)
+
+
+def one_block_row(portal: Portal, args: argparse.Namespace, repeats: int, network: InprocNetwork) -> Row:
+    """`inproc_1block_us`: each figure the median of 50 transfers (µs), against a minimal exchange."""
+    source = Source("block")
+    sender = portal.call(portal.nursery.start, serve_source, source, network)
+    receiver = Receiver("inproc_1block-receiver", "block", _config(args))
+    portal.call(receiver.open, portal, sender.address, network)
+    receiver.checked(portal, source.crc)
+    requests, served = trio.open_memory_channel[None](0), trio.open_memory_channel[None](0)
+    copy_from = torch.ones(receiver.nbytes, dtype=torch.uint8)
+    copy_to = torch.zeros(receiver.nbytes, dtype=torch.uint8)
+
+    async def serve() -> None:
+        async for _ in requests[1]:
+            copy_to.copy_(copy_from)
+            await served[0].send(None)
+
+    portal.call(_start_soon, portal.nursery, serve)
+
+    async def zigzag_us() -> float:
+        return statistics.median([(await receiver.receive_once())[0] * 1e6 for _ in range(50)])
+
+    async def minimal_us() -> float:
+        figures = []
+        for _ in range(50):
+            start = time.perf_counter()
+            await requests[0].send(None)
+            await served[1].receive()
+            figures.append((time.perf_counter() - start) * 1e6)
+        return statistics.median(figures)
+
+    project, baseline = alternate(partial(portal.call, zigzag_us), partial(portal.call, minimal_us), repeats)
+    note = f"{receiver.nbytes} bytes, one block; baseline: a memory-channel request, a task's copy_, a reply"
+    return row(
+        BENCH,
+        "inproc_1block_us",
+        "us",
+        "lower",
+        project,
+        baseline,
+        "trio request/copy/reply",
+        unit="us",
+        note=note,
+    )
+
+
+async def _start_soon(nursery: trio.Nursery, fn: Callable[[], Awaitable[None]]) -> None:
+    nursery.start_soon(fn)
 
 
 def tcp_rows(portal: Portal, args: argparse.Namespace, repeats: int, ready: dict[str, Any]) -> Iterator[Row]:

@@ -45,6 +45,7 @@ def _embedding_layout(hidden: int) -> PoolLayout:
 LAYOUTS: Final = {
     "emb4096": _embedding_layout(4096),
     "emb1024": _embedding_layout(1024),
+    "block": _embedding_layout(1024),  # one 128-token block: what a transfer costs beyond its bytes
     "kv": PoolLayout(
         block_size=16,
         buffers=tuple(
@@ -54,7 +55,12 @@ LAYOUTS: Final = {
         ),
     ),
 }
-PAYLOAD_BYTES: Final = {"emb4096": 64 * MiB, "emb1024": 8 * MiB, "kv": 64 * MiB}
+PAYLOAD_BYTES: Final = {
+    "emb4096": 64 * MiB,
+    "emb1024": 8 * MiB,
+    "block": 128 * _embedding_layout(1024).bytes_per_token,
+    "kv": 64 * MiB,
+}
 RAW_BYTES: Final = 64 * MiB
 
 
