@@ -23,6 +23,7 @@ from messages.transfer import TransferReport
 from transport.blocks import BlockPool
 from transport.config import TransferConfig
 from transport.liveness import Liveness
+from transport.runs import checksum_runs, plan_runs
 from transport.storage import PoolStorage
 
 
@@ -78,6 +79,11 @@ class GrantedRound:
             lo, hi = max(0, start - index * size), min(size, end - index * size)
             if lo < hi:
                 self.rows[block] = (lo, hi)
+
+    def checksum(self, storage: PoolStorage, tokens: int, buffers: Sequence[str]) -> int:
+        """CRC-32 of the round's first `tokens` landed tokens (`transport.runs.checksum_runs`)."""
+        own = (self.blocks, self.landing_offset)
+        return checksum_runs(storage, plan_runs(*own, *own, tokens, self.block_size), buffers, source=False)
 
     def refusal(self, dst_row: int, rows: int) -> str | None:
         """Why flat rows `[dst_row, +rows)` are not this grant's, or None when they all are."""

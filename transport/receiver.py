@@ -50,7 +50,6 @@ from transport.errors import LinkError, ProtocolViolation, transfer_error
 from transport.landing import Consume, GrantedRound, LandedRound, Landings, ReceiveResult
 from transport.link import Link
 from transport.liveness import Liveness
-from transport.runs import checksum_runs, plan_runs
 from transport.scope import describe_exit, open_task_scope
 from transport.status import StatusMachine
 from transport.storage import PoolStorage
@@ -95,17 +94,13 @@ class ReceiveSession:
     ) -> None:
         self.host, self.link, self.transfer_id, self.landing_key = host, link, transfer_id, landing_key
         self.storage = host.storage
-        self._config, self._bs = host.config, host.storage.block_size
+        self._config = host.config
         self._header, self._expected, self._buffers = header, expected_tokens, buffers
         self._all_buffers, self._buffer_set = all_buffers, frozenset(buffers)
         self._consume, self._owner = consume, owner
+        pool, tag = host.pool, f"transfer:{transfer_id}"
         self._landings = Landings(
-            host.pool,
-            host.config,
-            f"transfer:{transfer_id}",
-            borrowed=blocks,
-            borrowed_offset=landing_offset,
-            expected=expected_tokens,
+            pool, host.config, tag, borrowed=blocks, borrowed_offset=landing_offset, expected=expected_tokens
         )
         self._bytes_per_token = sum(self.storage.spec(name).bytes_per_token for name in buffers)
         self.status = StatusMachine(transfer_id)
@@ -115,19 +110,21 @@ class ReceiveSession:
         self._sender_header: msgspec.Raw = header
         self._landed_send, self._landed = trio.open_memory_channel[LandedRound](math.inf)
         self._wake_granter = trio.Event()
+        self._nursery: trio.Nursery | None = None  # the session's, while it runs: the granter starts there
+        self._granter_started = self._peer_fenced = False
         self._failure: tuple[FailureReason, str] | None = None
-        self._peer_fenced = False
-        self._scope: trio.CancelScope | None = None
         self._started, self._started_wall = trio.current_time(), time.time()
 
     # ------------------------------------------------------------------ the session
     async def run(self) -> ReceiveResult:
         try:
             async with open_task_scope() as nursery:
-                self._scope = nursery.cancel_scope
-                nursery.start_soon(self._granter)
+                self._nursery = nursery
+                await self._grant_or_fail(self._landings.next_tokens(self._total))  # round 0 opens it
+                self._more_grants()
                 await self._consume_rounds()
                 nursery.cancel_scope.cancel()
+                self._nursery = None
         except BaseException as exc:
             if self._failure is None:
                 self._failure = (FailureReason.ABORTED, f"receiver gave up: {describe_exit(exc)}")
@@ -146,7 +143,7 @@ class ReceiveSession:
             with self.liveness.local_wait():
                 await self._consume(landed)
             self._landings.release(self._landings.rounds[landed.round])
-            self._wake_granter.set()
+            self._more_grants()
 
     def _succeed(self) -> ReceiveResult:
         self.status.move(TransferStatus.SUCCESS)
@@ -162,16 +159,27 @@ class ReceiveSession:
         )
 
     # ------------------------------------------------------------------ granting
+    def _more_grants(self) -> None:
+        """Wake the granter, or start it once a grant after round 0 is due (most transfers need none)."""
+        if self._granter_started:
+            self._wake_granter.set()
+        elif self._nursery is not None and self._failure is None and self._landings.next_tokens(self._total):
+            self._granter_started = True
+            self._nursery.start_soon(self._granter)
+
     async def _granter(self) -> None:
+        """Grants every round after round 0 as `Landings.next_tokens` allows; woken by `_more_grants`."""
+        while self._failure is None and (self._total is None or self._landings.granted < self._total):
+            tokens = self._landings.next_tokens(self._total)
+            if tokens == 0:
+                await self._wake_granter.wait()
+                self._wake_granter = trio.Event()
+            else:
+                await self._grant_or_fail(tokens)
+
+    async def _grant_or_fail(self, tokens: int) -> None:
         try:
-            await self._grant(self._landings.next_tokens(self._total))  # round 0 opens the transfer
-            while self._total is None or self._landings.granted < self._total:
-                tokens = self._landings.next_tokens(self._total)
-                if tokens == 0:
-                    await self._wake_granter.wait()
-                    self._wake_granter = trio.Event()
-                else:
-                    await self._grant(tokens)
+            await self._grant(tokens)
         except LinkError as exc:
             self._fail(FailureReason.LINK_LOST, str(exc))
         except AllocationTimeout as exc:
@@ -221,7 +229,7 @@ class ReceiveSession:
                 case TotalAnnounce():
                     self._set_total(message.total_tokens)
                     self._sender_header = message.header
-                    self._wake_granter.set()
+                    self._more_grants()
                 case Abort():
                     self._peer_fenced = True  # the sender's Abort follows its last write
                     self._fail(message.reason, f"sender aborted: {message.detail}")
@@ -289,14 +297,12 @@ class ReceiveSession:
             self._landed_send.send_nowait(landed)
         if self._received >= self._total:
             self._landed_send.close()
-        self._wake_granter.set()
+        self._more_grants()
 
     def _verify(self, granted: GrantedRound, message: ChunkDone) -> bool:
         if message.checksum is None:
             raise ProtocolViolation(f"round {message.round}: checksums are required, ChunkDone has none")
-        own = (granted.blocks, granted.landing_offset)
-        runs = plan_runs(*own, *own, message.tokens, self._bs)
-        actual = checksum_runs(self.storage, runs, self._buffers, source=False)
+        actual = granted.checksum(self.storage, message.tokens, self._buffers)
         if actual == message.checksum:
             return True
         detail = f"round {message.round}: checksum 0x{actual:08x}, sender sent 0x{message.checksum:08x}"
@@ -324,8 +330,7 @@ class ReceiveSession:
 
     # ------------------------------------------------------------------ liveness
     def tick(self, now: float) -> float:
-        """Called by the endpoint's keep-alive task (`transport.liveness`): say `StatusUpdate` while this
-        side holds things up; fail the transfer when the sender made no progress for `progress_timeout`."""
+        """By the endpoint's keep-alive task: `StatusUpdate` while busy, `no_progress` past the deadline."""
         if self._failure is not None or self.status.terminal:
             return math.inf
         say_busy, expired = self.liveness.tick(now, busy=self.liveness.local_waits > 0)
@@ -349,8 +354,8 @@ class ReceiveSession:
         if self._failure is not None or self.status.terminal:
             return
         self._failure = (reason, detail)
-        if self._scope is not None:
-            self._scope.cancel()
+        if self._nursery is not None:
+            self._nursery.cancel_scope.cancel()
 
     async def _clean_up_failure(self) -> None:
         """Shielded by the caller. Ends `Failed`; every block back, or quarantined until the fence."""
