@@ -212,13 +212,14 @@ class SendSession:
                     return
                 assert self.link is not None and self._landing_key is not None
                 if not self._announced:
-                    # Sent inline, ahead of round 0's bytes: the receiver can open its window meanwhile.
+                    # Sent inline, ahead of round 0's bytes, so the receiver can open its window meanwhile;
+                    # not when round 0 holds it all (its ChunkDone says the total too).
                     self._announced = True
-                    await self.link.send(
-                        TotalAnnounce(
+                    if grant.tokens < self._total - self._position:
+                        total = TotalAnnounce(
                             transfer_id=self.transfer_id, total_tokens=self._total, header=self._header
                         )
-                    )
+                        await self.link.send(total)
                 if grant.stream_offset != self._position:
                     self._fail(
                         FailureReason.PROTOCOL_ERROR,
