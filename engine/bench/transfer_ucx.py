@@ -6,6 +6,8 @@
   processes: one tag receive into a preallocated buffer, one tag send from another process, both
   workers busy-polled during the transfer. GB/s, higher is better; goal ratio >= 0.85.
 - `ucx_kv_64MiB` (not with `--quick`): the KV layout, 16-token blocks of 32 KiB per buffer (packed frames).
+- `ucx_1block_us`: one 516 KiB block (what a transfer costs beyond its bytes), µs, against a raw ucxx
+  request and a reply of the same bytes; lower is better.
 
 UCX runs over `--ucx-tls` (default `sm`: shared memory, what one host offers without a NIC or GPU);
 the benchmark sets `UCX_TLS` for itself and its children, as the entry point.
@@ -18,6 +20,7 @@ import json
 import os
 import queue
 import select
+import statistics
 import sys
 import threading
 import time
@@ -29,7 +32,7 @@ import numpy as np
 import trio
 
 from engine.bench.rows import Row, alternate, row
-from engine.bench.transfer_peer import RAW_BYTES, Source, peer_process, serve_grants
+from engine.bench.transfer_peer import PAYLOAD_BYTES, RAW_BYTES, Source, peer_process, serve_grants
 from transport.endpoint import SenderDelivery, open_endpoint
 from transport.ucx_worker import libucxx
 
@@ -37,6 +40,7 @@ BENCH = "transfer"
 ADDRESS: Final = 1  # raw baseline tags: the receiver's worker address, a request, the payload
 REQUEST: Final = 2
 PAYLOAD: Final = 3
+BLOCK_BYTES: Final = PAYLOAD_BYTES["block"]
 
 
 def _poll_until(worker: Any, done: Callable[[], bool], idle: float | None = None) -> None:
@@ -77,11 +81,13 @@ def _raw_sender(addresses: queue.Queue[bytes], stop: threading.Event) -> None:
     def completed(request: Any) -> Callable[[], bool]:
         return lambda: bool(request.completed) or stop.is_set()
 
+    small = payload[:BLOCK_BYTES]
     while not stop.is_set():
         asked = worker.tag_recv(array(memoryview(request)), lib.UCXXTag(REQUEST))
         _poll_until(worker, completed(asked), idle=0.5)
         if asked.completed:
-            _poll_until(worker, completed(endpoint.tag_send(array(payload), lib.UCXXTag(PAYLOAD))))
+            reply = array(small if request == b"s" else payload)
+            _poll_until(worker, completed(endpoint.tag_send(reply, lib.UCXXTag(PAYLOAD))))
 
 
 async def _serve(source: Source, task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED) -> None:
@@ -136,7 +142,8 @@ class RawReceiver:
         _poll_until(self.worker, lambda: hello.completed)
         self.buffer = np.ones(RAW_BYTES, dtype=np.uint8)  # touched: no page faults in the timing
         self.landed = self.array(self.buffer)
-        self.ask = self.array(b"g")
+        self.landed_small = self.array(self.buffer[:BLOCK_BYTES])
+        self.ask, self.ask_small = self.array(b"g"), self.array(b"s")
 
     def gbps(self) -> float:
         lib = self.lib
@@ -148,12 +155,26 @@ class RawReceiver:
         received.check_error()
         return RAW_BYTES / seconds / 1e9
 
+    def one_block_us(self) -> float:
+        """Median µs of 50 request/reply exchanges with one block's bytes in the reply."""
+        return statistics.median([self._exchange_us() for _ in range(50)])
+
+    def _exchange_us(self) -> float:
+        lib = self.lib
+        start = time.perf_counter()
+        received = self.endpoint.tag_recv(self.landed_small, lib.UCXXTag(PAYLOAD))
+        asked = self.endpoint.tag_send(self.ask_small, lib.UCXXTag(REQUEST))
+        _poll_until(self.worker, lambda: received.completed and asked.completed)
+        figure = (time.perf_counter() - start) * 1e6
+        received.check_error()
+        return figure
+
 
 def ucx_rows(portal: Any, args: argparse.Namespace, repeats: int, receiver_factory: Any) -> Iterator[Row]:
     """The rows, alternating zigzag and raw; `receiver_factory` builds `transfer.Receiver`s."""
     os.environ["UCX_TLS"] = args.ucx_tls  # this process's and its children's UCX, set by the entry point
     cases = [("emb4096", "ucx_64MiB")] + ([] if args.quick else [("kv", "ucx_kv_64MiB")])
-    layouts = [name for name, _case in cases]
+    layouts = [name for name, _case in cases] + ["block"]
     with peer_process("engine.bench.transfer_ucx:serve_ucx_sender", {"layouts": layouts}) as (_child, ready):
         raw = RawReceiver(str(ready["raw"]))
         raw.gbps()
@@ -179,3 +200,38 @@ def ucx_rows(portal: Any, args: argparse.Namespace, repeats: int, receiver_facto
                 unit="GB/s",
                 note=note,
             )
+        yield _one_block_row(portal, args, repeats, receiver_factory, ready, raw)
+
+
+def _one_block_row(
+    portal: Any,
+    args: argparse.Namespace,
+    repeats: int,
+    receiver_factory: Any,
+    ready: dict[str, Any],
+    raw: RawReceiver,
+) -> Row:
+    """`ucx_1block_us`: one 516 KiB block from the sender process, µs (median of 50 per figure), against
+    a raw ucxx request and a reply of the same bytes."""
+    receiver = receiver_factory("ucx_1block-receiver", "block")
+    portal.call(receiver.open, portal, ready["block"], None)
+    receiver.checked(portal, ready["block_crc"])
+
+    def zigzag_us() -> float:
+        return statistics.median([portal.call(receiver.receive_once)[0] * 1e6 for _ in range(50)])
+
+    project, baseline = alternate(zigzag_us, raw.one_block_us, repeats)
+    note = (
+        f"{receiver.nbytes} bytes, one block, UCX_TLS={args.ucx_tls}; baseline: a raw ucxx request and reply"
+    )
+    return row(
+        BENCH,
+        "ucx_1block_us",
+        "us",
+        "lower",
+        project,
+        baseline,
+        "raw ucxx request/reply",
+        unit="us",
+        note=note,
+    )
