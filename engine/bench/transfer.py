@@ -39,7 +39,7 @@ from typing import Any, TypeVar, final
 import torch
 import trio
 
-from engine.bench.rows import Row, alternate, row
+from engine.bench.rows import Row, alternate, row, warmed
 from engine.bench.transfer_peer import (
     LAYOUTS,
     RAW_BYTES,
@@ -257,7 +257,7 @@ def tcp_rows(portal: Portal, args: argparse.Namespace, repeats: int, ready: dict
             receiver = Receiver(f"{case}-receiver", source_name, _config(args))
             portal.call(receiver.open, portal, ready[source_name], None)
             receiver.checked(portal, ready[f"{source_name}_crc"])
-            project, baseline = alternate(partial(receiver.gbps, portal), raw_gbps, repeats)
+            project, baseline = alternate(warmed(partial(receiver.gbps, portal)), warmed(raw_gbps), repeats)
             note = f"{receiver.nbytes} bytes in {receiver.rounds} rounds, {source_name} layout"
             yield row(
                 BENCH,

@@ -31,7 +31,7 @@ from typing import Any, Final
 import numpy as np
 import trio
 
-from engine.bench.rows import Row, alternate, row
+from engine.bench.rows import Row, alternate, row, warmed
 from engine.bench.transfer_peer import PAYLOAD_BYTES, RAW_BYTES, Source, peer_process, serve_grants
 from transport.endpoint import SenderDelivery, open_endpoint
 from transport.ucx_worker import libucxx
@@ -170,18 +170,6 @@ class RawReceiver:
         return figure
 
 
-def _warmed(measure: Callable[[], float]) -> Callable[[], float]:
-    """`measure`, run once unrecorded first: zigzag's progress loops poll for
-    `transport.ucx_worker.SPIN_SECONDS` after their last activity, which would slow a raw baseline
-    run right after them in the same processes; each side's recorded run follows a run of its own."""
-
-    def warmed() -> float:
-        measure()
-        return measure()
-
-    return warmed
-
-
 def ucx_rows(portal: Any, args: argparse.Namespace, repeats: int, receiver_factory: Any) -> Iterator[Row]:
     """The rows, alternating zigzag and raw; `receiver_factory` builds `transfer.Receiver`s."""
     os.environ["UCX_TLS"] = args.ucx_tls  # this process's and its children's UCX, set by the entry point
@@ -196,7 +184,7 @@ def ucx_rows(portal: Any, args: argparse.Namespace, repeats: int, receiver_facto
             receiver = receiver_factory(f"{case}-receiver", source_name)
             portal.call(receiver.open, portal, ready[source_name], None)
             receiver.checked(portal, ready[f"{source_name}_crc"])
-            project, baseline = alternate(_warmed(partial(receiver.gbps, portal)), _warmed(raw.gbps), repeats)
+            project, baseline = alternate(warmed(partial(receiver.gbps, portal)), warmed(raw.gbps), repeats)
             note = (
                 f"{receiver.nbytes} bytes in {receiver.rounds} rounds, {source_name} layout, "
                 f"UCX_TLS={args.ucx_tls}; baseline {RAW_BYTES} bytes in one tag message; goal >= 0.85"
@@ -232,7 +220,7 @@ def _one_block_row(
     def zigzag_us() -> float:
         return statistics.median([portal.call(receiver.receive_once)[0] * 1e6 for _ in range(50)])
 
-    project, baseline = alternate(_warmed(zigzag_us), _warmed(raw.one_block_us), repeats)
+    project, baseline = alternate(warmed(zigzag_us), warmed(raw.one_block_us), repeats)
     note = (
         f"{receiver.nbytes} bytes, one block, UCX_TLS={args.ucx_tls}; baseline: a raw ucxx request and reply"
     )
