@@ -62,6 +62,9 @@ BATCH_BYTES: Final = 8 * 1024 * 1024
 SCRATCH_BYTES: Final = 1024 * 1024
 AHEAD_BYTES: Final = 64 * 1024
 YIELD_EVERY_BYTES: Final = 4 * 1024 * 1024
+# After its last bytes the reader polls the socket this long before it sleeps on it: a transfer's
+# messages come in bursts a few hundred µs apart, and waking a sleeping reader costs both ends.
+SPIN_SECONDS: Final = 0.0005
 _link_numbers = itertools.count(1)
 _log = structlog.get_logger("transport.tcp")
 
@@ -99,7 +102,7 @@ class TcpLink(Link):
         self._scratch = memoryview(bytearray(SCRATCH_BYTES))
         self._ahead = memoryview(bytearray(AHEAD_BYTES))  # bytes read past the current frame
         self._ahead_at = self._ahead_end = 0
-        self._last_received = trio.current_time()
+        self._last_received = self._bytes_at = trio.current_time()
         self._last_sent = trio.current_time()
         self._bulk_sent = 0
         self._malformed_sent = False
@@ -333,10 +336,14 @@ class TcpLink(Link):
                 count = self._sock.recvmsg_into([*views[first:], self._ahead])[0]
             except BlockingIOError:
                 self._read_since_yield = 0
-                await trio.lowlevel.wait_readable(self._sock)
+                if trio.current_time() - self._bytes_at < SPIN_SECONDS:
+                    await trio.lowlevel.checkpoint()
+                else:
+                    await trio.lowlevel.wait_readable(self._sock)
                 continue
             if count == 0:
                 raise LinkClosed(f"link {self.describe()}: the peer closed the connection")
+            self._bytes_at = trio.current_time()
             self._read_since_yield += count
             while first < len(views) and count >= len(views[first]):
                 count -= len(views[first])
