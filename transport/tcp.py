@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import itertools
 import socket
+import time
 from collections.abc import Sequence
 from typing import Final, NoReturn, final
 
@@ -102,7 +103,7 @@ class TcpLink(Link):
         self._scratch = memoryview(bytearray(SCRATCH_BYTES))
         self._ahead = memoryview(bytearray(AHEAD_BYTES))  # bytes read past the current frame
         self._ahead_at = self._ahead_end = 0
-        self._last_received = self._bytes_at = trio.current_time()
+        self._last_received, self._bytes_at = trio.current_time(), time.perf_counter()
         self._last_sent = trio.current_time()
         self._bulk_sent = 0
         self._malformed_sent = False
@@ -336,14 +337,16 @@ class TcpLink(Link):
                 count = self._sock.recvmsg_into([*views[first:], self._ahead])[0]
             except BlockingIOError:
                 self._read_since_yield = 0
-                if trio.current_time() - self._bytes_at < SPIN_SECONDS:
+                if (
+                    time.perf_counter() - self._bytes_at < SPIN_SECONDS
+                ):  # real time: a mock clock stands still
                     await trio.lowlevel.checkpoint()
                 else:
                     await trio.lowlevel.wait_readable(self._sock)
                 continue
             if count == 0:
                 raise LinkClosed(f"link {self.describe()}: the peer closed the connection")
-            self._bytes_at = trio.current_time()
+            self._bytes_at = time.perf_counter()
             self._read_since_yield += count
             while first < len(views) and count >= len(views[first]):
                 count -= len(views[first])

@@ -3,6 +3,9 @@ deadline does not fail a slow but healthy transfer (inproc, `autojump_clock`).""
 
 from __future__ import annotations
 
+import time
+
+import pytest
 import trio
 import trio.testing
 
@@ -14,6 +17,7 @@ from tests.transport.harness import (
     embedding_layout,
     endpoint_pair,
     random_storage,
+    send_all,
     settle,
     shuffled_pool,
 )
@@ -78,3 +82,32 @@ async def test_a_sender_preparing_longer_than_the_deadline_keeps_the_receiver_al
         pool.free(result.blocks, "request")
         await settle()
     assert pool.used_blocks == 0
+
+
+@pytest.mark.parametrize("kind", ["tcp", "ucx"])
+async def test_links_polling_after_a_transfer_let_a_mock_clock_jump(
+    autojump_clock: trio.testing.MockClock, kind: str
+) -> None:
+    """Readers poll for a moment after their last bytes; that moment is real time, so a Trio clock that
+    only moves when every task sleeps still moves (a poll measured on the Trio clock would spin forever)."""
+    if kind == "ucx":
+        pytest.importorskip("ucxx")
+    source = Source(LAYOUT, 16 * 2, seed=37)
+    storage, pool = random_storage(LAYOUT, 4, seed=38), shuffled_pool(4, 16, seed=39)
+    async with endpoint_pair(kind, source, storage, pool, config=CONFIG) as pair:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(send_all, pair.sender, "poll", source)
+            result = await pair.receiver.receive("poll", peer=pair.link, owner="request")
+        pool.free(result.blocks, "request")
+        stuck: list[bool] = []
+        async with trio.open_nursery() as guard:
+
+            async def real_time_limit() -> None:
+                await trio.to_thread.run_sync(time.sleep, 5.0, abandon_on_cancel=True)
+                stuck.append(True)
+                guard.cancel_scope.cancel()
+
+            guard.start_soon(real_time_limit)
+            await trio.sleep(60.0)  # returns at once if the mock clock can jump
+            guard.cancel_scope.cancel()
+        assert not stuck
