@@ -337,9 +337,8 @@ class TcpLink(Link):
                 count = self._sock.recvmsg_into([*views[first:], self._ahead])[0]
             except BlockingIOError:
                 self._read_since_yield = 0
-                if (
-                    time.perf_counter() - self._bytes_at < SPIN_SECONDS
-                ):  # real time: a mock clock stands still
+                # Real time: a mock Trio clock stands still while this task polls.
+                if time.perf_counter() - self._bytes_at < SPIN_SECONDS:
                     await trio.lowlevel.checkpoint()
                 else:
                     await trio.lowlevel.wait_readable(self._sock)
