@@ -21,7 +21,7 @@ from __future__ import annotations
 import abc
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Literal, Protocol
+from typing import Final, Literal, Protocol
 
 import trio
 
@@ -30,6 +30,12 @@ from transport.config import TransferConfig
 from transport.errors import LinkBroken, LinkError
 from transport.runs import Run, plan_runs
 from transport.storage import PoolStorage
+
+# After its last activity a network link's reader polls this long (real time: a mock Trio clock stands
+# still while a task polls) before it sleeps on its file descriptor: a transfer's messages come in bursts
+# a few hundred µs apart, and a message to a sleeping peer costs both ends a wake-up (about 100 µs
+# together on a VM, several times per transfer).
+POLL_SECONDS: Final = 0.0005
 
 Role = Literal["receiver", "sender"]
 

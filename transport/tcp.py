@@ -38,7 +38,7 @@ from messages.transfer import PeerMessage
 from transport.config import TransferConfig
 from transport.errors import LinkBroken, LinkClosed, LinkError
 from transport.faults import FaultPlan
-from transport.link import BulkWrite, Link, LinkHandler, Role, keep_alive
+from transport.link import POLL_SECONDS, BulkWrite, Link, LinkHandler, Role, keep_alive
 from transport.staging import HostChunk, HostChunks, staged_tcp_frames, unpack
 from transport.storage import PoolStorage
 from transport.tcp_frames import (
@@ -63,9 +63,6 @@ BATCH_BYTES: Final = 8 * 1024 * 1024
 SCRATCH_BYTES: Final = 1024 * 1024
 AHEAD_BYTES: Final = 64 * 1024
 YIELD_EVERY_BYTES: Final = 4 * 1024 * 1024
-# After its last bytes the reader polls the socket this long before it sleeps on it: a transfer's
-# messages come in bursts a few hundred µs apart, and waking a sleeping reader costs both ends.
-SPIN_SECONDS: Final = 0.0005
 _link_numbers = itertools.count(1)
 _log = structlog.get_logger("transport.tcp")
 
@@ -337,8 +334,7 @@ class TcpLink(Link):
                 count = self._sock.recvmsg_into([*views[first:], self._ahead])[0]
             except BlockingIOError:
                 self._read_since_yield = 0
-                # Real time: a mock Trio clock stands still while this task polls.
-                if time.perf_counter() - self._bytes_at < SPIN_SECONDS:
+                if time.perf_counter() - self._bytes_at < POLL_SECONDS:
                     await trio.lowlevel.checkpoint()
                 else:
                     await trio.lowlevel.wait_readable(self._sock)

@@ -37,6 +37,8 @@ from typing import Any, Final, final
 import structlog
 import trio
 
+from transport.link import POLL_SECONDS
+
 KIND_BITS: Final = 8
 KIND_MASK: Final = (1 << KIND_BITS) - 1
 CONTROL: Final = 1
@@ -49,10 +51,6 @@ PROGRESS_SLICE: Final = 0.002
 # Between back-to-back events, control messages are looked for at most this often: a probe costs ~3 µs
 # and an event (a piece of a rendezvous copy) ~60 µs, so probing after each was 5 % of a bulk copy.
 PROBE_INTERVAL: Final = 0.0002
-# After UCX or a task was last active, the loop keeps polling this long before it arms the worker and
-# sleeps: a peer's message to an armed worker costs the peer a wake-up signal and this side a wake-up,
-# about 100 µs together on a VM, several times per transfer.
-SPIN_SECONDS: Final = 0.0005
 TEARDOWN_SECONDS: Final = 2.0
 INSTALL_HINT: Final = "pip install 'zigzag[ucx]' (ucxx-cu12; ucxx-cu13 on CUDA 13 hosts)"
 
@@ -281,7 +279,7 @@ class UcxWorker:
                     self._kicked = False
                     active = time.perf_counter()
                     await trio.lowlevel.checkpoint()
-                elif time.perf_counter() - active < SPIN_SECONDS:
+                elif time.perf_counter() - active < POLL_SECONDS:
                     await trio.lowlevel.checkpoint()  # more is likely on its way: poll, do not arm yet
                 elif self._worker.arm():
                     with trio.move_on_after(SAFETY_POLL) as scope:
