@@ -158,6 +158,14 @@ class Receiver:
         seconds, _ = portal.call(self.receive_once)
         return self.nbytes / seconds / 1e9
 
+    def median_us(self, portal: Portal, transfers: int = 50) -> float:
+        """Median µs per transfer over `transfers` back-to-back ones (the one-block rows)."""
+
+        async def median() -> float:
+            return statistics.median([(await self.receive_once())[0] * 1e6 for _ in range(transfers)])
+
+        return portal.call(median)
+
 
 def _config(args: argparse.Namespace, **overrides: Any) -> TransferConfig:
     return TransferConfig(window=args.window, **overrides)
@@ -207,9 +215,6 @@ def one_block_row(portal: Portal, args: argparse.Namespace, repeats: int, networ
 
     portal.call(_start_soon, portal.nursery, serve)
 
-    async def zigzag_us() -> float:
-        return statistics.median([(await receiver.receive_once())[0] * 1e6 for _ in range(50)])
-
     async def minimal_us() -> float:
         figures = []
         for _ in range(50):
@@ -219,7 +224,9 @@ def one_block_row(portal: Portal, args: argparse.Namespace, repeats: int, networ
             figures.append((time.perf_counter() - start) * 1e6)
         return statistics.median(figures)
 
-    project, baseline = alternate(partial(portal.call, zigzag_us), partial(portal.call, minimal_us), repeats)
+    project, baseline = alternate(
+        partial(receiver.median_us, portal), partial(portal.call, minimal_us), repeats
+    )
     note = f"{receiver.nbytes} bytes, one block; baseline: a memory-channel request, a task's copy_, a reply"
     return row(
         BENCH,

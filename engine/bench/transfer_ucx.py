@@ -146,28 +146,22 @@ class RawReceiver:
         self.ask, self.ask_small = self.array(b"g"), self.array(b"s")
 
     def gbps(self) -> float:
-        lib = self.lib
-        start = time.perf_counter()
-        received = self.endpoint.tag_recv(self.landed, lib.UCXXTag(PAYLOAD))
-        asked = self.endpoint.tag_send(self.ask, lib.UCXXTag(REQUEST))
-        _poll_until(self.worker, lambda: received.completed and asked.completed)
-        seconds = time.perf_counter() - start
-        received.check_error()
-        return RAW_BYTES / seconds / 1e9
+        return RAW_BYTES / self._exchange(self.landed, self.ask) / 1e9
 
     def one_block_us(self) -> float:
         """Median µs of 50 request/reply exchanges with one block's bytes in the reply."""
-        return statistics.median([self._exchange_us() for _ in range(50)])
+        return statistics.median([self._exchange(self.landed_small, self.ask_small) * 1e6 for _ in range(50)])
 
-    def _exchange_us(self) -> float:
+    def _exchange(self, landed: Any, ask: Any) -> float:
+        """Seconds for one request (`ask`) and its reply, received into `landed`."""
         lib = self.lib
         start = time.perf_counter()
-        received = self.endpoint.tag_recv(self.landed_small, lib.UCXXTag(PAYLOAD))
-        asked = self.endpoint.tag_send(self.ask_small, lib.UCXXTag(REQUEST))
+        received = self.endpoint.tag_recv(landed, lib.UCXXTag(PAYLOAD))
+        asked = self.endpoint.tag_send(ask, lib.UCXXTag(REQUEST))
         _poll_until(self.worker, lambda: received.completed and asked.completed)
-        figure = (time.perf_counter() - start) * 1e6
+        seconds = time.perf_counter() - start
         received.check_error()
-        return figure
+        return seconds
 
 
 def ucx_rows(portal: Any, args: argparse.Namespace, repeats: int, receiver_factory: Any) -> Iterator[Row]:
@@ -217,10 +211,9 @@ def _one_block_row(
     portal.call(receiver.open, portal, ready["block"], None)
     receiver.checked(portal, ready["block_crc"])
 
-    def zigzag_us() -> float:
-        return statistics.median([portal.call(receiver.receive_once)[0] * 1e6 for _ in range(50)])
-
-    project, baseline = alternate(warmed(zigzag_us), warmed(raw.one_block_us), repeats)
+    project, baseline = alternate(
+        warmed(partial(receiver.median_us, portal)), warmed(raw.one_block_us), repeats
+    )
     note = (
         f"{receiver.nbytes} bytes, one block, UCX_TLS={args.ucx_tls}; baseline: a raw ucxx request and reply"
     )
