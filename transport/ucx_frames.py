@@ -25,7 +25,7 @@ import torch
 
 from messages.peer_codec import decode_peer, encode_peer
 from messages.transfer import PeerMessage
-from transport.frame_plan import MAX_FRAME_BYTES, MAX_SEGMENTS, Frame
+from transport.frame_plan import MAX_SEGMENTS, Frame, frame_bytes
 from transport.runs import run_bytes
 from transport.storage import PoolStorage
 from transport.tcp_frames import SEGMENT
@@ -129,8 +129,12 @@ def parse_descriptor(body: bytes | bytearray, row_bytes: Sequence[int]) -> Descr
             f"bulk descriptor segments {segments[:4]}{'…' if count > 4 else ''} do not add up to its "
             f"{length} bytes of {width}-byte rows"
         )
-    if length > max(MAX_FRAME_BYTES, width):
-        raise UcxFrameError(f"bulk descriptor of {length} bytes, over the {MAX_FRAME_BYTES}-byte frame limit")
+    limit = frame_bytes(flavour == PACKED)
+    if length > max(limit, width):
+        kind = "packed" if flavour == PACKED else "direct"
+        raise UcxFrameError(
+            f"bulk descriptor of {length} bytes, over the {limit}-byte limit of a {kind} frame"
+        )
     return Descriptor(flavour == PACKED, buffer, round, landing_key, length, segments)
 
 

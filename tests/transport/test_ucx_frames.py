@@ -12,7 +12,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests.transport.harness import embedding_layout, random_storage
-from transport.frame_plan import MAX_FRAME_BYTES, MAX_SEGMENTS, frame_rows, plan_frames
+from transport.frame_plan import (
+    MAX_DIRECT_FRAME_BYTES,
+    MAX_FRAME_BYTES,
+    MAX_SEGMENTS,
+    frame_bytes,
+    frame_rows,
+    plan_frames,
+)
 from transport.link import BulkWrite
 from transport.ucx import DIRECT_MIN_BYTES
 from transport.ucx_connect import parse_address
@@ -81,11 +88,35 @@ def test_frames_cover_every_row_once_within_the_limits(
         assert sorted(covered) == sorted(expected) and len(covered) == len(expected)
         for frame in frames:
             assert 1 <= len(frame.pieces) <= MAX_SEGMENTS
-            assert frame.rows == sum(piece.rows for piece in frame.pieces) <= frame_rows(width)
-            assert frame.length <= max(MAX_FRAME_BYTES, width)
+            assert frame.rows == sum(piece.rows for piece in frame.pieces) <= frame_rows(width, frame.packed)
+            assert frame.length <= max(frame_bytes(frame.packed), width)
             assert all((piece.rows * width >= threshold) != frame.packed for piece in frame.pieces)
             descriptor = parse_descriptor(descriptor_body(frame, 7, 3), ROW_BYTES)
             assert descriptor == (frame.packed, index, 3, 7, frame.length, frame.segments())
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    seed=st.integers(0, 2**16),
+    count=st.integers(1, 400),
+    row_bytes=st.sampled_from([256 * 1024, 1024 * 1024, 3 * 1024 * 1024 + 8, 80 * 1024 * 1024]),
+    threshold=st.sampled_from([0, DIRECT_MIN_BYTES, 1 << 62]),
+)
+def test_wide_rows_are_cut_at_each_flavours_limit(
+    seed: int, count: int, row_bytes: int, threshold: int
+) -> None:
+    """Rows this wide make runs longer than a frame: packed frames stop at 8 MiB, direct ones at 64 MiB,
+    and a row wider than both still travels, alone."""
+    bulk = bulk_write(seed, count, 0, 0)
+    frames = list(plan_frames(bulk, 0, "embeds", row_bytes, lambda nbytes: nbytes >= threshold))
+    covered = [
+        (p.src_row + i, p.dst_row + i) for frame in frames for p in frame.pieces for i in range(p.rows)
+    ]
+    assert covered == [(run.src_row + i, run.dst_row + i) for run in bulk.runs for i in range(run.rows)]
+    for frame in frames:
+        assert frame.rows <= frame_rows(row_bytes, frame.packed)
+        assert frame.length <= max(frame_bytes(frame.packed), row_bytes)
+        assert all((piece.rows * row_bytes >= threshold) != frame.packed for piece in frame.pieces)
 
 
 def descriptor(
@@ -119,11 +150,26 @@ def descriptor(
             "bulk descriptor segments [(5, 2)] do not add up to its 5 bytes of 4096-byte rows",
         ),
         (
-            descriptor(segments=[(0, 4096)]),
-            f"bulk descriptor of {4096 * 4096} bytes, over the {MAX_FRAME_BYTES}-byte frame limit",
+            descriptor(flavour=2, segments=[(0, 4096)]),
+            f"bulk descriptor of {4096 * 4096} bytes, over the {MAX_FRAME_BYTES}-byte limit of a packed frame",
+        ),
+        (
+            descriptor(segments=[(0, 16385)]),
+            f"bulk descriptor of {16385 * 4096} bytes, over the {MAX_DIRECT_FRAME_BYTES}-byte limit of a "
+            "direct frame",
         ),
     ],
-    ids=["short", "flavour", "buffer", "no-segments", "table", "empty-segment", "sum", "too-big"],
+    ids=[
+        "short",
+        "flavour",
+        "buffer",
+        "no-segments",
+        "table",
+        "empty-segment",
+        "sum",
+        "too-big-packed",
+        "too-big-direct",
+    ],
 )
 def test_malformed_descriptors_are_named(body: bytes, message: str) -> None:
     with pytest.raises(UcxFrameError, match=f"^{re.escape(message)}$"):
