@@ -149,6 +149,13 @@ class Link(abc.ABC):
     async def quiesce(self) -> None:
         """Return once no write through this link can still land (see the module docstring)."""
 
+    async def settle(self) -> None:
+        """Return once no earlier `write` still reads the sender's rows (sending side). Writes that
+        return before their bytes went out (ucx, a round that does not end its transfer) are waited
+        for here, each within `link_timeout` or the link fails; on the other links a write is done when
+        it returns, so there is nothing to wait for. Never raises; shielded."""
+        return
+
 
 async def keep_alive(
     link: Link,

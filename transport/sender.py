@@ -183,11 +183,11 @@ class SendSession:
         except BaseException as exc:
             self._fail(FailureReason.ABORTED, f"sender gave up: {describe_exit(exc)}")
             with trio.CancelScope(shield=True):
-                await self._abort_peer()
+                await self._give_up()
             raise
         if self._failure is not None:
             with trio.CancelScope(shield=True):
-                await self._abort_peer()
+                await self._give_up()
             raise transfer_error(self.report())
         self.status.move(TransferStatus.SUCCESS)  # no await since the last failure check
         return self.report()
@@ -339,6 +339,14 @@ class SendSession:
             self.status.move(TransferStatus.FAILED)
             self._wake.set()
             self._ended.set()
+
+    async def _give_up(self) -> None:
+        """Tell the receiver, then wait until the link reads none of the source rows any more: the owner
+        frees them once `send` returns, and a round written just before the failure may still be going
+        out (ucx)."""
+        await self._abort_peer()
+        if self.link is not None:
+            await self.link.settle()
 
     async def _abort_peer(self) -> None:
         """Tell the receiver, unless it told us or cannot hear (bounded; the caller shields it)."""

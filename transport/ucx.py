@@ -174,9 +174,14 @@ class UcxLink(Link):
         self._last_sent = trio.current_time()
         await self._settle([request])
 
-    async def _settle(self, requests: list[Any]) -> None:
-        """Wait until `requests` completed, shielded, each within `link_timeout`. Returns when all went
-        out — a close that came after does not undo them; otherwise the link fails and this raises."""
+    async def settle(self) -> None:
+        """See `Link.settle`: the sends of rounds whose `write` returned early (they stay listed, so the
+        next write that settles them still hands their host chunks back)."""
+        await self._await_sends([request for requests, _chunk in self._in_flight for request in requests])
+
+    async def _await_sends(self, requests: list[Any]) -> None:
+        """Wait, shielded, until each request completed, within `link_timeout` each or the link fails
+        (closing the endpoint cancels what is left)."""
         with trio.CancelScope(shield=True):
             for request in requests:
                 if request.completed or self.error is not None:
@@ -186,6 +191,11 @@ class UcxLink(Link):
                 if scope.cancelled_caught:
                     timeout = self._config.link_timeout
                     self.close(LinkBroken(f"link {self.describe()}: peer took nothing for {timeout} s"))
+
+    async def _settle(self, requests: list[Any]) -> None:
+        """Wait until `requests` completed (`_await_sends`). Returns when all went out — a close that
+        came after does not undo them; otherwise the link fails and this raises."""
+        await self._await_sends(requests)
         try:
             for request in requests:
                 if not request.completed:

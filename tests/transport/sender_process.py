@@ -3,7 +3,8 @@
 Reads one JSON object on stdin (`hidden`, `block_size`, `seed`, `transfers` = {transfer id: tokens},
 optional `faults`, `config`, `transport` — tcp, ucx or cuda-ipc — and `device`), prints `{"address": ...}`, sends the first `tokens` tokens of its source
 for each listed transfer when its grant comes, reports each outcome as a JSON line, and exits when stdin
-closes. Its source is `harness.Source(layout, max tokens, seed)`, so the test process rebuilds the
+closes. With `give_up_after_round` = k the owner cancels each `send` once it wrote round k and, the
+moment `send` returns, overwrites its whole source: what an owner that reuses the blocks does. Its source is `harness.Source(layout, max tokens, seed)`, so the test process rebuilds the
 expected bytes without any of them crossing a pipe.
 """
 
@@ -14,6 +15,7 @@ import sys
 
 import msgspec
 import structlog
+import torch
 import trio
 
 from tests.transport.harness import Source, embedding_layout, listen
@@ -21,6 +23,7 @@ from transport.config import TransferConfig
 from transport.endpoint import open_endpoint
 from transport.errors import TransferError
 from transport.faults import FaultPlan
+from transport.sender import SendSession
 
 
 async def main() -> None:
@@ -36,11 +39,29 @@ async def main() -> None:
     ) as endpoint:
         print(json.dumps({"address": await listen(endpoint, params.get("transport", "tcp"))}), flush=True)
 
+        give_up_after_round: int | None = params.get("give_up_after_round")
+        gave_up: set[str] = set()
+
+        async def give_up(session: SendSession, owner: trio.CancelScope) -> None:
+            assert give_up_after_round is not None
+            while session.report().rounds <= give_up_after_round:
+                await trio.sleep(0.005)
+            gave_up.add(session.transfer_id)
+            owner.cancel()
+
         async def send(transfer_id: str, tokens: int) -> None:
             try:
-                async with endpoint.open_send(transfer_id) as session:
+                async with endpoint.open_send(transfer_id) as session, trio.open_nursery() as owner:
+                    if give_up_after_round is not None:
+                        owner.start_soon(give_up, session, owner.cancel_scope)
                     report = await session.send(source.ids, total_tokens=tokens)
-                print(json.dumps({"sent": transfer_id, "rounds": report.rounds}), flush=True)
+                    owner.cancel_scope.cancel()
+                if transfer_id in gave_up:
+                    for tensor in source.storage.tensors.values():
+                        tensor.view(torch.uint8).fill_(0xA5)
+                    print(json.dumps({"gave_up": transfer_id}), flush=True)
+                else:
+                    print(json.dumps({"sent": transfer_id, "rounds": report.rounds}), flush=True)
             except TransferError as exc:
                 print(json.dumps({"failed": transfer_id, "reason": exc.reason.value}), flush=True)
 

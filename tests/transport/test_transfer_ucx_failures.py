@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import re
 import signal
+import time
 from typing import Any
 
 import pytest
@@ -17,6 +18,7 @@ from tests.transport.harness import (
     Collector,
     Pair,
     Source,
+    as_bytes,
     assert_same_bytes,
     embedding_layout,
     endpoint_pair,
@@ -368,3 +370,38 @@ async def test_cancelling_everything_mid_transfer_tears_ucx_down_cleanly() -> No
                     everything.cancel()
         assert not watchdog.cancelled_caught
         assert pool.used_blocks == 0
+
+
+@pytest.mark.slow  # a child process: importing torch there takes seconds
+async def test_a_sender_that_gives_up_keeps_its_rows_until_the_receiver_has_read_them(
+    ucx_env: dict[str, str],
+) -> None:
+    """A round's sends may still be in flight when its `write` returns (ucx). Here the receiver reads
+    nothing for 1.5 s (its event loop is blocked); the sender's owner gives up once round 0 was written
+    and overwrites its source the moment `send` returns. `send` must not return before the receiver has
+    read round 0, which then lands intact in the caller's blocks, ahead of the sender's `Abort`."""
+    layout = embedding_layout(block_size=16, hidden=4096)  # 16 KiB rows: whole blocks go direct
+    params = {"block_size": 16, "hidden": 4096, "seed": 51, "transfers": {"t": 64}, "transport": "ucx"}
+    source = Source(layout, 64, seed=51)
+    config = TransferConfig(default_grant_blocks=2, round_cap_blocks=2)  # two rounds of 32 tokens
+    storage, pool = random_storage(layout, 8, seed=52), shuffled_pool(8, 16, seed=53)
+    async with (
+        sender_process({**params, "give_up_after_round": 0}, env=ucx_env) as child,
+        open_endpoint("receiver", storage, pool, config=config) as receiver,
+    ):
+        link = await receiver.connect(child.address)
+        blocks = pool.allocate(4, "caller")
+        async with trio.open_nursery() as nursery:
+
+            async def receive() -> None:
+                with pytest.raises(TransferFailed, match="sender gave up"):
+                    await receiver.receive("t", peer=link, expected_tokens=64, blocks=blocks)
+
+            nursery.start_soon(receive)
+            await trio.lowlevel.checkpoint()  # round 0's grant goes out
+            time.sleep(1.5)  # blocks the event loop on purpose: this receiver reads nothing meanwhile
+        assert await child.line() == {"gave_up": "t"}
+        landed = as_bytes(storage.gather(blocks, 0, 32))
+        pool.free(blocks, "caller")
+    assert_same_bytes(landed, source.expected(tokens=32))
+    assert pool.used_blocks == 0
