@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import trio
 
-from messages.transfer import FailureReason
+from messages.transfer import FailureReason, TransferStatus
 from tests.transport.harness import (
     Collector,
     Pair,
@@ -33,6 +33,7 @@ from transport.config import TransferConfig
 from transport.endpoint import SenderDelivery, TransferEndpoint, open_endpoint
 from transport.errors import HandshakeRefused, LinkBroken, TransferError, TransferFailed
 from transport.faults import FaultPlan
+from transport.receiver import ReceiveSession
 
 pytestmark = pytest.mark.usefixtures("ucx_env")
 
@@ -383,7 +384,9 @@ async def test_a_sender_that_gives_up_keeps_its_rows_until_the_receiver_has_read
     layout = embedding_layout(block_size=16, hidden=4096)  # 16 KiB rows: whole blocks go direct
     params = {"block_size": 16, "hidden": 4096, "seed": 51, "transfers": {"t": 64}, "transport": "ucx"}
     source = Source(layout, 64, seed=51)
-    config = TransferConfig(default_grant_blocks=2, round_cap_blocks=2)  # two rounds of 32 tokens
+    # Two rounds of 32 tokens, and round 1 granted only once round 0 landed (window 1): the sender's
+    # owner gives up while it waits for that grant.
+    config = TransferConfig(default_grant_blocks=2, round_cap_blocks=2, window=1)
     storage, pool = random_storage(layout, 8, seed=52), shuffled_pool(8, 16, seed=53)
     async with (
         sender_process({**params, "give_up_after_round": 0}, env=ucx_env) as child,
@@ -398,7 +401,12 @@ async def test_a_sender_that_gives_up_keeps_its_rows_until_the_receiver_has_read
                     await receiver.receive("t", peer=link, expected_tokens=64, blocks=blocks)
 
             nursery.start_soon(receive)
-            await trio.lowlevel.checkpoint()  # round 0's grant goes out
+            while not any(  # the session moves to waiting_for_input as it posts round 0's grant
+                isinstance(session, ReceiveSession)
+                and session.status.status == TransferStatus.WAITING_FOR_INPUT
+                for session in receiver.kept_alive()
+            ):
+                await trio.lowlevel.checkpoint()
             time.sleep(1.5)  # blocks the event loop on purpose: this receiver reads nothing meanwhile
         assert await child.line() == {"gave_up": "t"}
         landed = as_bytes(storage.gather(blocks, 0, 32))
