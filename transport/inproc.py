@@ -4,47 +4,45 @@ Control messages travel as objects through a bounded Trio memory channel per dir
 link end). A bulk write copies run by run from the sender's blocks into the receiver's blocks — never a
 temporary gather for large runs, never aliasing one tensor — after the receiver's landing has claimed
 every run, so no byte lands outside a standing grant. Rounds of at least
-`TransferConfig.inproc_thread_bytes` are copied in a worker thread (torch releases the GIL), so the event
-loop keeps serving other replicas; such a copy is never abandoned, and `quiesce` waits for it.
+`TransferConfig.inproc_thread_bytes` are copied in a worker thread (torch releases the GIL) through the
+link's copy lane (`transport.copy_lane`), so the event loop keeps serving other replicas: the write of a
+round that does not end its transfer returns once the round is queued, its `ChunkDone` goes out when the
+copy is done, and every later message of that end waits for the lane first, which keeps link order. A
+copy is never abandoned: `settle`, `quiesce` and the link's `run` wait for the lane.
 """
 
 from __future__ import annotations
 
 import itertools
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from functools import partial
 from typing import Final, final
 
+import outcome
 import trio
 
 from messages.transfer import PeerMessage
 from transport.config import TransferConfig
+from transport.copy_lane import CopyLane
 from transport.errors import LinkBroken, LinkClosed, LinkError
 from transport.faults import FaultPlan
-from transport.link import BulkWrite, Link, LinkHandler, Role
+from transport.link import BulkWrite, Landing, Link, LinkHandler, Role, more_rounds_follow
 from transport.runs import copy_runs, run_bytes
 
 INBOX_MESSAGES: Final = 1024
 _link_numbers = itertools.count(1)
 
 
-@final
-class _InFlight:
-    """Worker-thread copies running on a link pair; `idle` is set when there are none."""
+@dataclass(slots=True)
+class _Round:
+    """A round queued on the copy lane; `error` says why it did not land, once `done` is set."""
 
-    def __init__(self) -> None:
-        self.count = 0
-        self.idle = trio.Event()
-        self.idle.set()
-
-    def start(self) -> None:
-        self.count += 1
-        self.idle = trio.Event()
-
-    def finish(self) -> None:
-        self.count -= 1
-        if self.count == 0:
-            self.idle.set()
+    bulk: BulkWrite
+    landing: Landing
+    trailer: PeerMessage | None
+    done: trio.Event = field(default_factory=trio.Event)
+    error: LinkError | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,7 +86,6 @@ class InprocNetwork:
         if listener is None:
             raise LinkClosed(f"no inproc endpoint named {name!r} is listening")
         link_id = f"inproc-{next(_link_numbers)}"
-        in_flight = _InFlight()
         mine = InprocLink(
             link_id=link_id, local=local, role="receiver", handler=handler, config=config, faults=faults
         )
@@ -100,8 +97,8 @@ class InprocNetwork:
             config=listener.config,
             faults=listener.faults,
         )
-        mine.pair(theirs, in_flight)
-        theirs.pair(mine, in_flight)
+        mine.pair(theirs)
+        theirs.pair(mine)
         listener.on_accept(theirs)
         return mine
 
@@ -125,14 +122,13 @@ class InprocLink(Link):
         self._faults = faults
         self._inbox_send, self._inbox = trio.open_memory_channel[PeerMessage](INBOX_MESSAGES)
         self._other: InprocLink | None = None
-        self._in_flight = _InFlight()
+        self._lane: CopyLane | None = None  # made on the first large write
         self._bulk_bytes = 0
         self._reader_scope = trio.CancelScope()
         self._peer_error: LinkError | None = None
 
-    def pair(self, other: InprocLink, in_flight: _InFlight) -> None:
+    def pair(self, other: InprocLink) -> None:
         self._other = other
-        self._in_flight = in_flight
 
     def _check_open(self) -> InprocLink:
         if self.error is not None:
@@ -141,6 +137,7 @@ class InprocLink(Link):
         return self._other
 
     async def send(self, message: PeerMessage) -> None:
+        await self._lane_idle()  # behind the trailers of rounds still being copied
         other = self._check_open()
         try:
             await other._inbox_send.send(message)
@@ -150,34 +147,51 @@ class InprocLink(Link):
             raise error from exc
 
     async def write(self, bulk: BulkWrite, trailer: PeerMessage | None = None) -> int:
-        copied = await self._copy(bulk)
-        if trailer is not None:
-            await self.send(trailer)
-        return copied
+        landing = self._claim(bulk)
+        if landing is None:  # the round is gone: nothing lands
+            if trailer is not None:
+                await self.send(trailer)
+            return 0
+        if bulk.nbytes < self._config.inproc_thread_bytes:
+            copy_runs(bulk.source, landing.storage, bulk.runs, bulk.buffers)
+            self._landed(bulk, landing)
+            if trailer is not None:
+                await self.send(trailer)
+            return bulk.nbytes
+        if self._lane is None:
+            self._lane = CopyLane()
+        queued = _Round(bulk, landing, trailer)
+        copy = partial(copy_runs, bulk.source, landing.storage, bulk.runs, bulk.buffers)
+        self._lane.submit(copy, partial(self._copied, queued))
+        if more_rounds_follow(trailer):
+            return bulk.nbytes  # not the last round: the session plans the next one meanwhile
+        with trio.CancelScope(shield=True):  # a copy in a thread cannot be cancelled
+            await queued.done.wait()
+        if queued.error is not None:
+            raise queued.error
+        return bulk.nbytes
 
-    async def _copy(self, bulk: BulkWrite) -> int:
+    async def settle(self) -> None:
+        """See `Link.settle`: the rounds still on this end's copy lane."""
+        await self._lane_idle()
+
+    def _claim(self, bulk: BulkWrite) -> Landing | None:
+        """The receiver's landing of `bulk`, every run claimed; None when the round is gone."""
         other = self._check_open()
         if other.error is not None:
             raise LinkClosed(f"link {self.describe()}: peer end is closed")
         landing = other.handler.landing(other, bulk.landing_key)
         if landing is None:
-            return 0
+            return None
         if landing.storage.layout != bulk.source.layout:
             raise LinkBroken(f"link {self.describe()}: sender and receiver storage layouts differ")
         segments = [(run.dst_row, run.rows) for run in bulk.runs]
-        for name in bulk.buffers:
-            if not landing.claim(bulk.round, name, segments):
-                return 0
-        if bulk.nbytes >= self._config.inproc_thread_bytes:
-            self._in_flight.start()
-            try:
-                await trio.to_thread.run_sync(
-                    copy_runs, bulk.source, landing.storage, bulk.runs, bulk.buffers
-                )
-            finally:
-                self._in_flight.finish()
-        else:
-            copy_runs(bulk.source, landing.storage, bulk.runs, bulk.buffers)
+        if all(landing.claim(bulk.round, name, segments) for name in bulk.buffers):
+            return landing
+        return None
+
+    def _landed(self, bulk: BulkWrite, landing: Landing) -> None:
+        """After a round's copy: fault injection (corrupt byte, dropped link), then the byte count."""
         if bulk.corrupt and bulk.runs:
             first = run_bytes(landing.storage, bulk.buffers[0], bulk.runs[0].dst_row, 1)
             first[0] ^= 0xFF
@@ -187,7 +201,38 @@ class InprocLink(Link):
             error = LinkBroken(f"link {self.describe()} dropped by fault injection after {limit} bytes")
             self.close(error)
             raise error
-        return bulk.nbytes
+
+    def _copied(self, queued: _Round, copied: outcome.Outcome[object]) -> None:
+        """A lane copy ran (in the Trio thread, in queue order): send its trailer now, or fail the link."""
+        try:
+            if isinstance(copied, outcome.Error):
+                detail = f"{type(copied.error).__name__}: {copied.error}"
+                raise LinkBroken(
+                    f"link {self.describe()}: copying round {queued.bulk.round} failed: {detail}"
+                )
+            self._landed(queued.bulk, queued.landing)
+            if queued.trailer is not None:
+                self._send_now(queued.trailer)
+        except LinkError as exc:
+            self.close(exc)
+            queued.error = exc
+        finally:
+            queued.done.set()
+
+    def _send_now(self, message: PeerMessage) -> None:
+        other = self._check_open()
+        try:
+            other._inbox_send.send_nowait(message)
+        except trio.WouldBlock:
+            raise LinkBroken(
+                f"link {self.describe()}: the peer left {INBOX_MESSAGES} messages unread"
+            ) from None
+        except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
+            raise LinkClosed(f"link {self.describe()}: peer end is closed") from exc
+
+    async def _lane_idle(self) -> None:
+        if self._lane is not None and not self._lane.idle.is_set():
+            await self._lane.idle.wait()
 
     async def run(self) -> None:
         try:
@@ -197,6 +242,8 @@ class InprocLink(Link):
                 # The far end closed: like TCP, what it sent before closing was still read.
                 self._set_error(self._peer_error or LinkClosed(f"link {self.describe()}: peer closed it"))
         finally:
+            with trio.CancelScope(shield=True):  # the lane's thread writes into pool memory until then
+                await self._lane_idle()
             # Also when the endpoint itself is cancelled: the link's transfers and fences must hear it.
             if self.error is None:
                 self.close(LinkClosed(f"link {self.describe()}: its endpoint stopped"))
@@ -222,4 +269,6 @@ class InprocLink(Link):
             other._inbox_send.close()
 
     async def quiesce(self) -> None:
-        await self._in_flight.idle.wait()
+        await self._lane_idle()
+        if self._other is not None:
+            await self._other._lane_idle()

@@ -25,7 +25,7 @@ from typing import Final, Literal, Protocol
 
 import trio
 
-from messages.transfer import Heartbeat, PeerMessage
+from messages.transfer import ChunkDone, Heartbeat, PeerMessage
 from transport.config import TransferConfig
 from transport.errors import LinkBroken, LinkError
 from transport.runs import Run, plan_runs
@@ -101,6 +101,12 @@ class LinkHandler(Protocol):
     def on_closed(self, link: Link, error: LinkError) -> None: ...
 
 
+def more_rounds_follow(trailer: PeerMessage | None) -> bool:
+    """Whether `trailer` is the `ChunkDone` of a round that does not end its transfer: its write may
+    return before its bytes went out (see `Link.write`)."""
+    return isinstance(trailer, ChunkDone) and trailer.offset + trailer.tokens < trailer.total_tokens
+
+
 class Link(abc.ABC):
     """One end of a link. `role` is this end's role; `peer` is the far endpoint's name once known."""
 
@@ -134,6 +140,9 @@ class Link(abc.ABC):
         Cancellation takes effect between frames (tcp) or not at all while a worker-thread copy runs
         (inproc): a frame is never left half-written on a link that stays open. A trailer goes out
         only after every byte of the write (tcp: in the same `sendmsg` batch as the last frames).
+        A write whose trailer does not end its transfer may return before its bytes went out (ucx
+        sends in flight, inproc rounds on the copy lane): the next message still follows them, and
+        `settle` waits for them.
         """
 
     @abc.abstractmethod

@@ -34,12 +34,12 @@ import trio
 
 from messages.layout import PoolLayout
 from messages.peer_codec import PeerCodecError
-from messages.transfer import ChunkDone, PeerMessage
+from messages.transfer import PeerMessage
 from transport.config import TransferConfig
 from transport.errors import LinkBroken, LinkClosed, LinkError
 from transport.faults import FaultPlan
 from transport.frame_plan import Frame, plan_frames
-from transport.link import BulkWrite, Link, LinkHandler, Role, keep_alive
+from transport.link import BulkWrite, Link, LinkHandler, Role, keep_alive, more_rounds_follow
 from transport.staging import HostChunk, HostChunks, pack, unpack
 from transport.storage import PoolStorage
 from transport.ucx_frames import (
@@ -226,7 +226,7 @@ class UcxLink(Link):
                     corrupt = False
             if trailer is not None:
                 posted.append(([self._post(CONTROL, message_body(trailer))], None))
-            defer = isinstance(trailer, ChunkDone) and trailer.offset + trailer.tokens < trailer.total_tokens
+            defer = more_rounds_follow(trailer)
         finally:
             if not defer:
                 with trio.CancelScope(shield=True):

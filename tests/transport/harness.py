@@ -10,6 +10,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
+import msgspec
 import torch
 import trio
 
@@ -156,7 +157,11 @@ async def endpoint_pair(
     faults: FaultPlan = NO_FAULTS,
     sender_control: trio.MemorySendChannel[SenderDelivery] | None = None,
 ) -> AsyncIterator[Pair]:
-    """A sending endpoint on `source` and a receiving one, linked over `kind` ("inproc", "tcp", "ucx", "cuda-ipc")."""
+    """A sending endpoint on `source` and a receiving one, linked over `kind` ("inproc", "tcp", "ucx",
+    "cuda-ipc", or "inproc-threads": inproc with every round copied through the link's copy lane)."""
+    if kind == "inproc-threads":
+        kind, config = "inproc", msgspec.structs.replace(config or TransferConfig(), inproc_thread_bytes=1)
+        sender_config = sender_config and msgspec.structs.replace(sender_config, inproc_thread_bytes=1)
     network = InprocNetwork()
     async with (
         open_endpoint(

@@ -41,15 +41,16 @@ SEED_SCENARIOS = [
 ]
 
 
+@pytest.mark.parametrize("kind", ["inproc", "inproc-threads"])
 @pytest.mark.parametrize(("total", "cap", "rounds"), SEED_SCENARIOS)
-async def test_seed_scenarios_inproc(total: int, cap: int | None, rounds: int) -> None:
+async def test_seed_scenarios_inproc(kind: str, total: int, cap: int | None, rounds: int) -> None:
     layout = embedding_layout()
     source = Source(layout, total, seed=total)
     storage, pool = random_storage(layout, 100, seed=1), shuffled_pool(100, 128, seed=2)
     config = TransferConfig(default_grant_blocks=8, round_cap_blocks=cap)
     collector = Collector()
     async with (
-        endpoint_pair("inproc", source, storage, pool, config=config) as pair,
+        endpoint_pair(kind, source, storage, pool, config=config) as pair,
         trio.open_nursery() as nursery,
     ):
         nursery.start_soon(send_all, pair.sender, "t", source)
@@ -90,8 +91,10 @@ def rows_of(blocks: list[int] | tuple[int, ...], offset: int, tokens: int, block
     mode=st.sampled_from(["keep", "consume", "borrowed"]),
     fragmentation=st.lists(st.tuples(st.integers(1, 4), st.booleans()), max_size=12),
     seed=st.integers(0, 2**16),
+    kind=st.sampled_from(["inproc", "inproc-threads"]),
 )
 def test_random_transfers_land_identical_data_and_nothing_else(
+    kind: str,
     block_size: int,
     total: int,
     window: int,
@@ -102,7 +105,7 @@ def test_random_transfers_land_identical_data_and_nothing_else(
     seed: int,
 ) -> None:
     check_random_transfer(
-        "inproc",
+        kind,
         embedding_layout(block_size=block_size, hidden=3),
         total=total,
         window=window,

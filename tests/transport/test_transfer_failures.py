@@ -145,12 +145,13 @@ async def test_a_sender_left_without_grants_fails_at_the_progress_deadline(
         assert failures["t"].report.tokens == 16
 
 
-async def test_aborts_from_either_side_fail_both_sides_and_spare_other_transfers() -> None:
+@pytest.mark.parametrize("kind", ["inproc", "inproc-threads"])
+async def test_aborts_from_either_side_fail_both_sides_and_spare_other_transfers(kind: str) -> None:
     source, storage, pool = parts(16 * 6, seed=3, blocks=30)
     config = TransferConfig(default_grant_blocks=1, round_cap_blocks=1, window=2)
     faults = FaultPlan(transfer_id="victim", stall_before_round=2)
     failures: dict[str, TransferError] = {}
-    async with endpoint_pair("inproc", source, storage, pool, config=config, faults=faults) as pair:
+    async with endpoint_pair(kind, source, storage, pool, config=config, faults=faults) as pair:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(expect_sender_failure, pair.sender, "victim", source, failures)
             nursery.start_soon(send_all, pair.sender, "bystander", source)
@@ -263,13 +264,14 @@ async def test_a_grant_nobody_sends_for_fails_with_no_sender(autojump_clock: tri
     assert pool.used_blocks == 0
 
 
+@pytest.mark.parametrize("kind", ["inproc", "inproc-threads"])
 @pytest.mark.parametrize("checksums", [True, False])
-async def test_a_corrupted_round_is_caught_by_checksums(checksums: bool) -> None:
+async def test_a_corrupted_round_is_caught_by_checksums(kind: str, checksums: bool) -> None:
     source, storage, pool = parts(16 * 3, seed=7)
     config = TransferConfig(default_grant_blocks=1, round_cap_blocks=1, window=1, checksums=checksums)
     failures: dict[str, TransferError] = {}
     async with endpoint_pair(
-        "inproc", source, storage, pool, config=config, faults=FaultPlan(corrupt_round=0)
+        kind, source, storage, pool, config=config, faults=FaultPlan(corrupt_round=0)
     ) as pair:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(expect_sender_failure, pair.sender, "t", source, failures)
@@ -349,3 +351,26 @@ async def test_closing_the_endpoints_is_a_fence_and_returns_quarantined_blocks_a
             outer.cancel_scope.cancel()  # the whole node stops: the links close, which is a fence
     assert not watchdog.cancelled_caught
     assert pool.used_blocks == 0
+
+
+async def test_a_link_dropped_behind_queued_copies_fails_both_sides_without_leaks() -> None:
+    """Rounds queued on the copy lane (their writes returned), then the link dropped after the first
+    copy: the rounds behind it never send their `ChunkDone`, both sides fail `link_lost`, every block
+    comes back."""
+    source, storage, pool = parts(16 * 6, seed=13)
+    config = TransferConfig(default_grant_blocks=1, round_cap_blocks=1, window=4)
+    faults = FaultPlan(drop_link_after_bytes=1)
+    failures: dict[str, TransferError] = {}
+    async with endpoint_pair("inproc-threads", source, storage, pool, config=config, faults=faults) as pair:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(expect_sender_failure, pair.sender, "t", source, failures)
+            collector = Collector()
+            with pytest.raises(TransferFailed) as raised:
+                await pair.receiver.receive("t", peer=pair.link, consume=collector)
+        await settle()
+    assert raised.value.reason is FailureReason.LINK_LOST
+    assert failures["t"].reason is FailureReason.LINK_LOST
+    assert "dropped by fault injection after 1 bytes" in failures["t"].report.detail
+    assert collector.rounds == []
+    assert pool.used_blocks == 0
+    assert pool.quarantined_blocks == 0
