@@ -159,10 +159,11 @@ class Link(abc.ABC):
         """Return once no write through this link can still land (see the module docstring)."""
 
     async def settle(self) -> None:
-        """Return once no earlier `write` still reads the sender's rows (sending side). Writes that
-        return before their bytes went out (ucx, a round that does not end its transfer) are waited
-        for here, each within `link_timeout` or the link fails; on the other links a write is done when
-        it returns, so there is nothing to wait for. Never raises; shielded."""
+        """Return once no earlier `write` still reads the sender's rows (sending side): the writes of
+        rounds that do not end their transfer may return before their bytes went out (ucx: each send
+        waited for within `link_timeout`, or the link fails; inproc: the copy lane). On tcp and
+        cuda-ipc a write is done when it returns, so there is nothing to wait for. Never raises;
+        shielded."""
         return
 
 

@@ -343,7 +343,7 @@ class SendSession:
     async def _give_up(self) -> None:
         """Tell the receiver, then wait until the link reads none of the source rows any more: the owner
         frees them once `send` returns, and a round written just before the failure may still be going
-        out (ucx)."""
+        out (ucx sends, inproc's copy lane)."""
         await self._abort_peer()
         if self.link is not None:
             await self.link.settle()
