@@ -1,30 +1,27 @@
 """Failures of the resumable transfer over UCX (issue 7): deadlines, aborts, quarantine, corruption, lost
-peers and links, malformed frames, refused handshakes, a killed sender process, cancellation — on CPU over
-`UCX_TLS=sm,tcp` (the `ucx_env` fixture). Real time throughout, as in test_transfer_ucx.py.
+peers and links, malformed frames, refused handshakes, cancellation — on CPU over `UCX_TLS=sm,tcp` (the
+`ucx_env` fixture); a sender in another process: test_transfer_ucx_processes.py. Real time throughout,
+as in test_transfer_ucx.py.
 """
 
 from __future__ import annotations
 
 import re
-import signal
-import time
 from typing import Any
 
 import pytest
 import trio
 
-from messages.transfer import FailureReason, TransferStatus
+from messages.transfer import FailureReason
 from tests.transport.harness import (
     Collector,
     Pair,
     Source,
-    as_bytes,
     assert_same_bytes,
     embedding_layout,
     endpoint_pair,
     random_storage,
     send_all,
-    sender_process,
     settle,
     shuffled_pool,
 )
@@ -33,7 +30,6 @@ from transport.config import TransferConfig
 from transport.endpoint import SenderDelivery, TransferEndpoint, open_endpoint
 from transport.errors import HandshakeRefused, LinkBroken, TransferError, TransferFailed
 from transport.faults import FaultPlan
-from transport.receiver import ReceiveSession
 
 pytestmark = pytest.mark.usefixtures("ucx_env")
 
@@ -288,63 +284,6 @@ async def test_nobody_listening_at_a_ucx_address_fails_within_the_handshake_time
             await receiver.connect("ucx://zz")
 
 
-@pytest.mark.slow  # a child process: importing torch there takes seconds
-async def test_seed_scenarios_and_a_killed_sender_between_two_processes_over_ucx(
-    ucx_env: dict[str, str],
-) -> None:
-    """The seeds' transfers from a sender in another process, then that process killed mid-round: the
-    receiver fails `link_lost` within the link deadline and every block is back."""
-    layout = embedding_layout(block_size=128, hidden=8)
-    seeds = {"t500": 500, "t2000": 2000, "t10000-cap8": 10_000, "doomed": 10_000}
-    params = {
-        "block_size": 128,
-        "hidden": 8,
-        "seed": 41,
-        "transfers": seeds,
-        "transport": "ucx",
-        "faults": {"transfer_id": "doomed", "stall_before_round": 2},
-        "config": LIVELY,
-    }
-    source = Source(layout, max(seeds.values()), seed=41)
-    expected_rounds = {"t500": 1, "t2000": 2, "t10000-cap8": 10}
-    async with sender_process(params, env=ucx_env) as child:
-        for transfer_id, rounds in expected_rounds.items():
-            cap = 8 if "cap8" in transfer_id else None
-            config = TransferConfig(default_grant_blocks=8, round_cap_blocks=cap)
-            storage, pool = random_storage(layout, 100, seed=42), shuffled_pool(100, 128, seed=43)
-            async with open_endpoint(f"receiver-{transfer_id}", storage, pool, config=config) as receiver:
-                collector = Collector()
-                link = await receiver.connect(child.address)
-                result = await receiver.receive(transfer_id, peer=link, consume=collector)
-            assert (result.report.rounds, result.report.grants) == (rounds, rounds)
-            assert_same_bytes(collector.data(), source.expected(tokens=seeds[transfer_id]))
-            assert pool.used_blocks == 0
-            assert await child.line() == {"sent": transfer_id, "rounds": rounds}
-
-        config = TransferConfig(default_grant_blocks=1, round_cap_blocks=1, window=3, **LIVELY)
-        storage, pool = random_storage(layout, 16, seed=45), shuffled_pool(16, 128, seed=46)
-        async with open_endpoint("receiver", storage, pool, config=config) as receiver:
-            link = await receiver.connect(child.address)
-            collector = Collector()
-            killed_at: list[float] = []
-
-            async def kill_when_stalled() -> None:
-                while len(collector.rounds) < 2:  # rounds 0 and 1 landed, round 2 granted
-                    await trio.sleep(0.01)
-                child.process.send_signal(signal.SIGKILL)
-                killed_at.append(trio.current_time())
-
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(kill_when_stalled)
-                with pytest.raises(TransferFailed) as raised:
-                    await receiver.receive("doomed", peer=link, consume=collector)
-            assert raised.value.reason is FailureReason.LINK_LOST
-            assert "nothing received for" in raised.value.report.detail
-            assert trio.current_time() - killed_at[0] < LIVELY["link_timeout"] + 1.0
-            await settle()
-        assert (pool.used_blocks, pool.quarantined_blocks) == (0, 0)
-
-
 async def test_cancelling_everything_mid_transfer_tears_ucx_down_cleanly() -> None:
     """A node's shutdown cancels its endpoints' tasks all at once: link readers, progress tasks and the
     transfers, in any order (ucxx crashed the process when a closing link posted its goodbye on an
@@ -371,45 +310,3 @@ async def test_cancelling_everything_mid_transfer_tears_ucx_down_cleanly() -> No
                     everything.cancel()
         assert not watchdog.cancelled_caught
         assert pool.used_blocks == 0
-
-
-@pytest.mark.slow  # a child process: importing torch there takes seconds
-async def test_a_sender_that_gives_up_keeps_its_rows_until_the_receiver_has_read_them(
-    ucx_env: dict[str, str],
-) -> None:
-    """A round's sends may still be in flight when its `write` returns (ucx). Here the receiver reads
-    nothing for 1.5 s (its event loop is blocked); the sender's owner gives up once round 0 was written
-    and overwrites its source the moment `send` returns. `send` must not return before the receiver has
-    read round 0, which then lands intact in the caller's blocks, ahead of the sender's `Abort`."""
-    layout = embedding_layout(block_size=16, hidden=4096)  # 16 KiB rows: whole blocks go direct
-    params = {"block_size": 16, "hidden": 4096, "seed": 51, "transfers": {"t": 64}, "transport": "ucx"}
-    source = Source(layout, 64, seed=51)
-    # Two rounds of 32 tokens, and round 1 granted only once round 0 landed (window 1): the sender's
-    # owner gives up while it waits for that grant.
-    config = TransferConfig(default_grant_blocks=2, round_cap_blocks=2, window=1)
-    storage, pool = random_storage(layout, 8, seed=52), shuffled_pool(8, 16, seed=53)
-    async with (
-        sender_process({**params, "give_up_after_round": 0}, env=ucx_env) as child,
-        open_endpoint("receiver", storage, pool, config=config) as receiver,
-    ):
-        link = await receiver.connect(child.address)
-        blocks = pool.allocate(4, "caller")
-        async with trio.open_nursery() as nursery:
-
-            async def receive() -> None:
-                with pytest.raises(TransferFailed, match="sender gave up"):
-                    await receiver.receive("t", peer=link, expected_tokens=64, blocks=blocks)
-
-            nursery.start_soon(receive)
-            while not any(  # the session moves to waiting_for_input as it posts round 0's grant
-                isinstance(session, ReceiveSession)
-                and session.status.status == TransferStatus.WAITING_FOR_INPUT
-                for session in receiver.kept_alive()
-            ):
-                await trio.lowlevel.checkpoint()
-            time.sleep(1.5)  # blocks the event loop on purpose: this receiver reads nothing meanwhile
-        assert await child.line() == {"gave_up": "t"}
-        landed = as_bytes(storage.gather(blocks, 0, 32))
-        pool.free(blocks, "caller")
-    assert_same_bytes(landed, source.expected(tokens=32))
-    assert pool.used_blocks == 0
