@@ -1,9 +1,9 @@
 """Rows of a pool's storage to and from a contiguous host chunk: packing, and GPU staging (issue 7).
 
 A packed frame's payload is its pieces' bytes back to back (`transport.frame_plan`):
-- `pack(storage, name, rows, chunk)` gathers rows `[(row, count), …]` of buffer `name` into the front of
-  `chunk` and returns the byte count;
-- `unpack(storage, name, rows, chunk)` scatters the front of `chunk` back into those rows.
+- `pack(storage, name, rows, chunk, at)` gathers rows `[(row, count), …]` of buffer `name` into `chunk`
+  from byte `at` (several buffers' frames may share a chunk) and returns the byte count;
+- `unpack(storage, name, rows, chunk, at)` scatters those bytes of `chunk` back into the rows.
 
 CPU storage: one memcpy per stretch through memoryviews (a frame is at most 8 MiB, so the event loop is
 held for well under a millisecond). Any other device (a pool on a GPU): one gather (`index_select`) into
@@ -62,30 +62,34 @@ class HostChunks:
             self._free.append(chunk)
 
 
-def pack(storage: PoolStorage, name: str, rows: Sequence[tuple[int, int]], chunk: HostChunk) -> int:
-    """Rows `(row, count)` of buffer `name`, back to back at the front of `chunk`; returns the bytes."""
+def pack(
+    storage: PoolStorage, name: str, rows: Sequence[tuple[int, int]], chunk: HostChunk, at: int = 0
+) -> int:
+    """Rows `(row, count)` of buffer `name`, back to back in `chunk` from byte `at`; returns the bytes."""
     if storage.device.type != "cpu":
-        return gather_rows(storage, name, rows, chunk)
+        return gather_rows(storage, name, rows, chunk, at)
     row_bytes = storage.row_bytes[name]
-    memory, view, at = storage.buffer_bytes(name), chunk.view, 0
+    memory, view, end = storage.buffer_bytes(name), chunk.view, at
     for row, count in rows:
         size = count * row_bytes
-        view[at : at + size] = memory[row * row_bytes : row * row_bytes + size]
-        at += size
-    return at
+        view[end : end + size] = memory[row * row_bytes : row * row_bytes + size]
+        end += size
+    return end - at
 
 
-def unpack(storage: PoolStorage, name: str, rows: Sequence[tuple[int, int]], chunk: HostChunk) -> int:
-    """The front of `chunk` scattered into rows `(row, count)` of buffer `name`; returns the bytes."""
+def unpack(
+    storage: PoolStorage, name: str, rows: Sequence[tuple[int, int]], chunk: HostChunk, at: int = 0
+) -> int:
+    """`chunk` from byte `at` scattered into rows `(row, count)` of buffer `name`; returns the bytes."""
     if storage.device.type != "cpu":
-        return scatter_rows(storage, name, rows, chunk)
+        return scatter_rows(storage, name, rows, chunk, at)
     row_bytes = storage.row_bytes[name]
-    memory, view, at = storage.buffer_bytes(name), chunk.view, 0
+    memory, view, end = storage.buffer_bytes(name), chunk.view, at
     for row, count in rows:
         size = count * row_bytes
-        memory[row * row_bytes : row * row_bytes + size] = view[at : at + size]
-        at += size
-    return at
+        memory[row * row_bytes : row * row_bytes + size] = view[end : end + size]
+        end += size
+    return end - at
 
 
 def row_index(rows: Sequence[tuple[int, int]], device: torch.device) -> torch.Tensor:
@@ -119,26 +123,30 @@ def _staged(device: torch.device) -> Iterator[None]:
         stream.synchronize()  # also on error: nothing may still read or write the chunk
 
 
-def _host_rows(chunk: HostChunk, flat: torch.Tensor, count: int) -> torch.Tensor:
+def _host_rows(chunk: HostChunk, flat: torch.Tensor, count: int, at: int) -> torch.Tensor:
     length = count * flat[0].numel() * flat.element_size()
-    return chunk.tensor[:length].view(flat.dtype).view(count, *flat.shape[1:])
+    return chunk.tensor[at : at + length].view(flat.dtype).view(count, *flat.shape[1:])
 
 
-def gather_rows(storage: PoolStorage, name: str, rows: Sequence[tuple[int, int]], chunk: HostChunk) -> int:
+def gather_rows(
+    storage: PoolStorage, name: str, rows: Sequence[tuple[int, int]], chunk: HostChunk, at: int = 0
+) -> int:
     """`pack` for storage off the CPU: one gather on the device, one copy into the (pinned) chunk."""
     flat = storage.flat(name)
     index = row_index(rows, flat.device)
-    host = _host_rows(chunk, flat, index.numel())
+    host = _host_rows(chunk, flat, index.numel(), at)
     with _staged(flat.device):
         host.copy_(flat.index_select(0, index), non_blocking=True)
     return host.numel() * host.element_size()
 
 
-def scatter_rows(storage: PoolStorage, name: str, rows: Sequence[tuple[int, int]], chunk: HostChunk) -> int:
+def scatter_rows(
+    storage: PoolStorage, name: str, rows: Sequence[tuple[int, int]], chunk: HostChunk, at: int = 0
+) -> int:
     """`unpack` for storage off the CPU: one copy from the (pinned) chunk, one scatter on the device."""
     flat = storage.flat(name)
     index = row_index(rows, flat.device)
-    host = _host_rows(chunk, flat, index.numel())
+    host = _host_rows(chunk, flat, index.numel(), at)
     with _staged(flat.device):
         flat.index_copy_(0, index, host.to(flat.device, non_blocking=True))
     return host.numel() * host.element_size()

@@ -5,9 +5,9 @@ How links are made: `transport.ucx_connect`. On a link:
 - Control messages: one UCX message each on the far link's control tag (`transport.ucx_frames`).
 - Bulk writes: cut into frames (`transport.frame_plan`); each frame is a descriptor on the control tag,
   then its bytes on the bulk tag — a *direct* frame one message per piece, straight from the sender's
-  block memory (or GPU memory, when UCX has CUDA transports) into the receiver's; a *packed* frame one
-  message of pieces under 64 KiB packed back to back, or of a GPU pool's rows staged through pinned host
-  memory (`transport.staging`). The receiver's reader posts each frame's receives where its landing
+  block memory (or GPU memory, when UCX has CUDA transports) into the receiver's; *packed* frames, of
+  pieces under 64 KiB or of a GPU pool's rows staged through pinned host memory (`transport.staging`),
+  bundled across buffers: one descriptor and one message per host chunk. The receiver's reader posts each frame's receives where its landing
   claims them, or into a scratch chunk when the round is gone; before it handles any later peer message
   (`ChunkDone`, `AbortAck`) it waits until every earlier frame landed, which keeps the link's one order.
 - `write` returns once every send completed (UCX reads the source rows until then); it waits for that
@@ -26,7 +26,7 @@ import itertools
 import math
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Final, final
 
 import structlog
@@ -38,7 +38,7 @@ from messages.transfer import PeerMessage
 from transport.config import TransferConfig
 from transport.errors import LinkBroken, LinkClosed, LinkError
 from transport.faults import FaultPlan
-from transport.frame_plan import Frame, plan_frames
+from transport.frame_plan import Frame, plan_bundles
 from transport.link import BulkWrite, Link, LinkHandler, Role, keep_alive, more_rounds_follow
 from transport.staging import HostChunk, HostChunks, pack, unpack
 from transport.storage import PoolStorage
@@ -53,7 +53,7 @@ from transport.ucx_frames import (
     goodbye_body,
     kind_of,
     message_body,
-    parse_descriptor,
+    parse_descriptors,
     parse_goodbye,
     parse_message,
     payload_rows,
@@ -68,12 +68,12 @@ _log = structlog.get_logger("transport.ucx")
 
 @dataclass(slots=True)
 class _Landing:
-    """One frame's receives; `chunk` (and `rows`, to scatter into when the round stands) when it lands
-    through host memory."""
+    """One descriptor's receives; `chunk` (and `rows`, each frame's rows with where its bytes start in the
+    chunk, to scatter into when its round stands) when it lands through host memory."""
 
     requests: list[Any]
     chunk: HostChunk | None = None
-    rows: tuple[PoolStorage, str, list[tuple[int, int]]] | None = None
+    rows: list[tuple[PoolStorage, str, list[tuple[int, int]], int]] = field(default_factory=list)
 
 
 @final
@@ -216,14 +216,12 @@ class UcxLink(Link):
         posted = self._in_flight
         corrupt, defer = bulk.corrupt, False
         try:
-            for name in bulk.buffers:
-                index = self._buffer_index[name]
-                for frame in plan_frames(bulk, index, name, self._row_bytes[index], direct):
-                    while sum(chunk is not None for _r, chunk in posted) >= PACKED_WINDOW:
-                        await self._settle_oldest_chunk(posted)
-                    self._check_faults(frame)
-                    posted.append(self._post_frame(bulk, frame, corrupt))
-                    corrupt = False
+            for bundle in plan_bundles(bulk, self._buffer_index, self._row_bytes, direct):
+                while sum(chunk is not None for _r, chunk in posted) >= PACKED_WINDOW:
+                    await self._settle_oldest_chunk(posted)
+                self._check_faults(sum(frame.length for frame in bundle))
+                posted.append(self._post_frames(bulk, bundle, corrupt))
+                corrupt = False
             if trailer is not None:
                 posted.append(([self._post(CONTROL, message_body(trailer))], None))
             defer = more_rounds_follow(trailer)
@@ -264,32 +262,37 @@ class UcxLink(Link):
         self._last_sent = trio.current_time()
         return request
 
-    def _post_frame(self, bulk: BulkWrite, frame: Frame, corrupt: bool) -> tuple[list[Any], HostChunk | None]:
-        """Post one frame's descriptor and bytes, with no await in between (see `write`)."""
-        requests = [self._post(CONTROL, descriptor_body(frame, bulk.landing_key, bulk.round))]
-        chunk = None
+    def _post_frames(
+        self, bulk: BulkWrite, frames: list[Frame], corrupt: bool
+    ) -> tuple[list[Any], HostChunk | None]:
+        """Post one direct frame, or a bundle of packed ones: descriptor and bytes, with no await in
+        between (see `write`)."""
+        requests = [self._post(CONTROL, descriptor_body(frames, bulk.landing_key, bulk.round))]
+        chunk, frame, length = None, frames[0], 0
         if frame.packed:
-            chunk = self._chunks.take(frame.length)
-            length = pack(bulk.source, frame.name, frame.sources(), chunk)
+            chunk = self._chunks.take(sum(packed.length for packed in frames))
+            for packed in frames:
+                length += pack(bulk.source, packed.name, packed.sources(), chunk, length)
             if corrupt:
                 chunk.view[0] ^= 0xFF
             requests.append(self._post(BULK, chunk.view[:length]))
         else:
+            length = frame.length
             for piece in frame.pieces:
                 rows = payload_rows(bulk.source, frame.name, piece.src_row, piece.rows)
                 payload = flipped_copy(rows) if corrupt else rows
                 corrupt = False
                 requests.append(self._post(BULK, payload))
-        self._bulk_sent += frame.length
+        self._bulk_sent += length
         return requests, chunk
 
-    def _check_faults(self, frame: Frame) -> None:
+    def _check_faults(self, length: int) -> None:
         malformed_at = self._faults.malformed_frame_after_bytes
         if malformed_at is not None and not self._malformed_sent and self._bulk_sent >= malformed_at:
             self._malformed_sent = True
             self._post(CONTROL, b"\xde\xad" * 16)
         drop_at = self._faults.drop_link_after_bytes
-        if drop_at is not None and self._bulk_sent + frame.length >= drop_at:
+        if drop_at is not None and self._bulk_sent + length >= drop_at:
             self._silent_close = True  # torn down mid-frame: the peer hears nothing more
             error = LinkBroken(f"link {self.describe()} dropped by fault injection after {drop_at} bytes")
             self.close(error)
@@ -337,7 +340,7 @@ class UcxLink(Link):
         body = arrival.body
         kind = kind_of(body, (DESCRIPTOR, MESSAGE, GOODBYE))
         if kind == DESCRIPTOR:
-            await self._receive_frame(parse_descriptor(body, self._row_bytes))
+            await self._receive_frames(parse_descriptors(body, self._row_bytes))
         elif kind == MESSAGE:
             message = parse_message(body)
             await self._land_all()
@@ -347,32 +350,40 @@ class UcxLink(Link):
             self._silent_close = True
             self.close(LinkClosed(f"link {self.describe()}: the peer closed it ({parse_goodbye(body)})"))
 
-    async def _receive_frame(self, frame: Descriptor) -> None:
-        """Post the frame's receives: into block memory when the landing claims it and UCX can reach
-        that memory, else into a chunk (scattered into the rows once landed when the round stands)."""
-        landing = self.handler.landing(self, frame.landing_key)
-        name = self._layout.buffers[frame.buffer].name
-        claimed = landing is not None and landing.claim(frame.round, name, frame.segments)
+    async def _receive_frames(self, frames: list[Descriptor]) -> None:
+        """Post a descriptor's receives: a direct frame's into block memory when its landing claims it
+        and UCX can reach that memory; anything else into a chunk, scattered into the rows of each frame
+        whose landing claimed it once landed, if its round still stands."""
+        first, worker, endpoint = frames[0], self._worker, self._endpoint
+        landing = self.handler.landing(self, first.landing_key)
+        names = [self._layout.buffers[frame.buffer].name for frame in frames]
+        claims = [
+            landing is not None and landing.claim(f.round, n, f.segments) for f, n in zip(frames, names)
+        ]
         on = tag(self.number, BULK)
-        worker, endpoint = self._worker, self._endpoint
-        if claimed and landing is not None and not frame.packed:
+        if claims[0] and landing is not None and not first.packed:
             storage = landing.storage
             if storage.device.type == "cpu" or worker.cuda_capable:
-                targets = [payload_rows(storage, name, row, rows) for row, rows in frame.segments]
+                targets = [payload_rows(storage, names[0], row, rows) for row, rows in first.segments]
                 self._landing.append(_Landing([worker.receive(endpoint, on, t) for t in targets]))
                 return
         while sum(pending.chunk is not None for pending in self._landing) >= PACKED_WINDOW:
             await self._land_oldest()
-        chunk = self._chunks.take(frame.length)
-        if frame.packed:
-            requests = [worker.receive(endpoint, on, chunk.view[: frame.length])]
+        length = sum(frame.length for frame in frames)
+        chunk = self._chunks.take(length)
+        if first.packed:
+            requests = [worker.receive(endpoint, on, chunk.view[:length])]
         else:
-            width, at, requests = self._row_bytes[frame.buffer], 0, []
-            for _row, rows in frame.segments:
+            width, at, requests = self._row_bytes[first.buffer], 0, []
+            for _row, rows in first.segments:
                 requests.append(worker.receive(endpoint, on, chunk.view[at : at + rows * width]))
                 at += rows * width
-        scatter = (landing.storage, name, frame.segments) if claimed and landing is not None else None
-        self._landing.append(_Landing(requests, chunk, scatter))
+        pending, at = _Landing(requests, chunk), 0
+        for frame, name, claimed in zip(frames, names, claims):
+            if claimed and landing is not None:
+                pending.rows.append((landing.storage, name, frame.segments, at))
+            at += frame.length
+        self._landing.append(pending)
 
     async def _land_oldest(self) -> None:
         pending = self._landing[0]
@@ -380,8 +391,8 @@ class UcxLink(Link):
         self._landing.popleft()
         self._last_received = trio.current_time()
         if pending.chunk is not None:
-            if pending.rows is not None:
-                unpack(*pending.rows, pending.chunk)
+            for storage, name, segments, at in pending.rows:
+                unpack(storage, name, segments, pending.chunk, at)
             self._chunks.give(pending.chunk)
 
     async def _land_all(self) -> None:

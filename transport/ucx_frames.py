@@ -7,12 +7,14 @@ says what it is.
     A  accept, listener → receiver: the sender's link number (u64)
     G  goodbye: the far end closed the link; UTF-8 reason
 
-Bulk descriptor: `B` | flavour u8 (1 direct, 2 packed) | buffer u16 | round u32 | landing_key u64 |
-length u64 | segments u32, then `segments` × (dst_row u64, rows u64), little-endian. A *direct* frame's
-bytes follow as one bulk message per segment, in order, each straight from the sender's block memory; a
-*packed* frame's as one message of `length` bytes, the segments back to back. UCX matches messages of one
-tag in the order they were sent, so the receiver, reading descriptors in order, posts each receive where
-its bytes belong. A body that breaks these rules is a malformed frame: the reader closes the link.
+Bulk descriptor: one or more frame descriptors back to back, each `B` | flavour u8 (1 direct, 2 packed) |
+buffer u16 | round u32 | landing_key u64 | length u64 | segments u32, then `segments` × (dst_row u64,
+rows u64), little-endian. A *direct* frame comes alone, its bytes following as one bulk message per
+segment, in order, each straight from the sender's block memory. Packed frames come in bundles
+(`transport.frame_plan.bundle_frames`: one round, at most one chunk's bytes), whose bytes follow as one
+message: each frame's segments back to back, frame after frame. UCX matches messages of one tag in the
+order they were sent, so the receiver, reading descriptors in order, posts each receive where its bytes
+belong. A body that breaks these rules is a malformed frame: the reader closes the link.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ import torch
 
 from messages.peer_codec import decode_peer, encode_peer
 from messages.transfer import PeerMessage
-from transport.frame_plan import MAX_SEGMENTS, Frame, frame_bytes
+from transport.frame_plan import MAX_BUNDLE_FRAMES, MAX_FRAME_BYTES, MAX_SEGMENTS, Frame, frame_bytes
 from transport.runs import run_bytes
 from transport.storage import PoolStorage
 from transport.tcp_frames import SEGMENT
@@ -60,12 +62,18 @@ def message_body(message: PeerMessage) -> bytes:
     return bytes((MESSAGE,)) + encode_peer(message)
 
 
-def descriptor_body(frame: Frame, landing_key: int, round: int) -> bytes:
-    flavour = PACKED if frame.packed else DIRECT
-    header = _HEADER.pack(
-        DESCRIPTOR, flavour, frame.buffer, round, landing_key, frame.length, len(frame.pieces)
-    )
-    return header + b"".join(SEGMENT.pack(piece.dst_row, piece.rows) for piece in frame.pieces)
+def descriptor_body(frames: Sequence[Frame], landing_key: int, round: int) -> bytes:
+    """The descriptor of a direct frame, or of a bundle of packed frames (`bundle_frames`)."""
+    parts = []
+    for frame in frames:
+        flavour = PACKED if frame.packed else DIRECT
+        parts.append(
+            _HEADER.pack(
+                DESCRIPTOR, flavour, frame.buffer, round, landing_key, frame.length, len(frame.pieces)
+            )
+        )
+        parts.extend(SEGMENT.pack(piece.dst_row, piece.rows) for piece in frame.pieces)
+    return b"".join(parts)
 
 
 def connect_body(number: int, address: bytes) -> bytes:
@@ -106,24 +114,48 @@ def parse_goodbye(body: bytes | bytearray) -> str:
     return bytes(body[1:]).decode(errors="replace")
 
 
-def parse_descriptor(body: bytes | bytearray, row_bytes: Sequence[int]) -> Descriptor:
-    """A bulk descriptor, checked: known flavour and buffer, 1 to `MAX_SEGMENTS` non-empty segments
-    adding up to `length`, and no more than one frame's bytes."""
-    if len(body) < _HEADER.size:
-        raise UcxFrameError(
-            f"bulk descriptor of {len(body)} bytes, shorter than its {_HEADER.size}-byte header"
-        )
-    _kind, flavour, buffer, round, landing_key, length, count = _HEADER.unpack_from(body)
+def parse_descriptors(body: bytes | bytearray, row_bytes: Sequence[int]) -> list[Descriptor]:
+    """A bulk descriptor's frames, checked: each frame as `_parse_one` checks it; several only when all
+    are packed, of one round and landing, at most `MAX_BUNDLE_FRAMES` of them within one chunk's bytes."""
+    frames: list[Descriptor] = []
+    at = 0
+    while at < len(body) or not frames:
+        frame, at = _parse_one(body, at, row_bytes)
+        frames.append(frame)
+    if len(frames) > 1:
+        total = sum(frame.length for frame in frames)
+        if not all(frame.packed for frame in frames):
+            raise UcxFrameError(f"bulk descriptor of {len(frames)} frames, not all of them packed")
+        if len({(frame.round, frame.landing_key) for frame in frames}) > 1:
+            raise UcxFrameError(f"bulk descriptor of {len(frames)} frames of different rounds")
+        if len(frames) > MAX_BUNDLE_FRAMES or total > MAX_FRAME_BYTES:
+            raise UcxFrameError(
+                f"bulk descriptor of {len(frames)} packed frames and {total} bytes, over the limit of "
+                f"{MAX_BUNDLE_FRAMES} frames and {MAX_FRAME_BYTES} bytes"
+            )
+    return frames
+
+
+def _parse_one(body: bytes | bytearray, at: int, row_bytes: Sequence[int]) -> tuple[Descriptor, int]:
+    """The frame described from byte `at`, and where the next begins: known flavour and buffer, 1 to
+    `MAX_SEGMENTS` non-empty segments adding up to `length`, and no more than one frame's bytes."""
+    left = len(body) - at
+    if left < _HEADER.size:
+        raise UcxFrameError(f"bulk descriptor of {left} bytes, shorter than its {_HEADER.size}-byte header")
+    kind, flavour, buffer, round, landing_key, length, count = _HEADER.unpack_from(body, at)
+    if kind != DESCRIPTOR:
+        raise UcxFrameError(f"bulk descriptor with a frame of unknown kind 0x{kind:02x}")
     if flavour not in (DIRECT, PACKED):
         raise UcxFrameError(f"bulk descriptor of unknown flavour {flavour}")
     if buffer >= len(row_bytes):
         raise UcxFrameError(f"bulk descriptor for buffer {buffer}; the layout has {len(row_bytes)} buffers")
     if not 1 <= count <= MAX_SEGMENTS:
         raise UcxFrameError(f"bulk descriptor with {count} segments (allowed 1 to {MAX_SEGMENTS})")
-    if len(body) != _HEADER.size + count * SEGMENT.size:
-        raise UcxFrameError(f"bulk descriptor of {len(body)} bytes does not hold its {count} segments")
+    end = at + _HEADER.size + count * SEGMENT.size
+    if len(body) < end:
+        raise UcxFrameError(f"bulk descriptor of {left} bytes does not hold its {count} segments")
     width = row_bytes[buffer]
-    segments = [SEGMENT.unpack_from(body, _HEADER.size + i * SEGMENT.size) for i in range(count)]
+    segments = [SEGMENT.unpack_from(body, at + _HEADER.size + i * SEGMENT.size) for i in range(count)]
     if any(rows == 0 for _row, rows in segments) or sum(rows for _row, rows in segments) * width != length:
         raise UcxFrameError(
             f"bulk descriptor segments {segments[:4]}{'…' if count > 4 else ''} do not add up to its "
@@ -131,11 +163,11 @@ def parse_descriptor(body: bytes | bytearray, row_bytes: Sequence[int]) -> Descr
         )
     limit = frame_bytes(flavour == PACKED)
     if length > max(limit, width):
-        kind = "packed" if flavour == PACKED else "direct"
+        kind_name = "packed" if flavour == PACKED else "direct"
         raise UcxFrameError(
-            f"bulk descriptor of {length} bytes, over the {limit}-byte limit of a {kind} frame"
+            f"bulk descriptor of {length} bytes, over the {limit}-byte limit of a {kind_name} frame"
         )
-    return Descriptor(flavour == PACKED, buffer, round, landing_key, length, segments)
+    return Descriptor(flavour == PACKED, buffer, round, landing_key, length, segments), end
 
 
 def payload_rows(storage: PoolStorage, name: str, row: int, rows: int) -> memoryview | torch.Tensor:

@@ -36,25 +36,31 @@ def stretches(seed: int, total_rows: int, count: int) -> list[tuple[int, int]]:
 @settings(max_examples=25, deadline=None)
 @given(seed=st.integers(0, 2**16), count=st.integers(1, 12), device_path=st.booleans())
 def test_packed_rows_come_back_where_they_were(seed: int, count: int, device_path: bool) -> None:
+    """Both buffers' rows share one chunk, back to back (a bundle), and land back in their rows."""
     layout = kv_layout(layers=1)
     source, target = random_storage(layout, 16, seed), poisoned_storage(layout, 16)
     rows = stretches(seed, 16 * 16, count)
     chunks = HostChunks(pinned=False)
+    chunk, starts, at = chunks.take(), {}, 0
     for name in ("k0", "v0"):
-        chunk = chunks.take()
-        length = (gather_rows if device_path else pack)(source, name, rows, chunk)
+        starts[name] = at
+        length = (gather_rows if device_path else pack)(source, name, rows, chunk, at)
         assert length == sum(n for _row, n in rows) * source.row_bytes[name]
         flat = source.flat(name).view(torch.uint8).reshape(16 * 16, -1)
         packed = torch.cat([flat[row : row + n] for row, n in rows]).reshape(-1)
-        assert torch.equal(chunk.tensor[:length], packed)
-        assert (scatter_rows if device_path else unpack)(target, name, rows, chunk) == length
-        chunks.give(chunk)
+        assert torch.equal(chunk.tensor[at : at + length], packed)
+        at += length
+    for name in ("v0", "k0"):
+        length = (scatter_rows if device_path else unpack)(target, name, rows, chunk, starts[name])
+        assert length == sum(n for _row, n in rows) * source.row_bytes[name]
+        flat = source.flat(name).view(torch.uint8).reshape(16 * 16, -1)
         landed = target.flat(name).view(torch.uint8).reshape(16 * 16, -1)
         touched = torch.zeros(16 * 16, dtype=torch.bool)
         for row, n in rows:
             assert torch.equal(landed[row : row + n], flat[row : row + n])
             touched[row : row + n] = True
         assert bool((landed[~touched] == 0x5A).all())
+    chunks.give(chunk)
 
 
 def test_host_chunks_are_reused_and_wide_frames_get_their_own() -> None:

@@ -3,6 +3,7 @@ within the limits, descriptors parse back, and malformed bodies are named. No UC
 
 from __future__ import annotations
 
+import itertools
 import random
 import re
 import struct
@@ -13,11 +14,15 @@ from hypothesis import strategies as st
 
 from tests.transport.harness import embedding_layout, random_storage
 from transport.frame_plan import (
+    BUNDLE_BYTES,
+    MAX_BUNDLE_FRAMES,
     MAX_DIRECT_FRAME_BYTES,
     MAX_FRAME_BYTES,
     MAX_SEGMENTS,
+    bundle_frames,
     frame_bytes,
     frame_rows,
+    plan_bundles,
     plan_frames,
 )
 from transport.link import BulkWrite
@@ -33,7 +38,7 @@ from transport.ucx_frames import (
     connect_body,
     descriptor_body,
     kind_of,
-    parse_descriptor,
+    parse_descriptors,
     parse_number,
 )
 from transport.ucx_worker import cuda_transports_allowed
@@ -91,8 +96,46 @@ def test_frames_cover_every_row_once_within_the_limits(
             assert frame.rows == sum(piece.rows for piece in frame.pieces) <= frame_rows(width, frame.packed)
             assert frame.length <= max(frame_bytes(frame.packed), width)
             assert all((piece.rows * width >= threshold) != frame.packed for piece in frame.pieces)
-            descriptor = parse_descriptor(descriptor_body(frame, 7, 3), ROW_BYTES)
-            assert descriptor == (frame.packed, index, 3, 7, frame.length, frame.segments())
+            descriptors = parse_descriptors(descriptor_body([frame], 7, 3), ROW_BYTES)
+            assert descriptors == [(frame.packed, index, 3, 7, frame.length, frame.segments())]
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    seed=st.integers(0, 2**16),
+    count=st.integers(1, 1000),
+    threshold=st.sampled_from([0, DIRECT_MIN_BYTES, 1 << 62]),
+    row_bytes=st.sampled_from([ROW_BYTES, [8, 24, 4096], [64 * 1024, 8, 8]]),
+)
+def test_bundles_hold_each_frame_once_and_parse_back(
+    seed: int, count: int, threshold: int, row_bytes: list[int]
+) -> None:
+    """Packed frames of all buffers share bundles within `BUNDLE_BYTES` and `MAX_BUNDLE_FRAMES`; a
+    direct frame stays alone; each bundle's descriptor parses back to its frames, in order."""
+    bulk = bulk_write(seed, count, 0, 0)
+    frames = [
+        frame
+        for index, name in enumerate(bulk.buffers)
+        for frame in plan_frames(bulk, index, name, row_bytes[index], lambda nbytes: nbytes >= threshold)
+    ]
+    index = {name: place for place, name in enumerate(bulk.buffers)}
+    bundles = list(bundle_frames(frames))
+    assert list(plan_bundles(bulk, index, row_bytes, lambda nbytes: nbytes >= threshold)) == bundles
+    assert sorted(id(f) for bundle in bundles for f in bundle) == sorted(id(f) for f in frames)
+    for packed in (True, False):  # each flavour keeps its order
+        assert [f for b in bundles for f in b if f.packed == packed] == [
+            f for f in frames if f.packed == packed
+        ]
+    for bundle in bundles:
+        assert [frame.packed for frame in bundle] in ([True] * len(bundle), [False])
+        assert len(bundle) <= MAX_BUNDLE_FRAMES
+        assert len(bundle) == 1 or sum(frame.length for frame in bundle) <= BUNDLE_BYTES
+        parsed = parse_descriptors(descriptor_body(bundle, 7, 3), row_bytes)
+        assert parsed == [(f.packed, f.buffer, 3, 7, f.length, f.segments()) for f in bundle]
+    packed_bundles = [bundle for bundle in bundles if bundle[0].packed]
+    for bundle, after in itertools.pairwise(packed_bundles):  # closed only when the next is too big
+        full = len(bundle) == MAX_BUNDLE_FRAMES
+        assert full or sum(f.length for f in bundle) + after[0].length > BUNDLE_BYTES
 
 
 @settings(max_examples=60, deadline=None)
@@ -125,17 +168,39 @@ def descriptor(
     count: int = 1,
     segments: list[tuple[int, int]] | None = None,
     length: int | None = None,
+    round: int = 1,
+    kind: int = DESCRIPTOR,
 ) -> bytes:
     """A descriptor body built by hand, so it can be wrong."""
     segments = segments if segments is not None else [(5, 2)]
     length = length if length is not None else sum(rows for _row, rows in segments) * ROW_BYTES[0]
-    header = struct.pack("<BBHIQQI", DESCRIPTOR, flavour, buffer, 1, 2, length, count)
+    header = struct.pack("<BBHIQQI", kind, flavour, buffer, round, 2, length, count)
     return header + b"".join(struct.pack("<QQ", row, rows) for row, rows in segments)
 
 
 @pytest.mark.parametrize(
     ("body", "message"),
     [
+        (descriptor(flavour=2) + descriptor(), "bulk descriptor of 2 frames, not all of them packed"),
+        (
+            descriptor(flavour=2) + descriptor(flavour=2, round=2),
+            "bulk descriptor of 2 frames of different rounds",
+        ),
+        (
+            descriptor(flavour=2, segments=[(0, 1500)]) * 2,
+            f"bulk descriptor of 2 packed frames and {2 * 1500 * 4096} bytes, over the limit of "
+            f"{MAX_BUNDLE_FRAMES} frames and {MAX_FRAME_BYTES} bytes",
+        ),
+        (
+            descriptor(flavour=2) * (MAX_BUNDLE_FRAMES + 1),
+            f"bulk descriptor of {MAX_BUNDLE_FRAMES + 1} packed frames and {(MAX_BUNDLE_FRAMES + 1) * 8192} "
+            f"bytes, over the limit of {MAX_BUNDLE_FRAMES} frames and {MAX_FRAME_BYTES} bytes",
+        ),
+        (descriptor(flavour=2) + b"\x00" * 5, "bulk descriptor of 5 bytes, shorter than its 28-byte header"),
+        (
+            descriptor(flavour=2) + descriptor(flavour=2, kind=ord("M")),
+            "bulk descriptor with a frame of unknown kind 0x4d",
+        ),
         (descriptor()[:20], "bulk descriptor of 20 bytes, shorter than its 28-byte header"),
         (descriptor(flavour=3), "bulk descriptor of unknown flavour 3"),
         (descriptor(buffer=3), "bulk descriptor for buffer 3; the layout has 3 buffers"),
@@ -160,6 +225,12 @@ def descriptor(
         ),
     ],
     ids=[
+        "bundle-mixed",
+        "bundle-rounds",
+        "bundle-too-big",
+        "bundle-too-many",
+        "bundle-trailing",
+        "bundle-kind",
         "short",
         "flavour",
         "buffer",
@@ -173,7 +244,7 @@ def descriptor(
 )
 def test_malformed_descriptors_are_named(body: bytes, message: str) -> None:
     with pytest.raises(UcxFrameError, match=f"^{re.escape(message)}$"):
-        parse_descriptor(body, ROW_BYTES)
+        parse_descriptors(body, ROW_BYTES)
 
 
 def test_connect_accept_and_unknown_bodies() -> None:
