@@ -41,6 +41,7 @@ import trio
 
 from engine.bench.rows import Row, alternate, row, warmed
 from engine.bench.transfer_peer import (
+    KNOWN_LENGTH,
     LAYOUTS,
     RAW_BYTES,
     Source,
@@ -112,6 +113,7 @@ class Receiver:
     def __init__(self, name: str, source_name: str, config: TransferConfig) -> None:
         self.name, self.layout, self.config = name, LAYOUTS[source_name], config
         self.tokens = tokens_for(source_name)
+        self.expected = self.tokens if source_name in KNOWN_LENGTH else None
         num_blocks = 2 * -(-self.tokens // self.layout.block_size)
         self.storage = PoolStorage(self.layout, num_blocks)
         self.pool = fragmented_pool(num_blocks, self.layout.block_size, seed=21)
@@ -140,7 +142,9 @@ class Receiver:
         assert self.endpoint is not None and self.link is not None
         self.count += 1
         start = time.perf_counter()
-        result = await self.endpoint.receive(f"{self.name}-{self.count}", peer=self.link, owner="bench")
+        result = await self.endpoint.receive(
+            f"{self.name}-{self.count}", peer=self.link, owner="bench", expected_tokens=self.expected
+        )
         seconds = time.perf_counter() - start
         landed = crc_of(self.storage, result.blocks, self.tokens) if crc else None
         self.pool.free(result.blocks, "bench")

@@ -54,14 +54,28 @@ LAYOUTS: Final = {
             for kind in ("k", "v")
         ),
     ),
+    # A small model's KV (the built-in tiny model's shape): 4 layers, 256-byte rows, 4 KiB pieces.
+    "kv_small": PoolLayout(
+        block_size=16,
+        buffers=tuple(
+            BufferSpec(name=f"{kind}{layer}", shape=(2, 32), dtype="float32")
+            for layer in range(4)
+            for kind in ("k", "v")
+        ),
+    ),
 }
 PAYLOAD_BYTES: Final = {
     "emb4096": 64 * MiB,
     "emb1024": 8 * MiB,
     "block": 128 * _embedding_layout(1024).bytes_per_token,
     "kv": 64 * MiB,
+    "kv_small": 1 * MiB,  # a 512-token prompt
 }
 RAW_BYTES: Final = 64 * MiB
+# Layouts whose receiver knows the length, as a decode replica knows its prompt's (DESIGN §5.5: KV grants
+# are all-or-nothing): one round. The others start with the default grant, as an embedding transfer does
+# (`kv` too: its rows were first recorded that way).
+KNOWN_LENGTH: Final = frozenset({"kv_small"})
 
 
 def tokens_for(name: str) -> int:

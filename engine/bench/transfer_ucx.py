@@ -8,6 +8,8 @@
 - `ucx_kv_64MiB` (not with `--quick`): the KV layout, 16-token blocks of 32 KiB per buffer (packed frames).
 - `ucx_1block_us`: one 516 KiB block (what a transfer costs beyond its bytes), µs, against a raw ucxx
   request and a reply of the same bytes; lower is better.
+- `ucx_kv_small_us`: the KV of a 512-token prompt of a small model (1 MiB: 8 buffers of 256-byte rows,
+  4 KiB per buffer and block, all packed), µs, against a raw ucxx request and a 1 MiB reply.
 
 UCX runs over `--ucx-tls` (default `sm`: shared memory, what one host offers without a NIC or GPU);
 the benchmark sets `UCX_TLS` for itself and its children, as the entry point.
@@ -32,7 +34,7 @@ import numpy as np
 import trio
 
 from engine.bench.rows import Row, alternate, row, warmed
-from engine.bench.transfer_peer import PAYLOAD_BYTES, RAW_BYTES, Source, peer_process, serve_grants
+from engine.bench.transfer_peer import RAW_BYTES, Source, peer_process, serve_grants
 from transport.endpoint import SenderDelivery, open_endpoint
 from transport.ucx_worker import libucxx
 
@@ -40,7 +42,6 @@ BENCH = "transfer"
 ADDRESS: Final = 1  # raw baseline tags: the receiver's worker address, a request, the payload
 REQUEST: Final = 2
 PAYLOAD: Final = 3
-BLOCK_BYTES: Final = PAYLOAD_BYTES["block"]
 
 
 def _poll_until(worker: Any, done: Callable[[], bool], idle: float | None = None) -> None:
@@ -63,7 +64,8 @@ def _raw_worker(blocking: bool) -> tuple[Any, Any, Any]:
 
 
 def _raw_sender(addresses: queue.Queue[bytes], stop: threading.Event) -> None:
-    """The baseline's sender (a thread of the sender process): each request gets the whole payload."""
+    """The baseline's sender (a thread of the sender process): each request, a little-endian u64 byte
+    count, gets that many bytes of the payload."""
     lib, worker, array = _raw_worker(blocking=True)
     addresses.put(worker.address.tobytes())
     peer = bytearray(4096)
@@ -76,18 +78,19 @@ def _raw_sender(addresses: queue.Queue[bytes], stop: threading.Event) -> None:
         worker, lib.UCXAddress.create_from_buffer(bytes(peer[4 : 4 + length])), False
     )
     payload = np.frombuffer(os.urandom(RAW_BYTES), dtype=np.uint8).copy()
-    request = bytearray(1)
+    request = bytearray(8)
+    replies: dict[int, Any] = {}
 
     def completed(request: Any) -> Callable[[], bool]:
         return lambda: bool(request.completed) or stop.is_set()
 
-    small = payload[:BLOCK_BYTES]
     while not stop.is_set():
         asked = worker.tag_recv(array(memoryview(request)), lib.UCXXTag(REQUEST))
         _poll_until(worker, completed(asked), idle=0.5)
         if asked.completed:
-            reply = array(small if request == b"s" else payload)
-            _poll_until(worker, completed(endpoint.tag_send(reply, lib.UCXXTag(PAYLOAD))))
+            size = int.from_bytes(request, "little")
+            reply = replies.setdefault(size, payload[:size])
+            _poll_until(worker, completed(endpoint.tag_send(array(reply), lib.UCXXTag(PAYLOAD))))
 
 
 async def _serve(source: Source, task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED) -> None:
@@ -141,20 +144,24 @@ class RawReceiver:
         hello = self.endpoint.tag_send(self.array(len(own).to_bytes(4, "little") + own), lib.UCXXTag(ADDRESS))
         _poll_until(self.worker, lambda: hello.completed)
         self.buffer = np.ones(RAW_BYTES, dtype=np.uint8)  # touched: no page faults in the timing
-        self.landed = self.array(self.buffer)
-        self.landed_small = self.array(self.buffer[:BLOCK_BYTES])
-        self.ask, self.ask_small = self.array(b"g"), self.array(b"s")
+        self._arrays: dict[int, tuple[Any, Any]] = {}
 
     def gbps(self) -> float:
-        return RAW_BYTES / self._exchange(self.landed, self.ask) / 1e9
+        return RAW_BYTES / self._exchange(RAW_BYTES) / 1e9
 
-    def one_block_us(self) -> float:
-        """Median µs of 50 request/reply exchanges with one block's bytes in the reply."""
-        return statistics.median([self._exchange(self.landed_small, self.ask_small) * 1e6 for _ in range(50)])
+    def median_us(self, nbytes: int) -> float:
+        """Median µs of 50 request/reply exchanges with `nbytes` in the reply."""
+        return statistics.median([self._exchange(nbytes) * 1e6 for _ in range(50)])
 
-    def _exchange(self, landed: Any, ask: Any) -> float:
-        """Seconds for one request (`ask`) and its reply, received into `landed`."""
+    def _exchange(self, nbytes: int) -> float:
+        """Seconds for one request and its reply of `nbytes`, received into the front of `buffer`."""
         lib = self.lib
+        if nbytes not in self._arrays:  # made once: the timing holds the exchange only
+            self._arrays[nbytes] = (
+                self.array(self.buffer[:nbytes]),
+                self.array(nbytes.to_bytes(8, "little")),
+            )
+        landed, ask = self._arrays[nbytes]
         start = time.perf_counter()
         received = self.endpoint.tag_recv(landed, lib.UCXXTag(PAYLOAD))
         asked = self.endpoint.tag_send(ask, lib.UCXXTag(REQUEST))
@@ -168,7 +175,7 @@ def ucx_rows(portal: Any, args: argparse.Namespace, repeats: int, receiver_facto
     """The rows, alternating zigzag and raw; `receiver_factory` builds `transfer.Receiver`s."""
     os.environ["UCX_TLS"] = args.ucx_tls  # this process's and its children's UCX, set by the entry point
     cases = [("emb4096", "ucx_64MiB")] + ([] if args.quick else [("kv", "ucx_kv_64MiB")])
-    layouts = [name for name, _case in cases] + ["block"]
+    layouts = [name for name, _case in cases] + ["block", "kv_small"]
     with peer_process("engine.bench.transfer_ucx:serve_ucx_sender", {"layouts": layouts}) as (_child, ready):
         raw = RawReceiver(str(ready["raw"]))
         raw.gbps()
@@ -194,32 +201,37 @@ def ucx_rows(portal: Any, args: argparse.Namespace, repeats: int, receiver_facto
                 unit="GB/s",
                 note=note,
             )
-        yield _one_block_row(portal, args, repeats, receiver_factory, ready, raw)
+        for source_name, case, what in (
+            ("block", "ucx_1block_us", "one block"),
+            ("kv_small", "ucx_kv_small_us", ""),
+        ):
+            yield _small_row(portal, args, repeats, receiver_factory, ready, raw, source_name, case, what)
 
 
-def _one_block_row(
+def _small_row(
     portal: Any,
     args: argparse.Namespace,
     repeats: int,
     receiver_factory: Any,
     ready: dict[str, Any],
     raw: RawReceiver,
+    source_name: str,
+    case: str,
+    what: str,
 ) -> Row:
-    """`ucx_1block_us`: one 516 KiB block from the sender process, µs (median of 50 per figure), against
-    a raw ucxx request and a reply of the same bytes."""
-    receiver = receiver_factory("ucx_1block-receiver", "block")
-    portal.call(receiver.open, portal, ready["block"], None)
-    receiver.checked(portal, ready["block_crc"])
-
+    """`case`: one small transfer of layout `source_name` from the sender process, µs (median of 50
+    per figure), against a raw ucxx request and a reply of the same bytes."""
+    receiver = receiver_factory(f"{case}-receiver", source_name)
+    portal.call(receiver.open, portal, ready[source_name], None)
+    receiver.checked(portal, ready[f"{source_name}_crc"])
     project, baseline = alternate(
-        warmed(partial(receiver.median_us, portal)), warmed(raw.one_block_us), repeats
+        warmed(partial(receiver.median_us, portal)), warmed(partial(raw.median_us, receiver.nbytes)), repeats
     )
-    note = (
-        f"{receiver.nbytes} bytes, one block, UCX_TLS={args.ucx_tls}; baseline: a raw ucxx request and reply"
-    )
+    what = what or f"{receiver.rounds} rounds, {source_name} layout"
+    note = f"{receiver.nbytes} bytes, {what}, UCX_TLS={args.ucx_tls}; baseline: a raw ucxx request and reply"
     return row(
         BENCH,
-        "ucx_1block_us",
+        case,
         "us",
         "lower",
         project,
