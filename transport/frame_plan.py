@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Final, final
+from typing import Final, NamedTuple, final
 
 from transport.link import BulkWrite
 
@@ -33,9 +33,9 @@ MAX_BUNDLE_FRAMES: Final = 64
 BUNDLE_BYTES: Final = 1024 * 1024
 
 
-@dataclass(frozen=True, slots=True)
-class Piece:
-    """Rows `[src_row, +rows)` of the sender's buffer go to rows `[dst_row, +rows)` of the receiver's."""
+class Piece(NamedTuple):
+    """Rows `[src_row, +rows)` of the sender's buffer go to rows `[dst_row, +rows)` of the receiver's
+    (a tuple: a KV round has a piece per block and buffer, hundreds, and a dataclass costs more to make)."""
 
     src_row: int
     dst_row: int
@@ -82,27 +82,27 @@ def plan_frames(
 ) -> Iterator[Frame]:
     """The frames moving buffer `name` of `bulk`, in the order their pieces appear in its runs (direct
     and packed frames interleave; each frame's pieces keep that order)."""
-    limits = {packed: frame_rows(row_bytes, packed) for packed in (False, True)}
-    filling: dict[bool, Frame] = {}
+    limits = (frame_rows(row_bytes, False), frame_rows(row_bytes, True))
+    filling: list[Frame | None] = [None, None]  # the direct frame and the packed frame being filled
     for run in bulk.runs:
-        done = 0
-        while done < run.rows:
-            rows = min(limits[False], run.rows - done)
+        src_row, dst_row, left = run.src_row, run.dst_row, run.rows
+        while left:
+            rows = min(limits[False], left)
             packed = not direct(rows * row_bytes)
             if packed:  # a smaller slice of a piece too small to go direct stays too small
                 rows = min(rows, limits[True])
-            limit = limits[packed]
-            frame = filling.get(packed)
-            if frame is not None and (frame.rows + rows > limit or len(frame.pieces) == MAX_SEGMENTS):
+            frame = filling[packed]
+            if frame is not None and (
+                frame.rows + rows > limits[packed] or len(frame.pieces) == MAX_SEGMENTS
+            ):
                 yield frame
                 frame = None
             if frame is None:
                 frame = filling[packed] = Frame(packed, buffer, name, row_bytes)
-            frame.pieces.append(Piece(run.src_row + done, run.dst_row + done, rows))
+            frame.pieces.append(Piece(src_row, dst_row, rows))
             frame.rows += rows
-            done += rows
-    for packed in (False, True):
-        frame = filling.get(packed)
+            src_row, dst_row, left = src_row + rows, dst_row + rows, left - rows
+    for frame in filling:
         if frame is not None:
             yield frame
 
@@ -132,10 +132,18 @@ def plan_bundles(
     bulk: BulkWrite, index: Mapping[str, int], row_bytes: Sequence[int], direct: Callable[[int], bool]
 ) -> Iterator[list[Frame]]:
     """`bundle_frames` of the frames of every buffer of `bulk` (`index`: a buffer's place in the layout,
-    `row_bytes` by that place)."""
-    frames = (
-        frame
-        for name in bulk.buffers
-        for frame in plan_frames(bulk, index[name], name, row_bytes[index[name]], direct)
-    )
-    return bundle_frames(frames)
+    `row_bytes` by that place). Buffers share the write's runs, so buffers of one row width (a KV
+    layout's two per layer) share one plan: planning costs about a microsecond per piece."""
+    plans: dict[int, list[Frame]] = {}
+
+    def frames() -> Iterator[Frame]:
+        for name in bulk.buffers:
+            place = index[name]
+            width = row_bytes[place]
+            plan = plans.get(width)
+            if plan is None:
+                plan = plans[width] = list(plan_frames(bulk, place, name, width, direct))
+            for frame in plan:
+                yield Frame(frame.packed, place, name, width, frame.pieces, frame.rows)
+
+    return bundle_frames(frames())

@@ -72,6 +72,7 @@ class GrantedRound:
     rows: dict[int, tuple[int, int]] = field(default_factory=dict)  # block -> granted rows [lo, hi)
     landed: bool = False
     released: bool = False
+    cleared: Sequence[tuple[int, int]] = ()  # the last segments found granted (a write's buffers repeat them)
 
     def __post_init__(self) -> None:
         size, start, end = self.block_size, self.landing_offset, self.landing_offset + self.tokens
@@ -84,6 +85,17 @@ class GrantedRound:
         """CRC-32 of the round's first `tokens` landed tokens (`transport.runs.checksum_runs`)."""
         own = (self.blocks, self.landing_offset)
         return checksum_runs(storage, plan_runs(*own, *own, tokens, self.block_size), buffers, source=False)
+
+    def refusal_of(self, segments: Sequence[tuple[int, int]]) -> str | None:
+        """`refusal` of the first `(dst_row, rows)` segment that is not this grant's, or None."""
+        if segments == self.cleared:
+            return None
+        for dst_row, rows in segments:
+            refusal = self.refusal(dst_row, rows)
+            if refusal is not None:
+                return refusal
+        self.cleared = segments
+        return None
 
     def refusal(self, dst_row: int, rows: int) -> str | None:
         """Why flat rows `[dst_row, +rows)` are not this grant's, or None when they all are."""

@@ -320,8 +320,7 @@ class ReceiveSession:
         if granted.landed:
             return False
         refusal = None if buffer in self._buffer_set else f"bytes for buffer {buffer!r}, not selected"
-        for dst_row, rows in segments:
-            refusal = refusal or granted.refusal(dst_row, rows)
+        refusal = refusal or granted.refusal_of(segments)
         if refusal is not None:
             self._fail(FailureReason.PROTOCOL_ERROR, refusal)
             return False

@@ -155,7 +155,8 @@ def _parse_one(body: bytes | bytearray, at: int, row_bytes: Sequence[int]) -> tu
     if len(body) < end:
         raise UcxFrameError(f"bulk descriptor of {left} bytes does not hold its {count} segments")
     width = row_bytes[buffer]
-    segments = [SEGMENT.unpack_from(body, at + _HEADER.size + i * SEGMENT.size) for i in range(count)]
+    table = struct.unpack_from(f"<{2 * count}Q", body, at + _HEADER.size)
+    segments = list(zip(table[::2], table[1::2], strict=True))
     if any(rows == 0 for _row, rows in segments) or sum(rows for _row, rows in segments) * width != length:
         raise UcxFrameError(
             f"bulk descriptor segments {segments[:4]}{'…' if count > 4 else ''} do not add up to its "
