@@ -31,6 +31,9 @@ MAX_BUNDLE_FRAMES: Final = 64
 # A bundle grows to this many bytes only: the sender packs the next bundle while the receiver copies the
 # last one, and 8 MiB bundles left both sides idle longer at each round's start and end (ucx_kv -4 %).
 BUNDLE_BYTES: Final = 1024 * 1024
+# Where a bundle's frames start in its chunk: a multiple of this, so any dtype can view its rows there
+# (staging a GPU pool's rows views the chunk as the buffer's dtype).
+BUNDLE_ALIGN: Final = 16
 
 
 class Piece(NamedTuple):
@@ -109,8 +112,8 @@ def plan_frames(
 
 def bundle_frames(frames: Iterable[Frame]) -> Iterator[list[Frame]]:
     """`frames` grouped as one descriptor each describes them: a direct frame alone; packed frames,
-    whatever their buffers, together while their bytes stay within `BUNDLE_BYTES` (a bigger frame
-    alone) and they number at most `MAX_BUNDLE_FRAMES`. A KV layout has two buffers per layer, so
+    whatever their buffers, together while their bytes (each frame's start aligned, `bundle_starts`)
+    stay within `BUNDLE_BYTES` (a bigger frame alone) and they number at most `MAX_BUNDLE_FRAMES`. A KV layout has two buffers per layer, so
     a small round costs a descriptor and a message per bundle instead of per buffer (`ucx_kv_small_us`).
     Packed frames may follow direct frames that came after them."""
     bundle: list[Frame] = []
@@ -119,13 +122,28 @@ def bundle_frames(frames: Iterable[Frame]) -> Iterator[list[Frame]]:
         if not frame.packed:
             yield [frame]
             continue
-        if bundle and (size + frame.length > BUNDLE_BYTES or len(bundle) == MAX_BUNDLE_FRAMES):
+        start = _aligned(size)
+        if bundle and (start + frame.length > BUNDLE_BYTES or len(bundle) == MAX_BUNDLE_FRAMES):
             yield bundle
-            bundle, size = [], 0
+            bundle, start = [], 0
         bundle.append(frame)
-        size += frame.length
+        size = start + frame.length
     if bundle:
         yield bundle
+
+
+def bundle_starts(lengths: Sequence[int]) -> tuple[list[int], int]:
+    """Where each frame of a bundle starts in its chunk (`BUNDLE_ALIGN`ed), and the bundle's bytes."""
+    starts, end = [], 0
+    for length in lengths:
+        start = _aligned(end)
+        starts.append(start)
+        end = start + length
+    return starts, end
+
+
+def _aligned(at: int) -> int:
+    return -(-at // BUNDLE_ALIGN) * BUNDLE_ALIGN
 
 
 def plan_bundles(

@@ -26,7 +26,7 @@ from typing import Final, final
 
 import torch
 
-from transport.frame_plan import MAX_FRAME_BYTES, plan_frames
+from transport.frame_plan import MAX_FRAME_BYTES, Frame, bundle_starts, plan_frames
 from transport.link import BulkWrite
 from transport.storage import PoolStorage
 from transport.tcp_frames import BULK, HEADER, MAGIC, SEGMENT, Buffer
@@ -90,6 +90,17 @@ def unpack(
         memory[row * row_bytes : row * row_bytes + size] = view[end : end + size]
         end += size
     return end - at
+
+
+def pack_bundle(storage: PoolStorage, frames: Sequence[Frame], chunks: HostChunks) -> tuple[HostChunk, int]:
+    """The packed frames of a bundle (`bundle_frames`) in a chunk from `chunks`, each from its aligned
+    start (`bundle_starts`), the gaps zeroed; the chunk and the bundle's bytes."""
+    starts, length = bundle_starts([frame.length for frame in frames])
+    chunk, end = chunks.take(length), 0
+    for frame, start in zip(frames, starts, strict=True):
+        chunk.view[end:start] = bytes(start - end)
+        end = start + pack(storage, frame.name, frame.sources(), chunk, start)
+    return chunk, length
 
 
 def row_index(rows: Sequence[tuple[int, int]], device: torch.device) -> torch.Tensor:

@@ -38,9 +38,9 @@ from messages.transfer import PeerMessage
 from transport.config import TransferConfig
 from transport.errors import LinkBroken, LinkClosed, LinkError
 from transport.faults import FaultPlan
-from transport.frame_plan import Frame, plan_bundles
+from transport.frame_plan import Frame, bundle_starts, plan_bundles
 from transport.link import BulkWrite, Link, LinkHandler, Role, keep_alive, more_rounds_follow
-from transport.staging import HostChunk, HostChunks, pack, unpack
+from transport.staging import HostChunk, HostChunks, pack_bundle, unpack
 from transport.storage import PoolStorage
 from transport.ucx_frames import (
     DESCRIPTOR,
@@ -268,11 +268,9 @@ class UcxLink(Link):
         """Post one direct frame, or a bundle of packed ones: descriptor and bytes, with no await in
         between (see `write`)."""
         requests = [self._post(CONTROL, descriptor_body(frames, bulk.landing_key, bulk.round))]
-        chunk, frame, length = None, frames[0], 0
+        chunk, frame = None, frames[0]
         if frame.packed:
-            chunk = self._chunks.take(sum(packed.length for packed in frames))
-            for packed in frames:
-                length += pack(bulk.source, packed.name, packed.sources(), chunk, length)
+            chunk, length = pack_bundle(bulk.source, frames, self._chunks)
             if corrupt:
                 chunk.view[0] ^= 0xFF
             requests.append(self._post(BULK, chunk.view[:length]))
@@ -369,7 +367,7 @@ class UcxLink(Link):
                 return
         while sum(pending.chunk is not None for pending in self._landing) >= PACKED_WINDOW:
             await self._land_oldest()
-        length = sum(frame.length for frame in frames)
+        starts, length = bundle_starts([frame.length for frame in frames])
         chunk = self._chunks.take(length)
         if first.packed:
             requests = [worker.receive(endpoint, on, chunk.view[:length])]
@@ -378,11 +376,10 @@ class UcxLink(Link):
             for _row, rows in first.segments:
                 requests.append(worker.receive(endpoint, on, chunk.view[at : at + rows * width]))
                 at += rows * width
-        pending, at = _Landing(requests, chunk), 0
-        for frame, name, claimed in zip(frames, names, claims):
+        pending = _Landing(requests, chunk)
+        for frame, name, claimed, start in zip(frames, names, claims, starts, strict=True):
             if claimed and landing is not None:
-                pending.rows.append((landing.storage, name, frame.segments, at))
-            at += frame.length
+                pending.rows.append((landing.storage, name, frame.segments, start))
         self._landing.append(pending)
 
     async def _land_oldest(self) -> None:

@@ -12,7 +12,8 @@ buffer u16 | round u32 | landing_key u64 | length u64 | segments u32, then `segm
 rows u64), little-endian. A *direct* frame comes alone, its bytes following as one bulk message per
 segment, in order, each straight from the sender's block memory. Packed frames come in bundles
 (`transport.frame_plan.bundle_frames`: one round, at most one chunk's bytes), whose bytes follow as one
-message: each frame's segments back to back, frame after frame. UCX matches messages of one tag in the
+message: each frame's segments back to back, each frame from a 16-byte aligned offset (`bundle_starts`;
+the gaps are zeros). UCX matches messages of one tag in the
 order they were sent, so the receiver, reading descriptors in order, posts each receive where its bytes
 belong. A body that breaks these rules is a malformed frame: the reader closes the link.
 """
@@ -27,7 +28,14 @@ import torch
 
 from messages.peer_codec import decode_peer, encode_peer
 from messages.transfer import PeerMessage
-from transport.frame_plan import MAX_BUNDLE_FRAMES, MAX_FRAME_BYTES, MAX_SEGMENTS, Frame, frame_bytes
+from transport.frame_plan import (
+    MAX_BUNDLE_FRAMES,
+    MAX_FRAME_BYTES,
+    MAX_SEGMENTS,
+    Frame,
+    bundle_starts,
+    frame_bytes,
+)
 from transport.runs import run_bytes
 from transport.storage import PoolStorage
 from transport.tcp_frames import SEGMENT
@@ -123,7 +131,7 @@ def parse_descriptors(body: bytes | bytearray, row_bytes: Sequence[int]) -> list
         frame, at = _parse_one(body, at, row_bytes)
         frames.append(frame)
     if len(frames) > 1:
-        total = sum(frame.length for frame in frames)
+        total = bundle_starts([frame.length for frame in frames])[1]
         if not all(frame.packed for frame in frames):
             raise UcxFrameError(f"bulk descriptor of {len(frames)} frames, not all of them packed")
         if len({(frame.round, frame.landing_key) for frame in frames}) > 1:

@@ -10,13 +10,15 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from messages.layout import BufferSpec, PoolLayout
 from tests.transport.harness import embedding_layout, kv_layout, poisoned_storage, random_storage
-from transport.frame_plan import MAX_FRAME_BYTES
+from transport.frame_plan import MAX_FRAME_BYTES, bundle_starts, plan_bundles
 from transport.link import BulkWrite
 from transport.staging import (
     HostChunks,
     gather_rows,
     pack,
+    pack_bundle,
     scatter_rows,
     staged_tcp_frames,
     unpack,
@@ -112,3 +114,45 @@ def test_staged_tcp_frames_parse_back_to_the_rows(corrupt: bool) -> None:
                 expected[0] ^= 0xFF
             assert bytes(payload) == bytes(expected)
     assert rows_seen == 2 * 300
+
+
+def test_a_bundle_packs_frames_of_any_dtype_at_aligned_starts() -> None:
+    """Rows of 6, 8 and 20 bytes share one chunk; each frame starts 16-byte aligned (the gaps zeroed,
+    whatever the chunk held before), so the device path can view every frame as its dtype."""
+    layout = PoolLayout(
+        block_size=4,
+        buffers=(
+            BufferSpec(name="a", shape=(3,), dtype="bfloat16"),
+            BufferSpec(name="b", shape=(), dtype="int64"),
+            BufferSpec(name="c", shape=(5,), dtype="float32"),
+        ),
+    )
+    source, target = random_storage(layout, 8, seed=3), poisoned_storage(layout, 8)
+    bulk = BulkWrite(
+        source=source,
+        source_ids=[5, 1, 6],
+        source_offset=1,
+        dest_ids=[2, 7, 0],
+        dest_offset=3,
+        count=9,
+        buffers=("a", "b", "c"),
+        landing_key=1,
+        round=0,
+    )
+    (bundle,) = plan_bundles(bulk, {"a": 0, "b": 1, "c": 2}, [6, 8, 20], lambda _nbytes: False)
+    chunks = HostChunks(pinned=False)
+    dirty = chunks.take()
+    dirty.tensor.fill_(0xFF)
+    chunks.give(dirty)
+    chunk, length = pack_bundle(source, bundle, chunks)
+    starts, total = bundle_starts([frame.length for frame in bundle])
+    assert chunk is dirty and length == total and starts == [0, 64, 144]
+    assert [frame.length for frame in bundle] == [54, 72, 180]
+    assert bool((chunk.tensor[54:64] == 0).all()) and bool((chunk.tensor[136:144] == 0).all())
+    for frame, start in zip(bundle, starts, strict=True):
+        assert scatter_rows(target, frame.name, frame.segments(), chunk, start) == frame.length
+        landed, sent = target.flat(frame.name), source.flat(frame.name)
+        for piece in frame.pieces:
+            rows = slice(piece.dst_row, piece.dst_row + piece.rows)
+            sources = slice(piece.src_row, piece.src_row + piece.rows)
+            assert torch.equal(landed[rows].view(torch.uint8), sent[sources].view(torch.uint8))
