@@ -113,9 +113,10 @@ def plan_frames(
 def bundle_frames(frames: Iterable[Frame]) -> Iterator[list[Frame]]:
     """`frames` grouped as one descriptor each describes them: a direct frame alone; packed frames,
     whatever their buffers, together while their bytes (each frame's start aligned, `bundle_starts`)
-    stay within `BUNDLE_BYTES` (a bigger frame alone) and they number at most `MAX_BUNDLE_FRAMES`. A KV layout has two buffers per layer, so
-    a small round costs a descriptor and a message per bundle instead of per buffer (`ucx_kv_small_us`).
-    Packed frames may follow direct frames that came after them."""
+    stay within `BUNDLE_BYTES` (a bigger frame alone) and they number at most `MAX_BUNDLE_FRAMES`.
+    A KV layout has two buffers per layer, so a small round costs a descriptor and a message per
+    bundle instead of per buffer (`ucx_kv_small_us`). Packed frames may follow direct frames that came
+    after them."""
     bundle: list[Frame] = []
     size = 0
     for frame in frames:

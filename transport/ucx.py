@@ -7,9 +7,10 @@ How links are made: `transport.ucx_connect`. On a link:
   then its bytes on the bulk tag — a *direct* frame one message per piece, straight from the sender's
   block memory (or GPU memory, when UCX has CUDA transports) into the receiver's; *packed* frames, of
   pieces under 64 KiB or of a GPU pool's rows staged through pinned host memory (`transport.staging`),
-  bundled across buffers: one descriptor and one message per host chunk. The receiver's reader posts each frame's receives where its landing
-  claims them, or into a scratch chunk when the round is gone; before it handles any later peer message
-  (`ChunkDone`, `AbortAck`) it waits until every earlier frame landed, which keeps the link's one order.
+  bundled across buffers (`frame_plan.bundle_frames`): one descriptor and one message per bundle. The
+  receiver's reader posts each frame's receives where its landing claims them, or into a scratch chunk
+  when the round is gone; before it handles any later peer message (`ChunkDone`, `AbortAck`) it waits
+  until every earlier frame landed, which keeps the link's one order.
 - `write` returns once every send completed (UCX reads the source rows until then); it waits for that
   shielded, failing the link when the peer takes nothing for `link_timeout`. Cancellation takes effect
   between frames: a frame's descriptor and bytes are posted together.
