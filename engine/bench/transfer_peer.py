@@ -21,7 +21,7 @@ from typing import Any, Final
 import torch
 import trio
 
-from messages.layout import BufferSpec, PoolLayout
+from messages.layout import BufferSpec, DType, PoolLayout
 from messages.transfer import Grant
 from transport.blocks import BlockPool
 from transport.endpoint import SenderDelivery, TransferEndpoint, open_endpoint
@@ -42,27 +42,24 @@ def _embedding_layout(hidden: int) -> PoolLayout:
     )
 
 
+def _kv_layout(layers: int, shape: tuple[int, ...], dtype: DType) -> PoolLayout:
+    return PoolLayout(
+        block_size=16,
+        buffers=tuple(
+            BufferSpec(name=f"{kind}{layer}", shape=shape, dtype=dtype)
+            for layer in range(layers)
+            for kind in ("k", "v")
+        ),
+    )
+
+
 LAYOUTS: Final = {
     "emb4096": _embedding_layout(4096),
     "emb1024": _embedding_layout(1024),
     "block": _embedding_layout(1024),  # one 128-token block: what a transfer costs beyond its bytes
-    "kv": PoolLayout(
-        block_size=16,
-        buffers=tuple(
-            BufferSpec(name=f"{kind}{layer}", shape=(8, 128), dtype="bfloat16")
-            for layer in range(8)
-            for kind in ("k", "v")
-        ),
-    ),
+    "kv": _kv_layout(layers=8, shape=(8, 128), dtype="bfloat16"),
     # A small model's KV (the built-in tiny model's shape): 4 layers, 256-byte rows, 4 KiB pieces.
-    "kv_small": PoolLayout(
-        block_size=16,
-        buffers=tuple(
-            BufferSpec(name=f"{kind}{layer}", shape=(2, 32), dtype="float32")
-            for layer in range(4)
-            for kind in ("k", "v")
-        ),
-    ),
+    "kv_small": _kv_layout(layers=4, shape=(2, 32), dtype="float32"),
 }
 PAYLOAD_BYTES: Final = {
     "emb4096": 64 * MiB,
