@@ -63,7 +63,7 @@ T = TypeVar("T")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--quick", action="store_true", help="5 repeats, no KV cases")
+    parser.add_argument("--quick", action="store_true", help="5 repeats, no 64 MiB KV cases")
     parser.add_argument("--repeats", type=int, default=None, help="measurements per figure (default 15)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads, project and baselines")
     parser.add_argument("--window", type=int, default=4, help="grant window of the receivers")
