@@ -109,6 +109,12 @@ class TransferConfig(Section, frozen=True, kw_only=True):
     heartbeat_interval: Annotated[
         float, msgspec.Meta(gt=0, le=600), _doc("seconds between heartbeats on an idle network link")
     ] = 1.0
+    ucx_sender_writes: Annotated[
+        bool,
+        _doc(
+            "ucx: a sender on this host writes straight into the receiver's rows (false: the receiver copies)"
+        ),
+    ] = True
 
     def __post_init__(self) -> None:
         if self.heartbeat_interval >= self.progress_timeout:

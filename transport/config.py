@@ -33,6 +33,10 @@ class TransferConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
       (CPU storage only; costs a pass over the bytes).
     - `inproc_thread_bytes`: inproc rounds at least this large are copied in a worker thread, so the
       event loop keeps serving other replicas meanwhile.
+    - `ucx_sender_writes`: over UCX, bytes from a sender process on this host land in scattered receives
+      that the sender writes (the copy runs on the sender's core, straight into the rows); False: the
+      receiver copies them (reads each direct piece, and each bundle of packed rows into a host chunk it
+      then unpacks). See `transport.ucx_landing`.
     """
 
     default_grant_blocks: Positive = 8
@@ -47,6 +51,7 @@ class TransferConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     orphan_timeout: Seconds = 30.0
     checksums: bool = False
     inproc_thread_bytes: Positive = 4 * 1024 * 1024
+    ucx_sender_writes: bool = True
 
     def __post_init__(self) -> None:
         if self.link_timeout <= self.heartbeat_interval:

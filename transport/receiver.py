@@ -370,11 +370,12 @@ class ReceiveSession:
                 except LinkError as exc:
                     # A link that cannot carry the Abort is closed, and a closed link is the fence.
                     _log.info("transfer.abort_undelivered", transfer_id=self.transfer_id, error=str(exc))
-        if self.link.is_closed:
-            await self.link.quiesce()
-        in_flight, writes_pending = self._landings.settle_failure(
-            fenced=self._peer_fenced or self.link.is_closed
-        )
+        fenced = self._peer_fenced or self.link.is_closed
+        if self.link.is_closed:  # a writer that neither finishes nor exits: its fence waits in the background
+            with trio.move_on_after(self._config.fence_timeout) as waiting:
+                await self.link.quiesce()
+            fenced = fenced and not waiting.cancelled_caught
+        in_flight, writes_pending = self._landings.settle_failure(fenced=fenced)
         if writes_pending:
             fence = self.host.open_fence(self.link, self.transfer_id, in_flight, self._landings.tag)
             if self._landings.borrowed is not None:

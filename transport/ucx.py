@@ -27,7 +27,6 @@ import itertools
 import math
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any, Final, final
 
 import structlog
@@ -39,9 +38,10 @@ from messages.transfer import PeerMessage
 from transport.config import TransferConfig
 from transport.errors import LinkBroken, LinkClosed, LinkError
 from transport.faults import FaultPlan
-from transport.frame_plan import Frame, bundle_starts, plan_bundles
+from transport.frame_plan import Frame, plan_bundles
 from transport.link import BulkWrite, Link, LinkHandler, Role, keep_alive, more_rounds_follow
-from transport.staging import HostChunk, HostChunks, pack_bundle, unpack
+from transport.peer_process import process_gone
+from transport.staging import HostChunk, HostChunks, pack_bundle
 from transport.storage import PoolStorage
 from transport.ucx_frames import (
     DESCRIPTOR,
@@ -59,22 +59,13 @@ from transport.ucx_frames import (
     parse_message,
     payload_rows,
 )
+from transport.ucx_landing import Landing, direct, land, scattered, settle, through_chunk
 from transport.ucx_worker import BULK, CONTROL, LISTENER, Arrival, UcxFailed, UcxWorker, tag
 
 DIRECT_MIN_BYTES: Final = 64 * 1024
 PACKED_WINDOW: Final = 4
 _link_numbers = itertools.count(1)
 _log = structlog.get_logger("transport.ucx")
-
-
-@dataclass(slots=True)
-class _Landing:
-    """One descriptor's receives; `chunk` (and `rows`, each frame's rows with where its bytes start in the
-    chunk, to scatter into when its round stands) when it lands through host memory."""
-
-    requests: list[Any]
-    chunk: HostChunk | None = None
-    rows: list[tuple[PoolStorage, str, list[tuple[int, int]], int]] = field(default_factory=list)
 
 
 @final
@@ -100,9 +91,10 @@ class UcxLink(Link):
         self.number = worker.register(self._arrive)
         self._endpoint: Any = None
         self._peer_number = LISTENER
+        self._peer_pid: int | None = None
         self._scope = trio.CancelScope()
         self._chunks = HostChunks()
-        self._landing: deque[_Landing] = deque()
+        self._landing: deque[Landing] = deque()
         self._in_flight: list[tuple[list[Any], HostChunk | None]] = []  # sends of writes not yet settled
         self._last_received = self._last_sent = trio.current_time()
         self._bulk_sent = 0
@@ -112,8 +104,10 @@ class UcxLink(Link):
         """Talk to the far link `peer_number` (its listener, `LISTENER`, until accepted) over `endpoint`."""
         self._endpoint, self._peer_number = endpoint, peer_number
 
-    def accepted(self, peer_number: int) -> None:
-        self._peer_number = peer_number
+    def accepted(self, peer_number: int, peer_pid: int | None) -> None:
+        """The sender accepted as link `peer_number`; `peer_pid`: its process, when on this host (the
+        fence for scattered receives: `quiesce`)."""
+        self._peer_number, self._peer_pid = peer_number, peer_pid
 
     def _arrive(self, arrival: Arrival) -> None:
         # Any arrival is liveness, even while the reader waits for bulk bytes.
@@ -147,10 +141,15 @@ class UcxLink(Link):
         self._worker.disconnect(self._endpoint)
 
     async def quiesce(self) -> None:
+        """Once closed: every receive posted into block memory completed, was cancelled, or was
+        scattered for a sender process that has exited (and so writes nothing more)."""
         await self.closed.wait()
+        peer = self._peer_pid
         with trio.CancelScope(shield=True):
-            for landing in list(self._landing):
-                await self._worker.wait(landing.requests, check=False)
+            if not await settle(
+                self._worker, list(self._landing), lambda: peer is not None and process_gone(peer)
+            ):
+                _log.warning("transfer.ucx_writer_gone", link=self.describe(), pid=peer)
 
     def _raise_closed(self) -> None:
         assert self.error is not None
@@ -350,9 +349,8 @@ class UcxLink(Link):
             self.close(LinkClosed(f"link {self.describe()}: the peer closed it ({parse_goodbye(body)})"))
 
     async def _receive_frames(self, frames: list[Descriptor]) -> None:
-        """Post a descriptor's receives: a direct frame's into block memory when its landing claims it
-        and UCX can reach that memory; anything else into a chunk, scattered into the rows of each frame
-        whose landing claimed it once landed, if its round still stands."""
+        """Post a descriptor's receives (`transport.ucx_landing`): scattered or direct into block memory
+        when the landing claims every frame, through a host chunk otherwise."""
         first, worker, endpoint = frames[0], self._worker, self._endpoint
         landing = self.handler.landing(self, first.landing_key)
         names = [self._layout.buffers[frame.buffer].name for frame in frames]
@@ -360,38 +358,30 @@ class UcxLink(Link):
             landing is not None and landing.claim(f.round, n, f.segments) for f, n in zip(frames, names)
         ]
         on = tag(self.number, BULK)
-        if claims[0] and landing is not None and not first.packed:
+        if landing is not None and all(claims):
             storage = landing.storage
-            if storage.device.type == "cpu" or worker.cuda_capable:
-                targets = [payload_rows(storage, names[0], row, rows) for row, rows in first.segments]
-                self._landing.append(_Landing([worker.receive(endpoint, on, t) for t in targets]))
+            if storage.device.type == "cpu" and self._peer_pid is not None and self._config.ucx_sender_writes:
+                self._landing.append(scattered(worker, endpoint, on, storage, frames, names, self._row_bytes))
+                return
+            if not first.packed and (storage.device.type == "cpu" or worker.cuda_capable):
+                self._landing.append(direct(worker, endpoint, on, storage, first, names[0]))
                 return
         while sum(pending.chunk is not None for pending in self._landing) >= PACKED_WINDOW:
             await self._land_oldest()
-        starts, length = bundle_starts([frame.length for frame in frames])
-        chunk = self._chunks.take(length)
-        if first.packed:
-            requests = [worker.receive(endpoint, on, chunk.view[:length])]
-        else:
-            width, at, requests = self._row_bytes[first.buffer], 0, []
-            for _row, rows in first.segments:
-                requests.append(worker.receive(endpoint, on, chunk.view[at : at + rows * width]))
-                at += rows * width
-        pending = _Landing(requests, chunk)
-        for frame, name, claimed, start in zip(frames, names, claims, starts, strict=True):
-            if claimed and landing is not None:
-                pending.rows.append((landing.storage, name, frame.segments, start))
-        self._landing.append(pending)
+        targets = [
+            (landing.storage, name) if claimed and landing is not None else None
+            for name, claimed in zip(names, claims, strict=True)
+        ]
+        self._landing.append(
+            through_chunk(worker, endpoint, on, self._chunks, frames, targets, self._row_bytes)
+        )
 
     async def _land_oldest(self) -> None:
         pending = self._landing[0]
         await self._worker.wait(pending.requests)
         self._landing.popleft()
         self._last_received = trio.current_time()
-        if pending.chunk is not None:
-            for storage, name, segments, at in pending.rows:
-                unpack(storage, name, segments, pending.chunk, at)
-            self._chunks.give(pending.chunk)
+        land(pending, self._chunks)
 
     async def _land_all(self) -> None:
         while self._landing:

@@ -7,13 +7,15 @@ from other hosts too.
 
 Connecting (receiver → sender): `dial` makes a UCX endpoint from the sender's worker address and sends
 `connect{its link number, its own worker address}` to the sender's listener (link number 0); the
-listener makes the sending link and an endpoint back, and answers `accept{its link number}`. Then the
+listener makes the sending link and an endpoint back, and answers `accept{its link number, its pid and
+host key}` (the receiver's fence for writes the sender makes into its memory: `transport.peer_process`). Then the
 handshake of DESIGN §5.1 (`Hello` / `HelloAck`) runs over the link as on any transport.
 """
 
 from __future__ import annotations
 
 import math
+import os
 import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING
@@ -23,8 +25,9 @@ import trio
 
 from transport.errors import LinkBroken, LinkClosed, LinkError
 from transport.link import Link, Role
+from transport.peer_process import host_key, local_pid
 from transport.ucx import UcxLink
-from transport.ucx_frames import ACCEPT, CONNECT, UcxFrameError, accept_body, connect_body, parse_number
+from transport.ucx_frames import CONNECT, UcxFrameError, accept_body, connect_body, parse_accept, parse_number
 from transport.ucx_worker import LISTENER, Arrival, UcxFailed, UcxWorker
 
 if TYPE_CHECKING:
@@ -80,8 +83,8 @@ async def dial(endpoint: TransferEndpoint, address: str) -> UcxLink:
         link.attach(worker.connect(peer), LISTENER)
         await link.post_control(connect_body(link.number, worker.address))
         with trio.move_on_after(timeout):
-            number, _rest = parse_number(await link.next_body(), ACCEPT)
-            link.accepted(number)
+            number, pid, key = parse_accept(await link.next_body())
+            link.accepted(number, local_pid(pid, key))
             return link
         error = LinkBroken(f"no answer from {shown} within {timeout} s")
     except (UcxFailed, UcxFrameError, trio.EndOfChannel, trio.ClosedResourceError) as exc:
@@ -115,7 +118,7 @@ async def _accept_links(
             number, address = parse_number(arrival.body, CONNECT)
             link = _link(endpoint, worker, "sender")
             link.attach(worker.connect(address), number)
-            await link.post_control(accept_body(link.number))
+            await link.post_control(accept_body(link.number, os.getpid(), host_key()))
         except (UcxFailed, UcxFrameError, LinkError) as exc:
             _log.warning("transfer.ucx_connect_failed", endpoint=endpoint.name, error=str(exc))
             if link is not None:

@@ -4,7 +4,8 @@ says what it is.
     M  a peer message (msgpack, `messages.peer_codec`)
     B  a bulk frame descriptor (below); its bytes follow on the link's bulk tag
     C  connect, receiver → listener: the receiver's link number (u64) and worker address
-    A  accept, listener → receiver: the sender's link number (u64)
+    A  accept, listener → receiver: the sender's link number (u64), its pid (u64) and host key
+       (`transport.peer_process`)
     G  goodbye: the far end closed the link; UTF-8 reason
 
 Bulk descriptor: one or more frame descriptors back to back, each `B` | flavour u8 (1 direct, 2 packed) |
@@ -50,6 +51,7 @@ PACKED: Final = 2
 
 _HEADER: Final = struct.Struct("<BBHIQQI")
 _NUMBER: Final = struct.Struct("<BQ")
+_PID: Final = struct.Struct("<Q")
 
 
 @final
@@ -88,8 +90,17 @@ def connect_body(number: int, address: bytes) -> bytes:
     return _NUMBER.pack(CONNECT, number) + address
 
 
-def accept_body(number: int) -> bytes:
-    return _NUMBER.pack(ACCEPT, number)
+def accept_body(number: int, pid: int, host_key: bytes) -> bytes:
+    return _NUMBER.pack(ACCEPT, number) + _PID.pack(pid) + host_key
+
+
+def parse_accept(body: bytes | bytearray) -> tuple[int, int, bytes]:
+    """The sender's link number, pid and host key from an accept body."""
+    number, rest = parse_number(body, ACCEPT)
+    if len(rest) < _PID.size:
+        raise UcxFrameError(f"an accept body needs a {_PID.size}-byte pid after the link number")
+    (pid,) = _PID.unpack_from(rest)
+    return number, pid, rest[_PID.size :]
 
 
 def goodbye_body(reason: str) -> bytes:

@@ -38,6 +38,7 @@ import structlog
 import trio
 
 from transport.link import POLL_SECONDS
+from transport.ucp_scatter import ScatteredReceive, ScatterFailed, worker_handle
 
 KIND_BITS: Final = 8
 KIND_MASK: Final = (1 << KIND_BITS) - 1
@@ -159,6 +160,8 @@ class UcxWorker:
         self._tracked: list[tuple[Any, object]] = []  # (request, what it reads or writes) until completed
         self._prune_at = 64
         self._endpoints: set[Any] = set()
+        self._handle = worker_handle(self._worker)
+        self._scattered: dict[Any, list[ScatteredReceive]] = {}
         self._sleep: trio.CancelScope | None = None
         self._kicked = False
         self._running = False
@@ -193,6 +196,8 @@ class UcxWorker:
         if endpoint in self._endpoints:
             self._endpoints.discard(endpoint)
             endpoint.close()
+            for request in self._scattered.pop(endpoint, []):
+                request.cancel()
             self.kick()
 
     # ------------------------------------------------------------------ requests
@@ -223,6 +228,24 @@ class UcxWorker:
         except self._lib.UCXError as exc:
             raise UcxFailed(f"receive not posted: {type(exc).__name__}: {exc}") from exc
         self._track(request, array)
+        return request
+
+    def receive_scattered(
+        self, endpoint: Any, on: int, segments: Sequence[tuple[int, int]], keep: object
+    ) -> ScatteredReceive:
+        """Post a tag receive for the next message tagged exactly `on`, landing in `segments` (`(address,
+        length)`, in order) of memory that `keep` owns (`transport.ucp_scatter`). Cancelled (where UCX
+        can) when `endpoint` is disconnected. Raises `UcxFailed` once `endpoint` is disconnected."""
+        self._check_endpoint(endpoint)
+        try:
+            request = ScatteredReceive(self._handle, on, segments, keep)
+        except ScatterFailed as exc:
+            raise UcxFailed(str(exc)) from exc
+        pending = self._scattered.setdefault(endpoint, [])
+        if len(pending) >= self._prune_at:
+            pending[:] = [posted for posted in pending if not posted.completed]
+        pending.append(request)
+        self._track(request, keep)
         return request
 
     def _track(self, request: Any, keep: object) -> None:
@@ -258,7 +281,7 @@ class UcxWorker:
         """Raise `UcxFailed` if the completed `request` ended in error."""
         try:
             request.check_error()
-        except self._lib.UCXError as exc:
+        except (self._lib.UCXError, ScatterFailed) as exc:
             raise UcxFailed(f"{type(exc).__name__}: {exc}") from exc
 
     def kick(self) -> None:

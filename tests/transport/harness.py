@@ -158,10 +158,13 @@ async def endpoint_pair(
     sender_control: trio.MemorySendChannel[SenderDelivery] | None = None,
 ) -> AsyncIterator[Pair]:
     """A sending endpoint on `source` and a receiving one, linked over `kind` ("inproc", "tcp", "ucx",
-    "cuda-ipc", or "inproc-threads": inproc with every round copied through the link's copy lane)."""
+    "cuda-ipc", "inproc-threads": inproc with every round copied through the link's copy lane, or
+    "ucx-receiver-copies": ucx with `ucx_sender_writes` off, so the receiver reads the bytes itself)."""
     if kind == "inproc-threads":
         kind, config = "inproc", msgspec.structs.replace(config or TransferConfig(), inproc_thread_bytes=1)
         sender_config = sender_config and msgspec.structs.replace(sender_config, inproc_thread_bytes=1)
+    if kind == "ucx-receiver-copies":
+        kind, config = "ucx", msgspec.structs.replace(config or TransferConfig(), ucx_sender_writes=False)
     network = InprocNetwork()
     async with (
         open_endpoint(

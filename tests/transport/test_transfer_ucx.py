@@ -34,14 +34,15 @@ from transport.endpoint import open_endpoint
 pytestmark = pytest.mark.usefixtures("ucx_env")
 
 
+@pytest.mark.parametrize("kind", ["ucx", "ucx-receiver-copies"])
 @pytest.mark.parametrize(("total", "cap", "rounds"), SEED_SCENARIOS)
-async def test_seed_scenarios_over_ucx(total: int, cap: int | None, rounds: int) -> None:
+async def test_seed_scenarios_over_ucx(kind: str, total: int, cap: int | None, rounds: int) -> None:
     layout = embedding_layout()
     source = Source(layout, total, seed=total)
     storage, pool = random_storage(layout, 100, seed=1), shuffled_pool(100, 128, seed=2)
     config = TransferConfig(default_grant_blocks=8, round_cap_blocks=cap)
     collector = Collector()
-    async with endpoint_pair("ucx", source, storage, pool, config=config) as pair:
+    async with endpoint_pair(kind, source, storage, pool, config=config) as pair:
         assert pair.link.link_id.startswith("ucx-")
         async with trio.open_nursery() as nursery:
             nursery.start_soon(send_all, pair.sender, "t", source)
@@ -51,7 +52,7 @@ async def test_seed_scenarios_over_ucx(total: int, cap: int | None, rounds: int)
     assert pool.used_blocks == 0
 
 
-@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=16, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     block_size=st.sampled_from([1, 5, 16, 64]),
     hidden=st.sampled_from([3, 4096]),  # 16 KiB rows: runs of whole blocks go direct, others packed
@@ -61,6 +62,7 @@ async def test_seed_scenarios_over_ucx(total: int, cap: int | None, rounds: int)
     mode=st.sampled_from(["keep", "consume", "borrowed"]),
     fragmentation=st.lists(st.tuples(st.integers(1, 4), st.booleans()), max_size=8),
     seed=st.integers(0, 2**16),
+    kind=st.sampled_from(["ucx", "ucx-receiver-copies"]),
 )
 def test_random_transfers_over_ucx_land_identical_data_and_nothing_else(
     block_size: int,
@@ -71,9 +73,10 @@ def test_random_transfers_over_ucx_land_identical_data_and_nothing_else(
     mode: str,
     fragmentation: list[tuple[int, bool]],
     seed: int,
+    kind: str,
 ) -> None:
     check_random_transfer(
-        "ucx",
+        kind,
         embedding_layout(block_size=block_size, hidden=hidden),
         total=total,
         window=window,

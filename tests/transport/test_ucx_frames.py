@@ -39,6 +39,7 @@ from transport.ucx_frames import (
     connect_body,
     descriptor_body,
     kind_of,
+    parse_accept,
     parse_descriptors,
     parse_number,
 )
@@ -250,7 +251,10 @@ def test_malformed_descriptors_are_named(body: bytes, message: str) -> None:
 
 def test_connect_accept_and_unknown_bodies() -> None:
     assert parse_number(connect_body(9, b"worker-address"), CONNECT) == (9, b"worker-address")
-    assert parse_number(accept_body(4), ACCEPT) == (4, b"")
+    assert parse_number(accept_body(4, 77, b"key"), ACCEPT)[0] == 4
+    assert parse_accept(accept_body(4, 77, b"boot/pid:[1]")) == (4, 77, b"boot/pid:[1]")
+    with pytest.raises(UcxFrameError, match=r"^an accept body needs a 8-byte pid after the link number$"):
+        parse_accept(bytes((ACCEPT,)) + bytes(8))
     with pytest.raises(UcxFrameError, match=r"^expected a 'A' body of at least 9 bytes, got 9$"):
         parse_number(connect_body(9, b""), ACCEPT)
     with pytest.raises(UcxFrameError, match=r"^control body of unknown kind 0xde$"):

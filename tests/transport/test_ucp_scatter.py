@@ -1,0 +1,167 @@
+"""Scattered receives (`transport.ucp_scatter`, issue 7) on a real UCX worker: where the bytes land, the
+errors UCX reports, cancellation, and the fence for a sender process that dies before writing. Over
+`UCX_TLS=sm,tcp` on CPU (the `ucx_env` fixture); real time, as the UCX progress task waits on a file
+descriptor."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import numpy as np
+import pytest
+import trio
+
+from transport.peer_process import host_key, local_pid, process_gone
+from transport.ucx_landing import Landing, settle
+from transport.ucx_worker import UcxFailed, UcxWorker
+
+pytestmark = pytest.mark.usefixtures("ucx_env")
+TAG = (5 << 8) | 2
+
+
+@asynccontextmanager
+async def two_workers() -> AsyncIterator[tuple[UcxWorker, Any, UcxWorker, Any]]:
+    """A sending and a receiving worker, each progressed by its task, with an endpoint to the other."""
+    async with trio.open_nursery() as nursery:
+        sender, receiver = UcxWorker("sender"), UcxWorker("receiver")
+        await nursery.start(sender.run)
+        await nursery.start(receiver.run)
+        yield sender, sender.connect(receiver.address), receiver, receiver.connect(sender.address)
+        nursery.cancel_scope.cancel()
+
+
+def address_of(memory: np.ndarray, at: int) -> int:
+    return int(memory.ctypes.data) + at
+
+
+async def test_a_scattered_receive_lands_each_piece_where_its_segment_points() -> None:
+    message = bytes(range(256)) * 8  # 2048 bytes: pieces of 700, 48, 1000 and 300
+    memory = np.zeros(4096, dtype=np.uint8)
+    segments = [(address_of(memory, 3000), 700), (address_of(memory, 10), 48)]
+    segments += [(address_of(memory, 1024), 1000), (address_of(memory, 3750), 300)]
+    with trio.fail_after(10):
+        async with two_workers() as (sender, to_receiver, receiver, to_sender):
+            request = receiver.receive_scattered(to_sender, TAG, segments, memory)
+            await sender.wait([sender.send(to_receiver, TAG, message)])
+            await receiver.wait([request])
+    assert bytes(memory[3000:3700]) == message[:700]
+    assert bytes(memory[10:58]) == message[700:748]
+    assert bytes(memory[1024:2024]) == message[748:1748]
+    assert bytes(memory[3750:4050]) == message[1748:]
+    untouched = np.ones(4096, dtype=bool)
+    for start, end in ((3000, 3700), (10, 58), (1024, 2024), (3750, 4050)):
+        untouched[start:end] = False
+    assert not memory[untouched].any()
+
+
+async def test_a_message_longer_than_its_segments_fails_the_receive_as_truncated() -> None:
+    memory = np.zeros(64, dtype=np.uint8)
+    with trio.fail_after(10):
+        async with two_workers() as (sender, to_receiver, receiver, to_sender):
+            request = receiver.receive_scattered(to_sender, TAG, [(address_of(memory, 0), 64)], memory)
+            await sender.wait([sender.send(to_receiver, TAG, bytes(100))])
+            with pytest.raises(UcxFailed, match=r"^ScatterFailed: Message truncated \(-9\)$"):
+                await receiver.wait([request])
+
+
+async def test_disconnecting_cancels_a_pending_scattered_receive_and_no_more_can_be_posted() -> None:
+    memory = np.zeros(64, dtype=np.uint8)
+    with trio.fail_after(10):
+        async with two_workers() as (_sender, _to_receiver, receiver, to_sender):
+            request = receiver.receive_scattered(to_sender, TAG, [(address_of(memory, 0), 64)], memory)
+            receiver.disconnect(to_sender)
+            with pytest.raises(UcxFailed, match=r"^ScatterFailed: Request canceled \(-16\)$"):
+                await receiver.wait([request])
+            with pytest.raises(UcxFailed, match=r"^the UCX endpoint is closed \(worker 'receiver'\)$"):
+                receiver.receive_scattered(to_sender, TAG, [(address_of(memory, 0), 64)], memory)
+
+
+# Posts a 1 MiB send to the worker at argv[1] on tag argv[2], progresses 0.3 s (its rendezvous request
+# reaches the receiver), prints its own address, then never progresses again: it owes a write it never
+# makes.
+SILENT_SENDER = """
+import sys, time
+import ucxx._lib.libucxx as lib
+from ucxx._lib.arr import Array
+worker = lib.UCXWorker(lib.UCXContext(feature_flags=(lib.Feature.TAG, lib.Feature.WAKEUP)))
+address = lib.UCXAddress.create_from_buffer(bytes.fromhex(sys.argv[1]))
+endpoint = lib.UCXEndpoint.create_from_worker_address(worker, address, False)
+request = endpoint.tag_send(Array(bytearray(1 << 20)), lib.UCXXTag(int(sys.argv[2])))
+end = time.monotonic() + 0.3
+while time.monotonic() < end:
+    worker.progress()
+print(worker.address.tobytes().hex(), flush=True)
+sys.stdin.read()
+"""
+
+
+async def test_a_matched_receive_holds_its_fence_until_its_writer_process_is_gone(
+    ucx_env: dict[str, str],
+) -> None:
+    """A receive UCX has matched cannot be cancelled, and only its sender writes it: `settle` waits while
+    that process lives, and returns False once it has died."""
+    memory = np.zeros(1 << 20, dtype=np.uint8)
+    async with trio.open_nursery() as nursery:
+        worker = UcxWorker("receiver")
+        await nursery.start(worker.run)
+        child = subprocess.Popen(
+            [sys.executable, "-c", SILENT_SENDER, worker.address.hex(), str(TAG)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            env={**ucx_env, "UCX_LOG_FILE": "stderr", "UCX_WARN_UNUSED_ENV_VARS": "n"},  # stdout: the address
+        )
+        try:
+            assert child.stdout is not None
+            with trio.fail_after(60):
+                line = await trio.to_thread.run_sync(child.stdout.readline)
+            endpoint = worker.connect(bytes.fromhex(line.decode()))
+            await trio.sleep(0.2)  # the rendezvous request waits, unexpected, in this worker
+            request = worker.receive_scattered(endpoint, TAG, [(address_of(memory, 0), 1 << 20)], memory)
+            request.cancel()  # matched at once: cancelling does nothing
+            landing = Landing([request])
+            with trio.move_on_after(0.5) as waited:
+                await settle(worker, [landing], lambda: process_gone(child.pid))
+            assert waited.cancelled_caught and not request.completed
+            child.kill()
+            with trio.fail_after(10):
+                assert await settle(worker, [landing], lambda: process_gone(child.pid)) is False
+            assert not request.completed and not memory.any()
+        finally:
+            child.kill()
+            child.wait()
+            nursery.cancel_scope.cancel()
+
+
+async def test_a_landing_whose_receives_complete_settles_true_without_asking_about_the_writer() -> None:
+    memory = np.zeros(16, dtype=np.uint8)
+    asked: list[bool] = []
+
+    def writer_gone() -> bool:
+        asked.append(True)
+        return True
+
+    with trio.fail_after(10):
+        async with two_workers() as (sender, to_receiver, receiver, to_sender):
+            request = receiver.receive_scattered(to_sender, TAG, [(address_of(memory, 0), 16)], memory)
+            await sender.wait([sender.send(to_receiver, TAG, bytes(range(16)))])
+            assert await settle(receiver, [Landing([request])], writer_gone) is True
+    assert asked == [] and bytes(memory) == bytes(range(16))
+
+
+def test_a_pid_counts_only_with_this_hosts_key_and_a_dead_child_is_gone() -> None:
+    assert host_key()  # Linux with /proc: boot id and pid namespace
+    assert local_pid(os.getpid(), host_key()) == os.getpid()
+    assert local_pid(os.getpid(), b"another-host/pid:[1]") is None
+    assert local_pid(os.getpid(), b"") is None
+    assert not process_gone(os.getpid())
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    while child.poll() is None and not process_gone(child.pid):
+        pass  # exited but not yet reaped is a zombie: gone already
+    assert process_gone(child.pid)
+    child.wait()
+    assert process_gone(child.pid)

@@ -1,0 +1,163 @@
+"""Scattered tag receives straight from libucp (issue 7): UCP's I/O-vector datatype, which ucxx lacks.
+
+ucxx 0.52 receives a message into one contiguous buffer only. A packed bundle's bytes belong to rows
+scattered over block memory, so they used to land in a host chunk and be copied again into the rows, on
+the receiving replica's own thread. `ucp_tag_recv_nbx` also takes an I/O vector (`ucp_dt_iov_t[]`): the
+message lands in the rows themselves. And with an I/O vector on the receiving side UCX picks another
+rendezvous protocol between processes of one host — the *sender* writes the bytes (CMA
+`process_vm_writev`) instead of the receiver reading them — so the copy runs on the sender's core and the
+receiver's thread stays free for its Python. Raw, 64 MiB in 64 messages into 2048 scattered 32 KiB rows:
+7.3–8.2 ms this way, 9.0–9.6 ms into contiguous buffers (`docs/benchmarks.md`).
+
+That protocol is why `transport.ucx` posts scattered receives only to a peer process it can watch: a
+receive the sender has begun to write completes only when the sender says so, and cannot be cancelled.
+If the sender dies first it never completes — but a dead process writes nothing, so its blocks are safe
+once `process_gone(peer)` says so (`UcxLink.quiesce`).
+
+This module calls five functions of the libucp that ucxx already loaded (found by its soname; never
+loaded a second time), on the worker handle ucxx exposes, through ctypes: `ucp_tag_recv_nbx`,
+`ucp_request_check_status`, `ucp_request_cancel`, `ucp_request_free` and `ucs_status_string`.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import os
+from collections.abc import Sequence
+from typing import Any, Final, final
+
+_IN_PROGRESS: Final = 1
+_OK: Final = 0
+_FIELD_DATATYPE: Final = 1 << 3
+_DATATYPE_IOV: Final = 2
+_ALL_TAG_BITS: Final = (1 << 64) - 1
+_ERROR_POINTERS: Final = 100  # UCS_ERR_LAST: a status pointer at or above 2**64 - 100 is an error code
+
+
+class _RequestParam(ctypes.Structure):
+    """`ucp_request_param_t` (ucp.h, UCX 1.x), the fields up to `memh`."""
+
+    _fields_ = [
+        ("op_attr_mask", ctypes.c_uint32),
+        ("flags", ctypes.c_uint32),
+        ("request", ctypes.c_void_p),
+        ("cb", ctypes.c_void_p),
+        ("datatype", ctypes.c_uint64),
+        ("user_data", ctypes.c_void_p),
+        ("reply_buffer", ctypes.c_void_p),
+        ("memory_type", ctypes.c_int),
+        ("recv_info", ctypes.c_void_p),
+        ("memh", ctypes.c_void_p),
+    ]
+
+
+class _Iov(ctypes.Structure):
+    """`ucp_dt_iov_t`."""
+
+    _fields_ = [("buffer", ctypes.c_void_p), ("length", ctypes.c_size_t)]
+
+
+@final
+class ScatterFailed(Exception):
+    """A scattered receive could not be posted, or ended in error (cancelled, truncated)."""
+
+
+@final
+class _Ucp:
+    """The libucp (and libucs) functions this module calls, with their C signatures."""
+
+    def __init__(self) -> None:
+        ucp = ctypes.CDLL("libucp.so.0", mode=os.RTLD_NOLOAD)  # ucxx's own copy, already loaded
+        ucs = ctypes.CDLL("libucs.so.0", mode=os.RTLD_NOLOAD)
+        self.recv = ucp.ucp_tag_recv_nbx
+        self.recv.restype = ctypes.c_void_p
+        self.recv.argtypes = [
+            ctypes.c_void_p,
+            ctypes.c_void_p,
+            ctypes.c_size_t,
+            ctypes.c_uint64,
+            ctypes.c_uint64,
+            ctypes.POINTER(_RequestParam),
+        ]
+        self.check_status = ucp.ucp_request_check_status
+        self.check_status.restype = ctypes.c_int8  # ucs_status_t: a packed (one-byte) enum
+        self.check_status.argtypes = [ctypes.c_void_p]
+        self.cancel = ucp.ucp_request_cancel
+        self.cancel.restype = None
+        self.cancel.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
+        self.free = ucp.ucp_request_free
+        self.free.restype = None
+        self.free.argtypes = [ctypes.c_void_p]
+        self.status_string = ucs.ucs_status_string
+        self.status_string.restype = ctypes.c_char_p
+        self.status_string.argtypes = [ctypes.c_int8]
+        self.iov_param = _RequestParam(op_attr_mask=_FIELD_DATATYPE, datatype=_DATATYPE_IOV)
+
+    def describe(self, status: int) -> str:
+        text = self.status_string(status)
+        return f"{text.decode() if text else 'unknown status'} ({status})"
+
+
+@functools.cache
+def _ucp() -> _Ucp:
+    """Bound on first use, after ucxx has loaded libucp (`transport.ucx_worker.libucxx`)."""
+    return _Ucp()
+
+
+@final
+class ScatteredReceive:
+    """One posted tag receive of a message into `segments` (`(address, length)` each, in message order).
+
+    Quacks like a ucxx request where `UcxWorker` needs it (`completed`, `check_error`). Invariant: the
+    UCP request is freed exactly once, when `completed` first sees it done; `keep` (what owns the memory
+    the segments point into) and the I/O vector stay referenced by this object until then."""
+
+    __slots__ = ("_error", "_iov", "_keep", "_request", "_worker")
+
+    def __init__(
+        self, worker_handle: int, tag: int, segments: Sequence[tuple[int, int]], keep: object
+    ) -> None:
+        ucp = _ucp()
+        iov = (_Iov * len(segments))(*(_Iov(address, length) for address, length in segments))
+        pointer = ucp.recv(worker_handle, iov, len(segments), tag, _ALL_TAG_BITS, ucp.iov_param)
+        if pointer is not None and pointer >= (1 << 64) - _ERROR_POINTERS:
+            raise ScatterFailed(f"receive not posted: {ucp.describe(pointer - (1 << 64))}")
+        self._worker = worker_handle
+        self._iov: ctypes.Array[_Iov] | None = iov
+        self._keep: object = keep
+        self._request: int | None = pointer  # None: completed at once (UCS_OK)
+        self._error: str | None = None
+
+    @property
+    def completed(self) -> bool:
+        request = self._request
+        if request is None:
+            return True
+        ucp = _ucp()
+        status = ucp.check_status(request)
+        if status == _IN_PROGRESS:
+            return False
+        ucp.free(request)
+        self._request = None
+        self._iov = self._keep = None
+        if status != _OK:
+            self._error = ucp.describe(status)
+        return True
+
+    def check_error(self) -> None:
+        """Raise `ScatterFailed` if the completed receive ended in error."""
+        if self._error is not None:
+            raise ScatterFailed(self._error)
+
+    def cancel(self) -> None:
+        """Ask UCX to cancel the receive: one not yet matched completes (in error) on the next progress;
+        one already matched to a message goes on until that message is in."""
+        if not self.completed:
+            assert self._request is not None
+            _ucp().cancel(self._worker, self._request)
+
+
+def worker_handle(worker: Any) -> int:
+    """The `ucp_worker_h` of a ucxx `UCXWorker`."""
+    return int(worker.handle)

@@ -1,0 +1,135 @@
+"""Where a UCX link's bulk bytes land (issue 7): the receives one frame descriptor calls for.
+
+The link's reader reads descriptors in order and posts, for each, the receives of the bytes that follow
+it on the bulk tag (one message per segment of a direct frame, one per bundle of packed frames):
+
+- `scattered`: when the landing claimed every frame, the pool is in host memory and the sender is a
+  process of this host the link can watch (`transport.peer_process`): each message straight into its
+  rows, however scattered, by a receive with an I/O vector (`transport.ucp_scatter`) — the sender writes
+  them, no copy on this thread. A bundle's alignment gaps land in a scratch buffer.
+- `direct`: a direct frame the landing claimed, into block memory UCX can reach (host memory, or GPU
+  memory when UCX has CUDA transports), one contiguous receive per segment; UCX reads the sender's rows.
+- `through_chunk`: anything else — packed frames without the scattered path, GPU pools UCX cannot reach,
+  frames whose round is gone — into a host chunk; `land` then unpacks the claimed frames' rows.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Final
+
+import trio
+
+from transport.frame_plan import BUNDLE_ALIGN, bundle_starts
+from transport.staging import HostChunk, HostChunks, unpack
+from transport.storage import PoolStorage
+from transport.ucx_frames import Descriptor, payload_rows
+from transport.ucx_worker import UcxWorker
+
+# Where a bundle's alignment gaps (fewer than BUNDLE_ALIGN bytes each) land: nobody reads them.
+_GAP: Final = ctypes.create_string_buffer(BUNDLE_ALIGN)
+_GAP_ADDRESS: Final = ctypes.addressof(_GAP)
+WRITER_CHECK_SECONDS: Final = 0.05
+
+
+@dataclass(slots=True)
+class Landing:
+    """One descriptor's receives; `chunk` (and `rows`, each claimed frame's rows with where its bytes
+    start in the chunk) when it lands through host memory."""
+
+    requests: list[Any]
+    chunk: HostChunk | None = None
+    rows: list[tuple[PoolStorage, str, list[tuple[int, int]], int]] = field(default_factory=list)
+
+
+def scattered(
+    worker: UcxWorker,
+    endpoint: Any,
+    on: int,
+    storage: PoolStorage,
+    frames: Sequence[Descriptor],
+    names: Sequence[str],
+    row_bytes: Sequence[int],
+) -> Landing:
+    """Receives straight into the claimed rows of host `storage`, as I/O vectors."""
+    first = frames[0]
+    if not first.packed:
+        base, width = storage.tensors[names[0]].data_ptr(), row_bytes[first.buffer]
+        return Landing(
+            [
+                worker.receive_scattered(endpoint, on, [(base + row * width, rows * width)], storage)
+                for row, rows in first.segments
+            ]
+        )
+    starts, _length = bundle_starts([frame.length for frame in frames])
+    segments: list[tuple[int, int]] = []
+    end = 0
+    for frame, name, start in zip(frames, names, starts, strict=True):
+        if start > end:
+            segments.append((_GAP_ADDRESS, start - end))
+        base, width = storage.tensors[name].data_ptr(), row_bytes[frame.buffer]
+        segments.extend((base + row * width, rows * width) for row, rows in frame.segments)
+        end = start + frame.length
+    return Landing([worker.receive_scattered(endpoint, on, segments, storage)])
+
+
+def direct(
+    worker: UcxWorker, endpoint: Any, on: int, storage: PoolStorage, frame: Descriptor, name: str
+) -> Landing:
+    """A direct frame's receives, one per segment, into the rows of `storage`."""
+    targets = [payload_rows(storage, name, row, rows) for row, rows in frame.segments]
+    return Landing([worker.receive(endpoint, on, target) for target in targets])
+
+
+def through_chunk(
+    worker: UcxWorker,
+    endpoint: Any,
+    on: int,
+    chunks: HostChunks,
+    frames: Sequence[Descriptor],
+    targets: Sequence[tuple[PoolStorage, str] | None],
+    row_bytes: Sequence[int],
+) -> Landing:
+    """Receives into a host chunk; `targets[i]` is where frame i's rows go once landed (None: nowhere,
+    its round is gone or refused it)."""
+    first = frames[0]
+    starts, length = bundle_starts([frame.length for frame in frames])
+    chunk = chunks.take(length)
+    if first.packed:
+        requests = [worker.receive(endpoint, on, chunk.view[:length])]
+    else:
+        width, at, requests = row_bytes[first.buffer], 0, []
+        for _row, rows in first.segments:
+            requests.append(worker.receive(endpoint, on, chunk.view[at : at + rows * width]))
+            at += rows * width
+    landing = Landing(requests, chunk)
+    for frame, target, start in zip(frames, targets, starts, strict=True):
+        if target is not None:
+            storage, name = target
+            landing.rows.append((storage, name, frame.segments, start))
+    return landing
+
+
+async def settle(worker: UcxWorker, landings: Sequence[Landing], writer_gone: Callable[[], bool]) -> bool:
+    """Wait until every receive of `landings` completed (a cancelled one completes too), or until
+    `writer_gone()` — asked every `WRITER_CHECK_SECONDS` — says the process that would complete the rest
+    has exited (a scattered receive UCX has matched completes only when its sender writes it); False
+    then. Cancellable: callers shield it."""
+    for landing in landings:
+        while True:
+            with trio.move_on_after(WRITER_CHECK_SECONDS):
+                await worker.wait(landing.requests, check=False)
+                break
+            if writer_gone():
+                return False
+    return True
+
+
+def land(landing: Landing, chunks: HostChunks) -> None:
+    """After its receives completed: a chunk's rows unpacked into their storage, the chunk given back."""
+    if landing.chunk is not None:
+        for storage, name, segments, at in landing.rows:
+            unpack(storage, name, segments, landing.chunk, at)
+        chunks.give(landing.chunk)
