@@ -21,10 +21,11 @@ loaded a second time), on the worker handle ucxx exposes, through ctypes: `ucp_t
 
 from __future__ import annotations
 
+import array
 import ctypes
 import functools
 import os
-from collections.abc import Sequence
+from collections.abc import Iterable
 from typing import Any, Final, final
 
 _IN_PROGRESS: Final = 1
@@ -80,6 +81,15 @@ class _Ucp:
             ctypes.c_uint64,
             ctypes.POINTER(_RequestParam),
         ]
+        self.send = ucp.ucp_tag_send_nbx
+        self.send.restype = ctypes.c_void_p
+        self.send.argtypes = [
+            ctypes.c_void_p,
+            ctypes.c_void_p,
+            ctypes.c_size_t,
+            ctypes.c_uint64,
+            ctypes.POINTER(_RequestParam),
+        ]
         self.check_status = ucp.ucp_request_check_status
         self.check_status.restype = ctypes.c_int8  # ucs_status_t: a packed (one-byte) enum
         self.check_status.argtypes = [ctypes.c_void_p]
@@ -105,9 +115,9 @@ def _ucp() -> _Ucp:
     return _Ucp()
 
 
-@final
-class ScatteredReceive:
-    """One posted tag receive of a message into `segments` (`(address, length)` each, in message order).
+class _VectorRequest:
+    """One posted tag operation on an I/O vector (`io_vector`: address and length of each segment, in
+    message order).
 
     Quacks like a ucxx request where `UcxWorker` needs it (`completed`, `check_error`). Invariant: the
     UCP request is freed exactly once, when `completed` first sees it done; `keep` (what owns the memory
@@ -116,18 +126,17 @@ class ScatteredReceive:
     __slots__ = ("_error", "_iov", "_keep", "_request", "_worker")
 
     def __init__(
-        self, worker_handle: int, tag: int, segments: Sequence[tuple[int, int]], keep: object
+        self, worker_handle: int, iov: ctypes.Array[_Iov], pointer: int | None, keep: object
     ) -> None:
-        ucp = _ucp()
-        iov = (_Iov * len(segments))(*(_Iov(address, length) for address, length in segments))
-        pointer = ucp.recv(worker_handle, iov, len(segments), tag, _ALL_TAG_BITS, ucp.iov_param)
         if pointer is not None and pointer >= (1 << 64) - _ERROR_POINTERS:
-            raise ScatterFailed(f"receive not posted: {ucp.describe(pointer - (1 << 64))}")
+            raise ScatterFailed(f"{self._what} not posted: {_ucp().describe(pointer - (1 << 64))}")
         self._worker = worker_handle
         self._iov: ctypes.Array[_Iov] | None = iov
         self._keep: object = keep
         self._request: int | None = pointer  # None: completed at once (UCS_OK)
         self._error: str | None = None
+
+    _what = "operation"
 
     @property
     def completed(self) -> bool:
@@ -146,18 +155,61 @@ class ScatteredReceive:
         return True
 
     def check_error(self) -> None:
-        """Raise `ScatterFailed` if the completed receive ended in error."""
+        """Raise `ScatterFailed` if the completed operation ended in error."""
         if self._error is not None:
             raise ScatterFailed(self._error)
 
     def cancel(self) -> None:
-        """Ask UCX to cancel the receive: one not yet matched completes (in error) on the next progress;
-        one already matched to a message goes on until that message is in."""
+        """Ask UCX to cancel: a receive not yet matched (or a send UCX can still take back) completes in
+        error on the next progress; one whose bytes are already moving goes on until they are in."""
         if not self.completed:
             assert self._request is not None
             _ucp().cancel(self._worker, self._request)
 
 
-def worker_handle(worker: Any) -> int:
-    """The `ucp_worker_h` of a ucxx `UCXWorker`."""
-    return int(worker.handle)
+def io_vector(segments: Iterable[tuple[int, int]]) -> array.array[int]:
+    """`(address, length)` segments as an I/O vector: the flat `Q` array the classes below take (an
+    array, not a list of tuples: a bundle has hundreds of segments, and ctypes structs cost ~1 µs each)."""
+    return array.array("Q", [value for segment in segments for value in segment])
+
+
+def _iov(vector: array.array[int]) -> ctypes.Array[_Iov]:
+    return (_Iov * (len(vector) // 2)).from_buffer(vector)
+
+
+@final
+class ScatteredReceive(_VectorRequest):
+    """A tag receive of the next message tagged exactly `tag` on the worker, into I/O vector `vector`."""
+
+    __slots__ = ()
+    _what = "receive"
+
+    def __init__(self, worker_handle: int, tag: int, vector: array.array[int], keep: object) -> None:
+        ucp, iov = _ucp(), _iov(vector)
+        pointer = ucp.recv(worker_handle, iov, len(iov), tag, _ALL_TAG_BITS, ucp.iov_param)
+        super().__init__(worker_handle, iov, pointer, keep)
+
+
+@final
+class GatheredSend(_VectorRequest):
+    """A tag send of I/O vector `vector`'s bytes, back to back, as one message to `endpoint_handle`."""
+
+    __slots__ = ()
+    _what = "send"
+
+    def __init__(
+        self,
+        worker_handle: int,
+        endpoint_handle: int,
+        tag: int,
+        vector: array.array[int],
+        keep: object,
+    ) -> None:
+        ucp, iov = _ucp(), _iov(vector)
+        pointer = ucp.send(endpoint_handle, iov, len(iov), tag, ucp.iov_param)
+        super().__init__(worker_handle, iov, pointer, keep)
+
+
+def handle_of(ucxx_object: Any) -> int:
+    """The UCP handle (`ucp_worker_h`, `ucp_ep_h`) of a ucxx `UCXWorker` or `UCXEndpoint`."""
+    return int(ucxx_object.handle)

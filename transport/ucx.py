@@ -23,6 +23,7 @@ How links are made: `transport.ucx_connect`. On a link:
 
 from __future__ import annotations
 
+import array
 import itertools
 import math
 from collections import deque
@@ -59,7 +60,16 @@ from transport.ucx_frames import (
     parse_message,
     payload_rows,
 )
-from transport.ucx_landing import Landing, direct, land, scattered, settle, through_chunk
+from transport.ucx_landing import (
+    ZEROS_ADDRESS,
+    Landing,
+    bundle_vector,
+    direct,
+    land,
+    scattered,
+    settle,
+    through_chunk,
+)
 from transport.ucx_worker import BULK, CONTROL, LISTENER, Arrival, UcxFailed, UcxWorker, tag
 
 DIRECT_MIN_BYTES: Final = 64 * 1024
@@ -262,6 +272,15 @@ class UcxLink(Link):
         self._last_sent = trio.current_time()
         return request
 
+    def _post_vector(self, vector: array.array[int], keep: object) -> Any:
+        try:
+            request = self._worker.send_gathered(self._endpoint, tag(self._peer_number, BULK), vector, keep)
+        except UcxFailed as exc:
+            self.close(LinkBroken(f"link {self.describe()}: {exc}"))
+            self._raise_closed()
+        self._last_sent = trio.current_time()
+        return request
+
     def _post_frames(
         self, bulk: BulkWrite, frames: list[Frame], corrupt: bool
     ) -> tuple[list[Any], HostChunk | None]:
@@ -269,7 +288,12 @@ class UcxLink(Link):
         between (see `write`)."""
         requests = [self._post(CONTROL, descriptor_body(frames, bulk.landing_key, bulk.round))]
         chunk, frame = None, frames[0]
-        if frame.packed:
+        if frame.packed and not corrupt and bulk.source.device.type == "cpu":
+            parts = [(f.name, f.row_bytes, f.sources(), f.length) for f in frames]
+            vector = bundle_vector(bulk.source, parts, ZEROS_ADDRESS)
+            requests.append(self._post_vector(vector, bulk.source))
+            length = sum(vector[1::2])
+        elif frame.packed:
             chunk, length = pack_bundle(bulk.source, frames, self._chunks)
             if corrupt:
                 chunk.view[0] ^= 0xFF

@@ -15,6 +15,7 @@ it on the bulk tag (one message per segment of a direct frame, one per bundle of
 
 from __future__ import annotations
 
+import array
 import ctypes
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -28,9 +29,12 @@ from transport.storage import PoolStorage
 from transport.ucx_frames import Descriptor, payload_rows
 from transport.ucx_worker import UcxWorker
 
-# Where a bundle's alignment gaps (fewer than BUNDLE_ALIGN bytes each) land: nobody reads them.
+# Where a bundle's alignment gaps (fewer than BUNDLE_ALIGN bytes each) land (nobody reads them), and
+# what a sender sends for them.
 _GAP: Final = ctypes.create_string_buffer(BUNDLE_ALIGN)
 _GAP_ADDRESS: Final = ctypes.addressof(_GAP)
+_ZEROS: Final = ctypes.create_string_buffer(BUNDLE_ALIGN)
+ZEROS_ADDRESS: Final = ctypes.addressof(_ZEROS)
 WRITER_CHECK_SECONDS: Final = 0.05
 
 
@@ -59,20 +63,34 @@ def scattered(
         base, width = storage.tensors[names[0]].data_ptr(), row_bytes[first.buffer]
         return Landing(
             [
-                worker.receive_scattered(endpoint, on, [(base + row * width, rows * width)], storage)
+                worker.receive_scattered(
+                    endpoint, on, array.array("Q", (base + row * width, rows * width)), storage
+                )
                 for row, rows in first.segments
             ]
         )
-    starts, _length = bundle_starts([frame.length for frame in frames])
-    segments: list[tuple[int, int]] = []
+    parts = [(n, row_bytes[f.buffer], f.segments, f.length) for f, n in zip(frames, names, strict=True)]
+    return Landing(
+        [worker.receive_scattered(endpoint, on, bundle_vector(storage, parts, _GAP_ADDRESS), storage)]
+    )
+
+
+def bundle_vector(
+    storage: PoolStorage, parts: Sequence[tuple[str, int, Sequence[tuple[int, int]], int]], gap_address: int
+) -> array.array[int]:
+    """A bundle's bytes as an I/O vector (`transport.ucp_scatter.io_vector`) over host `storage`: each
+    part (buffer name, row bytes, `(row, rows)` stretches, bytes) from its aligned start (`bundle_starts`),
+    the gaps at `gap_address`."""
+    starts, _length = bundle_starts([length for _name, _width, _stretches, length in parts])
+    vector = array.array("Q")
     end = 0
-    for frame, name, start in zip(frames, names, starts, strict=True):
+    for start, (name, width, stretches, length) in zip(starts, parts, strict=True):
         if start > end:
-            segments.append((_GAP_ADDRESS, start - end))
-        base, width = storage.tensors[name].data_ptr(), row_bytes[frame.buffer]
-        segments.extend((base + row * width, rows * width) for row, rows in frame.segments)
-        end = start + frame.length
-    return Landing([worker.receive_scattered(endpoint, on, segments, storage)])
+            vector.extend((gap_address, start - end))
+        base = storage.tensors[name].data_ptr()
+        vector.extend([value for row, rows in stretches for value in (base + row * width, rows * width)])
+        end = start + length
+    return vector
 
 
 def direct(

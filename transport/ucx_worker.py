@@ -25,6 +25,7 @@ request has completed.
 
 from __future__ import annotations
 
+import array
 import functools
 import importlib.util
 import itertools
@@ -38,7 +39,7 @@ import structlog
 import trio
 
 from transport.link import POLL_SECONDS
-from transport.ucp_scatter import ScatteredReceive, ScatterFailed, worker_handle
+from transport.ucp_scatter import GatheredSend, ScatteredReceive, ScatterFailed, handle_of
 
 KIND_BITS: Final = 8
 KIND_MASK: Final = (1 << KIND_BITS) - 1
@@ -160,8 +161,8 @@ class UcxWorker:
         self._tracked: list[tuple[Any, object]] = []  # (request, what it reads or writes) until completed
         self._prune_at = 64
         self._endpoints: set[Any] = set()
-        self._handle = worker_handle(self._worker)
-        self._scattered: dict[Any, list[ScatteredReceive]] = {}
+        self._handle = handle_of(self._worker)
+        self._vectors: dict[Any, list[ScatteredReceive | GatheredSend]] = {}
         self._sleep: trio.CancelScope | None = None
         self._kicked = False
         self._running = False
@@ -196,7 +197,7 @@ class UcxWorker:
         if endpoint in self._endpoints:
             self._endpoints.discard(endpoint)
             endpoint.close()
-            for request in self._scattered.pop(endpoint, []):
+            for request in self._vectors.pop(endpoint, []):
                 request.cancel()
             self.kick()
 
@@ -210,43 +211,57 @@ class UcxWorker:
         """Post a tag send of `buffer` (anything with the buffer or CUDA array interface).
         Raises `UcxFailed` once `endpoint` is disconnected."""
         self._check_endpoint(endpoint)
-        array = self._array(buffer)
+        wrapped = self._array(buffer)
         try:
-            request = endpoint.tag_send(array, self._lib.UCXXTag(to))
+            request = endpoint.tag_send(wrapped, self._lib.UCXXTag(to))
         except self._lib.UCXError as exc:
             raise UcxFailed(f"send not posted: {type(exc).__name__}: {exc}") from exc
-        self._track(request, array)
+        self._track(request, wrapped)
         return request
 
     def receive(self, endpoint: Any, on: int, buffer: object) -> Any:
         """Post a tag receive into `buffer` for the next message tagged exactly `on`.
         Raises `UcxFailed` once `endpoint` is disconnected."""
         self._check_endpoint(endpoint)
-        array = self._array(buffer)
+        wrapped = self._array(buffer)
         try:
-            request = endpoint.tag_recv(array, self._lib.UCXXTag(on))
+            request = endpoint.tag_recv(wrapped, self._lib.UCXXTag(on))
         except self._lib.UCXError as exc:
             raise UcxFailed(f"receive not posted: {type(exc).__name__}: {exc}") from exc
-        self._track(request, array)
+        self._track(request, wrapped)
         return request
 
     def receive_scattered(
-        self, endpoint: Any, on: int, segments: Sequence[tuple[int, int]], keep: object
+        self, endpoint: Any, on: int, vector: array.array[int], keep: object
     ) -> ScatteredReceive:
-        """Post a tag receive for the next message tagged exactly `on`, landing in `segments` (`(address,
-        length)`, in order) of memory that `keep` owns (`transport.ucp_scatter`). Cancelled (where UCX
-        can) when `endpoint` is disconnected. Raises `UcxFailed` once `endpoint` is disconnected."""
+        """Post a tag receive for the next message tagged exactly `on`, landing in the segments of I/O
+        vector `vector` (`transport.ucp_scatter.io_vector`) of memory that `keep` owns. Cancelled (where
+        UCX can) when `endpoint` is disconnected. Raises `UcxFailed` once `endpoint` is disconnected."""
         self._check_endpoint(endpoint)
         try:
-            request = ScatteredReceive(self._handle, on, segments, keep)
+            request = ScatteredReceive(self._handle, on, vector, keep)
         except ScatterFailed as exc:
             raise UcxFailed(str(exc)) from exc
-        pending = self._scattered.setdefault(endpoint, [])
+        self._track_vector(endpoint, request, keep)
+        return request
+
+    def send_gathered(self, endpoint: Any, to: int, vector: array.array[int], keep: object) -> GatheredSend:
+        """Post a tag send of the segments of I/O vector `vector` (memory that `keep` owns), back to back
+        as one message. Raises `UcxFailed` once `endpoint` is disconnected."""
+        self._check_endpoint(endpoint)
+        try:
+            request = GatheredSend(self._handle, handle_of(endpoint), to, vector, keep)
+        except ScatterFailed as exc:
+            raise UcxFailed(str(exc)) from exc
+        self._track_vector(endpoint, request, keep)
+        return request
+
+    def _track_vector(self, endpoint: Any, request: ScatteredReceive | GatheredSend, keep: object) -> None:
+        pending = self._vectors.setdefault(endpoint, [])
         if len(pending) >= self._prune_at:
             pending[:] = [posted for posted in pending if not posted.completed]
         pending.append(request)
         self._track(request, keep)
-        return request
 
     def _track(self, request: Any, keep: object) -> None:
         self._tracked.append((request, keep))
@@ -350,9 +365,9 @@ class UcxWorker:
                 return count
             count += 1
             body = bytearray(max(1, probe.length))  # an empty message reads as one zero byte: malformed
-            array = self._array(memoryview(body))
-            request = worker.tag_recv_with_handle(array, probe)
-            self._tracked.append((request, array))
+            wrapped = self._array(memoryview(body))
+            request = worker.tag_recv_with_handle(wrapped, probe)
+            self._tracked.append((request, wrapped))
             deliver = self._inboxes.get(probe.sender_tag.value >> KIND_BITS)
             if deliver is not None:
                 deliver(Arrival(request, body))

@@ -17,6 +17,7 @@ import pytest
 import trio
 
 from transport.peer_process import host_key, local_pid, process_gone
+from transport.ucp_scatter import io_vector
 from transport.ucx_landing import Landing, settle
 from transport.ucx_worker import UcxFailed, UcxWorker
 
@@ -46,7 +47,7 @@ async def test_a_scattered_receive_lands_each_piece_where_its_segment_points() -
     segments += [(address_of(memory, 1024), 1000), (address_of(memory, 3750), 300)]
     with trio.fail_after(10):
         async with two_workers() as (sender, to_receiver, receiver, to_sender):
-            request = receiver.receive_scattered(to_sender, TAG, segments, memory)
+            request = receiver.receive_scattered(to_sender, TAG, io_vector(segments), memory)
             await sender.wait([sender.send(to_receiver, TAG, message)])
             await receiver.wait([request])
     assert bytes(memory[3000:3700]) == message[:700]
@@ -63,7 +64,9 @@ async def test_a_message_longer_than_its_segments_fails_the_receive_as_truncated
     memory = np.zeros(64, dtype=np.uint8)
     with trio.fail_after(10):
         async with two_workers() as (sender, to_receiver, receiver, to_sender):
-            request = receiver.receive_scattered(to_sender, TAG, [(address_of(memory, 0), 64)], memory)
+            request = receiver.receive_scattered(
+                to_sender, TAG, io_vector([(address_of(memory, 0), 64)]), memory
+            )
             await sender.wait([sender.send(to_receiver, TAG, bytes(100))])
             with pytest.raises(UcxFailed, match=r"^ScatterFailed: Message truncated \(-9\)$"):
                 await receiver.wait([request])
@@ -73,12 +76,14 @@ async def test_disconnecting_cancels_a_pending_scattered_receive_and_no_more_can
     memory = np.zeros(64, dtype=np.uint8)
     with trio.fail_after(10):
         async with two_workers() as (_sender, _to_receiver, receiver, to_sender):
-            request = receiver.receive_scattered(to_sender, TAG, [(address_of(memory, 0), 64)], memory)
+            request = receiver.receive_scattered(
+                to_sender, TAG, io_vector([(address_of(memory, 0), 64)]), memory
+            )
             receiver.disconnect(to_sender)
             with pytest.raises(UcxFailed, match=r"^ScatterFailed: Request canceled \(-16\)$"):
                 await receiver.wait([request])
             with pytest.raises(UcxFailed, match=r"^the UCX endpoint is closed \(worker 'receiver'\)$"):
-                receiver.receive_scattered(to_sender, TAG, [(address_of(memory, 0), 64)], memory)
+                receiver.receive_scattered(to_sender, TAG, io_vector([(address_of(memory, 0), 64)]), memory)
 
 
 # Posts a 1 MiB send to the worker at argv[1] on tag argv[2], progresses 0.3 s (its rendezvous request
@@ -121,7 +126,9 @@ async def test_a_matched_receive_holds_its_fence_until_its_writer_process_is_gon
                 line = await trio.to_thread.run_sync(child.stdout.readline)
             endpoint = worker.connect(bytes.fromhex(line.decode()))
             await trio.sleep(0.2)  # the rendezvous request waits, unexpected, in this worker
-            request = worker.receive_scattered(endpoint, TAG, [(address_of(memory, 0), 1 << 20)], memory)
+            request = worker.receive_scattered(
+                endpoint, TAG, io_vector([(address_of(memory, 0), 1 << 20)]), memory
+            )
             request.cancel()  # matched at once: cancelling does nothing
             landing = Landing([request])
             with trio.move_on_after(0.5) as waited:
@@ -147,7 +154,9 @@ async def test_a_landing_whose_receives_complete_settles_true_without_asking_abo
 
     with trio.fail_after(10):
         async with two_workers() as (sender, to_receiver, receiver, to_sender):
-            request = receiver.receive_scattered(to_sender, TAG, [(address_of(memory, 0), 16)], memory)
+            request = receiver.receive_scattered(
+                to_sender, TAG, io_vector([(address_of(memory, 0), 16)]), memory
+            )
             await sender.wait([sender.send(to_receiver, TAG, bytes(range(16)))])
             assert await settle(receiver, [Landing([request])], writer_gone) is True
     assert asked == [] and bytes(memory) == bytes(range(16))
