@@ -232,6 +232,9 @@ class UcxLink(Link):
                 self._check_faults(sum(frame.length for frame in bundle))
                 posted.append(self._post_frames(bulk, bundle, corrupt))
                 corrupt = False
+                # The worker's progress moves what is posted (a gathered send is copied by this process)
+                # while later frames are planned: kv 64 MiB went from 0.60-0.67 to 0.67-0.75 of raw.
+                await trio.lowlevel.checkpoint()
             if trailer is not None:
                 posted.append(([self._post(CONTROL, message_body(trailer))], None))
             defer = more_rounds_follow(trailer)

@@ -5,6 +5,9 @@
   over `--transport ucx`, against the raw ucxx core API moving the same number of bytes between two
   processes: one tag receive into a preallocated buffer, one tag send from another process, both
   workers busy-polled during the transfer. GB/s, higher is better; goal ratio >= 0.85.
+- `ucx_64MiB_vs_iov`: the same transfer against raw UCP with the protocol zigzag's scattered receives
+  get (the receive takes an I/O vector, so UCX has the sender write the bytes): the best this host's UCX
+  does for these bytes, GB/s, higher is better.
 - `ucx_kv_64MiB` (not with `--quick`): the KV layout, 16-token blocks of 32 KiB per buffer (packed frames).
 - `ucx_1block_us`: one 516 KiB block (what a transfer costs beyond its bytes), µs, against a raw ucxx
   request and a reply of the same bytes; lower is better.
@@ -36,6 +39,7 @@ import trio
 from engine.bench.rows import Row, alternate, row, warmed
 from engine.bench.transfer_peer import RAW_BYTES, Source, peer_process, serve_grants
 from transport.endpoint import SenderDelivery, open_endpoint
+from transport.ucp_scatter import ScatteredReceive, handle_of, io_vector
 from transport.ucx_worker import libucxx
 
 BENCH = "transfer"
@@ -149,11 +153,16 @@ class RawReceiver:
     def gbps(self) -> float:
         return RAW_BYTES / self._exchange(RAW_BYTES) / 1e9
 
+    def scattered_gbps(self) -> float:
+        """As `gbps`, received by a UCP receive with an I/O vector (`transport.ucp_scatter`): UCX then
+        has the sender write the bytes, the protocol zigzag's scattered receives get."""
+        return RAW_BYTES / self._exchange(RAW_BYTES, scattered=True) / 1e9
+
     def median_us(self, nbytes: int) -> float:
         """Median µs of 50 request/reply exchanges with `nbytes` in the reply."""
         return statistics.median([self._exchange(nbytes) * 1e6 for _ in range(50)])
 
-    def _exchange(self, nbytes: int) -> float:
+    def _exchange(self, nbytes: int, *, scattered: bool = False) -> float:
         """Seconds for one request and its reply of `nbytes`, received into the front of `buffer`."""
         lib = self.lib
         if nbytes not in self._arrays:  # made once: the timing holds the exchange only
@@ -162,8 +171,12 @@ class RawReceiver:
                 self.array(nbytes.to_bytes(8, "little")),
             )
         landed, ask = self._arrays[nbytes]
+        vector = io_vector([(int(self.buffer.ctypes.data), nbytes)])
         start = time.perf_counter()
-        received = self.endpoint.tag_recv(landed, lib.UCXXTag(PAYLOAD))
+        if scattered:
+            received: Any = ScatteredReceive(handle_of(self.worker), PAYLOAD, vector, self.buffer)
+        else:
+            received = self.endpoint.tag_recv(landed, lib.UCXXTag(PAYLOAD))
         asked = self.endpoint.tag_send(ask, lib.UCXXTag(REQUEST))
         _poll_until(self.worker, lambda: received.completed and asked.completed)
         seconds = time.perf_counter() - start
@@ -201,11 +214,35 @@ def ucx_rows(portal: Any, args: argparse.Namespace, repeats: int, receiver_facto
                 unit="GB/s",
                 note=note,
             )
+            if source_name == "emb4096":
+                yield _against_the_write_protocol(portal, receiver, raw, repeats, args)
         for source_name, case, what in (
             ("block", "ucx_1block_us", "one block"),
             ("kv_small", "ucx_kv_small_us", ""),
         ):
             yield _small_row(portal, args, repeats, receiver_factory, ready, raw, source_name, case, what)
+
+
+def _against_the_write_protocol(
+    portal: Any, receiver: Any, raw: RawReceiver, repeats: int, args: argparse.Namespace
+) -> Row:
+    """`ucx_64MiB_vs_iov`: the `ucx_64MiB` transfer against raw UCP receiving with an I/O vector."""
+    project, baseline = alternate(warmed(partial(receiver.gbps, portal)), warmed(raw.scattered_gbps), repeats)
+    note = (
+        f"{receiver.nbytes} bytes, emb4096 layout, UCX_TLS={args.ucx_tls}; baseline {RAW_BYTES} bytes in one "
+        "tag message received with an I/O vector, which UCX has the sender write (zigzag's protocol here)"
+    )
+    return row(
+        BENCH,
+        "ucx_64MiB_vs_iov",
+        "GB/s",
+        "higher",
+        project,
+        baseline,
+        "raw ucp tag send / I/O-vector receive",
+        unit="GB/s",
+        note=note,
+    )
 
 
 def _small_row(
