@@ -1,4 +1,5 @@
-"""Scattered tag receives straight from libucp (issue 7): UCP's I/O-vector datatype, which ucxx lacks.
+"""Scattered receives and gathered sends straight from libucp (issue 7): UCP's I/O-vector datatype,
+which ucxx lacks.
 
 ucxx 0.52 receives a message into one contiguous buffer only. A packed bundle's bytes belong to rows
 scattered over block memory, so they used to land in a host chunk and be copied again into the rows, on
@@ -7,16 +8,20 @@ message lands in the rows themselves. And with an I/O vector on the receiving si
 rendezvous protocol between processes of one host — the *sender* writes the bytes (CMA
 `process_vm_writev`) instead of the receiver reading them — so the copy runs on the sender's core and the
 receiver's thread stays free for its Python. Raw, 64 MiB in 64 messages into 2048 scattered 32 KiB rows:
-7.3–8.2 ms this way, 9.0–9.6 ms into contiguous buffers (`docs/benchmarks.md`).
+7.3–8.2 ms this way, 9.0–9.6 ms into contiguous buffers (`docs/benchmarks.md`). `ucp_tag_send_nbx` takes
+one too: a bundle goes out from the rows where they are, without being packed into a chunk first.
 
 That protocol is why `transport.ucx` posts scattered receives only to a peer process it can watch: a
 receive the sender has begun to write completes only when the sender says so, and cannot be cancelled.
 If the sender dies first it never completes — but a dead process writes nothing, so its blocks are safe
 once `process_gone(peer)` says so (`UcxLink.quiesce`).
 
-This module calls five functions of the libucp that ucxx already loaded (found by its soname; never
-loaded a second time), on the worker handle ucxx exposes, through ctypes: `ucp_tag_recv_nbx`,
-`ucp_request_check_status`, `ucp_request_cancel`, `ucp_request_free` and `ucs_status_string`.
+This module calls six functions of the libucp (and libucs) that ucxx already loaded (found by soname;
+never loaded a second time), on the worker and endpoint handles ucxx exposes, through ctypes:
+`ucp_tag_recv_nbx`, `ucp_tag_send_nbx`, `ucp_request_check_status`, `ucp_request_cancel`,
+`ucp_request_free` and `ucs_status_string`. `_RequestParam` mirrors `ucp_request_param_t` of UCX 1.x
+(checked against the ucp.h of the UCX that ucxx 0.52 bundles, 1.21); the tests land real bytes through
+it.
 """
 
 from __future__ import annotations

@@ -1,24 +1,21 @@
 """The UCX transport (issue 7): links over ucxx tag messages, driven from Trio (`transport.ucx_worker`).
 
-How links are made: `transport.ucx_connect`. On a link:
+Links are made by `transport.ucx_connect`. On a link (docs/transports.md, "UCX, driven from Trio"):
 
 - Control messages: one UCX message each on the far link's control tag (`transport.ucx_frames`).
-- Bulk writes: cut into frames (`transport.frame_plan`); each frame is a descriptor on the control tag,
-  then its bytes on the bulk tag — a *direct* frame one message per piece, straight from the sender's
-  block memory (or GPU memory, when UCX has CUDA transports) into the receiver's; *packed* frames, of
-  pieces under 64 KiB or of a GPU pool's rows staged through pinned host memory (`transport.staging`),
-  bundled across buffers (`frame_plan.bundle_frames`): one descriptor and one message per bundle. The
-  receiver's reader posts each frame's receives where its landing claims them, or into a scratch chunk
-  when the round is gone; before it handles any later peer message (`ChunkDone`, `AbortAck`) it waits
-  until every earlier frame landed, which keeps the link's one order.
-- `write` returns once every send completed (UCX reads the source rows until then); it waits for that
-  shielded, failing the link when the peer takes nothing for `link_timeout`. Cancellation takes effect
-  between frames: a frame's descriptor and bytes are posted together.
-- Liveness as on tcp: heartbeats after `heartbeat_interval` of silence, broken after `link_timeout`
-  without receiving. Endpoints have no UCX peer-failure handling (its shared-memory transports refuse
-  it), so a vanished peer is found by the missing heartbeats; a closing peer says `goodbye`.
-- `quiesce` returns once every receive posted into block memory has completed or was cancelled (closing
-  the UCX endpoint cancels them).
+- Bulk writes: frames (`transport.frame_plan`), each a descriptor on the control tag and its bytes on
+  the bulk tag: a *direct* frame one message per piece, from block (or GPU) memory; *packed* frames
+  bundled across buffers, one message per bundle, gathered from a host pool's rows
+  (`transport.ucp_scatter`) or staged through pinned host memory (`transport.staging`). The reader
+  posts each frame's receives where its landing claims them (`transport.ucx_landing`), or into a
+  scratch chunk when the round is gone, and handles a later peer message only once every earlier frame
+  landed: the link's one order.
+- `write` returns once every send completed (shielded; the link fails when the peer takes nothing for
+  `link_timeout`). Cancellation takes effect between frames.
+- Liveness as on tcp (heartbeats; UCX's shared-memory transports refuse peer-failure handling); a
+  closing peer says `goodbye`.
+- `quiesce` returns once every receive into block memory completed, was cancelled (closing the endpoint
+  cancels those UCX has not matched), or was scattered for a sender process that has exited.
 """
 
 from __future__ import annotations
@@ -27,7 +24,7 @@ import array
 import itertools
 import math
 from collections import deque
-from collections.abc import Callable
+from functools import partial
 from typing import Any, Final, final
 
 import structlog
@@ -43,7 +40,6 @@ from transport.frame_plan import Frame, plan_bundles
 from transport.link import BulkWrite, Link, LinkHandler, Role, keep_alive, more_rounds_follow
 from transport.peer_process import process_gone
 from transport.staging import HostChunk, HostChunks, pack_bundle
-from transport.storage import PoolStorage
 from transport.ucx_frames import (
     DESCRIPTOR,
     GOODBYE,
@@ -76,6 +72,11 @@ DIRECT_MIN_BYTES: Final = 64 * 1024
 PACKED_WINDOW: Final = 4
 _link_numbers = itertools.count(1)
 _log = structlog.get_logger("transport.ucx")
+
+
+def _is_direct(size: int, *, on_host: bool, capable: bool) -> bool:
+    """Whether a piece goes as its own message: from 64 KiB on host pools, where UCX reaches GPU memory."""
+    return size >= DIRECT_MIN_BYTES if on_host else capable
 
 
 @final
@@ -156,9 +157,7 @@ class UcxLink(Link):
         await self.closed.wait()
         peer = self._peer_pid
         with trio.CancelScope(shield=True):
-            if not await settle(
-                self._worker, list(self._landing), lambda: peer is not None and process_gone(peer)
-            ):
+            if not await settle(self._worker, list(self._landing), lambda: bool(peer and process_gone(peer))):
                 _log.warning("transfer.ucx_writer_gone", link=self.describe(), pid=peer)
 
     def _raise_closed(self) -> None:
@@ -176,13 +175,7 @@ class UcxLink(Link):
     async def _post_and_settle(self, body: bytes) -> None:
         if self.error is not None:
             self._raise_closed()
-        try:
-            request = self._worker.send(self._endpoint, tag(self._peer_number, CONTROL), body)
-        except UcxFailed as exc:
-            self.close(LinkBroken(f"link {self.describe()}: {exc}"))
-            self._raise_closed()
-        self._last_sent = trio.current_time()
-        await self._settle([request])
+        await self._settle([self._post(CONTROL, body)])
 
     async def settle(self) -> None:
         """See `Link.settle`: the sends of rounds whose `write` returned early (they stay listed, so the
@@ -222,10 +215,11 @@ class UcxLink(Link):
         `ChunkDone` ends the stream (or any write that fails) waits for every send still in flight."""
         if self.error is not None:
             self._raise_closed()
-        direct = self._direct_rule(bulk.source)
+        on_host, capable = bulk.source.device.type == "cpu", self._worker.cuda_capable
         posted = self._in_flight
         corrupt, defer = bulk.corrupt, False
         try:
+            direct = partial(_is_direct, on_host=on_host, capable=capable)
             for bundle in plan_bundles(bulk, self._buffer_index, self._row_bytes, direct):
                 while sum(chunk is not None for _r, chunk in posted) >= PACKED_WINDOW:
                     await self._settle_oldest_chunk(posted)
@@ -259,25 +253,16 @@ class UcxLink(Link):
         assert chunk is not None
         self._chunks.give(chunk)
 
-    def _direct_rule(self, storage: PoolStorage) -> Callable[[int], bool]:
-        if storage.device.type == "cpu":
-            return lambda nbytes: nbytes >= DIRECT_MIN_BYTES
-        capable = self._worker.cuda_capable
-        return lambda _nbytes: capable
-
-    def _post(self, kind: int, body: object) -> Any:
-        number = self._peer_number
+    def _post(self, kind: int, body: object, keep: object = None) -> Any:
+        """Post `body` on the far link's `kind` tag; with `keep`, `body` is an I/O vector over memory that
+        `keep` owns (a gathered send)."""
+        to, worker = tag(self._peer_number, kind), self._worker
         try:
-            request = self._worker.send(self._endpoint, tag(number, kind), body)
-        except UcxFailed as exc:
-            self.close(LinkBroken(f"link {self.describe()}: {exc}"))
-            self._raise_closed()
-        self._last_sent = trio.current_time()
-        return request
-
-    def _post_vector(self, vector: array.array[int], keep: object) -> Any:
-        try:
-            request = self._worker.send_gathered(self._endpoint, tag(self._peer_number, BULK), vector, keep)
+            if keep is None:
+                request = worker.send(self._endpoint, to, body)
+            else:
+                assert isinstance(body, array.array)
+                request = worker.send_gathered(self._endpoint, to, body, keep)
         except UcxFailed as exc:
             self.close(LinkBroken(f"link {self.describe()}: {exc}"))
             self._raise_closed()
@@ -294,7 +279,7 @@ class UcxLink(Link):
         if frame.packed and not corrupt and bulk.source.device.type == "cpu":
             parts = [(f.name, f.row_bytes, f.sources(), f.length) for f in frames]
             vector = bundle_vector(bulk.source, parts, ZEROS_ADDRESS)
-            requests.append(self._post_vector(vector, bulk.source))
+            requests.append(self._post(BULK, vector, bulk.source))
             length = sum(vector[1::2])
         elif frame.packed:
             chunk, length = pack_bundle(bulk.source, frames, self._chunks)
