@@ -69,6 +69,16 @@ class ScatterFailed(Exception):
     """A scattered receive could not be posted, or ended in error (cancelled, truncated)."""
 
 
+_U64: Final = ctypes.c_uint64
+
+
+def _bind(function: Any, restype: Any, *argtypes: Any) -> Any:
+    """`function` of a loaded library, with its C signature set."""
+    function.restype = restype
+    function.argtypes = list(argtypes)
+    return function
+
+
 @final
 class _Ucp:
     """The libucp (and libucs) functions this module calls, with their C signatures."""
@@ -76,37 +86,18 @@ class _Ucp:
     def __init__(self) -> None:
         ucp = ctypes.CDLL("libucp.so.0", mode=os.RTLD_NOLOAD)  # ucxx's own copy, already loaded
         ucs = ctypes.CDLL("libucs.so.0", mode=os.RTLD_NOLOAD)
-        self.recv = ucp.ucp_tag_recv_nbx
-        self.recv.restype = ctypes.c_void_p
-        self.recv.argtypes = [
+        pointer, param, status = (
             ctypes.c_void_p,
-            ctypes.c_void_p,
-            ctypes.c_size_t,
-            ctypes.c_uint64,
-            ctypes.c_uint64,
             ctypes.POINTER(_RequestParam),
-        ]
-        self.send = ucp.ucp_tag_send_nbx
-        self.send.restype = ctypes.c_void_p
-        self.send.argtypes = [
-            ctypes.c_void_p,
-            ctypes.c_void_p,
-            ctypes.c_size_t,
-            ctypes.c_uint64,
-            ctypes.POINTER(_RequestParam),
-        ]
-        self.check_status = ucp.ucp_request_check_status
-        self.check_status.restype = ctypes.c_int8  # ucs_status_t: a packed (one-byte) enum
-        self.check_status.argtypes = [ctypes.c_void_p]
-        self.cancel = ucp.ucp_request_cancel
-        self.cancel.restype = None
-        self.cancel.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
-        self.free = ucp.ucp_request_free
-        self.free.restype = None
-        self.free.argtypes = [ctypes.c_void_p]
-        self.status_string = ucs.ucs_status_string
-        self.status_string.restype = ctypes.c_char_p
-        self.status_string.argtypes = [ctypes.c_int8]
+            ctypes.c_int8,
+        )  # a packed enum
+        # (worker, buffer, count, tag, tag mask, param) and (endpoint, buffer, count, tag, param)
+        self.recv = _bind(ucp.ucp_tag_recv_nbx, pointer, pointer, pointer, ctypes.c_size_t, _U64, _U64, param)
+        self.send = _bind(ucp.ucp_tag_send_nbx, pointer, pointer, pointer, ctypes.c_size_t, _U64, param)
+        self.check_status = _bind(ucp.ucp_request_check_status, status, pointer)
+        self.cancel = _bind(ucp.ucp_request_cancel, None, pointer, pointer)
+        self.free = _bind(ucp.ucp_request_free, None, pointer)
+        self.status_string = _bind(ucs.ucs_status_string, ctypes.c_char_p, status)
         self.iov_param = _RequestParam(op_attr_mask=_FIELD_DATATYPE, datatype=_DATATYPE_IOV)
 
     def describe(self, status: int) -> str:

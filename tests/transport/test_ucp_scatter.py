@@ -60,6 +60,18 @@ async def test_a_scattered_receive_lands_each_piece_where_its_segment_points() -
     assert not memory[untouched].any()
 
 
+async def test_a_gathered_send_sends_its_segments_back_to_back_as_one_message() -> None:
+    source = np.frombuffer(bytes(range(256)) * 16, dtype=np.uint8).copy()
+    segments = [(address_of(source, 4000), 96), (address_of(source, 7), 1000), (address_of(source, 2048), 1)]
+    landed = bytearray(1097)
+    with trio.fail_after(10):
+        async with two_workers() as (sender, to_receiver, receiver, to_sender):
+            request = receiver.receive(to_sender, TAG, landed)
+            await sender.wait([sender.send_gathered(to_receiver, TAG, io_vector(segments), source)])
+            await receiver.wait([request])
+    assert bytes(landed) == bytes(source[4000:4096]) + bytes(source[7:1007]) + bytes(source[2048:2049])
+
+
 async def test_a_message_longer_than_its_segments_fails_the_receive_as_truncated() -> None:
     memory = np.zeros(64, dtype=np.uint8)
     with trio.fail_after(10):
