@@ -3,7 +3,10 @@ into them may still be in flight.
 
 A fence falls when the sender acknowledges the abort (`AbortAck`, sent after its last write on the
 ordered link), or when the link is closed and has quiesced. A sender that does not acknowledge within
-`fence_timeout` gets its link torn down, which is a fence too, so blocks always come back.
+`fence_timeout` gets its link torn down, which is a fence too, so blocks come back — unless a closed
+link cannot quiesce: a UCX sender process that owes a write it has not made and still exists (stopped,
+say) could still make it. Its blocks stay quarantined until it writes or exits; if the endpoint stops
+first, `drain` gives up on them (they stay quarantined, and UCX keeps their memory referenced).
 """
 
 from __future__ import annotations
@@ -11,11 +14,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import final
 
+import structlog
 import trio
 
 from transport.blocks import BlockPool
 from transport.errors import LinkBroken
 from transport.link import Link
+
+_log = structlog.get_logger("transport.fences")
 
 
 @dataclass(slots=True)
@@ -25,6 +31,7 @@ class _Fence:
     key: str
     signal: trio.Event = field(default_factory=trio.Event)
     done: trio.Event = field(default_factory=trio.Event)
+    quiescing: trio.CancelScope = field(default_factory=trio.CancelScope)
 
 
 @final
@@ -69,13 +76,22 @@ class Fences:
                     LinkBroken(f"no AbortAck for {fence.transfer_id!r} within {self._timeout} s")
                 )
             if fence.link.is_closed:
-                await fence.link.quiesce()
-            self._pool.release_quarantine(fence.key)
+                with fence.quiescing:
+                    await fence.link.quiesce()
+            if fence.quiescing.cancelled_caught:
+                _log.warning(
+                    "transfer.fence_abandoned", transfer_id=fence.transfer_id, link=fence.link.link_id
+                )
+            else:
+                self._pool.release_quarantine(fence.key)
             del self._open[(fence.link.link_id, fence.transfer_id)]
             fence.done.set()
 
     async def drain(self) -> None:
-        """Wait (bounded) until every open fence has fallen; call after closing the links."""
+        """Wait (bounded) until every open fence has fallen, then give up on those whose link cannot
+        quiesce (their blocks stay quarantined); call after closing the links."""
         with trio.move_on_after(self._timeout + 1):
             for fence in list(self._open.values()):
                 await fence.done.wait()
+        for fence in list(self._open.values()):
+            fence.quiescing.cancel()

@@ -153,12 +153,12 @@ class UcxLink(Link):
 
     async def quiesce(self) -> None:
         """Once closed: every receive posted into block memory completed, was cancelled, or was
-        scattered for a sender process that has exited (and so writes nothing more)."""
+        scattered for a sender process that has exited (and so writes nothing more). Cancellable (a
+        sender process that is stopped, not dead, keeps it waiting): the caller decides how long."""
         await self.closed.wait()
         peer = self._peer_pid
-        with trio.CancelScope(shield=True):
-            if not await settle(self._worker, list(self._landing), lambda: bool(peer and process_gone(peer))):
-                _log.warning("transfer.ucx_writer_gone", link=self.describe(), pid=peer)
+        if not await settle(self._worker, list(self._landing), lambda: bool(peer and process_gone(peer))):
+            _log.warning("transfer.ucx_writer_gone", link=self.describe(), pid=peer)
 
     def _raise_closed(self) -> None:
         assert self.error is not None

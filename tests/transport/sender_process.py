@@ -4,14 +4,20 @@ Reads one JSON object on stdin (`hidden`, `block_size`, `seed`, `transfers` = {t
 optional `faults`, `config`, `transport` — tcp, ucx or cuda-ipc — and `device`), prints `{"address": ...}`, sends the first `tokens` tokens of its source
 for each listed transfer when its grant comes, reports each outcome as a JSON line, and exits when stdin
 closes. With `give_up_after_round` = k the owner cancels each `send` once it wrote round k and, the
-moment `send` returns, overwrites its whole source: what an owner that reuses the blocks does. Its source is `harness.Source(layout, max tokens, seed)`, so the test process rebuilds the
+moment `send` returns, overwrites its whole source: what an owner that reuses the blocks does. With
+`stop_after_posting_round` = k (ucx) the process stops itself (SIGSTOP) right after posting round k's first
+frame, before its UCX worker progresses again: it owes the receiver that frame's bytes and cannot write
+them. Its source is `harness.Source(layout, max tokens, seed)`, so the test process rebuilds the
 expected bytes without any of them crossing a pipe.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import signal
 import sys
+from typing import Any
 
 import msgspec
 import structlog
@@ -23,12 +29,30 @@ from transport.config import TransferConfig
 from transport.endpoint import open_endpoint
 from transport.errors import TransferError
 from transport.faults import FaultPlan
+from transport.frame_plan import Frame
+from transport.link import BulkWrite
 from transport.sender import SendSession
+from transport.ucx import UcxLink
+
+
+def stop_after_posting(round_number: int) -> None:
+    """The `stop_after_posting_round` fault, by wrapping `UcxLink._post_frames` in this process."""
+    post_frames = UcxLink._post_frames
+
+    def post_then_stop(link: UcxLink, bulk: BulkWrite, frames: list[Frame], corrupt: bool) -> Any:
+        posted = post_frames(link, bulk, frames, corrupt)
+        if bulk.round == round_number:
+            os.kill(os.getpid(), signal.SIGSTOP)
+        return posted
+
+    UcxLink._post_frames = post_then_stop  # type: ignore[method-assign]
 
 
 async def main() -> None:
     structlog.configure(logger_factory=structlog.PrintLoggerFactory(sys.stderr))  # stdout carries replies
     params = json.loads(sys.stdin.readline())
+    if params.get("stop_after_posting_round") is not None:
+        stop_after_posting(params["stop_after_posting_round"])
     transfers: dict[str, int] = params["transfers"]
     layout = embedding_layout(params["block_size"], params["hidden"])
     source = Source(layout, max(transfers.values()), params["seed"], device=params.get("device", "cpu"))

@@ -129,3 +129,34 @@ async def test_a_sender_that_gives_up_keeps_its_rows_until_the_receiver_has_read
         pool.free(blocks, "caller")
     assert_same_bytes(landed, source.expected(tokens=32))
     assert pool.used_blocks == 0
+
+
+@pytest.mark.slow  # a child process: importing torch there takes seconds
+async def test_blocks_a_stopped_sender_owes_writes_to_stay_quarantined_until_that_process_is_gone(
+    ucx_env: dict[str, str],
+) -> None:
+    """A sender process stops right after posting a round's first frame: the receiver's scattered
+    receive for it is matched and cannot be cancelled, and only that process could complete it. The
+    transfer fails `link_lost` within the link deadline plus `fence_timeout`, the round's blocks stay
+    quarantined while the process exists, and come back once it is killed."""
+    layout = embedding_layout(block_size=16, hidden=4096)  # 16 KiB rows: whole blocks go direct
+    params = {"block_size": 16, "hidden": 4096, "seed": 61, "transfers": {"t": 64}, "transport": "ucx"}
+    config = TransferConfig(default_grant_blocks=2, round_cap_blocks=2, fence_timeout=0.5, **LIVELY)
+    storage, pool = random_storage(layout, 8, seed=62), shuffled_pool(8, 16, seed=63)
+    async with (
+        sender_process({**params, "stop_after_posting_round": 1}, env=ucx_env) as child,
+        open_endpoint("receiver", storage, pool, config=config) as receiver,
+    ):
+        link = await receiver.connect(child.address)
+        started = trio.current_time()
+        with pytest.raises(TransferFailed) as raised, trio.fail_after(20):
+            await receiver.receive("t", peer=link, consume=Collector())
+        assert raised.value.reason is FailureReason.LINK_LOST
+        assert trio.current_time() - started < LIVELY["link_timeout"] + config.fence_timeout + 2.0
+        await trio.sleep(0.5)
+        assert pool.quarantined_blocks == 2  # round 1's: the stopped process may still write them
+        child.process.kill()
+        with trio.fail_after(5):
+            while pool.quarantined_blocks:
+                await trio.sleep(0.01)
+    assert (pool.used_blocks, pool.quarantined_blocks) == (0, 0)
