@@ -5,8 +5,9 @@ it on the bulk tag (one message per segment of a direct frame, one per bundle of
 
 - `scattered`: when the landing claimed every frame, the pool is in host memory and the sender is a
   process of this host the link can watch (`transport.peer_process`): each message straight into its
-  rows, however scattered, by a receive with an I/O vector (`transport.ucp_scatter`) — the sender writes
-  them, no copy on this thread. A bundle's alignment gaps land in a scratch buffer.
+  rows, however scattered, by a receive with an I/O vector (`transport.ucp_scatter`): no unpack, and a
+  direct piece is written by the sender (no copy on this thread; a gathered bundle still comes through
+  UCX's shared-memory fragments). A bundle's alignment gaps land in a scratch buffer.
 - `direct`: a direct frame the landing claimed, into block memory UCX can reach (host memory, or GPU
   memory when UCX has CUDA transports), one contiguous receive per segment; UCX reads the sender's rows.
 - `through_chunk`: anything else — packed frames without the scattered path, GPU pools UCX cannot reach,
