@@ -84,7 +84,10 @@ async def dial(endpoint: TransferEndpoint, address: str) -> UcxLink:
         await link.post_control(connect_body(link.number, worker.address))
         with trio.move_on_after(timeout):
             number, pid, key = parse_accept(await link.next_body())
-            link.accepted(number, local_pid(pid, key))
+            watched = local_pid(pid, key)
+            link.accepted(number, watched)
+            writes = watched is not None and endpoint.config.ucx_sender_writes
+            _log.info("transfer.ucx_linked", link=link.link_id, endpoint=endpoint.name, sender_writes=writes)
             return link
         error = LinkBroken(f"no answer from {shown} within {timeout} s")
     except (UcxFailed, UcxFrameError, trio.EndOfChannel, trio.ClosedResourceError) as exc:
