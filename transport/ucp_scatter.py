@@ -16,10 +16,11 @@ receive the sender has begun to write completes only when the sender says so, an
 If the sender dies first it never completes — but a dead process writes nothing, so its blocks are safe
 once `process_gone(peer)` says so (`UcxLink.quiesce`).
 
-This module calls six functions of the libucp (and libucs) that ucxx already loaded (found by soname;
+This module calls seven functions of the libucp (and libucs) that ucxx already loaded (found by soname;
 never loaded a second time), on the worker and endpoint handles ucxx exposes, through ctypes:
-`ucp_tag_recv_nbx`, `ucp_tag_send_nbx`, `ucp_request_check_status`, `ucp_request_cancel`,
-`ucp_request_free` and `ucs_status_string`. `_RequestParam` mirrors `ucp_request_param_t` of UCX 1.x
+`ucp_tag_recv_nbx`, `ucp_tag_send_nbx`, `ucp_request_check_status`, `ucp_tag_recv_request_test` (a
+scattered receive checks the message filled it: a shorter one is an error, not stale rows),
+`ucp_request_cancel`, `ucp_request_free` and `ucs_status_string`. `_RequestParam` mirrors `ucp_request_param_t` of UCX 1.x
 (checked against the ucp.h of the UCX that ucxx 0.52 bundles, 1.21); the tests land real bytes through
 it.
 """
@@ -36,6 +37,7 @@ from typing import Any, Final, final
 _IN_PROGRESS: Final = 1
 _OK: Final = 0
 _FIELD_DATATYPE: Final = 1 << 3
+_NO_IMMEDIATE: Final = 1 << 16  # UCP_OP_ATTR_FLAG_NO_IMM_CMPL
 _DATATYPE_IOV: Final = 2
 _ALL_TAG_BITS: Final = (1 << 64) - 1
 _ERROR_POINTERS: Final = 100  # UCS_ERR_LAST: a status pointer at or above 2**64 - 100 is an error code
@@ -56,6 +58,12 @@ class _RequestParam(ctypes.Structure):
         ("recv_info", ctypes.c_void_p),
         ("memh", ctypes.c_void_p),
     ]
+
+
+class _TagRecvInfo(ctypes.Structure):
+    """`ucp_tag_recv_info_t`."""
+
+    _fields_ = [("sender_tag", ctypes.c_uint64), ("length", ctypes.c_size_t)]
 
 
 class _Iov(ctypes.Structure):
@@ -95,10 +103,14 @@ class _Ucp:
         self.recv = _bind(ucp.ucp_tag_recv_nbx, pointer, pointer, pointer, ctypes.c_size_t, _U64, _U64, param)
         self.send = _bind(ucp.ucp_tag_send_nbx, pointer, pointer, pointer, ctypes.c_size_t, _U64, param)
         self.check_status = _bind(ucp.ucp_request_check_status, status, pointer)
+        self.recv_test = _bind(ucp.ucp_tag_recv_request_test, status, pointer, ctypes.POINTER(_TagRecvInfo))
         self.cancel = _bind(ucp.ucp_request_cancel, None, pointer, pointer)
         self.free = _bind(ucp.ucp_request_free, None, pointer)
         self.status_string = _bind(ucs.ucs_status_string, ctypes.c_char_p, status)
         self.iov_param = _RequestParam(op_attr_mask=_FIELD_DATATYPE, datatype=_DATATYPE_IOV)
+        self.receive_param = _RequestParam(
+            op_attr_mask=_FIELD_DATATYPE | _NO_IMMEDIATE, datatype=_DATATYPE_IOV
+        )
 
     def describe(self, status: int) -> str:
         text = self.status_string(status)
@@ -140,15 +152,18 @@ class _VectorRequest:
         if request is None:
             return True
         ucp = _ucp()
-        status = ucp.check_status(request)
+        status, problem = self._status(ucp, request)
         if status == _IN_PROGRESS:
             return False
         ucp.free(request)
         self._request = None
         self._iov = self._keep = None
-        if status != _OK:
-            self._error = ucp.describe(status)
+        self._error = ucp.describe(status) if status != _OK else problem
         return True
+
+    def _status(self, ucp: _Ucp, request: int) -> tuple[int, str | None]:
+        """The request's status, and what is wrong with it beyond that (None: nothing)."""
+        return ucp.check_status(request), None
 
     def check_error(self) -> None:
         """Raise `ScatterFailed` if the completed operation ended in error."""
@@ -177,13 +192,22 @@ def _iov(vector: array.array[int]) -> ctypes.Array[_Iov]:
 class ScatteredReceive(_VectorRequest):
     """A tag receive of the next message tagged exactly `tag` on the worker, into I/O vector `vector`."""
 
-    __slots__ = ()
+    __slots__ = ("_expected",)
     _what = "receive"
 
     def __init__(self, worker_handle: int, tag: int, vector: array.array[int], keep: object) -> None:
         ucp, iov = _ucp(), _iov(vector)
-        pointer = ucp.recv(worker_handle, iov, len(iov), tag, _ALL_TAG_BITS, ucp.iov_param)
+        self._expected = sum(vector[1::2])
+        # Never completed at once, so `_status` always sees the message's length.
+        pointer = ucp.recv(worker_handle, iov, len(iov), tag, _ALL_TAG_BITS, ucp.receive_param)
         super().__init__(worker_handle, iov, pointer, keep)
+
+    def _status(self, ucp: _Ucp, request: int) -> tuple[int, str | None]:
+        info = _TagRecvInfo()
+        status = ucp.recv_test(request, ctypes.byref(info))
+        if status == _OK and info.length != self._expected:
+            return status, f"a message of {info.length} bytes for a receive of {self._expected}"
+        return status, None
 
 
 @final

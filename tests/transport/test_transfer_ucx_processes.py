@@ -131,18 +131,12 @@ async def test_a_sender_that_gives_up_keeps_its_rows_until_the_receiver_has_read
     assert pool.used_blocks == 0
 
 
-@pytest.mark.slow  # a child process: importing torch there takes seconds
-async def test_blocks_a_stopped_sender_owes_writes_to_stay_quarantined_until_that_process_is_gone(
-    ucx_env: dict[str, str],
-) -> None:
-    """A sender process stops right after posting a round's first frame: the receiver's scattered
-    receive for it is matched and cannot be cancelled, and only that process could complete it. The
-    transfer fails `link_lost` within the link deadline plus `fence_timeout`, the round's blocks stay
-    quarantined while the process exists, and come back once it is killed."""
+async def _stop_a_sender_owing_a_write(ucx_env: dict[str, str], seed: int) -> bool:
+    """One run of the scenario below; whether the stopped process owed a write when it stopped."""
     layout = embedding_layout(block_size=16, hidden=4096)  # 16 KiB rows: whole blocks go direct
-    params = {"block_size": 16, "hidden": 4096, "seed": 61, "transfers": {"t": 64}, "transport": "ucx"}
+    params = {"block_size": 16, "hidden": 4096, "seed": seed, "transfers": {"t": 64}, "transport": "ucx"}
     config = TransferConfig(default_grant_blocks=2, round_cap_blocks=2, fence_timeout=0.5, **LIVELY)
-    storage, pool = random_storage(layout, 8, seed=62), shuffled_pool(8, 16, seed=63)
+    storage, pool = random_storage(layout, 8, seed=seed), shuffled_pool(8, 16, seed=seed)
     async with (
         sender_process({**params, "stop_after_posting_round": 1}, env=ucx_env) as child,
         open_endpoint("receiver", storage, pool, config=config) as receiver,
@@ -154,9 +148,29 @@ async def test_blocks_a_stopped_sender_owes_writes_to_stay_quarantined_until_tha
         assert raised.value.reason is FailureReason.LINK_LOST
         assert trio.current_time() - started < LIVELY["link_timeout"] + config.fence_timeout + 2.0
         await trio.sleep(0.5)
-        assert pool.quarantined_blocks == 2  # round 1's: the stopped process may still write them
+        owed = pool.quarantined_blocks
+        assert owed in (0, 2)  # round 1's two blocks, while the stopped process may still write them
         child.process.kill()
         with trio.fail_after(5):
             while pool.quarantined_blocks:
                 await trio.sleep(0.01)
     assert (pool.used_blocks, pool.quarantined_blocks) == (0, 0)
+    return owed == 2
+
+
+@pytest.mark.slow  # a child process: importing torch there takes seconds
+async def test_blocks_a_stopped_sender_owes_writes_to_stay_quarantined_until_that_process_is_gone(
+    ucx_env: dict[str, str],
+) -> None:
+    """A sender process stops right after posting a round's first frame: the receiver's scattered
+    receive for it is matched and cannot be cancelled, and only that process could complete it. The
+    transfer fails `link_lost` within the link deadline plus `fence_timeout`, the round's blocks stay
+    quarantined while the process exists, and come back once it is killed.
+
+    Whether UCX has matched the receive when the sender stops is up to the scheduler (now and then the
+    sender is preempted long enough for the receiver to answer, and writes; then no block is owed and
+    all come back at once), so the scenario runs until it has seen the owed case, at most three times."""
+    for seed in (61, 62, 63):
+        if await _stop_a_sender_owing_a_write(ucx_env, seed):
+            return
+    pytest.fail("in three runs the stopped sender never owed a write")

@@ -84,6 +84,19 @@ async def test_a_message_longer_than_its_segments_fails_the_receive_as_truncated
                 await receiver.wait([request])
 
 
+async def test_a_message_shorter_than_its_segments_fails_the_receive_instead_of_leaving_stale_rows() -> None:
+    memory = np.full(64, 7, dtype=np.uint8)
+    with trio.fail_after(10):
+        async with two_workers() as (sender, to_receiver, receiver, to_sender):
+            vector = io_vector([(address_of(memory, 0), 32), (address_of(memory, 40), 24)])
+            request = receiver.receive_scattered(to_sender, TAG, vector, memory)
+            await sender.wait([sender.send(to_receiver, TAG, bytes(50))])
+            with pytest.raises(
+                UcxFailed, match=r"^ScatterFailed: a message of 50 bytes for a receive of 56$"
+            ):
+                await receiver.wait([request])
+
+
 async def test_disconnecting_cancels_a_pending_scattered_receive_and_no_more_can_be_posted() -> None:
     memory = np.zeros(64, dtype=np.uint8)
     with trio.fail_after(10):
