@@ -131,14 +131,13 @@ class _VectorRequest:
     UCP request is freed exactly once, when `completed` first sees it done; `keep` (what owns the memory
     the segments point into) and the I/O vector stay referenced by this object until then."""
 
-    __slots__ = ("_error", "_iov", "_keep", "_request", "_worker")
+    __slots__ = ("_error", "_iov", "_keep", "_request", "_worker", "_worker_handle")
 
-    def __init__(
-        self, worker_handle: int, iov: ctypes.Array[_Iov], pointer: int | None, keep: object
-    ) -> None:
+    def __init__(self, worker: Any, iov: ctypes.Array[_Iov], pointer: int | None, keep: object) -> None:
         if pointer is not None and pointer >= (1 << 64) - _ERROR_POINTERS:
             raise ScatterFailed(f"{self._what} not posted: {_ucp().describe(pointer - (1 << 64))}")
-        self._worker = worker_handle
+        self._worker = worker  # the ucxx worker stays alive while its request may be touched
+        self._worker_handle = handle_of(worker)
         self._iov: ctypes.Array[_Iov] | None = iov
         self._keep: object = keep
         self._request: int | None = pointer  # None: completed at once (UCS_OK)
@@ -175,7 +174,7 @@ class _VectorRequest:
         error on the next progress; one whose bytes are already moving goes on until they are in."""
         if not self.completed:
             assert self._request is not None
-            _ucp().cancel(self._worker, self._request)
+            _ucp().cancel(self._worker_handle, self._request)
 
 
 def io_vector(segments: Iterable[tuple[int, int]]) -> array.array[int]:
@@ -190,17 +189,17 @@ def _iov(vector: array.array[int]) -> ctypes.Array[_Iov]:
 
 @final
 class ScatteredReceive(_VectorRequest):
-    """A tag receive of the next message tagged exactly `tag` on the worker, into I/O vector `vector`."""
+    """A tag receive of the next message tagged exactly `tag` on ucxx `worker`, into I/O vector `vector`."""
 
     __slots__ = ("_expected",)
     _what = "receive"
 
-    def __init__(self, worker_handle: int, tag: int, vector: array.array[int], keep: object) -> None:
+    def __init__(self, worker: Any, tag: int, vector: array.array[int], keep: object) -> None:
         ucp, iov = _ucp(), _iov(vector)
         self._expected = sum(vector[1::2])
         # Never completed at once, so `_status` always sees the message's length.
-        pointer = ucp.recv(worker_handle, iov, len(iov), tag, _ALL_TAG_BITS, ucp.receive_param)
-        super().__init__(worker_handle, iov, pointer, keep)
+        pointer = ucp.recv(handle_of(worker), iov, len(iov), tag, _ALL_TAG_BITS, ucp.receive_param)
+        super().__init__(worker, iov, pointer, keep)
 
     def _status(self, ucp: _Ucp, request: int) -> tuple[int, str | None]:
         info = _TagRecvInfo()
@@ -212,22 +211,16 @@ class ScatteredReceive(_VectorRequest):
 
 @final
 class GatheredSend(_VectorRequest):
-    """A tag send of I/O vector `vector`'s bytes, back to back, as one message to `endpoint_handle`."""
+    """A tag send of I/O vector `vector`'s bytes, back to back, as one message on ucxx `endpoint` (of
+    ucxx `worker`)."""
 
     __slots__ = ()
     _what = "send"
 
-    def __init__(
-        self,
-        worker_handle: int,
-        endpoint_handle: int,
-        tag: int,
-        vector: array.array[int],
-        keep: object,
-    ) -> None:
+    def __init__(self, worker: Any, endpoint: Any, tag: int, vector: array.array[int], keep: object) -> None:
         ucp, iov = _ucp(), _iov(vector)
-        pointer = ucp.send(endpoint_handle, iov, len(iov), tag, ucp.iov_param)
-        super().__init__(worker_handle, iov, pointer, keep)
+        pointer = ucp.send(handle_of(endpoint), iov, len(iov), tag, ucp.iov_param)
+        super().__init__(worker, iov, pointer, keep)
 
 
 def handle_of(ucxx_object: Any) -> int:

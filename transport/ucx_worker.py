@@ -39,7 +39,7 @@ import structlog
 import trio
 
 from transport.link import POLL_SECONDS
-from transport.ucp_scatter import GatheredSend, ScatteredReceive, ScatterFailed, handle_of
+from transport.ucp_scatter import GatheredSend, ScatteredReceive, ScatterFailed
 
 KIND_BITS: Final = 8
 KIND_MASK: Final = (1 << KIND_BITS) - 1
@@ -161,7 +161,6 @@ class UcxWorker:
         self._tracked: list[tuple[Any, object]] = []  # (request, what it reads or writes) until completed
         self._prune_at = 64
         self._endpoints: set[Any] = set()
-        self._handle = handle_of(self._worker)
         self._vectors: dict[Any, list[ScatteredReceive | GatheredSend]] = {}
         self._sleep: trio.CancelScope | None = None
         self._kicked = False
@@ -239,7 +238,7 @@ class UcxWorker:
         UCX can) when `endpoint` is disconnected. Raises `UcxFailed` once `endpoint` is disconnected."""
         self._check_endpoint(endpoint)
         try:
-            request = ScatteredReceive(self._handle, on, vector, keep)
+            request = ScatteredReceive(self._worker, on, vector, keep)
         except ScatterFailed as exc:
             raise UcxFailed(str(exc)) from exc
         self._track_vector(endpoint, request, keep)
@@ -250,7 +249,7 @@ class UcxWorker:
         as one message. Raises `UcxFailed` once `endpoint` is disconnected."""
         self._check_endpoint(endpoint)
         try:
-            request = GatheredSend(self._handle, handle_of(endpoint), to, vector, keep)
+            request = GatheredSend(self._worker, endpoint, to, vector, keep)
         except ScatterFailed as exc:
             raise UcxFailed(str(exc)) from exc
         self._track_vector(endpoint, request, keep)

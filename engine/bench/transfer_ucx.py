@@ -39,7 +39,7 @@ import trio
 from engine.bench.rows import Row, alternate, row, warmed
 from engine.bench.transfer_peer import RAW_BYTES, Source, peer_process, serve_grants
 from transport.endpoint import SenderDelivery, open_endpoint
-from transport.ucp_scatter import ScatteredReceive, handle_of, io_vector
+from transport.ucp_scatter import ScatteredReceive, io_vector
 from transport.ucx_worker import libucxx
 
 BENCH = "transfer"
@@ -174,7 +174,7 @@ class RawReceiver:
         vector = io_vector([(int(self.buffer.ctypes.data), nbytes)])
         start = time.perf_counter()
         if scattered:
-            received: Any = ScatteredReceive(handle_of(self.worker), PAYLOAD, vector, self.buffer)
+            received: Any = ScatteredReceive(self.worker, PAYLOAD, vector, self.buffer)
         else:
             received = self.endpoint.tag_recv(landed, lib.UCXXTag(PAYLOAD))
         asked = self.endpoint.tag_send(ask, lib.UCXXTag(REQUEST))
