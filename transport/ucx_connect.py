@@ -8,8 +8,8 @@ from other hosts too.
 Connecting (receiver → sender): `dial` makes a UCX endpoint from the sender's worker address and sends
 `connect{its link number, its own worker address}` to the sender's listener (link number 0); the
 listener makes the sending link and an endpoint back, and answers `accept{its link number, its pid and
-host key}` (the receiver's fence for writes the sender makes into its memory: `transport.peer_process`). Then the
-handshake of DESIGN §5.1 (`Hello` / `HelloAck`) runs over the link as on any transport.
+host key}` (the receiver's fence for writes the sender makes into its memory: `transport.peer_process`).
+Then the handshake of DESIGN §5.1 (`Hello` / `HelloAck`) runs over the link as on any transport.
 """
 
 from __future__ import annotations

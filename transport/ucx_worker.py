@@ -11,6 +11,8 @@ the worker itself, as `../shared/tools/ucxx_trio_sketch.py` measured:
 - a task that posts a request and awaits it (`wait`) registers a waiter; the loop sets its event once the
   requests completed. Posting kicks the loop out of its fd wait: a message already queued inside UCX needs
   a progress call, not an fd event;
+- besides ucxx's requests, the worker posts I/O-vector ones straight through UCP (`receive_scattered`,
+  `send_gathered`: `transport.ucp_scatter`); disconnecting an endpoint cancels its own where UCX can;
 - control messages are found by probing (`tag_probe` with a mask on the kind bits) and received into a
   buffer of their exact size; each goes to the inbox of the link its tag names (`register`).
 
