@@ -20,9 +20,9 @@ This module calls seven functions of the libucp (and libucs) that ucxx already l
 never loaded a second time), on the worker and endpoint handles ucxx exposes, through ctypes:
 `ucp_tag_recv_nbx`, `ucp_tag_send_nbx`, `ucp_request_check_status`, `ucp_tag_recv_request_test` (a
 scattered receive checks the message filled it: a shorter one is an error, not stale rows),
-`ucp_request_cancel`, `ucp_request_free` and `ucs_status_string`. `_RequestParam` mirrors `ucp_request_param_t` of UCX 1.x
-(checked against the ucp.h of the UCX that ucxx 0.52 bundles, 1.21); the tests land real bytes through
-it.
+`ucp_request_cancel`, `ucp_request_free` and `ucs_status_string`. `_RequestParam` mirrors
+`ucp_request_param_t` of UCX 1.x (checked against the ucp.h of the UCX that ucxx 0.52 bundles, 1.21);
+the tests land real bytes through it.
 """
 
 from __future__ import annotations
