@@ -133,11 +133,13 @@ class _VectorRequest:
 
     __slots__ = ("_error", "_iov", "_keep", "_request", "_worker", "_worker_handle")
 
-    def __init__(self, worker: Any, iov: ctypes.Array[_Iov], pointer: int | None, keep: object) -> None:
+    def __init__(
+        self, worker: Any, worker_handle: int, iov: ctypes.Array[_Iov], pointer: int | None, keep: object
+    ) -> None:
         if pointer is not None and pointer >= (1 << 64) - _ERROR_POINTERS:
             raise ScatterFailed(f"{self._what} not posted: {_ucp().describe(pointer - (1 << 64))}")
         self._worker = worker  # the ucxx worker stays alive while its request may be touched
-        self._worker_handle = handle_of(worker)
+        self._worker_handle = worker_handle
         self._iov: ctypes.Array[_Iov] | None = iov
         self._keep: object = keep
         self._request: int | None = pointer  # None: completed at once (UCS_OK)
@@ -198,8 +200,9 @@ class ScatteredReceive(_VectorRequest):
         ucp, iov = _ucp(), _iov(vector)
         self._expected = sum(vector[1::2])
         # Never completed at once, so `_status` always sees the message's length.
-        pointer = ucp.recv(handle_of(worker), iov, len(iov), tag, _ALL_TAG_BITS, ucp.receive_param)
-        super().__init__(worker, iov, pointer, keep)
+        handle = handle_of(worker)
+        pointer = ucp.recv(handle, iov, len(iov), tag, _ALL_TAG_BITS, ucp.receive_param)
+        super().__init__(worker, handle, iov, pointer, keep)
 
     def _status(self, ucp: _Ucp, request: int) -> tuple[int, str | None]:
         info = _TagRecvInfo()
@@ -220,7 +223,7 @@ class GatheredSend(_VectorRequest):
     def __init__(self, worker: Any, endpoint: Any, tag: int, vector: array.array[int], keep: object) -> None:
         ucp, iov = _ucp(), _iov(vector)
         pointer = ucp.send(handle_of(endpoint), iov, len(iov), tag, ucp.iov_param)
-        super().__init__(worker, iov, pointer, keep)
+        super().__init__(worker, handle_of(worker), iov, pointer, keep)
 
 
 def handle_of(ucxx_object: Any) -> int:

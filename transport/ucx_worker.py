@@ -35,13 +35,15 @@ import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Final, final
+from typing import Any, Final, TypeVar, final
 
 import structlog
 import trio
 
 from transport.link import POLL_SECONDS
 from transport.ucp_scatter import GatheredSend, ScatteredReceive, ScatterFailed
+
+_Vector = TypeVar("_Vector", ScatteredReceive, GatheredSend)
 
 KIND_BITS: Final = 8
 KIND_MASK: Final = (1 << KIND_BITS) - 1
@@ -238,31 +240,28 @@ class UcxWorker:
         """Post a tag receive for the next message tagged exactly `on`, landing in the segments of I/O
         vector `vector` (`transport.ucp_scatter.io_vector`) of memory that `keep` owns. Cancelled (where
         UCX can) when `endpoint` is disconnected. Raises `UcxFailed` once `endpoint` is disconnected."""
-        self._check_endpoint(endpoint)
-        try:
-            request = ScatteredReceive(self._worker, on, vector, keep)
-        except ScatterFailed as exc:
-            raise UcxFailed(str(exc)) from exc
-        self._track_vector(endpoint, request, keep)
-        return request
+        return self._post_vector(endpoint, keep, lambda: ScatteredReceive(self._worker, on, vector, keep))
 
     def send_gathered(self, endpoint: Any, to: int, vector: array.array[int], keep: object) -> GatheredSend:
         """Post a tag send of the segments of I/O vector `vector` (memory that `keep` owns), back to back
         as one message. Raises `UcxFailed` once `endpoint` is disconnected."""
+        return self._post_vector(
+            endpoint, keep, lambda: GatheredSend(self._worker, endpoint, to, vector, keep)
+        )
+
+    def _post_vector(self, endpoint: Any, keep: object, post: Callable[[], _Vector]) -> _Vector:
+        """`post()` on an open `endpoint`, tracked, and listed for cancelling when it disconnects."""
         self._check_endpoint(endpoint)
         try:
-            request = GatheredSend(self._worker, endpoint, to, vector, keep)
+            request = post()
         except ScatterFailed as exc:
             raise UcxFailed(str(exc)) from exc
-        self._track_vector(endpoint, request, keep)
-        return request
-
-    def _track_vector(self, endpoint: Any, request: ScatteredReceive | GatheredSend, keep: object) -> None:
         pending = self._vectors.setdefault(endpoint, [])
         if len(pending) >= self._prune_at:
             pending[:] = [posted for posted in pending if not posted.completed]
         pending.append(request)
         self._track(request, keep)
+        return request
 
     def _track(self, request: Any, keep: object) -> None:
         self._tracked.append((request, keep))

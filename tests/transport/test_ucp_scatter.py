@@ -5,6 +5,7 @@ descriptor."""
 
 from __future__ import annotations
 
+import array
 import os
 import subprocess
 import sys
@@ -38,6 +39,11 @@ async def two_workers() -> AsyncIterator[tuple[UcxWorker, Any, UcxWorker, Any]]:
 
 def address_of(memory: np.ndarray, at: int) -> int:
     return int(memory.ctypes.data) + at
+
+
+def all_of(memory: np.ndarray) -> array.array[int]:
+    """An I/O vector of one segment: the whole of `memory`."""
+    return io_vector([(address_of(memory, 0), memory.nbytes)])
 
 
 async def test_a_scattered_receive_lands_each_piece_where_its_segment_points() -> None:
@@ -76,9 +82,7 @@ async def test_a_message_longer_than_its_segments_fails_the_receive_as_truncated
     memory = np.zeros(64, dtype=np.uint8)
     with trio.fail_after(10):
         async with two_workers() as (sender, to_receiver, receiver, to_sender):
-            request = receiver.receive_scattered(
-                to_sender, TAG, io_vector([(address_of(memory, 0), 64)]), memory
-            )
+            request = receiver.receive_scattered(to_sender, TAG, all_of(memory), memory)
             await sender.wait([sender.send(to_receiver, TAG, bytes(100))])
             with pytest.raises(UcxFailed, match=r"^ScatterFailed: Message truncated \(-9\)$"):
                 await receiver.wait([request])
@@ -101,14 +105,12 @@ async def test_disconnecting_cancels_a_pending_scattered_receive_and_no_more_can
     memory = np.zeros(64, dtype=np.uint8)
     with trio.fail_after(10):
         async with two_workers() as (_sender, _to_receiver, receiver, to_sender):
-            request = receiver.receive_scattered(
-                to_sender, TAG, io_vector([(address_of(memory, 0), 64)]), memory
-            )
+            request = receiver.receive_scattered(to_sender, TAG, all_of(memory), memory)
             receiver.disconnect(to_sender)
             with pytest.raises(UcxFailed, match=r"^ScatterFailed: Request canceled \(-16\)$"):
                 await receiver.wait([request])
             with pytest.raises(UcxFailed, match=r"^the UCX endpoint is closed \(worker 'receiver'\)$"):
-                receiver.receive_scattered(to_sender, TAG, io_vector([(address_of(memory, 0), 64)]), memory)
+                receiver.receive_scattered(to_sender, TAG, all_of(memory), memory)
 
 
 # Posts a 1 MiB send to the worker at argv[1] on tag argv[2], progresses 0.3 s (its rendezvous request
@@ -151,9 +153,7 @@ async def test_a_matched_receive_holds_its_fence_until_its_writer_process_is_gon
                 line = await trio.to_thread.run_sync(child.stdout.readline)
             endpoint = worker.connect(bytes.fromhex(line.decode()))
             await trio.sleep(0.2)  # the rendezvous request waits, unexpected, in this worker
-            request = worker.receive_scattered(
-                endpoint, TAG, io_vector([(address_of(memory, 0), 1 << 20)]), memory
-            )
+            request = worker.receive_scattered(endpoint, TAG, all_of(memory), memory)
             request.cancel()  # matched at once: cancelling does nothing
             landing = Landing([request])
             with trio.move_on_after(0.5) as waited:
@@ -179,9 +179,7 @@ async def test_a_landing_whose_receives_complete_settles_true_without_asking_abo
 
     with trio.fail_after(10):
         async with two_workers() as (sender, to_receiver, receiver, to_sender):
-            request = receiver.receive_scattered(
-                to_sender, TAG, io_vector([(address_of(memory, 0), 16)]), memory
-            )
+            request = receiver.receive_scattered(to_sender, TAG, all_of(memory), memory)
             await sender.wait([sender.send(to_receiver, TAG, bytes(range(16)))])
             assert await settle(receiver, [Landing([request])], writer_gone) is True
     assert asked == [] and bytes(memory) == bytes(range(16))
