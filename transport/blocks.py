@@ -67,7 +67,8 @@ class BlockPool:
         self.block_size = block_size
         # Popped from the end: the lowest ids are handed out first on a fresh pool.
         self._free: list[int] = list(range(num_blocks - 1, -1, -1))
-        self._owner: list[str | None] = [None] * num_blocks
+        # Owner -> its blocks; a block in no set is free. Sets, so that a whole allocation is checked,
+        # taken and returned by set operations rather than a Python step per block.
         self._owned: dict[str, set[int]] = {}
         self._waiters: deque[_Waiter] = deque()
 
@@ -92,7 +93,7 @@ class BlockPool:
         return -(-tokens // self.block_size)
 
     def owner_of(self, block_id: int) -> str | None:
-        return self._owner[block_id]
+        return next((owner for owner, ids in self._owned.items() if block_id in ids), None)
 
     def owned_by(self, owner: str) -> list[int]:
         return sorted(self._owned.get(owner, ()))
@@ -165,14 +166,12 @@ class BlockPool:
     def free(self, ids: Iterable[int], owner: str) -> None:
         """Return `ids` (all owned by `owner`) to the pool. All-or-nothing: checks before changing."""
         ids = list(ids)
-        self._check_owned(ids, owner, "free")
-        held = self._owned[owner] if ids else set()
-        for block_id in ids:
-            self._owner[block_id] = None
-            held.discard(block_id)
-            self._free.append(block_id)
-        if ids and not held:
-            del self._owned[owner]
+        if ids:
+            held = self._check_owned(ids, owner, "free")
+            held.difference_update(ids)
+            self._free.extend(ids)
+            if not held:
+                del self._owned[owner]
         self._wake_head()
 
     def free_owner(self, owner: str) -> int:
@@ -184,17 +183,13 @@ class BlockPool:
 
     def hand_over(self, ids: Sequence[int], old_owner: str, new_owner: str) -> None:
         """Move ownership of `ids` without copying or freeing (e.g. migrated KV becomes decode cache)."""
-        self._check_owned(ids, old_owner, "hand over")
-        held = self._owned[old_owner] if ids else set()
-        new_set = self._owned.setdefault(new_owner, set())
-        for block_id in ids:
-            self._owner[block_id] = new_owner
-            held.discard(block_id)
-            new_set.add(block_id)
-        if ids and not held:
+        if not ids:
+            return
+        held = self._check_owned(ids, old_owner, "hand over")
+        held.difference_update(ids)
+        self._owned.setdefault(new_owner, set()).update(ids)
+        if not held:
             del self._owned[old_owner]
-        if not new_set:
-            del self._owned[new_owner]
 
     def quarantine(self, ids: Sequence[int], owner: str, fence: str) -> str:
         """Hold `ids` aside until `release_quarantine(fence)`: a write into them may still be in flight."""
@@ -210,13 +205,17 @@ class BlockPool:
         free_set = set(self._free)
         if len(free_set) != len(self._free):
             raise AssertionError(f"pool {self.name!r}: duplicate ids on the free list")
+        if not free_set <= set(range(self.num_blocks)):
+            raise AssertionError(f"pool {self.name!r}: an id on the free list is not a block")
         owned_total = 0
+        seen: set[int] = set()
         for owner, ids in self._owned.items():
             if not ids:
                 raise AssertionError(f"pool {self.name!r}: empty owner entry {owner!r}")
             for block_id in ids:
-                if self._owner[block_id] != owner or block_id in free_set:
+                if block_id in free_set or block_id in seen or not 0 <= block_id < self.num_blocks:
                     raise AssertionError(f"pool {self.name!r}: block {block_id} owner table disagrees")
+            seen |= ids
             owned_total += len(ids)
         if owned_total + len(self._free) != self.num_blocks:
             raise AssertionError(
@@ -228,7 +227,12 @@ class BlockPool:
         if n_blocks < 0:
             raise ValueError(f"pool {self.name!r}: block count must be >= 0, got {n_blocks}")
 
-    def _check_owned(self, ids: Sequence[int], owner: str, action: str) -> None:
+    def _check_owned(self, ids: Sequence[int], owner: str, action: str) -> set[int]:
+        """`owner`'s set of blocks when `ids` are distinct blocks all held by `owner`; else raises
+        `OwnershipError` naming the first offending id."""
+        held = self._owned.get(owner)
+        if held is not None and held.issuperset(ids) and len(set(ids)) == len(ids):
+            return held
         seen: set[int] = set()
         for block_id in ids:
             if not 0 <= block_id < self.num_blocks:
@@ -236,20 +240,20 @@ class BlockPool:
             if block_id in seen:
                 raise OwnershipError(f"pool {self.name!r}: block {block_id} listed twice in one {action}")
             seen.add(block_id)
-            actual = self._owner[block_id]
+            actual = self.owner_of(block_id)
             if actual != owner:
                 state = "free" if actual is None else f"owned by {actual!r}"
                 raise OwnershipError(
                     f"pool {self.name!r}: {owner!r} cannot {action} block {block_id}: it is {state}"
                 )
+        raise AssertionError(f"pool {self.name!r}: {action} of {len(ids)} blocks failed no check")
 
     def _take(self, n_blocks: int, owner: str) -> list[int]:
-        ids = [self._free.pop() for _ in range(n_blocks)]
-        if ids:
-            held = self._owned.setdefault(owner, set())
-            for block_id in ids:
-                self._owner[block_id] = owner
-                held.add(block_id)
+        if n_blocks == 0:
+            return []
+        ids = self._free[-n_blocks:][::-1]  # as popping them one by one would give them
+        del self._free[-n_blocks:]
+        self._owned.setdefault(owner, set()).update(ids)
         return ids
 
     def _wake_head(self) -> None:
