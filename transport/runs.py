@@ -52,6 +52,8 @@ def plan_runs(
     """Runs moving tokens `[src_offset, +count)` of allocation `src_ids` to `[dst_offset, +count)` of `dst_ids`."""
     _check_range("source", src_ids, src_offset, count, block_size)
     _check_range("destination", dst_ids, dst_offset, count, block_size)
+    if count and src_offset % block_size == dst_offset % block_size:
+        return _in_step(src_ids, src_offset, dst_ids, dst_offset, count, block_size)
     runs: list[Run] = []
     src, dst, left = src_offset, dst_offset, count
     while left:
@@ -68,6 +70,36 @@ def plan_runs(
                 continue
         runs.append(Run(src_row, dst_row, rows))
         src, dst, left = src + rows, dst + rows, left - rows
+    return runs
+
+
+def _in_step(
+    src_ids: Sequence[int],
+    src_offset: int,
+    dst_ids: Sequence[int],
+    dst_offset: int,
+    count: int,
+    block_size: int,
+) -> list[Run]:
+    """`plan_runs` when both sides cross block boundaries at the same tokens (the usual case: both
+    offsets block-aligned): block pairs, one step each, trimmed at the two ends."""
+    skip = src_offset % block_size
+    blocks = -(-(skip + count) // block_size)
+    first_src, first_dst = src_offset // block_size, dst_offset // block_size
+    runs: list[Run] = []
+    last = Run(-1, -1, 0)
+    for src_block, dst_block in zip(
+        src_ids[first_src : first_src + blocks], dst_ids[first_dst : first_dst + blocks], strict=True
+    ):
+        src_row, dst_row = src_block * block_size, dst_block * block_size
+        if src_row == last.src_row + last.rows and dst_row == last.dst_row + last.rows:
+            last.rows += block_size
+        else:
+            last = Run(src_row, dst_row, block_size)
+            runs.append(last)
+    head = runs[0]
+    head.src_row, head.dst_row, head.rows = head.src_row + skip, head.dst_row + skip, head.rows - skip
+    runs[-1].rows -= blocks * block_size - skip - count
     return runs
 
 
