@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import final
+from typing import Final, final
 
 import msgspec
 import torch
@@ -61,6 +61,9 @@ class ReceiveResult:
     header: msgspec.Raw
 
 
+CLEARED_KEPT: Final = 8  # segment lists `GrantedRound.refusal_of` remembers
+
+
 @dataclass(slots=True)
 class GrantedRound:
     number: int
@@ -69,17 +72,16 @@ class GrantedRound:
     blocks: tuple[int, ...]
     landing_offset: int
     block_size: int
-    rows: dict[int, tuple[int, int]] = field(default_factory=dict)  # block -> granted rows [lo, hi)
     landed: bool = False
     released: bool = False
-    cleared: Sequence[tuple[int, int]] = ()  # the last segments found granted (a write's buffers repeat them)
+    # The last segment lists found granted: a write's buffers repeat them (a round's frames per buffer).
+    cleared: list[Sequence[tuple[int, int]]] = field(default_factory=list)
+    index: dict[int, int] = field(init=False)  # block -> its position in `blocks`
+    end: int = field(init=False)  # the granted tokens are [landing_offset, end) of `blocks`
 
     def __post_init__(self) -> None:
-        size, start, end = self.block_size, self.landing_offset, self.landing_offset + self.tokens
-        for index, block in enumerate(self.blocks):
-            lo, hi = max(0, start - index * size), min(size, end - index * size)
-            if lo < hi:
-                self.rows[block] = (lo, hi)
+        self.index = dict(zip(self.blocks, range(len(self.blocks)), strict=True))
+        self.end = self.landing_offset + self.tokens
 
     def checksum(self, storage: PoolStorage, tokens: int, buffers: Sequence[str]) -> int:
         """CRC-32 of the round's first `tokens` landed tokens (`transport.runs.checksum_runs`)."""
@@ -87,26 +89,26 @@ class GrantedRound:
         return checksum_runs(storage, plan_runs(*own, *own, tokens, self.block_size), buffers, source=False)
 
     def refusal_of(self, segments: Sequence[tuple[int, int]]) -> str | None:
-        """`refusal` of the first `(dst_row, rows)` segment that is not this grant's, or None."""
-        if segments == self.cleared:
+        """Why the first refused `(dst_row, rows)` segment of flat rows is not this grant's — some of
+        its rows lie outside the granted tokens — or None when every segment is granted."""
+        if any(segments == known for known in self.cleared):
             return None
+        size, position, start, end = self.block_size, self.index.get, self.landing_offset, self.end
         for dst_row, rows in segments:
-            refusal = self.refusal(dst_row, rows)
-            if refusal is not None:
-                return refusal
-        self.cleared = segments
-        return None
-
-    def refusal(self, dst_row: int, rows: int) -> str | None:
-        """Why flat rows `[dst_row, +rows)` are not this grant's, or None when they all are."""
-        size, row, end = self.block_size, dst_row, dst_row + rows
-        while row < end:
-            block, first = divmod(row, size)
-            last = min(end - block * size, size)
-            span = self.rows.get(block)
-            if span is None or first < span[0] or last > span[1]:
-                return f"round {self.number}: bytes for rows {first}..{last} of block {block}, which are not granted"
-            row = (block + 1) * size
+            block, first = divmod(dst_row, size)
+            stop = first + rows  # a row of `block`, or past its end when the segment spans blocks
+            while True:
+                last = stop if stop <= size else size
+                at = position(block)
+                if at is None or first < start - at * size or last > end - at * size:
+                    return (
+                        f"round {self.number}: bytes for rows {first}..{last} of block {block}, "
+                        "which are not granted"
+                    )
+                if stop <= size:
+                    break
+                block, first, stop = block + 1, 0, stop - size
+        self.cleared = [segments, *self.cleared[: CLEARED_KEPT - 1]]
         return None
 
 
