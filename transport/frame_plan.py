@@ -17,8 +17,10 @@ both ends, and 64 MiB of 2 MiB blocks in 8 MiB frames was 12 frames where 6 do (
 
 from __future__ import annotations
 
+import struct
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from itertools import chain
 from typing import Final, NamedTuple, final
 
 from transport.link import BulkWrite
@@ -47,8 +49,19 @@ class Piece(NamedTuple):
 
 @final
 @dataclass(slots=True)
+class PieceTables:
+    """What a planned frame's pieces derive to, made once: buffers of one row width share a plan
+    (`plan_bundles`), so a KV round's eight buffers would otherwise build the same tables eight times."""
+
+    segment_table: bytes | None = None
+    sources: list[tuple[int, int]] | None = None
+
+
+@final
+@dataclass(slots=True)
 class Frame:
-    """Pieces of buffer `name` (index `buffer` in the layout); `packed`: one message, bytes back to back."""
+    """Pieces of buffer `name` (index `buffer` in the layout); `packed`: one message, bytes back to back.
+    `tables` caches what the pieces derive to: ask for it only once the frame is planned."""
 
     packed: bool
     buffer: int
@@ -56,6 +69,7 @@ class Frame:
     row_bytes: int
     pieces: list[Piece] = field(default_factory=list)
     rows: int = 0
+    tables: PieceTables = field(default_factory=PieceTables)
 
     @property
     def length(self) -> int:
@@ -65,9 +79,18 @@ class Frame:
         """The receiver's side: `(dst_row, rows)` per piece."""
         return [(piece.dst_row, piece.rows) for piece in self.pieces]
 
+    def segment_table(self) -> bytes:
+        """`segments` as the wire's table of little-endian u64 pairs (`transport.tcp_frames.SEGMENT`)."""
+        if self.tables.segment_table is None:
+            pairs = chain.from_iterable((piece.dst_row, piece.rows) for piece in self.pieces)
+            self.tables.segment_table = struct.pack(f"<{2 * len(self.pieces)}Q", *pairs)
+        return self.tables.segment_table
+
     def sources(self) -> list[tuple[int, int]]:
         """The sender's side: `(src_row, rows)` per piece."""
-        return [(piece.src_row, piece.rows) for piece in self.pieces]
+        if self.tables.sources is None:
+            self.tables.sources = [(piece.src_row, piece.rows) for piece in self.pieces]
+        return self.tables.sources
 
 
 def frame_bytes(packed: bool) -> int:
@@ -163,6 +186,6 @@ def plan_bundles(
             if plan is None:
                 plan = plans[width] = list(plan_frames(bulk, place, name, width, direct))
             for frame in plan:
-                yield Frame(frame.packed, place, name, width, frame.pieces, frame.rows)
+                yield Frame(frame.packed, place, name, width, frame.pieces, frame.rows, frame.tables)
 
     return bundle_frames(frames())

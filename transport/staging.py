@@ -29,7 +29,7 @@ import torch
 from transport.frame_plan import MAX_FRAME_BYTES, Frame, bundle_starts, plan_frames
 from transport.link import BulkWrite
 from transport.storage import PoolStorage
-from transport.tcp_frames import BULK, HEADER, MAGIC, SEGMENT, Buffer
+from transport.tcp_frames import BULK, HEADER, MAGIC, Buffer
 
 KEEP_CHUNKS: Final = 4
 
@@ -177,5 +177,4 @@ def staged_tcp_frames(
         header = HEADER.pack(
             MAGIC, BULK, 0, length, bulk.landing_key, bulk.round, buffer, 0, len(frame.pieces)
         )
-        table = b"".join(SEGMENT.pack(row, rows) for row, rows in frame.segments())
-        yield [header, table, chunk.view[:length]], length
+        yield [header, frame.segment_table(), chunk.view[:length]], length

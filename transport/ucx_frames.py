@@ -82,7 +82,7 @@ def descriptor_body(frames: Sequence[Frame], landing_key: int, round: int) -> by
                 DESCRIPTOR, flavour, frame.buffer, round, landing_key, frame.length, len(frame.pieces)
             )
         )
-        parts.extend(SEGMENT.pack(piece.dst_row, piece.rows) for piece in frame.pieces)
+        parts.append(frame.segment_table())
     return b"".join(parts)
 
 
@@ -176,7 +176,7 @@ def _parse_one(body: bytes | bytearray, at: int, row_bytes: Sequence[int]) -> tu
     width = row_bytes[buffer]
     table = struct.unpack_from(f"<{2 * count}Q", body, at + _HEADER.size)
     segments = list(zip(table[::2], table[1::2], strict=True))
-    if any(rows == 0 for _row, rows in segments) or sum(rows for _row, rows in segments) * width != length:
+    if 0 in table[1::2] or sum(table[1::2]) * width != length:
         raise UcxFrameError(
             f"bulk descriptor segments {segments[:4]}{'…' if count > 4 else ''} do not add up to its "
             f"{length} bytes of {width}-byte rows"

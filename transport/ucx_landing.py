@@ -20,8 +20,10 @@ import array
 import ctypes
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from itertools import chain
 from typing import Any, Final
 
+import torch
 import trio
 
 from transport.frame_plan import BUNDLE_ALIGN, bundle_starts
@@ -37,6 +39,7 @@ _GAP_ADDRESS: Final = ctypes.addressof(_GAP)
 _ZEROS: Final = ctypes.create_string_buffer(BUNDLE_ALIGN)
 ZEROS_ADDRESS: Final = ctypes.addressof(_ZEROS)
 WRITER_CHECK_SECONDS: Final = 0.05
+VECTORISED_STRETCHES: Final = 32
 
 
 @dataclass(slots=True)
@@ -88,10 +91,24 @@ def bundle_vector(
     for start, (name, width, stretches, length) in zip(starts, parts, strict=True):
         if start > end:
             vector.extend((gap_address, start - end))
-        base = storage.tensors[name].data_ptr()
-        vector.extend([value for row, rows in stretches for value in (base + row * width, rows * width)])
+        vector.extend(stretch_entries(storage.tensors[name].data_ptr(), width, stretches))
         end = start + length
     return vector
+
+
+def stretch_entries(base: int, width: int, stretches: Sequence[tuple[int, int]]) -> array.array[int]:
+    """The I/O-vector entries `(base + row * width, rows * width)` of `(row, rows)` stretches. Many
+    stretches (a KV frame has one per block): torch scales them in place, in about 10 µs however many,
+    where a Python loop takes 60 µs for 256 (it stays below `VECTORISED_STRETCHES`, where it is faster)."""
+    if len(stretches) < VECTORISED_STRETCHES:
+        return array.array(
+            "Q", [value for row, rows in stretches for value in (base + row * width, rows * width)]
+        )
+    entries = array.array("Q", chain.from_iterable(stretches))
+    values = torch.frombuffer(entries, dtype=torch.int64)  # addresses and lengths are below 2**63
+    values.mul_(width)
+    values[0::2].add_(base)
+    return entries
 
 
 def direct(

@@ -16,10 +16,12 @@ from typing import Any
 import numpy as np
 import pytest
 import trio
+from hypothesis import given
+from hypothesis import strategies as st
 
 from transport.peer_process import host_key, local_pid, process_gone
 from transport.ucp_scatter import io_vector
-from transport.ucx_landing import Landing, settle
+from transport.ucx_landing import VECTORISED_STRETCHES, Landing, settle, stretch_entries
 from transport.ucx_worker import UcxFailed, UcxWorker
 
 pytestmark = pytest.mark.usefixtures("ucx_env")
@@ -197,3 +199,14 @@ def test_a_pid_counts_only_with_this_hosts_key_and_a_dead_child_is_gone() -> Non
     assert process_gone(child.pid)
     child.wait()
     assert process_gone(child.pid)
+
+
+@pytest.mark.parametrize("count", [0, 1, VECTORISED_STRETCHES - 1, VECTORISED_STRETCHES, 300])
+@given(base=st.integers(0, 2**47), width=st.integers(1, 1 << 16), data=st.data())
+def test_stretch_entries_scale_every_stretch_alike_on_both_sides_of_the_vectorised_size(
+    count: int, base: int, width: int, data: st.DataObject
+) -> None:
+    stretch = st.tuples(st.integers(0, 1 << 20), st.integers(1, 1 << 10))
+    stretches = data.draw(st.lists(stretch, min_size=count, max_size=count))
+    expected = [value for row, rows in stretches for value in (base + row * width, rows * width)]
+    assert stretch_entries(base, width, stretches).tolist() == expected
