@@ -27,7 +27,7 @@ import trio
 
 from messages.cuda_ipc import PoolShare, SharedBuffer, ShareVerdict
 from transport.errors import LinkClosed
-from transport.runs import Run, row_index
+from transport.runs import GroupIndex, Run, group_index
 from transport.storage import PoolStorage, torch_dtype
 
 MAX_SETUP_BYTES: Final = 1024 * 1024
@@ -151,20 +151,21 @@ def copy_rows(source: torch.Tensor, target: torch.Tensor, runs: Sequence[Run], i
                 source[run.src_row : run.src_row + run.rows], non_blocking=True
             )
         return
-    src_rows, dst_rows = indices.get(runs, source.device)
-    target.index_copy_(0, dst_rows, source.index_select(0, src_rows))
+    indices.get(runs, source, target).copy(source, target)
 
 
 @final
 class RowIndices:
-    """The flat row indices of one round's runs on one device, built once for all of its buffers."""
+    """One round's `GroupIndex` on one device, built once for all of its buffers (which have the same
+    row counts on each side)."""
 
     def __init__(self) -> None:
-        self._built: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._built: GroupIndex | None = None
 
-    def get(self, runs: Sequence[Run], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    def get(self, runs: Sequence[Run], source: torch.Tensor, target: torch.Tensor) -> GroupIndex:
         if self._built is None:
-            self._built = (row_index(runs, True, device), row_index(runs, False, device))
+            rows = (int(source.shape[0]), int(target.shape[0]))
+            self._built = group_index(runs, rows, (source.device, target.device))
         return self._built
 
 

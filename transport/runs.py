@@ -8,6 +8,8 @@ plus one per destination block.
 
 from __future__ import annotations
 
+import array
+import math
 import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -103,15 +105,54 @@ def _in_step(
     return runs
 
 
-def row_index(runs: Sequence[Run], src: bool, device: torch.device) -> torch.Tensor:
-    """All flat rows covered by `runs` on one side, built without a Python loop per row."""
-    starts = torch.tensor([r.src_row if src else r.dst_row for r in runs], dtype=torch.int64)
-    lengths = torch.tensor([r.rows for r in runs], dtype=torch.int64)
-    total = int(lengths.sum())
-    run_of_row = torch.repeat_interleave(torch.arange(len(runs)), lengths, output_size=total)
-    first_row_of_run = torch.cumsum(lengths, 0) - lengths
-    rows = starts[run_of_row] + (torch.arange(total) - first_row_of_run[run_of_row])
-    return rows.to(device)
+@final
+@dataclass(frozen=True, slots=True)
+class GroupIndex:
+    """A write's runs as one gather and one scatter: flat rows taken `group` at a time — the largest
+    count dividing every run's start on both sides, every run's length and both buffers' row counts
+    (a pool's whole blocks, usually) — and the group numbers on each side. Fewer, larger index entries
+    than one per row: 512 blocks of 128 rows are 512 entries, not 65 536."""
+
+    group: int
+    src: torch.Tensor
+    dst: torch.Tensor
+
+    def copy(self, source: torch.Tensor, target: torch.Tensor) -> None:
+        """The runs' rows of flat `source` into flat `target` (queued on the current stream on a GPU)."""
+        # As 2-D `[groups, elements]` views: torch copies those slices whole (a 3-D view took twice as
+        # long on CPU). Flat buffers are contiguous, so these are views.
+        gathered = source.view(source.shape[0] // self.group, -1).index_select(0, self.src)
+        target.view(target.shape[0] // self.group, -1).index_copy_(0, self.dst, gathered.to(target.device))
+
+
+def group_index(
+    runs: Sequence[Run], rows: tuple[int, int], devices: tuple[torch.device, torch.device]
+) -> GroupIndex:
+    """`GroupIndex` of `runs` between buffers of `rows` flat rows (source, target) on `devices`."""
+    src_starts, dst_starts = [run.src_row for run in runs], [run.dst_row for run in runs]
+    lengths = [run.rows for run in runs]
+    group = math.gcd(*rows, *src_starts, *dst_starts, *lengths)
+    return GroupIndex(
+        group,
+        _group_numbers(src_starts, lengths, group).to(devices[0]),
+        _group_numbers(dst_starts, lengths, group).to(devices[1]),
+    )
+
+
+def _group_numbers(starts: list[int], lengths: list[int], group: int) -> torch.Tensor:
+    """The groups of `group` rows covering `[start, start + length)` of each run, in order, with no
+    Python step per entry."""
+    if not starts:
+        return torch.empty(0, dtype=torch.int64)
+    firsts = torch.frombuffer(array.array("q", starts), dtype=torch.int64) // group
+    if lengths.count(lengths[0]) == len(lengths):  # runs of one length (whole blocks): a grid
+        per_run = lengths[0] // group
+        return firsts if per_run == 1 else (firsts.view(-1, 1) + torch.arange(per_run)).view(-1)
+    counts = torch.frombuffer(array.array("q", lengths), dtype=torch.int64) // group
+    total = sum(lengths) // group
+    run_of_entry = torch.repeat_interleave(torch.arange(len(lengths)), counts, output_size=total)
+    first_entry_of_run = torch.cumsum(counts, 0) - counts
+    return firsts[run_of_entry] + (torch.arange(total) - first_entry_of_run[run_of_entry])
 
 
 def copy_runs(src: PoolStorage, dst: PoolStorage, runs: Sequence[Run], buffers: Sequence[str]) -> int:
@@ -120,13 +161,13 @@ def copy_runs(src: PoolStorage, dst: PoolStorage, runs: Sequence[Run], buffers: 
     CPU: a run of at least `TORCH_COPY_BYTES` is one `copy_`; smaller runs are one `memcpy` each through
     the buffers' memoryviews (a torch call costs microseconds, a memoryview slice assignment a fraction
     of one). Other devices: one `copy_` per run, or for small runs one gather and one scatter per buffer
-    with indices built once; on CUDA it returns once the copies are done (the write fence).
+    (`GroupIndex`, built once); on CUDA it returns once the copies are done (the write fence).
     """
     if not runs:
         return 0
     total_rows = sum(r.rows for r in runs)
     on_cpu = src.device.type == "cpu" and dst.device.type == "cpu"
-    indices: tuple[torch.Tensor, torch.Tensor] | None = None
+    index: GroupIndex | None = None
     copied = 0
     for name in buffers:
         src_flat, dst_flat = src.flat(name), dst.flat(name)
@@ -147,10 +188,10 @@ def copy_runs(src: PoolStorage, dst: PoolStorage, runs: Sequence[Run], buffers: 
                     )
                     dst_bytes[dst_at : dst_at + size] = src_bytes[src_at : src_at + size]
         elif total_rows * row_bytes < TORCH_COPY_BYTES * len(runs):
-            if indices is None:
-                indices = (row_index(runs, True, src.device), row_index(runs, False, dst.device))
-            src_rows, dst_rows = indices
-            dst_flat.index_copy_(0, dst_rows, src_flat.index_select(0, src_rows).to(dst.device))
+            if index is None:
+                rows = (src.num_blocks * src.block_size, dst.num_blocks * dst.block_size)
+                index = group_index(runs, rows, (src.device, dst.device))
+            index.copy(src_flat, dst_flat)
         else:
             for run in runs:
                 dst_flat[run.dst_row : run.dst_row + run.rows].copy_(

@@ -18,7 +18,7 @@ from tests.transport.harness import (
     poisoned_storage,
     random_storage,
 )
-from transport.runs import Run, checksum_runs, copy_runs, plan_runs
+from transport.runs import Run, checksum_runs, copy_runs, group_index, plan_runs
 
 
 def test_runs_coalesce_consecutive_block_pairs() -> None:
@@ -76,3 +76,32 @@ def test_copy_runs_matches_gather_and_leaves_the_rest_alone(layout) -> None:
         untouched = [row for row in range(flat.shape[0]) if row not in landed_rows]
         assert bool((flat[untouched] == 0x5A).all())
     assert checksum_runs(src, runs, names, source=True) == checksum_runs(dst, runs, names, source=False)
+
+
+@settings(max_examples=150, deadline=None)
+@given(block_size=st.integers(1, 8), in_step=st.booleans(), data=st.data())
+def test_a_group_index_moves_exactly_the_runs_rows(
+    block_size: int, in_step: bool, data: st.DataObject
+) -> None:
+    """Gather and scatter by groups of rows (whole blocks when the write is in step) land what a copy
+    per run would, and nothing else."""
+    src_blocks, dst_blocks = data.draw(st.integers(1, 12)), data.draw(st.integers(1, 12))
+    rng = random.Random(data.draw(st.integers(0, 2**16)))
+    src_ids = rng.sample(range(src_blocks + 2), src_blocks)
+    dst_ids = rng.sample(range(dst_blocks + 3), dst_blocks)
+    src_offset = data.draw(st.integers(0, block_size - 1))
+    dst_offset = src_offset if in_step else data.draw(st.integers(0, block_size - 1))
+    count = data.draw(st.integers(1, min(src_blocks, dst_blocks) * block_size - max(src_offset, dst_offset)))
+    runs = plan_runs(src_ids, src_offset, dst_ids, dst_offset, count, block_size)
+    source = torch.randint(-(2**31), 2**31, ((src_blocks + 2) * block_size, 3), dtype=torch.int32)
+    target = torch.zeros((dst_blocks + 3) * block_size, 3, dtype=torch.int32)
+    cpu = torch.device("cpu")
+    index = group_index(runs, (source.shape[0], target.shape[0]), (cpu, cpu))
+    index.copy(source, target)
+    expected = torch.zeros_like(target)
+    for run in runs:
+        expected[run.dst_row : run.dst_row + run.rows] = source[run.src_row : run.src_row + run.rows]
+    assert torch.equal(target, expected)
+    assert len(index.src) == len(index.dst) == count // index.group
+    if in_step and src_offset == 0 and count % block_size == 0:
+        assert index.group % block_size == 0  # whole blocks move as one entry each
