@@ -152,13 +152,15 @@ async def _stop_a_sender_owing_a_write(ucx_env: dict[str, str], seed: int) -> bo
         assert trio.current_time() - started < LIVELY["link_timeout"] + config.fence_timeout + 2.0
         await trio.sleep(0.5)
         owed = pool.quarantined_blocks
-        assert owed in (0, 2)  # round 1's two blocks, while the stopped process may still write them
+        # Round 1's two blocks, while the stopped process may still write them; round 0's two as well
+        # when the process stopped before progressing round 0's writes (it writes them, and lazily).
+        assert owed in (0, 2, 4)
         child.process.kill()
         with trio.fail_after(5):
             while pool.quarantined_blocks:
                 await trio.sleep(0.01)
     assert (pool.used_blocks, pool.quarantined_blocks) == (0, 0)
-    return owed == 2
+    return owed > 0
 
 
 @pytest.mark.slow  # a child process: importing torch there takes seconds
@@ -167,8 +169,8 @@ async def test_blocks_a_stopped_sender_owes_writes_to_stay_quarantined_until_tha
 ) -> None:
     """A sender process stops right after posting a round's first frame: the receiver's scattered
     receive for it is matched and cannot be cancelled, and only that process could complete it. The
-    transfer fails `link_lost` within the link deadline plus `fence_timeout`, the round's blocks stay
-    quarantined while the process exists, and come back once it is killed.
+    transfer fails `link_lost` within the link deadline plus `fence_timeout`, the blocks of the rounds it
+    had not written stay quarantined while the process exists, and come back once it is killed.
 
     Whether UCX has matched the receive when the sender stops is up to the scheduler (now and then the
     sender is preempted long enough for the receiver to answer, and writes; then no block is owed and
