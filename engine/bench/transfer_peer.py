@@ -60,6 +60,8 @@ LAYOUTS: Final = {
     "kv": _kv_layout(layers=8, shape=(8, 128), dtype="bfloat16"),
     # A small model's KV (the built-in tiny model's shape): 4 layers, 256-byte rows, 4 KiB pieces.
     "kv_small": _kv_layout(layers=4, shape=(2, 32), dtype="float32"),
+    # The same model's KV for an 8192-token prompt: 512 blocks, what per-block work costs at scale.
+    "kv_long": _kv_layout(layers=4, shape=(2, 32), dtype="float32"),
 }
 PAYLOAD_BYTES: Final = {
     "emb4096": 64 * MiB,
@@ -67,12 +69,13 @@ PAYLOAD_BYTES: Final = {
     "block": 128 * _embedding_layout(1024).bytes_per_token,
     "kv": 64 * MiB,
     "kv_small": 1 * MiB,  # a 512-token prompt
+    "kv_long": 16 * MiB,
 }
 RAW_BYTES: Final = 64 * MiB
 # Layouts whose receiver knows the length, as a decode replica knows its prompt's (DESIGN §5.5: KV grants
 # are all-or-nothing): one round. The others start with the default grant, as an embedding transfer does
 # (`kv` too: its rows were first recorded that way).
-KNOWN_LENGTH: Final = frozenset({"kv_small"})
+KNOWN_LENGTH: Final = frozenset({"kv_small", "kv_long"})
 
 
 def tokens_for(name: str) -> int:

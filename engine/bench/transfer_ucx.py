@@ -13,6 +13,8 @@
   request and a reply of the same bytes; lower is better.
 - `ucx_kv_small_us`: the KV of a 512-token prompt of a small model (1 MiB: 8 buffers of 256-byte rows,
   4 KiB per buffer and block, all packed), µs, against a raw ucxx request and a 1 MiB reply.
+- `ucx_kv_512blocks_us` (not with `--quick`): the same model's KV for an 8192-token prompt (16 MiB in
+  512 blocks, one round), µs, against a raw ucxx request and a 16 MiB reply: per-block work at scale.
 
 UCX runs over `--ucx-tls` (default `sm`: shared memory, what one host offers without a NIC or GPU);
 the benchmark sets `UCX_TLS` for itself and its children, as the entry point.
@@ -188,7 +190,7 @@ def ucx_rows(portal: Any, args: argparse.Namespace, repeats: int, receiver_facto
     """The rows, alternating zigzag and raw; `receiver_factory` builds `transfer.Receiver`s."""
     os.environ["UCX_TLS"] = args.ucx_tls  # this process's and its children's UCX, set by the entry point
     cases = [("emb4096", "ucx_64MiB")] + ([] if args.quick else [("kv", "ucx_kv_64MiB")])
-    layouts = [name for name, _case in cases] + ["block", "kv_small"]
+    layouts = [name for name, _case in cases] + ["block", "kv_small"] + ([] if args.quick else ["kv_long"])
     with peer_process("engine.bench.transfer_ucx:serve_ucx_sender", {"layouts": layouts}) as (_child, ready):
         raw = RawReceiver(str(ready["raw"]))
         raw.gbps()
@@ -216,9 +218,9 @@ def ucx_rows(portal: Any, args: argparse.Namespace, repeats: int, receiver_facto
             )
             if source_name == "emb4096":
                 yield _against_the_write_protocol(portal, receiver, raw, repeats, args)
-        for source_name, case, what in (
-            ("block", "ucx_1block_us", "one block"),
-            ("kv_small", "ucx_kv_small_us", ""),
+        small = [("block", "ucx_1block_us", "one block"), ("kv_small", "ucx_kv_small_us", "")]
+        for source_name, case, what in small + (
+            [] if args.quick else [("kv_long", "ucx_kv_512blocks_us", "")]
         ):
             yield _small_row(portal, args, repeats, receiver_factory, ready, raw, source_name, case, what)
 
