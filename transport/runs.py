@@ -168,25 +168,24 @@ def copy_runs(src: PoolStorage, dst: PoolStorage, runs: Sequence[Run], buffers: 
     total_rows = sum(r.rows for r in runs)
     on_cpu = src.device.type == "cpu" and dst.device.type == "cpu"
     index: GroupIndex | None = None
+    byte_ranges: dict[int, tuple[list[Run], list[tuple[int, int, int]]]] = {}
     copied = 0
     for name in buffers:
         src_flat, dst_flat = src.flat(name), dst.flat(name)
         row_bytes = src.row_bytes[name]
         copied += total_rows * row_bytes
         if on_cpu:
+            ranges = byte_ranges.get(row_bytes)
+            if ranges is None:  # buffers of one row width (a KV layout's) share the runs' byte ranges
+                ranges = byte_ranges[row_bytes] = _byte_ranges(runs, row_bytes)
+            large, small = ranges
+            for run in large:
+                dst_flat[run.dst_row : run.dst_row + run.rows].copy_(
+                    src_flat[run.src_row : run.src_row + run.rows]
+                )
             src_bytes, dst_bytes = src.buffer_bytes(name), dst.buffer_bytes(name)
-            for run in runs:
-                if run.rows * row_bytes >= TORCH_COPY_BYTES:
-                    dst_flat[run.dst_row : run.dst_row + run.rows].copy_(
-                        src_flat[run.src_row : run.src_row + run.rows]
-                    )
-                else:
-                    dst_at, src_at, size = (
-                        run.dst_row * row_bytes,
-                        run.src_row * row_bytes,
-                        run.rows * row_bytes,
-                    )
-                    dst_bytes[dst_at : dst_at + size] = src_bytes[src_at : src_at + size]
+            for dst_at, src_at, size in small:
+                dst_bytes[dst_at : dst_at + size] = src_bytes[src_at : src_at + size]
         elif total_rows * row_bytes < TORCH_COPY_BYTES * len(runs):
             if index is None:
                 rows = (src.num_blocks * src.block_size, dst.num_blocks * dst.block_size)
@@ -202,6 +201,19 @@ def copy_runs(src: PoolStorage, dst: PoolStorage, runs: Sequence[Run], buffers: 
         if device.type == "cuda":
             torch.cuda.current_stream(device).synchronize()
     return copied
+
+
+def _byte_ranges(runs: Sequence[Run], row_bytes: int) -> tuple[list[Run], list[tuple[int, int, int]]]:
+    """The runs `copy_runs` gives torch (at least `TORCH_COPY_BYTES`), and the others as `(dst_at,
+    src_at, size)` byte ranges for `memcpy`, made once per row width: 16 MiB of a KV layout's 4 KiB
+    pieces (8 buffers) copied in 2.70 ms instead of 2.92 (medians of 7 alternating batches)."""
+    large = [run for run in runs if run.rows * row_bytes >= TORCH_COPY_BYTES]
+    small = [
+        (run.dst_row * row_bytes, run.src_row * row_bytes, run.rows * row_bytes)
+        for run in runs
+        if run.rows * row_bytes < TORCH_COPY_BYTES
+    ]
+    return large, small
 
 
 def run_bytes(storage: PoolStorage, name: str, row: int, rows: int) -> memoryview:
