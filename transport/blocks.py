@@ -1,4 +1,5 @@
-"""The block allocator: fixed-size blocks, O(1) alloc and free, owners, leak checks.
+"""The block allocator: fixed-size blocks, owners, leak checks; an allocation is taken, checked, handed
+over and freed by set and list operations, not a Python step per block.
 
 Pure Python (no torch): it hands out *block ids*; the bytes live in a separate storage object
 (`transport.storage`). An allocation is a list of ids that is, in general, not contiguous — a token
@@ -246,7 +247,7 @@ class BlockPool:
                 raise OwnershipError(
                     f"pool {self.name!r}: {owner!r} cannot {action} block {block_id}: it is {state}"
                 )
-        raise AssertionError(f"pool {self.name!r}: {action} of {len(ids)} blocks failed no check")
+        raise AssertionError(f"pool {self.name!r}: the blocks of {owner!r} disagree with the owner table")
 
     def _take(self, n_blocks: int, owner: str) -> list[int]:
         if n_blocks == 0:
