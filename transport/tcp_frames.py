@@ -23,7 +23,6 @@ from typing import Final, NamedTuple, final
 
 from messages.peer_codec import MAX_CONTROL_BYTES
 from transport.link import BulkWrite
-from transport.runs import run_bytes
 
 HEADER: Final = struct.Struct("<HBBIQIHHQ")
 HEADER_BYTES: Final = HEADER.size
@@ -74,11 +73,9 @@ def parse_header(data: Buffer) -> FrameHeader:
 
 def parse_segments(table: Buffer, count: int, row_bytes: int, length: int) -> list[tuple[int, int]]:
     """The (dst_row, rows) segments of a bulk frame, checked to add up to its payload length."""
-    segments = [SEGMENT.unpack_from(table, index * SEGMENT.size) for index in range(count)]
-    if (
-        any(rows == 0 for _row, rows in segments)
-        or sum(rows for _row, rows in segments) * row_bytes != length
-    ):
+    values = struct.unpack_from(f"<{2 * count}Q", table)  # one call for the table: a KV frame has 256
+    segments = list(zip(values[::2], values[1::2], strict=True))
+    if 0 in values[1::2] or sum(values[1::2]) * row_bytes != length:
         raise FrameError(
             f"bulk frame segments {segments[:4]}{'…' if count > 4 else ''} do not add up to its "
             f"{length} bytes of {row_bytes}-byte rows"
@@ -101,11 +98,13 @@ def bulk_frames(
         header = HEADER.pack(MAGIC, BULK, 0, length, bulk.landing_key, bulk.round, buffer, 0, len(views))
         return [header, bytes(table), *views], length
 
+    memory = bulk.source.buffer_bytes(name)  # as `run_bytes` slices it, looked up once per write
     for run in bulk.runs:
         done = 0
         while done < run.rows:
             rows = min(rows_per_frame - rows_in_frame, run.rows - done)
-            payload: Buffer = run_bytes(bulk.source, name, run.src_row + done, rows)
+            at = (run.src_row + done) * row_bytes
+            payload: Buffer = memory[at : at + rows * row_bytes]
             if corrupt:
                 flipped = bytearray(payload)
                 flipped[0] ^= 0xFF
