@@ -9,9 +9,9 @@ Cases (figures and machine in docs/benchmarks.md):
   over the one-round time (lower is better). `_k8_window1`: one grant per round trip (the seeds'
   design). `resume_tcp_8MiB_k8_extra_us_per_round`: extra µs per round, window vs window 1.
 - `inproc_kv_64MiB`, `tcp_kv_64MiB` (not with `--quick`): a KV layout, 16-token blocks of 64 KiB.
-- `inproc_kv_512blocks` (not with `--quick`): the KV of an 8192-token prompt of a small model (16 MiB in
-  512 blocks of 32 KiB, 8 buffers of 256-byte rows, length known: one round) vs a contiguous `copy_` of
-  the same bytes: what per-block work costs when a transfer has many blocks.
+- `inproc_kv_512blocks`, `tcp_kv_512blocks` (not with `--quick`): the KV of an 8192-token prompt of a
+  small model (16 MiB in 512 blocks of 32 KiB, 8 buffers of 256-byte rows, length known: one round) vs
+  a contiguous `copy_` / the raw socket: what per-block work costs when a transfer has many blocks.
 - `inproc_1block_us`: one 128-token embedding block (516 KiB) between two in-process endpoints, µs per
   transfer, vs the least a Trio replica pair could do: a request through a memory channel, a task that
   `copy_`s the same bytes, a reply. Lower is better; it is what a transfer costs beyond its bytes.
@@ -266,8 +266,9 @@ def tcp_rows(portal: Portal, args: argparse.Namespace, repeats: int, ready: dict
         return RAW_BYTES / (time.perf_counter() - start) / 1e9
 
     with raw:
-        for source_name, case in (("emb4096", "tcp_64MiB"), ("kv", "tcp_kv_64MiB")):
-            if args.quick and source_name == "kv":
+        cases = (("emb4096", "tcp_64MiB"), ("kv", "tcp_kv_64MiB"), ("kv_long", "tcp_kv_512blocks"))
+        for source_name, case in cases:
+            if args.quick and source_name != "emb4096":
                 continue
             receiver = Receiver(f"{case}-receiver", source_name, _config(args))
             portal.call(receiver.open, portal, ready[source_name], None)
