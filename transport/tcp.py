@@ -329,7 +329,8 @@ class TcpLink(Link):
         frames that follow (the rest of a round: small frames, its ChunkDone) cost no syscall of their
         own, and payloads still land straight in block memory (no copy but the read-ahead bytes)."""
         views, first = self._take_ahead(views), 0
-        while first < len(views):
+        end = len(views)
+        while first < end:
             try:
                 count = self._sock.recvmsg_into([*views[first:], self._ahead])[0]
             except BlockingIOError:
@@ -343,10 +344,10 @@ class TcpLink(Link):
                 raise LinkClosed(f"link {self.describe()}: the peer closed the connection")
             self._bytes_at = time.perf_counter()
             self._read_since_yield += count
-            while first < len(views) and count >= len(views[first]):
-                count -= len(views[first])
+            while first < end and count >= (size := len(views[first])):
+                count -= size
                 first += 1
-            if first < len(views):
+            if first < end:
                 views[first] = views[first][count:]
             else:
                 self._ahead_at, self._ahead_end = 0, count  # it was empty: the views came first
