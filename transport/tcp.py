@@ -49,10 +49,12 @@ from transport.tcp_frames import (
     Buffer,
     FrameError,
     FrameHeader,
+    FramePlan,
     bulk_frames,
     control_header,
     parse_header,
     parse_segments,
+    plan_bulk_frames,
 )
 from transport.tcp_socket import accept as accept
 from transport.tcp_socket import connect as connect
@@ -139,10 +141,14 @@ class TcpLink(Link):
         parts: list[Buffer] = []
         batch_bytes = 0
         corrupt = bulk.corrupt
+        plans: dict[int, list[FramePlan]] = {}
         for name in bulk.buffers:
             index = self._buffer_index[name]
             row_bytes = self._row_bytes[index]
-            for frame, length in bulk_frames(bulk, index, name, row_bytes, corrupt):
+            plan = plans.get(row_bytes)
+            if plan is None:
+                plan = plans[row_bytes] = plan_bulk_frames(bulk, row_bytes)
+            for frame, length in bulk_frames(bulk, index, name, plan, corrupt):
                 corrupt = False
                 parts += frame
                 batch_bytes += length

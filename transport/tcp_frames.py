@@ -83,38 +83,56 @@ def parse_segments(table: Buffer, count: int, row_bytes: int, length: int) -> li
     return segments
 
 
-def bulk_frames(
-    bulk: BulkWrite, buffer: int, name: str, row_bytes: int, corrupt: bool
-) -> Iterator[tuple[list[Buffer], int]]:
-    """The frames moving buffer `name` of `bulk`: each as its parts (header, segment table, payload
-    views of the sender's blocks — no copy) and its payload size. `corrupt` flips the first byte."""
+class FramePlan(NamedTuple):
+    """One bulk frame of a write, whichever buffer it carries: its segment table, the source byte range
+    `[start, end)` of each segment, and its payload bytes. Buffers of one row width share a write's
+    plan (a KV layout's: two per layer), so it is made once per width."""
+
+    table: bytes
+    ranges: list[tuple[int, int]]
+    length: int
+
+
+def plan_bulk_frames(bulk: BulkWrite, row_bytes: int) -> list[FramePlan]:
+    """The frames of `bulk`'s runs for rows of `row_bytes`: at most `MAX_BULK_FRAME_BYTES` (or one
+    wider row) and `MAX_SEGMENTS` segments each."""
     rows_per_frame = max(1, MAX_BULK_FRAME_BYTES // row_bytes)
-    table = bytearray()
-    views: list[Buffer] = []
+    plans: list[FramePlan] = []
+    pairs: list[int] = []
+    ranges: list[tuple[int, int]] = []
     rows_in_frame = 0
-
-    def frame() -> tuple[list[Buffer], int]:
-        length = rows_in_frame * row_bytes
-        header = HEADER.pack(MAGIC, BULK, 0, length, bulk.landing_key, bulk.round, buffer, 0, len(views))
-        return [header, bytes(table), *views], length
-
-    memory = bulk.source.buffer_bytes(name)  # as `run_bytes` slices it, looked up once per write
     for run in bulk.runs:
         done = 0
         while done < run.rows:
             rows = min(rows_per_frame - rows_in_frame, run.rows - done)
             at = (run.src_row + done) * row_bytes
-            payload: Buffer = memory[at : at + rows * row_bytes]
-            if corrupt:
-                flipped = bytearray(payload)
-                flipped[0] ^= 0xFF
-                payload, corrupt = flipped, False
-            table += SEGMENT.pack(run.dst_row + done, rows)
-            views.append(payload)
+            ranges.append((at, at + rows * row_bytes))
+            pairs += (run.dst_row + done, rows)
             rows_in_frame += rows
             done += rows
-            if rows_in_frame == rows_per_frame or len(views) == MAX_SEGMENTS:
-                yield frame()
-                table, views, rows_in_frame = bytearray(), [], 0
-    if views:
-        yield frame()
+            if rows_in_frame == rows_per_frame or len(ranges) == MAX_SEGMENTS:
+                plans.append(
+                    FramePlan(struct.pack(f"<{len(pairs)}Q", *pairs), ranges, rows_in_frame * row_bytes)
+                )
+                pairs, ranges, rows_in_frame = [], [], 0
+    if ranges:
+        plans.append(FramePlan(struct.pack(f"<{len(pairs)}Q", *pairs), ranges, rows_in_frame * row_bytes))
+    return plans
+
+
+def bulk_frames(
+    bulk: BulkWrite, buffer: int, name: str, plans: list[FramePlan], corrupt: bool
+) -> Iterator[tuple[list[Buffer], int]]:
+    """The frames moving buffer `name` of `bulk` as `plans` (`plan_bulk_frames` for its row width) cut
+    them: each as its parts (header, segment table, payload views of the sender's blocks — no copy) and
+    its payload size. `corrupt` flips the first byte."""
+    memory = bulk.source.buffer_bytes(name)
+    for plan in plans:
+        views: list[Buffer] = [memory[start:end] for start, end in plan.ranges]
+        if corrupt:
+            flipped = bytearray(views[0])
+            flipped[0] ^= 0xFF
+            views[0], corrupt = flipped, False
+        count = len(views)
+        header = HEADER.pack(MAGIC, BULK, 0, plan.length, bulk.landing_key, bulk.round, buffer, 0, count)
+        yield [header, plan.table, *views], plan.length

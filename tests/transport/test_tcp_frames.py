@@ -8,45 +8,47 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tests.transport.harness import kv_layout, random_storage
+from messages.layout import PoolLayout
+from tests.transport.harness import embedding_layout, kv_layout, random_storage
 from transport.link import BulkWrite
 from transport.tcp_frames import (
     BULK,
     HEADER,
     HEADER_BYTES,
     MAGIC,
+    MAX_BULK_FRAME_BYTES,
     MAX_SEGMENTS,
     SEGMENT,
     FrameError,
     bulk_frames,
     parse_header,
     parse_segments,
+    plan_bulk_frames,
 )
 
 
-@settings(max_examples=60, deadline=None)
-@given(blocks=st.integers(1, 40), offset=st.integers(0, 15), seed=st.integers(0, 1000))
-def test_bulk_frames_carry_every_run_once(blocks: int, offset: int, seed: int) -> None:
-    layout = kv_layout(block_size=16)
-    storage = random_storage(layout, 80, seed=1)
+def check_frames(layout: PoolLayout, blocks: int, offset: int, seed: int) -> int:
+    """Frames of a write of `blocks` shuffled blocks of the layout's first buffer carry every run once,
+    in order, with the source's bytes; returns how many frames there were."""
+    name = layout.buffers[0].name
+    storage = random_storage(layout, 2 * blocks + 1, seed=1)
     rng = random.Random(seed)
-    src, dst = rng.sample(range(80), blocks), rng.sample(range(80), blocks + 1)
-    count = blocks * 16 - offset
+    src, dst = rng.sample(range(2 * blocks + 1), blocks), rng.sample(range(2 * blocks + 1), blocks + 1)
     bulk = BulkWrite(
         source=storage,
         source_ids=src,
         source_offset=offset,
         dest_ids=dst,
         dest_offset=offset,
-        count=count,
-        buffers=("k0",),
+        count=blocks * layout.block_size - offset,
+        buffers=(name,),
         landing_key=7,
         round=3,
     )
     row_bytes = layout.buffers[0].bytes_per_token
     landed: list[tuple[int, int]] = []
-    payload = b""
-    for parts, length in bulk_frames(bulk, 0, "k0", row_bytes, corrupt=False):
+    payload, frames = b"", 0
+    for parts, length in bulk_frames(bulk, 0, name, plan_bulk_frames(bulk, row_bytes), corrupt=False):
         frame = parse_header(parts[0])
         assert (frame.kind, frame.landing_key, frame.round, frame.buffer, frame.length) == (
             BULK,
@@ -56,14 +58,40 @@ def test_bulk_frames_carry_every_run_once(blocks: int, offset: int, seed: int) -
             length,
         )
         assert frame.segments <= MAX_SEGMENTS and len(parts) == 2 + frame.segments
+        assert length <= max(MAX_BULK_FRAME_BYTES, row_bytes)
         landed += parse_segments(parts[1], frame.segments, row_bytes, frame.length)
         payload += b"".join(bytes(part) for part in parts[2:])
-    assert landed == [(run.dst_row, run.rows) for run in bulk.runs]
+        frames += 1
+
+    def each_row(stretches: list[tuple[int, int]]) -> list[int]:  # a run split across frames too
+        return [row + i for row, rows in stretches for i in range(rows)]
+
+    assert each_row(landed) == each_row([(run.dst_row, run.rows) for run in bulk.runs])
     expected = b"".join(
-        bytes(storage.buffer_bytes("k0")[run.src_row * row_bytes : (run.src_row + run.rows) * row_bytes])
+        bytes(storage.buffer_bytes(name)[run.src_row * row_bytes : (run.src_row + run.rows) * row_bytes])
         for run in bulk.runs
     )
     assert payload == expected
+    return frames
+
+
+@settings(max_examples=60, deadline=None)
+@given(blocks=st.integers(1, 40), offset=st.integers(0, 15), seed=st.integers(0, 1000))
+def test_bulk_frames_carry_every_run_once(blocks: int, offset: int, seed: int) -> None:
+    check_frames(kv_layout(block_size=16), blocks, offset, seed)
+
+
+@pytest.mark.parametrize(
+    ("layout", "blocks", "frames"),
+    [
+        (kv_layout(block_size=16), 300, 2),  # more runs than one frame's segments
+        (embedding_layout(block_size=128, hidden=40_000), 3, 3),  # more bytes than one frame holds
+    ],
+)
+def test_bulk_frames_split_at_the_segment_and_byte_limits(
+    layout: PoolLayout, blocks: int, frames: int
+) -> None:
+    assert check_frames(layout, blocks, offset=5, seed=9) >= frames
 
 
 @pytest.mark.parametrize(
