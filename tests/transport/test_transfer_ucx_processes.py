@@ -39,9 +39,9 @@ async def test_seed_scenarios_and_a_killed_sender_between_two_processes_over_ucx
     """The seeds' transfers from a sender in another process, then that process killed mid-round: the
     receiver fails `link_lost` within the link deadline and every block is back."""
     layout = embedding_layout(block_size=128, hidden=8)
-    # t6000-wide: 47 scattered blocks in one round, so each buffer's frame has 47 pieces (an I/O vector
+    # t11000-wide: 86 scattered blocks in one round, so each buffer's frame has 86 pieces (an I/O vector
     # built by `stretch_entries`' vectorised path on both sides).
-    seeds = {"t500": 500, "t2000": 2000, "t10000-cap8": 10_000, "t6000-wide": 6000, "doomed": 10_000}
+    seeds = {"t500": 500, "t2000": 2000, "t10000-cap8": 10_000, "t11000-wide": 11_000, "doomed": 10_000}
     params = {
         "block_size": 128,
         "hidden": 8,
@@ -52,11 +52,11 @@ async def test_seed_scenarios_and_a_killed_sender_between_two_processes_over_ucx
         "config": LIVELY,
     }
     source = Source(layout, max(seeds.values()), seed=41)
-    expected_rounds = {"t500": 1, "t2000": 2, "t10000-cap8": 10, "t6000-wide": 1}
+    expected_rounds = {"t500": 1, "t2000": 2, "t10000-cap8": 10, "t11000-wide": 1}
     async with sender_process(params, env=ucx_env) as child:
         for transfer_id, rounds in expected_rounds.items():
             cap = 8 if "cap8" in transfer_id else None
-            grant = 64 if "wide" in transfer_id else 8
+            grant = 96 if "wide" in transfer_id else 8
             config = TransferConfig(default_grant_blocks=grant, round_cap_blocks=cap)
             storage, pool = random_storage(layout, 100, seed=42), shuffled_pool(100, 128, seed=43)
             async with open_endpoint(f"receiver-{transfer_id}", storage, pool, config=config) as receiver:
