@@ -54,8 +54,15 @@ def plan_runs(
     """Runs moving tokens `[src_offset, +count)` of allocation `src_ids` to `[dst_offset, +count)` of `dst_ids`."""
     _check_range("source", src_ids, src_offset, count, block_size)
     _check_range("destination", dst_ids, dst_offset, count, block_size)
-    if count and src_offset % block_size == dst_offset % block_size:
-        return _in_step(src_ids, src_offset, dst_ids, dst_offset, count, block_size)
+    skip = src_offset % block_size
+    if count and skip == dst_offset % block_size:
+        blocks = -(-(skip + count) // block_size)
+        first_src, first_dst = src_offset // block_size, dst_offset // block_size
+        src_blocks, dst_blocks = (
+            src_ids[first_src : first_src + blocks],
+            dst_ids[first_dst : first_dst + blocks],
+        )
+        return _in_step(src_blocks, dst_blocks, skip, count, block_size)
     runs: list[Run] = []
     src, dst, left = src_offset, dst_offset, count
     while left:
@@ -76,23 +83,14 @@ def plan_runs(
 
 
 def _in_step(
-    src_ids: Sequence[int],
-    src_offset: int,
-    dst_ids: Sequence[int],
-    dst_offset: int,
-    count: int,
-    block_size: int,
+    src_blocks: Sequence[int], dst_blocks: Sequence[int], skip: int, count: int, block_size: int
 ) -> list[Run]:
     """`plan_runs` when both sides cross block boundaries at the same tokens (the usual case: both
-    offsets block-aligned): block pairs, one step each, trimmed at the two ends."""
-    skip = src_offset % block_size
-    blocks = -(-(skip + count) // block_size)
-    first_src, first_dst = src_offset // block_size, dst_offset // block_size
+    offsets block-aligned): the blocks the tokens cover, paired, one step each, trimmed by `skip` rows
+    at the head and to `count` rows in all."""
     runs: list[Run] = []
     last = Run(-1, -1, 0)
-    for src_block, dst_block in zip(
-        src_ids[first_src : first_src + blocks], dst_ids[first_dst : first_dst + blocks], strict=True
-    ):
+    for src_block, dst_block in zip(src_blocks, dst_blocks, strict=True):
         src_row, dst_row = src_block * block_size, dst_block * block_size
         if src_row == last.src_row + last.rows and dst_row == last.dst_row + last.rows:
             last.rows += block_size
@@ -101,7 +99,7 @@ def _in_step(
             runs.append(last)
     head = runs[0]
     head.src_row, head.dst_row, head.rows = head.src_row + skip, head.dst_row + skip, head.rows - skip
-    runs[-1].rows -= blocks * block_size - skip - count
+    runs[-1].rows -= len(src_blocks) * block_size - skip - count
     return runs
 
 
@@ -134,14 +132,14 @@ def group_index(
     group = math.gcd(*rows, *src_starts, *dst_starts, *lengths)
     return GroupIndex(
         group,
-        _group_numbers(src_starts, lengths, group).to(devices[0]),
-        _group_numbers(dst_starts, lengths, group).to(devices[1]),
+        group_numbers(src_starts, lengths, group).to(devices[0]),
+        group_numbers(dst_starts, lengths, group).to(devices[1]),
     )
 
 
-def _group_numbers(starts: list[int], lengths: list[int], group: int) -> torch.Tensor:
-    """The groups of `group` rows covering `[start, start + length)` of each run, in order, with no
-    Python step per entry."""
+def group_numbers(starts: list[int], lengths: list[int], group: int = 1) -> torch.Tensor:
+    """The groups of `group` rows covering `[start, start + length)` of each stretch, in order (every
+    row with `group` 1), with no Python step per entry."""
     if not starts:
         return torch.empty(0, dtype=torch.int64)
     firsts = torch.frombuffer(array.array("q", starts), dtype=torch.int64) // group
