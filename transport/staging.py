@@ -28,6 +28,7 @@ import torch
 
 from transport.frame_plan import MAX_FRAME_BYTES, Frame, bundle_starts, plan_frames
 from transport.link import BulkWrite
+from transport.runs import group_numbers
 from transport.storage import PoolStorage
 from transport.tcp_frames import BULK, HEADER, MAGIC, Buffer
 
@@ -105,12 +106,7 @@ def pack_bundle(storage: PoolStorage, frames: Sequence[Frame], chunks: HostChunk
 
 def row_index(rows: Sequence[tuple[int, int]], device: torch.device) -> torch.Tensor:
     """Every flat row of the stretches `(row, count)`, in order, without a Python loop per row."""
-    starts = torch.tensor([row for row, _count in rows], dtype=torch.int64)
-    counts = torch.tensor([count for _row, count in rows], dtype=torch.int64)
-    total = int(counts.sum())
-    stretch = torch.repeat_interleave(torch.arange(len(rows)), counts, output_size=total)
-    first = torch.cumsum(counts, 0) - counts
-    return (starts[stretch] + torch.arange(total) - first[stretch]).to(device)
+    return group_numbers([row for row, _count in rows], [count for _row, count in rows]).to(device)
 
 
 @functools.cache
