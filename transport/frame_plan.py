@@ -21,6 +21,7 @@ import struct
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from itertools import chain
+from operator import itemgetter
 from typing import Final, NamedTuple, final
 
 from transport.link import BulkWrite
@@ -47,6 +48,10 @@ class Piece(NamedTuple):
     rows: int
 
 
+_SOURCE: Final = itemgetter(0, 2)  # (src_row, rows) of a Piece
+_DESTINATION: Final = itemgetter(1, 2)  # (dst_row, rows)
+
+
 @final
 @dataclass(slots=True)
 class PieceTables:
@@ -55,6 +60,7 @@ class PieceTables:
 
     segment_table: bytes | None = None
     sources: list[tuple[int, int]] | None = None
+    source_bytes: list[tuple[int, int]] | None = None
 
 
 @final
@@ -82,15 +88,22 @@ class Frame:
     def segment_table(self) -> bytes:
         """`segments` as the wire's table of little-endian u64 pairs (`transport.tcp_frames.SEGMENT`)."""
         if self.tables.segment_table is None:
-            pairs = chain.from_iterable((piece.dst_row, piece.rows) for piece in self.pieces)
+            pairs = chain.from_iterable(map(_DESTINATION, self.pieces))
             self.tables.segment_table = struct.pack(f"<{2 * len(self.pieces)}Q", *pairs)
         return self.tables.segment_table
 
     def sources(self) -> list[tuple[int, int]]:
         """The sender's side: `(src_row, rows)` per piece."""
         if self.tables.sources is None:
-            self.tables.sources = [(piece.src_row, piece.rows) for piece in self.pieces]
+            self.tables.sources = list(map(_SOURCE, self.pieces))
         return self.tables.sources
+
+    def source_bytes(self) -> list[tuple[int, int]]:
+        """The sender's side in bytes of the buffer: `[start, end)` per piece."""
+        if self.tables.source_bytes is None:
+            width = self.row_bytes
+            self.tables.source_bytes = [(row * width, (row + rows) * width) for row, rows in self.sources()]
+        return self.tables.source_bytes
 
 
 def frame_bytes(packed: bool) -> int:
@@ -110,13 +123,17 @@ def plan_frames(
     and packed frames interleave; each frame's pieces keep that order)."""
     limits = (frame_rows(row_bytes, False), frame_rows(row_bytes, True))
     filling: list[Frame | None] = [None, None]  # the direct frame and the packed frame being filled
+    packed_for: dict[int, bool] = {}  # piece rows -> packed: asked once per length (pieces share a few)
+    piece = tuple.__new__  # a Piece without NamedTuple's Python-level __new__: half the cost per piece
     for run in bulk.runs:
         src_row, dst_row, left = run.src_row, run.dst_row, run.rows
         while left:
-            rows = min(limits[False], left)
-            packed = not direct(rows * row_bytes)
-            if packed:  # a smaller slice of a piece too small to go direct stays too small
-                rows = min(rows, limits[True])
+            rows = left if left < limits[False] else limits[False]
+            packed = packed_for.get(rows)
+            if packed is None:
+                packed = packed_for[rows] = not direct(rows * row_bytes)
+            if packed and rows > limits[True]:  # a smaller slice of a piece too small to go direct stays so
+                rows = limits[True]
             frame = filling[packed]
             if frame is not None and (
                 frame.rows + rows > limits[packed] or len(frame.pieces) == MAX_SEGMENTS
@@ -125,7 +142,7 @@ def plan_frames(
                 frame = None
             if frame is None:
                 frame = filling[packed] = Frame(packed, buffer, name, row_bytes)
-            frame.pieces.append(Piece(src_row, dst_row, rows))
+            frame.pieces.append(piece(Piece, (src_row, dst_row, rows)))
             frame.rows += rows
             src_row, dst_row, left = src_row + rows, dst_row + rows, left - rows
     for frame in filling:
@@ -170,22 +187,30 @@ def _aligned(at: int) -> int:
     return -(-at // BUNDLE_ALIGN) * BUNDLE_ALIGN
 
 
+def buffer_frames(
+    bulk: BulkWrite, index: Mapping[str, int], row_bytes: Sequence[int], direct: Callable[[int], bool]
+) -> Iterator[Frame]:
+    """The frames of every buffer of `bulk`, buffer after buffer (`index`: a buffer's place in the
+    layout, `row_bytes` by that place). Buffers share the write's runs, so buffers of one row width (a
+    KV layout's two per layer) share one plan: planning costs about a microsecond per piece."""
+    plans: dict[int, list[Frame]] = {}
+    for name in bulk.buffers:
+        place = index[name]
+        width = row_bytes[place]
+        plan = plans.get(width)
+        if plan is None:
+            plan = plans[width] = list(plan_frames(bulk, place, name, width, direct))
+        for frame in plan:
+            yield Frame(frame.packed, place, name, width, frame.pieces, frame.rows, frame.tables)
+
+
 def plan_bundles(
     bulk: BulkWrite, index: Mapping[str, int], row_bytes: Sequence[int], direct: Callable[[int], bool]
 ) -> Iterator[list[Frame]]:
-    """`bundle_frames` of the frames of every buffer of `bulk` (`index`: a buffer's place in the layout,
-    `row_bytes` by that place). Buffers share the write's runs, so buffers of one row width (a KV
-    layout's two per layer) share one plan: planning costs about a microsecond per piece."""
-    plans: dict[int, list[Frame]] = {}
+    """`bundle_frames` of `buffer_frames`."""
+    return bundle_frames(buffer_frames(bulk, index, row_bytes, direct))
 
-    def frames() -> Iterator[Frame]:
-        for name in bulk.buffers:
-            place = index[name]
-            width = row_bytes[place]
-            plan = plans.get(width)
-            if plan is None:
-                plan = plans[width] = list(plan_frames(bulk, place, name, width, direct))
-            for frame in plan:
-                yield Frame(frame.packed, place, name, width, frame.pieces, frame.rows, frame.tables)
 
-    return bundle_frames(frames())
+def packed_only(_piece_bytes: int) -> bool:
+    """The `direct` of a transport whose frames all carry their pieces back to back (tcp)."""
+    return False

@@ -26,7 +26,7 @@ from typing import Final, final
 
 import torch
 
-from transport.frame_plan import MAX_FRAME_BYTES, Frame, bundle_starts, plan_frames
+from transport.frame_plan import MAX_FRAME_BYTES, Frame, bundle_starts, packed_only, plan_frames
 from transport.link import BulkWrite
 from transport.runs import group_numbers
 from transport.storage import PoolStorage
@@ -165,7 +165,7 @@ def staged_tcp_frames(
     """TCP bulk frames (`transport.tcp_frames` layout) of buffer `name` of a pool off the CPU: each
     frame's rows are packed into `chunk` just before it is yielded, so send each frame before taking the
     next. `corrupt` flips the first payload byte."""
-    for frame in plan_frames(bulk, buffer, name, row_bytes, direct=lambda _bytes: False):
+    for frame in plan_frames(bulk, buffer, name, row_bytes, packed_only):
         length = pack(bulk.source, name, frame.sources(), chunk)
         if corrupt:
             chunk.view[0] ^= 0xFF

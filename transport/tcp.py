@@ -38,6 +38,7 @@ from messages.transfer import PeerMessage
 from transport.config import TransferConfig
 from transport.errors import LinkBroken, LinkClosed, LinkError
 from transport.faults import FaultPlan
+from transport.frame_plan import buffer_frames, packed_only
 from transport.link import POLL_SECONDS, BulkWrite, Link, LinkHandler, Role, keep_alive
 from transport.staging import HostChunk, HostChunks, staged_tcp_frames, unpack
 from transport.storage import PoolStorage
@@ -49,12 +50,10 @@ from transport.tcp_frames import (
     Buffer,
     FrameError,
     FrameHeader,
-    FramePlan,
-    bulk_frames,
+    bulk_frame,
     control_header,
     parse_header,
     parse_segments,
-    plan_bulk_frames,
 )
 from transport.tcp_socket import accept as accept
 from transport.tcp_socket import connect as connect
@@ -141,20 +140,13 @@ class TcpLink(Link):
         parts: list[Buffer] = []
         batch_bytes = 0
         corrupt = bulk.corrupt
-        plans: dict[int, list[FramePlan]] = {}
-        for name in bulk.buffers:
-            index = self._buffer_index[name]
-            row_bytes = self._row_bytes[index]
-            plan = plans.get(row_bytes)
-            if plan is None:
-                plan = plans[row_bytes] = plan_bulk_frames(bulk, row_bytes)
-            for frame, length in bulk_frames(bulk, index, name, plan, corrupt):
-                corrupt = False
-                parts += frame
-                batch_bytes += length
-                if batch_bytes >= BATCH_BYTES or len(parts) >= IOV_MAX:
-                    await self._send_bulk(parts, batch_bytes)
-                    parts, batch_bytes = [], 0
+        for frame in buffer_frames(bulk, self._buffer_index, self._row_bytes, packed_only):
+            parts += bulk_frame(bulk, frame, corrupt)
+            corrupt = False
+            batch_bytes += frame.length
+            if batch_bytes >= BATCH_BYTES or len(parts) >= IOV_MAX:
+                await self._send_bulk(parts, batch_bytes)
+                parts, batch_bytes = [], 0
         if trailer is not None:
             body = encode_peer(trailer)
             parts += (control_header(len(body)), body)

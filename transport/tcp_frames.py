@@ -18,10 +18,10 @@ closes the link with that reason.
 from __future__ import annotations
 
 import struct
-from collections.abc import Iterator
 from typing import Final, NamedTuple, final
 
 from messages.peer_codec import MAX_CONTROL_BYTES
+from transport.frame_plan import MAX_FRAME_BYTES, MAX_SEGMENTS, Frame
 from transport.link import BulkWrite
 
 HEADER: Final = struct.Struct("<HBBIQIHHQ")
@@ -30,8 +30,7 @@ SEGMENT: Final = struct.Struct("<QQ")
 MAGIC: Final = 0x5A7A
 CONTROL: Final = 1
 BULK: Final = 2
-MAX_BULK_FRAME_BYTES: Final = 8 * 1024 * 1024
-MAX_SEGMENTS: Final = 256
+MAX_BULK_FRAME_BYTES: Final = MAX_FRAME_BYTES  # frames are planned by `transport.frame_plan`
 
 Buffer = bytes | bytearray | memoryview
 
@@ -83,56 +82,16 @@ def parse_segments(table: Buffer, count: int, row_bytes: int, length: int) -> li
     return segments
 
 
-class FramePlan(NamedTuple):
-    """One bulk frame of a write, whichever buffer it carries: its segment table, the source byte range
-    `[start, end)` of each segment, and its payload bytes. Buffers of one row width share a write's
-    plan (a KV layout's: two per layer), so it is made once per width."""
-
-    table: bytes
-    ranges: list[tuple[int, int]]
-    length: int
-
-
-def plan_bulk_frames(bulk: BulkWrite, row_bytes: int) -> list[FramePlan]:
-    """The frames of `bulk`'s runs for rows of `row_bytes`: at most `MAX_BULK_FRAME_BYTES` (or one
-    wider row) and `MAX_SEGMENTS` segments each."""
-    rows_per_frame = max(1, MAX_BULK_FRAME_BYTES // row_bytes)
-    plans: list[FramePlan] = []
-    pairs: list[int] = []
-    ranges: list[tuple[int, int]] = []
-    rows_in_frame = 0
-    for run in bulk.runs:
-        done = 0
-        while done < run.rows:
-            rows = min(rows_per_frame - rows_in_frame, run.rows - done)
-            at = (run.src_row + done) * row_bytes
-            ranges.append((at, at + rows * row_bytes))
-            pairs += (run.dst_row + done, rows)
-            rows_in_frame += rows
-            done += rows
-            if rows_in_frame == rows_per_frame or len(ranges) == MAX_SEGMENTS:
-                plans.append(
-                    FramePlan(struct.pack(f"<{len(pairs)}Q", *pairs), ranges, rows_in_frame * row_bytes)
-                )
-                pairs, ranges, rows_in_frame = [], [], 0
-    if ranges:
-        plans.append(FramePlan(struct.pack(f"<{len(pairs)}Q", *pairs), ranges, rows_in_frame * row_bytes))
-    return plans
-
-
-def bulk_frames(
-    bulk: BulkWrite, buffer: int, name: str, plans: list[FramePlan], corrupt: bool
-) -> Iterator[tuple[list[Buffer], int]]:
-    """The frames moving buffer `name` of `bulk` as `plans` (`plan_bulk_frames` for its row width) cut
-    them: each as its parts (header, segment table, payload views of the sender's blocks — no copy) and
-    its payload size. `corrupt` flips the first byte."""
-    memory = bulk.source.buffer_bytes(name)
-    for plan in plans:
-        views: list[Buffer] = [memory[start:end] for start, end in plan.ranges]
-        if corrupt:
-            flipped = bytearray(views[0])
-            flipped[0] ^= 0xFF
-            views[0], corrupt = flipped, False
-        count = len(views)
-        header = HEADER.pack(MAGIC, BULK, 0, plan.length, bulk.landing_key, bulk.round, buffer, 0, count)
-        yield [header, plan.table, *views], plan.length
+def bulk_frame(bulk: BulkWrite, frame: Frame, corrupt: bool) -> list[Buffer]:
+    """Frame `frame` of `bulk` (`transport.frame_plan.buffer_frames` with `packed_only`) as its parts:
+    header, segment table, payload views of the sender's blocks (no copy). `corrupt` flips the first
+    payload byte."""
+    memory = bulk.source.buffer_bytes(frame.name)
+    views: list[Buffer] = [memory[start:end] for start, end in frame.source_bytes()]
+    if corrupt:
+        flipped = bytearray(views[0])
+        flipped[0] ^= 0xFF
+        views[0] = flipped
+    count = len(views)
+    header = HEADER.pack(MAGIC, BULK, 0, frame.length, bulk.landing_key, bulk.round, frame.buffer, 0, count)
+    return [header, frame.segment_table(), *views]

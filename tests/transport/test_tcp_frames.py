@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 
 from messages.layout import PoolLayout
 from tests.transport.harness import embedding_layout, kv_layout, random_storage
+from transport.frame_plan import buffer_frames, packed_only
 from transport.link import BulkWrite
 from transport.tcp_frames import (
     BULK,
@@ -20,10 +21,9 @@ from transport.tcp_frames import (
     MAX_SEGMENTS,
     SEGMENT,
     FrameError,
-    bulk_frames,
+    bulk_frame,
     parse_header,
     parse_segments,
-    plan_bulk_frames,
 )
 
 
@@ -48,7 +48,8 @@ def check_frames(layout: PoolLayout, blocks: int, offset: int, seed: int) -> int
     row_bytes = layout.buffers[0].bytes_per_token
     landed: list[tuple[int, int]] = []
     payload, frames = b"", 0
-    for parts, length in bulk_frames(bulk, 0, name, plan_bulk_frames(bulk, row_bytes), corrupt=False):
+    for planned in buffer_frames(bulk, {name: 0}, [row_bytes], packed_only):
+        parts, length = bulk_frame(bulk, planned, corrupt=False), planned.length
         frame = parse_header(parts[0])
         assert (frame.kind, frame.landing_key, frame.round, frame.buffer, frame.length) == (
             BULK,
