@@ -70,11 +70,18 @@ def parse_header(data: Buffer) -> FrameHeader:
     return FrameHeader(kind, length, landing_key, round, buffer, segments)
 
 
+def unpack_segments(data: Buffer, count: int, at: int = 0) -> tuple[list[tuple[int, int]], int | None]:
+    """The `count` `(dst_row, rows)` segments of a table starting at byte `at` of `data` (one `struct`
+    call: a KV frame has 256), and their rows in all — None when a segment is empty."""
+    values = struct.unpack_from(f"<{2 * count}Q", data, at)
+    rows = values[1::2]
+    return list(zip(values[::2], rows, strict=True)), None if 0 in rows else sum(rows)
+
+
 def parse_segments(table: Buffer, count: int, row_bytes: int, length: int) -> list[tuple[int, int]]:
     """The (dst_row, rows) segments of a bulk frame, checked to add up to its payload length."""
-    values = struct.unpack_from(f"<{2 * count}Q", table)  # one call for the table: a KV frame has 256
-    segments = list(zip(values[::2], values[1::2], strict=True))
-    if 0 in values[1::2] or sum(values[1::2]) * row_bytes != length:
+    segments, rows = unpack_segments(table, count)
+    if rows is None or rows * row_bytes != length:
         raise FrameError(
             f"bulk frame segments {segments[:4]}{'…' if count > 4 else ''} do not add up to its "
             f"{length} bytes of {row_bytes}-byte rows"

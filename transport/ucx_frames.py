@@ -39,7 +39,7 @@ from transport.frame_plan import (
 )
 from transport.runs import run_bytes
 from transport.storage import PoolStorage
-from transport.tcp_frames import SEGMENT
+from transport.tcp_frames import SEGMENT, unpack_segments
 
 MESSAGE: Final = ord("M")
 DESCRIPTOR: Final = ord("B")
@@ -174,9 +174,8 @@ def _parse_one(body: bytes | bytearray, at: int, row_bytes: Sequence[int]) -> tu
     if len(body) < end:
         raise UcxFrameError(f"bulk descriptor of {left} bytes does not hold its {count} segments")
     width = row_bytes[buffer]
-    table = struct.unpack_from(f"<{2 * count}Q", body, at + _HEADER.size)
-    segments = list(zip(table[::2], table[1::2], strict=True))
-    if 0 in table[1::2] or sum(table[1::2]) * width != length:
+    segments, rows = unpack_segments(body, count, at + _HEADER.size)
+    if rows is None or rows * width != length:
         raise UcxFrameError(
             f"bulk descriptor segments {segments[:4]}{'…' if count > 4 else ''} do not add up to its "
             f"{length} bytes of {width}-byte rows"
