@@ -77,11 +77,9 @@ class GrantedRound:
     # The last segment lists found granted: a write's buffers repeat them (a round's frames per buffer).
     cleared: list[Sequence[tuple[int, int]]] = field(default_factory=list)
     index: dict[int, int] = field(init=False)  # block -> its position in `blocks`
-    end: int = field(init=False)  # the granted tokens are [landing_offset, end) of `blocks`
 
     def __post_init__(self) -> None:
         self.index = dict(zip(self.blocks, range(len(self.blocks)), strict=True))
-        self.end = self.landing_offset + self.tokens
 
     def checksum(self, storage: PoolStorage, tokens: int, buffers: Sequence[str]) -> int:
         """CRC-32 of the round's first `tokens` landed tokens (`transport.runs.checksum_runs`)."""
@@ -93,7 +91,8 @@ class GrantedRound:
         its rows lie outside the granted tokens — or None when every segment is granted."""
         if any(segments == known for known in self.cleared):
             return None
-        size, position, start, end = self.block_size, self.index.get, self.landing_offset, self.end
+        size, position, start = self.block_size, self.index.get, self.landing_offset
+        end = start + self.tokens  # the granted tokens are [start, end) of `blocks`
         for dst_row, rows in segments:
             block, first = divmod(dst_row, size)
             stop = first + rows  # a row of `block`, or past its end when the segment spans blocks
