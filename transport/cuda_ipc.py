@@ -22,6 +22,7 @@ from __future__ import annotations
 import itertools
 import socket
 from collections.abc import Callable
+from functools import partial
 from typing import TYPE_CHECKING, final
 
 import msgspec
@@ -31,8 +32,9 @@ import trio
 
 from messages.cuda_ipc import ShareVerdict
 from messages.transfer import PeerMessage
-from transport import tcp
+from transport import gpu_copy, tcp
 from transport.cuda_ipc_share import (
+    FEW_RUNS,
     RowIndices,
     ShareRefused,
     copy_rows,
@@ -99,6 +101,8 @@ class CudaIpcLink(Link):
         self._faults, self._remote = endpoint.faults, remote
         device = endpoint.storage.device
         self._stream = torch.cuda.Stream(device) if remote is not None else None
+        # The sender's work queued before a round's copies: one event, re-recorded each round.
+        self._queued = torch.cuda.Event() if remote is not None else None
         self._copies = 0
         self._idle = trio.Event()
         self._idle.set()
@@ -141,7 +145,7 @@ class CudaIpcLink(Link):
         self._copies += 1
         self._idle = trio.Event()
         try:
-            await trio.to_thread.run_sync(event.synchronize)  # not abandoned: the copy is the fence
+            await gpu_copy.copies_done(event, bulk.nbytes)  # never abandoned: the copy is the fence
         finally:
             self._copies -= 1
             if self._copies == 0:
@@ -157,28 +161,41 @@ class CudaIpcLink(Link):
         return bulk.nbytes
 
     def _check_rows(self, bulk: BulkWrite) -> None:
+        """Every block the grant names lies in the receiver's pool (by block ids, not by the runs'
+        rows: one C-level `min` and `max` instead of a Python step per run)."""
         assert self._remote is not None
-        end = max((run.dst_row + run.rows for run in bulk.runs), default=0)
+        if not bulk.dest_ids:
+            return
         rows = min(int(self._remote[name].shape[0]) for name in bulk.buffers)
-        if end > rows:
+        blocks = rows // bulk.source.block_size
+        lowest, highest = min(bulk.dest_ids), max(bulk.dest_ids)
+        if lowest < 0 or highest >= blocks:
+            bad = lowest if lowest < 0 else highest
             raise LinkBroken(
-                f"link {self.describe()}: a grant names row {end - 1}; the receiver's pool has {rows}"
+                f"link {self.describe()}: a grant names block {bad}; the receiver's pool has {blocks}"
             )
 
     def _launch(self, bulk: BulkWrite) -> torch.cuda.Event:
         """Queue the round's copies on the link's stream (after the work already queued on the
         current one) and record the event that says they are done."""
-        assert self._remote is not None and self._stream is not None
+        assert self._remote is not None and self._stream is not None and self._queued is not None
         stream, source = self._stream, bulk.source
-        stream.wait_stream(torch.cuda.current_stream(source.device))
+        self._queued.record(torch.cuda.current_stream(source.device))
+        stream.wait_event(self._queued)
         with torch.cuda.stream(stream):
-            indices = RowIndices()
+            whole_blocks = bulk.whole_blocks()
+            indices = RowIndices(whole_blocks, source.block_size)
+            by_blocks = whole_blocks is not None and len(whole_blocks[0]) > FEW_RUNS  # no run planned
             for name in bulk.buffers:
-                copy_rows(source.flat(name), self._remote[name], bulk.runs, indices)
+                flat, remote = source.flat(name), self._remote[name]
+                if by_blocks:
+                    indices.get((), flat, remote).copy(flat, remote)
+                else:
+                    copy_rows(flat, remote, bulk.runs, indices)
             if bulk.corrupt and bulk.runs:
                 row = self._remote[bulk.buffers[0]][bulk.runs[0].dst_row]
                 row.view(-1).view(torch.uint8)[:1].bitwise_xor_(0xFF)
-            event = torch.cuda.Event(blocking=True)
+            event = torch.cuda.Event()
             event.record(stream)
         return event
 
@@ -215,6 +232,8 @@ async def dial(endpoint: TransferEndpoint, host: str, port: int) -> CudaIpcLink:
 async def listen(endpoint: TransferEndpoint, on_accept: Callable[[Link], None], host: str) -> str:
     """Accept cuda-ipc links to `endpoint`; returns `cuda-ipc://host:port`."""
     listener = tcp.listen_socket(host, 0)
+    # Triton compiles the senders' one-pass copy meanwhile, not in the first round (a second or so).
+    endpoint.nursery.start_soon(partial(trio.to_thread.run_sync, gpu_copy.prepare, endpoint.storage.device))
     endpoint.nursery.start_soon(_accept_links, endpoint, listener, on_accept)
     await trio.lowlevel.checkpoint()
     return f"cuda-ipc://{host}:{listener.getsockname()[1]}"

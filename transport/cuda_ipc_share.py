@@ -27,7 +27,7 @@ import trio
 
 from messages.cuda_ipc import PoolShare, SharedBuffer, ShareVerdict
 from transport.errors import LinkClosed
-from transport.runs import GroupIndex, Run, group_index
+from transport.runs import GroupIndex, Run, block_index, group_index
 from transport.storage import PoolStorage, torch_dtype
 
 MAX_SETUP_BYTES: Final = 1024 * 1024
@@ -157,15 +157,22 @@ def copy_rows(source: torch.Tensor, target: torch.Tensor, runs: Sequence[Run], i
 @final
 class RowIndices:
     """One round's `GroupIndex` on one device, built once for all of its buffers (which have the same
-    row counts on each side)."""
+    row counts on each side): from the block ids when the round moves `whole_blocks` of `block_size`
+    rows (`BulkWrite.whole_blocks`), else from the runs."""
 
-    def __init__(self) -> None:
+    def __init__(
+        self, whole_blocks: tuple[Sequence[int], Sequence[int]] | None = None, block_size: int = 1
+    ) -> None:
+        self._whole_blocks, self._block_size = whole_blocks, block_size
         self._built: GroupIndex | None = None
 
     def get(self, runs: Sequence[Run], source: torch.Tensor, target: torch.Tensor) -> GroupIndex:
         if self._built is None:
-            rows = (int(source.shape[0]), int(target.shape[0]))
-            self._built = group_index(runs, rows, (source.device, target.device))
+            devices = (source.device, target.device)
+            if self._whole_blocks is not None:
+                self._built = block_index(*self._whole_blocks, self._block_size, devices)
+            else:
+                self._built = group_index(runs, (int(source.shape[0]), int(target.shape[0])), devices)
         return self._built
 
 

@@ -5,6 +5,8 @@ with a note on stderr. NOT RUN in the session that wrote them (it had no GPU): d
   sender process's GPU pool into this process's over `cuda-ipc`, against a raw device-to-device `copy_`
   of 1 GiB by the sender process into a buffer of this process mapped through CUDA IPC (timed there,
   synchronised). GB/s, higher is better; goal ratio >= 0.85.
+- `cuda_ipc_1GiB_known`: the same, the receiver knowing the length (a KV handoff knows its prompt's):
+  one round, no round trip for the total.
 - `gpu_pool_tcp`, `gpu_pool_ucx`: 256 MiB between GPU pools of two processes over tcp / ucx (staged
   through pinned host memory unless UCX has CUDA transports), beside this host's pinned host → device
   copy bandwidth (GB/s; the ratio shows how close a network transport gets to the PCIe copy alone).
@@ -107,8 +109,8 @@ def _raw_storage(blocks: int = GiB // (1024 * 1024)) -> PoolStorage:
 class GpuReceiver:
     """A receiving endpoint with a shuffled GPU pool and one link to a sender."""
 
-    def __init__(self, kind: str) -> None:
-        self.kind, self.tokens = kind, _tokens(kind)
+    def __init__(self, kind: str, known: bool = False) -> None:
+        self.kind, self.tokens, self.known = kind, _tokens(kind), known
         storage, self.pool, ids = _gpu_pool(LAYOUT, self.tokens, seed=21)
         self.pool.free(ids, "source")
         self.storage, self.count, self.rounds = storage, 0, 0
@@ -130,7 +132,13 @@ class GpuReceiver:
         assert self.endpoint is not None
         self.count += 1
         start = time.perf_counter()
-        result = await self.endpoint.receive(f"gpu-{self.count}", peer=self.link, owner="bench")
+        expected = self.tokens if self.known else None
+        result = await self.endpoint.receive(
+            f"gpu-{self.kind}{'-known' if self.known else ''}-{self.count}",
+            peer=self.link,
+            owner="bench",
+            expected_tokens=expected,
+        )
         seconds = time.perf_counter() - start
         self.pool.free(result.blocks, "bench")
         self.rounds = result.report.rounds
@@ -170,8 +178,8 @@ def gpu_rows(portal: Any, args: argparse.Namespace, repeats: int) -> Iterator[Ro
             child.stdin.flush()
             return GiB / json.loads(child.stdout.readline())["seconds"] / 1e9
 
-        for kind in kinds:
-            receiver = GpuReceiver(kind)
+        for kind, known in [(kind, False) for kind in kinds] + [("cuda-ipc", True)]:
+            receiver = GpuReceiver(kind, known)
             portal.call(receiver.open, portal.nursery, ready[kind])
             baseline_fn, name = (
                 (raw_gbps, "raw copy_ into an IPC buffer")
@@ -179,6 +187,9 @@ def gpu_rows(portal: Any, args: argparse.Namespace, repeats: int) -> Iterator[Ro
                 else (_pinned_to_device_gbps, "pinned host→device copy_")
             )
             project, baseline = alternate(partial(receiver.gbps, portal), baseline_fn, repeats)
-            case = "cuda_ipc_1GiB" if kind == "cuda-ipc" else f"gpu_pool_{kind}"
-            note = f"{SIZES[kind]} bytes in {receiver.rounds} rounds, fragmented GPU pools, two processes"
+            case = ("cuda_ipc_1GiB" if kind == "cuda-ipc" else f"gpu_pool_{kind}") + (
+                "_known" if known else ""
+            )
+            length = "length known" if known else "length unknown"
+            note = f"{SIZES[kind]} bytes in {receiver.rounds} rounds ({length}), fragmented GPU pools, two processes"
             yield row(BENCH, case, "GB/s", "higher", project, baseline, name, unit="GB/s", note=note)

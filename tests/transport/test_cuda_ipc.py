@@ -48,6 +48,21 @@ def test_copy_rows_moves_exactly_the_runs_byte_for_byte(blocks: int) -> None:
     assert torch.equal(target.view(torch.int16), expected.view(torch.int16))
 
 
+def test_copy_rows_by_whole_block_ids_moves_what_the_runs_name() -> None:
+    """A round of whole blocks indexes its groups by the block ids (`BulkWrite.whole_blocks`), not by
+    its runs: the same rows land, and nothing else."""
+    rng = random.Random(4)
+    source = torch.randint(-(2**15), 2**15, (64 * 16, 8), dtype=torch.int16).view(torch.bfloat16)
+    target = torch.zeros(64 * 16, 8, dtype=torch.bfloat16)
+    src_ids, dst_ids = rng.sample(range(64), 12), rng.sample(range(64), 12)
+    runs = plan_runs(src_ids, 0, dst_ids, 0, 16 * 12, 16)
+    copy_rows(source, target, runs, RowIndices((src_ids, dst_ids), 16))
+    expected = torch.zeros_like(target)
+    for run in runs:
+        expected[run.dst_row : run.dst_row + run.rows] = source[run.src_row : run.src_row + run.rows]
+    assert torch.equal(target.view(torch.int16), expected.view(torch.int16))
+
+
 def share(host: str) -> PoolShare:
     buffer = SharedBuffer(
         name="embeds",

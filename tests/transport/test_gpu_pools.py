@@ -8,10 +8,13 @@ they were not run there (docs/transports.md says so).
 
 from __future__ import annotations
 
+import importlib.util
+import random
 import signal
 from typing import Any
 
 import pytest
+import torch
 import trio
 
 from messages.transfer import FailureReason
@@ -32,9 +35,11 @@ from tests.transport.harness import (
     shuffled_pool,
 )
 from tests.transport.test_transfer import SEED_SCENARIOS
+from transport import gpu_copy
 from transport.config import TransferConfig
 from transport.endpoint import open_endpoint
 from transport.errors import TransferFailed
+from transport.runs import group_index, plan_runs
 
 pytestmark = pytest.mark.gpu
 KINDS = ["inproc", "tcp", "ucx", "cuda-ipc"]
@@ -143,3 +148,37 @@ async def test_cuda_ipc_between_two_processes_and_a_killed_sender(cuda: object) 
             assert raised.value.reason is FailureReason.LINK_LOST
             await settle()
         assert (pool.used_blocks, pool.quarantined_blocks) == (0, 0)
+
+
+@pytest.mark.parametrize(
+    ("width", "dtype", "in_step"),
+    [
+        (4096, torch.float32, True),
+        (3, torch.bfloat16, True),
+        (3, torch.bfloat16, False),
+        (5, torch.uint8, False),
+    ],
+    ids=["2MiB-blocks-int64", "bf16-blocks-int64", "bf16-rows-int16", "odd-rows-uint8"],
+)
+def test_the_one_pass_gpu_copy_moves_exactly_the_runs_bytes(
+    cuda: torch.device, width: int, dtype: torch.dtype, in_step: bool
+) -> None:
+    """`GroupIndex.copy` on one GPU: one Triton kernel (where torch brought Triton) through integer views
+    of 8, 2 or 1 bytes, landing what a copy per run would, byte for byte (random bfloat16 bits include
+    NaN payloads), and nothing else."""
+    if importlib.util.find_spec("triton") is not None:
+        assert gpu_copy.prepare(cuda) is not None, "Triton is installed but the one-pass kernel is not used"
+    block_size, rng = 128 if width == 4096 else 16, random.Random(width)
+    src_ids, dst_ids = rng.sample(range(40), 24), rng.sample(range(40), 24)
+    dst_offset = 0 if in_step else 5
+    runs = plan_runs(src_ids, 0, dst_ids, dst_offset, 24 * block_size - dst_offset, block_size)
+    source = torch.randint(0, 256, (40 * block_size, width * dtype.itemsize), dtype=torch.uint8, device=cuda)
+    source = source.view(dtype)
+    target = torch.zeros_like(source)
+    index = group_index(runs, (source.shape[0], target.shape[0]), (cuda, cuda))
+    index.copy(source, target)
+    expected = torch.zeros_like(target)
+    for run in runs:
+        expected[run.dst_row : run.dst_row + run.rows] = source[run.src_row : run.src_row + run.rows]
+    assert torch.equal(target.view(torch.uint8), expected.view(torch.uint8))
+    assert (index.group % block_size == 0) == in_step

@@ -1,0 +1,147 @@
+"""One pass over a round's bytes on a GPU: groups of rows gathered from one buffer and scattered into
+another by a single kernel, instead of `index_select` into a temporary and `index_copy_` out of it.
+
+Measured on an H100 (docs/benchmarks.md, "GPU copy"): 512 shuffled 2 MiB blocks take 1.8 ms through the
+temporary (twice the bytes) and about 0.75 ms of GPU time in one pass, which is the rate of one
+contiguous `copy_` of the same bytes; a `copy_` per block costs about 10 µs of host time each.
+
+The kernel is written in Triton, which torch's CUDA builds for Linux install as their own dependency
+(torch.compile's code generator). `prepare(device)` builds and checks it once per device (a cuda-ipc
+sender does so in a worker thread while it admits a link, so the first round does not wait for the
+compiler). Where Triton cannot be imported (CPU builds, other platforms), or the kernel fails its check
+on the device, `copy_groups` copies through the temporary — the same bytes, one pass slower — and the
+log says why once (`transport.gpu_copy_two_pass`).
+
+The copy is byte for byte: both buffers are viewed as the widest integer type that divides a group, so
+no value passes through a float conversion (bfloat16 NaN payloads survive).
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from typing import Any, Final
+
+import structlog
+import torch
+import trio
+
+ELEMENTS_PER_PROGRAM: Final = 4096  # int64 elements (32 KiB) per kernel program: a 2 MiB group is 64
+POLL_BYTES_PER_SECOND: Final = 500e9  # below what one H100 copies; past the time at this rate, a thread waits
+POLL_SLACK_SECONDS: Final = 0.0005
+_log = structlog.get_logger("transport.gpu_copy")
+_INTEGER_VIEWS: Final = ((8, torch.int64), (4, torch.int32), (2, torch.int16), (1, torch.uint8))
+
+
+def copy_groups(
+    source: torch.Tensor, target: torch.Tensor, group: int, src: torch.Tensor, dst: torch.Tensor
+) -> None:
+    """Rows `[g * group, (g + 1) * group)` of flat, contiguous `source` for each `g` of `src` into the
+    rows of `target` numbered by `dst` (same length), queued on the current stream. `src` and `dst` are
+    int64 tensors on the buffers' device. Distinct `dst` entries are assumed (a grant's rows are)."""
+    kernel = prepare(source.device) if source.device == target.device else None
+    if kernel is None:
+        _two_pass(source, target, group, src, dst)
+        return
+    group_bytes = group * source[0].numel() * source.element_size()
+    itemsize, dtype = next((size, dtype) for size, dtype in _INTEGER_VIEWS if group_bytes % size == 0)
+    elements = group_bytes // itemsize
+    chunks = -(-elements // ELEMENTS_PER_PROGRAM)
+    flat_source = source.view(-1).view(torch.uint8).view(dtype)
+    flat_target = target.view(-1).view(torch.uint8).view(dtype)
+    kernel[(src.numel() * chunks,)](
+        flat_source, flat_target, src, dst, elements, chunks, ELEMENTS_PER_PROGRAM=ELEMENTS_PER_PROGRAM
+    )
+
+
+async def copies_done(event: torch.cuda.Event, nbytes: int) -> None:
+    """Return once the work before `event` is done — copies of `nbytes` in all — even if cancelled
+    meanwhile (then `Cancelled` is raised after it): the caller's write fence.
+
+    It first polls the event between Trio turns, for as long as copies at `POLL_BYTES_PER_SECOND` (plus
+    `POLL_SLACK_SECONDS`) would take, and only then waits in a worker thread. The thread's wake-up, and
+    the event loop's after it, cost 100-300 µs per round on the lent H100's VM — a third of what a GiB
+    takes to copy; polling costs a core's turns for under a millisecond per GiB, and other tasks run
+    between the polls."""
+    poll_until = time.perf_counter() + nbytes / POLL_BYTES_PER_SECOND + POLL_SLACK_SECONDS
+    try:
+        while time.perf_counter() < poll_until:
+            if event.query():
+                return
+            await trio.lowlevel.checkpoint()
+    except trio.Cancelled:
+        with trio.CancelScope(shield=True):
+            await trio.to_thread.run_sync(event.synchronize)
+        raise
+    await trio.to_thread.run_sync(event.synchronize)  # not abandoned on cancel: waits, then raises
+
+
+@functools.cache
+def prepare(device: torch.device) -> Any:
+    """The kernel, built for `device` and checked there on three shuffled groups; None (logged once)
+    where it cannot be used. Blocks while Triton compiles (about a second, once per process and device,
+    less with Triton's disk cache)."""
+    if device.type != "cuda":
+        return None
+    kernel = _kernel()
+    if kernel is None:
+        return None
+    elements = 2 * ELEMENTS_PER_PROGRAM  # the usual specialisation: a multiple of 16 elements, 2 chunks
+    source = torch.arange(3 * elements, dtype=torch.int64, device=device)
+    target = torch.zeros_like(source)
+    order = torch.tensor([2, 0, 1], device=device)
+    try:
+        kernel[(3 * 2,)](
+            source,
+            target,
+            order,
+            torch.arange(3, device=device),
+            elements,
+            2,
+            ELEMENTS_PER_PROGRAM=ELEMENTS_PER_PROGRAM,
+        )
+        moved = torch.equal(target.view(3, -1), source.view(3, -1)[order])
+    except Exception as exc:  # noqa: BLE001 - Triton's compiler and driver raise many types; logged, two-pass
+        _log.warning("transport.gpu_copy_two_pass", device=str(device), reason=f"{type(exc).__name__}: {exc}")
+        return None
+    if not moved:
+        _log.warning(
+            "transport.gpu_copy_two_pass", device=str(device), reason="the kernel's check copy differs"
+        )
+        return None
+    return kernel
+
+
+def _two_pass(
+    source: torch.Tensor, target: torch.Tensor, group: int, src: torch.Tensor, dst: torch.Tensor
+) -> None:
+    # As 2-D `[groups, elements]` views: torch copies those slices whole (a 3-D view took twice as long
+    # on CPU). Flat buffers are contiguous, so these are views.
+    gathered = source.view(source.shape[0] // group, -1).index_select(0, src)
+    target.view(target.shape[0] // group, -1).index_copy_(0, dst, gathered.to(target.device))
+
+
+@functools.cache
+def _kernel() -> Any:
+    """The Triton kernel, or None (logged once) where Triton cannot be imported."""
+    try:
+        import triton
+        import triton.language as tl
+    except ImportError as exc:
+        _log.info("transport.gpu_copy_two_pass", reason=f"triton cannot be imported: {exc}")
+        return None
+
+    @triton.jit(do_not_specialize=["chunks"])
+    def copy_groups_kernel(
+        source, target, src_groups, dst_groups, elements, chunks, ELEMENTS_PER_PROGRAM: tl.constexpr
+    ):
+        program = tl.program_id(0)
+        entry, chunk = program // chunks, program % chunks
+        src_group = tl.load(src_groups + entry)  # int64: offsets past 2**31 elements stay exact
+        dst_group = tl.load(dst_groups + entry)
+        offsets = chunk * ELEMENTS_PER_PROGRAM + tl.arange(0, ELEMENTS_PER_PROGRAM)
+        inside = offsets < elements
+        values = tl.load(source + src_group * elements + offsets, mask=inside)
+        tl.store(target + dst_group * elements + offsets, values, mask=inside)
+
+    return copy_groups_kernel
