@@ -1,13 +1,13 @@
 """One pass over a round's bytes on a GPU: groups of rows gathered from one buffer and scattered into
 another by a single kernel, instead of `index_select` into a temporary and `index_copy_` out of it.
 
-Measured on an H100 (docs/benchmarks.md, "GPU copy"): 512 shuffled 2 MiB blocks take 1.8 ms through the
-temporary (twice the bytes) and about 0.75 ms of GPU time in one pass, which is the rate of one
-contiguous `copy_` of the same bytes; a `copy_` per block costs about 10 µs of host time each.
+Measured on an H100 (docs/benchmarks.md, "GPU pools (H100)"): 512 shuffled 2 MiB blocks took 1.8–2.0 ms
+through the temporary (every byte read and written twice) and 0.78–0.85 ms in one pass, 0.91–0.94 of one
+contiguous `copy_` of the same GiB; a `copy_` per block costs about 10 µs of host time each.
 
 The kernel is written in Triton, which torch's CUDA builds for Linux install as their own dependency
 (torch.compile's code generator). `prepare(device)` builds and checks it once per device (a cuda-ipc
-sender does so in a worker thread while it admits a link, so the first round does not wait for the
+sender does so in a worker thread as soon as it listens, so the first round does not wait for the
 compiler). Where Triton cannot be imported (CPU builds, other platforms), or the kernel fails its check
 on the device, `copy_groups` copies through the temporary — the same bytes, one pass slower — and the
 log says why once (`transport.gpu_copy_two_pass`).
@@ -59,10 +59,10 @@ async def copies_done(event: torch.cuda.Event, nbytes: int) -> None:
     meanwhile (then `Cancelled` is raised after it): the caller's write fence.
 
     It first polls the event between Trio turns, for as long as copies at `POLL_BYTES_PER_SECOND` (plus
-    `POLL_SLACK_SECONDS`) would take, and only then waits in a worker thread. The thread's wake-up, and
-    the event loop's after it, cost 100-300 µs per round on the lent H100's VM — a third of what a GiB
-    takes to copy; polling costs a core's turns for under a millisecond per GiB, and other tasks run
-    between the polls."""
+    `POLL_SLACK_SECONDS`) would take, and only then waits in a worker thread. Against the thread alone
+    this saved 80-290 µs per 1 GiB transfer on the lent H100's VM (a thread's wake-up, then the event
+    loop's); polling costs the loop's turns for under a millisecond per GiB, and other tasks run between
+    the polls."""
     poll_until = time.perf_counter() + nbytes / POLL_BYTES_PER_SECOND + POLL_SLACK_SECONDS
     try:
         while time.perf_counter() < poll_until:

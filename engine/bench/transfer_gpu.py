@@ -1,5 +1,5 @@
 """The transfer benchmark's GPU cases (issue 7). They need a CUDA device; without one they are skipped
-with a note on stderr. NOT RUN in the session that wrote them (it had no GPU): docs/benchmarks.md.
+with a note on stderr. Figures from lent H100s: docs/benchmarks.md, "GPU pools (H100)".
 
 - `cuda_ipc_1GiB`: 1 GiB of embedding rows (4096 wide, 128-token blocks, both free lists shuffled) from a
   sender process's GPU pool into this process's over `cuda-ipc`, against a raw device-to-device `copy_`
