@@ -12,6 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import final
 
+import msgspec
 import trio
 
 from replicas.model import (
@@ -77,11 +78,15 @@ class ModelHost:
             self._model = None
 
     def _read_config(self) -> ModelConfig:
+        """The model's config as loaded: in the requested dtype (the loader converts the weights), so
+        the KV pools built from it match the model."""
         if self.source == "tiny":
             from replicas.model import TINY_CONFIG
 
-            return TINY_CONFIG
-        return read_hf_config(self.source)
+            config = TINY_CONFIG
+        else:
+            config = read_hf_config(self.source)
+        return config if self.dtype is None else msgspec.structs.replace(config, dtype=self.dtype)
 
     def _read_tokenizer(self) -> Tokenizer | None:
         if self.source == "tiny":

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from replicas.model import Model
+from replicas.model import Model, tiny_model
 from tests.node.harness import NodeProcess, node_process, wait_idle, wait_serving
 from tests.node.workload import (
     Ask,
@@ -83,6 +83,25 @@ async def test_tiny_model_over_tcp(tiny_tcp_node: NodeProcess, tiny: Model) -> N
     outcomes = await run_identity(tiny_tcp_node, tiny, transport="tcp", text=True)
     sources = {t.source for outcome in outcomes for t in outcome.result.transfers}
     assert sources == {"prefill-0", "prefill-1"}, "both prefill replicas should have served"
+
+
+async def test_tiny_model_in_bfloat16_loads_and_moves_bfloat16_kv(tmp_path: Path) -> None:
+    """`--dtype bfloat16` (the default on a GPU): the KV pools are laid out in the dtype the model runs
+    in, so prefill and decode replicas serve (they failed at load with "KV cache was built for another
+    model config" when the pools kept the checkpoint's dtype), and a request's KV moves at 2 bytes per
+    value. One request alone, so no other sequence's batch changes its rounding: it equals the bfloat16
+    model run in one piece."""
+    model = tiny_model(dtype="bfloat16")
+    with node_process(tmp_path, "--dtype", "bfloat16", "--replicas", "prefill=1,decode=1") as node:
+        ask = Ask(input_ids=tuple(range(3, 40)), max_tokens=6, ignore_eos=True)
+        async with node.client() as client:
+            await wait_serving(client)
+            outcome = await send(client, ask)
+            await wait_idle(client)
+    assert check_outcome(model, outcome, transport="inproc") == []
+    assert [t.bytes for t in outcome.result.transfers] == [kv_bytes_per_token(model) * 37]
+    assert kv_bytes_per_token(model) * 2 == kv_bytes_per_token(tiny_model())
+    assert not node.events("replica_failed")
 
 
 @pytest.mark.slow
