@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import functools
 import time
-from typing import Any, Final
+from typing import Any, Final, Protocol
 
 import structlog
 import torch
@@ -54,7 +54,15 @@ def copy_groups(
     )
 
 
-async def copies_done(event: torch.cuda.Event, nbytes: int) -> None:
+class CopyEvent(Protocol):
+    """What `copies_done` waits on: a `torch.cuda.Event` recorded after the copies."""
+
+    def query(self) -> bool: ...
+
+    def synchronize(self) -> None: ...
+
+
+async def copies_done(event: CopyEvent, nbytes: int) -> None:
     """Return once the work before `event` is done — copies of `nbytes` in all — even if cancelled
     meanwhile (then `Cancelled` is raised after it): the caller's write fence.
 
@@ -73,7 +81,8 @@ async def copies_done(event: torch.cuda.Event, nbytes: int) -> None:
         with trio.CancelScope(shield=True):
             await trio.to_thread.run_sync(event.synchronize)
         raise
-    await trio.to_thread.run_sync(event.synchronize)  # not abandoned on cancel: waits, then raises
+    await trio.to_thread.run_sync(event.synchronize)  # not abandoned: a cancellation waits for it
+    await trio.lowlevel.checkpoint_if_cancelled()  # and is raised here, as when it came while polling
 
 
 @functools.cache
