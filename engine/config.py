@@ -97,6 +97,11 @@ class SchedulerConfig(Section, frozen=True, kw_only=True):
     max_queue: Annotated[
         int, msgspec.Meta(ge=1, le=1 << 20), _doc("requests admitted at once; more get `overloaded`")
     ] = 1024
+    queue_wait: Annotated[
+        float,
+        msgspec.Meta(gt=0, le=86400),
+        _doc("seconds a request may wait for a prefill (or encode) replica to take it; then `overloaded`"),
+    ] = 60.0
 
 
 class TransferConfig(Section, frozen=True, kw_only=True):

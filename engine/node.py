@@ -101,7 +101,9 @@ class Node:
             log=log,
             faults=list(config.faults),
         )
-        self.router = Router(self.services, max_queue=config.scheduler.max_queue)
+        self.router = Router(
+            self.services, max_queue=config.scheduler.max_queue, queue_wait=config.scheduler.queue_wait
+        )
         self.service = NodeService(self, self.services, self.router, aggregator)
         self.controller = Controller(self.services, config.controller)
         self.drain_deadline = config.shutdown.drain_deadline
@@ -142,6 +144,7 @@ class Node:
                     )
                 )
             nursery.start_soon(self.controller.run)
+            nursery.start_soon(self.router.expire_waiting)
             nursery.start_soon(self._watch_signals, nursery.cancel_scope)
             server = ControlServer(self.service, config.control, self.log)
             address = await nursery.start(server.serve, config.listen_address)

@@ -3,7 +3,10 @@
 Admitted requests wait in one FCFS queue until a replica in `Prefill` takes them; the replica with the
 fewest queued prompt tokens gets the next one. A request sent while replicas are still loading simply
 waits here. A replica that stops taking work (role change) hands its unstarted requests back; they go
-to the front again. Admission refuses with `overloaded` when `max_queue` requests are live.
+to the front again. Admission refuses with `overloaded` when `max_queue` requests are live, and a
+request that no replica took within `queue_wait` seconds of joining the queue fails with `overloaded`,
+naming the replicas it waited for and their states (and last errors): waiting is right while replicas
+load or are scaled to zero, but a role whose every replica failed would otherwise hold it forever.
 
 An image request also needs an encode replica (EPD, docs/epd.md): it goes to the least loaded replica
 in `Encode` and to a prefill replica with an embedding pool, with one transfer id both use. While no
@@ -34,10 +37,12 @@ S = ReplicaState
 class Router:
     """See the module docstring. Single Trio thread: no locking."""
 
-    def __init__(self, services: ReplicaServices, *, max_queue: int) -> None:
+    def __init__(self, services: ReplicaServices, *, max_queue: int, queue_wait: float = 60.0) -> None:
         self.services = services
         self.max_queue = max_queue
+        self.queue_wait = queue_wait
         self.pending: deque[ServingRequest] = deque()
+        self._queued_at: dict[str, float] = {}  # request id -> when it (last) joined `pending`
         self.accepting = True
         self._idle = trio.Event()
         self._idle.set()
@@ -69,14 +74,17 @@ class Router:
             self._idle = trio.Event()
         request.on_end.append(self._forget)
         self.pending.append(request)
+        self._queued_at[request.request_id] = trio.current_time()
         self.services.log.bind(request_id=request.request_id).emit(
             RequestQueued(queue="work", position=len(self.pending) - 1)
         )
         self.dispatch()
 
     def take_back(self, request: ServingRequest) -> None:
-        """A replica returns a request it will not start; it goes to the front of the queue."""
+        """A replica returns a request it will not start; it goes to the front of the queue (and its
+        `queue_wait` starts again)."""
         self.pending.appendleft(request)
+        self._queued_at[request.request_id] = trio.current_time()
 
     def dispatch(self) -> None:
         """Hand pending requests to prefill replicas (called on arrivals and readiness changes)."""
@@ -114,6 +122,7 @@ class Router:
                         request.embedding_route = None
                     self.pending.appendleft(request)
                     return
+                self._queued_at.pop(request.request_id, None)
         finally:
             self.pending.extendleft(reversed(waiting_for_encoder))
 
@@ -146,7 +155,35 @@ class Router:
             return None
         return min(candidates, key=lambda r: r.work.encode.load)
 
+    async def expire_waiting(self) -> None:
+        """Fail queued requests that waited `queue_wait` seconds; runs until cancelled (node shutdown)."""
+        while True:
+            await trio.sleep(min(1.0, self.queue_wait / 4))
+            now = trio.current_time()
+            waited = [
+                r for r in self.pending if now - self._queued_at.get(r.request_id, now) >= self.queue_wait
+            ]
+            for request in waited:
+                self.pending.remove(request)
+                if request.cancelled:
+                    request.finish("cancelled")
+                else:
+                    request.fail("overloaded", self._why_waiting(request))
+
+    def _why_waiting(self, request: ServingRequest) -> str:
+        role = "encode" if request.needs_embeddings and self._choose_encoder() is None else "prefill"
+        states = "; ".join(
+            f"{r.name} {r.state.value}"
+            + (f" (last error: {r.last_error})" if r.state is S.INACTIVE and r.last_error else "")
+            for r in self.services.replicas.values()
+            if r.role == role
+        )
+        return (
+            f"waited {self.queue_wait:g} s for a {role} replica to take it; {states or f'no {role} replica'}"
+        )
+
     def _forget(self, request: ServingRequest) -> None:
+        self._queued_at.pop(request.request_id, None)
         self.services.requests.pop(request.request_id, None)
         if not self.services.requests:
             self._idle.set()

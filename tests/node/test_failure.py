@@ -103,3 +103,33 @@ async def test_a_failing_replica_fails_its_requests_and_the_node_serves_on(
             "signal SIGTERM",
             3,
         )
+
+
+async def test_a_request_no_replica_takes_fails_after_the_queue_wait(tmp_path: Path, tiny: Model) -> None:
+    """prefill-0 fails at its first loop step, so no replica can prefill: a generate waits `--queue-wait`
+    seconds, then fails with `overloaded` naming the replica, its state and its last error (before the
+    deadline it waited until the client gave up: the demo hung so when a dtype bug failed every replica
+    at load). Loaded again, prefill-0 serves."""
+    injected = "InjectedFault: prefill-0: injected failure (fail_replica fault hook)"
+    options = ("--replicas", "prefill=1,decode=1", "--queue-wait", "1.5")
+    with node_process(tmp_path, *options, "--fault", "fail_replica:replica=prefill-0,after_steps=0") as node:
+        async with node.client() as client:
+            await wait_status(
+                client,
+                lambda s: (
+                    by_name(s)["prefill-0"].last_error == injected
+                    and by_name(s)["decode-0"].state == "Decode"
+                ),
+                "prefill-0 failed, decode-0 serving",
+            )
+            ask = Ask(input_ids=tuple(range(3, 20)), max_tokens=3, ignore_eos=True)
+            with trio.fail_after(30), pytest.raises(ControlError) as refused:
+                await send(client, ask)
+            assert (refused.value.code, refused.value.message) == (
+                "overloaded",
+                f"waited 1.5 s for a prefill replica to take it; prefill-0 Inactive (last error: {injected})",
+            )
+            await client.transition("prefill-0", "LoadingPrefill")
+            await wait_states(client, {"prefill-0": "Prefill"})
+            assert_correct(tiny, [await send(client, ask)], transport="inproc")
+            await wait_idle(client)
