@@ -7,6 +7,11 @@ with a note on stderr. Figures from lent H100s: docs/benchmarks.md, "GPU pools (
   synchronised). GB/s, higher is better; goal ratio >= 0.85.
 - `cuda_ipc_1GiB_known`: the same, the receiver knowing the length (a KV handoff knows its prompt's):
   one round, no round trip for the total.
+- `gpu_copy_1GiB`: the cuda-ipc sender's device copy alone, in this process: 512 of 1 024 shuffled 2 MiB
+  blocks of one pool into another (`runs.block_index` + `transport.gpu_copy`: one Triton kernel, or two
+  passes without Triton), index built in the call, against one contiguous `copy_` of the same GiB; both
+  synchronised. Added after the H100 lease of 2026-11-23 from its probe (docs/benchmarks.md, "The copy
+  itself"); not yet run as a row.
 - `gpu_pool_tcp`, `gpu_pool_ucx`: 256 MiB between GPU pools of two processes over tcp / ucx (staged
   through pinned host memory unless UCX has CUDA transports), beside this host's pinned host → device
   copy bandwidth (GB/s; the ratio shows how close a network transport gets to the PCIe copy alone).
@@ -16,9 +21,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import random
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from functools import partial
 from typing import Any, Final
 
@@ -30,9 +36,11 @@ from engine.bench.rows import Row, alternate, row
 from engine.bench.transfer_peer import LAYOUTS, filled_storage, fragmented_pool, peer_process, serve_grants
 from messages.cuda_ipc import PoolShare
 from messages.layout import BufferSpec, PoolLayout
+from transport import gpu_copy
 from transport.config import TransferConfig
 from transport.cuda_ipc_share import open_share, share_pool
 from transport.endpoint import SenderDelivery, TransferEndpoint, open_endpoint
+from transport.runs import block_index
 from transport.storage import PoolStorage
 from transport.ucx_worker import ucx_installed
 
@@ -158,6 +166,44 @@ def _pinned_to_device_gbps() -> float:
     return SIZES["tcp"] / (time.perf_counter() - start) / 1e9
 
 
+def gpu_copy_row(repeats: int) -> Row:
+    """`gpu_copy_1GiB` (see the module docstring)."""
+    device, blocks, rows, width = torch.device("cuda"), 1024, 128, 4096
+    source = torch.empty(blocks * rows, width, dtype=torch.float32, device=device).random_()
+    target = torch.zeros_like(source)
+    rng = random.Random(3)
+    src_ids, dst_ids = rng.sample(range(blocks), blocks // 2), rng.sample(range(blocks), blocks // 2)
+    nbytes = blocks // 2 * rows * width * source.element_size()
+    contiguous_source, contiguous_target = source.view(-1)[: nbytes // 4], target.view(-1)[: nbytes // 4]
+
+    def gbps(copy: Callable[[], object]) -> float:
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        copy()
+        torch.cuda.synchronize()
+        return nbytes / (time.perf_counter() - start) / 1e9
+
+    def one_pass() -> None:
+        block_index(src_ids, dst_ids, rows, (device, device)).copy(source, target)
+
+    project, baseline = alternate(
+        partial(gbps, one_pass), partial(gbps, partial(contiguous_target.copy_, contiguous_source)), repeats
+    )
+    way = "one Triton kernel" if gpu_copy.prepare(device) is not None else "two passes (no Triton)"
+    note = f"512 of 1024 shuffled 2 MiB blocks, {way}, index built in the call, one GPU"
+    return row(
+        BENCH,
+        "gpu_copy_1GiB",
+        "GB/s",
+        "higher",
+        project,
+        baseline,
+        "contiguous copy_",
+        unit="GB/s",
+        note=note,
+    )
+
+
 def gpu_rows(portal: Any, args: argparse.Namespace, repeats: int) -> Iterator[Row]:
     if not torch.cuda.is_available():
         print(
@@ -165,6 +211,7 @@ def gpu_rows(portal: Any, args: argparse.Namespace, repeats: int) -> Iterator[Ro
             file=sys.stderr,
         )
         return
+    yield gpu_copy_row(repeats)
     kinds = ["cuda-ipc", "tcp"] + (["ucx"] if ucx_installed() else [])
     with peer_process("engine.bench.transfer_gpu:serve_gpu_sender", {"kinds": kinds}) as (child, ready):
         assert child.stdin is not None and child.stdout is not None
