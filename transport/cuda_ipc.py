@@ -34,7 +34,6 @@ from messages.cuda_ipc import ShareVerdict
 from messages.transfer import PeerMessage
 from transport import gpu_copy, tcp
 from transport.cuda_ipc_share import (
-    FEW_RUNS,
     RowIndices,
     ShareRefused,
     copy_rows,
@@ -183,15 +182,9 @@ class CudaIpcLink(Link):
         self._queued.record(torch.cuda.current_stream(source.device))
         stream.wait_event(self._queued)
         with torch.cuda.stream(stream):
-            whole_blocks = bulk.whole_blocks()
-            indices = RowIndices(whole_blocks, source.block_size)
-            by_blocks = whole_blocks is not None and len(whole_blocks[0]) > FEW_RUNS  # no run planned
+            indices = RowIndices(lambda: bulk.runs, bulk.whole_blocks(), source.block_size)
             for name in bulk.buffers:
-                flat, remote = source.flat(name), self._remote[name]
-                if by_blocks:
-                    indices.get((), flat, remote).copy(flat, remote)
-                else:
-                    copy_rows(flat, remote, bulk.runs, indices)
+                copy_rows(source.flat(name), self._remote[name], indices)
             if bulk.corrupt and bulk.runs:
                 row = self._remote[bulk.buffers[0]][bulk.runs[0].dst_row]
                 row.view(-1).view(torch.uint8)[:1].bitwise_xor_(0xFF)

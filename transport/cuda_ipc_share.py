@@ -8,7 +8,7 @@ while another process maps it, and a cache so one process opens a handle once. A
 own handles, so a pool shared within one process (replicas of one node) is looked up in `_exported`.
 
 Setup messages travel length-prefixed (u32) before the link's first TCP frame, read to the exact byte.
-`copy_rows` is the sender's device copy: a `copy_` per run, or one gather and one scatter for many.
+`copy_rows` is the sender's device copy: a `copy_` per run, or for many one copy by groups of rows.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import os
 import socket
 import struct
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Final, final
 
@@ -139,40 +139,49 @@ def _open(share: PoolShare, buffer: SharedBuffer) -> torch.Tensor:
         raise ShareRefused(f"cuda-ipc: cannot open the receiver's buffer {buffer.name!r}: {exc}") from exc
 
 
-def copy_rows(source: torch.Tensor, target: torch.Tensor, runs: Sequence[Run], indices: RowIndices) -> None:
-    """Rows of `runs` from flat `source` into flat `target`, asynchronously on the current stream, byte
-    for byte. A few runs (or peer copies between GPUs): one `copy_` each. Many runs on one device: one
-    gather and one scatter through the rows of `indices` — two launches instead of one per run, whose
-    launch cost (microseconds each, hundreds per round) would dominate. Never `torch._foreach_copy_`:
-    it moves bfloat16 and half through float, which changes the bytes of NaN payloads."""
-    if len(runs) <= FEW_RUNS or source.device != target.device:
-        for run in runs:
+def copy_rows(source: torch.Tensor, target: torch.Tensor, indices: RowIndices) -> None:
+    """The round's rows (`indices`) from flat `source` into flat `target`, asynchronously on the current
+    stream, byte for byte. A few runs or blocks (or peer copies between GPUs): one `copy_` per run. More
+    on one device: one copy through the round's `GroupIndex` (`transport.gpu_copy`) — a launch per run
+    (microseconds each, hundreds per round) would dominate. Never `torch._foreach_copy_`: it moves
+    bfloat16 and half through float, which changes the bytes of NaN payloads."""
+    if indices.few() or source.device != target.device:
+        for run in indices.runs():
             target[run.dst_row : run.dst_row + run.rows].copy_(
                 source[run.src_row : run.src_row + run.rows], non_blocking=True
             )
         return
-    indices.get(runs, source, target).copy(source, target)
+    indices.get(source, target).copy(source, target)
 
 
 @final
 class RowIndices:
-    """One round's `GroupIndex` on one device, built once for all of its buffers (which have the same
-    row counts on each side): from the block ids when the round moves `whole_blocks` of `block_size`
-    rows (`BulkWrite.whole_blocks`), else from the runs."""
+    """One round's rows, for all of its buffers (which have the same row counts on each side): its
+    `runs`, planned only if a path needs them, and its `GroupIndex`, built once — from the block ids
+    when the round moves `whole_blocks` of `block_size` rows (`BulkWrite.whole_blocks`: no run is
+    planned), else from the runs."""
 
     def __init__(
-        self, whole_blocks: tuple[Sequence[int], Sequence[int]] | None = None, block_size: int = 1
+        self,
+        runs: Callable[[], Sequence[Run]],
+        whole_blocks: tuple[Sequence[int], Sequence[int]] | None = None,
+        block_size: int = 1,
     ) -> None:
-        self._whole_blocks, self._block_size = whole_blocks, block_size
+        self.runs, self._whole_blocks, self._block_size = runs, whole_blocks, block_size
         self._built: GroupIndex | None = None
 
-    def get(self, runs: Sequence[Run], source: torch.Tensor, target: torch.Tensor) -> GroupIndex:
+    def few(self) -> bool:
+        """Whether the round has at most `FEW_RUNS` pieces (blocks, when it moves whole blocks)."""
+        pieces = len(self._whole_blocks[0]) if self._whole_blocks is not None else len(self.runs())
+        return pieces <= FEW_RUNS
+
+    def get(self, source: torch.Tensor, target: torch.Tensor) -> GroupIndex:
         if self._built is None:
             devices = (source.device, target.device)
             if self._whole_blocks is not None:
                 self._built = block_index(*self._whole_blocks, self._block_size, devices)
             else:
-                self._built = group_index(runs, (int(source.shape[0]), int(target.shape[0])), devices)
+                self._built = group_index(self.runs(), (int(source.shape[0]), int(target.shape[0])), devices)
         return self._built
 
 

@@ -64,14 +64,7 @@ class BulkWrite:
 
     def __post_init__(self) -> None:
         """Checks both token ranges (a `ValueError` names the side); plans no run yet."""
-        check_ranges(
-            self.source_ids,
-            self.source_offset,
-            self.dest_ids,
-            self.dest_offset,
-            self.count,
-            self.source.block_size,
-        )
+        check_ranges(*self._span())
         row_bytes = self.source.row_bytes
         object.__setattr__(self, "nbytes", self.count * sum(row_bytes[name] for name in self.buffers))
 
@@ -80,17 +73,21 @@ class BulkWrite:
         """The write's runs (`plan_runs`), planned at the first use: a cuda-ipc round of whole blocks
         needs none (`whole_blocks`), and 512 blocks take 100-200 µs to plan."""
         if self._runs is None:
-            runs = plan_runs(
-                self.source_ids,
-                self.source_offset,
-                self.dest_ids,
-                self.dest_offset,
-                self.count,
-                self.source.block_size,
-            )
+            runs = plan_runs(*self._span())
             object.__setattr__(self, "_runs", runs)
             return runs
         return self._runs
+
+    def _span(self) -> tuple[Sequence[int], int, Sequence[int], int, int, int]:
+        """The arguments `check_ranges` and `plan_runs` take, in their order."""
+        return (
+            self.source_ids,
+            self.source_offset,
+            self.dest_ids,
+            self.dest_offset,
+            self.count,
+            self.source.block_size,
+        )
 
     def whole_blocks(self) -> tuple[Sequence[int], Sequence[int]] | None:
         """The source and destination blocks paired in order when the write moves whole blocks (both

@@ -148,11 +148,7 @@ def group_index(
     group = math.gcd(*rows, *set(lengths))
     if group > 1 and bool((starts % group).any()):
         group = math.gcd(group, *starts.tolist())
-    both = _numbers(starts.view(2, -1), lengths, group)
-    if devices[0] == devices[1]:  # one copy to the device, queued: no wait for the stream's work
-        both = both.to(devices[0], non_blocking=True)
-        return GroupIndex(group, both[0], both[1])
-    return GroupIndex(group, both[0].to(devices[0]), both[1].to(devices[1]))
+    return _on_devices(group, _numbers(starts.view(2, -1), lengths, group), devices)
 
 
 def block_index(
@@ -163,11 +159,15 @@ def block_index(
 ) -> GroupIndex:
     """`GroupIndex` of whole blocks paired in order (groups of one block): the block ids themselves, with
     no `Run` to read (`group_index` reads one per run)."""
-    both = _int64([*src_blocks, *dst_blocks]).view(2, -1)
-    if devices[0] == devices[1]:
+    return _on_devices(block_size, _int64([*src_blocks, *dst_blocks]).view(2, -1), devices)
+
+
+def _on_devices(group: int, both: torch.Tensor, devices: tuple[torch.device, torch.device]) -> GroupIndex:
+    """`GroupIndex` of source (`both[0]`) and target (`both[1]`) group numbers moved to `devices`."""
+    if devices[0] == devices[1]:  # one copy to the device, queued: no wait for the stream's work
         both = both.to(devices[0], non_blocking=True)
-        return GroupIndex(block_size, both[0], both[1])
-    return GroupIndex(block_size, both[0].to(devices[0]), both[1].to(devices[1]))
+        return GroupIndex(group, both[0], both[1])
+    return GroupIndex(group, both[0].to(devices[0]), both[1].to(devices[1]))
 
 
 def group_numbers(starts: list[int], lengths: list[int], group: int = 1) -> torch.Tensor:

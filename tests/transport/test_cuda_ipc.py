@@ -41,7 +41,7 @@ def test_copy_rows_moves_exactly_the_runs_byte_for_byte(blocks: int) -> None:
     src_ids, dst_ids = rng.sample(range(64), blocks), rng.sample(range(64), blocks)
     runs = plan_runs(src_ids, 5, dst_ids, 11, 16 * blocks - 11, 16)
     assert (len(runs) <= FEW_RUNS) == (blocks == 1)
-    copy_rows(source, target, runs, RowIndices())
+    copy_rows(source, target, RowIndices(lambda: runs))
     expected = torch.zeros_like(target)
     for run in runs:
         expected[run.dst_row : run.dst_row + run.rows] = source[run.src_row : run.src_row + run.rows]
@@ -56,7 +56,7 @@ def test_copy_rows_by_whole_block_ids_moves_what_the_runs_name() -> None:
     target = torch.zeros(64 * 16, 8, dtype=torch.bfloat16)
     src_ids, dst_ids = rng.sample(range(64), 12), rng.sample(range(64), 12)
     runs = plan_runs(src_ids, 0, dst_ids, 0, 16 * 12, 16)
-    copy_rows(source, target, runs, RowIndices((src_ids, dst_ids), 16))
+    copy_rows(source, target, RowIndices(lambda: runs, (src_ids, dst_ids), 16))
     expected = torch.zeros_like(target)
     for run in runs:
         expected[run.dst_row : run.dst_row + run.rows] = source[run.src_row : run.src_row + run.rows]
