@@ -209,13 +209,37 @@ class NodeConfig(Section, frozen=True, kw_only=True):
 
     def __post_init__(self) -> None:
         parse_address(self.listen)
-        problem = transport_unavailable(self.transport, device=self.device)
+        problem = device_unavailable(self.device) or transport_unavailable(self.transport, device=self.device)
         if problem is not None:
             raise ValueError(problem)
 
     @property
     def listen_address(self) -> Address:
         return parse_address(self.listen)
+
+
+def device_unavailable(device: str) -> str | None:
+    """Why `--device` `device` cannot hold the model and pools here, as a sentence; None when it can (a
+    node asked for a GPU it does not have fails at configuration, not with a traceback from torch)."""
+    if device == "cpu":
+        return None
+    import torch  # not at import: `--help` and the config's tests load this module
+
+    if torch.version.cuda is None:
+        return (
+            f"--device {device}: this torch ({torch.__version__}) is built without CUDA; "
+            "install a CUDA build of torch, or use --device cpu"
+        )
+    count = torch.cuda.device_count()
+    if count == 0:
+        return (
+            f"--device {device}: no CUDA device is visible (no GPU or driver, or CUDA_VISIBLE_DEVICES "
+            "hides them); use --device cpu"
+        )
+    index = int(device.partition(":")[2] or 0)
+    if index >= count:
+        return f"--device {device}: this host has {count} CUDA device(s), cuda:0 to cuda:{count - 1}"
+    return None
 
 
 # Flag prefix per section: ``--kv-block-size`` but ``--max-batch-size`` and ``--max-line-bytes``.

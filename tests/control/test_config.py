@@ -203,3 +203,22 @@ def test_every_option_is_documented() -> None:
     for option in options(NodeConfig, FLAG_PREFIXES):
         row = rf"| `{option.flag}` | `{option.toml_key}` | `{format_default(option)}` |"
         assert row in docs, f"docs/configuration.md lacks the row {row!r}"
+
+
+def test_a_device_this_host_lacks_is_refused_at_configuration() -> None:
+    """`--device cuda` without a usable GPU fails with the reason and what to do, not a torch traceback
+    at startup; on a GPU host the same holds for an index past the last device."""
+    import torch
+
+    device, count = "cuda", torch.cuda.device_count() if torch.version.cuda else 0
+    if torch.version.cuda is None:
+        reason = f"this torch ({torch.__version__}) is built without CUDA; install a CUDA build of torch, or use --device cpu"
+    elif count == 0:
+        reason = "no CUDA device is visible (no GPU or driver, or CUDA_VISIBLE_DEVICES hides them); use --device cpu"
+    else:
+        device = f"cuda:{count}"
+        reason = f"this host has {count} CUDA device(s), cuda:0 to cuda:{count - 1}"
+    with pytest.raises(ConfigError) as info:
+        parse_node_config(["--device", device, "--transport", "cuda-ipc"])
+    assert str(info.value) == f"[node] options: --device {device}: {reason}"
+    assert parse_node_config(["--device", "cpu"]).device == "cpu"
