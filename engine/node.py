@@ -41,12 +41,14 @@ from replicas.inbox import new_command_id
 from replicas.model import ModelLoadError
 from replicas.services import ReplicaServices, ReplicaSettings
 from replicas.states import LOADING_STATE, ROLES, Role
-from replicas.supervisor import supervise
+from replicas.supervisor import ReplicaStartFailed, supervise
 from replicas.weights import ModelHost
 from transport.config import TransferConfig
 
 VERSION = "0.1.0"
 SETTLE_SECONDS = 5.0
+# What stops a node from coming up; `main` prints it in one line and exits 2.
+STARTUP_ERRORS = (ModelLoadError, LogFileError, ControlServerError, ReplicaStartFailed)
 
 
 def replica_settings(config: NodeConfig, host: ModelHost) -> ReplicaSettings:
@@ -119,14 +121,19 @@ class Node:
             self._shutdown.set()
 
     async def add_replica(self, role: Role) -> Replica:
-        """Create replica `{role}-{n}` (Inactive) and start its supervised task."""
+        """Create replica `{role}-{n}` (Inactive) and start its supervised task. Raises
+        `ReplicaStartFailed` (the replica forgotten again) when it cannot start."""
         assert self._replica_nursery is not None
         index = next(self._indices[role])
         while f"{role}-{index}" in self.services.replicas:
             index = next(self._indices[role])
         replica = Replica(f"{role}-{index}", role, self.services)
         self.services.replicas[replica.name] = replica
-        await self._replica_nursery.start(supervise, replica)
+        try:
+            await self._replica_nursery.start(supervise, replica)
+        except ReplicaStartFailed:
+            del self.services.replicas[replica.name]
+            raise
         return replica
 
     async def serve(self, *, task_status: trio.TaskStatus[Address] = trio.TASK_STATUS_IGNORED) -> int:
@@ -251,9 +258,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         config = msgspec.structs.replace(config, listen="127.0.0.1:0")
     try:
         return trio.run(partial(run_node, config, demo=config.demo))
-    except (ModelLoadError, LogFileError, ControlServerError) as exc:
-        print(f"engine.node: {exc}", file=sys.stderr)
+    except (*STARTUP_ERRORS, BaseExceptionGroup) as exc:
+        error = startup_error(exc)
+        if error is None:
+            raise
+        print(f"engine.node: {error}", file=sys.stderr)
         return 2
+
+
+def startup_error(error: BaseException) -> Exception | None:
+    """The startup error (`STARTUP_ERRORS`) that `error` is, or wraps alone in the groups of one that
+    nurseries add on its way out; None for anything else."""
+    while isinstance(error, BaseExceptionGroup) and len(error.exceptions) == 1:
+        error = error.exceptions[0]
+    return error if isinstance(error, STARTUP_ERRORS) else None
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ from messages.control_replies import ScaleResult
 from replicas.actor import Replica
 from replicas.inbox import CommandRefused, new_command_id
 from replicas.states import LOADING_STATE, SHUTTING_STATE, ReplicaState, Role
+from replicas.supervisor import ReplicaStartFailed
 
 if TYPE_CHECKING:
     from engine.node import Node
@@ -73,6 +74,8 @@ async def scale(node: Node, request: ScaleRequest) -> ScaleResult:
                     )
     except CommandRefused as exc:
         raise RequestFailed(exc.code, str(exc)) from None  # type: ignore[arg-type]
+    except ReplicaStartFailed as exc:
+        raise RequestFailed("replica_failed", str(exc)) from None
     return ScaleResult(id=request.id, role=role, target=target, replicas=[r.name for r in active(node, role)])
 
 

@@ -98,9 +98,16 @@ def libucxx() -> Any:
 @functools.cache
 def ucx_context() -> Any:
     """The process's UCX context (tag matching and wakeup), created once and kept: contexts are heavy.
-    UCX reads its own `UCX_*` environment variables (e.g. `UCX_TLS`) here."""
+    UCX reads its own `UCX_*` environment variables (e.g. `UCX_TLS`) here. Raises `UcxFailed` when UCX
+    finds nothing to run on."""
     lib = libucxx()
-    return lib.UCXContext(feature_flags=(lib.Feature.TAG, lib.Feature.WAKEUP))
+    try:
+        return lib.UCXContext(feature_flags=(lib.Feature.TAG, lib.Feature.WAKEUP))
+    except lib.UCXError as exc:  # not cached: a later call tries again
+        raise UcxFailed(
+            f"UCX could not start: {type(exc).__name__}: {exc} (no usable transport or device; UCX's log on "
+            "stderr names the cause, e.g. a UCX_TLS listing transports this host lacks)"
+        ) from exc
 
 
 def cuda_transports_allowed(tls: str) -> bool:

@@ -1,0 +1,113 @@
+"""A node that cannot come up says why in one line and exits 2; a replica whose restart fails waits longer
+before each next try instead of failing in a loop.
+
+The first two run `python -m engine.node` for real: its control address taken by another socket, and
+UCX told to use a transport that does not exist (`UCX_TLS=bogus`), so no replica can open its endpoint.
+The third serves a node in the test's own trio run (`tests.epd.inprocess`), whose decode replica fails on
+its first step (`fail_replica` fault hook) and whose next three endpoint openings fail (a wrapped
+`Fabric.listen`, the transport's own step): the supervisor's restarts back off, 0.1 s then 0.2 s, the
+fourth restart comes up, and the replica serves again once loaded.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from itertools import pairwise
+from pathlib import Path
+
+import pytest
+import trio
+
+from engine.client import ControlClient
+from replicas.fabric import Fabric
+from replicas.supervisor import RESTART_BACKOFF_FIRST
+from tests.epd.inprocess import served_node
+from tests.node.harness import REPO_ROOT, START_TIMEOUT, by_name, wait_states
+from transport.endpoint import TransferEndpoint
+from transport.ucx_worker import ucx_installed
+
+
+def run_node(*options: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "engine.node", "--no-log-console", *options],
+        capture_output=True,
+        text=True,
+        timeout=START_TIMEOUT,
+        cwd=REPO_ROOT,
+        env=env,
+        check=False,
+    )
+
+
+@pytest.mark.slow
+def test_a_taken_control_address_stops_the_node_in_one_line() -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        done = run_node("--listen", f"127.0.0.1:{port}")
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.splitlines()[-1] == (
+        f"engine.node: cannot listen on 127.0.0.1:{port}: Address already in use"
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not ucx_installed(), reason="needs the ucx extra")
+def test_a_replica_that_cannot_start_stops_the_node_in_one_line() -> None:
+    env = {**os.environ, "UCX_TLS": "bogus"}
+    done = run_node(
+        "--listen", "127.0.0.1:0", "--transport", "ucx", "--replicas", "prefill=1,decode=1", env=env
+    )
+    assert done.returncode == 2, done.stderr
+    # UCX's own log lines come before it, on the same stderr.
+    assert done.stderr.splitlines()[-1] == (
+        "engine.node: replica prefill-0 could not start: UcxFailed: UCX could not start: "
+        "UCXXNoDeviceError: No such device (no usable transport or device; UCX's log on stderr names the "
+        "cause, e.g. a UCX_TLS listing transports this host lacks)"
+    )
+
+
+async def test_a_replica_whose_restarts_fail_waits_longer_before_each(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    opened = 0
+    listen = Fabric.listen
+
+    async def listen_failing_three_restarts(fabric: Fabric, endpoint: TransferEndpoint) -> str:
+        nonlocal opened
+        if endpoint.name.startswith("decode-0"):
+            opened += 1
+            if 2 <= opened <= 4:
+                raise OSError(f"cannot listen (opening {opened} of decode-0's endpoint, injected)")
+        return await listen(fabric, endpoint)
+
+    monkeypatch.setattr(Fabric, "listen", listen_failing_three_restarts)
+    options = ("--replicas", "prefill=1,decode=1", "--fault", "fail_replica:replica=decode-0,after_steps=0")
+    async with served_node(tmp_path, *options) as node:
+        async with ControlClient.connect(node.address) as client:
+            with trio.fail_after(60):
+                while opened < 5:
+                    await trio.sleep(0.05)
+            status = await wait_states(client, {"decode-0": "Inactive", "prefill-0": "Prefill"})
+            assert by_name(status)["decode-0"].last_error == (
+                "OSError: cannot listen (opening 4 of decode-0's endpoint, injected)"
+            )
+            await client.transition("decode-0", "LoadingDecode")
+            await wait_states(client, {"decode-0": "Decode"})
+            result = await client.generate_result(prompt="after the restarts", max_tokens=4)
+            assert result.transfers[0].destination == "decode-0"
+        failures = [e for e in node.events("replica_failed") if e["replica"] == "decode-0"]
+    assert [e["error"].rsplit(" (", 1)[0] for e in failures] == [
+        "InjectedFault: decode-0: injected failure (fail_replica fault hook)",
+        *(f"OSError: cannot listen (opening {n} of decode-0's endpoint, injected)" for n in (2, 3, 4)),
+    ]
+    times = [e["ts"] for e in failures]
+    waits = [later - earlier for earlier, later in pairwise(times[1:])]
+    # The restart right after a replica that had served is immediate; each one that fails before
+    # serving waits twice as long as the last before the next.
+    assert waits[0] >= RESTART_BACKOFF_FIRST
+    assert waits[1] >= 2 * RESTART_BACKOFF_FIRST
