@@ -6,7 +6,8 @@ UCX told to use a transport that does not exist (`UCX_TLS=bogus`), so no replica
 The third serves a node in the test's own trio run (`tests.epd.inprocess`), whose decode replica fails on
 its first step (`fail_replica` fault hook) and whose next three endpoint openings fail (a wrapped
 `Fabric.listen`, the transport's own step): the supervisor's restarts back off, 0.1 s then 0.2 s, the
-fourth restart comes up, and the replica serves again once loaded.
+fourth restart comes up, and the replica serves again once loaded. The fourth scales decode up to a
+replica whose endpoint cannot open: the op answers `replica_failed` and the node serves on without it.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from pathlib import Path
 import pytest
 import trio
 
-from engine.client import ControlClient
+from engine.client import ControlClient, ControlError
 from replicas.fabric import Fabric
 from replicas.supervisor import RESTART_BACKOFF_FIRST
 from tests.epd.inprocess import served_node
@@ -111,3 +112,30 @@ async def test_a_replica_whose_restarts_fail_waits_longer_before_each(
     # serving waits twice as long as the last before the next.
     assert waits[0] >= RESTART_BACKOFF_FIRST
     assert waits[1] >= 2 * RESTART_BACKOFF_FIRST
+
+
+async def test_a_scale_up_whose_new_replica_cannot_start_answers_replica_failed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    listen = Fabric.listen
+
+    async def listen_refusing_decode_1(fabric: Fabric, endpoint: TransferEndpoint) -> str:
+        if endpoint.name.startswith("decode-1"):
+            raise OSError("cannot listen (injected)")
+        return await listen(fabric, endpoint)
+
+    monkeypatch.setattr(Fabric, "listen", listen_refusing_decode_1)
+    async with (
+        served_node(tmp_path, "--replicas", "prefill=1,decode=1") as node,
+        ControlClient.connect(node.address) as client,
+    ):
+        await wait_states(client, {"decode-0": "Decode"})
+        with pytest.raises(ControlError) as refused:
+            await client.scale("decode", 2)
+        assert (refused.value.code, refused.value.message) == (
+            "replica_failed",
+            "replica decode-1 could not start: OSError: cannot listen (injected)",
+        )
+        assert sorted(by_name(await client.status())) == ["decode-0", "prefill-0"]
+        result = await client.generate_result(prompt="after the failed scale-up", max_tokens=4)
+        assert result.transfers[0].destination == "decode-0"
