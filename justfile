@@ -43,3 +43,7 @@ fmt:
 # What CI does, on a fresh clone beside ../shared.
 ci:
     bash .ci/run
+
+# What CI cannot do, on a machine with a CUDA GPU: the GPU tests, benchmark rows and demo (.ci/gpu).
+gpu:
+    PYTHON={{py}} bash .ci/gpu

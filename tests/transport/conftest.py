@@ -27,7 +27,7 @@ def ucx_env() -> Iterator[dict[str, str]]:
 
 @pytest.fixture
 def cuda() -> torch.device:
-    """The GPU tests' device; they skip without one (they were not run in the session that wrote them)."""
+    """The GPU tests' device; they skip without one, as in CI (`.ci/gpu` runs them on a GPU machine)."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device: torch.cuda.is_available() is false")
     return torch.device("cuda")
