@@ -120,6 +120,9 @@ class DecodeWork:
         started = time.monotonic()
         with trio.CancelScope() as scope:
             request.cancel_hooks.append(scope)
+            # A request the prefill side failed meanwhile (its send gave up) stops receiving too: the
+            # reservation returns once the fence allows instead of when this link times out.
+            request.on_end.append(lambda _: scope.cancel())
             try:
                 link = await replica.services.fabric.link(endpoint, command.source_endpoint)
                 result = await endpoint.receive(

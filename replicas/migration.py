@@ -178,6 +178,10 @@ class Migrator:
         error: BaseException | None = None
         with trio.CancelScope() as scope:
             request.cancel_hooks.append(scope)
+            # A request the decode side failed meanwhile (its receive gave up: a link that went silent)
+            # stops sending too; waiting for a grant that cannot come held the prompt's KV blocks until
+            # `progress_timeout`, and past a shutdown in that window they were reported leaked.
+            request.on_end.append(lambda _: scope.cancel())
             try:
                 async with endpoint.open_send(transfer_id) as session:
                     await session.send(item.table, total_tokens=request.prompt_tokens)

@@ -10,8 +10,9 @@ from pathlib import Path
 
 import pytest
 
+from engine.client import ControlError
 from replicas.model import Model
-from tests.node.harness import node_process, wait_idle, wait_serving
+from tests.node.harness import by_name, node_process, wait_idle, wait_serving, wait_status
 from tests.node.workload import check_outcome, mixed_workload, send_all
 from transport.ucx_worker import ucx_installed
 
@@ -50,3 +51,39 @@ async def test_auto_resolves_to_inproc_inside_one_node(tmp_path: Path, tiny: Mod
     ]
     assert not problems, "\n".join(problems)
     assert "transfer.transport_chosen" in node.stderr()
+
+
+@pytest.mark.slow
+async def test_a_migration_the_decode_side_gave_up_on_returns_the_prefill_blocks_at_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`drop_link` tears prefill-0's end of its UCX link down mid-transfer without a word, as a peer
+    that went silent; decode-0's end still looks alive until its link timeout (5 s), so the next
+    migration's grant goes nowhere and decode-0 fails that request. prefill-0, waiting for the grant,
+    must stop then and return the prompt's KV blocks: it held them until its progress timeout (30 s),
+    and a shutdown in that window found them leaked (exit code 1)."""
+    if not ucx_installed():
+        pytest.skip("ucxx is not installed (pip install -e '.[ucx]')")
+    monkeypatch.setenv("UCX_TLS", os.environ.get("UCX_TLS", "sm,tcp"))
+    drop = "drop_link:source=prefill-0,destination=decode-0,after_bytes=100000"
+    options = ("--transport", "ucx", "--replicas", "prefill=1,decode=1", "--fault", drop)
+    with node_process(tmp_path, *options) as node:
+        async with node.client() as client:
+            await wait_serving(client)
+            await client.generate_result(prompt="short", max_tokens=2)  # ~14 KB of KV: the link stays
+            errors = []
+            for prompt in ("a prompt long enough to cross the drop " * 4, "and one more"):
+                with pytest.raises(ControlError) as failed:
+                    await client.generate_result(prompt=prompt, max_tokens=2)
+                errors.append((failed.value.code, failed.value.message))
+            assert [code for code, _message in errors] == ["transfer_failed", "transfer_failed"]
+            assert errors[0][1].endswith("dropped by fault injection after 100000 bytes")
+            # decode-0's end of the link fails the next transfer after 5 s: it heard nothing more (or no
+            # AbortAck for the dropped one), whichever its clock reaches first.
+            assert "failed (link_lost): " in errors[1][1]
+            await wait_status(
+                client,
+                lambda status: by_name(status)["prefill-0"].used_blocks == 0,
+                "prefill-0's KV blocks back once decode-0 failed the request",
+                timeout=10.0,  # a third of the 30 s the sender waited before
+            )
