@@ -178,8 +178,10 @@ class Router:
             for r in self.services.replicas.values()
             if r.role == role
         )
+        article = "an" if role == "encode" else "a"
         return (
-            f"waited {self.queue_wait:g} s for a {role} replica to take it; {states or f'no {role} replica'}"
+            f"waited {self.queue_wait:g} s for {article} {role} replica to take it; "
+            f"{states or f'no {role} replica'}"
         )
 
     def _forget(self, request: ServingRequest) -> None:

@@ -101,7 +101,11 @@ class Replica:
         self.post(Envelope(command))
 
     def submit(self, request: ServingRequest) -> bool:
-        """Queue `request` for this replica's role; False when it takes no new work now."""
+        """Queue `request` for this replica's role; False when it takes no new work now — also while its
+        task is not running: between a failure and the supervisor marking it `Inactive` its state still
+        says it serves, and the router's request then failed with an internal error."""
+        if self.nursery is None:
+            return False
         accepted = self.work.submit(request)
         if accepted:
             self.post()

@@ -139,3 +139,33 @@ async def test_a_scale_up_whose_new_replica_cannot_start_answers_replica_failed(
         assert sorted(by_name(await client.status())) == ["decode-0", "prefill-0"]
         result = await client.generate_result(prompt="after the failed scale-up", max_tokens=4)
         assert result.transfers[0].destination == "decode-0"
+
+
+async def test_a_replica_whose_task_is_not_running_takes_no_request(tmp_path: Path) -> None:
+    """Between a replica's task failing and its supervisor marking it `Inactive`, its state still says it
+    serves; a request the router handed it then failed with an internal error (an encode replica) or
+    went into a queue nobody empties. `submit` refuses while the task is not running, so the request
+    waits in the router and is served once the replica runs again."""
+    async with (
+        served_node(tmp_path, "--replicas", "prefill=1,decode=1") as node,
+        ControlClient.connect(node.address) as client,
+    ):
+        await wait_states(client, {"prefill-0": "Prefill", "decode-0": "Decode"})
+        prefill = node.node.services.replicas["prefill-0"]
+        running, prefill.nursery = prefill.nursery, None  # the window: its task ended, not yet Inactive
+        results = []
+
+        async def generate() -> None:
+            results.append(await client.generate_result(prompt="wait for me", max_tokens=3))
+
+        async with trio.open_nursery() as requests:
+            requests.start_soon(generate)
+            with trio.fail_after(30):
+                while not node.node.router.pending:  # arrived, and kept by the router
+                    await trio.sleep(0.01)
+            await trio.sleep(0.2)  # dispatches that would hand it over have had their chance
+            assert [request.request_id for request in node.node.router.pending] and not results
+            prefill.nursery = running
+            node.node.services.readiness_changed()
+        (result,) = results
+        assert result.finish_reason == "length"
