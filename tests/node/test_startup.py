@@ -8,6 +8,8 @@ its first step (`fail_replica` fault hook) and whose next three endpoint opening
 `Fabric.listen`, the transport's own step): the supervisor's restarts back off, 0.1 s then 0.2 s, the
 fourth restart comes up, and the replica serves again once loaded. The fourth scales decode up to a
 replica whose endpoint cannot open: the op answers `replica_failed` and the node serves on without it.
+The last holds a replica in the window between its task ending and its supervisor marking it `Inactive`:
+the router keeps the request until the replica runs again.
 """
 
 from __future__ import annotations
