@@ -23,6 +23,7 @@ from messages.control_replies import GenerateResult
 from replicas.model import Model
 from tests.epd.images import image_input, image_with_rows, reference
 from tests.epd.node import Node, start_nodes, wait_blocks_returned, wait_serving
+from tests.node.harness import default_transport
 
 BYTES_PER_ROW = 128 * 4 + 8 + 3 * 8  # embeds [128] float32, token_ids int64, positions [3] int64
 MAX_TOKENS = 6
@@ -97,7 +98,7 @@ async def _check_rounds_against_the_default_grant(node: Node, tiny: Model) -> No
             "encode-0",
             "prefill-0",
         )
-        assert embedding.bytes == n * BYTES_PER_ROW and embedding.transport == "inproc"
+        assert embedding.bytes == n * BYTES_PER_ROW and embedding.transport == default_transport()
         assert kv.kind == "kv" and result.prompt_tokens == n + len(f" picture of {n} rows") + 1
         assert result.timings.encode_s is not None and result.timings.embedding_transfer_s is not None
     for result in results[4:]:
@@ -140,7 +141,7 @@ async def _check_the_same_output_whatever_the_grant(nodes: dict[str, Node], tiny
         outputs[name] = [result.token_ids for result in results]
         rounds[name] = [_embedding_rounds(result) for result in results[:2]]
         transports = {transfer.transport for result in results for transfer in result.transfers}
-        assert transports == {"tcp" if name == "n1" else "inproc"}
+        assert transports == {"tcp" if name == "n1" else default_transport()}
     assert rounds == {"n1": [12, 16], "n8": [2, 2], "n100": [1, 1]}
     expected = [reference(tiny, prompt, images, MAX_TOKENS) for prompt, images in requests]
     assert outputs["n1"] == outputs["n8"] == outputs["n100"] == expected

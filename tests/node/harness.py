@@ -49,6 +49,15 @@ _node_numbers = itertools.count(1)
 StopHow = Literal["shutdown", "sigterm"]
 
 
+def default_transport() -> str:
+    """The transport a node started without `--transport` moves blocks over: the entry point's default
+    (inproc) unless `ZIGZAG_TRANSPORT` names another, as the entry point reads it — so the node and EPD
+    suites run over any transport, e.g. `ZIGZAG_TRANSPORT=ucx UCX_TLS=sm,tcp pytest tests/node tests/epd`
+    (`auto` is inproc inside one node)."""
+    chosen = os.environ.get("ZIGZAG_TRANSPORT", "inproc")
+    return "inproc" if chosen == "auto" else chosen
+
+
 class NodeFailed(AssertionError):
     """The node process misbehaved (exited early, did not start, did not stop, wrong exit code)."""
 

@@ -17,7 +17,15 @@ import trio
 
 from engine.client import ControlClient, ControlError
 from replicas.model import Model
-from tests.node.harness import by_name, node_process, wait_idle, wait_serving, wait_states, wait_status
+from tests.node.harness import (
+    by_name,
+    default_transport,
+    node_process,
+    wait_idle,
+    wait_serving,
+    wait_states,
+    wait_status,
+)
 from tests.node.workload import Ask, Outcome, assert_correct, distinct_asks, launch, send
 
 INJECTED = "InjectedFault: decode-0: injected failure (fail_replica fault hook)"
@@ -56,7 +64,7 @@ async def test_a_failing_replica_fails_its_requests_and_the_node_serves_on(
                     "replica_failed",
                     f"replica decode-0 failed: {INJECTED}",
                 )
-            assert_correct(tiny, served, transport="inproc")
+            assert_correct(tiny, served, transport=default_transport())
             assert {o.result.transfers[0].destination for o in served} <= {"decode-1"}
             landed_on_0 = {
                 e["request_id"]
@@ -73,14 +81,14 @@ async def test_a_failing_replica_fails_its_requests_and_the_node_serves_on(
 
             # The node serves on with decode-1, and decode-0 can be loaded again.
             again = [await send(client, ask) for ask in distinct_asks(3, max_tokens=4, offset=310)]
-            assert_correct(tiny, again, transport="inproc")
+            assert_correct(tiny, again, transport=default_transport())
             assert {o.result.transfers[0].destination for o in again} == {"decode-1"}
             result = await client.transition("decode-0", "LoadingDecode")
             assert (result.previous, result.state) == ("Inactive", "LoadingDecode")
             await wait_states(client, {"decode-0": "Decode"})
             await client.lock("decode-1")
             revived = await send(client, distinct_asks(1, max_tokens=4, offset=320)[0])
-            assert_correct(tiny, [revived], transport="inproc")
+            assert_correct(tiny, [revived], transport=default_transport())
             assert revived.result.transfers[0].destination == "decode-0"
             await client.unlock("decode-1")
             await wait_idle(client)
@@ -95,7 +103,7 @@ async def test_a_failing_replica_fails_its_requests_and_the_node_serves_on(
                     "the requests decoding",
                 )
                 node.process.send_signal(signal.SIGTERM)
-            assert_correct(tiny, draining, transport="inproc")
+            assert_correct(tiny, draining, transport=default_transport())
         assert await trio.to_thread.run_sync(node.wait_exit) == 0, node.diagnosis()
         (stopping,) = node.events("node_stopping")
         assert (stopping["reason"], stopping["detail"], stopping["in_flight"]) == (
@@ -131,5 +139,5 @@ async def test_a_request_no_replica_takes_fails_after_the_queue_wait(tmp_path: P
             )
             await client.transition("prefill-0", "LoadingPrefill")
             await wait_states(client, {"prefill-0": "Prefill"})
-            assert_correct(tiny, [await send(client, ask)], transport="inproc")
+            assert_correct(tiny, [await send(client, ask)], transport=default_transport())
             await wait_idle(client)

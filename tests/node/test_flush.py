@@ -20,7 +20,15 @@ import trio
 
 from engine.client import ControlError
 from replicas.model import Model
-from tests.node.harness import by_name, node_process, wait_idle, wait_serving, wait_states, wait_status
+from tests.node.harness import (
+    by_name,
+    default_transport,
+    node_process,
+    wait_idle,
+    wait_serving,
+    wait_states,
+    wait_status,
+)
 from tests.node.workload import Outcome, assert_correct, distinct_asks, launch, send
 
 
@@ -45,7 +53,9 @@ async def test_flush_then_scale_then_a_draining_shutdown(tmp_path: Path, tiny: M
             status = await wait_states(client, {"prefill-0": "Decode"})
             prefill_0 = by_name(status)["prefill-0"]
             assert (prefill_0.role, prefill_0.locked) == ("decode", False)
-            assert_correct(tiny, flushed, transport="inproc", kv_moves=False)  # and no transfer each
+            assert_correct(
+                tiny, flushed, transport=default_transport(), kv_moves=False
+            )  # and no transfer each
             ids = {o.result.request_id for o in flushed}
             assert not [e for e in node.events("transfer_started") if e["request_id"] in ids]
             moves = [
@@ -64,7 +74,7 @@ async def test_flush_then_scale_then_a_draining_shutdown(tmp_path: Path, tiny: M
             await wait_states(client, {"prefill-1": "Prefill"})
             await client.unlock("decode-0")
             served = [await send(client, ask) for ask in distinct_asks(2, max_tokens=3, offset=210)]
-            assert_correct(tiny, served, transport="inproc")
+            assert_correct(tiny, served, transport=default_transport())
             assert {o.result.transfers[0].source for o in served} == {"prefill-1"}
             scaled = await client.scale("decode", 1)
             assert scaled.target == 1 and len(scaled.replicas) == 1
@@ -85,7 +95,7 @@ async def test_flush_then_scale_then_a_draining_shutdown(tmp_path: Path, tiny: M
                 with pytest.raises(ControlError) as refused:
                     await client.generate_result(input_ids=[1, 2, 3], max_tokens=2)
                 assert refused.value.code == "shutting_down"
-            assert_correct(tiny, draining, transport="inproc")
+            assert_correct(tiny, draining, transport=default_transport())
             assert all(len(o.result.token_ids) == 40 for o in draining)
         code = await trio.to_thread.run_sync(node.wait_exit)
         assert code == 0, node.diagnosis()

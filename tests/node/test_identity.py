@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from replicas.model import Model, tiny_model
-from tests.node.harness import NodeProcess, node_process, wait_idle, wait_serving
+from tests.node.harness import NodeProcess, default_transport, node_process, wait_idle, wait_serving
 from tests.node.workload import (
     Ask,
     Outcome,
@@ -98,7 +98,7 @@ async def test_tiny_model_in_bfloat16_loads_and_moves_bfloat16_kv(tmp_path: Path
             await wait_serving(client)
             outcome = await send(client, ask)
             await wait_idle(client)
-    assert check_outcome(model, outcome, transport="inproc") == []
+    assert check_outcome(model, outcome, transport=default_transport()) == []
     assert [t.bytes for t in outcome.result.transfers] == [kv_bytes_per_token(model) * 37]
     assert kv_bytes_per_token(model) * 2 == kv_bytes_per_token(tiny_model())
     assert not node.events("replica_failed")
