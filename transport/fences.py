@@ -73,7 +73,10 @@ class Fences:
                 await fence.signal.wait()
             if not fence.signal.is_set():
                 fence.link.close(
-                    LinkBroken(f"no AbortAck for {fence.transfer_id!r} within {self._timeout} s")
+                    LinkBroken(
+                        f"link {fence.link.describe()}: no AbortAck for {fence.transfer_id!r} within "
+                        f"{self._timeout} s (closed, so its writes stop)"
+                    )
                 )
             if fence.link.is_closed:
                 with fence.quiescing:

@@ -353,6 +353,45 @@ async def test_closing_the_endpoints_is_a_fence_and_returns_quarantined_blocks_a
     assert pool.used_blocks == 0
 
 
+async def test_a_fence_no_abort_ack_reaches_closes_the_link_naming_it(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """The receiver gave up and its Abort is never acknowledged: after `fence_timeout` the link is closed
+    (a closed link is the fence), with an error that names the link, and the quarantined blocks return.
+    Transfers that started on that link meanwhile fail with this error, so it says which link it was."""
+    source, storage, pool = parts(16 * 4, seed=11)
+    control_send, control = trio.open_memory_channel[SenderDelivery](64)
+    config = TransferConfig(default_grant_blocks=1, round_cap_blocks=1, window=2, fence_timeout=1.0)
+    async with (
+        trio.open_nursery() as outer,
+        endpoint_pair("inproc", source, storage, pool, config=config, sender_control=control_send) as pair,
+    ):
+        enc, lang, link = pair.sender, pair.receiver, pair.link
+
+        async def replica() -> None:  # never delivers the Abort: no AbortAck will come
+            async for delivery in control:
+                if type(delivery.message).__name__ != "Abort":
+                    enc.deliver(delivery)
+
+        async def sender() -> None:
+            async with enc.open_send("t") as session:
+                session.announce_total(source.tokens)
+                await trio.sleep_forever()
+
+        outer.start_soon(replica)
+        outer.start_soon(sender)
+        with trio.move_on_after(0.2):
+            await lang.receive("t", peer=link, consume=Collector())
+        await settle()
+        assert pool.quarantined_blocks == 2
+        await trio.sleep(2 * config.fence_timeout)
+        assert str(link.error) == (
+            f"link {link.describe()}: no AbortAck for 't' within 1.0 s (closed, so its writes stop)"
+        )
+        assert pool.used_blocks == 0
+        outer.cancel_scope.cancel()
+
+
 async def test_a_link_dropped_behind_queued_copies_fails_both_sides_without_leaks() -> None:
     """Rounds queued on the copy lane (their writes returned), then the link dropped after the first
     copy: the rounds behind it never send their `ChunkDone`, both sides fail `link_lost`, every block
