@@ -14,8 +14,6 @@ from collections import deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, final
 
-import trio
-
 from messages.commands import ReserveKV
 from messages.control_replies import TransferSummary
 from messages.events import FaultInjected, TransferFinished, TransferStarted
@@ -118,11 +116,7 @@ class DecodeWork:
         outcome: BaseException | None = None
         report = None
         started = time.monotonic()
-        with trio.CancelScope() as scope:
-            request.cancel_hooks.append(scope)
-            # A request the prefill side failed meanwhile (its send gave up) stops receiving too: the
-            # reservation returns once the fence allows instead of when this link times out.
-            request.on_end.append(lambda _: scope.cancel())
+        with request.work_scope() as scope:  # also when the prefill side failed the request
             try:
                 link = await replica.services.fabric.link(endpoint, command.source_endpoint)
                 result = await endpoint.receive(
@@ -131,8 +125,6 @@ class DecodeWork:
                 report = result.report
             except (TransferError, LinkError) as exc:
                 outcome = exc
-        if scope in request.cancel_hooks:
-            request.cancel_hooks.remove(scope)
         if report is None and isinstance(outcome, TransferError):
             report = outcome.report
         if report is not None:

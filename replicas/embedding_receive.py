@@ -19,8 +19,6 @@ import itertools
 import time
 from typing import TYPE_CHECKING, final
 
-import trio
-
 from messages.control import ErrorCode
 from messages.control_replies import TransferSummary
 from messages.events import FaultInjected, TransferFinished, TransferRound, TransferStarted
@@ -127,10 +125,7 @@ class EmbeddingReceives:
         )
         started = time.time()
         failure: ReceiveFailure | None = None
-        with trio.CancelScope() as scope:
-            request.cancel_hooks.append(scope)
-            # A request that ends elsewhere meanwhile (its encode side failed it) stops receiving too.
-            request.on_end.append(lambda _: scope.cancel())
+        with request.work_scope() as scope:  # also when its encode side failed the request
             try:
                 link = await services.fabric.link(endpoint, encode_endpoint_name(route.encoder))
                 await endpoint.receive(route.transfer_id, peer=link, consume=assembler.consume)
@@ -143,8 +138,6 @@ class EmbeddingReceives:
                 PromptTooLong,
             ) as exc:
                 failure = exc
-        if scope in request.cancel_hooks:
-            request.cancel_hooks.remove(scope)
         ended = time.time()
         # The transfer's own span: from the sender starting to send (stamped by the encode side) to the
         # last round consumed here; the wait for the encoder before it is not the transfer's.

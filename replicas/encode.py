@@ -88,8 +88,7 @@ class EncodeWork:
         )
         self.queue.append(job)
         self.jobs[route.transfer_id] = job
-        request.cancel_hooks.append(job.scope)
-        request.on_end.append(lambda _: job.scope.cancel())
+        request.cancel_hooks.append(job.scope)  # cancelled with the request, or when it ends elsewhere
         self.work.spawn(self._serve, job)
 
     def withdraw(self, request: ServingRequest) -> None:

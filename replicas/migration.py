@@ -176,19 +176,12 @@ class Migrator:
         if request.stamps.kv_started is None:
             request.stamps.kv_started = time.time()
         error: BaseException | None = None
-        with trio.CancelScope() as scope:
-            request.cancel_hooks.append(scope)
-            # A request the decode side failed meanwhile (its receive gave up: a link that went silent)
-            # stops sending too; waiting for a grant that cannot come held the prompt's KV blocks until
-            # `progress_timeout`, and past a shutdown in that window they were reported leaked.
-            request.on_end.append(lambda _: scope.cancel())
+        with request.work_scope():  # also when the decode side failed the request: no grant will come
             try:
                 async with endpoint.open_send(transfer_id) as session:
                     await session.send(item.table, total_tokens=request.prompt_tokens)
             except TransferError as exc:
                 error = exc
-        if scope in request.cancel_hooks:
-            request.cancel_hooks.remove(scope)
         self.replica.post(Completed(lambda _: self._sent(item, error)))
 
     def _sent(self, item: Prefilled, error: BaseException | None) -> None:

@@ -10,7 +10,8 @@ is larger than the number of updates a request can ever produce, so replicas nev
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Literal, final
 
@@ -186,8 +187,23 @@ class ServingRequest:
             self._ended()
 
     def _ended(self) -> None:
+        # Work still running on it stops too: a transfer whose other side failed the request (say its
+        # link went silent) would otherwise wait for that peer until a timeout, holding its blocks.
+        for scope in self.cancel_hooks:
+            scope.cancel()
         for callback in self.on_end:
             callback(self)
+
+    @contextmanager
+    def work_scope(self) -> Iterator[trio.CancelScope]:
+        """A cancel scope for work on this request (a transfer), cancelled when the request is cancelled
+        or ends — wherever it ends; registered in `cancel_hooks` while open."""
+        with trio.CancelScope() as scope:
+            self.cancel_hooks.append(scope)
+            try:
+                yield scope
+            finally:
+                self.cancel_hooks.remove(scope)
 
     def cancel(self) -> None:
         """Mark cancelled and interrupt whatever work on it can be interrupted (transfers in flight).
