@@ -41,7 +41,7 @@ from replicas.inbox import new_command_id
 from replicas.model import ModelLoadError
 from replicas.services import ReplicaServices, ReplicaSettings
 from replicas.states import LOADING_STATE, ROLES, Role
-from replicas.supervisor import ReplicaStartFailed, supervise
+from replicas.supervisor import ReplicaStartFailed, root_cause, supervise
 from replicas.weights import ModelHost
 from transport.config import TransferConfig
 
@@ -259,19 +259,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return trio.run(partial(run_node, config, demo=config.demo))
     except (*STARTUP_ERRORS, BaseExceptionGroup) as exc:
-        error = startup_error(exc)
-        if error is None:
+        error = root_cause(exc)  # as nurseries wrapped it on its way out
+        if not isinstance(error, STARTUP_ERRORS):
             raise
         print(f"engine.node: {error}", file=sys.stderr)
         return 2
-
-
-def startup_error(error: BaseException) -> Exception | None:
-    """The startup error (`STARTUP_ERRORS`) that `error` is, or wraps alone in the groups of one that
-    nurseries add on its way out; None for anything else."""
-    while isinstance(error, BaseExceptionGroup) and len(error.exceptions) == 1:
-        error = error.exceptions[0]
-    return error if isinstance(error, STARTUP_ERRORS) else None
 
 
 if __name__ == "__main__":

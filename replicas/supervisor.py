@@ -75,9 +75,9 @@ async def supervise(replica: Replica, task_status: trio.TaskStatus[None] = trio.
                 backoff = min(2 * backoff, RESTART_BACKOFF_MAX)
 
 
-def root_cause(error: Exception) -> Exception:
-    """What to report: the replica's nurseries wrap the exception that failed it in groups of one."""
-    while isinstance(error, ExceptionGroup) and len(error.exceptions) == 1:
+def root_cause(error: BaseException) -> BaseException:
+    """What to report: nurseries wrap the exception that failed a task in groups of one on its way out."""
+    while isinstance(error, BaseExceptionGroup) and len(error.exceptions) == 1:
         error = error.exceptions[0]
     return error
 
