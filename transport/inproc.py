@@ -8,7 +8,11 @@ every run, so no byte lands outside a standing grant. Rounds of at least
 link's copy lane (`transport.copy_lane`), so the event loop keeps serving other replicas: the write of a
 round that does not end its transfer returns once the round is queued, its `ChunkDone` goes out when the
 copy is done, and every later message of that end waits for the lane first, which keeps link order. A
-copy is never abandoned: `settle`, `quiesce` and the link's `run` wait for the lane.
+copy is never abandoned: `settle`, `quiesce` and the link's `run` wait for the lane. Pools on a GPU: a
+round's copies are queued on the device's transfer stream after the work already queued on the current
+one (`runs.launch_copy_runs`), and a smaller round's write waits for them with the event loop going on
+(`gpu_copy.copies_done`, counted for `quiesce` as the lane is) — never for a whole stream, where the
+model steps of other replicas in the process are queued.
 """
 
 from __future__ import annotations
@@ -20,15 +24,17 @@ from functools import partial
 from typing import Final, final
 
 import outcome
+import torch
 import trio
 
 from messages.transfer import PeerMessage
+from transport import gpu_copy
 from transport.config import TransferConfig
 from transport.copy_lane import CopyLane
 from transport.errors import LinkBroken, LinkClosed, LinkError
 from transport.faults import FaultPlan
 from transport.link import BulkWrite, Landing, Link, LinkHandler, Role, more_rounds_follow
-from transport.runs import copy_runs, run_bytes
+from transport.runs import copy_runs, launch_copy_runs, run_bytes
 
 INBOX_MESSAGES: Final = 1024
 _link_numbers = itertools.count(1)
@@ -123,6 +129,9 @@ class InprocLink(Link):
         self._inbox_send, self._inbox = trio.open_memory_channel[PeerMessage](INBOX_MESSAGES)
         self._other: InprocLink | None = None
         self._lane: CopyLane | None = None  # made on the first large write
+        self._device_copies = 0  # small rounds' device copies this end's writes still wait for
+        self._devices_idle = trio.Event()
+        self._devices_idle.set()
         self._bulk_bytes = 0
         self._reader_scope = trio.CancelScope()
         self._peer_error: LinkError | None = None
@@ -153,7 +162,9 @@ class InprocLink(Link):
                 await self.send(trailer)
             return 0
         if bulk.nbytes < self._config.inproc_thread_bytes:
-            copy_runs(bulk.source, landing.storage, bulk.runs, bulk.buffers)
+            _, copying = launch_copy_runs(bulk.source, landing.storage, bulk.runs, bulk.buffers)
+            if copying is not None:
+                await self._device_copy(copying, bulk.nbytes)
             self._landed(bulk, landing)
             if trailer is not None:
                 await self.send(trailer)
@@ -172,8 +183,21 @@ class InprocLink(Link):
         return bulk.nbytes
 
     async def settle(self) -> None:
-        """See `Link.settle`: the rounds still on this end's copy lane."""
-        await self._lane_idle()
+        """See `Link.settle`: the rounds still on this end's copy lane or on its device."""
+        await self._copies_idle()
+
+    async def _device_copy(self, copying: torch.cuda.Event, nbytes: int) -> None:
+        """Wait for a small round's device copy while the event loop goes on; never abandoned (a
+        cancellation is raised once the copy is done), and counted until then for `quiesce`."""
+        self._device_copies += 1
+        if self._devices_idle.is_set():
+            self._devices_idle = trio.Event()
+        try:
+            await gpu_copy.copies_done(copying, nbytes)
+        finally:
+            self._device_copies -= 1
+            if self._device_copies == 0:
+                self._devices_idle.set()
 
     def _claim(self, bulk: BulkWrite) -> Landing | None:
         """The receiver's landing of `bulk`, every run claimed; None when the round is gone."""
@@ -234,6 +258,11 @@ class InprocLink(Link):
         if self._lane is not None and not self._lane.idle.is_set():
             await self._lane.idle.wait()
 
+    async def _copies_idle(self) -> None:
+        """Until no copy of this end's writes still writes into pool memory (lane or device)."""
+        await self._lane_idle()
+        await self._devices_idle.wait()
+
     async def run(self) -> None:
         try:
             with self._reader_scope:
@@ -242,8 +271,8 @@ class InprocLink(Link):
                 # The far end closed: like TCP, what it sent before closing was still read.
                 self._set_error(self._peer_error or LinkClosed(f"link {self.describe()}: peer closed it"))
         finally:
-            with trio.CancelScope(shield=True):  # the lane's thread writes into pool memory until then
-                await self._lane_idle()
+            with trio.CancelScope(shield=True):  # the copies write into pool memory until then
+                await self._copies_idle()
             # Also when the endpoint itself is cancelled: the link's transfers and fences must hear it.
             if self.error is None:
                 self.close(LinkClosed(f"link {self.describe()}: its endpoint stopped"))
@@ -269,6 +298,6 @@ class InprocLink(Link):
             other._inbox_send.close()
 
     async def quiesce(self) -> None:
-        await self._lane_idle()
+        await self._copies_idle()
         if self._other is not None:
-            await self._other._lane_idle()
+            await self._other._copies_idle()

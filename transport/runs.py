@@ -9,6 +9,7 @@ plus one per destination block.
 from __future__ import annotations
 
 import array
+import functools
 import math
 import zlib
 from collections.abc import Sequence
@@ -198,15 +199,52 @@ def _numbers(starts: torch.Tensor, lengths: list[int], group: int) -> torch.Tens
 
 
 def copy_runs(src: PoolStorage, dst: PoolStorage, runs: Sequence[Run], buffers: Sequence[str]) -> int:
-    """Copy `runs` of each buffer from `src` to `dst` storage; returns the bytes copied. No temporary.
+    """Copy `runs` of each buffer from `src` to `dst` storage; returns the bytes copied, once they are
+    copied (blocking: a worker thread's call). See `launch_copy_runs`."""
+    copied, done = launch_copy_runs(src, dst, runs, buffers)
+    if done is not None:
+        done.synchronize()
+    return copied
+
+
+def launch_copy_runs(
+    src: PoolStorage, dst: PoolStorage, runs: Sequence[Run], buffers: Sequence[str]
+) -> tuple[int, torch.cuda.Event | None]:
+    """Copy `runs` of each buffer from `src` to `dst` storage, no temporary; returns the bytes and, when
+    a pool is on a GPU, the event that completes with the copies (the caller's write fence, DESIGN §5.7:
+    `gpu_copy.copies_done` in Trio, `synchronize` in a thread) — None when they are done on return.
 
     CPU: a run of at least `TORCH_COPY_BYTES` is one `copy_`; smaller runs are one `memcpy` each through
     the buffers' memoryviews (a torch call costs microseconds, a memoryview slice assignment a fraction
     of one). Other devices: one `copy_` per run, or for small runs one gather and one scatter per buffer
-    (`GroupIndex`, built once); on CUDA it returns once the copies are done (the write fence).
+    (`GroupIndex`, built once). On CUDA they are queued on the device's `transfer_stream`, after the work
+    already queued on the current streams of both pools' devices (whatever wrote the source rows), and
+    the event waits for nothing queued later: a stream `synchronize` here held the event loop of a GPU
+    node until the model steps its other replicas queued meanwhile were done (docs/transports.md).
     """
     if not runs:
-        return 0
+        return 0, None
+    devices = [device for device in (src.device, dst.device) if device.type == "cuda"]
+    if not devices:
+        return _copy_each(src, dst, runs, buffers), None
+    stream = transfer_stream(devices[-1])
+    for device in dict.fromkeys(devices):
+        stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream):  # index tensors and temporaries belong to this stream, too
+        copied = _copy_each(src, dst, runs, buffers)
+        done = torch.cuda.Event()
+        done.record(stream)
+    return copied, done
+
+
+@functools.cache
+def transfer_stream(device: torch.device) -> torch.cuda.Stream:
+    """The stream a process's inproc copies on `device` run on: one per device, apart from the streams
+    the model's work is queued on."""
+    return torch.cuda.Stream(device)
+
+
+def _copy_each(src: PoolStorage, dst: PoolStorage, runs: Sequence[Run], buffers: Sequence[str]) -> int:
     total_rows = sum(r.rows for r in runs)
     on_cpu = src.device.type == "cpu" and dst.device.type == "cpu"
     index: GroupIndex | None = None
@@ -238,10 +276,6 @@ def copy_runs(src: PoolStorage, dst: PoolStorage, runs: Sequence[Run], buffers: 
                 dst_flat[run.dst_row : run.dst_row + run.rows].copy_(
                     src_flat[run.src_row : run.src_row + run.rows]
                 )
-    if not on_cpu:  # device copies run asynchronously: the round's ChunkDone must follow them (§5.7)
-        device = dst.device if dst.device.type == "cuda" else src.device
-        if device.type == "cuda":
-            torch.cuda.current_stream(device).synchronize()
     return copied
 
 

@@ -39,7 +39,7 @@ from transport import gpu_copy
 from transport.config import TransferConfig
 from transport.endpoint import open_endpoint
 from transport.errors import TransferFailed
-from transport.runs import group_index, plan_runs
+from transport.runs import group_index, launch_copy_runs, plan_runs
 
 pytestmark = pytest.mark.gpu
 KINDS = ["inproc", "tcp", "ucx", "cuda-ipc"]
@@ -99,6 +99,50 @@ async def test_gpu_kv_lands_in_a_borrowed_allocation_and_an_aborted_round_is_fen
             nursery.cancel_scope.cancel()
         await settle()
     assert (pool.used_blocks, pool.quarantined_blocks) == (0, 0)
+
+
+def test_a_device_copy_follows_the_work_before_it_and_waits_for_none_after(cuda: torch.device) -> None:
+    """`launch_copy_runs` between GPU pools returns before the copy ran; the copy follows what was
+    queued on the current stream before it (a long GPU sleep, then the kernel rewriting the source
+    rows), and its event waits for nothing queued after it (another sleep): a stream `synchronize` used
+    to hold the calling thread — a node's event loop — until the model steps queued meanwhile were done."""
+    layout = embedding_layout()
+    source = Source(layout, 300, seed=5, device="cuda")
+    target = on_device(random_storage(layout, 8, seed=6), "cuda")
+    runs = plan_runs(source.ids, 0, [5, 1, 7], 0, 300, layout.block_size)
+    torch.cuda._sleep(100_000_000)
+    for tensor in source.storage.tensors.values():
+        tensor.view(torch.uint8).bitwise_not_()
+    copied, done = launch_copy_runs(source.storage, target, runs, list(target.tensors))
+    assert done is not None and not done.query()
+    torch.cuda._sleep(400_000_000)
+    later = torch.cuda.Event()
+    later.record()
+    done.synchronize()
+    assert not later.query()
+    assert copied == 300 * layout.bytes_per_token
+    assert_same_bytes(as_bytes(target.gather([5, 1, 7], 0, 300)), source.expected())
+
+
+async def test_an_inproc_gpu_round_lands_what_was_queued_before_it(cuda: torch.device) -> None:
+    """Over inproc, the bytes that land are the source rows as the work queued before the write left
+    them (the copy runs on another stream, after that work), in small rounds (awaited in the event loop)
+    and in rounds large enough for the copy lane's thread."""
+    for cap, hidden in ((1, 8), (None, 4096)):  # 8 KiB rounds; one round of 48 MiB
+        layout = embedding_layout(hidden=hidden)
+        source = Source(layout, 3000, seed=hidden, device="cuda")
+        storage, pool = on_device(random_storage(layout, 40, seed=6), "cuda"), shuffled_pool(40, 128, seed=7)
+        config = TransferConfig(default_grant_blocks=30, round_cap_blocks=cap)
+        collector = Collector()
+        async with endpoint_pair("inproc", source, storage, pool, config=config) as pair:
+            torch.cuda._sleep(100_000_000)
+            for tensor in source.storage.tensors.values():
+                tensor.view(torch.uint8).bitwise_not_()
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(send_all, pair.sender, "t", source)
+                await pair.receiver.receive("t", peer=pair.link, consume=collector)
+        assert_same_bytes(collector.data(), source.expected())
+        assert pool.used_blocks == 0
 
 
 @pytest.mark.slow  # a child process importing torch and initialising CUDA
