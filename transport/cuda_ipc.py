@@ -22,7 +22,6 @@ from __future__ import annotations
 import itertools
 import socket
 from collections.abc import Callable
-from functools import partial
 from typing import TYPE_CHECKING, final
 
 import msgspec
@@ -225,8 +224,6 @@ async def dial(endpoint: TransferEndpoint, host: str, port: int) -> CudaIpcLink:
 async def listen(endpoint: TransferEndpoint, on_accept: Callable[[Link], None], host: str) -> str:
     """Accept cuda-ipc links to `endpoint`; returns `cuda-ipc://host:port`."""
     listener = tcp.listen_socket(host, 0)
-    # Triton compiles the senders' one-pass copy meanwhile, not in the first round (a second or so).
-    endpoint.nursery.start_soon(partial(trio.to_thread.run_sync, gpu_copy.prepare, endpoint.storage.device))
     endpoint.nursery.start_soon(_accept_links, endpoint, listener, on_accept)
     await trio.lowlevel.checkpoint()
     return f"cuda-ipc://{host}:{listener.getsockname()[1]}"

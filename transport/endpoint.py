@@ -46,7 +46,7 @@ from messages.transfer import (
     StatusUpdate,
     TotalAnnounce,
 )
-from transport import handshake, tcp
+from transport import gpu_copy, handshake, tcp
 from transport.blocks import BlockPool
 from transport.config import TransferConfig
 from transport.errors import HandshakeRefused, LinkBroken, LinkClosed, LinkError
@@ -82,6 +82,7 @@ async def open_endpoint(
     )
     async with open_task_scope() as nursery:
         endpoint._nursery = nursery
+        nursery.start_soon(gpu_copy.prepare_in_thread, storage.device)  # not in the first round
         nursery.start_soon(endpoint.senders.sweep_orphans)
         nursery.start_soon(keep_alive_sessions, endpoint.kept_alive, endpoint.config.progress_timeout)
         try:
@@ -384,8 +385,7 @@ class TransferEndpoint:
     async def _send_logged(self, link: Link, message: PeerMessage) -> None:
         try:
             await link.send(message)
-        except LinkError as exc:
-            # The link's own close already failed everything that depended on it.
+        except LinkError as exc:  # the link's own close already failed everything that depended on it
             _log.info(
                 "transfer.send_failed", endpoint=self.name, message=type(message).__name__, error=str(exc)
             )

@@ -100,16 +100,17 @@ def prepare(device: torch.device) -> Any:
     target = torch.zeros_like(source)
     order = torch.tensor([2, 0, 1], device=device)
     try:
-        kernel[(3 * 2,)](
-            source,
-            target,
-            order,
-            torch.arange(3, device=device),
-            elements,
-            2,
-            ELEMENTS_PER_PROGRAM=ELEMENTS_PER_PROGRAM,
-        )
-        moved = torch.equal(target.view(3, -1), source.view(3, -1)[order])
+        with torch.cuda.stream(torch.cuda.Stream(device)):  # the check waits for no one else's work
+            kernel[(3 * 2,)](
+                source,
+                target,
+                order,
+                torch.arange(3, device=device),
+                elements,
+                2,
+                ELEMENTS_PER_PROGRAM=ELEMENTS_PER_PROGRAM,
+            )
+            moved = torch.equal(target.view(3, -1), source.view(3, -1)[order])
     except Exception as exc:  # noqa: BLE001 - Triton's compiler and driver raise many types; logged, two-pass
         _log.warning("transport.gpu_copy_two_pass", device=str(device), reason=f"{type(exc).__name__}: {exc}")
         return None
@@ -119,6 +120,13 @@ def prepare(device: torch.device) -> Any:
         )
         return None
     return kernel
+
+
+async def prepare_in_thread(device: torch.device) -> None:
+    """`prepare(device)` in a worker thread (not abandoned) for a GPU `device`: an endpoint starts it as
+    it opens, so its first round does not wait for the compiler, nor block the event loop on it."""
+    if device.type == "cuda":
+        await trio.to_thread.run_sync(prepare, device)
 
 
 def _two_pass(

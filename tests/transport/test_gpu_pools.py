@@ -110,6 +110,7 @@ def test_a_device_copy_follows_the_work_before_it_and_waits_for_none_after(cuda:
     source = Source(layout, 300, seed=5, device="cuda")
     target = on_device(random_storage(layout, 8, seed=6), "cuda")
     runs = plan_runs(source.ids, 0, [5, 1, 7], 0, 300, layout.block_size)
+    gpu_copy.prepare(cuda)  # built before: an endpoint builds it as it opens, in a worker thread
     torch.cuda._sleep(100_000_000)
     for tensor in source.storage.tensors.values():
         tensor.view(torch.uint8).bitwise_not_()
