@@ -22,6 +22,7 @@ import torch
 
 from replicas.model.attention import (
     SequenceSpan,
+    avoid_cudnn_attention,
     decode_attention,
     plan_decode,
     plan_prefill,
@@ -98,6 +99,7 @@ class Executor:
             raise InvalidBatchError(f"KV cache is on {cache.device}, model {model.name!r} on {model.device}")
         self.model = model
         self.cache = cache
+        avoid_cudnn_attention(model.device)
 
     def prefill(
         self,

@@ -110,13 +110,14 @@ def test_a_device_copy_follows_the_work_before_it_and_waits_for_none_after(cuda:
     source = Source(layout, 300, seed=5, device="cuda")
     target = on_device(random_storage(layout, 8, seed=6), "cuda")
     runs = plan_runs(source.ids, 0, [5, 1, 7], 0, 300, layout.block_size)
-    gpu_copy.prepare(cuda)  # built before: an endpoint builds it as it opens, in a worker thread
-    torch.cuda._sleep(100_000_000)
+    launch_copy_runs(source.storage, target, runs, list(target.tensors))  # the kernel built, as endpoints do
+    torch.cuda.synchronize()
+    torch.cuda._sleep(1_000_000_000)  # about half a second: far longer than the host's steps below
     for tensor in source.storage.tensors.values():
         tensor.view(torch.uint8).bitwise_not_()
     copied, done = launch_copy_runs(source.storage, target, runs, list(target.tensors))
     assert done is not None and not done.query()
-    torch.cuda._sleep(400_000_000)
+    torch.cuda._sleep(2_000_000_000)
     later = torch.cuda.Event()
     later.record()
     done.synchronize()
