@@ -11,7 +11,7 @@ with a note on stderr. Figures from lent H100s: docs/benchmarks.md, "GPU pools (
   blocks of one pool into another (`runs.block_index` + `transport.gpu_copy`: one Triton kernel, or two
   passes without Triton), index built in the call, against one contiguous `copy_` of the same GiB; both
   synchronised. Added after the H100 lease of 2026-11-23 from its probe (docs/benchmarks.md, "The copy
-  itself"); not yet run as a row.
+  itself"); first run as a row on the third lease (0.71-0.87).
 - `gpu_pool_tcp`, `gpu_pool_ucx`: 256 MiB between GPU pools of two processes over tcp / ucx (staged
   through pinned host memory unless UCX has CUDA transports), beside this host's pinned host → device
   copy bandwidth (GB/s; the ratio shows how close a network transport gets to the PCIe copy alone).
