@@ -34,7 +34,7 @@ from transport.copy_lane import CopyLane
 from transport.errors import LinkBroken, LinkClosed, LinkError
 from transport.faults import FaultPlan
 from transport.link import BulkWrite, Landing, Link, LinkHandler, Role, more_rounds_follow
-from transport.runs import copy_runs, launch_copy_runs, run_bytes
+from transport.runs import copy_runs, launch_copy_runs
 
 INBOX_MESSAGES: Final = 1024
 _link_numbers = itertools.count(1)
@@ -216,9 +216,9 @@ class InprocLink(Link):
 
     def _landed(self, bulk: BulkWrite, landing: Landing) -> None:
         """After a round's copy: fault injection (corrupt byte, dropped link), then the byte count."""
-        if bulk.corrupt and bulk.runs:
-            first = run_bytes(landing.storage, bulk.buffers[0], bulk.runs[0].dst_row, 1)
-            first[0] ^= 0xFF
+        if bulk.corrupt and bulk.runs:  # through torch: the pool may be on a GPU
+            first = landing.storage.flat(bulk.buffers[0])[bulk.runs[0].dst_row]
+            first.view(-1).view(torch.uint8)[:1].bitwise_xor_(0xFF)
         self._bulk_bytes += bulk.nbytes
         limit = self._faults.drop_link_after_bytes
         if limit is not None and self._bulk_bytes >= limit:
