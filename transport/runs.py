@@ -16,7 +16,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Final, final
 
-import numpy as np
 import torch
 
 from transport.gpu_copy import copy_groups
@@ -24,8 +23,6 @@ from transport.storage import PoolStorage
 
 # Runs at least this large are copied by torch; smaller ones by memcpy (CPU) or index ops (devices).
 TORCH_COPY_BYTES: Final = 64 * 1024
-# From this many small CPU runs of one aligned size on, one numpy gather and scatter moves them.
-PIECES_FROM: Final = 32
 
 
 @final
@@ -253,7 +250,7 @@ def _copy_each(src: PoolStorage, dst: PoolStorage, runs: Sequence[Run], buffers:
     total_rows = sum(r.rows for r in runs)
     on_cpu = src.device.type == "cpu" and dst.device.type == "cpu"
     index: GroupIndex | None = None
-    byte_ranges: dict[int, tuple[list[Run], list[tuple[int, int, int]], _Pieces | None]] = {}
+    byte_ranges: dict[int, tuple[list[Run], list[tuple[int, int, int]]]] = {}
     copied = 0
     for name in buffers:
         src_flat, dst_flat = src.flat(name), dst.flat(name)
@@ -263,15 +260,12 @@ def _copy_each(src: PoolStorage, dst: PoolStorage, runs: Sequence[Run], buffers:
             ranges = byte_ranges.get(row_bytes)
             if ranges is None:  # buffers of one row width (a KV layout's) share the runs' byte ranges
                 ranges = byte_ranges[row_bytes] = _byte_ranges(runs, row_bytes)
-            large, small, pieces = ranges
+            large, small = ranges
             for run in large:
                 dst_flat[run.dst_row : run.dst_row + run.rows].copy_(
                     src_flat[run.src_row : run.src_row + run.rows]
                 )
             src_bytes, dst_bytes = src.buffer_bytes(name), dst.buffer_bytes(name)
-            if pieces is not None:
-                pieces.copy(src_bytes, dst_bytes)
-                continue
             for dst_at, src_at, size in small:
                 dst_bytes[dst_at : dst_at + size] = src_bytes[src_at : src_at + size]
         elif total_rows * row_bytes < TORCH_COPY_BYTES * len(runs):
@@ -287,45 +281,17 @@ def _copy_each(src: PoolStorage, dst: PoolStorage, runs: Sequence[Run], buffers:
     return copied
 
 
-@final
-@dataclass(frozen=True, slots=True)
-class _Pieces:
-    """Small runs of one byte `size`, each at a multiple of it on both sides (a KV round's whole blocks):
-    the numbers of those `size`-byte elements on each side, moved by one numpy gather and scatter."""
-
-    size: int
-    src: np.ndarray
-    dst: np.ndarray
-
-    def copy(self, src: memoryview, dst: memoryview) -> None:
-        element = np.dtype((np.void, self.size))
-        source = np.frombuffer(src, dtype=np.uint8)
-        target = np.frombuffer(dst, dtype=np.uint8)
-        whole_src, whole_dst = len(source) // self.size * self.size, len(target) // self.size * self.size
-        target[:whole_dst].view(element)[self.dst] = source[:whole_src].view(element)[self.src]
-
-
-def _byte_ranges(
-    runs: Sequence[Run], row_bytes: int
-) -> tuple[list[Run], list[tuple[int, int, int]], _Pieces | None]:
-    """The runs `copy_runs` gives torch (at least `TORCH_COPY_BYTES`), the others as `(dst_at, src_at,
-    size)` byte ranges for `memcpy`, and — when there are at least `PIECES_FROM` of those, all of one
-    size and aligned to it — the same as `_Pieces`; made once per row width. 16 MiB of a KV layout's
-    4 KiB pieces (8 buffers): 2.70 ms by `memcpy` from ranges made once instead of 2.92; as `_Pieces`,
-    see docs/benchmarks.md ("numpy pieces")."""
+def _byte_ranges(runs: Sequence[Run], row_bytes: int) -> tuple[list[Run], list[tuple[int, int, int]]]:
+    """The runs `copy_runs` gives torch (at least `TORCH_COPY_BYTES`), and the others as `(dst_at,
+    src_at, size)` byte ranges for `memcpy`, made once per row width: 16 MiB of a KV layout's 4 KiB
+    pieces (8 buffers) copied in 2.70 ms instead of 2.92 (medians of 7 alternating batches)."""
     large = [run for run in runs if run.rows * row_bytes >= TORCH_COPY_BYTES]
     small = [
         (run.dst_row * row_bytes, run.src_row * row_bytes, run.rows * row_bytes)
         for run in runs
         if run.rows * row_bytes < TORCH_COPY_BYTES
     ]
-    if len(small) < PIECES_FROM:
-        return large, small, None
-    size = small[0][2]
-    if any(piece != size or dst_at % size or src_at % size for dst_at, src_at, piece in small):
-        return large, small, None
-    at = np.array(small, dtype=np.int64) // size
-    return large, small, _Pieces(size, at[:, 1].copy(), at[:, 0].copy())
+    return large, small
 
 
 def run_bytes(storage: PoolStorage, name: str, row: int, rows: int) -> memoryview:

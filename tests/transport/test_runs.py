@@ -18,7 +18,7 @@ from tests.transport.harness import (
     poisoned_storage,
     random_storage,
 )
-from transport.runs import Run, _byte_ranges, checksum_runs, copy_runs, group_index, plan_runs
+from transport.runs import Run, checksum_runs, copy_runs, group_index, plan_runs
 
 
 def test_runs_coalesce_consecutive_block_pairs() -> None:
@@ -30,28 +30,6 @@ def test_out_of_range_names_the_range() -> None:
         ValueError, match=r"^destination token range \[3, 12\) outside its 2 blocks of 4 tokens \(8 tokens\)$"
     ):
         plan_runs([0, 1, 2], 0, [5, 6], 3, 9, 4)
-
-
-@pytest.mark.parametrize("offsets", [(0, 0), (1, 3)], ids=["whole-blocks", "unaligned"])
-def test_many_small_runs_land_what_a_gather_would(offsets: tuple[int, int]) -> None:
-    """Many small runs of one size, aligned to it (a KV round's whole blocks), are moved by one numpy
-    gather and scatter (`_Pieces`); others by a `memcpy` each. Both land what a gather would, and
-    nothing else."""
-    layout = kv_layout(block_size=4)
-    src, dst = random_storage(layout, 80, seed=2), poisoned_storage(layout, 80)
-    rng = random.Random(7)
-    src_ids, dst_ids = rng.sample(range(80), 60), rng.sample(range(80), 60)
-    (src_offset, dst_offset), count = offsets, 60 * 4 - max(offsets)
-    runs = plan_runs(src_ids, src_offset, dst_ids, dst_offset, count, layout.block_size)
-    names = [spec.name for spec in layout.buffers]
-    assert (_byte_ranges(runs, src.row_bytes[names[0]])[2] is not None) == (offsets == (0, 0))
-    assert copy_runs(src, dst, runs, names) == count * layout.bytes_per_token
-    expected = as_bytes(src.gather(src_ids, src_offset, count))
-    assert_same_bytes(as_bytes(dst.gather(dst_ids, dst_offset, count)), expected)
-    landed = {run.dst_row + i for run in runs for i in range(run.rows)}
-    for name in names:
-        flat = dst.flat(name).view(dst.num_blocks * layout.block_size, -1).view(torch.uint8)
-        assert bool((flat[[row for row in range(flat.shape[0]) if row not in landed]] == 0x5A).all())
 
 
 @settings(max_examples=150, deadline=None)
