@@ -166,8 +166,6 @@ def block_index(
 def _on_devices(group: int, both: torch.Tensor, devices: tuple[torch.device, torch.device]) -> GroupIndex:
     """`GroupIndex` of source (`both[0]`) and target (`both[1]`) group numbers moved to `devices`."""
     if devices[0] == devices[1]:  # one copy to the device, queued: no wait for the stream's work
-        if devices[0].type == "cuda":  # from pageable memory the driver may wait for the stream first
-            both = both.pin_memory()
         both = both.to(devices[0], non_blocking=True)
         return GroupIndex(group, both[0], both[1])
     return GroupIndex(group, both[0].to(devices[0]), both[1].to(devices[1]))
