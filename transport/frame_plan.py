@@ -10,9 +10,11 @@ back in one host chunk (`transport.staging`). A ucxx message costs about what a 
 this class of machine, so small pieces travel packed and large ones direct.
 
 A packed frame holds at most `MAX_FRAME_BYTES`, the size of a host chunk; `bundle_frames` lets packed
-frames of several buffers share a chunk (and one message), up to that size. A direct frame needs no chunk,
-so it may hold up to `MAX_DIRECT_FRAME_BYTES`: every frame costs a descriptor message and its handling at
-both ends, and 64 MiB of 2 MiB blocks in 8 MiB frames was 12 frames where 6 do (ucx_64MiB +3 %).
+frames of several buffers share a chunk (and one message), up to `BUNDLE_BYTES`. A direct frame needs no
+chunk, so it may hold up to `MAX_DIRECT_FRAME_BYTES`: every frame costs a descriptor message and its
+handling at both ends, and 64 MiB of 2 MiB blocks in 8 MiB frames was 12 frames where 6 do (ucx_64MiB +3 %).
+Those are the `HOST_SIZES`; a pool on a GPU that UCX reaches packs on the device instead, in frames and
+bundles of up to `DEVICE_BUNDLE_BYTES` (`DEVICE_SIZES`, `transport.device_bundles`).
 """
 
 from __future__ import annotations
@@ -37,6 +39,23 @@ BUNDLE_BYTES: Final = 1024 * 1024
 # Where a bundle's frames start in its chunk: a multiple of this, so any dtype can view its rows there
 # (staging a GPU pool's rows views the chunk as the buffer's dtype).
 BUNDLE_ALIGN: Final = 16
+# A packed frame, and a bundle, gathered on a GPU: UCX moves a message between GPU buffers by a CUDA IPC
+# rendezvous of about 23 µs however small (the H100's raw ucxx: 128 × 2 MiB in 3.0 ms, 1 × 256 MiB in
+# 0.35 ms), so fewer, larger messages; 4 in flight per link (`PACKED_WINDOW`) hold 128 MiB of the GPU.
+DEVICE_BUNDLE_BYTES: Final = 32 * 1024 * 1024
+# The largest packed frame, or bundle, a descriptor may announce: what a receiver accepts.
+MAX_PACKED_BYTES: Final = max(MAX_FRAME_BYTES, DEVICE_BUNDLE_BYTES)
+
+
+class FrameSizes(NamedTuple):
+    """The most bytes of a packed frame and of a bundle of packed frames, as a sender plans them."""
+
+    packed: int
+    bundle: int
+
+
+HOST_SIZES: Final = FrameSizes(MAX_FRAME_BYTES, BUNDLE_BYTES)
+DEVICE_SIZES: Final = FrameSizes(DEVICE_BUNDLE_BYTES, DEVICE_BUNDLE_BYTES)
 
 
 class Piece(NamedTuple):
@@ -106,22 +125,27 @@ class Frame:
         return self.tables.source_bytes
 
 
-def frame_bytes(packed: bool) -> int:
+def frame_bytes(packed: bool, sizes: FrameSizes = HOST_SIZES) -> int:
     """The most bytes a packed or a direct frame holds (unless a single row is wider)."""
-    return MAX_FRAME_BYTES if packed else MAX_DIRECT_FRAME_BYTES
+    return sizes.packed if packed else MAX_DIRECT_FRAME_BYTES
 
 
-def frame_rows(row_bytes: int, packed: bool) -> int:
+def frame_rows(row_bytes: int, packed: bool, sizes: FrameSizes = HOST_SIZES) -> int:
     """Rows one packed or direct frame may hold (at least one, however wide a row)."""
-    return max(1, frame_bytes(packed) // row_bytes)
+    return max(1, frame_bytes(packed, sizes) // row_bytes)
 
 
 def plan_frames(
-    bulk: BulkWrite, buffer: int, name: str, row_bytes: int, direct: Callable[[int], bool]
+    bulk: BulkWrite,
+    buffer: int,
+    name: str,
+    row_bytes: int,
+    direct: Callable[[int], bool],
+    sizes: FrameSizes = HOST_SIZES,
 ) -> Iterator[Frame]:
     """The frames moving buffer `name` of `bulk`, in the order their pieces appear in its runs (direct
     and packed frames interleave; each frame's pieces keep that order)."""
-    limits = (frame_rows(row_bytes, False), frame_rows(row_bytes, True))
+    limits = (frame_rows(row_bytes, False, sizes), frame_rows(row_bytes, True, sizes))
     filling: list[Frame | None] = [None, None]  # the direct frame and the packed frame being filled
     packed_for: dict[int, bool] = {}  # piece rows -> packed: asked once per length (pieces share a few)
     piece = tuple.__new__  # a Piece without NamedTuple's Python-level __new__: half the cost per piece
@@ -150,10 +174,10 @@ def plan_frames(
             yield frame
 
 
-def bundle_frames(frames: Iterable[Frame]) -> Iterator[list[Frame]]:
+def bundle_frames(frames: Iterable[Frame], bundle_bytes: int = BUNDLE_BYTES) -> Iterator[list[Frame]]:
     """`frames` grouped as one descriptor each describes them: a direct frame alone; packed frames,
     whatever their buffers, together while their bytes (each frame's start aligned, `bundle_starts`)
-    stay within `BUNDLE_BYTES` (a bigger frame alone) and they number at most `MAX_BUNDLE_FRAMES`.
+    stay within `bundle_bytes` (a bigger frame alone) and they number at most `MAX_BUNDLE_FRAMES`.
     A KV layout has two buffers per layer, so a small round costs a descriptor and a message per
     bundle instead of per buffer (`ucx_kv_small_us`). Packed frames may follow direct frames that came
     after them."""
@@ -164,7 +188,7 @@ def bundle_frames(frames: Iterable[Frame]) -> Iterator[list[Frame]]:
             yield [frame]
             continue
         start = _aligned(size)
-        if bundle and (start + frame.length > BUNDLE_BYTES or len(bundle) == MAX_BUNDLE_FRAMES):
+        if bundle and (start + frame.length > bundle_bytes or len(bundle) == MAX_BUNDLE_FRAMES):
             yield bundle
             bundle, start = [], 0
         bundle.append(frame)
@@ -188,7 +212,11 @@ def _aligned(at: int) -> int:
 
 
 def buffer_frames(
-    bulk: BulkWrite, index: Mapping[str, int], row_bytes: Sequence[int], direct: Callable[[int], bool]
+    bulk: BulkWrite,
+    index: Mapping[str, int],
+    row_bytes: Sequence[int],
+    direct: Callable[[int], bool],
+    sizes: FrameSizes = HOST_SIZES,
 ) -> Iterator[Frame]:
     """The frames of every buffer of `bulk`, buffer after buffer (`index`: a buffer's place in the
     layout, `row_bytes` by that place). Buffers share the write's runs, so buffers of one row width (a
@@ -199,16 +227,20 @@ def buffer_frames(
         width = row_bytes[place]
         plan = plans.get(width)
         if plan is None:
-            plan = plans[width] = list(plan_frames(bulk, place, name, width, direct))
+            plan = plans[width] = list(plan_frames(bulk, place, name, width, direct, sizes))
         for frame in plan:
             yield Frame(frame.packed, place, name, width, frame.pieces, frame.rows, frame.tables)
 
 
 def plan_bundles(
-    bulk: BulkWrite, index: Mapping[str, int], row_bytes: Sequence[int], direct: Callable[[int], bool]
+    bulk: BulkWrite,
+    index: Mapping[str, int],
+    row_bytes: Sequence[int],
+    direct: Callable[[int], bool],
+    sizes: FrameSizes = HOST_SIZES,
 ) -> Iterator[list[Frame]]:
-    """`bundle_frames` of `buffer_frames`."""
-    return bundle_frames(buffer_frames(bulk, index, row_bytes, direct))
+    """`bundle_frames` of `buffer_frames`, within `sizes`."""
+    return bundle_frames(buffer_frames(bulk, index, row_bytes, direct, sizes), sizes.bundle)
 
 
 def packed_only(_piece_bytes: int) -> bool:

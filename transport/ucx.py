@@ -6,7 +6,8 @@ Links are made by `transport.ucx_connect`. On a link (docs/transports.md, "UCX, 
 - Bulk writes: frames (`transport.frame_plan`), each a descriptor on the control tag and its bytes on
   the bulk tag: a *direct* frame one message per piece, from block (or GPU) memory; *packed* frames
   bundled across buffers, one message per bundle, gathered from a host pool's rows
-  (`transport.ucp_scatter`) or staged through pinned host memory (`transport.staging`). The reader
+  (`transport.ucp_scatter`), on the GPU when UCX reaches a GPU pool (`transport.device_bundles`), or
+  staged through pinned host memory (`transport.staging`). The reader
   posts each frame's receives where its landing claims them (`transport.ucx_landing`), or into a
   scratch chunk when the round is gone, and handles a later peer message only once every earlier frame
   landed: the link's one order.
@@ -24,22 +25,23 @@ import array
 import itertools
 import math
 from collections import deque
-from functools import partial
 from typing import Any, Final, final
 
 import structlog
+import torch
 import trio
 
 from messages.layout import PoolLayout
 from messages.peer_codec import PeerCodecError
 from messages.transfer import PeerMessage
 from transport.config import TransferConfig
+from transport.device_bundles import bundles_on_device, gather
 from transport.errors import LinkBroken, LinkClosed, LinkError
 from transport.faults import FaultPlan
 from transport.frame_plan import Frame, plan_bundles
 from transport.link import BulkWrite, Link, LinkHandler, Role, keep_alive, more_rounds_follow
 from transport.peer_process import process_gone
-from transport.staging import HostChunk, HostChunks, pack_bundle
+from transport.staging import HostChunk, HostChunks
 from transport.ucx_frames import (
     DESCRIPTOR,
     GOODBYE,
@@ -47,36 +49,29 @@ from transport.ucx_frames import (
     Descriptor,
     UcxFrameError,
     descriptor_body,
-    flipped_copy,
+    framing,
     goodbye_body,
     kind_of,
     message_body,
     parse_descriptors,
     parse_goodbye,
     parse_message,
-    payload_rows,
 )
 from transport.ucx_landing import (
-    ZEROS_ADDRESS,
     Landing,
-    bundle_vector,
     direct,
+    into_device,
     land,
     scattered,
     settle,
     through_chunk,
 )
+from transport.ucx_payloads import Chunk, frame_payloads
 from transport.ucx_worker import BULK, CONTROL, LISTENER, Arrival, UcxFailed, UcxWorker, tag
 
-DIRECT_MIN_BYTES: Final = 64 * 1024
 PACKED_WINDOW: Final = 4
 _link_numbers = itertools.count(1)
 _log = structlog.get_logger("transport.ucx")
-
-
-def _is_direct(size: int, *, on_host: bool, capable: bool) -> bool:
-    """Whether a piece goes as its own message: from 64 KiB on host pools, where UCX reaches GPU memory."""
-    return size >= DIRECT_MIN_BYTES if on_host else capable
 
 
 @final
@@ -106,7 +101,7 @@ class UcxLink(Link):
         self._scope = trio.CancelScope()
         self._chunks = HostChunks()
         self._landing: deque[Landing] = deque()
-        self._in_flight: list[tuple[list[Any], HostChunk | None]] = []  # sends of writes not yet settled
+        self._in_flight: list[tuple[list[Any], Chunk | None]] = []  # sends of writes not yet settled
         self._last_received = self._last_sent = trio.current_time()
         self._bulk_sent = 0
         self._malformed_sent = self._silent_close = False
@@ -215,16 +210,19 @@ class UcxLink(Link):
         `ChunkDone` ends the stream (or any write that fails) waits for every send still in flight."""
         if self.error is not None:
             self._raise_closed()
-        on_host, capable = bulk.source.device.type == "cpu", self._worker.cuda_capable
+        on_device = bundles_on_device(bulk.source.device, self._worker.cuda_capable)
         posted = self._in_flight
         corrupt, defer = bulk.corrupt, False
         try:
-            direct = partial(_is_direct, on_host=on_host, capable=capable)
-            for bundle in plan_bundles(bulk, self._buffer_index, self._row_bytes, direct):
+            direct, sizes = framing(bulk.source.device, self._worker.cuda_capable)
+            for bundle in plan_bundles(bulk, self._buffer_index, self._row_bytes, direct, sizes):
                 while sum(chunk is not None for _r, chunk in posted) >= PACKED_WINDOW:
                     await self._settle_oldest_chunk(posted)
                 self._check_faults(sum(frame.length for frame in bundle))
-                posted.append(self._post_frames(bulk, bundle, corrupt))
+                gathered = (
+                    await gather(bulk.source, bundle, corrupt) if on_device and bundle[0].packed else None
+                )
+                posted.append(self._post_frames(bulk, bundle, corrupt, gathered))
                 corrupt = False
                 # The worker's progress moves what is posted (a gathered send is copied by this process)
                 # while later frames are planned: kv 64 MiB went from 0.60-0.67 to 0.67-0.75 of raw.
@@ -238,20 +236,20 @@ class UcxLink(Link):
                     await self._settle_all(posted)
         return bulk.nbytes
 
-    async def _settle_all(self, posted: list[tuple[list[Any], HostChunk | None]]) -> None:
+    async def _settle_all(self, posted: list[tuple[list[Any], Chunk | None]]) -> None:
         requests = [request for requests, _chunk in posted for request in requests]
-        chunks = [chunk for _requests, chunk in posted if chunk is not None]
+        chunks = [chunk for _requests, chunk in posted if isinstance(chunk, HostChunk)]
         posted.clear()
         await self._settle(requests)
         for chunk in chunks:
             self._chunks.give(chunk)
 
-    async def _settle_oldest_chunk(self, posted: list[tuple[list[Any], HostChunk | None]]) -> None:
+    async def _settle_oldest_chunk(self, posted: list[tuple[list[Any], Chunk | None]]) -> None:
         at = next(i for i, (_requests, chunk) in enumerate(posted) if chunk is not None)
         requests, chunk = posted.pop(at)
         await self._settle(requests)
-        assert chunk is not None
-        self._chunks.give(chunk)
+        if isinstance(chunk, HostChunk):  # a device bundle goes back to torch's allocator
+            self._chunks.give(chunk)
 
     def _post(self, kind: int, body: object, keep: object = None) -> Any:
         """Post `body` on the far link's `kind` tag; with `keep`, `body` is an I/O vector over memory that
@@ -270,29 +268,13 @@ class UcxLink(Link):
         return request
 
     def _post_frames(
-        self, bulk: BulkWrite, frames: list[Frame], corrupt: bool
-    ) -> tuple[list[Any], HostChunk | None]:
-        """Post one direct frame, or a bundle of packed ones: descriptor and bytes, with no await in
-        between (see `write`)."""
+        self, bulk: BulkWrite, frames: list[Frame], corrupt: bool, gathered: torch.Tensor | None
+    ) -> tuple[list[Any], Chunk | None]:
+        """Post one direct frame, or a bundle of packed ones (`gathered` on the device already):
+        descriptor and bytes (`transport.ucx_payloads`), with no await in between (see `write`)."""
         requests = [self._post(CONTROL, descriptor_body(frames, bulk.landing_key, bulk.round))]
-        chunk, frame = None, frames[0]
-        if frame.packed and not corrupt and bulk.source.device.type == "cpu":
-            parts = [(f.name, f.row_bytes, f.sources(), f.length) for f in frames]
-            vector = bundle_vector(bulk.source, parts, ZEROS_ADDRESS)
-            requests.append(self._post(BULK, vector, bulk.source))
-            length = sum(vector[1::2])
-        elif frame.packed:
-            chunk, length = pack_bundle(bulk.source, frames, self._chunks)
-            if corrupt:
-                chunk.view[0] ^= 0xFF
-            requests.append(self._post(BULK, chunk.view[:length]))
-        else:
-            length = frame.length
-            for piece in frame.pieces:
-                rows = payload_rows(bulk.source, frame.name, piece.src_row, piece.rows)
-                payload = flipped_copy(rows) if corrupt else rows
-                corrupt = False
-                requests.append(self._post(BULK, payload))
+        payloads, chunk, length = frame_payloads(bulk, frames, corrupt, gathered, self._chunks)
+        requests.extend(self._post(BULK, body, keep) for body, keep in payloads)
         self._bulk_sent += length
         return requests, chunk
 
@@ -369,7 +351,7 @@ class UcxLink(Link):
         claims = [
             landing is not None and landing.claim(f.round, n, f.segments) for f, n in zip(frames, names)
         ]
-        on = tag(self.number, BULK)
+        on, on_device = tag(self.number, BULK), False
         if landing is not None and all(claims):
             storage = landing.storage
             if storage.device.type == "cpu" and self._peer_pid is not None and self._config.ucx_sender_writes:
@@ -378,8 +360,12 @@ class UcxLink(Link):
             if not first.packed and (storage.device.type == "cpu" or worker.cuda_capable):
                 self._landing.append(direct(worker, endpoint, on, storage, first, names[0]))
                 return
+            on_device = bundles_on_device(storage.device, worker.cuda_capable)
         while sum(pending.chunk is not None for pending in self._landing) >= PACKED_WINDOW:
             await self._land_oldest()
+        if on_device and landing is not None:
+            self._landing.append(await into_device(worker, endpoint, on, frames, landing.storage, names))
+            return
         targets = [
             (landing.storage, name) if claimed and landing is not None else None
             for name, claimed in zip(names, claims, strict=True)
@@ -393,7 +379,7 @@ class UcxLink(Link):
         await self._worker.wait(pending.requests)
         self._landing.popleft()
         self._last_received = trio.current_time()
-        land(pending, self._chunks)
+        await land(pending, self._chunks)
 
     async def _land_all(self) -> None:
         while self._landing:

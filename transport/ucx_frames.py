@@ -12,7 +12,7 @@ Bulk descriptor: one or more frame descriptors back to back, each `B` | flavour 
 buffer u16 | round u32 | landing_key u64 | length u64 | segments u32, then `segments` × (dst_row u64,
 rows u64), little-endian. A *direct* frame comes alone, its bytes following as one bulk message per
 segment, in order, each straight from the sender's block memory. Packed frames come in bundles
-(`transport.frame_plan.bundle_frames`: one round, at most one chunk's bytes), whose bytes follow as one
+(`transport.frame_plan.bundle_frames`: one round, at most `MAX_PACKED_BYTES`), whose bytes follow as one
 message: each frame's segments back to back, each frame from a 16-byte aligned offset (`bundle_starts`;
 the gaps are zeros). UCX matches messages of one tag in the
 order they were sent, so the receiver, reading descriptors in order, posts each receive where its bytes
@@ -22,25 +22,33 @@ belong. A body that breaks these rules is a malformed frame: the reader closes t
 from __future__ import annotations
 
 import struct
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Final, NamedTuple, final
 
 import torch
 
 from messages.peer_codec import decode_peer, encode_peer
 from messages.transfer import PeerMessage
+from transport.device_bundles import bundles_on_device, is_direct_on_device
 from transport.frame_plan import (
+    DEVICE_SIZES,
+    HOST_SIZES,
     MAX_BUNDLE_FRAMES,
-    MAX_FRAME_BYTES,
+    MAX_DIRECT_FRAME_BYTES,
+    MAX_PACKED_BYTES,
     MAX_SEGMENTS,
     Frame,
+    FrameSizes,
     bundle_starts,
-    frame_bytes,
+    packed_only,
 )
 from transport.runs import run_bytes
 from transport.storage import PoolStorage
 from transport.tcp_frames import SEGMENT, unpack_segments
 
+# A host pool's piece of at least this many bytes goes as its own message: a ucxx message costs about
+# what a 64 KiB memcpy does (`transport.frame_plan`).
+DIRECT_MIN_BYTES: Final = 64 * 1024
 MESSAGE: Final = ord("M")
 DESCRIPTOR: Final = ord("B")
 CONNECT: Final = ord("C")
@@ -135,7 +143,7 @@ def parse_goodbye(body: bytes | bytearray) -> str:
 
 def parse_descriptors(body: bytes | bytearray, row_bytes: Sequence[int]) -> list[Descriptor]:
     """A bulk descriptor's frames, checked: each frame as `_parse_one` checks it; several only when all
-    are packed, of one round and landing, at most `MAX_BUNDLE_FRAMES` of them within one chunk's bytes."""
+    are packed, of one round and landing, at most `MAX_BUNDLE_FRAMES` of them within `MAX_PACKED_BYTES`."""
     frames: list[Descriptor] = []
     at = 0
     while at < len(body) or not frames:
@@ -147,10 +155,10 @@ def parse_descriptors(body: bytes | bytearray, row_bytes: Sequence[int]) -> list
             raise UcxFrameError(f"bulk descriptor of {len(frames)} frames, not all of them packed")
         if len({(frame.round, frame.landing_key) for frame in frames}) > 1:
             raise UcxFrameError(f"bulk descriptor of {len(frames)} frames of different rounds")
-        if len(frames) > MAX_BUNDLE_FRAMES or total > MAX_FRAME_BYTES:
+        if len(frames) > MAX_BUNDLE_FRAMES or total > MAX_PACKED_BYTES:
             raise UcxFrameError(
                 f"bulk descriptor of {len(frames)} packed frames and {total} bytes, over the limit of "
-                f"{MAX_BUNDLE_FRAMES} frames and {MAX_FRAME_BYTES} bytes"
+                f"{MAX_BUNDLE_FRAMES} frames and {MAX_PACKED_BYTES} bytes"
             )
     return frames
 
@@ -180,7 +188,7 @@ def _parse_one(body: bytes | bytearray, at: int, row_bytes: Sequence[int]) -> tu
             f"bulk descriptor segments {segments[:4]}{'…' if count > 4 else ''} do not add up to its "
             f"{length} bytes of {width}-byte rows"
         )
-    limit = frame_bytes(flavour == PACKED)
+    limit = MAX_PACKED_BYTES if flavour == PACKED else MAX_DIRECT_FRAME_BYTES
     if length > max(limit, width):
         kind_name = "packed" if flavour == PACKED else "direct"
         raise UcxFrameError(
@@ -207,3 +215,17 @@ def flipped_copy(payload: memoryview | torch.Tensor) -> bytearray | torch.Tensor
     first = flipped.view(-1).view(torch.uint8)[:1]
     first.bitwise_xor_(0xFF)
     return flipped
+
+
+def framing(device: torch.device, cuda_capable: bool) -> tuple[Callable[[int], bool], FrameSizes]:
+    """How a UCX link frames a pool on `device` (`cuda_capable`: its UCX moves CUDA memory itself):
+    which pieces go as their own message, and the sizes of packed frames and bundles. Host pools: pieces
+    from `DIRECT_MIN_BYTES`; GPU pools UCX reaches: device bundles (`transport.device_bundles`); other
+    GPU pools: every piece packed, staged through host chunks."""
+    if bundles_on_device(device, cuda_capable):
+        return is_direct_on_device, DEVICE_SIZES
+    return (_host_direct if device.type == "cpu" else packed_only), HOST_SIZES
+
+
+def _host_direct(piece_bytes: int) -> bool:
+    return piece_bytes >= DIRECT_MIN_BYTES

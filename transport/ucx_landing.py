@@ -10,7 +10,9 @@ it on the bulk tag (one message per segment of a direct frame, one per bundle of
   UCX's shared-memory fragments). A bundle's alignment gaps land in a scratch buffer.
 - `direct`: a direct frame the landing claimed, into block memory UCX can reach (host memory, or GPU
   memory when UCX has CUDA transports), one contiguous receive per segment; UCX reads the sender's rows.
-- `through_chunk`: anything else — packed frames without the scattered path, GPU pools UCX cannot reach,
+- `into_device`: packed frames the landing claimed, for a pool on a GPU that UCX reaches, into one
+  device buffer; `land` then scatters it into the rows on the GPU (`transport.device_bundles`).
+- `through_chunk`: anything else — packed frames without those paths, GPU pools UCX cannot reach,
   frames whose round is gone — into a host chunk; `land` then unpacks the claimed frames' rows.
 """
 
@@ -26,6 +28,7 @@ from typing import Any, Final
 import torch
 import trio
 
+from transport.device_bundles import landing_buffer, scatter, written
 from transport.frame_plan import BUNDLE_ALIGN, bundle_starts
 from transport.staging import HostChunk, HostChunks, unpack
 from transport.storage import PoolStorage
@@ -45,10 +48,10 @@ VECTORISED_STRETCHES: Final = 80
 @dataclass(slots=True)
 class Landing:
     """One descriptor's receives; `chunk` (and `rows`, each claimed frame's rows with where its bytes
-    start in the chunk) when it lands through host memory."""
+    start in the chunk) when it lands through host memory or a device buffer."""
 
     requests: list[Any]
-    chunk: HostChunk | None = None
+    chunk: HostChunk | torch.Tensor | None = None
     rows: list[tuple[PoolStorage, str, list[tuple[int, int]], int]] = field(default_factory=list)
 
 
@@ -120,6 +123,23 @@ def direct(
     return Landing([worker.receive(endpoint, on, target) for target in targets])
 
 
+async def into_device(
+    worker: UcxWorker,
+    endpoint: Any,
+    on: int,
+    frames: Sequence[Descriptor],
+    storage: PoolStorage,
+    names: Sequence[str],
+) -> Landing:
+    """A bundle of packed frames, all claimed in GPU `storage`, received into a new device buffer
+    (`device_bundles.landing_buffer`, awaited free before the receive is posted)."""
+    starts, length = bundle_starts([frame.length for frame in frames])
+    bundle, free = landing_buffer(storage.device, length)
+    await written(free, 0)
+    rows = [(storage, name, f.segments, start) for f, name, start in zip(frames, names, starts, strict=True)]
+    return Landing([worker.receive(endpoint, on, bundle)], bundle, rows)
+
+
 def through_chunk(
     worker: UcxWorker,
     endpoint: Any,
@@ -164,9 +184,14 @@ async def settle(worker: UcxWorker, landings: Sequence[Landing], writer_gone: Ca
     return True
 
 
-def land(landing: Landing, chunks: HostChunks) -> None:
-    """After its receives completed: a chunk's rows unpacked into their storage, the chunk given back."""
-    if landing.chunk is not None:
+async def land(landing: Landing, chunks: HostChunks) -> None:
+    """After its receives completed: a chunk's rows unpacked into their storage and the chunk given
+    back, or a device bundle scattered into its rows on the GPU. Returns once they are in place (also
+    when cancelled while the scatter runs, then raises: `device_bundles.written`)."""
+    chunk = landing.chunk
+    if isinstance(chunk, torch.Tensor):
+        await written(scatter(chunk, landing.rows), chunk.numel())
+    elif chunk is not None:
         for storage, name, segments, at in landing.rows:
-            unpack(storage, name, segments, landing.chunk, at)
-        chunks.give(landing.chunk)
+            unpack(storage, name, segments, chunk, at)
+        chunks.give(chunk)

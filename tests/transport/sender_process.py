@@ -39,8 +39,10 @@ def stop_after_posting(round_number: int) -> None:
     """The `stop_after_posting_round` fault, by wrapping `UcxLink._post_frames` in this process."""
     post_frames = UcxLink._post_frames
 
-    def post_then_stop(link: UcxLink, bulk: BulkWrite, frames: list[Frame], corrupt: bool) -> Any:
-        posted = post_frames(link, bulk, frames, corrupt)
+    def post_then_stop(
+        link: UcxLink, bulk: BulkWrite, frames: list[Frame], corrupt: bool, gathered: torch.Tensor | None
+    ) -> Any:
+        posted = post_frames(link, bulk, frames, corrupt, gathered)
         if bulk.round == round_number:
             # One progress call pushes out what UCX queued (the rendezvous requests); the receiver's
             # answer takes far longer than this to come back, so the bytes are never written.

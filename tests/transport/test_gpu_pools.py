@@ -1,9 +1,12 @@
 """Pools on a GPU (issue 7): every transport moves them, and the protocol's fences hold — inproc device
-to device, tcp and ucx through pinned host chunks (or straight, when UCX has CUDA transports), cuda-ipc
-by device copies into the receiver's pool mapped through CUDA IPC.
+to device, tcp and ucx through pinned host chunks (ucx packs on the device instead when its `UCX_TLS`
+has CUDA transports: `.ci/gpu` runs the ucx cases a second time so), cuda-ipc by device copies into the
+receiver's pool mapped through CUDA IPC.
 
 Needs a CUDA device (the `cuda` fixture skips without one, as in CI). They ran on a lent H100
-(docs/transports.md, "What ran where"): 32 passed on 2026-11-23, the ucx cases included.
+(docs/transports.md, "What ran where"): 32 passed on 2026-11-23, the ucx cases with `UCX_TLS=all`
+included (a message per piece then); device bundles and the two-process ucx case came after, written
+without a GPU and not run on one yet.
 """
 
 from __future__ import annotations
@@ -148,7 +151,10 @@ async def test_an_inproc_gpu_round_lands_what_was_queued_before_it(cuda: torch.d
 
 
 @pytest.mark.slow  # a child process importing torch and initialising CUDA
-async def test_cuda_ipc_between_two_processes_and_a_killed_sender(cuda: object) -> None:
+@pytest.mark.parametrize("kind", ["cuda-ipc", "ucx"], indirect=True)
+async def test_gpu_pools_between_two_processes_and_a_killed_sender(kind: str) -> None:
+    """GPU pool to GPU pool across processes (the child inherits `UCX_TLS`: with CUDA transports in it,
+    ucx moves device bundles, `transport.device_bundles`), then a sender killed mid-transfer."""
     layout = embedding_layout(block_size=128, hidden=8)
     seeds = {"t2000": 2000, "t10000-cap8": 10_000, "doomed": 10_000}
     lively: dict[str, Any] = {"heartbeat_interval": 0.2, "link_timeout": 1.0}
@@ -157,7 +163,7 @@ async def test_cuda_ipc_between_two_processes_and_a_killed_sender(cuda: object) 
         "hidden": 8,
         "seed": 41,
         "transfers": seeds,
-        "transport": "cuda-ipc",
+        "transport": kind,
         "device": "cuda",
         "faults": {"transfer_id": "doomed", "stall_before_round": 2},
         "config": lively,

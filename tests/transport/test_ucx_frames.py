@@ -14,11 +14,13 @@ from hypothesis import strategies as st
 
 from tests.transport.harness import embedding_layout, random_storage
 from transport.frame_plan import (
-    BUNDLE_BYTES,
+    DEVICE_SIZES,
+    HOST_SIZES,
     MAX_BUNDLE_FRAMES,
     MAX_DIRECT_FRAME_BYTES,
-    MAX_FRAME_BYTES,
+    MAX_PACKED_BYTES,
     MAX_SEGMENTS,
+    FrameSizes,
     bundle_frames,
     bundle_starts,
     frame_bytes,
@@ -27,12 +29,12 @@ from transport.frame_plan import (
     plan_frames,
 )
 from transport.link import BulkWrite
-from transport.ucx import DIRECT_MIN_BYTES
 from transport.ucx_connect import parse_address
 from transport.ucx_frames import (
     ACCEPT,
     CONNECT,
     DESCRIPTOR,
+    DIRECT_MIN_BYTES,
     MESSAGE,
     UcxFrameError,
     accept_body,
@@ -108,21 +110,27 @@ def test_frames_cover_every_row_once_within_the_limits(
     count=st.integers(1, 1000),
     threshold=st.sampled_from([0, DIRECT_MIN_BYTES, 1 << 62]),
     row_bytes=st.sampled_from([ROW_BYTES, [8, 24, 4096], [64 * 1024, 8, 8]]),
+    sizes=st.sampled_from([HOST_SIZES, DEVICE_SIZES]),
 )
 def test_bundles_hold_each_frame_once_and_parse_back(
-    seed: int, count: int, threshold: int, row_bytes: list[int]
+    seed: int, count: int, threshold: int, row_bytes: list[int], sizes: FrameSizes
 ) -> None:
-    """Packed frames of all buffers share bundles within `BUNDLE_BYTES` and `MAX_BUNDLE_FRAMES`; a
-    direct frame stays alone; each bundle's descriptor parses back to its frames, in order."""
+    """Packed frames of all buffers share bundles within `sizes.bundle` and `MAX_BUNDLE_FRAMES`; a
+    direct frame stays alone; each bundle's descriptor parses back to its frames, in order (the host's
+    sizes and the larger ones of a GPU pool's device bundles alike)."""
     bulk = bulk_write(seed, count, 0, 0)
+
+    def direct(nbytes: int) -> bool:
+        return nbytes >= threshold
+
     frames = [
         frame
         for index, name in enumerate(bulk.buffers)
-        for frame in plan_frames(bulk, index, name, row_bytes[index], lambda nbytes: nbytes >= threshold)
+        for frame in plan_frames(bulk, index, name, row_bytes[index], direct, sizes)
     ]
     index = {name: place for place, name in enumerate(bulk.buffers)}
-    bundles = list(bundle_frames(frames))
-    assert list(plan_bundles(bulk, index, row_bytes, lambda nbytes: nbytes >= threshold)) == bundles
+    bundles = list(bundle_frames(frames, sizes.bundle))
+    assert list(plan_bundles(bulk, index, row_bytes, direct, sizes)) == bundles
     assert sorted(id(f) for bundle in bundles for f in bundle) == sorted(id(f) for f in frames)
     for packed in (True, False):  # each flavour keeps its order
         assert [f for b in bundles for f in b if f.packed == packed] == [
@@ -131,13 +139,13 @@ def test_bundles_hold_each_frame_once_and_parse_back(
     for bundle in bundles:
         assert [frame.packed for frame in bundle] in ([True] * len(bundle), [False])
         assert len(bundle) <= MAX_BUNDLE_FRAMES
-        assert len(bundle) == 1 or bundle_starts([frame.length for frame in bundle])[1] <= BUNDLE_BYTES
+        assert len(bundle) == 1 or bundle_starts([frame.length for frame in bundle])[1] <= sizes.bundle
         parsed = parse_descriptors(descriptor_body(bundle, 7, 3), row_bytes)
         assert parsed == [(f.packed, f.buffer, 3, 7, f.length, f.segments()) for f in bundle]
     packed_bundles = [bundle for bundle in bundles if bundle[0].packed]
     for bundle, after in itertools.pairwise(packed_bundles):  # closed only when the next is too big
         full = len(bundle) == MAX_BUNDLE_FRAMES
-        assert full or bundle_starts([f.length for f in [*bundle, after[0]]])[1] > BUNDLE_BYTES
+        assert full or bundle_starts([f.length for f in [*bundle, after[0]]])[1] > sizes.bundle
 
 
 @settings(max_examples=60, deadline=None)
@@ -146,21 +154,22 @@ def test_bundles_hold_each_frame_once_and_parse_back(
     count=st.integers(1, 400),
     row_bytes=st.sampled_from([256 * 1024, 1024 * 1024, 3 * 1024 * 1024 + 8, 80 * 1024 * 1024]),
     threshold=st.sampled_from([0, DIRECT_MIN_BYTES, 1 << 62]),
+    sizes=st.sampled_from([HOST_SIZES, DEVICE_SIZES]),
 )
 def test_wide_rows_are_cut_at_each_flavours_limit(
-    seed: int, count: int, row_bytes: int, threshold: int
+    seed: int, count: int, row_bytes: int, threshold: int, sizes: FrameSizes
 ) -> None:
-    """Rows this wide make runs longer than a frame: packed frames stop at 8 MiB, direct ones at 64 MiB,
-    and a row wider than both still travels, alone."""
+    """Rows this wide make runs longer than a frame: packed frames stop at `sizes.packed` (8 MiB on the
+    host, 32 MiB on a GPU), direct ones at 64 MiB, and a row wider than both still travels, alone."""
     bulk = bulk_write(seed, count, 0, 0)
-    frames = list(plan_frames(bulk, 0, "embeds", row_bytes, lambda nbytes: nbytes >= threshold))
+    frames = list(plan_frames(bulk, 0, "embeds", row_bytes, lambda nbytes: nbytes >= threshold, sizes))
     covered = [
         (p.src_row + i, p.dst_row + i) for frame in frames for p in frame.pieces for i in range(p.rows)
     ]
     assert covered == [(run.src_row + i, run.dst_row + i) for run in bulk.runs for i in range(run.rows)]
     for frame in frames:
-        assert frame.rows <= frame_rows(row_bytes, frame.packed)
-        assert frame.length <= max(frame_bytes(frame.packed), row_bytes)
+        assert frame.rows <= frame_rows(row_bytes, frame.packed, sizes)
+        assert frame.length <= max(frame_bytes(frame.packed, sizes), row_bytes)
         assert all((piece.rows * row_bytes >= threshold) != frame.packed for piece in frame.pieces)
 
 
@@ -189,14 +198,14 @@ def descriptor(
             "bulk descriptor of 2 frames of different rounds",
         ),
         (
-            descriptor(flavour=2, segments=[(0, 1500)]) * 2,
-            f"bulk descriptor of 2 packed frames and {2 * 1500 * 4096} bytes, over the limit of "
-            f"{MAX_BUNDLE_FRAMES} frames and {MAX_FRAME_BYTES} bytes",
+            descriptor(flavour=2, segments=[(0, 4500)]) * 2,
+            f"bulk descriptor of 2 packed frames and {2 * 4500 * 4096} bytes, over the limit of "
+            f"{MAX_BUNDLE_FRAMES} frames and {MAX_PACKED_BYTES} bytes",
         ),
         (
             descriptor(flavour=2) * (MAX_BUNDLE_FRAMES + 1),
             f"bulk descriptor of {MAX_BUNDLE_FRAMES + 1} packed frames and {(MAX_BUNDLE_FRAMES + 1) * 8192} "
-            f"bytes, over the limit of {MAX_BUNDLE_FRAMES} frames and {MAX_FRAME_BYTES} bytes",
+            f"bytes, over the limit of {MAX_BUNDLE_FRAMES} frames and {MAX_PACKED_BYTES} bytes",
         ),
         (descriptor(flavour=2) + b"\x00" * 5, "bulk descriptor of 5 bytes, shorter than its 28-byte header"),
         (
@@ -217,8 +226,8 @@ def descriptor(
             "bulk descriptor segments [(5, 2)] do not add up to its 5 bytes of 4096-byte rows",
         ),
         (
-            descriptor(flavour=2, segments=[(0, 4096)]),
-            f"bulk descriptor of {4096 * 4096} bytes, over the {MAX_FRAME_BYTES}-byte limit of a packed frame",
+            descriptor(flavour=2, segments=[(0, 8193)]),
+            f"bulk descriptor of {8193 * 4096} bytes, over the {MAX_PACKED_BYTES}-byte limit of a packed frame",
         ),
         (
             descriptor(segments=[(0, 16385)]),

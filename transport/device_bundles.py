@@ -1,0 +1,135 @@
+"""A bundle of packed frames as one buffer on the pool's GPU (issue 7): how a UCX link moves a GPU
+pool's rows when UCX reaches GPU memory itself (CUDA transports in `UCX_TLS`).
+
+UCX moves each message between GPU buffers by a CUDA IPC rendezvous, about 23 µs however small the
+message (raw ucxx on the lent H100: 128 messages of 2 MiB in 3.0 ms, one of 256 MiB in 0.35 ms). A piece
+per message, a fragmented pool costs a message per block and buffer: 384 for the benchmark's 256 MiB of
+128 embedding blocks, 14-23 GB/s (`gpu_pool_ucx`, docs/benchmarks.md, "Third lease"). So such a link
+packs on the device instead, in frames and bundles of up to `DEVICE_BUNDLE_BYTES`
+(`frame_plan.DEVICE_SIZES`); only a piece that fills a bundle alone still goes as its own message:
+
+- `gather`: the sender's rows of each frame, one `index_select` each, into one new device buffer, each
+  frame from its aligned start (`bundle_starts`; the gaps zeroed: the buffer is recycled memory);
+- `scatter`: a received bundle's frames, one `index_copy_` each, into the claimed rows.
+
+Both queue their work on the device's `runs.transfer_stream`, after the work already queued on the
+current stream (what wrote the source rows, or last read the target rows), and return the event that
+completes with it, for the caller to await (`gpu_copy.copies_done`): a stream `synchronize` on the event
+loop would also wait for the model steps other replicas queued meanwhile. Buffers are allocated on that
+stream by torch's caching allocator, so steady traffic reuses the same memory (and UCX its IPC
+mappings). On a CPU pool both run synchronously and return no event (the tests' device).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Final, TypeVar
+
+import torch
+
+from transport.frame_plan import DEVICE_BUNDLE_BYTES, Frame, bundle_starts
+from transport.gpu_copy import copies_done
+from transport.runs import transfer_stream
+from transport.staging import row_index
+from transport.storage import PoolStorage
+
+# A GPU pool's piece of at least this many bytes goes as its own message: gathering it would cost a
+# device copy on each side to save one message.
+DEVICE_DIRECT_MIN_BYTES: Final = DEVICE_BUNDLE_BYTES
+
+# Where a landed bundle's frame goes: storage, buffer name, `(row, rows)` stretches, its start in the bundle.
+Target = tuple[PoolStorage, str, Sequence[tuple[int, int]], int]
+Event = torch.cuda.Event | None
+_T = TypeVar("_T")
+
+
+def bundles_on_device(device: torch.device, cuda_capable: bool) -> bool:
+    """Whether a UCX link packs a pool on `device` into device bundles (`cuda_capable`: its UCX moves
+    CUDA memory itself)."""
+    return device.type == "cuda" and cuda_capable
+
+
+def is_direct_on_device(piece_bytes: int) -> bool:
+    """The `direct` of a link that packs on the device (`frame_plan.plan_frames`)."""
+    return piece_bytes >= DEVICE_DIRECT_MIN_BYTES
+
+
+async def gather(storage: PoolStorage, frames: Sequence[Frame], corrupt: bool = False) -> torch.Tensor:
+    """`launch_gather`, returning once the bundle is written (cancelled meanwhile, it still waits for
+    the gather, then raises)."""
+    bundle, done = launch_gather(storage, frames, corrupt)
+    await written(done, bundle.numel())
+    return bundle
+
+
+def launch_gather(
+    storage: PoolStorage, frames: Sequence[Frame], corrupt: bool = False
+) -> tuple[torch.Tensor, Event]:
+    """The packed `frames` of `storage`'s rows as one new uint8 buffer on its device (`bundle_starts`
+    layout), and the event that completes once it is written (None: written on return). `corrupt`
+    flips its first byte (fault injection; the sender's rows stay as they are)."""
+    starts, length = bundle_starts([frame.length for frame in frames])
+
+    def work() -> torch.Tensor:
+        bundle = torch.empty(length, dtype=torch.uint8, device=storage.device)
+        end = 0
+        for frame, start in zip(frames, starts, strict=True):
+            if start > end:
+                bundle[end:start].zero_()
+            flat = storage.flat(frame.name)
+            index = row_index(frame.sources(), flat.device)
+            torch.index_select(flat, 0, index, out=_rows(bundle, flat, index.numel(), start))
+            end = start + frame.length
+        if corrupt:
+            bundle[:1].bitwise_xor_(0xFF)
+        return bundle
+
+    return _queued(storage.device, work)
+
+
+def landing_buffer(device: torch.device, length: int) -> tuple[torch.Tensor, Event]:
+    """A new uint8 buffer of `length` bytes on `device` for UCX to receive a bundle into, and the event
+    to await before posting that receive: the caching allocator reuses memory as soon as the transfer
+    stream's work queued before is ordered after it, but UCX writes outside that order."""
+    return _queued(device, lambda: torch.empty(length, dtype=torch.uint8, device=device), wait_current=False)
+
+
+def scatter(bundle: torch.Tensor, targets: Sequence[Target]) -> Event:
+    """`bundle`'s frames into their rows (`targets`, on `bundle`'s device); the event that completes
+    once they are written (None: written on return)."""
+
+    def work() -> None:
+        for storage, name, stretches, start in targets:
+            flat = storage.flat(name)
+            index = row_index(stretches, flat.device)
+            flat.index_copy_(0, index, _rows(bundle, flat, index.numel(), start))
+
+    return _queued(bundle.device, work)[1]
+
+
+async def written(event: Event, nbytes: int) -> None:
+    """Return once the work before `event` (`nbytes` of copies in all) is done; at once for None.
+    Cancelled meanwhile, it still waits for that work, then raises (`gpu_copy.copies_done`)."""
+    if event is not None:
+        await copies_done(event, nbytes)
+
+
+def _rows(bundle: torch.Tensor, flat: torch.Tensor, count: int, start: int) -> torch.Tensor:
+    """`count` rows shaped as `flat`'s, viewed in `bundle` from byte `start` (16-byte aligned)."""
+    length = count * flat[0].numel() * flat.element_size()
+    return bundle[start : start + length].view(flat.dtype).view(count, *flat.shape[1:])
+
+
+def _queued(device: torch.device, work: Callable[[], _T], wait_current: bool = True) -> tuple[_T, Event]:
+    """`work()` with its device work queued on `device`'s transfer stream — after what the current
+    stream has queued, with `wait_current` — and the event recorded after it; off CUDA it just runs."""
+    if device.type != "cuda":
+        return work(), None
+    stream = transfer_stream(device)
+    if wait_current:
+        stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream):
+        result = work()
+        event = torch.cuda.Event()
+        event.record(stream)
+    return result, event
