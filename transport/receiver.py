@@ -120,11 +120,15 @@ class ReceiveSession:
         try:
             async with open_task_scope() as nursery:
                 self._nursery = nursery
-                await self._grant_or_fail(self._landings.next_tokens(self._total))  # round 0 opens it
-                self._more_grants()
-                await self._consume_rounds()
-                nursery.cancel_scope.cancel()
-                self._nursery = None
+                try:
+                    await self._grant_or_fail(self._landings.next_tokens(self._total))  # round 0 opens it
+                    self._more_grants()
+                    await self._consume_rounds()
+                    nursery.cancel_scope.cancel()
+                finally:
+                    # Closed to new tasks from here, also while it unwinds a cancellation: a message the
+                    # link's reader hands over meanwhile must not start the granter in it.
+                    self._nursery = None
         except BaseException as exc:
             if self._failure is None:
                 self._failure = (FailureReason.ABORTED, f"receiver gave up: {describe_exit(exc)}")
