@@ -107,6 +107,13 @@ def scatter(bundle: torch.Tensor, targets: Sequence[Target]) -> Event:
     return _queued(bundle.device, work)[1]
 
 
+def message_buffer(bundle: torch.Tensor) -> torch.Tensor | memoryview:
+    """`bundle` as UCX takes it: a CUDA tensor (its CUDA array interface), or the bytes of a CPU one."""
+    if bundle.device.type == "cuda":
+        return bundle
+    return memoryview(bundle.numpy()).cast("B")  # type: ignore[arg-type]
+
+
 async def written(event: Event, nbytes: int) -> None:
     """Return once the work before `event` (`nbytes` of copies in all) is done; at once for None.
     Cancelled meanwhile, it still waits for that work, then raises (`gpu_copy.copies_done`)."""

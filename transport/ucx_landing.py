@@ -28,7 +28,7 @@ from typing import Any, Final
 import torch
 import trio
 
-from transport.device_bundles import landing_buffer, scatter, written
+from transport.device_bundles import landing_buffer, message_buffer, scatter, written
 from transport.frame_plan import BUNDLE_ALIGN, bundle_starts
 from transport.staging import HostChunk, HostChunks, unpack
 from transport.storage import PoolStorage
@@ -137,7 +137,7 @@ async def into_device(
     bundle, free = landing_buffer(storage.device, length)
     await written(free, 0)
     rows = [(storage, name, f.segments, start) for f, name, start in zip(frames, names, starts, strict=True)]
-    return Landing([worker.receive(endpoint, on, bundle)], bundle, rows)
+    return Landing([worker.receive(endpoint, on, message_buffer(bundle))], bundle, rows)
 
 
 def through_chunk(

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 
 import torch
 
+from transport.device_bundles import message_buffer
 from transport.frame_plan import Frame
 from transport.link import BulkWrite
 from transport.staging import HostChunk, HostChunks, pack_bundle
@@ -33,7 +34,7 @@ def frame_payloads(
     `corrupt` flips the first byte sent, never in the sender's rows (a device bundle came flipped)."""
     frame = frames[0]
     if gathered is not None:
-        return [(gathered, None)], gathered, gathered.numel()
+        return [(message_buffer(gathered), None)], gathered, gathered.numel()
     if frame.packed and not corrupt and bulk.source.device.type == "cpu":
         parts = [(f.name, f.row_bytes, f.sources(), f.length) for f in frames]
         vector = bundle_vector(bulk.source, parts, ZEROS_ADDRESS)
