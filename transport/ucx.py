@@ -148,11 +148,13 @@ class UcxLink(Link):
 
     async def quiesce(self) -> None:
         """Once closed: every receive posted into block memory completed, was cancelled, or was
-        scattered for a sender process that has exited (and so writes nothing more). Cancellable (a
-        sender process that is stopped, not dead, keeps it waiting): the caller decides how long."""
+        scattered for a sender process that has exited (and so writes nothing more); a receive into a
+        host chunk or a device bundle writes no block and is not waited for. Cancellable (a sender
+        process that is stopped, not dead, keeps it waiting): the caller decides how long."""
         await self.closed.wait()
         peer = self._peer_pid
-        if not await settle(self._worker, list(self._landing), lambda: bool(peer and process_gone(peer))):
+        into_rows = [landing for landing in self._landing if landing.chunk is None]  # not a chunk's
+        if not await settle(self._worker, into_rows, lambda: bool(peer and process_gone(peer))):
             _log.warning("transfer.ucx_writer_gone", link=self.describe(), pid=peer)
 
     def _raise_closed(self) -> None:
@@ -271,10 +273,16 @@ class UcxLink(Link):
         self, bulk: BulkWrite, frames: list[Frame], corrupt: bool, gathered: torch.Tensor | None
     ) -> tuple[list[Any], Chunk | None]:
         """Post one direct frame, or a bundle of packed ones (`gathered` on the device already):
-        descriptor and bytes (`transport.ucx_payloads`), with no await in between (see `write`)."""
-        requests = [self._post(CONTROL, descriptor_body(frames, bulk.landing_key, bulk.round))]
+        descriptor and bytes (`transport.ucx_payloads`), with no await in between (see `write`). The
+        bytes are made ready first: a descriptor whose bytes never follow would hold the peer's reader
+        until the link closes, so a failure after it closes the link."""
         payloads, chunk, length = frame_payloads(bulk, frames, corrupt, gathered, self._chunks)
-        requests.extend(self._post(BULK, body, keep) for body, keep in payloads)
+        requests = [self._post(CONTROL, descriptor_body(frames, bulk.landing_key, bulk.round))]
+        try:
+            requests.extend(self._post(BULK, body, keep) for body, keep in payloads)
+        except BaseException as exc:
+            self.close(LinkBroken(f"link {self.describe()}: a frame's bytes not posted: {exc!r}"))
+            raise
         self._bulk_sent += length
         return requests, chunk
 

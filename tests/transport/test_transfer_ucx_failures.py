@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 import trio
 
+import transport.ucx
 from messages.transfer import FailureReason
 from tests.transport.harness import (
     Collector,
@@ -30,6 +31,7 @@ from transport.config import TransferConfig
 from transport.endpoint import SenderDelivery, TransferEndpoint, open_endpoint
 from transport.errors import HandshakeRefused, LinkBroken, TransferError, TransferFailed
 from transport.faults import FaultPlan
+from transport.link import BulkWrite
 
 pytestmark = pytest.mark.usefixtures("ucx_env")
 
@@ -353,3 +355,47 @@ async def cancel_after(event: trio.Event, delay: float, scope: trio.CancelScope)
     await event.wait()
     await trio.sleep(delay)
     scope.cancel()
+
+
+async def test_a_frame_whose_bytes_cannot_be_made_fails_its_transfer_and_spares_the_link(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Making a frame's bytes ready fails on the sender (as when no pinned chunk can be allocated):
+    nothing of that frame goes out, so the link carries on — the sender's `Abort` reaches the receiver
+    at once, and the next transfer on the link lands. (The descriptor used to go first: the receiver's
+    reader then waited for bytes that never came, and read nothing more until the link was closed.)"""
+    real = transport.ucx.frame_payloads
+    failed: list[int] = []
+
+    def frame_payloads(bulk: BulkWrite, *args: Any) -> Any:
+        if bulk.round == 1 and not failed:
+            failed.append(bulk.round)
+            raise MemoryError("no pinned memory for a chunk")
+        return real(bulk, *args)
+
+    monkeypatch.setattr(transport.ucx, "frame_payloads", frame_payloads)
+    layout = embedding_layout(block_size=16)
+    source = Source(layout, 16 * 6, seed=12)
+    storage, pool = random_storage(layout, 30, seed=13), shuffled_pool(30, 16, seed=14)
+    config = TransferConfig(default_grant_blocks=2, round_cap_blocks=2, progress_timeout=60.0)
+    async with endpoint_pair("ucx-receiver-copies", source, storage, pool, config=config) as pair:
+        with trio.fail_after(5):  # well under progress_timeout and the link's deadlines
+            async with trio.open_nursery() as nursery:
+
+                async def sender() -> None:
+                    with pytest.raises(MemoryError, match="no pinned memory"):
+                        await send_all(pair.sender, "doomed", source)
+
+                nursery.start_soon(sender)
+                with pytest.raises(TransferFailed) as raised:
+                    await pair.receiver.receive("doomed", peer=pair.link, consume=Collector())
+            assert raised.value.reason is FailureReason.ABORTED
+            assert "MemoryError('no pinned memory for a chunk')" in raised.value.report.detail
+            collector = Collector()
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(send_all, pair.sender, "after", source)
+                await pair.receiver.receive("after", peer=pair.link, consume=collector)
+        assert not pair.link.is_closed and failed == [1]
+        assert_same_bytes(collector.data(), source.expected())
+        await settle()
+    assert (pool.used_blocks, pool.quarantined_blocks) == (0, 0)
