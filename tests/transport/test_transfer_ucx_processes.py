@@ -179,3 +179,32 @@ async def test_blocks_a_stopped_sender_owes_writes_to_stay_quarantined_until_tha
         if await _stop_a_sender_owing_a_write(ucx_env, seed):
             return
     pytest.fail("in three runs the stopped sender never owed a write")
+
+
+@pytest.mark.slow  # a child process: importing torch and starting it take seconds
+async def test_blocks_come_back_from_a_stopped_sender_whose_bytes_land_in_host_chunks(
+    ucx_env: dict[str, str],
+) -> None:
+    """The same stopped sender, but rows of 32 bytes (packed frames) to a receiver that copies them
+    itself (`ucx_sender_writes` off): the receive it posted for the stopped round lands in a host chunk,
+    never in a block, so the blocks come back as soon as the link is gone, while the process still
+    exists (they stayed quarantined until it was killed: `quiesce` waited for that receive too)."""
+    layout = embedding_layout(block_size=16, hidden=8)
+    params = {"block_size": 16, "hidden": 8, "seed": 64, "transfers": {"t": 64}, "transport": "ucx"}
+    config = TransferConfig(
+        default_grant_blocks=2, round_cap_blocks=2, fence_timeout=0.5, ucx_sender_writes=False, **LIVELY
+    )
+    storage, pool = random_storage(layout, 8, seed=64), shuffled_pool(8, 16, seed=64)
+    async with (
+        sender_process({**params, "stop_after_posting_round": 1}, env=ucx_env) as child,
+        open_endpoint("receiver", storage, pool, config=config) as receiver,
+    ):
+        link = await receiver.connect(child.address)
+        with pytest.raises(TransferFailed) as raised, trio.fail_after(20):
+            await receiver.receive("t", peer=link, consume=Collector())
+        assert raised.value.reason is FailureReason.LINK_LOST
+        with trio.fail_after(config.fence_timeout + 2.0):
+            while pool.quarantined_blocks or pool.used_blocks:
+                await trio.sleep(0.01)
+        assert child.process.returncode is None  # stopped, not gone
+        child.process.kill()
