@@ -185,18 +185,19 @@ async def test_blocks_a_stopped_sender_owes_writes_to_stay_quarantined_until_tha
 async def test_blocks_come_back_from_a_stopped_sender_whose_bytes_land_in_host_chunks(
     ucx_env: dict[str, str],
 ) -> None:
-    """The same stopped sender, but rows of 32 bytes (packed frames) to a receiver that copies them
+    """The same stopped sender, but rows of 3 KiB (packed frames, a rendezvous each round) over UCX's
+    TCP (the receiver cannot read a stopped process's memory there) to a receiver that copies the bytes
     itself (`ucx_sender_writes` off): the receive it posted for the stopped round lands in a host chunk,
     never in a block, so the blocks come back as soon as the link is gone, while the process still
     exists (they stayed quarantined until it was killed: `quiesce` waited for that receive too)."""
-    layout = embedding_layout(block_size=16, hidden=8)
-    params = {"block_size": 16, "hidden": 8, "seed": 64, "transfers": {"t": 64}, "transport": "ucx"}
+    layout = embedding_layout(block_size=16, hidden=768)
+    params = {"block_size": 16, "hidden": 768, "seed": 64, "transfers": {"t": 64}, "transport": "ucx"}
     config = TransferConfig(
         default_grant_blocks=2, round_cap_blocks=2, fence_timeout=0.5, ucx_sender_writes=False, **LIVELY
     )
     storage, pool = random_storage(layout, 8, seed=64), shuffled_pool(8, 16, seed=64)
     async with (
-        sender_process({**params, "stop_after_posting_round": 1}, env=ucx_env) as child,
+        sender_process({**params, "stop_after_posting_round": 1}, env={**ucx_env, "UCX_TLS": "tcp"}) as child,
         open_endpoint("receiver", storage, pool, config=config) as receiver,
     ):
         link = await receiver.connect(child.address)
