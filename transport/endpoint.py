@@ -206,9 +206,8 @@ class TransferEndpoint:
         if link.refusal is not None:
             raise HandshakeRefused(link.refusal)
         if not link.ready.is_set():
-            link.close(
-                LinkBroken(f"no handshake reply from {address} within {self.config.handshake_timeout} s")
-            )
+            timeout = self.config.handshake_timeout
+            link.close(LinkBroken(f"no handshake reply from {address} within {timeout} s"))
         if link.error is not None:
             raise type(link.error)(str(link.error))
         return link
@@ -379,8 +378,12 @@ class TransferEndpoint:
         return self._fences.open(self.nursery, link, transfer_id, quarantine, owner)
 
     def send_soon(self, link: Link, message: PeerMessage) -> None:
-        """Send a small control message from synchronous code, in a task of the endpoint's nursery."""
-        self.nursery.start_soon(self._send_logged, link, message)
+        """Send a small control message from synchronous code, in a task of the endpoint's nursery; none
+        on a closed link (the endpoint closes every link before its nursery stops taking tasks)."""
+        if link.is_closed:
+            _log.info("transfer.send_dropped", endpoint=self.name, message=type(message).__name__)
+        else:
+            self.nursery.start_soon(self._send_logged, link, message)
 
     async def _send_logged(self, link: Link, message: PeerMessage) -> None:
         try:

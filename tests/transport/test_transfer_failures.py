@@ -11,7 +11,7 @@ import trio.testing
 
 from messages.layout import PoolLayout
 from messages.peer_codec import NO_HEADER
-from messages.transfer import FailureReason, Grant, RequestMoreCache, TransferStatus
+from messages.transfer import FailureReason, Grant, RequestMoreCache, StatusUpdate, TransferStatus
 from tests.transport.harness import (
     Collector,
     Source,
@@ -340,3 +340,14 @@ async def test_a_link_dropped_behind_queued_copies_fails_both_sides_without_leak
     assert collector.rounds == []
     assert pool.used_blocks == 0
     assert pool.quarantined_blocks == 0
+
+
+async def test_a_control_message_for_a_closed_endpoint_is_dropped() -> None:
+    """A link's reader that was already past its last checkpoint as its endpoint closed may still hand
+    a message over, and a session answer it with a small send: the endpoint, closed, drops it (it used
+    to start a task in its closed nursery and raise `RuntimeError` in that reader)."""
+    source, storage, pool = parts(16, seed=8)
+    async with endpoint_pair("inproc", source, storage, pool) as pair:
+        receiver, link = pair.receiver, pair.link
+    assert link.is_closed
+    receiver.send_soon(link, StatusUpdate(transfer_id="late", status=TransferStatus.WAITING_FOR_INPUT))
