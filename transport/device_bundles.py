@@ -70,14 +70,15 @@ def launch_gather(
     flips its first byte (fault injection; the sender's rows stay as they are)."""
     starts, length = bundle_starts([frame.length for frame in frames])
 
-    def work() -> torch.Tensor:
+    def work(after_writers: Callable[[], None]) -> torch.Tensor:
+        indexes = [row_index(frame.sources(), storage.device) for frame in frames]
+        after_writers()
         bundle = torch.empty(length, dtype=torch.uint8, device=storage.device)
         end = 0
-        for frame, start in zip(frames, starts, strict=True):
+        for frame, index, start in zip(frames, indexes, starts, strict=True):
             if start > end:
                 bundle[end:start].zero_()
             flat = storage.flat(frame.name)
-            index = row_index(frame.sources(), flat.device)
             torch.index_select(flat, 0, index, out=_rows(bundle, flat, index.numel(), start))
             end = start + frame.length
         if corrupt:
@@ -90,18 +91,20 @@ def launch_gather(
 def landing_buffer(device: torch.device, length: int) -> tuple[torch.Tensor, Event]:
     """A new uint8 buffer of `length` bytes on `device` for UCX to receive a bundle into, and the event
     to await before posting that receive: the caching allocator reuses memory as soon as the transfer
-    stream's work queued before is ordered after it, but UCX writes outside that order."""
-    return _queued(device, lambda: torch.empty(length, dtype=torch.uint8, device=device), wait_current=False)
+    stream's work queued before is ordered after it, but UCX writes outside that order. (It does not
+    wait for the current stream: nothing there touches a new buffer.)"""
+    return _queued(device, lambda _after_writers: torch.empty(length, dtype=torch.uint8, device=device))
 
 
 def scatter(bundle: torch.Tensor, targets: Sequence[Target]) -> Event:
     """`bundle`'s frames into their rows (`targets`, on `bundle`'s device); the event that completes
     once they are written (None: written on return)."""
 
-    def work() -> None:
-        for storage, name, stretches, start in targets:
+    def work(after_writers: Callable[[], None]) -> None:
+        indexes = [row_index(stretches, bundle.device) for _storage, _name, stretches, _start in targets]
+        after_writers()
+        for (storage, name, _stretches, start), index in zip(targets, indexes, strict=True):
             flat = storage.flat(name)
-            index = row_index(stretches, flat.device)
             flat.index_copy_(0, index, _rows(bundle, flat, index.numel(), start))
 
     return _queued(bundle.device, work)[1]
@@ -127,16 +130,18 @@ def _rows(bundle: torch.Tensor, flat: torch.Tensor, count: int, start: int) -> t
     return bundle[start : start + length].view(flat.dtype).view(count, *flat.shape[1:])
 
 
-def _queued(device: torch.device, work: Callable[[], _T], wait_current: bool = True) -> tuple[_T, Event]:
-    """`work()` with its device work queued on `device`'s transfer stream — after what the current
-    stream has queued, with `wait_current` — and the event recorded after it; off CUDA it just runs."""
+def _queued(device: torch.device, work: Callable[[Callable[[], None]], _T]) -> tuple[_T, Event]:
+    """`work(after_writers)` with its device work queued on `device`'s transfer stream, and the event
+    recorded after it; off CUDA it just runs. `work` calls `after_writers()` once it has queued its index
+    uploads and before its copies: the copies then follow what the current stream had queued (whatever
+    wrote the source rows or last read the target rows), and the uploads — a pageable copy may
+    synchronise its stream — wait for none of it (a node's current stream holds its replicas' model
+    steps)."""
     if device.type != "cuda":
-        return work(), None
-    stream = transfer_stream(device)
-    if wait_current:
-        stream.wait_stream(torch.cuda.current_stream(device))
+        return work(lambda: None), None
+    stream, current = transfer_stream(device), torch.cuda.current_stream(device)
     with torch.cuda.stream(stream):
-        result = work()
+        result = work(lambda: stream.wait_stream(current))
         event = torch.cuda.Event()
         event.record(stream)
     return result, event
