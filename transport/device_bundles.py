@@ -22,6 +22,7 @@ mappings). On a CPU pool both run synchronously and return no event (the tests' 
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from typing import Final, TypeVar
 
@@ -29,8 +30,7 @@ import torch
 
 from transport.frame_plan import DEVICE_BUNDLE_BYTES, Frame, bundle_starts
 from transport.gpu_copy import copies_done
-from transport.runs import transfer_stream
-from transport.staging import row_index
+from transport.runs import group_numbers, indexed, transfer_stream
 from transport.storage import PoolStorage
 
 # A GPU pool's piece of at least this many bytes goes as its own message: gathering it would cost a
@@ -71,7 +71,7 @@ def launch_gather(
     starts, length = bundle_starts([frame.length for frame in frames])
 
     def work(after_writers: Callable[[], None]) -> torch.Tensor:
-        indexes = [row_index(frame.sources(), storage.device) for frame in frames]
+        indexes = [_index(frame.sources(), storage.device) for frame in frames]
         after_writers()
         bundle = torch.empty(length, dtype=torch.uint8, device=storage.device)
         end = 0
@@ -88,12 +88,27 @@ def launch_gather(
     return _queued(storage.device, work)
 
 
-def landing_buffer(device: torch.device, length: int) -> tuple[torch.Tensor, Event]:
-    """A new uint8 buffer of `length` bytes on `device` for UCX to receive a bundle into, and the event
-    to await before posting that receive: the caching allocator reuses memory as soon as the transfer
-    stream's work queued before is ordered after it, but UCX writes outside that order. (It does not
-    wait for the current stream: nothing there touches a new buffer.)"""
-    return _queued(device, lambda _after_writers: torch.empty(length, dtype=torch.uint8, device=device))
+def landing_buffer(device: torch.device, length: int) -> torch.Tensor:
+    """A new uint8 buffer of `length` bytes on `device` for UCX to receive a bundle into. On a GPU it
+    comes from a stream of its own, on which nothing is ever queued: torch's caching allocator hands a
+    block to an allocation on that stream only once the work of every stream that used it is done
+    (`scatter` records its use), so nothing still reads or writes the buffer when UCX — outside any
+    stream's order — writes into it."""
+    if device.type != "cuda":
+        return torch.empty(length, dtype=torch.uint8, device=device)
+    with torch.cuda.stream(_landing_stream(indexed(device))):
+        return torch.empty(length, dtype=torch.uint8, device=device)
+
+
+def current_work(device: torch.device) -> Event:
+    """An event after the work queued so far on `device`'s current stream (None off CUDA): what UCX
+    reading or writing a pool's rows directly (a direct piece) must wait for — whatever wrote the rows
+    it sends, or last read the rows it lands in."""
+    if device.type != "cuda":
+        return None
+    event = torch.cuda.Event()
+    event.record(torch.cuda.current_stream(device))
+    return event
 
 
 def scatter(bundle: torch.Tensor, targets: Sequence[Target]) -> Event:
@@ -101,8 +116,10 @@ def scatter(bundle: torch.Tensor, targets: Sequence[Target]) -> Event:
     once they are written (None: written on return)."""
 
     def work(after_writers: Callable[[], None]) -> None:
-        indexes = [row_index(stretches, bundle.device) for _storage, _name, stretches, _start in targets]
+        indexes = [_index(stretches, bundle.device) for _storage, _name, stretches, _start in targets]
         after_writers()
+        if bundle.device.type == "cuda":  # allocated on the landing stream (`landing_buffer`)
+            bundle.record_stream(torch.cuda.current_stream(bundle.device))
         for (storage, name, _stretches, start), index in zip(targets, indexes, strict=True):
             flat = storage.flat(name)
             flat.index_copy_(0, index, _rows(bundle, flat, index.numel(), start))
@@ -122,6 +139,21 @@ async def written(event: Event, nbytes: int) -> None:
     Cancelled meanwhile, it still waits for that work, then raises (`gpu_copy.copies_done`)."""
     if event is not None:
         await copies_done(event, nbytes)
+
+
+def _index(stretches: Sequence[tuple[int, int]], device: torch.device) -> torch.Tensor:
+    """`staging.row_index` on `device`, uploaded from pinned memory without waiting: a pageable upload
+    synchronises the transfer stream, which may wait for a model step another transfer is ordered
+    after."""
+    index = group_numbers([row for row, _count in stretches], [count for _row, count in stretches])
+    if device.type != "cuda":
+        return index
+    return index.pin_memory().to(device, non_blocking=True)
+
+
+@functools.cache
+def _landing_stream(device: torch.device) -> torch.cuda.Stream:
+    return torch.cuda.Stream(device)
 
 
 def _rows(bundle: torch.Tensor, flat: torch.Tensor, count: int, start: int) -> torch.Tensor:

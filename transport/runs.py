@@ -237,11 +237,22 @@ def launch_copy_runs(
     return copied, done
 
 
-@functools.cache
 def transfer_stream(device: torch.device) -> torch.cuda.Stream:
     """The stream a process's inproc copies on `device` run on: one per device, apart from the streams
-    the model's work is queued on."""
+    the model's work is queued on (`cuda` and `cuda:0` are one device: one stream)."""
+    return _transfer_stream(indexed(device))
+
+
+@functools.cache
+def _transfer_stream(device: torch.device) -> torch.cuda.Stream:
     return torch.cuda.Stream(device)
+
+
+def indexed(device: torch.device) -> torch.device:
+    """`device` with its index: an unindexed `cuda` is the current device."""
+    if device.type != "cuda" or device.index is not None:
+        return device
+    return torch.device("cuda", torch.cuda.current_device())
 
 
 def _copy_each(src: PoolStorage, dst: PoolStorage, runs: Sequence[Run], buffers: Sequence[str]) -> int:

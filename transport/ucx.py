@@ -5,18 +5,14 @@ Links are made by `transport.ucx_connect`. On a link (docs/transports.md, "UCX, 
 - Control messages: one UCX message each on the far link's control tag (`transport.ucx_frames`).
 - Bulk writes: frames (`transport.frame_plan`), each a descriptor on the control tag and its bytes on
   the bulk tag: a *direct* frame one message per piece, from block (or GPU) memory; *packed* frames
-  bundled across buffers, one message per bundle, gathered from a host pool's rows
-  (`transport.ucp_scatter`), on the GPU when UCX reaches a GPU pool (`transport.device_bundles`), or
-  staged through pinned host memory (`transport.staging`). The reader
-  posts each frame's receives where its landing claims them (`transport.ucx_landing`), or into a
-  scratch chunk when the round is gone, and handles a later peer message only once every earlier frame
-  landed: the link's one order.
+  bundled across buffers, one message per bundle (`transport.ucx_payloads`). The reader posts each
+  frame's receives where its landing claims them (`transport.ucx_landing`), or into a scratch chunk
+  when the round is gone, and handles a later peer message only once every earlier frame landed.
 - `write` returns once every send completed (shielded; the link fails when the peer takes nothing for
   `link_timeout`). Cancellation takes effect between frames.
 - Liveness as on tcp (heartbeats; UCX's shared-memory transports refuse peer-failure handling); a
   closing peer says `goodbye`.
-- `quiesce` returns once every receive into block memory completed, was cancelled (closing the endpoint
-  cancels those UCX has not matched), or was scattered for a sender process that has exited.
+- `quiesce` returns once nothing can write block memory any more (see its docstring).
 """
 
 from __future__ import annotations
@@ -25,6 +21,7 @@ import array
 import itertools
 import math
 from collections import deque
+from collections.abc import Iterable
 from typing import Any, Final, final
 
 import structlog
@@ -35,7 +32,7 @@ from messages.layout import PoolLayout
 from messages.peer_codec import PeerCodecError
 from messages.transfer import PeerMessage
 from transport.config import TransferConfig
-from transport.device_bundles import bundles_on_device, gather
+from transport.device_bundles import bundles_on_device, current_work, gather, written
 from transport.errors import LinkBroken, LinkClosed, LinkError
 from transport.faults import FaultPlan
 from transport.frame_plan import Frame, plan_bundles
@@ -101,6 +98,8 @@ class UcxLink(Link):
         self._scope = trio.CancelScope()
         self._chunks = HostChunks()
         self._landing: deque[Landing] = deque()
+        self._landed = trio.Event()  # set unless a landing is being unpacked or scattered
+        self._landed.set()
         self._in_flight: list[tuple[list[Any], Chunk | None]] = []  # sends of writes not yet settled
         self._last_received = self._last_sent = trio.current_time()
         self._bulk_sent = 0
@@ -152,6 +151,7 @@ class UcxLink(Link):
         host chunk or a device bundle writes no block and is not waited for. Cancellable (a sender
         process that is stopped, not dead, keeps it waiting): the caller decides how long."""
         await self.closed.wait()
+        await self._landed.wait()  # a device bundle's scatter into rows, begun before the close
         peer = self._peer_pid
         into_rows = [landing for landing in self._landing if landing.chunk is None]  # not a chunk's
         if not await settle(self._worker, into_rows, lambda: bool(peer and process_gone(peer))):
@@ -163,13 +163,10 @@ class UcxLink(Link):
 
     # ------------------------------------------------------------------ sending
     async def send(self, message: PeerMessage) -> None:
-        await self._post_and_settle(message_body(message))
+        await self.post_control(message_body(message))
 
     async def post_control(self, body: bytes) -> None:
         """Send one control body to the far link (or its listener, before `accept`)."""
-        await self._post_and_settle(body)
-
-    async def _post_and_settle(self, body: bytes) -> None:
         if self.error is not None:
             self._raise_closed()
         await self._settle([self._post(CONTROL, body)])
@@ -221,9 +218,11 @@ class UcxLink(Link):
                 while sum(chunk is not None for _r, chunk in posted) >= PACKED_WINDOW:
                     await self._settle_oldest_chunk(posted)
                 self._check_faults(sum(frame.length for frame in bundle))
-                gathered = (
-                    await gather(bulk.source, bundle, corrupt) if on_device and bundle[0].packed else None
-                )
+                gathered = None
+                if not bundle[0].packed:  # UCX reads a GPU pool's rows itself: after whatever wrote them
+                    await written(current_work(bulk.source.device), bundle[0].length)
+                elif on_device:
+                    gathered = await gather(bulk.source, bundle, corrupt)
                 posted.append(self._post_frames(bulk, bundle, corrupt, gathered))
                 corrupt = False
                 # The worker's progress moves what is posted (a gathered send is copied by this process)
@@ -239,19 +238,20 @@ class UcxLink(Link):
         return bulk.nbytes
 
     async def _settle_all(self, posted: list[tuple[list[Any], Chunk | None]]) -> None:
-        requests = [request for requests, _chunk in posted for request in requests]
-        chunks = [chunk for _requests, chunk in posted if isinstance(chunk, HostChunk)]
+        sent = posted[:]
         posted.clear()
-        await self._settle(requests)
-        for chunk in chunks:
-            self._chunks.give(chunk)
+        await self._settle([request for requests, _chunk in sent for request in requests])
+        self._give_back(chunk for _requests, chunk in sent)
 
     async def _settle_oldest_chunk(self, posted: list[tuple[list[Any], Chunk | None]]) -> None:
-        at = next(i for i, (_requests, chunk) in enumerate(posted) if chunk is not None)
-        requests, chunk = posted.pop(at)
+        requests, chunk = posted.pop(next(i for i, (_r, chunk) in enumerate(posted) if chunk is not None))
         await self._settle(requests)
-        if isinstance(chunk, HostChunk):  # a device bundle goes back to torch's allocator
-            self._chunks.give(chunk)
+        self._give_back([chunk])
+
+    def _give_back(self, chunks: Iterable[Chunk | None]) -> None:
+        for chunk in chunks:
+            if isinstance(chunk, HostChunk):  # a device bundle goes back to torch's allocator
+                self._chunks.give(chunk)
 
     def _post(self, kind: int, body: object, keep: object = None) -> Any:
         """Post `body` on the far link's `kind` tag; with `keep`, `body` is an I/O vector over memory that
@@ -366,13 +366,14 @@ class UcxLink(Link):
                 self._landing.append(scattered(worker, endpoint, on, storage, frames, names, self._row_bytes))
                 return
             if not first.packed and (storage.device.type == "cpu" or worker.cuda_capable):
+                await written(current_work(storage.device), 0)  # GPU rows: nothing still reads them
                 self._landing.append(direct(worker, endpoint, on, storage, first, names[0]))
                 return
             on_device = bundles_on_device(storage.device, worker.cuda_capable)
         while sum(pending.chunk is not None for pending in self._landing) >= PACKED_WINDOW:
             await self._land_oldest()
         if on_device and landing is not None:
-            self._landing.append(await into_device(worker, endpoint, on, frames, landing.storage, names))
+            self._landing.append(into_device(worker, endpoint, on, frames, landing.storage, names))
             return
         targets = [
             (landing.storage, name) if claimed and landing is not None else None
@@ -387,7 +388,11 @@ class UcxLink(Link):
         await self._worker.wait(pending.requests)
         self._landing.popleft()
         self._last_received = trio.current_time()
-        await land(pending, self._chunks)
+        self._landed = landed = trio.Event()
+        try:
+            await land(pending, self._chunks)  # a device bundle's scatter is awaited, also if cancelled
+        finally:
+            landed.set()
 
     async def _land_all(self) -> None:
         while self._landing:

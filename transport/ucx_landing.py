@@ -123,7 +123,7 @@ def direct(
     return Landing([worker.receive(endpoint, on, target) for target in targets])
 
 
-async def into_device(
+def into_device(
     worker: UcxWorker,
     endpoint: Any,
     on: int,
@@ -132,10 +132,9 @@ async def into_device(
     names: Sequence[str],
 ) -> Landing:
     """A bundle of packed frames, all claimed in GPU `storage`, received into a new device buffer
-    (`device_bundles.landing_buffer`, awaited free before the receive is posted)."""
+    (`device_bundles.landing_buffer`)."""
     starts, length = bundle_starts([frame.length for frame in frames])
-    bundle, free = landing_buffer(storage.device, length)
-    await written(free, 0)
+    bundle = landing_buffer(storage.device, length)
     rows = [(storage, name, f.segments, start) for f, name, start in zip(frames, names, starts, strict=True)]
     return Landing([worker.receive(endpoint, on, message_buffer(bundle))], bundle, rows)
 

@@ -38,12 +38,14 @@ from transport.device_bundles import (
     DEVICE_DIRECT_MIN_BYTES,
     gather,
     is_direct_on_device,
+    landing_buffer,
     launch_gather,
     scatter,
     written,
 )
 from transport.frame_plan import DEVICE_SIZES, HOST_SIZES, Frame, bundle_starts, packed_only, plan_bundles
 from transport.link import BulkWrite
+from transport.runs import transfer_stream
 from transport.staging import HostChunks, pack_bundle
 from transport.storage import PoolStorage
 from transport.ucx_frames import DIRECT_MIN_BYTES, framing
@@ -183,7 +185,9 @@ def test_how_a_ucx_link_frames_each_kind_of_pool() -> None:
 async def test_a_gpu_bundle_follows_the_work_queued_before_it(cuda: torch.device) -> None:
     """On a GPU: the gather runs after what the current stream queued before it (a long sleep, then a
     kernel rewriting the source rows), `gather` returns once the bundle is written, and the scatter of
-    that bundle lands the same rows as on the CPU."""
+    that bundle, copied into a landing buffer, lands the same rows as on the CPU and waits for nothing
+    queued after it (a longer sleep). `cuda` and `cuda:0` share one transfer stream."""
+    assert transfer_stream(torch.device("cuda")) is transfer_stream(torch.device("cuda", 0))
     host_source = random_storage(LAYOUT, BLOCKS, seed=6)
     source, target = on_device(host_source, "cuda"), on_device(poisoned_storage(LAYOUT, BLOCKS), "cuda")
     bulk = shuffled_write(source, seed=6, count=200)
@@ -198,9 +202,16 @@ async def test_a_gpu_bundle_follows_the_work_queued_before_it(cuda: torch.device
     assert torch.equal(gathered.cpu(), expected)
     starts, _length = bundle_starts([frame.length for frame in bundle])
     targets = [(target, f.name, f.segments(), start) for f, start in zip(bundle, starts, strict=True)]
-    event = scatter(gathered, targets)
+    landed = landing_buffer(cuda, gathered.numel())
+    landed.copy_(gathered)  # as UCX would have written it
+    torch.cuda.synchronize()
+    event = scatter(landed, targets)
     assert event is not None
+    torch.cuda._sleep(2_000_000_000)
+    later = torch.cuda.Event()
+    later.record()
     await written(event, gathered.numel())
+    assert not later.query()
     assert_landed(host_source, target, bulk)
 
 
