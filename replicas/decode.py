@@ -19,12 +19,13 @@ from messages.control_replies import TransferSummary
 from messages.events import FaultInjected, TransferFinished, TransferStarted
 from messages.faults import CorruptTransfer
 from messages.transfer import FailureReason, TransferReport
+from replicas.fabric import UnknownEndpoint
 from replicas.inbox import CommandRefused, Completed
 from replicas.model import DecodeResult, DecodeSequence, ModelInputError, finish_reason
 from replicas.prefill import Prefilled
 from replicas.request import ServingRequest
 from replicas.states import ReplicaState
-from transport.errors import LinkError, TransferError
+from transport.errors import HandshakeRefused, LinkError, TransferError
 
 if TYPE_CHECKING:
     from replicas.actor import Replica
@@ -123,8 +124,8 @@ class DecodeWork:
                     command.transfer_id, peer=link, blocks=landing, expected_tokens=command.prompt_tokens
                 )
                 report = result.report
-            except (TransferError, LinkError) as exc:
-                outcome = exc
+            except (TransferError, LinkError, HandshakeRefused, UnknownEndpoint) as exc:
+                outcome = exc  # that request fails (`_landed`); the replica serves on
         if report is None and isinstance(outcome, TransferError):
             report = outcome.report
         if report is not None:
