@@ -185,6 +185,8 @@ class SendSession:
             with trio.CancelScope(shield=True):
                 await self._give_up()
             raise
+        if self._peer_abort is not None:  # it came while the last round was written
+            self._fail(self._peer_abort.reason, f"receiver aborted: {self._peer_abort.detail}")
         if self._failure is not None:
             with trio.CancelScope(shield=True):
                 await self._give_up()
@@ -343,10 +345,13 @@ class SendSession:
     async def _give_up(self) -> None:
         """Tell the receiver, then wait until the link reads none of the source rows any more: the owner
         frees them once `send` returns, and a round written just before the failure may still be going
-        out (ucx sends, inproc's copy lane)."""
+        out (ucx sends, inproc's copy lane). An abort from the receiver held back while a round was
+        written is acknowledged then: after that write, as the fence must be."""
         await self._abort_peer()
         if self.link is not None:
             await self.link.settle()
+            if self._peer_abort is not None:
+                self._ack()
 
     async def _abort_peer(self) -> None:
         """Tell the receiver, unless it told us or cannot hear (bounded; the caller shields it)."""
