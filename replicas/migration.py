@@ -107,6 +107,9 @@ class Migrator:
                     continue
                 await self._sleep(0.05)
                 continue
+            # The replica may have stopped while this task was already woken (a woken task takes no
+            # cancellation until its next checkpoint): its nursery takes no new task then.
+            await trio.lowlevel.checkpoint_if_cancelled()
             if head not in self.outbound:  # flushed or cancelled while we asked: the decode side will
                 continue  # see its transfer never start and give the reservation back (orphan timeout)
             self.outbound.remove(head)
