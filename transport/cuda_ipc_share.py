@@ -103,7 +103,12 @@ def open_share(share: PoolShare, storage: PoolStorage) -> dict[str, torch.Tensor
                 f"cuda-ipc: the receiver's buffer {buffer.name!r} is not laid out as the sender's"
             )
         tensor = _open(share, buffer)
-        mapped[buffer.name] = tensor.view(buffer.shape[0] * buffer.shape[1], *spec.shape)
+        try:
+            mapped[buffer.name] = tensor.view(buffer.shape[0] * buffer.shape[1], *spec.shape)
+        except RuntimeError as exc:  # a shape or strides that do not describe whole rows
+            raise ShareRefused(
+                f"cuda-ipc: the receiver's buffer {buffer.name!r} is not whole rows: {exc}"
+            ) from exc
     if set(mapped) != {spec.name for spec in storage.layout.buffers}:
         raise ShareRefused(f"cuda-ipc: the receiver shared buffers {sorted(mapped)}")
     return mapped
