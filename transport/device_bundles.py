@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Sequence
-from typing import Final, TypeVar
+from typing import Final, TypeVar, final
 
 import torch
 
@@ -45,8 +45,14 @@ _T = TypeVar("_T")
 
 def bundles_on_device(device: torch.device, cuda_capable: bool) -> bool:
     """Whether a UCX link packs a pool on `device` into device bundles (`cuda_capable`: its UCX moves
-    CUDA memory itself)."""
-    return device.type == "cuda" and cuda_capable
+    CUDA memory itself). Not with torch's `cudaMallocAsync` allocator: it orders a free on the
+    allocating stream only, so a landing buffer could come back while its scatter still reads it."""
+    return device.type == "cuda" and cuda_capable and not _stream_ordered_allocator()
+
+
+@functools.cache
+def _stream_ordered_allocator() -> bool:
+    return torch.cuda.is_available() and torch.cuda.get_allocator_backend() != "native"
 
 
 def is_direct_on_device(piece_bytes: int) -> bool:
@@ -98,6 +104,21 @@ def landing_buffer(device: torch.device, length: int) -> torch.Tensor:
         return torch.empty(length, dtype=torch.uint8, device=device)
     with torch.cuda.stream(_landing_stream(indexed(device))):
         return torch.empty(length, dtype=torch.uint8, device=device)
+
+
+@final
+class RoundWork:
+    """`current_work` once per round: each direct piece of a round waits for the same event (a new one
+    per piece would wait again for whatever model steps were queued meanwhile)."""
+
+    def __init__(self) -> None:
+        self._round: tuple[int, int] | None = None
+        self._event: Event = None
+
+    def event(self, device: torch.device, landing_key: int, round: int) -> Event:
+        if self._round != (landing_key, round):
+            self._round, self._event = (landing_key, round), current_work(device)
+        return self._event
 
 
 def current_work(device: torch.device) -> Event:

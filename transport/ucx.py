@@ -32,7 +32,7 @@ from messages.layout import PoolLayout
 from messages.peer_codec import PeerCodecError
 from messages.transfer import PeerMessage
 from transport.config import TransferConfig
-from transport.device_bundles import bundles_on_device, current_work, gather, written
+from transport.device_bundles import RoundWork, bundles_on_device, gather, written
 from transport.errors import LinkBroken, LinkClosed, LinkError
 from transport.faults import FaultPlan
 from transport.frame_plan import Frame, plan_bundles
@@ -102,8 +102,8 @@ class UcxLink(Link):
         self._landed.set()
         self._in_flight: list[tuple[list[Any], Chunk | None]] = []  # sends of writes not yet settled
         self._last_received = self._last_sent = trio.current_time()
-        self._bulk_sent = 0
-        self._malformed_sent = self._silent_close = False
+        self._work = RoundWork()  # what a round's direct GPU pieces wait for
+        self._bulk_sent, self._malformed_sent, self._silent_close = 0, False, False
 
     def attach(self, endpoint: Any, peer_number: int) -> None:
         """Talk to the far link `peer_number` (its listener, `LISTENER`, until accepted) over `endpoint`."""
@@ -146,16 +146,19 @@ class UcxLink(Link):
         self._worker.disconnect(self._endpoint)
 
     async def quiesce(self) -> None:
-        """Once closed: every receive posted into block memory completed, was cancelled, or was
-        scattered for a sender process that has exited (and so writes nothing more); a receive into a
-        host chunk or a device bundle writes no block and is not waited for. Cancellable (a sender
-        process that is stopped, not dead, keeps it waiting): the caller decides how long."""
+        """Once closed: every receive posted into block memory completed, was cancelled, or was scattered
+        for a sender process that has exited (receives into a chunk or a device bundle write no block).
+        Cancellable (a stopped sender process keeps it waiting): the caller decides how long."""
         await self.closed.wait()
         await self._landed.wait()  # a device bundle's scatter into rows, begun before the close
         peer = self._peer_pid
         into_rows = [landing for landing in self._landing if landing.chunk is None]  # not a chunk's
         if not await settle(self._worker, into_rows, lambda: bool(peer and process_gone(peer))):
             _log.warning("transfer.ucx_writer_gone", link=self.describe(), pid=peer)
+
+    def _ensure_open(self) -> None:
+        if self.error is not None:
+            self._raise_closed()
 
     def _raise_closed(self) -> None:
         assert self.error is not None
@@ -167,8 +170,7 @@ class UcxLink(Link):
 
     async def post_control(self, body: bytes) -> None:
         """Send one control body to the far link (or its listener, before `accept`)."""
-        if self.error is not None:
-            self._raise_closed()
+        self._ensure_open()
         await self._settle([self._post(CONTROL, body)])
 
     async def settle(self) -> None:
@@ -207,8 +209,7 @@ class UcxLink(Link):
         when this returns — UCX reads its rows until they complete, and the sending session keeps its
         allocation until `send` returns — so the next round is posted without a bubble; the round whose
         `ChunkDone` ends the stream (or any write that fails) waits for every send still in flight."""
-        if self.error is not None:
-            self._raise_closed()
+        self._ensure_open()
         on_device = bundles_on_device(bulk.source.device, self._worker.cuda_capable)
         posted = self._in_flight
         corrupt, defer = bulk.corrupt, False
@@ -220,7 +221,7 @@ class UcxLink(Link):
                 self._check_faults(sum(frame.length for frame in bundle))
                 gathered = None
                 if not bundle[0].packed:  # UCX reads a GPU pool's rows itself: after whatever wrote them
-                    await written(current_work(bulk.source.device), bundle[0].length)
+                    await written(self._work.event(bulk.source.device, bulk.landing_key, bulk.round), 0)
                 elif on_device:
                     gathered = await gather(bulk.source, bundle, corrupt)
                 posted.append(self._post_frames(bulk, bundle, corrupt, gathered))
@@ -249,9 +250,8 @@ class UcxLink(Link):
         self._give_back([chunk])
 
     def _give_back(self, chunks: Iterable[Chunk | None]) -> None:
-        for chunk in chunks:
-            if isinstance(chunk, HostChunk):  # a device bundle goes back to torch's allocator
-                self._chunks.give(chunk)
+        for chunk in (c for c in chunks if isinstance(c, HostChunk)):  # device bundles: torch's allocator
+            self._chunks.give(chunk)
 
     def _post(self, kind: int, body: object, keep: object = None) -> Any:
         """Post `body` on the far link's `kind` tag; with `keep`, `body` is an I/O vector over memory that
@@ -272,10 +272,9 @@ class UcxLink(Link):
     def _post_frames(
         self, bulk: BulkWrite, frames: list[Frame], corrupt: bool, gathered: torch.Tensor | None
     ) -> tuple[list[Any], Chunk | None]:
-        """Post one direct frame, or a bundle of packed ones (`gathered` on the device already):
-        descriptor and bytes (`transport.ucx_payloads`), with no await in between (see `write`). The
-        bytes are made ready first: a descriptor whose bytes never follow would hold the peer's reader
-        until the link closes, so a failure after it closes the link."""
+        """Post one direct frame, or a bundle of packed ones (`gathered` on the device already): bytes made
+        ready, then descriptor and bytes with no await in between (see `write`); a descriptor whose
+        bytes never follow holds the peer's reader, so a failure after it closes the link."""
         payloads, chunk, length = frame_payloads(bulk, frames, corrupt, gathered, self._chunks)
         requests = [self._post(CONTROL, descriptor_body(frames, bulk.landing_key, bulk.round))]
         try:
@@ -366,7 +365,8 @@ class UcxLink(Link):
                 self._landing.append(scattered(worker, endpoint, on, storage, frames, names, self._row_bytes))
                 return
             if not first.packed and (storage.device.type == "cpu" or worker.cuda_capable):
-                await written(current_work(storage.device), 0)  # GPU rows: nothing still reads them
+                await written(self._work.event(storage.device, first.landing_key, first.round), 0)
+                self._ensure_open()  # GPU rows, which nothing reads any more: not after a close
                 self._landing.append(direct(worker, endpoint, on, storage, first, names[0]))
                 return
             on_device = bundles_on_device(storage.device, worker.cuda_capable)
@@ -386,6 +386,7 @@ class UcxLink(Link):
     async def _land_oldest(self) -> None:
         pending = self._landing[0]
         await self._worker.wait(pending.requests)
+        self._ensure_open()  # its wait may have ended as the link closed: `quiesce` has not waited for it
         self._landing.popleft()
         self._last_received = trio.current_time()
         self._landed = landed = trio.Event()

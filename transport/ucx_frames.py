@@ -220,11 +220,18 @@ def flipped_copy(payload: memoryview | torch.Tensor) -> bytearray | torch.Tensor
 def framing(device: torch.device, cuda_capable: bool) -> tuple[Callable[[int], bool], FrameSizes]:
     """How a UCX link frames a pool on `device` (`cuda_capable`: its UCX moves CUDA memory itself):
     which pieces go as their own message, and the sizes of packed frames and bundles. Host pools: pieces
-    from `DIRECT_MIN_BYTES`; GPU pools UCX reaches: device bundles (`transport.device_bundles`); other
-    GPU pools: every piece packed, staged through host chunks."""
+    from `DIRECT_MIN_BYTES`; GPU pools UCX reaches: device bundles (`transport.device_bundles`), or
+    where those are off every piece as its own message; other GPU pools: every piece packed, staged
+    through host chunks."""
     if bundles_on_device(device, cuda_capable):
         return is_direct_on_device, DEVICE_SIZES
-    return (_host_direct if device.type == "cpu" else packed_only), HOST_SIZES
+    if device.type == "cpu":
+        return _host_direct, HOST_SIZES
+    return (_every_piece if cuda_capable else packed_only), HOST_SIZES
+
+
+def _every_piece(_piece_bytes: int) -> bool:
+    return True
 
 
 def _host_direct(piece_bytes: int) -> bool:
