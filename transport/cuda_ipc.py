@@ -140,8 +140,9 @@ class CudaIpcLink(Link):
             raise LinkBroken(f"link {self.describe()}: only the sending end of a cuda-ipc link writes")
         self._check_rows(bulk)
         event = self._launch(bulk)
+        if self._copies == 0:  # a new event only when none runs: a quiesce may wait on the current one
+            self._idle = trio.Event()
         self._copies += 1
-        self._idle = trio.Event()
         try:
             await gpu_copy.copies_done(event, bulk.nbytes)  # never abandoned: the copy is the fence
         finally:
