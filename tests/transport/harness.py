@@ -6,11 +6,12 @@ import json
 import random
 import subprocess
 import sys
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass, field
 
 import msgspec
+import pytest
 import torch
 import trio
 
@@ -202,6 +203,52 @@ async def settle() -> None:
     """Let fence watchers and small control sends run (quarantine release happens there)."""
     for _ in range(20):
         await trio.sleep(0.01)
+
+
+async def check_kv_in_borrowed_blocks_and_an_aborted_round(kind: str, device: str = "cpu") -> None:
+    """A KV layout over `kind` lands in a borrowed allocation (identical bytes); then a transfer whose
+    sender stalls is given up by the receiver, its round fenced; every block comes back."""
+    layout = kv_layout(layers=2)
+    source = Source(layout, 200, seed=9, device=device)
+    storage, pool = on_device(poisoned_storage(layout, 40), device), shuffled_pool(40, 16, seed=11)
+    blocks = pool.allocate(13, "request:1")
+    config = TransferConfig(default_grant_blocks=2, round_cap_blocks=2, window=2)
+    async with endpoint_pair(kind, source, storage, pool, config=config) as pair:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(send_all, pair.sender, "kv", source)
+            await pair.receiver.receive("kv", peer=pair.link, blocks=blocks, expected_tokens=200)
+        assert_same_bytes(as_bytes(storage.gather(blocks, 0, 200)), source.expected())
+        pool.free(blocks, "request:1")
+
+        async def stalled_sender() -> None:
+            async with pair.sender.open_send("aborted") as session:
+                session.announce_total(200)
+                await trio.sleep_forever()
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(stalled_sender)
+            with trio.move_on_after(0.3):
+                await pair.receiver.receive("aborted", peer=pair.link, consume=Collector())
+            await settle()
+            nursery.cancel_scope.cancel()
+        await settle()
+    assert (pool.used_blocks, pool.quarantined_blocks) == (0, 0)
+
+
+def _always(_device: torch.device, _cuda_capable: bool) -> bool:
+    return True
+
+
+@contextmanager
+def device_bundles_on_cpu() -> Iterator[None]:
+    """UCX links pack CPU pools as they pack GPU pools their UCX reaches (`transport.device_bundles`):
+    the policy that picks the path (`bundles_on_device`, true only for CUDA pools) switched on, so the
+    path itself — one gathered bundle per message, received into one buffer and scattered — runs on CPU
+    over real UCX, all but its streams and events."""
+    with pytest.MonkeyPatch.context() as patch:
+        for module in ("transport.ucx", "transport.ucx_frames"):
+            patch.setattr(f"{module}.bundles_on_device", _always)
+        yield
 
 
 class SenderProcess:

@@ -7,33 +7,21 @@ stream order, and the UCX link end to end is `test_gpu_pools` with CUDA in `UCX_
 from __future__ import annotations
 
 import random
-from collections.abc import Iterator
-from contextlib import contextmanager
 
 import pytest
 import torch
 import trio
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from messages.layout import BufferSpec, PoolLayout
 from tests.transport.harness import (
-    Collector,
-    Source,
-    as_bytes,
-    assert_same_bytes,
-    embedding_layout,
-    endpoint_pair,
-    kv_layout,
+    check_kv_in_borrowed_blocks_and_an_aborted_round,
+    device_bundles_on_cpu,
     on_device,
     poisoned_storage,
     random_storage,
-    send_all,
-    settle,
-    shuffled_pool,
 )
-from tests.transport.test_transfer import check_random_transfer
-from transport.config import TransferConfig
 from transport.device_bundles import (
     DEVICE_DIRECT_MIN_BYTES,
     gather,
@@ -215,88 +203,9 @@ async def test_a_gpu_bundle_follows_the_work_queued_before_it(cuda: torch.device
     assert_landed(host_source, target, bulk)
 
 
-def _always(_device: torch.device, _cuda_capable: bool) -> bool:
-    return True
-
-
-@contextmanager
-def device_bundles_on_cpu() -> Iterator[None]:
-    """UCX links pack CPU pools as they pack GPU pools their UCX reaches: the policy that picks the path
-    (`bundles_on_device`, true only for CUDA pools) switched on, so the path itself — one gathered
-    bundle per message, received into one buffer and scattered — runs here over real UCX, all but its
-    streams and events."""
-    with pytest.MonkeyPatch.context() as patch:
-        for module in ("transport.ucx", "transport.ucx_frames"):
-            patch.setattr(f"{module}.bundles_on_device", _always)
-        yield
-
-
-@pytest.mark.usefixtures("ucx_env")
-@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(
-    block_size=st.sampled_from([1, 16, 64]),
-    hidden=st.sampled_from([3, 4096]),
-    total=st.integers(0, 300),
-    window=st.integers(1, 4),
-    cap=st.none() | st.integers(1, 5),
-    mode=st.sampled_from(["keep", "consume", "borrowed"]),
-    fragmentation=st.lists(st.tuples(st.integers(1, 4), st.booleans()), max_size=8),
-    seed=st.integers(0, 2**16),
-    kind=st.sampled_from(["ucx", "ucx-receiver-copies"]),
-)
-def test_random_transfers_in_device_bundles_land_identical_data_and_nothing_else(
-    block_size: int,
-    hidden: int,
-    total: int,
-    window: int,
-    cap: int | None,
-    mode: str,
-    fragmentation: list[tuple[int, bool]],
-    seed: int,
-    kind: str,
-) -> None:
-    """The protocol's random transfers with the sender packing device bundles; the receiver lands them
-    in one buffer it scatters (`ucx-receiver-copies`) or, from a sender process it watches, straight
-    into the rows by an I/O-vector receive (`ucx`)."""
-    with device_bundles_on_cpu():
-        check_random_transfer(
-            kind,
-            embedding_layout(block_size=block_size, hidden=hidden),
-            total=total,
-            window=window,
-            default_grant=3,
-            cap=cap,
-            mode=mode,
-            fragmentation=fragmentation,
-            seed=seed,
-        )
-
-
 @pytest.mark.usefixtures("ucx_env")
 async def test_kv_in_device_bundles_lands_in_a_borrowed_allocation_and_an_aborted_round_is_fenced() -> None:
-    layout = kv_layout(layers=2)
-    source = Source(layout, 200, seed=9)
-    storage, pool = poisoned_storage(layout, 40), shuffled_pool(40, 16, seed=11)
-    blocks = pool.allocate(13, "request:1")
-    config = TransferConfig(default_grant_blocks=2, round_cap_blocks=2, window=2, ucx_sender_writes=False)
+    """The receiver copies the bytes itself (`ucx-receiver-copies`): each bundle lands in one buffer it
+    scatters. (The protocol's random transfers run in device bundles too: `test_transfer_ucx`.)"""
     with device_bundles_on_cpu():
-        async with endpoint_pair("ucx", source, storage, pool, config=config) as pair:
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(send_all, pair.sender, "kv", source)
-                await pair.receiver.receive("kv", peer=pair.link, blocks=blocks, expected_tokens=200)
-            assert_same_bytes(as_bytes(storage.gather(blocks, 0, 200)), source.expected())
-            pool.free(blocks, "request:1")
-
-            async def stalled_sender() -> None:
-                async with pair.sender.open_send("aborted") as session:
-                    session.announce_total(200)
-                    await trio.sleep_forever()
-
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(stalled_sender)
-                with trio.move_on_after(0.3):
-                    await pair.receiver.receive("aborted", peer=pair.link, consume=Collector())
-                await settle()
-                nursery.cancel_scope.cancel()
-            await settle()
-    assert (pool.used_blocks, pool.quarantined_blocks) == (0, 0)
+        await check_kv_in_borrowed_blocks_and_an_aborted_round("ucx-receiver-copies")

@@ -26,11 +26,10 @@ from tests.transport.harness import (
     Source,
     as_bytes,
     assert_same_bytes,
+    check_kv_in_borrowed_blocks_and_an_aborted_round,
     embedding_layout,
     endpoint_pair,
-    kv_layout,
     on_device,
-    poisoned_storage,
     random_storage,
     send_all,
     sender_process,
@@ -77,31 +76,7 @@ async def test_seed_scenarios_with_gpu_pools(kind: str, total: int, cap: int | N
 
 @pytest.mark.parametrize("kind", KINDS, indirect=True)
 async def test_gpu_kv_lands_in_a_borrowed_allocation_and_an_aborted_round_is_fenced(kind: str) -> None:
-    layout = kv_layout(layers=2)
-    source = Source(layout, 200, seed=9, device="cuda")
-    storage, pool = on_device(poisoned_storage(layout, 40), "cuda"), shuffled_pool(40, 16, seed=11)
-    blocks = pool.allocate(13, "request:1")
-    config = TransferConfig(default_grant_blocks=2, round_cap_blocks=2, window=2)
-    async with endpoint_pair(kind, source, storage, pool, config=config) as pair:
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(send_all, pair.sender, "kv", source)
-            await pair.receiver.receive("kv", peer=pair.link, blocks=blocks, expected_tokens=200)
-        assert_same_bytes(as_bytes(storage.gather(blocks, 0, 200)), source.expected())
-        pool.free(blocks, "request:1")
-
-        async def stalled_sender() -> None:
-            async with pair.sender.open_send("aborted") as session:
-                session.announce_total(200)
-                await trio.sleep_forever()
-
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(stalled_sender)
-            with trio.move_on_after(0.3):
-                await pair.receiver.receive("aborted", peer=pair.link, consume=Collector())
-            await settle()
-            nursery.cancel_scope.cancel()
-        await settle()
-    assert (pool.used_blocks, pool.quarantined_blocks) == (0, 0)
+    await check_kv_in_borrowed_blocks_and_an_aborted_round(kind, device="cuda")
 
 
 def test_a_device_copy_follows_the_work_before_it_and_waits_for_none_after(cuda: torch.device) -> None:

@@ -8,6 +8,8 @@ cannot jump, so deadlines here are short real ones.
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+
 import pytest
 import torch
 import trio
@@ -19,6 +21,7 @@ from tests.transport.harness import (
     Source,
     as_bytes,
     assert_same_bytes,
+    device_bundles_on_cpu,
     embedding_layout,
     endpoint_pair,
     kv_layout,
@@ -52,7 +55,7 @@ async def test_seed_scenarios_over_ucx(kind: str, total: int, cap: int | None, r
     assert pool.used_blocks == 0
 
 
-@settings(max_examples=16, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=28, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     block_size=st.sampled_from([1, 5, 16, 64]),
     hidden=st.sampled_from([3, 4096]),  # 16 KiB rows: runs of whole blocks go direct, others packed
@@ -63,6 +66,7 @@ async def test_seed_scenarios_over_ucx(kind: str, total: int, cap: int | None, r
     fragmentation=st.lists(st.tuples(st.integers(1, 4), st.booleans()), max_size=8),
     seed=st.integers(0, 2**16),
     kind=st.sampled_from(["ucx", "ucx-receiver-copies"]),
+    bundles=st.booleans(),
 )
 def test_random_transfers_over_ucx_land_identical_data_and_nothing_else(
     block_size: int,
@@ -74,18 +78,23 @@ def test_random_transfers_over_ucx_land_identical_data_and_nothing_else(
     fragmentation: list[tuple[int, bool]],
     seed: int,
     kind: str,
+    bundles: bool,
 ) -> None:
-    check_random_transfer(
-        kind,
-        embedding_layout(block_size=block_size, hidden=hidden),
-        total=total,
-        window=window,
-        default_grant=2,
-        cap=cap,
-        mode=mode,
-        fragmentation=fragmentation,
-        seed=seed,
-    )
+    """`bundles`: the sender packs device bundles (`harness.device_bundles_on_cpu`); the receiver lands
+    them in one buffer it scatters (`ucx-receiver-copies`), or straight into the rows by an I/O-vector
+    receive (`ucx`)."""
+    with device_bundles_on_cpu() if bundles else nullcontext():
+        check_random_transfer(
+            kind,
+            embedding_layout(block_size=block_size, hidden=hidden),
+            total=total,
+            window=window,
+            default_grant=2,
+            cap=cap,
+            mode=mode,
+            fragmentation=fragmentation,
+            seed=seed,
+        )
 
 
 async def test_kv_layer_ranges_from_two_ucx_senders_land_in_one_allocation_without_aliasing() -> None:
