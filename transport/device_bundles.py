@@ -30,7 +30,8 @@ import torch
 
 from transport.frame_plan import DEVICE_BUNDLE_BYTES, Frame, bundle_starts
 from transport.gpu_copy import copies_done
-from transport.runs import group_numbers, indexed, transfer_stream
+from transport.runs import indexed, transfer_stream
+from transport.staging import row_index
 from transport.storage import PoolStorage
 
 # A GPU pool's piece of at least this many bytes goes as its own message: gathering it would cost a
@@ -77,7 +78,7 @@ def launch_gather(
     starts, length = bundle_starts([frame.length for frame in frames])
 
     def work(after_writers: Callable[[], None]) -> torch.Tensor:
-        indexes = [_index(frame.sources(), storage.device) for frame in frames]
+        indexes = [row_index(frame.sources(), storage.device) for frame in frames]
         after_writers()
         bundle = torch.empty(length, dtype=torch.uint8, device=storage.device)
         end = 0
@@ -137,7 +138,7 @@ def scatter(bundle: torch.Tensor, targets: Sequence[Target]) -> Event:
     once they are written (None: written on return)."""
 
     def work(after_writers: Callable[[], None]) -> None:
-        indexes = [_index(stretches, bundle.device) for _storage, _name, stretches, _start in targets]
+        indexes = [row_index(stretches, bundle.device) for _storage, _name, stretches, _start in targets]
         after_writers()
         if bundle.device.type == "cuda":  # allocated on the landing stream (`landing_buffer`)
             bundle.record_stream(torch.cuda.current_stream(bundle.device))
@@ -160,16 +161,6 @@ async def written(event: Event, nbytes: int) -> None:
     Cancelled meanwhile, it still waits for that work, then raises (`gpu_copy.copies_done`)."""
     if event is not None:
         await copies_done(event, nbytes)
-
-
-def _index(stretches: Sequence[tuple[int, int]], device: torch.device) -> torch.Tensor:
-    """`staging.row_index` on `device`, uploaded from pinned memory without waiting: a pageable upload
-    synchronises the transfer stream, which may wait for a model step another transfer is ordered
-    after."""
-    index = group_numbers([row for row, _count in stretches], [count for _row, count in stretches])
-    if device.type != "cuda":
-        return index
-    return index.pin_memory().to(device, non_blocking=True)
 
 
 @functools.cache

@@ -105,8 +105,13 @@ def pack_bundle(storage: PoolStorage, frames: Sequence[Frame], chunks: HostChunk
 
 
 def row_index(rows: Sequence[tuple[int, int]], device: torch.device) -> torch.Tensor:
-    """Every flat row of the stretches `(row, count)`, in order, without a Python loop per row."""
-    return group_numbers([row for row, _count in rows], [count for _row, count in rows]).to(device)
+    """Every flat row of the stretches `(row, count)`, in order, without a Python loop per row. On a GPU
+    it is uploaded from pinned memory without waiting: a pageable upload synchronises the stream it is
+    queued on, which may be waiting for model steps (`transport.device_bundles`)."""
+    index = group_numbers([row for row, _count in rows], [count for _row, count in rows])
+    if device.type != "cuda":
+        return index.to(device)
+    return index.pin_memory().to(device, non_blocking=True)
 
 
 @functools.cache
