@@ -77,15 +77,14 @@ def launch_gather(
     flips its first byte (fault injection; the sender's rows stay as they are)."""
     starts, length = bundle_starts([frame.length for frame in frames])
 
-    def work(after_writers: Callable[[], None]) -> torch.Tensor:
-        indexes = [row_index(frame.sources(), storage.device) for frame in frames]
-        after_writers()
+    def work() -> torch.Tensor:
         bundle = torch.empty(length, dtype=torch.uint8, device=storage.device)
         end = 0
-        for frame, index, start in zip(frames, indexes, starts, strict=True):
+        for frame, start in zip(frames, starts, strict=True):
             if start > end:
                 bundle[end:start].zero_()
             flat = storage.flat(frame.name)
+            index = row_index(frame.sources(), flat.device)
             torch.index_select(flat, 0, index, out=_rows(bundle, flat, index.numel(), start))
             end = start + frame.length
         if corrupt:
@@ -137,13 +136,12 @@ def scatter(bundle: torch.Tensor, targets: Sequence[Target]) -> Event:
     """`bundle`'s frames into their rows (`targets`, on `bundle`'s device); the event that completes
     once they are written (None: written on return)."""
 
-    def work(after_writers: Callable[[], None]) -> None:
-        indexes = [row_index(stretches, bundle.device) for _storage, _name, stretches, _start in targets]
-        after_writers()
+    def work() -> None:
         if bundle.device.type == "cuda":  # allocated on the landing stream (`landing_buffer`)
             bundle.record_stream(torch.cuda.current_stream(bundle.device))
-        for (storage, name, _stretches, start), index in zip(targets, indexes, strict=True):
+        for storage, name, stretches, start in targets:
             flat = storage.flat(name)
+            index = row_index(stretches, flat.device)
             flat.index_copy_(0, index, _rows(bundle, flat, index.numel(), start))
 
     return _queued(bundle.device, work)[1]
@@ -174,18 +172,16 @@ def _rows(bundle: torch.Tensor, flat: torch.Tensor, count: int, start: int) -> t
     return bundle[start : start + length].view(flat.dtype).view(count, *flat.shape[1:])
 
 
-def _queued(device: torch.device, work: Callable[[Callable[[], None]], _T]) -> tuple[_T, Event]:
-    """`work(after_writers)` with its device work queued on `device`'s transfer stream, and the event
-    recorded after it; off CUDA it just runs. `work` calls `after_writers()` once it has queued its index
-    uploads and before its copies: the copies then follow what the current stream had queued (whatever
-    wrote the source rows or last read the target rows), and the uploads — a pageable copy may
-    synchronise its stream — wait for none of it (a node's current stream holds its replicas' model
-    steps)."""
+def _queued(device: torch.device, work: Callable[[], _T]) -> tuple[_T, Event]:
+    """`work()` with its device work queued on `device`'s transfer stream — after what the current
+    stream has queued (whatever wrote the source rows or last read the target rows) — and the event
+    recorded after it; off CUDA it just runs."""
     if device.type != "cuda":
-        return work(lambda: None), None
-    stream, current = transfer_stream(device), torch.cuda.current_stream(device)
+        return work(), None
+    stream = transfer_stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(stream):
-        result = work(lambda: stream.wait_stream(current))
+        result = work()
         event = torch.cuda.Event()
         event.record(stream)
     return result, event
