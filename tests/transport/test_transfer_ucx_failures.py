@@ -314,49 +314,6 @@ async def test_cancelling_everything_mid_transfer_tears_ucx_down_cleanly() -> No
         assert pool.used_blocks == 0
 
 
-async def test_a_receive_cancelled_as_the_total_arrives_leaves_the_endpoint_serving() -> None:
-    """The receive's owner gives up just as the sender's `TotalAnnounce` arrives. The link's reader may
-    hand the announcement over while the session's task nursery is closing: it must not start a granter
-    there (it did: `RuntimeError: Nursery is closed to new arrivals`, raised in the reader, took the
-    endpoint down). The attempts sweep the moment of giving up across the message's flight; the
-    endpoints serve on after all of them, and every block comes back."""
-    layout = embedding_layout(block_size=16)
-    source = Source(layout, 16 * 6, seed=7)
-    storage, pool = random_storage(layout, 30, seed=8), shuffled_pool(30, 16, seed=9)
-    config = TransferConfig(default_grant_blocks=1, fence_timeout=1.0)
-    async with endpoint_pair("ucx", source, storage, pool, config=config) as pair:
-        for attempt in range(120):
-            announced = trio.Event()
-
-            async def announce_and_wait(transfer_id: str, announced: trio.Event) -> None:
-                async with pair.sender.open_send(transfer_id) as session:
-                    while session.link is None:  # granted: the announcement goes out now
-                        await trio.sleep(0.0002)
-                    session.announce_total(16 * 6)
-                    announced.set()
-                    await trio.sleep_forever()
-
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(announce_and_wait, f"t{attempt}", announced)
-                with trio.CancelScope() as owner:
-                    nursery.start_soon(cancel_after, announced, 0.00002 * (attempt % 60), owner)
-                    await pair.receiver.receive(f"t{attempt}", peer=pair.link, consume=Collector())
-                nursery.cancel_scope.cancel()
-        collector = Collector()
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(send_all, pair.sender, "after", source)
-            await pair.receiver.receive("after", peer=pair.link, consume=collector)
-        assert_same_bytes(collector.data(), source.expected())
-        await settle()
-    assert (pool.used_blocks, pool.quarantined_blocks) == (0, 0)
-
-
-async def cancel_after(event: trio.Event, delay: float, scope: trio.CancelScope) -> None:
-    await event.wait()
-    await trio.sleep(delay)
-    scope.cancel()
-
-
 async def test_a_frame_whose_bytes_cannot_be_made_fails_its_transfer_and_spares_the_link(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
