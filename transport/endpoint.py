@@ -46,7 +46,7 @@ from messages.transfer import (
     StatusUpdate,
     TotalAnnounce,
 )
-from transport import gpu_copy, handshake, tcp
+from transport import dial, gpu_copy, handshake, tcp
 from transport.blocks import BlockPool
 from transport.config import TransferConfig
 from transport.errors import HandshakeRefused, LinkBroken, LinkClosed, LinkError
@@ -150,8 +150,6 @@ class TransferEndpoint:
 
     async def listen_on(self, kind: Literal["ucx", "cuda-ipc"], host: str = "127.0.0.1") -> str:
         """Accept links over `ucx` or `cuda-ipc` (`transport.dial`); returns the address."""
-        from transport import dial
-
         self.address = await dial.listen(self, kind, self._adopt, host)
         return self.address
 
@@ -196,8 +194,6 @@ class TransferEndpoint:
             with trio.fail_after(self.config.handshake_timeout):
                 link = self._tcp_link(await tcp.connect(host, int(port)), "receiver")
         else:  # ucx://, cuda-ipc:// (optional dependencies: transport.dial imports them when used)
-            from transport import dial
-
             link = await dial.dial(self, address)
         self._adopt(link)
         await link.send(handshake.hello(link.link_id, self.name, self.storage.layout, self.address))
@@ -379,10 +375,8 @@ class TransferEndpoint:
 
     def send_soon(self, link: Link, message: PeerMessage) -> None:
         """Send a small control message from synchronous code, in a task of the endpoint's nursery; none
-        on a closed link (the endpoint closes every link before its nursery stops taking tasks)."""
-        if link.is_closed:
-            _log.info("transfer.send_dropped", endpoint=self.name, message=type(message).__name__)
-        else:
+        on a closed link (its close failed what it carried; the endpoint closes them all before its nursery)."""
+        if not link.is_closed:
             self.nursery.start_soon(self._send_logged, link, message)
 
     async def _send_logged(self, link: Link, message: PeerMessage) -> None:

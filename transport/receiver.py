@@ -2,22 +2,21 @@
 
 Landing space comes from one of two places:
 - *owned* (`blocks=None`): the session allocates each round's blocks from the pool under its own owner
-  (`transfer:<id>`), granting `min(remaining, round cap, free)` and waiting (bounded by
-  `pressure_timeout`) only when nothing is free. With a `consume` step each landed round is handed to it
-  and then freed, so a transfer larger than the whole pool completes; without one the blocks are kept
-  and handed over to the caller's `owner` on success.
+  (`transfer:<id>`), granting `min(remaining, round cap, free)` and waiting (bounded by `pressure_timeout`)
+  only when nothing is free. With a `consume` step each landed round is handed to it and then freed, so a
+  transfer larger than the whole pool completes; without one they go to the caller's `owner` on success.
 - *borrowed* (`blocks=[...]`): the caller reserved the landing allocation (KV: all-or-nothing, exact
   length) and keeps owning it; rounds are slices of it. Several transfers may land in one allocation
   with different `buffers` (a layer range each).
 
 Up to `window` grants stand at once; once the total is known (an early `TotalAnnounce` or round 0's
-`ChunkDone`) the session grants ahead so the sender never waits a round trip.
+`ChunkDone`) the session grants ahead, so the sender never waits a round trip.
 
 Failure: the session stops accepting bytes at once, tells the sender (`Abort`) unless the sender told
-it, and returns every block: landed ones at once, ones a write may still be heading for only after the
-fence (the sender's `AbortAck`, or the link torn down and quiesced). Owned blocks wait in quarantine so
-the failure is reported without delay; borrowed blocks are the caller's, so `run` returns only after the
-fence. Cancellation of the caller is a failure like any other (`aborted`), cleaned up in shielded scopes.
+it, and returns every block: landed ones at once, others after the fence (the sender's `AbortAck`, or
+the link torn down and quiesced). Owned blocks wait in quarantine so the failure is reported at once;
+borrowed ones are the caller's, so `run` returns only after the fence. The caller's cancellation is a
+failure like any other (`aborted`), cleaned up in shielded scopes.
 """
 
 from __future__ import annotations
@@ -93,8 +92,7 @@ class ReceiveSession:
         owner: str | None,
     ) -> None:
         self.host, self.link, self.transfer_id, self.landing_key = host, link, transfer_id, landing_key
-        self.storage = host.storage
-        self._config = host.config
+        self.storage, self._config = host.storage, host.config
         self._header, self._expected, self._buffers = header, expected_tokens, buffers
         self._all_buffers, self._buffer_set = all_buffers, frozenset(buffers)
         self._consume, self._owner = consume, owner
@@ -126,9 +124,7 @@ class ReceiveSession:
                     await self._consume_rounds()
                     nursery.cancel_scope.cancel()
                 finally:
-                    # Closed to new tasks from here, also while it unwinds a cancellation: a message the
-                    # link's reader hands over meanwhile must not start the granter in it.
-                    self._nursery = None
+                    self._nursery = None  # it takes no task from here, even while a cancellation unwinds
         except BaseException as exc:
             if self._failure is None:
                 self._failure = (FailureReason.ABORTED, f"receiver gave up: {describe_exit(exc)}")
@@ -338,10 +334,10 @@ class ReceiveSession:
             return math.inf
         say_busy, expired = self.liveness.tick(now, busy=self.liveness.local_waits > 0)
         if say_busy:
-            update = StatusUpdate(
+            busy = StatusUpdate(
                 transfer_id=self.transfer_id, status=self.status.status, detail="receiver busy"
             )
-            self.host.send_soon(self.link, update)
+            self.host.send_soon(self.link, busy)
         if expired:
             detail = f"nothing from the sender for {self.liveness.timeout} s in {self.status.status.value}"
             self._fail(FailureReason.NO_PROGRESS, detail)
