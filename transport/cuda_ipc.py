@@ -45,6 +45,7 @@ from transport.cuda_ipc_share import (
 )
 from transport.errors import HandshakeRefused, LinkBroken, LinkClosed, LinkError
 from transport.faults import NO_FAULTS
+from transport.in_flight import InFlight
 from transport.link import BulkWrite, Landing, Link, LinkHandler, Role
 
 if TYPE_CHECKING:
@@ -101,9 +102,7 @@ class CudaIpcLink(Link):
         self._stream = torch.cuda.Stream(device) if remote is not None else None
         # The sender's work queued before a round's copies: one event, re-recorded each round.
         self._queued = torch.cuda.Event() if remote is not None else None
-        self._copies = 0
-        self._idle = trio.Event()
-        self._idle.set()
+        self._copies = InFlight()
         self._bulk_sent = 0
 
     @property
@@ -121,7 +120,7 @@ class CudaIpcLink(Link):
         self._control.close(error)
 
     async def quiesce(self) -> None:
-        await self._idle.wait()  # no copy into the receiver's pool still runs
+        await self._copies.idle.wait()  # no copy into the receiver's pool still runs
         await self._control.quiesce()
 
     async def run(self) -> None:
@@ -140,15 +139,8 @@ class CudaIpcLink(Link):
             raise LinkBroken(f"link {self.describe()}: only the sending end of a cuda-ipc link writes")
         self._check_rows(bulk)
         event = self._launch(bulk)
-        if self._copies == 0:  # a new event only when none runs: a quiesce may wait on the current one
-            self._idle = trio.Event()
-        self._copies += 1
-        try:
+        with self._copies.running():
             await gpu_copy.copies_done(event, bulk.nbytes)  # never abandoned: the copy is the fence
-        finally:
-            self._copies -= 1
-            if self._copies == 0:
-                self._idle.set()
         self._bulk_sent += bulk.nbytes
         drop_at = self._faults.drop_link_after_bytes
         if drop_at is not None and self._bulk_sent >= drop_at:

@@ -33,6 +33,7 @@ from transport.config import TransferConfig
 from transport.copy_lane import CopyLane
 from transport.errors import LinkBroken, LinkClosed, LinkError
 from transport.faults import FaultPlan
+from transport.in_flight import InFlight
 from transport.link import BulkWrite, Landing, Link, LinkHandler, Role, more_rounds_follow
 from transport.runs import copy_runs, launch_copy_runs
 
@@ -129,9 +130,7 @@ class InprocLink(Link):
         self._inbox_send, self._inbox = trio.open_memory_channel[PeerMessage](INBOX_MESSAGES)
         self._other: InprocLink | None = None
         self._lane: CopyLane | None = None  # made on the first large write
-        self._device_copies = 0  # small rounds' device copies this end's writes still wait for
-        self._devices_idle = trio.Event()
-        self._devices_idle.set()
+        self._device_copies = InFlight()  # small rounds' device copies this end's writes still wait for
         self._bulk_bytes = 0
         self._reader_scope = trio.CancelScope()
         self._peer_error: LinkError | None = None
@@ -189,15 +188,8 @@ class InprocLink(Link):
     async def _device_copy(self, copying: torch.cuda.Event, nbytes: int) -> None:
         """Wait for a small round's device copy while the event loop goes on; never abandoned (a
         cancellation is raised once the copy is done), and counted until then for `quiesce`."""
-        self._device_copies += 1
-        if self._devices_idle.is_set():
-            self._devices_idle = trio.Event()
-        try:
+        with self._device_copies.running():
             await gpu_copy.copies_done(copying, nbytes)
-        finally:
-            self._device_copies -= 1
-            if self._device_copies == 0:
-                self._devices_idle.set()
 
     def _claim(self, bulk: BulkWrite) -> Landing | None:
         """The receiver's landing of `bulk`, every run claimed; None when the round is gone."""
@@ -261,7 +253,7 @@ class InprocLink(Link):
     async def _copies_idle(self) -> None:
         """Until no copy of this end's writes still writes into pool memory (lane or device)."""
         await self._lane_idle()
-        await self._devices_idle.wait()
+        await self._device_copies.idle.wait()
 
     async def run(self) -> None:
         try:

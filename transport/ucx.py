@@ -36,6 +36,7 @@ from transport.device_bundles import RoundWork, bundles_on_device, gather, writt
 from transport.errors import LinkBroken, LinkClosed, LinkError
 from transport.faults import FaultPlan
 from transport.frame_plan import Frame, plan_bundles
+from transport.in_flight import InFlight
 from transport.link import BulkWrite, Link, LinkHandler, Role, keep_alive, more_rounds_follow
 from transport.peer_process import process_gone
 from transport.staging import HostChunk, HostChunks
@@ -98,8 +99,7 @@ class UcxLink(Link):
         self._scope = trio.CancelScope()
         self._chunks = HostChunks()
         self._landing: deque[Landing] = deque()
-        self._landed = trio.Event()  # set unless a landing is being unpacked or scattered
-        self._landed.set()
+        self._landing_now = InFlight()  # a landing being unpacked or scattered
         self._in_flight: list[tuple[list[Any], Chunk | None]] = []  # sends of writes not yet settled
         self._last_received = self._last_sent = trio.current_time()
         self._work = RoundWork()  # what a round's direct GPU pieces wait for
@@ -150,7 +150,7 @@ class UcxLink(Link):
         for a sender process that has exited (receives into a chunk or a device bundle write no block).
         Cancellable (a stopped sender process keeps it waiting): the caller decides how long."""
         await self.closed.wait()
-        await self._landed.wait()  # a device bundle's scatter into rows, begun before the close
+        await self._landing_now.idle.wait()  # a device bundle's scatter into rows, begun before the close
         peer = self._peer_pid
         into_rows = [landing for landing in self._landing if landing.chunk is None]  # not a chunk's
         if not await settle(self._worker, into_rows, lambda: bool(peer and process_gone(peer))):
@@ -389,11 +389,8 @@ class UcxLink(Link):
         self._ensure_open()  # its wait may have ended as the link closed: `quiesce` has not waited for it
         self._landing.popleft()
         self._last_received = trio.current_time()
-        self._landed = landed = trio.Event()
-        try:
+        with self._landing_now.running():
             await land(pending, self._chunks)  # a device bundle's scatter is awaited, also if cancelled
-        finally:
-            landed.set()
 
     async def _land_all(self) -> None:
         while self._landing:
