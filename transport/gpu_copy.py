@@ -6,11 +6,13 @@ through the temporary (every byte read and written twice) and 0.78–0.85 ms in 
 contiguous `copy_` of the same GiB; a `copy_` per block costs about 10 µs of host time each.
 
 The kernel is written in Triton, which torch's CUDA builds for Linux install as their own dependency
-(torch.compile's code generator). `prepare(device)` builds and checks it once per device (a cuda-ipc
-sender does so in a worker thread as soon as it listens, so the first round does not wait for the
-compiler). Where Triton cannot be imported (CPU builds, other platforms), or the kernel fails its check
-on the device, `copy_groups` copies through the temporary — the same bytes, one pass slower — and the
-log says why once (`transport.gpu_copy_two_pass`).
+(torch.compile's code generator). `prepare(device)` builds and checks it once per device; an endpoint
+on a GPU pool does so in a worker thread as it opens. `copy_groups` never compiles: until that build is
+done (about a second, longer on a busy host), it copies through the temporary, so a first round neither
+waits for the compiler nor blocks the event loop on it (a second's block there once broke a link whose
+peer waited a second for a heartbeat). Where Triton cannot be imported (CPU builds, other platforms), or
+the kernel fails its check on the device, `copy_groups` always copies through the temporary — the same
+bytes, one pass slower — and the log says why once (`transport.gpu_copy_two_pass`).
 
 The copy is byte for byte: both buffers are viewed as the widest integer type that divides a group, so
 no value passes through a float conversion (bfloat16 NaN payloads survive).
@@ -19,6 +21,7 @@ no value passes through a float conversion (bfloat16 NaN payloads survive).
 from __future__ import annotations
 
 import functools
+import threading
 import time
 from typing import Any, Final, Protocol
 
@@ -38,8 +41,9 @@ def copy_groups(
 ) -> None:
     """Rows `[g * group, (g + 1) * group)` of flat, contiguous `source` for each `g` of `src` into the
     rows of `target` numbered by `dst` (same length), queued on the current stream. `src` and `dst` are
-    int64 tensors on the buffers' device. Distinct `dst` entries are assumed (a grant's rows are)."""
-    kernel = prepare(source.device) if source.device == target.device else None
+    int64 tensors on the buffers' device. Distinct `dst` entries are assumed (a grant's rows are). Uses
+    the kernel once `prepare` has built it for the device, two passes until then."""
+    kernel = _built.get(source.device) if source.device == target.device else None
     if kernel is None:
         _two_pass(source, target, group, src, dst)
         return
@@ -85,32 +89,48 @@ async def copies_done(event: CopyEvent, nbytes: int) -> None:
     await trio.lowlevel.checkpoint_if_cancelled()  # and is raised here, as when it came while polling
 
 
-@functools.cache
+# Kernels `prepare` has built (None: the device cannot use one), by indexed device; written under the lock.
+_built: dict[torch.device, Any] = {}
+_building = threading.Lock()
+
+
 def prepare(device: torch.device) -> Any:
     """The kernel, built for `device` and checked there on three shuffled groups; None (logged once)
     where it cannot be used. Blocks while Triton compiles (about a second, once per process and device,
-    less with Triton's disk cache)."""
+    less with Triton's disk cache); callers at the same time wait for the one build."""
     if device.type != "cuda":
         return None
+    device = torch.device("cuda", torch.cuda.current_device() if device.index is None else device.index)
+    with _building:
+        if device not in _built:
+            _built[device] = _build(device)
+        return _built[device]
+
+
+def _build(device: torch.device) -> Any:
+    """Triton compiles a kernel per integer view on first launch (about 0.1 s each on the lent H100):
+    the check copy launches each here, so no launch of `copy_groups` compiles on the event loop."""
     kernel = _kernel()
     if kernel is None:
         return None
-    elements = 2 * ELEMENTS_PER_PROGRAM  # the usual specialisation: a multiple of 16 elements, 2 chunks
-    source = torch.arange(3 * elements, dtype=torch.int64, device=device)
-    target = torch.zeros_like(source)
+    elements = ELEMENTS_PER_PROGRAM + 3  # two chunks, the second partial
     order = torch.tensor([2, 0, 1], device=device)
+    moved = True
     try:
         with torch.cuda.stream(torch.cuda.Stream(device)):  # the check waits for no one else's work
-            kernel[(3 * 2,)](
-                source,
-                target,
-                order,
-                torch.arange(3, device=device),
-                elements,
-                2,
-                ELEMENTS_PER_PROGRAM=ELEMENTS_PER_PROGRAM,
-            )
-            moved = torch.equal(target.view(3, -1), source.view(3, -1)[order])
+            for _itemsize, dtype in _INTEGER_VIEWS:
+                source = torch.arange(3 * elements, device=device).to(dtype)
+                target = torch.zeros_like(source)
+                kernel[(3 * 2,)](
+                    source,
+                    target,
+                    order,
+                    torch.arange(3, device=device),
+                    elements,
+                    2,
+                    ELEMENTS_PER_PROGRAM=ELEMENTS_PER_PROGRAM,
+                )
+                moved = moved and torch.equal(target.view(3, -1), source.view(3, -1)[order])
     except Exception as exc:  # noqa: BLE001 - Triton's compiler and driver raise many types; logged, two-pass
         _log.warning("transport.gpu_copy_two_pass", device=str(device), reason=f"{type(exc).__name__}: {exc}")
         return None
@@ -148,7 +168,9 @@ def _kernel() -> Any:
         _log.info("transport.gpu_copy_two_pass", reason=f"triton cannot be imported: {exc}")
         return None
 
-    @triton.jit(do_not_specialize=["chunks"])
+    # Not specialised on `elements` either: Triton would compile again for each of `== 1`, `% 16 == 0` and
+    # other, at a round's launch; the copy measured the same for 64 KiB and 2 MiB groups, 0.89x for 4 KiB.
+    @triton.jit(do_not_specialize=["chunks", "elements"])
     def copy_groups_kernel(
         source, target, src_groups, dst_groups, elements, chunks, ELEMENTS_PER_PROGRAM: tl.constexpr
     ):
