@@ -18,7 +18,7 @@ from tests.transport.harness import (
     poisoned_storage,
     random_storage,
 )
-from transport.runs import Run, checksum_runs, copy_runs, group_index, plan_runs
+from transport.runs import Run, checksum_runs, copy_runs, group_index, group_numbers, plan_runs
 
 
 def test_runs_coalesce_consecutive_block_pairs() -> None:
@@ -105,3 +105,19 @@ def test_a_group_index_moves_exactly_the_runs_rows(
     assert len(index.src) == len(index.dst) == count // index.group
     if in_step and src_offset == 0 and count % block_size == 0:
         assert index.group % block_size == 0  # whole blocks move as one entry each
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    stretches=st.lists(st.tuples(st.integers(0, 10_000), st.integers(0, 40)), max_size=30),
+    group=st.integers(1, 4),
+)
+def test_group_numbers_are_every_group_of_every_stretch_in_order(
+    stretches: list[tuple[int, int]], group: int
+) -> None:
+    """Stretches of any lengths (empty ones too), in any order, overlapping or not: the group numbers
+    a loop over every row would list."""
+    starts = [start * group for start, _count in stretches]
+    lengths = [count * group for _start, count in stretches]
+    expected = [start // group + i for start, length in zip(starts, lengths) for i in range(length // group)]
+    assert group_numbers(starts, lengths, group).tolist() == expected
