@@ -31,7 +31,7 @@ import torch
 from transport.frame_plan import DEVICE_BUNDLE_BYTES, Frame, bundle_starts
 from transport.gpu_copy import copies_done
 from transport.runs import indexed, transfer_stream
-from transport.staging import row_index
+from transport.staging import row_groups, rows_view
 from transport.storage import PoolStorage
 
 # A GPU pool's piece of at least this many bytes goes as its own message: gathering it would cost a
@@ -83,9 +83,8 @@ def launch_gather(
         for frame, start in zip(frames, starts, strict=True):
             if start > end:
                 bundle[end:start].zero_()
-            flat = storage.flat(frame.name)
-            index = row_index(frame.sources(), flat.device)
-            torch.index_select(flat, 0, index, out=_rows(bundle, flat, index.numel(), start))
+            groups, index = row_groups(storage.flat(frame.name), frame.sources())
+            torch.index_select(groups, 0, index, out=rows_view(bundle, groups, index.numel(), start))
             end = start + frame.length
         if corrupt:
             bundle[:1].bitwise_xor_(0xFF)
@@ -140,9 +139,8 @@ def scatter(bundle: torch.Tensor, targets: Sequence[Target]) -> Event:
         if bundle.device.type == "cuda":  # allocated on the landing stream (`landing_buffer`)
             bundle.record_stream(torch.cuda.current_stream(bundle.device))
         for storage, name, stretches, start in targets:
-            flat = storage.flat(name)
-            index = row_index(stretches, flat.device)
-            flat.index_copy_(0, index, _rows(bundle, flat, index.numel(), start))
+            groups, index = row_groups(storage.flat(name), stretches)
+            groups.index_copy_(0, index, rows_view(bundle, groups, index.numel(), start))
 
     return _queued(bundle.device, work)[1]
 
@@ -164,12 +162,6 @@ async def written(event: Event, nbytes: int) -> None:
 @functools.cache
 def _landing_stream(device: torch.device) -> torch.cuda.Stream:
     return torch.cuda.Stream(device)
-
-
-def _rows(bundle: torch.Tensor, flat: torch.Tensor, count: int, start: int) -> torch.Tensor:
-    """`count` rows shaped as `flat`'s, viewed in `bundle` from byte `start` (16-byte aligned)."""
-    length = count * flat[0].numel() * flat.element_size()
-    return bundle[start : start + length].view(flat.dtype).view(count, *flat.shape[1:])
 
 
 def _queued(device: torch.device, work: Callable[[], _T]) -> tuple[_T, Event]:

@@ -19,6 +19,7 @@ from transport.staging import (
     gather_rows,
     pack,
     pack_bundle,
+    row_groups,
     scatter_rows,
     staged_tcp_frames,
     unpack,
@@ -156,3 +157,26 @@ def test_a_bundle_packs_frames_of_any_dtype_at_aligned_starts() -> None:
             rows = slice(piece.dst_row, piece.dst_row + piece.rows)
             sources = slice(piece.src_row, piece.src_row + piece.rows)
             assert torch.equal(landed[rows].view(torch.uint8), sent[sources].view(torch.uint8))
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    block=st.sampled_from([1, 2, 16, 128]),
+    blocks=st.lists(st.tuples(st.integers(0, 15), st.integers(0, 4)), max_size=12),
+    offset=st.integers(0, 3),
+)
+def test_row_groups_take_whole_blocks_at_once_and_list_exactly_the_stretches_rows(
+    block: int, blocks: list[tuple[int, int]], offset: int
+) -> None:
+    """Stretches of whole blocks are indexed a block or more at a time; a stretch off a block boundary
+    makes the groups smaller. Either way the groups listed hold exactly the stretches' rows, in order."""
+    flat = torch.arange(16 * block * 3, dtype=torch.int32).view(16 * block, 3)
+    total = flat.shape[0]
+    starts = [(min(first * block + offset * (first % 2), total), count * block) for first, count in blocks]
+    rows = [(row, min(count, total - row)) for row, count in starts]
+    groups, index = row_groups(flat, rows)
+    listed = groups.index_select(0, index).reshape(-1, 3)
+    expected = torch.cat([flat[row : row + count] for row, count in rows] or [flat[:0]])
+    assert torch.equal(listed, expected)
+    if offset == 0 and all(count % block == 0 for _row, count in rows):
+        assert index.numel() <= sum(count for _row, count in rows) // block
