@@ -59,7 +59,7 @@ from transport.liveness import KeptAlive, keep_alive_sessions
 from transport.receiver import ReceiveSession
 from transport.scope import describe_exit, open_task_scope
 from transport.sender import SendSession
-from transport.sender_desk import SenderDelivery, SenderDesk
+from transport.sender_desk import SenderDelivery, SenderDesk, hand_to_owner
 from transport.storage import PoolStorage
 
 _log = structlog.get_logger("transport.endpoint")
@@ -337,10 +337,8 @@ class TransferEndpoint:
         if link.role != "sender":
             link.close(LinkBroken(f"{link.describe()}: {type(message).__name__} sent to the receiving end"))
         elif self._sender_control is not None:
-            try:  # no Trio turn when the owner's channel has room (one fewer task switch per round)
-                self._sender_control.send_nowait(SenderDelivery(link, message))
-            except trio.WouldBlock:
-                await self._sender_control.send(SenderDelivery(link, message))
+            delivery, patience = SenderDelivery(link, message), self.config.link_timeout / 2
+            await hand_to_owner(self._sender_control, delivery, patience, self.name)
         else:
             self.deliver(SenderDelivery(link, message))
 

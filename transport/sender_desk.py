@@ -122,3 +122,27 @@ class SenderDesk:
                     )
                     abort = Abort(transfer_id=transfer_id, reason=FailureReason.NO_SENDER, detail=detail)
                     self._send_soon(pending.link, abort)
+
+
+async def hand_to_owner(
+    channel: trio.MemorySendChannel[SenderDelivery], delivery: SenderDelivery, patience: float, endpoint: str
+) -> None:
+    """Put `delivery` into the owner's command `channel` — at once when it has room (no Trio turn: one
+    fewer task switch per round). A full channel stalls the link's reader, which then reads no heartbeat:
+    past `patience` the link is closed, naming the owner, before its liveness check blames the peer."""
+    try:
+        channel.send_nowait(delivery)
+        return
+    except trio.WouldBlock:
+        pass
+    with trio.move_on_after(patience):
+        await channel.send(delivery)
+        return
+    message = delivery.message
+    delivery.link.close(
+        LinkBroken(
+            f"{delivery.link.describe()}: the owner of endpoint {endpoint!r} read no sender-bound message "
+            f"for {patience} s (its sender_control channel is full); {type(message).__name__} for "
+            f"{message.transfer_id!r} undelivered"
+        )
+    )

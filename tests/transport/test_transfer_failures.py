@@ -340,3 +340,25 @@ async def test_a_link_dropped_behind_queued_copies_fails_both_sides_without_leak
     assert collector.rounds == []
     assert pool.used_blocks == 0
     assert pool.quarantined_blocks == 0
+
+
+async def test_an_owner_that_reads_no_sender_bound_message_has_the_link_closed_naming_it(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """A sending endpoint's owner whose command channel stays full stalls the link's reader: past half
+    of `link_timeout` the link is closed with a reason naming the owner, and nothing leaks."""
+    source, storage, pool = parts(16, seed=7)
+    control_send, _control = trio.open_memory_channel[SenderDelivery](0)  # never read
+    config = TransferConfig(link_timeout=4.0, heartbeat_interval=1.0)
+    async with endpoint_pair(
+        "inproc", source, storage, pool, config=config, sender_control=control_send
+    ) as pair:
+        expected = (
+            "the owner of endpoint 'sender' read no sender-bound message for 2.0 s (its sender_control "
+            "channel is full); Grant for 't' undelivered"
+        )
+        with pytest.raises(TransferFailed, match=re.escape(expected)) as raised:
+            await pair.receiver.receive("t", peer=pair.link, consume=Collector())
+        assert trio.current_time() == pytest.approx(2.0)
+    assert raised.value.reason is FailureReason.LINK_LOST
+    assert pool.used_blocks == 0
