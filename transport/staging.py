@@ -28,7 +28,14 @@ from typing import Final, final
 
 import torch
 
-from transport.frame_plan import MAX_FRAME_BYTES, Frame, bundle_starts, packed_only, plan_frames
+from transport.frame_plan import (
+    MAX_FRAME_BYTES,
+    MAX_PACKED_BYTES,
+    Frame,
+    bundle_starts,
+    packed_only,
+    plan_frames,
+)
 from transport.link import BulkWrite
 from transport.runs import group_numbers
 from transport.storage import PoolStorage
@@ -52,17 +59,21 @@ class HostChunks:
 
     def __init__(self, *, pinned: bool | None = None) -> None:
         self.pinned = torch.cuda.is_available() if pinned is None else pinned
-        self._free: list[HostChunk] = []
+        self._free: dict[int, list[HostChunk]] = {MAX_FRAME_BYTES: [], MAX_PACKED_BYTES: []}
 
     def take(self, size: int = MAX_FRAME_BYTES) -> HostChunk:
-        """A chunk of at least `size` bytes (frames of one row wider than a chunk get their own)."""
-        if size <= MAX_FRAME_BYTES and self._free:
-            return self._free.pop()
-        return HostChunk(max(size, MAX_FRAME_BYTES), self.pinned)
+        """A chunk of at least `size` bytes. Chunks are `MAX_FRAME_BYTES`, or `MAX_PACKED_BYTES` for what
+        only a device bundle fills (a peer whose UCX reaches GPU memory sends those to this side, whose
+        UCX does not); both sizes are kept for reuse. A frame of one row wider still gets its own."""
+        for kept, free in self._free.items():
+            if size <= kept:
+                return free.pop() if free else HostChunk(kept, self.pinned)
+        return HostChunk(size, self.pinned)
 
     def give(self, chunk: HostChunk) -> None:
-        if len(self._free) < KEEP_CHUNKS and len(chunk.view) == MAX_FRAME_BYTES:
-            self._free.append(chunk)
+        free = self._free.get(len(chunk.view))
+        if free is not None and len(free) < KEEP_CHUNKS:
+            free.append(chunk)
 
 
 def pack(

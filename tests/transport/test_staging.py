@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from messages.layout import BufferSpec, PoolLayout
 from tests.transport.harness import embedding_layout, kv_layout, poisoned_storage, random_storage
-from transport.frame_plan import MAX_FRAME_BYTES, bundle_starts, plan_bundles
+from transport.frame_plan import MAX_FRAME_BYTES, MAX_PACKED_BYTES, bundle_starts, plan_bundles
 from transport.link import BulkWrite
 from transport.staging import (
     HostChunks,
@@ -66,15 +66,21 @@ def test_packed_rows_come_back_where_they_were(seed: int, count: int, device_pat
     chunks.give(chunk)
 
 
-def test_host_chunks_are_reused_and_wide_frames_get_their_own() -> None:
+def test_host_chunks_are_reused_by_size_and_wider_frames_get_their_own() -> None:
+    """Frame-sized and bundle-sized chunks are kept and handed out again; one wider than a bundle is not."""
     chunks = HostChunks(pinned=False)
     first = chunks.take()
     chunks.give(first)
     assert chunks.take() is first
-    wide = chunks.take(MAX_FRAME_BYTES + 1)
-    assert len(wide.view) == MAX_FRAME_BYTES + 1
+    bundle = chunks.take(MAX_FRAME_BYTES + 1)
+    assert len(bundle.view) == MAX_PACKED_BYTES
+    chunks.give(bundle)
+    assert chunks.take() is not bundle
+    assert chunks.take(MAX_PACKED_BYTES) is bundle
+    wide = chunks.take(MAX_PACKED_BYTES + 1)
+    assert len(wide.view) == MAX_PACKED_BYTES + 1
     chunks.give(wide)
-    assert chunks.take() is not wide
+    assert chunks.take(MAX_PACKED_BYTES + 1) is not wide
 
 
 @pytest.mark.parametrize("corrupt", [False, True])
