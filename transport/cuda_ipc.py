@@ -11,7 +11,9 @@ straight into the receiver's pool, device to device.
   receiver pool on the link's own CUDA stream (`copy_rows`), a CUDA event is recorded after them, and
   `write` waits for it in a worker thread — never abandoned, so cancellation waits for the copy — before
   the round's `ChunkDone` goes out. The event is the write fence of DESIGN §5.7: `ChunkDone` and
-  `AbortAck` follow completed copies only, and `quiesce` waits for copies in flight.
+  `AbortAck` follow completed copies only, and `quiesce` waits for copies in flight. Once the link is
+  closed, the fence is the end of its TCP connection, which the sender ends only after its copies
+  (`transport.socket_fence`).
 - The receiver is written from the other process, so its landing cannot refuse bytes before they land:
   the sender writes only rows its grants name (checked against the mapped pool's size), and a failed
   round's blocks stay quarantined until the fence, as on every transport.
@@ -47,6 +49,7 @@ from transport.errors import HandshakeRefused, LinkBroken, LinkClosed, LinkError
 from transport.faults import NO_FAULTS
 from transport.in_flight import InFlight
 from transport.link import BulkWrite, Landing, Link, LinkHandler, Role
+from transport.socket_fence import SocketFence
 
 if TYPE_CHECKING:
     from transport.endpoint import TransferEndpoint
@@ -97,6 +100,8 @@ class CudaIpcLink(Link):
             config=endpoint.config,
             faults=NO_FAULTS,  # the bulk faults act on this link's writes, not on control frames
         )
+        self._fence = SocketFence(sock)  # the connection outlives the control link until the fence falls
+        self._released = trio.Event()  # receiver: the sender has ended the connection
         self._faults, self._remote = endpoint.faults, remote
         device = endpoint.storage.device
         self._stream = torch.cuda.Stream(device) if remote is not None else None
@@ -120,11 +125,30 @@ class CudaIpcLink(Link):
         self._control.close(error)
 
     async def quiesce(self) -> None:
-        await self._copies.idle.wait()  # no copy into the receiver's pool still runs
+        """Sender: once no copy into the receiver's pool runs. Receiver: once the link is closed and the
+        sender has ended the connection, which it does only when its copies are done
+        (`transport.socket_fence`)."""
+        await self._copies.idle.wait()
         await self._control.quiesce()
+        if self.role == "receiver":
+            await self._released.wait()
 
     async def run(self) -> None:
-        await self._control.run()
+        """The control link's reader; once it ends, the fence: the sender releases the connection after
+        its copies (shielded: they always finish), the receiver stops writing and waits for that."""
+        try:
+            await self._control.run()
+            if self.role == "receiver":
+                self._fence.stop_writing()
+                await self._fence.peer_released()
+                self._released.set()
+        finally:
+            if self.role == "sender":
+                with trio.CancelScope(shield=True):
+                    await self._copies.idle.wait()
+            else:
+                self._fence.stop_writing()
+            self._fence.release()
 
     async def send(self, message: PeerMessage) -> None:
         await self._control.send(message)

@@ -3,10 +3,9 @@ to device, tcp and ucx through pinned host chunks (ucx packs on the device inste
 has CUDA transports: `.ci/gpu` runs the ucx cases a second time so), cuda-ipc by device copies into the
 receiver's pool mapped through CUDA IPC.
 
-Needs a CUDA device (the `cuda` fixture skips without one, as in CI). They ran on a lent H100
-(docs/transports.md, "What ran where"): 32 passed on 2026-11-23, the ucx cases with `UCX_TLS=all`
-included (a message per piece then); device bundles and the two-process ucx case came after, written
-without a GPU and not run on one yet.
+Needs a CUDA device (the `cuda` fixture skips without one, as in CI). They ran on lent H100s
+(docs/benchmarks.md, *GPU pools*), the ucx cases with `UCX_TLS=all` included: device bundles and the
+two-process cases on the fourth lease, 2026-11-23.
 """
 
 from __future__ import annotations
@@ -40,7 +39,7 @@ from tests.transport.test_transfer import SEED_SCENARIOS
 from transport import gpu_copy
 from transport.config import TransferConfig
 from transport.endpoint import open_endpoint
-from transport.errors import TransferFailed
+from transport.errors import LinkBroken, TransferFailed
 from transport.runs import group_index, launch_copy_runs, plan_runs
 
 pytestmark = pytest.mark.gpu
@@ -209,3 +208,40 @@ def test_the_one_pass_gpu_copy_moves_exactly_the_runs_bytes(
         expected[run.dst_row : run.dst_row + run.rows] = source[run.src_row : run.src_row + run.rows]
     assert torch.equal(target.view(torch.uint8), expected.view(torch.uint8))
     assert (index.group % block_size == 0) == in_step
+
+
+async def test_a_cuda_ipc_link_the_receiver_closes_keeps_its_blocks_until_the_senders_copy_ran(
+    cuda: torch.device,
+) -> None:
+    """The sender's copy waits behind a second of work on its current stream when the receiver closes
+    the link: the round's blocks stay quarantined until that copy has run — the sender ends the
+    connection only then (`transport.socket_fence`) — and come back after."""
+    layout = embedding_layout(hidden=1024)
+    source = Source(layout, 2048, seed=3, device="cuda")
+    storage, pool = on_device(random_storage(layout, 40, seed=4), "cuda"), shuffled_pool(40, 128, seed=5)
+    async with endpoint_pair("cuda-ipc", source, storage, pool) as pair:
+        torch.cuda._sleep(2_000_000_000)  # about a second of GPU time ahead of the sender's copy
+        behind = torch.cuda.Event()
+        behind.record()
+
+        async def sender() -> None:
+            with pytest.raises(TransferFailed):
+                await send_all(pair.sender, "t", source)
+
+        async def close_once_granted() -> None:
+            while pool.used_blocks == 0:
+                await trio.sleep(0.005)
+            await trio.sleep(0.1)  # the sender has launched its copy and waits for it
+            pair.link.close(LinkBroken("closed by the test's receiver"))
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(sender)
+            nursery.start_soon(close_once_granted)
+            with pytest.raises(TransferFailed) as raised:
+                await pair.receiver.receive("t", peer=pair.link, consume=Collector())
+            assert raised.value.reason is FailureReason.LINK_LOST
+            assert not behind.query() and pool.quarantined_blocks > 0
+            while pool.quarantined_blocks > 0:
+                await trio.sleep(0.005)
+            assert behind.query()  # released only after the copy that waited behind the work
+    assert pool.used_blocks == 0
