@@ -11,6 +11,7 @@ two-process cases on the fourth lease, 2026-11-23.
 from __future__ import annotations
 
 import importlib.util
+import math
 import random
 import signal
 from typing import Any
@@ -19,7 +20,7 @@ import pytest
 import torch
 import trio
 
-from messages.transfer import FailureReason
+from messages.transfer import FailureReason, Grant
 from tests.transport.harness import (
     Collector,
     Source,
@@ -38,7 +39,7 @@ from tests.transport.harness import (
 from tests.transport.test_transfer import SEED_SCENARIOS
 from transport import gpu_copy
 from transport.config import TransferConfig
-from transport.endpoint import open_endpoint
+from transport.endpoint import SenderDelivery, open_endpoint
 from transport.errors import LinkBroken, TransferFailed
 from transport.runs import group_index, launch_copy_runs, plan_runs
 
@@ -215,28 +216,32 @@ async def test_a_cuda_ipc_link_the_receiver_closes_keeps_its_blocks_until_the_se
 ) -> None:
     """The sender's copy waits behind a second of work on its current stream when the receiver closes
     the link: the round's blocks stay quarantined until that copy has run — the sender ends the
-    connection only then (`transport.socket_fence`) — and come back after."""
+    connection only then (`transport.socket_fence`) — and come back after. The work is queued as the
+    sender's owner hands it the grant, so the copy is launched behind it whatever the timing."""
     layout = embedding_layout(hidden=1024)
     source = Source(layout, 2048, seed=3, device="cuda")
     storage, pool = on_device(random_storage(layout, 40, seed=4), "cuda"), shuffled_pool(40, 128, seed=5)
-    async with endpoint_pair("cuda-ipc", source, storage, pool) as pair:
-        torch.cuda._sleep(2_000_000_000)  # about a second of GPU time ahead of the sender's copy
-        behind = torch.cuda.Event()
-        behind.record()
+    control_send, control = trio.open_memory_channel[SenderDelivery](math.inf)
+    behind = torch.cuda.Event()
+    async with endpoint_pair("cuda-ipc", source, storage, pool, sender_control=control_send) as pair:
+
+        async def owner() -> None:
+            async for delivery in control:
+                if isinstance(delivery.message, Grant):
+                    torch.cuda._sleep(2_000_000_000)  # about a second of GPU time ahead of the copy
+                    behind.record()
+                pair.sender.deliver(delivery)
+                if isinstance(delivery.message, Grant):
+                    await trio.sleep(0.1)  # the sender launches its copy, then waits for it
+                    pair.link.close(LinkBroken("closed by the test's receiver"))
 
         async def sender() -> None:
             with pytest.raises(TransferFailed):
                 await send_all(pair.sender, "t", source)
 
-        async def close_once_granted() -> None:
-            while pool.used_blocks == 0:
-                await trio.sleep(0.005)
-            await trio.sleep(0.1)  # the sender has launched its copy and waits for it
-            pair.link.close(LinkBroken("closed by the test's receiver"))
-
         async with trio.open_nursery() as nursery:
+            nursery.start_soon(owner)
             nursery.start_soon(sender)
-            nursery.start_soon(close_once_granted)
             with pytest.raises(TransferFailed) as raised:
                 await pair.receiver.receive("t", peer=pair.link, consume=Collector())
             assert raised.value.reason is FailureReason.LINK_LOST
@@ -244,4 +249,5 @@ async def test_a_cuda_ipc_link_the_receiver_closes_keeps_its_blocks_until_the_se
             while pool.quarantined_blocks > 0:
                 await trio.sleep(0.005)
             assert behind.query()  # released only after the copy that waited behind the work
+            nursery.cancel_scope.cancel()
     assert pool.used_blocks == 0
