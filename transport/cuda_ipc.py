@@ -100,15 +100,16 @@ class CudaIpcLink(Link):
             config=endpoint.config,
             faults=NO_FAULTS,  # the bulk faults act on this link's writes, not on control frames
         )
-        self._fence = SocketFence(sock)  # the connection outlives the control link until the fence falls
-        self._released = trio.Event()  # receiver: the sender has ended the connection
         self._faults, self._remote = endpoint.faults, remote
+        self._fence_timeout = endpoint.config.fence_timeout
         device = endpoint.storage.device
         self._stream = torch.cuda.Stream(device) if remote is not None else None
         # The sender's work queued before a round's copies: one event, re-recorded each round.
         self._queued = torch.cuda.Event() if remote is not None else None
         self._copies = InFlight()
         self._bulk_sent = 0
+        self._released = trio.Event()  # receiver: the sender has ended the connection
+        self._fence = SocketFence(sock)  # last: nothing after it can fail and leak its descriptor
 
     @property
     def is_closed(self) -> bool:
@@ -143,11 +144,15 @@ class CudaIpcLink(Link):
                 await self._fence.peer_released()
                 self._released.set()
         finally:
-            if self.role == "sender":
-                with trio.CancelScope(shield=True):
+            # Also when the endpoint's tasks are cancelled first: the fence must still fall (bounded).
+            with trio.CancelScope(shield=True):
+                if self.role == "sender":
                     await self._copies.idle.wait()
-            else:
-                self._fence.stop_writing()
+                elif not self._released.is_set():
+                    self._fence.stop_writing()
+                    with trio.move_on_after(self._fence_timeout):
+                        await self._fence.peer_released()
+                        self._released.set()
             self._fence.release()
 
     async def send(self, message: PeerMessage) -> None:

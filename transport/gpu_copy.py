@@ -146,6 +146,8 @@ async def prepare_in_thread(device: torch.device) -> None:
     """`prepare(device)` in a worker thread (not abandoned) for a GPU `device`: an endpoint starts it as
     it opens, so its first round does not wait for the compiler, nor block the event loop on it."""
     if device.type == "cuda":
+        if device.index is None:  # the event loop's current device, not the worker thread's
+            device = torch.device("cuda", torch.cuda.current_device())
         await trio.to_thread.run_sync(prepare, device)
 
 
@@ -164,8 +166,8 @@ def _kernel() -> Any:
     try:
         import triton
         import triton.language as tl
-    except ImportError as exc:
-        _log.info("transport.gpu_copy_two_pass", reason=f"triton cannot be imported: {exc}")
+    except Exception as exc:  # noqa: BLE001 - absent (ImportError) or broken on import: logged, two passes
+        _log.info("transport.gpu_copy_two_pass", reason=f"triton cannot be imported: {exc!r}")
         return None
 
     # Not specialised on `elements` either: Triton would compile again for each of `== 1`, `% 16 == 0` and

@@ -167,8 +167,11 @@ def block_index(
 def _on_devices(group: int, both: torch.Tensor, devices: tuple[torch.device, torch.device]) -> GroupIndex:
     """`GroupIndex` of source (`both[0]`) and target (`both[1]`) group numbers moved to `devices`."""
     if devices[0] == devices[1]:  # one copy to the device, queued: no wait for the stream's work
+        count = both.shape[1]
+        if count % 2:  # each row 16-byte aligned: Triton compiles the kernel again for an unaligned one
+            both = torch.cat((both, both.new_zeros(2, 1)), dim=1)
         both = both.to(devices[0], non_blocking=True)
-        return GroupIndex(group, both[0], both[1])
+        return GroupIndex(group, both[0, :count], both[1, :count])
     return GroupIndex(group, both[0].to(devices[0]), both[1].to(devices[1]))
 
 

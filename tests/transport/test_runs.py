@@ -18,7 +18,7 @@ from tests.transport.harness import (
     poisoned_storage,
     random_storage,
 )
-from transport.runs import Run, checksum_runs, copy_runs, group_index, group_numbers, plan_runs
+from transport.runs import Run, block_index, checksum_runs, copy_runs, group_index, group_numbers, plan_runs
 
 
 def test_runs_coalesce_consecutive_block_pairs() -> None:
@@ -121,3 +121,14 @@ def test_group_numbers_are_every_group_of_every_stretch_in_order(
     lengths = [count * group for _start, count in stretches]
     expected = [start // group + i for start, length in zip(starts, lengths) for i in range(length // group)]
     assert group_numbers(starts, lengths, group).tolist() == expected
+
+
+@pytest.mark.parametrize("blocks", [1, 2, 17, 18])
+def test_block_indices_on_one_device_start_16_byte_aligned(blocks: int) -> None:
+    """Source and target group numbers share one upload; each starts 16-byte aligned (an odd count is
+    padded), since the GPU copy's kernel would be compiled again, on the event loop, for an unaligned one."""
+    src, dst = list(range(blocks)), list(range(100, 100 + blocks))
+    cpu = torch.device("cpu")
+    index = block_index(src, dst, 16, (cpu, cpu))
+    assert index.src.tolist() == src and index.dst.tolist() == dst
+    assert index.src.data_ptr() % 16 == 0 and index.dst.data_ptr() % 16 == 0

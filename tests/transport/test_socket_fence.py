@@ -1,6 +1,7 @@
 """`transport.socket_fence` on real TCP connections: a closed link's connection ends only when the
 sender's fence is released, the receiver's stop is read as the end of the stream, and a reset or data
-still arriving counts as what it is."""
+still arriving counts as what it is; and a cuda-ipc link's receiving end (which needs no GPU) quiesces
+only once the sender has ended the connection, also when its task was cancelled first."""
 
 from __future__ import annotations
 
@@ -11,6 +12,10 @@ from contextlib import contextmanager
 import pytest
 import trio
 
+from tests.transport.harness import embedding_layout, random_storage, shuffled_pool
+from transport.cuda_ipc import CudaIpcLink
+from transport.endpoint import open_endpoint
+from transport.errors import LinkClosed
 from transport.socket_fence import SocketFence
 
 
@@ -91,3 +96,40 @@ async def test_releasing_closes_only_the_fences_descriptor(released_first: bool)
         with trio.fail_after(5):
             await trio.lowlevel.wait_readable(receiver)
         assert receiver.recv(16) == b""
+
+
+@pytest.mark.parametrize("cancelled_first", [False, True])
+async def test_a_cuda_ipc_receiver_quiesces_once_the_sender_ends_the_connection(
+    cancelled_first: bool,
+) -> None:
+    """The receiving end of a cuda-ipc link (on a CPU pool: it makes no GPU call) is closed, or its task
+    cancelled as an enclosing scope is: either way it tells the sender (the end of the stream), and its
+    `quiesce` — the fence — returns only once the sender has ended the connection, 0.2 s later."""
+    layout = embedding_layout(block_size=16)
+    storage, pool = random_storage(layout, 4, seed=1), shuffled_pool(4, 16, seed=2)
+    with connection() as (sender, receiver):
+        async with open_endpoint("receiver", storage, pool) as endpoint:
+            link = CudaIpcLink(receiver, endpoint, role="receiver", remote=None)
+            ended_at: list[float] = []
+
+            async def sender_ends_after_its_copies() -> None:
+                with trio.fail_after(5):
+                    await trio.lowlevel.wait_readable(sender)
+                assert sender.recv(16) == b""  # told: the receiver stopped
+                await trio.sleep(0.2)
+                ended_at.append(trio.current_time())
+                sender.close()
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(sender_ends_after_its_copies)
+                with trio.CancelScope() as scope:
+                    async with trio.open_nursery() as link_tasks:
+                        link_tasks.start_soon(link.run)
+                        await trio.sleep(0.05)
+                        if cancelled_first:
+                            scope.cancel()
+                        else:
+                            link.close(LinkClosed("closed by the test"))
+                with trio.fail_after(5):
+                    await link.quiesce()
+                assert ended_at and trio.current_time() >= ended_at[0]
