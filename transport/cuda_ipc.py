@@ -135,20 +135,16 @@ class CudaIpcLink(Link):
             await self._released.wait()
 
     async def run(self) -> None:
-        """The control link's reader; once it ends, the fence: the sender releases the connection after
-        its copies (shielded: they always finish), the receiver stops writing and waits for that."""
+        """The control link's reader; once it ends, the fence — shielded, so it falls also when the
+        endpoint's tasks are cancelled first: the sender releases the connection after its copies (they
+        always finish), the receiver stops writing and waits (up to `fence_timeout`) for that."""
         try:
             await self._control.run()
-            if self.role == "receiver":
-                self._fence.stop_writing()
-                await self._fence.peer_released()
-                self._released.set()
         finally:
-            # Also when the endpoint's tasks are cancelled first: the fence must still fall (bounded).
             with trio.CancelScope(shield=True):
                 if self.role == "sender":
                     await self._copies.idle.wait()
-                elif not self._released.is_set():
+                else:
                     self._fence.stop_writing()
                     with trio.move_on_after(self._fence_timeout):
                         await self._fence.peer_released()

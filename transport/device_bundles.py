@@ -29,8 +29,8 @@ from typing import Final, TypeVar, final
 import torch
 
 from transport.frame_plan import DEVICE_BUNDLE_BYTES, Frame, bundle_starts
-from transport.gpu_copy import copies_done
-from transport.runs import indexed, transfer_stream
+from transport.gpu_copy import copies_done, indexed
+from transport.runs import transfer_stream
 from transport.staging import row_groups, rows_view
 from transport.storage import PoolStorage
 

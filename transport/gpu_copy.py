@@ -89,6 +89,13 @@ async def copies_done(event: CopyEvent, nbytes: int) -> None:
     await trio.lowlevel.checkpoint_if_cancelled()  # and is raised here, as when it came while polling
 
 
+def indexed(device: torch.device) -> torch.device:
+    """`device` with its index: an unindexed `cuda` is the calling thread's current device."""
+    if device.type != "cuda" or device.index is not None:
+        return device
+    return torch.device("cuda", torch.cuda.current_device())
+
+
 # Kernels `prepare` has built (None: the device cannot use one), by indexed device; written under the lock.
 _built: dict[torch.device, Any] = {}
 _building = threading.Lock()
@@ -100,7 +107,7 @@ def prepare(device: torch.device) -> Any:
     less with Triton's disk cache); callers at the same time wait for the one build."""
     if device.type != "cuda":
         return None
-    device = torch.device("cuda", torch.cuda.current_device() if device.index is None else device.index)
+    device = indexed(device)
     with _building:
         if device not in _built:
             _built[device] = _build(device)
@@ -145,10 +152,8 @@ def _build(device: torch.device) -> Any:
 async def prepare_in_thread(device: torch.device) -> None:
     """`prepare(device)` in a worker thread (not abandoned) for a GPU `device`: an endpoint starts it as
     it opens, so its first round does not wait for the compiler, nor block the event loop on it."""
-    if device.type == "cuda":
-        if device.index is None:  # the event loop's current device, not the worker thread's
-            device = torch.device("cuda", torch.cuda.current_device())
-        await trio.to_thread.run_sync(prepare, device)
+    if device.type == "cuda":  # indexed here: the event loop's current device, not the worker thread's
+        await trio.to_thread.run_sync(prepare, indexed(device))
 
 
 def _two_pass(

@@ -19,7 +19,7 @@ from typing import Final, final
 
 import torch
 
-from transport.gpu_copy import copy_groups
+from transport.gpu_copy import copy_groups, indexed
 from transport.storage import PoolStorage
 
 # Runs at least this large are copied by torch; smaller ones by memcpy (CPU) or index ops (devices).
@@ -261,13 +261,6 @@ def transfer_stream(device: torch.device) -> torch.cuda.Stream:
 @functools.cache
 def _transfer_stream(device: torch.device) -> torch.cuda.Stream:
     return torch.cuda.Stream(device)
-
-
-def indexed(device: torch.device) -> torch.device:
-    """`device` with its index: an unindexed `cuda` is the current device."""
-    if device.type != "cuda" or device.index is not None:
-        return device
-    return torch.device("cuda", torch.cuda.current_device())
 
 
 def _copy_each(src: PoolStorage, dst: PoolStorage, runs: Sequence[Run], buffers: Sequence[str]) -> int:
