@@ -11,6 +11,9 @@ An endpoint consults its `FaultPlan` at fixed points; with the default plan ever
   only with `TransferConfig.checksums`).
 - `malformed_frame_after_bytes`: the sender puts a garbage frame on its link once it has written that
   many bulk bytes (TCP only; the receiver closes that link with a logged reason).
+- `short_message_after_bytes`: once it has written that many bulk bytes, the sender sends each bulk
+  message a byte short of what its descriptor announced (UCX only; the receive fails, and the receiver
+  closes that link naming both lengths).
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ class FaultPlan(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
     drop_link_after_bytes: int | None = None
     corrupt_round: int | None = None
     malformed_frame_after_bytes: int | None = None
+    short_message_after_bytes: int | None = None
 
     def applies_to(self, transfer_id: str) -> bool:
         return self.transfer_id is None or self.transfer_id == transfer_id

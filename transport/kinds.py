@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from transport.ucx_worker import INSTALL_HINT, ucx_installed
+from transport.ucx_library import INSTALL_HINT, ucx_installed
 
 TransportKind = Literal["inproc", "tcp", "ucx", "cuda-ipc"]
 TransportChoice = Literal["inproc", "tcp", "ucx", "cuda-ipc", "auto"]

@@ -16,10 +16,15 @@ receive the sender has begun to write completes only when the sender says so, an
 If the sender dies first it never completes — but a dead process writes nothing, so its blocks are safe
 once `process_gone(peer)` says so (`UcxLink.quiesce`).
 
+The same call with UCP's contiguous datatype (`ContiguousReceive`) is ucxx's own `tag_recv` plus one
+thing ucxx leaves out (rapidsai/ucxx#104): the received length is checked, so a message shorter than its
+receive fails it instead of leaving the rest of the rows stale. `transport.ucx_worker` posts every
+receive into host memory that way.
+
 This module calls seven functions of the libucp (and libucs) that ucxx already loaded (found by soname;
 never loaded a second time), on the worker and endpoint handles ucxx exposes, through ctypes:
 `ucp_tag_recv_nbx`, `ucp_tag_send_nbx`, `ucp_request_check_status`, `ucp_tag_recv_request_test` (a
-scattered receive checks the message filled it: a shorter one is an error, not stale rows),
+receive checks the message filled it: a shorter one is an error, not stale rows),
 `ucp_request_cancel`, `ucp_request_free` and `ucs_status_string`. `_RequestParam` mirrors
 `ucp_request_param_t` of UCX 1.x (checked against the ucp.h of the UCX that ucxx 0.52 bundles, 1.21);
 the tests land real bytes through it.
@@ -39,6 +44,7 @@ _OK: Final = 0
 _FIELD_DATATYPE: Final = 1 << 3
 _NO_IMMEDIATE: Final = 1 << 16  # UCP_OP_ATTR_FLAG_NO_IMM_CMPL
 _DATATYPE_IOV: Final = 2
+_DATATYPE_BYTES: Final = (1 << 3) | 0  # ucp_dt_make_contig(1): contiguous bytes
 _ALL_TAG_BITS: Final = (1 << 64) - 1
 _ERROR_POINTERS: Final = 100  # UCS_ERR_LAST: a status pointer at or above 2**64 - 100 is an error code
 
@@ -73,8 +79,9 @@ class _Iov(ctypes.Structure):
 
 
 @final
-class ScatterFailed(Exception):
-    """A scattered receive could not be posted, or ended in error (cancelled, truncated)."""
+class UcpFailed(Exception):
+    """An operation posted straight through UCP could not be posted, or ended in error (cancelled, a
+    message longer or shorter than its receive)."""
 
 
 _U64: Final = ctypes.c_uint64
@@ -111,6 +118,9 @@ class _Ucp:
         self.receive_param = _RequestParam(
             op_attr_mask=_FIELD_DATATYPE | _NO_IMMEDIATE, datatype=_DATATYPE_IOV
         )
+        self.contiguous_param = _RequestParam(
+            op_attr_mask=_FIELD_DATATYPE | _NO_IMMEDIATE, datatype=_DATATYPE_BYTES
+        )
 
     def describe(self, status: int) -> str:
         text = self.status_string(status)
@@ -119,25 +129,30 @@ class _Ucp:
 
 @functools.cache
 def _ucp() -> _Ucp:
-    """Bound on first use, after ucxx has loaded libucp (`transport.ucx_worker.libucxx`)."""
+    """Bound on first use, after ucxx has loaded libucp (`transport.ucx_library.libucxx`)."""
     return _Ucp()
 
 
-class _VectorRequest:
+class _UcpRequest:
     """One posted tag operation on an I/O vector (`io_vector`: address and length of each segment, in
-    message order).
+    message order) or on one contiguous buffer.
 
     Quacks like a ucxx request where `UcxWorker` needs it (`completed`, `check_error`). Invariant: the
     UCP request is freed exactly once, when `completed` first sees it done; `keep` (what owns the memory
-    the segments point into) and the I/O vector stay referenced by this object until then."""
+    the operation points into) and the I/O vector stay referenced by this object until then."""
 
     __slots__ = ("_error", "_iov", "_keep", "_request", "_worker", "_worker_handle")
 
     def __init__(
-        self, worker: Any, worker_handle: int, iov: ctypes.Array[_Iov], pointer: int | None, keep: object
+        self,
+        worker: Any,
+        worker_handle: int,
+        iov: ctypes.Array[_Iov] | None,
+        pointer: int | None,
+        keep: object,
     ) -> None:
         if pointer is not None and pointer >= (1 << 64) - _ERROR_POINTERS:
-            raise ScatterFailed(f"{self._what} not posted: {_ucp().describe(pointer - (1 << 64))}")
+            raise UcpFailed(f"{self._what} not posted: {_ucp().describe(pointer - (1 << 64))}")
         self._worker = worker  # the ucxx worker stays alive while its request may be touched
         self._worker_handle = worker_handle
         self._iov: ctypes.Array[_Iov] | None = iov
@@ -167,9 +182,9 @@ class _VectorRequest:
         return ucp.check_status(request), None
 
     def check_error(self) -> None:
-        """Raise `ScatterFailed` if the completed operation ended in error."""
+        """Raise `UcpFailed` if the completed operation ended in error."""
         if self._error is not None:
-            raise ScatterFailed(self._error)
+            raise UcpFailed(self._error)
 
     def cancel(self) -> None:
         """Ask UCX to cancel: a receive not yet matched (or a send UCX can still take back) completes in
@@ -189,20 +204,13 @@ def _iov(vector: array.array[int]) -> ctypes.Array[_Iov]:
     return (_Iov * (len(vector) // 2)).from_buffer(vector)
 
 
-@final
-class ScatteredReceive(_VectorRequest):
-    """A tag receive of the next message tagged exactly `tag` on ucxx `worker`, into I/O vector `vector`."""
+class _Receive(_UcpRequest):
+    """A tag receive that checks the message filled it: ucxx's own receive reports no length, and a
+    shorter message would leave the rest of its rows stale."""
 
     __slots__ = ("_expected",)
     _what = "receive"
-
-    def __init__(self, worker: Any, tag: int, vector: array.array[int], keep: object) -> None:
-        ucp, iov = _ucp(), _iov(vector)
-        self._expected = sum(vector[1::2])
-        # Never completed at once, so `_status` always sees the message's length.
-        handle = handle_of(worker)
-        pointer = ucp.recv(handle, iov, len(iov), tag, _ALL_TAG_BITS, ucp.receive_param)
-        super().__init__(worker, handle, iov, pointer, keep)
+    _expected: int
 
     def _status(self, ucp: _Ucp, request: int) -> tuple[int, str | None]:
         info = _TagRecvInfo()
@@ -213,7 +221,39 @@ class ScatteredReceive(_VectorRequest):
 
 
 @final
-class GatheredSend(_VectorRequest):
+class ScatteredReceive(_Receive):
+    """A tag receive of the next message tagged exactly `tag` on ucxx `worker`, into I/O vector `vector`."""
+
+    __slots__ = ()
+
+    def __init__(self, worker: Any, tag: int, vector: array.array[int], keep: object) -> None:
+        ucp, iov = _ucp(), _iov(vector)
+        self._expected = sum(vector[1::2])
+        # Never completed at once, so `_status` always sees the message's length.
+        handle = handle_of(worker)
+        pointer = ucp.recv(handle, iov, len(iov), tag, _ALL_TAG_BITS, ucp.receive_param)
+        super().__init__(worker, handle, iov, pointer, keep)
+
+
+@final
+class ContiguousReceive(_Receive):
+    """A tag receive of the next message tagged exactly `tag` on ucxx `worker`, into the `length` bytes
+    at `address` (memory that `keep` owns). The same UCP call as ucxx's `tag_recv` — UCX finds the
+    memory's type and picks the same protocol — with the message's length checked."""
+
+    __slots__ = ()
+
+    def __init__(self, worker: Any, tag: int, address: int, length: int, keep: object) -> None:
+        ucp = _ucp()
+        self._expected = length
+        handle = handle_of(worker)
+        # Never completed at once, so `_status` always sees the message's length.
+        pointer = ucp.recv(handle, address, length, tag, _ALL_TAG_BITS, ucp.contiguous_param)
+        super().__init__(worker, handle, None, pointer, keep)
+
+
+@final
+class GatheredSend(_UcpRequest):
     """A tag send of I/O vector `vector`'s bytes, back to back, as one message on ucxx `endpoint` (of
     ucxx `worker`)."""
 

@@ -55,17 +55,10 @@ from transport.ucx_frames import (
     parse_goodbye,
     parse_message,
 )
-from transport.ucx_landing import (
-    Landing,
-    direct,
-    into_device,
-    land,
-    scattered,
-    settle,
-    through_chunk,
-)
-from transport.ucx_payloads import Chunk, frame_payloads
-from transport.ucx_worker import BULK, CONTROL, LISTENER, Arrival, UcxFailed, UcxWorker, tag
+from transport.ucx_landing import Landing, direct, into_device, land, scattered, settle, through_chunk
+from transport.ucx_library import UcxFailed
+from transport.ucx_payloads import Chunk, frame_payloads, shortened
+from transport.ucx_worker import BULK, CONTROL, LISTENER, Arrival, UcxWorker, tag
 
 PACKED_WINDOW: Final = 4
 _link_numbers = itertools.count(1)
@@ -218,13 +211,13 @@ class UcxLink(Link):
             for bundle in plan_bundles(bulk, self._buffer_index, self._row_bytes, direct, sizes):
                 while sum(chunk is not None for _r, chunk in posted) >= PACKED_WINDOW:
                     await self._settle_oldest_chunk(posted)
-                self._check_faults(sum(frame.length for frame in bundle))
+                short = self._check_faults(sum(frame.length for frame in bundle))
                 gathered = None
                 if not bundle[0].packed:  # UCX reads a GPU pool's rows itself: after whatever wrote them
                     await written(self._work.event(bulk.source.device, bulk.landing_key, bulk.round), 0)
                 elif on_device:
                     gathered = await gather(bulk.source, bundle, corrupt)
-                posted.append(self._post_frames(bulk, bundle, corrupt, gathered))
+                posted.append(self._post_frames(bulk, bundle, corrupt, gathered, short))
                 corrupt = False
                 # The worker's progress moves what is posted (a gathered send is copied by this process)
                 # while later frames are planned: kv 64 MiB went from 0.60-0.67 to 0.67-0.75 of raw.
@@ -270,12 +263,15 @@ class UcxLink(Link):
         return request
 
     def _post_frames(
-        self, bulk: BulkWrite, frames: list[Frame], corrupt: bool, gathered: torch.Tensor | None
+        self, bulk: BulkWrite, frames: list[Frame], corrupt: bool, gathered: torch.Tensor | None, short: bool
     ) -> tuple[list[Any], Chunk | None]:
         """Post one direct frame, or a bundle of packed ones (`gathered` on the device already): bytes made
         ready, then descriptor and bytes with no await in between (see `write`); a descriptor whose
-        bytes never follow holds the peer's reader, so a failure after it closes the link."""
+        bytes never follow holds the peer's reader, so a failure after it closes the link. `short`: the
+        last message goes a byte short (fault injection)."""
         payloads, chunk, length = frame_payloads(bulk, frames, corrupt, gathered, self._chunks)
+        if short:
+            payloads[-1] = shortened(*payloads[-1])
         requests = [self._post(CONTROL, descriptor_body(frames, bulk.landing_key, bulk.round))]
         try:
             requests.extend(self._post(BULK, body, keep) for body, keep in payloads)
@@ -285,7 +281,8 @@ class UcxLink(Link):
         self._bulk_sent += length
         return requests, chunk
 
-    def _check_faults(self, length: int) -> None:
+    def _check_faults(self, length: int) -> bool:
+        """The faults due before a frame of `length` bytes; True: send it short."""
         malformed_at = self._faults.malformed_frame_after_bytes
         if malformed_at is not None and not self._malformed_sent and self._bulk_sent >= malformed_at:
             self._malformed_sent = True
@@ -296,6 +293,8 @@ class UcxLink(Link):
             error = LinkBroken(f"link {self.describe()} dropped by fault injection after {drop_at} bytes")
             self.close(error)
             raise error
+        short_at = self._faults.short_message_after_bytes
+        return short_at is not None and self._bulk_sent >= short_at
 
     # ------------------------------------------------------------------ receiving
     async def run(self) -> None:

@@ -28,7 +28,8 @@ from transport.link import Link, Role
 from transport.peer_process import host_key, local_pid
 from transport.ucx import UcxLink
 from transport.ucx_frames import CONNECT, UcxFrameError, accept_body, connect_body, parse_accept, parse_number
-from transport.ucx_worker import LISTENER, Arrival, UcxFailed, UcxWorker
+from transport.ucx_library import UcxFailed
+from transport.ucx_worker import LISTENER, Arrival, UcxWorker
 
 if TYPE_CHECKING:
     from transport.endpoint import TransferEndpoint

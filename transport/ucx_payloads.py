@@ -10,6 +10,7 @@ order, right after the descriptor).
 
 from __future__ import annotations
 
+import array
 from collections.abc import Sequence
 
 import torch
@@ -50,3 +51,17 @@ def frame_payloads(
         payloads.append((flipped_copy(rows) if corrupt else rows, None))
         corrupt = False
     return payloads, None, frame.length
+
+
+def shortened(body: object, keep: object) -> Payload:
+    """Message `body` a byte short (fault injection): an I/O vector copied with its last segment a byte
+    shorter (dropped when one byte long), a buffer sliced."""
+    if isinstance(body, array.array):
+        vector = array.array("Q", body)
+        if vector[-1] > 1:
+            vector[-1] -= 1
+        else:
+            del vector[-2:]
+        return vector, keep
+    assert isinstance(body, memoryview | bytearray | torch.Tensor)
+    return body[:-1], keep

@@ -12,7 +12,8 @@ the worker itself, as `../shared/tools/ucxx_trio_sketch.py` measured:
   requests completed. Posting kicks the loop out of its fd wait: a message already queued inside UCX needs
   a progress call, not an fd event;
 - besides ucxx's requests, the worker posts I/O-vector ones straight through UCP (`receive_scattered`,
-  `send_gathered`: `transport.ucp_scatter`); disconnecting an endpoint cancels its own where UCX can;
+  `send_gathered`: `transport.ucp_scatter`), and receives into host memory too, so that a short message
+  fails its receive (ucxx's does not say); disconnecting an endpoint cancels its own where UCX can;
 - control messages are found by probing (`tag_probe` with a mask on the kind bits) and received into a
   buffer of their exact size; each goes to the inbox of the link its tag names (`register`).
 
@@ -29,9 +30,7 @@ from __future__ import annotations
 
 import array
 import functools
-import importlib.util
 import itertools
-import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -41,9 +40,10 @@ import structlog
 import trio
 
 from transport.link import POLL_SECONDS
-from transport.ucp_scatter import GatheredSend, ScatteredReceive, ScatterFailed
+from transport.ucp_scatter import ContiguousReceive, GatheredSend, ScatteredReceive, UcpFailed
+from transport.ucx_library import UcxFailed, cuda_transports_allowed, libucxx, ucx_context
 
-_Vector = TypeVar("_Vector", ScatteredReceive, GatheredSend)
+_Posted = TypeVar("_Posted", ScatteredReceive, ContiguousReceive, GatheredSend)
 
 KIND_BITS: Final = 8
 KIND_MASK: Final = (1 << KIND_BITS) - 1
@@ -58,65 +58,10 @@ PROGRESS_SLICE: Final = 0.002
 # and an event (a piece of a rendezvous copy) ~60 µs, so probing after each was 5 % of a bulk copy.
 PROBE_INTERVAL: Final = 0.0002
 TEARDOWN_SECONDS: Final = 2.0
-INSTALL_HINT: Final = "pip install 'zigzag[ucx]' (ucxx-cu12; ucxx-cu13 on CUDA 13 hosts)"
 
 _log = structlog.get_logger("transport.ucx")
 # Buffers of requests that never completed before their worker went away: UCX may still touch them.
 _abandoned: list[object] = []
-
-
-@final
-class UcxUnavailable(Exception):
-    """ucxx (the `ucx` extra) is not installed."""
-
-
-@final
-class UcxFailed(Exception):
-    """A UCX operation failed: a request ended in error (cancelled, truncated), an address was unusable."""
-
-
-def ucx_installed() -> bool:
-    return importlib.util.find_spec("ucxx") is not None
-
-
-@functools.cache
-def libucxx() -> Any:
-    """The ucxx core module, imported on first use: importing zigzag never needs ucxx."""
-    if not ucx_installed():
-        raise UcxUnavailable(f"the ucx transport needs ucxx, which is not installed: {INSTALL_HINT}")
-    # UCX logs to stdout unless told otherwise, and stdout carries the node's listening line and the
-    # benchmarks' JSON rows. UCX reads this when its library loads, so it can only be set here.
-    os.environ.setdefault("UCX_LOG_FILE", "stderr")
-    # ucxx sets UCX_MEMTYPE_CACHE, which the UCX it bundles (1.21) no longer knows: every context would
-    # warn about it on stderr.
-    os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
-    import ucxx._lib.libucxx as lib
-
-    return lib
-
-
-@functools.cache
-def ucx_context() -> Any:
-    """The process's UCX context (tag matching and wakeup), created once and kept: contexts are heavy.
-    UCX reads its own `UCX_*` environment variables (e.g. `UCX_TLS`) here. Raises `UcxFailed` when UCX
-    finds nothing to run on."""
-    lib = libucxx()
-    try:
-        return lib.UCXContext(feature_flags=(lib.Feature.TAG, lib.Feature.WAKEUP))
-    except lib.UCXError as exc:  # not cached: a later call tries again
-        raise UcxFailed(
-            f"UCX could not start: {type(exc).__name__}: {exc} (no usable transport or device; UCX's log on "
-            "stderr names the cause, e.g. a UCX_TLS listing transports this host lacks)"
-        ) from exc
-
-
-def cuda_transports_allowed(tls: str) -> bool:
-    """Whether a `UCX_TLS` value lets UCX move CUDA memory itself (`all`, `cuda_copy`, `^tcp`, …)."""
-    names = [name.strip() for name in tls.split(",") if name.strip()]
-    if names and names[0].startswith("^"):
-        excluded = [names[0][1:], *names[1:]]
-        return not any(name in ("cuda", "cuda_copy") for name in excluded)
-    return any(name == "all" or name.startswith("cuda") for name in names)
 
 
 def tag(number: int, kind: int) -> int:
@@ -172,7 +117,7 @@ class UcxWorker:
         self._tracked: list[tuple[Any, object]] = []  # (request, what it reads or writes) until completed
         self._prune_at = 64
         self._endpoints: set[Any] = set()
-        self._vectors: dict[Any, list[ScatteredReceive | GatheredSend]] = {}
+        self._posted: dict[Any, list[ScatteredReceive | ContiguousReceive | GatheredSend]] = {}
         self._sleep: trio.CancelScope | None = None
         self._kicked = False
         self._running = False
@@ -207,7 +152,7 @@ class UcxWorker:
         if endpoint in self._endpoints:
             self._endpoints.discard(endpoint)
             endpoint.close()
-            for request in self._vectors.pop(endpoint, []):
+            for request in self._posted.pop(endpoint, []):
                 request.cancel()
             self.kick()
 
@@ -220,24 +165,31 @@ class UcxWorker:
     def send(self, endpoint: Any, to: int, buffer: object) -> Any:
         """Post a tag send of `buffer` (anything with the buffer or CUDA array interface).
         Raises `UcxFailed` once `endpoint` is disconnected."""
-        self._check_endpoint(endpoint)
         wrapped = self._array(buffer)
-        try:
-            request = endpoint.tag_send(wrapped, self._lib.UCXXTag(to))
-        except self._lib.UCXError as exc:
-            raise UcxFailed(f"send not posted: {type(exc).__name__}: {exc}") from exc
-        self._track(request, wrapped)
-        return request
+        return self._post_ucxx(
+            endpoint, "send", wrapped, lambda: endpoint.tag_send(wrapped, self._lib.UCXXTag(to))
+        )
 
     def receive(self, endpoint: Any, on: int, buffer: object) -> Any:
-        """Post a tag receive into `buffer` for the next message tagged exactly `on`.
-        Raises `UcxFailed` once `endpoint` is disconnected."""
-        self._check_endpoint(endpoint)
+        """Post a tag receive into `buffer` for the next message tagged exactly `on`; in host memory a
+        shorter message fails it (`ContiguousReceive`). Raises `UcxFailed` once `endpoint` is disconnected."""
         wrapped = self._array(buffer)
+        if not wrapped.cuda:
+            post = functools.partial(
+                ContiguousReceive, self._worker, on, wrapped.ptr, wrapped.nbytes, wrapped
+            )
+            return self._post(endpoint, wrapped, post)
+        return self._post_ucxx(
+            endpoint, "receive", wrapped, lambda: endpoint.tag_recv(wrapped, self._lib.UCXXTag(on))
+        )
+
+    def _post_ucxx(self, endpoint: Any, what: str, wrapped: object, post: Callable[[], Any]) -> Any:
+        """`post()` (a ucxx request) on an open `endpoint`, tracked."""
+        self._check_endpoint(endpoint)
         try:
-            request = endpoint.tag_recv(wrapped, self._lib.UCXXTag(on))
+            request = post()
         except self._lib.UCXError as exc:
-            raise UcxFailed(f"receive not posted: {type(exc).__name__}: {exc}") from exc
+            raise UcxFailed(f"{what} not posted: {type(exc).__name__}: {exc}") from exc
         self._track(request, wrapped)
         return request
 
@@ -247,23 +199,22 @@ class UcxWorker:
         """Post a tag receive for the next message tagged exactly `on`, landing in the segments of I/O
         vector `vector` (`transport.ucp_scatter.io_vector`) of memory that `keep` owns. Cancelled (where
         UCX can) when `endpoint` is disconnected. Raises `UcxFailed` once `endpoint` is disconnected."""
-        return self._post_vector(endpoint, keep, lambda: ScatteredReceive(self._worker, on, vector, keep))
+        return self._post(endpoint, keep, lambda: ScatteredReceive(self._worker, on, vector, keep))
 
     def send_gathered(self, endpoint: Any, to: int, vector: array.array[int], keep: object) -> GatheredSend:
         """Post a tag send of the segments of I/O vector `vector` (memory that `keep` owns), back to back
         as one message. Raises `UcxFailed` once `endpoint` is disconnected."""
-        return self._post_vector(
-            endpoint, keep, lambda: GatheredSend(self._worker, endpoint, to, vector, keep)
-        )
+        return self._post(endpoint, keep, lambda: GatheredSend(self._worker, endpoint, to, vector, keep))
 
-    def _post_vector(self, endpoint: Any, keep: object, post: Callable[[], _Vector]) -> _Vector:
-        """`post()` on an open `endpoint`, tracked, and listed for cancelling when it disconnects."""
+    def _post(self, endpoint: Any, keep: object, post: Callable[[], _Posted]) -> _Posted:
+        """`post()` (a request straight through UCP) on an open `endpoint`, tracked, and listed for
+        cancelling when it disconnects."""
         self._check_endpoint(endpoint)
         try:
             request = post()
-        except ScatterFailed as exc:
+        except UcpFailed as exc:
             raise UcxFailed(str(exc)) from exc
-        pending = self._vectors.setdefault(endpoint, [])
+        pending = self._posted.setdefault(endpoint, [])
         if len(pending) >= self._prune_at:
             pending[:] = [posted for posted in pending if not posted.completed]
         pending.append(request)
@@ -303,7 +254,7 @@ class UcxWorker:
         """Raise `UcxFailed` if the completed `request` ended in error."""
         try:
             request.check_error()
-        except (self._lib.UCXError, ScatterFailed) as exc:
+        except (self._lib.UCXError, UcpFailed) as exc:
             raise UcxFailed(f"{type(exc).__name__}: {exc}") from exc
 
     def kick(self) -> None:

@@ -60,7 +60,7 @@ from transport.endpoint import TransferEndpoint, open_endpoint
 from transport.inproc import InprocNetwork
 from transport.link import Link
 from transport.storage import PoolStorage
-from transport.ucx_worker import INSTALL_HINT, ucx_installed
+from transport.ucx_library import INSTALL_HINT, ucx_installed
 
 BENCH = "transfer"
 T = TypeVar("T")

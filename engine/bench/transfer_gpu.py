@@ -42,7 +42,7 @@ from transport.cuda_ipc_share import open_share, share_pool
 from transport.endpoint import SenderDelivery, TransferEndpoint, open_endpoint
 from transport.runs import block_index
 from transport.storage import PoolStorage
-from transport.ucx_worker import ucx_installed
+from transport.ucx_library import ucx_installed
 
 BENCH = "transfer"
 GiB: Final = 1024**3

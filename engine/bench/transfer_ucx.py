@@ -42,7 +42,7 @@ from engine.bench.rows import Row, alternate, row, warmed
 from engine.bench.transfer_peer import RAW_BYTES, Source, peer_process, serve_grants
 from transport.endpoint import SenderDelivery, open_endpoint
 from transport.ucp_scatter import ScatteredReceive, io_vector
-from transport.ucx_worker import libucxx
+from transport.ucx_library import libucxx
 
 BENCH = "transfer"
 ADDRESS: Final = 1  # raw baseline tags: the receiver's worker address, a request, the payload

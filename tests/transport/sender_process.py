@@ -29,7 +29,6 @@ from transport.config import TransferConfig
 from transport.endpoint import open_endpoint
 from transport.errors import TransferError
 from transport.faults import FaultPlan
-from transport.frame_plan import Frame
 from transport.link import BulkWrite
 from transport.sender import SendSession
 from transport.ucx import UcxLink
@@ -39,10 +38,8 @@ def stop_after_posting(round_number: int) -> None:
     """The `stop_after_posting_round` fault, by wrapping `UcxLink._post_frames` in this process."""
     post_frames = UcxLink._post_frames
 
-    def post_then_stop(
-        link: UcxLink, bulk: BulkWrite, frames: list[Frame], corrupt: bool, gathered: torch.Tensor | None
-    ) -> Any:
-        posted = post_frames(link, bulk, frames, corrupt, gathered)
+    def post_then_stop(link: UcxLink, bulk: BulkWrite, *frames_and_how: Any) -> Any:
+        posted = post_frames(link, bulk, *frames_and_how)
         if bulk.round == round_number:
             # One progress call pushes out what UCX queued (the rendezvous requests); the receiver's
             # answer takes far longer than this to come back, so the bytes are never written.

@@ -246,6 +246,50 @@ async def test_a_malformed_ucx_frame_closes_only_that_peers_link() -> None:
     assert pool.used_blocks == 0
 
 
+@pytest.mark.parametrize("sender_writes", [True, False], ids=["scattered", "received-by-copy"])
+async def test_a_short_ucx_message_closes_only_that_peers_link_naming_both_lengths(
+    sender_writes: bool,
+) -> None:
+    good, bad = Source(LAYOUT, 80, seed=60), Source(LAYOUT, 80, seed=61)
+    storage, pool = random_storage(LAYOUT, 30, seed=62), shuffled_pool(30, 16, seed=63)
+    config = TransferConfig(
+        default_grant_blocks=1, round_cap_blocks=1, window=2, ucx_sender_writes=sender_writes
+    )
+    short = FaultPlan(short_message_after_bytes=1)
+    async with (
+        open_endpoint("good", good.storage, good.pool, config=config) as good_sender,
+        open_endpoint("bad", bad.storage, bad.pool, config=config, faults=short) as bad_sender,
+        open_endpoint("receiver", storage, pool, config=config) as receiver,
+    ):
+        good_link = await receiver.connect(await good_sender.listen_on("ucx"))
+        bad_link = await receiver.connect(await bad_sender.listen_on("ucx"))
+        good_data = Collector()
+        failures: dict[str, TransferError] = {}
+
+        async def receive_bad() -> None:
+            try:
+                await receiver.receive("b", peer=bad_link, consume=Collector())
+            except TransferFailed as exc:
+                failures["receiver"] = exc
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(send_all, good_sender, "g", good)
+            nursery.start_soon(_expect_sender_failure, bad_sender, "b", bad, failures)
+            nursery.start_soon(receive_bad)
+            await receiver.receive("g", peer=good_link, consume=good_data)
+        await settle()
+        assert receiver.links() == [good_link]
+        lengths = re.search(
+            r"receive failed: UcpFailed: a message of (\d+) bytes for a receive of (\d+)$",
+            str(bad_link.error),
+        )
+        assert lengths is not None, bad_link.error
+        assert int(lengths[1]) + 1 == int(lengths[2])
+    assert_same_bytes(good_data.data(), good.expected())
+    assert [failures[side].reason for side in ("receiver", "b")] == [FailureReason.LINK_LOST] * 2
+    assert pool.used_blocks == 0
+
+
 async def test_a_mismatched_ucx_handshake_is_refused_naming_both_values() -> None:
     source = Source(embedding_layout(), 10, seed=8)
     layout = embedding_layout(block_size=64)

@@ -1,7 +1,7 @@
-"""Scattered receives (`transport.ucp_scatter`, issue 7) on a real UCX worker: where the bytes land, the
-errors UCX reports, cancellation, and the fence for a sender process that dies before writing. Over
-`UCX_TLS=sm,tcp` on CPU (the `ucx_env` fixture); real time, as the UCX progress task waits on a file
-descriptor."""
+"""Scattered receives and length-checked ones (`transport.ucp_scatter`, issue 7) on a real UCX worker:
+where the bytes land, the errors UCX reports, cancellation, and the fence for a sender process that dies
+before writing. Over `UCX_TLS=sm,tcp` on CPU (the `ucx_env` fixture); real time, as the UCX progress task
+waits on a file descriptor."""
 
 from __future__ import annotations
 
@@ -22,7 +22,8 @@ from hypothesis import strategies as st
 from transport.peer_process import host_key, local_pid, process_gone
 from transport.ucp_scatter import io_vector
 from transport.ucx_landing import VECTORISED_STRETCHES, Landing, settle, stretch_entries
-from transport.ucx_worker import UcxFailed, UcxWorker
+from transport.ucx_library import UcxFailed
+from transport.ucx_worker import UcxWorker
 
 pytestmark = pytest.mark.usefixtures("ucx_env")
 TAG = (5 << 8) | 2
@@ -86,7 +87,7 @@ async def test_a_message_longer_than_its_segments_fails_the_receive_as_truncated
         async with two_workers() as (sender, to_receiver, receiver, to_sender):
             request = receiver.receive_scattered(to_sender, TAG, all_of(memory), memory)
             await sender.wait([sender.send(to_receiver, TAG, bytes(100))])
-            with pytest.raises(UcxFailed, match=r"^ScatterFailed: Message truncated \(-9\)$"):
+            with pytest.raises(UcxFailed, match=r"^UcpFailed: Message truncated \(-9\)$"):
                 await receiver.wait([request])
 
 
@@ -97,10 +98,47 @@ async def test_a_message_shorter_than_its_segments_fails_the_receive_instead_of_
             vector = io_vector([(address_of(memory, 0), 32), (address_of(memory, 40), 24)])
             request = receiver.receive_scattered(to_sender, TAG, vector, memory)
             await sender.wait([sender.send(to_receiver, TAG, bytes(50))])
-            with pytest.raises(
-                UcxFailed, match=r"^ScatterFailed: a message of 50 bytes for a receive of 56$"
-            ):
+            with pytest.raises(UcxFailed, match=r"^UcpFailed: a message of 50 bytes for a receive of 56$"):
                 await receiver.wait([request])
+
+
+@pytest.mark.parametrize("size", [64, 1 << 20], ids=["eager", "rendezvous"])
+async def test_a_receive_into_host_memory_fails_for_a_shorter_message_and_lands_an_exact_one(
+    size: int,
+) -> None:
+    landed, exact = bytearray(size), np.random.default_rng(size).bytes(size)
+    with trio.fail_after(10):
+        async with two_workers() as (sender, to_receiver, receiver, to_sender):
+            short = receiver.receive(to_sender, TAG, landed)
+            await sender.wait([sender.send(to_receiver, TAG, bytes(size - 1))])
+            with pytest.raises(
+                UcxFailed, match=rf"^UcpFailed: a message of {size - 1} bytes for a receive of {size}$"
+            ):
+                await receiver.wait([short])
+            request = receiver.receive(to_sender, TAG, landed)
+            await sender.wait([sender.send(to_receiver, TAG, exact)])
+            await receiver.wait([request])
+    assert bytes(landed) == exact
+
+
+async def test_a_receive_into_host_memory_fails_for_a_longer_message_as_truncated() -> None:
+    with trio.fail_after(10):
+        async with two_workers() as (sender, to_receiver, receiver, to_sender):
+            request = receiver.receive(to_sender, TAG, bytearray(64))
+            await sender.wait([sender.send(to_receiver, TAG, bytes(100))])
+            with pytest.raises(UcxFailed, match=r"^UcpFailed: Message truncated \(-9\)$"):
+                await receiver.wait([request])
+
+
+async def test_disconnecting_cancels_a_pending_receive_into_host_memory() -> None:
+    with trio.fail_after(10):
+        async with two_workers() as (_sender, _to_receiver, receiver, to_sender):
+            request = receiver.receive(to_sender, TAG, bytearray(64))
+            receiver.disconnect(to_sender)
+            with pytest.raises(UcxFailed, match=r"^UcpFailed: Request canceled \(-16\)$"):
+                await receiver.wait([request])
+            with pytest.raises(UcxFailed, match=r"^the UCX endpoint is closed \(worker 'receiver'\)$"):
+                receiver.receive(to_sender, TAG, bytearray(64))
 
 
 async def test_disconnecting_cancels_a_pending_scattered_receive_and_no_more_can_be_posted() -> None:
@@ -109,7 +147,7 @@ async def test_disconnecting_cancels_a_pending_scattered_receive_and_no_more_can
         async with two_workers() as (_sender, _to_receiver, receiver, to_sender):
             request = receiver.receive_scattered(to_sender, TAG, all_of(memory), memory)
             receiver.disconnect(to_sender)
-            with pytest.raises(UcxFailed, match=r"^ScatterFailed: Request canceled \(-16\)$"):
+            with pytest.raises(UcxFailed, match=r"^UcpFailed: Request canceled \(-16\)$"):
                 await receiver.wait([request])
             with pytest.raises(UcxFailed, match=r"^the UCX endpoint is closed \(worker 'receiver'\)$"):
                 receiver.receive_scattered(to_sender, TAG, all_of(memory), memory)

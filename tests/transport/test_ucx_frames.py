@@ -45,7 +45,7 @@ from transport.ucx_frames import (
     parse_descriptors,
     parse_number,
 )
-from transport.ucx_worker import cuda_transports_allowed
+from transport.ucx_library import cuda_transports_allowed
 
 LAYOUT = embedding_layout(block_size=16, hidden=1024)  # 4 KiB rows: a block is 64 KiB
 ROW_BYTES = [spec.bytes_per_token for spec in LAYOUT.buffers]
