@@ -210,15 +210,15 @@ async def test_a_lost_ucx_receiver_or_link_fails_both_sides_within_the_deadline(
     assert pool.used_blocks == 0
 
 
-async def test_a_malformed_ucx_frame_closes_only_that_peers_link() -> None:
-    good, bad = Source(LAYOUT, 80, seed=50), Source(LAYOUT, 80, seed=51)
-    storage, pool = random_storage(LAYOUT, 30, seed=52), shuffled_pool(30, 16, seed=53)
-    config = TransferConfig(default_grant_blocks=1, round_cap_blocks=1, window=2)
+async def _one_bad_sender(faults: FaultPlan, config: TransferConfig, seed: int) -> str:
+    """A receiver with a good sender and one whose link carries `faults`: the good transfer lands whole,
+    only the bad link closes, both ends of the bad transfer fail `link_lost`, no block stays used.
+    Returns why the bad link closed."""
+    good, bad = Source(LAYOUT, 80, seed=seed), Source(LAYOUT, 80, seed=seed + 1)
+    storage, pool = random_storage(LAYOUT, 30, seed=seed + 2), shuffled_pool(30, 16, seed=seed + 3)
     async with (
         open_endpoint("good", good.storage, good.pool, config=config) as good_sender,
-        open_endpoint(
-            "bad", bad.storage, bad.pool, config=config, faults=FaultPlan(malformed_frame_after_bytes=1)
-        ) as bad_sender,
+        open_endpoint("bad", bad.storage, bad.pool, config=config, faults=faults) as bad_sender,
         open_endpoint("receiver", storage, pool, config=config) as receiver,
     ):
         good_link = await receiver.connect(await good_sender.listen_on("ucx"))
@@ -240,54 +240,29 @@ async def test_a_malformed_ucx_frame_closes_only_that_peers_link() -> None:
         await settle()
         assert receiver.links() == [good_link]
         assert bad_link.error is not None
-        assert "malformed frame from the peer: control body of unknown kind 0xde" in str(bad_link.error)
     assert_same_bytes(good_data.data(), good.expected())
     assert [failures[side].reason for side in ("receiver", "b")] == [FailureReason.LINK_LOST] * 2
     assert pool.used_blocks == 0
+    return str(bad_link.error)
+
+
+async def test_a_malformed_ucx_frame_closes_only_that_peers_link() -> None:
+    config = TransferConfig(default_grant_blocks=1, round_cap_blocks=1, window=2)
+    why = await _one_bad_sender(FaultPlan(malformed_frame_after_bytes=1), config, seed=50)
+    assert "malformed frame from the peer: control body of unknown kind 0xde" in why
 
 
 @pytest.mark.parametrize("sender_writes", [True, False], ids=["scattered", "received-by-copy"])
 async def test_a_short_ucx_message_closes_only_that_peers_link_naming_both_lengths(
     sender_writes: bool,
 ) -> None:
-    good, bad = Source(LAYOUT, 80, seed=60), Source(LAYOUT, 80, seed=61)
-    storage, pool = random_storage(LAYOUT, 30, seed=62), shuffled_pool(30, 16, seed=63)
     config = TransferConfig(
         default_grant_blocks=1, round_cap_blocks=1, window=2, ucx_sender_writes=sender_writes
     )
-    short = FaultPlan(short_message_after_bytes=1)
-    async with (
-        open_endpoint("good", good.storage, good.pool, config=config) as good_sender,
-        open_endpoint("bad", bad.storage, bad.pool, config=config, faults=short) as bad_sender,
-        open_endpoint("receiver", storage, pool, config=config) as receiver,
-    ):
-        good_link = await receiver.connect(await good_sender.listen_on("ucx"))
-        bad_link = await receiver.connect(await bad_sender.listen_on("ucx"))
-        good_data = Collector()
-        failures: dict[str, TransferError] = {}
-
-        async def receive_bad() -> None:
-            try:
-                await receiver.receive("b", peer=bad_link, consume=Collector())
-            except TransferFailed as exc:
-                failures["receiver"] = exc
-
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(send_all, good_sender, "g", good)
-            nursery.start_soon(_expect_sender_failure, bad_sender, "b", bad, failures)
-            nursery.start_soon(receive_bad)
-            await receiver.receive("g", peer=good_link, consume=good_data)
-        await settle()
-        assert receiver.links() == [good_link]
-        lengths = re.search(
-            r"receive failed: UcpFailed: a message of (\d+) bytes for a receive of (\d+)$",
-            str(bad_link.error),
-        )
-        assert lengths is not None, bad_link.error
-        assert int(lengths[1]) + 1 == int(lengths[2])
-    assert_same_bytes(good_data.data(), good.expected())
-    assert [failures[side].reason for side in ("receiver", "b")] == [FailureReason.LINK_LOST] * 2
-    assert pool.used_blocks == 0
+    why = await _one_bad_sender(FaultPlan(short_message_after_bytes=1), config, seed=60)
+    lengths = re.search(r"receive failed: UcpFailed: a message of (\d+) bytes for a receive of (\d+)$", why)
+    assert lengths is not None, why
+    assert int(lengths[1]) + 1 == int(lengths[2])
 
 
 async def test_a_mismatched_ucx_handshake_is_refused_naming_both_values() -> None:
