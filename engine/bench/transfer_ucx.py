@@ -8,6 +8,8 @@
 - `ucx_64MiB_vs_iov`: the same transfer against raw UCP with the protocol zigzag's scattered receives
   get (the receive takes an I/O vector, so UCX has the sender write the bytes): the best this host's UCX
   does for these bytes, GB/s, higher is better.
+- `ucx_64MiB_receiver_copies`: `ucx_64MiB` with `ucx_sender_writes` off (the receiver reads each piece
+  from the sender's rows) against the same raw ucxx message: which of the two protocols suits this host.
 - `ucx_kv_64MiB` (not with `--quick`): the KV layout, 16-token blocks of 32 KiB per buffer (packed frames).
 - `ucx_1block_us`: one 516 KiB block (what a transfer costs beyond its bytes), µs, against a raw ucxx
   request and a reply of the same bytes; lower is better.
@@ -218,6 +220,7 @@ def ucx_rows(portal: Any, args: argparse.Namespace, repeats: int, receiver_facto
             )
             if source_name == "emb4096":
                 yield _against_the_write_protocol(portal, receiver, raw, repeats, args)
+                yield _receiver_copies_row(portal, args, repeats, receiver_factory, ready, raw)
         small = [("block", "ucx_1block_us", "one block"), ("kv_small", "ucx_kv_small_us", "")]
         for source_name, case, what in small + (
             [] if args.quick else [("kv_long", "ucx_kv_512blocks_us", "")]
@@ -242,6 +245,38 @@ def _against_the_write_protocol(
         project,
         baseline,
         "raw ucp tag send / I/O-vector receive",
+        unit="GB/s",
+        note=note,
+    )
+
+
+def _receiver_copies_row(
+    portal: Any,
+    args: argparse.Namespace,
+    repeats: int,
+    receiver_factory: Any,
+    ready: dict[str, Any],
+    raw: RawReceiver,
+) -> Row:
+    """`ucx_64MiB_receiver_copies`: the `ucx_64MiB` transfer with `ucx_sender_writes` off — the receiver
+    reads each piece from the sender's rows — against the same raw ucxx message: which copy protocol
+    suits this host (docs/benchmarks.md measured hosts where either was faster)."""
+    receiver = receiver_factory("ucx_64MiB_receiver_copies-receiver", "emb4096", ucx_sender_writes=False)
+    portal.call(receiver.open, portal, ready["emb4096"], None)
+    receiver.checked(portal, ready["emb4096_crc"])
+    project, baseline = alternate(warmed(partial(receiver.gbps, portal)), warmed(raw.gbps), repeats)
+    note = (
+        f"{receiver.nbytes} bytes in {receiver.rounds} rounds, emb4096 layout, UCX_TLS={args.ucx_tls}, "
+        f"ucx_sender_writes off; baseline {RAW_BYTES} bytes in one tag message; no goal (ucx_64MiB has it)"
+    )
+    return row(
+        BENCH,
+        "ucx_64MiB_receiver_copies",
+        "GB/s",
+        "higher",
+        project,
+        baseline,
+        "raw ucxx tag send/recv",
         unit="GB/s",
         note=note,
     )
