@@ -11,9 +11,10 @@ An endpoint consults its `FaultPlan` at fixed points; with the default plan ever
   only with `TransferConfig.checksums`).
 - `malformed_frame_after_bytes`: the sender puts a garbage frame on its link once it has written that
   many bulk bytes (TCP only; the receiver closes that link with a logged reason).
-- `short_message_after_bytes`: once it has written that many bulk bytes, the sender sends each bulk
-  message a byte short of what its descriptor announced (UCX only; the receive fails, and the receiver
-  closes that link naming both lengths).
+- `short_message_after_bytes`: once it has written that many bulk bytes, the sender sends the last
+  message of each frame (or bundle) a byte short of what its descriptor announced (UCX only; where the
+  receiver lands it in host memory the receive fails, and the receiver closes that link naming both
+  lengths; a receive into GPU memory does not notice).
 """
 
 from __future__ import annotations

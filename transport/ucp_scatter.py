@@ -1,5 +1,5 @@
-"""Scattered receives and gathered sends straight from libucp (issue 7): UCP's I/O-vector datatype,
-which ucxx lacks.
+"""Scattered receives, gathered sends and length-checked receives straight from libucp (issue 7):
+UCP's I/O-vector datatype, which ucxx lacks, and the received length, which ucxx does not report.
 
 ucxx 0.52 receives a message into one contiguous buffer only. A packed bundle's bytes belong to rows
 scattered over block memory, so they used to land in a host chunk and be copied again into the rows, on
@@ -19,7 +19,7 @@ once `process_gone(peer)` says so (`UcxLink.quiesce`).
 The same call with UCP's contiguous datatype (`ContiguousReceive`) is ucxx's own `tag_recv` plus one
 thing ucxx leaves out (rapidsai/ucxx#104): the received length is checked, so a message shorter than its
 receive fails it instead of leaving the rest of the rows stale. `transport.ucx_worker` posts every
-receive into host memory that way.
+bulk receive into host memory that way (control messages are received at their probed size).
 
 This module calls seven functions of the libucp (and libucs) that ucxx already loaded (found by soname;
 never loaded a second time), on the worker and endpoint handles ucxx exposes, through ctypes:
@@ -129,8 +129,12 @@ class _Ucp:
 
 @functools.cache
 def _ucp() -> _Ucp:
-    """Bound on first use, after ucxx has loaded libucp (`transport.ucx_library.libucxx`)."""
-    return _Ucp()
+    """Bound on first use, after ucxx has loaded libucp (`transport.ucx_library.libucxx`). Raises
+    `UcpFailed` (not cached) when that library is not found under the soname it should have."""
+    try:
+        return _Ucp()
+    except OSError as exc:
+        raise UcpFailed(f"libucp, as ucxx loaded it, not found: {exc}") from exc
 
 
 class _UcpRequest:

@@ -361,26 +361,24 @@ class UcxLink(Link):
         if landing is not None and all(claims):
             storage = landing.storage
             if storage.device.type == "cpu" and self._peer_pid is not None and self._config.ucx_sender_writes:
-                self._landing.append(scattered(worker, endpoint, on, storage, frames, names, self._row_bytes))
+                scattered(worker, endpoint, on, storage, frames, names, self._row_bytes, self._landing)
                 return
             if not first.packed and (storage.device.type == "cpu" or worker.cuda_capable):
                 await written(self._work.event(storage.device, first.landing_key, first.round), 0)
                 self._ensure_open()  # GPU rows, which nothing reads any more: not after a close
-                self._landing.append(direct(worker, endpoint, on, storage, first, names[0]))
+                direct(worker, endpoint, on, storage, first, names[0], self._landing)
                 return
             on_device = bundles_on_device(storage.device, worker.cuda_capable)
         while sum(pending.chunk is not None for pending in self._landing) >= PACKED_WINDOW:
             await self._land_oldest()
         if on_device and landing is not None:
-            self._landing.append(into_device(worker, endpoint, on, frames, landing.storage, names))
+            into_device(worker, endpoint, on, frames, landing.storage, names, self._landing)
             return
         targets = [
             (landing.storage, name) if claimed and landing is not None else None
             for name, claimed in zip(names, claims, strict=True)
         ]
-        self._landing.append(
-            through_chunk(worker, endpoint, on, self._chunks, frames, targets, self._row_bytes)
-        )
+        through_chunk(worker, endpoint, on, self._chunks, frames, targets, self._row_bytes, self._landing)
 
     async def _land_oldest(self) -> None:
         pending = self._landing[0]

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import array
 import ctypes
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from itertools import chain
@@ -63,23 +64,27 @@ def scattered(
     frames: Sequence[Descriptor],
     names: Sequence[str],
     row_bytes: Sequence[int],
-) -> Landing:
+    landings: deque[Landing],
+) -> None:
     """Receives straight into the claimed rows of host `storage`, as I/O vectors."""
-    first = frames[0]
+    first, requests = frames[0], _listed(Landing([]), landings)
     if not first.packed:
         base, width = storage.tensors[names[0]].data_ptr(), row_bytes[first.buffer]
-        return Landing(
-            [
-                worker.receive_scattered(
-                    endpoint, on, array.array("Q", (base + row * width, rows * width)), storage
-                )
-                for row, rows in first.segments
-            ]
-        )
+        for row, rows in first.segments:
+            vector = array.array("Q", (base + row * width, rows * width))
+            requests.append(worker.receive_scattered(endpoint, on, vector, storage))
+        return
     parts = [(n, row_bytes[f.buffer], f.segments, f.length) for f, n in zip(frames, names, strict=True)]
-    return Landing(
-        [worker.receive_scattered(endpoint, on, bundle_vector(storage, parts, _GAP_ADDRESS), storage)]
+    requests.append(
+        worker.receive_scattered(endpoint, on, bundle_vector(storage, parts, _GAP_ADDRESS), storage)
     )
+
+
+def _listed(landing: Landing, landings: deque[Landing]) -> list[Any]:
+    """`landing` appended to `landings` before any of its receives is posted — a post that fails halfway
+    leaves the ones before it where `UcxLink.quiesce` waits for them — and its list of receives."""
+    landings.append(landing)
+    return landing.requests
 
 
 def bundle_vector(
@@ -116,11 +121,18 @@ def stretch_entries(base: int, width: int, stretches: Sequence[tuple[int, int]])
 
 
 def direct(
-    worker: UcxWorker, endpoint: Any, on: int, storage: PoolStorage, frame: Descriptor, name: str
-) -> Landing:
+    worker: UcxWorker,
+    endpoint: Any,
+    on: int,
+    storage: PoolStorage,
+    frame: Descriptor,
+    name: str,
+    landings: deque[Landing],
+) -> None:
     """A direct frame's receives, one per segment, into the rows of `storage`."""
-    targets = [payload_rows(storage, name, row, rows) for row, rows in frame.segments]
-    return Landing([worker.receive(endpoint, on, target) for target in targets])
+    requests = _listed(Landing([]), landings)
+    for row, rows in frame.segments:
+        requests.append(worker.receive(endpoint, on, payload_rows(storage, name, row, rows)))
 
 
 def into_device(
@@ -130,13 +142,14 @@ def into_device(
     frames: Sequence[Descriptor],
     storage: PoolStorage,
     names: Sequence[str],
-) -> Landing:
+    landings: deque[Landing],
+) -> None:
     """A bundle of packed frames, all claimed in GPU `storage`, received into a new device buffer
     (`device_bundles.landing_buffer`)."""
     starts, length = bundle_starts([frame.length for frame in frames])
     bundle = landing_buffer(storage.device, length)
     rows = [(storage, name, f.segments, start) for f, name, start in zip(frames, names, starts, strict=True)]
-    return Landing([worker.receive(endpoint, on, message_buffer(bundle))], bundle, rows)
+    _listed(Landing([], bundle, rows), landings).append(worker.receive(endpoint, on, message_buffer(bundle)))
 
 
 def through_chunk(
@@ -147,25 +160,26 @@ def through_chunk(
     frames: Sequence[Descriptor],
     targets: Sequence[tuple[PoolStorage, str] | None],
     row_bytes: Sequence[int],
-) -> Landing:
+    landings: deque[Landing],
+) -> None:
     """Receives into a host chunk; `targets[i]` is where frame i's rows go once landed (None: nowhere,
     its round is gone or refused it)."""
     first = frames[0]
     starts, length = bundle_starts([frame.length for frame in frames])
     chunk = chunks.take(length)
-    if first.packed:
-        requests = [worker.receive(endpoint, on, chunk.view[:length])]
-    else:
-        width, at, requests = row_bytes[first.buffer], 0, []
-        for _row, rows in first.segments:
-            requests.append(worker.receive(endpoint, on, chunk.view[at : at + rows * width]))
-            at += rows * width
-    landing = Landing(requests, chunk)
+    landing = Landing([], chunk)
     for frame, target, start in zip(frames, targets, starts, strict=True):
         if target is not None:
             storage, name = target
             landing.rows.append((storage, name, frame.segments, start))
-    return landing
+    requests = _listed(landing, landings)
+    if first.packed:
+        requests.append(worker.receive(endpoint, on, chunk.view[:length]))
+        return
+    width, at = row_bytes[first.buffer], 0
+    for _row, rows in first.segments:
+        requests.append(worker.receive(endpoint, on, chunk.view[at : at + rows * width]))
+        at += rows * width
 
 
 async def settle(worker: UcxWorker, landings: Sequence[Landing], writer_gone: Callable[[], bool]) -> bool:

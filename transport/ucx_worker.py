@@ -12,8 +12,9 @@ the worker itself, as `../shared/tools/ucxx_trio_sketch.py` measured:
   requests completed. Posting kicks the loop out of its fd wait: a message already queued inside UCX needs
   a progress call, not an fd event;
 - besides ucxx's requests, the worker posts I/O-vector ones straight through UCP (`receive_scattered`,
-  `send_gathered`: `transport.ucp_scatter`), and receives into host memory too, so that a short message
-  fails its receive (ucxx's does not say); disconnecting an endpoint cancels its own where UCX can;
+  `send_gathered`: `transport.ucp_scatter`), and bulk receives into host memory too, so that a short
+  message fails its receive (ucxx's does not say); disconnecting an endpoint cancels its own where UCX
+  can;
 - control messages are found by probing (`tag_probe` with a mask on the kind bits) and received into a
   buffer of their exact size; each goes to the inbox of the link its tag names (`register`).
 
@@ -60,8 +61,9 @@ PROBE_INTERVAL: Final = 0.0002
 TEARDOWN_SECONDS: Final = 2.0
 
 _log = structlog.get_logger("transport.ucx")
-# Buffers of requests that never completed before their worker went away: UCX may still touch them.
-_abandoned: list[object] = []
+# Requests that never completed before their worker went away, with their buffers: UCX may still touch
+# both (a scattered receive's I/O vector lives in its request).
+_abandoned: list[tuple[Any, object]] = []
 
 
 def tag(number: int, kind: int) -> int:
@@ -104,6 +106,9 @@ class UcxWorker:
         context = ucx_context()
         self._worker = lib.UCXWorker(context)
         self._worker.init_blocking_progress_mode()
+        # Receives through UCP itself and through ucxx share the bulk tag, so they must reach UCP in the
+        # order they are posted: ucxx's delayed submission would post its own later.
+        assert not self._worker.enable_delayed_submission
         self._fd: int = self._worker.epoll_file_descriptor
         self.address: bytes = self._worker.address.tobytes()
         self.cuda_capable: bool = bool(context.cuda_support) and cuda_transports_allowed(
@@ -343,7 +348,7 @@ class UcxWorker:
                 await trio.sleep(0.001)
         self._tracked = []
         if pending:
-            _abandoned.extend(keep for _request, keep in pending)
+            _abandoned.extend(pending)
             _log.warning("transfer.ucx_requests_abandoned", worker=self.name, requests=len(pending))
         for waiter in self._waiters:
             waiter.done.set()

@@ -9,6 +9,7 @@ import array
 import os
 import subprocess
 import sys
+from collections import deque
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
@@ -19,9 +20,12 @@ import trio
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tests.transport.harness import embedding_layout
 from transport.peer_process import host_key, local_pid, process_gone
+from transport.storage import PoolStorage
 from transport.ucp_scatter import io_vector
-from transport.ucx_landing import VECTORISED_STRETCHES, Landing, settle, stretch_entries
+from transport.ucx_frames import Descriptor
+from transport.ucx_landing import VECTORISED_STRETCHES, Landing, direct, settle, stretch_entries
 from transport.ucx_library import UcxFailed
 from transport.ucx_worker import UcxWorker
 
@@ -135,6 +139,33 @@ async def test_disconnecting_cancels_a_pending_receive_into_host_memory() -> Non
                 await receiver.wait([request])
             with pytest.raises(UcxFailed, match=r"^the UCX endpoint is closed \(worker 'receiver'\)$"):
                 receiver.receive(to_sender, TAG, bytearray(64))
+
+
+async def test_a_direct_frame_whose_second_receive_fails_to_post_leaves_the_first_where_quiesce_waits() -> (
+    None
+):
+    layout = embedding_layout(block_size=16)
+    storage = PoolStorage(layout, 4)
+    frame = Descriptor(packed=False, buffer=0, round=0, landing_key=1, length=0, segments=[(0, 16), (32, 16)])
+    landings: deque[Landing] = deque()
+    with trio.fail_after(10):
+        async with two_workers() as (_sender, _to_receiver, receiver, to_sender):
+            post = receiver.receive
+
+            def first_then_fail(endpoint: Any, on: int, buffer: object) -> Any:
+                if landings[0].requests:  # a UCP error pointer on the second post
+                    raise UcxFailed("receive not posted: No memory (-4)")
+                return post(endpoint, on, buffer)
+
+            receiver.receive = first_then_fail  # type: ignore[method-assign]
+            with pytest.raises(UcxFailed, match=r"^receive not posted: No memory \(-4\)$"):
+                direct(receiver, to_sender, TAG, storage, frame, "embeds", landings)
+            assert [len(landing.requests) for landing in landings] == [1]
+            (posted,) = landings[0].requests
+            assert not posted.completed  # UCX may still write into row 0: the link's fence must wait
+            receiver.disconnect(to_sender)
+            assert await settle(receiver, landings, lambda: False) is True
+            assert posted.completed
 
 
 async def test_disconnecting_cancels_a_pending_scattered_receive_and_no_more_can_be_posted() -> None:
