@@ -16,7 +16,10 @@ the worker itself, as `../shared/tools/ucxx_trio_sketch.py` measured:
   message fails its receive (ucxx's does not say); disconnecting an endpoint cancels its own where UCX
   can;
 - control messages are found by probing (`tag_probe` with a mask on the kind bits) and received into a
-  buffer of their exact size; each goes to the inbox of the link its tag names (`register`).
+  buffer of their exact size; each goes to the inbox of the link its tag names (`register`);
+- bulk messages for a link closed in the last `DRAIN_SECONDS` (its peer may not know yet) are looked for
+  every `DRAIN_INTERVAL` and received into one byte — truncated, so a rendezvous moves no data and its
+  sender's request completes — instead of waiting in UCX's unexpected queue for as long as the worker.
 
 Tags: bits 8..63 are the destination's link number on the receiving worker (0: its listener), bits 0..7
 the kind (`CONTROL`, `BULK`). Numbers are never reused within a worker, so a stale peer finds no inbox.
@@ -59,6 +62,8 @@ PROGRESS_SLICE: Final = 0.002
 # and an event (a piece of a rendezvous copy) ~60 µs, so probing after each was 5 % of a bulk copy.
 PROBE_INTERVAL: Final = 0.0002
 TEARDOWN_SECONDS: Final = 2.0
+DRAIN_SECONDS: Final = 30.0
+DRAIN_INTERVAL: Final = 0.05
 
 _log = structlog.get_logger("transport.ucx")
 # Requests that never completed before their worker went away, with their buffers: UCX may still touch
@@ -126,6 +131,8 @@ class UcxWorker:
         self._sleep: trio.CancelScope | None = None
         self._kicked = False
         self._running = False
+        self._draining: dict[int, float] = {}  # closed link number → until when its bulk tag is drained
+        self._drain_at = 0.0
 
     # ------------------------------------------------------------------ links and endpoints
     def register(self, deliver: Callable[[Arrival], None], number: int | None = None) -> int:
@@ -135,7 +142,10 @@ class UcxWorker:
         return number
 
     def unregister(self, number: int) -> None:
+        """Link `number` closed: its control messages are dropped from now on, and bulk messages for it
+        drained for `DRAIN_SECONDS`."""
         self._inboxes.pop(number, None)
+        self._draining[number] = time.perf_counter() + DRAIN_SECONDS
 
     def connect(self, address: bytes) -> Any:
         """A UCX endpoint to the worker at `address` (no peer-failure handling: UCX's shared-memory
@@ -313,6 +323,8 @@ class UcxWorker:
                     break  # a control message (say a frame descriptor) is served before further copies
                 probe_at = now + PROBE_INTERVAL
         self._receive_control()
+        if self._draining and now >= self._drain_at:
+            self._drain_closed(now)
         if self._waiters:
             for waiter in [w for w in self._waiters if w.advance()]:
                 self._waiters.discard(waiter)
@@ -334,6 +346,24 @@ class UcxWorker:
             deliver = self._inboxes.get(probe.sender_tag.value >> KIND_BITS)
             if deliver is not None:
                 deliver(Arrival(request, body))
+
+    def _drain_closed(self, now: float) -> None:
+        """Receive, truncated to one byte, the bulk messages that arrived for recently closed links."""
+        self._drain_at = now + DRAIN_INTERVAL
+        worker, lib = self._worker, self._lib
+        for number, until in list(self._draining.items()):
+            if now >= until:
+                del self._draining[number]
+                continue
+            drained = 0
+            while (
+                probe := worker.tag_probe(lib.UCXXTag(tag(number, BULK)), lib.UCXXTagMaskFull, True)
+            ).matched:
+                wrapped = self._array(bytearray(1))
+                self._track(worker.tag_recv_with_handle(wrapped, probe), wrapped)
+                drained += 1
+            if drained:
+                _log.info("transfer.ucx_stale_bulk_drained", worker=self.name, link=number, messages=drained)
 
     async def _teardown(self) -> None:
         for endpoint in list(self._endpoints):

@@ -9,6 +9,7 @@ import sys
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass, field
+from typing import Any
 
 import msgspec
 import pytest
@@ -24,6 +25,7 @@ from transport.inproc import InprocNetwork
 from transport.landing import LandedRound
 from transport.link import Link
 from transport.storage import PoolStorage
+from transport.ucx_worker import UcxWorker
 
 
 def embedding_layout(block_size: int = 128, hidden: int = 8) -> PoolLayout:
@@ -297,3 +299,14 @@ async def sender_process(
             if process.returncode is None:
                 process.kill()
                 await process.wait()
+
+
+@asynccontextmanager
+async def two_workers() -> AsyncIterator[tuple[UcxWorker, Any, UcxWorker, Any]]:
+    """A sending and a receiving worker, each progressed by its task, with an endpoint to the other."""
+    async with trio.open_nursery() as nursery:
+        sender, receiver = UcxWorker("sender"), UcxWorker("receiver")
+        await nursery.start(sender.run)
+        await nursery.start(receiver.run)
+        yield sender, sender.connect(receiver.address), receiver, receiver.connect(sender.address)
+        nursery.cancel_scope.cancel()

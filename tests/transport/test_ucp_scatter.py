@@ -10,8 +10,6 @@ import os
 import subprocess
 import sys
 from collections import deque
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 from typing import Any
 
 import numpy as np
@@ -20,7 +18,7 @@ import trio
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tests.transport.harness import embedding_layout
+from tests.transport.harness import embedding_layout, two_workers
 from transport.peer_process import host_key, local_pid, process_gone
 from transport.storage import PoolStorage
 from transport.ucp_scatter import io_vector
@@ -31,17 +29,6 @@ from transport.ucx_worker import UcxWorker
 
 pytestmark = pytest.mark.usefixtures("ucx_env")
 TAG = (5 << 8) | 2
-
-
-@asynccontextmanager
-async def two_workers() -> AsyncIterator[tuple[UcxWorker, Any, UcxWorker, Any]]:
-    """A sending and a receiving worker, each progressed by its task, with an endpoint to the other."""
-    async with trio.open_nursery() as nursery:
-        sender, receiver = UcxWorker("sender"), UcxWorker("receiver")
-        await nursery.start(sender.run)
-        await nursery.start(receiver.run)
-        yield sender, sender.connect(receiver.address), receiver, receiver.connect(sender.address)
-        nursery.cancel_scope.cancel()
 
 
 def address_of(memory: np.ndarray, at: int) -> int:
