@@ -10,10 +10,12 @@ import os
 import subprocess
 import sys
 from collections import deque
+from functools import partial
 from typing import Any
 
 import numpy as np
 import pytest
+import torch
 import trio
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -21,7 +23,7 @@ from hypothesis import strategies as st
 from tests.transport.harness import embedding_layout, two_workers
 from transport.peer_process import host_key, local_pid, process_gone
 from transport.storage import PoolStorage
-from transport.ucp_scatter import io_vector
+from transport.ucp_scatter import ContiguousReceive, io_vector
 from transport.ucx_frames import Descriptor
 from transport.ucx_landing import VECTORISED_STRETCHES, Landing, direct, settle, stretch_entries
 from transport.ucx_library import UcxFailed
@@ -115,6 +117,37 @@ async def test_a_receive_into_host_memory_completes_only_for_a_message_of_its_ex
                     await receiver.wait([request])
     if sent == size:
         assert bytes(landed) == message
+
+
+@pytest.mark.gpu
+async def test_a_length_checked_ucx_receive_into_gpu_memory_lands_an_exact_message_and_fails_a_short_one(
+    cuda: torch.device,
+) -> None:
+    """The UCP call `UcxWorker.receive` makes for host memory, into GPU memory through UCX's CUDA
+    transports (`.ci/gpu` runs this with `UCX_TLS=all`). The worker still receives into GPU memory
+    through ucxx, unchecked, until this has passed on a GPU (docs/transports.md, *Known limits*)."""
+    size = 1 << 20
+    landed = torch.zeros(size, dtype=torch.uint8, device=cuda)
+    message = torch.randint(0, 256, (size,), dtype=torch.uint8, device=cuda)
+    with trio.fail_after(10):
+        async with two_workers() as (sender, to_receiver, receiver, to_sender):
+            if not receiver.cuda_capable:
+                pytest.skip("this UCX_TLS gives UCX no CUDA transport")
+
+            def checked() -> Any:
+                post = partial(ContiguousReceive, receiver._worker, TAG, landed.data_ptr(), size, landed)
+                return receiver._post(to_sender, landed, post)
+
+            request = checked()
+            await sender.wait([sender.send(to_receiver, TAG, message)])
+            await receiver.wait([request])
+            assert torch.equal(landed, message)
+            short = checked()
+            await sender.wait([sender.send(to_receiver, TAG, message[:-1])], check=False)
+            with pytest.raises(
+                UcxFailed, match=rf"^UcpFailed: a message of {size - 1} bytes for a receive of {size}$"
+            ):
+                await receiver.wait([short])
 
 
 async def test_disconnecting_cancels_a_pending_receive_into_host_memory() -> None:
