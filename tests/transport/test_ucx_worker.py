@@ -14,9 +14,12 @@ pytestmark = pytest.mark.usefixtures("ucx_env")
 
 
 async def test_bulk_messages_for_a_closed_link_are_drained_so_even_a_rendezvous_send_completes() -> None:
-    async with two_workers() as (sender, to_receiver, receiver, _to_sender):
+    async with two_workers() as (sender, to_receiver, receiver, to_sender):
         number = receiver.register(lambda _arrival: None)
-        receiver.unregister(number)  # the link closed; its peer has not heard yet
+        receiver.unregister(
+            number
+        )  # the link closed, as `UcxLink.close` closes it; its peer has not heard yet
+        receiver.disconnect(to_sender)
         sends = [sender.send(to_receiver, tag(number, BULK), bytes(size)) for size in (64, 1 << 20)]
         with trio.fail_after(5):  # a rendezvous send completes only once the receiver takes the message
             await sender.wait(sends)
