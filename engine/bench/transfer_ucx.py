@@ -191,21 +191,26 @@ class RawReceiver:
 def ucx_rows(portal: Any, args: argparse.Namespace, repeats: int, receiver_factory: Any) -> Iterator[Row]:
     """The rows, alternating zigzag and raw; `receiver_factory` builds `transfer.Receiver`s."""
     os.environ["UCX_TLS"] = args.ucx_tls  # this process's and its children's UCX, set by the entry point
-    cases = [("emb4096", "ucx_64MiB")] + ([] if args.quick else [("kv", "ucx_kv_64MiB")])
-    layouts = [name for name, _case in cases] + ["block", "kv_small"] + ([] if args.quick else ["kv_long"])
+    # (layout, case, config overrides): the receiver-copies case is `ucx_64MiB` with the other protocol.
+    cases: list[tuple[str, str, dict[str, Any]]] = [
+        ("emb4096", "ucx_64MiB", {}),
+        ("emb4096", "ucx_64MiB_receiver_copies", {"ucx_sender_writes": False}),
+    ] + ([] if args.quick else [("kv", "ucx_kv_64MiB", {})])
+    layouts = ["emb4096", "block", "kv_small"] + ([] if args.quick else ["kv", "kv_long"])
     with peer_process("engine.bench.transfer_ucx:serve_ucx_sender", {"layouts": layouts}) as (_child, ready):
         raw = RawReceiver(str(ready["raw"]))
         raw.gbps()
         if bool((raw.buffer == 1).all()):
             raise RuntimeError("the raw ucxx baseline received nothing")
-        for source_name, case in cases:
-            receiver = receiver_factory(f"{case}-receiver", source_name)
+        for source_name, case, config in cases:
+            receiver = receiver_factory(f"{case}-receiver", source_name, **config)
             portal.call(receiver.open, portal, ready[source_name], None)
             receiver.checked(portal, ready[f"{source_name}_crc"])
             project, baseline = alternate(warmed(partial(receiver.gbps, portal)), warmed(raw.gbps), repeats)
+            how, goal = (", ucx_sender_writes off", "no goal") if config else ("", "goal >= 0.85")
             note = (
                 f"{receiver.nbytes} bytes in {receiver.rounds} rounds, {source_name} layout, "
-                f"UCX_TLS={args.ucx_tls}; baseline {RAW_BYTES} bytes in one tag message; goal >= 0.85"
+                f"UCX_TLS={args.ucx_tls}{how}; baseline {RAW_BYTES} bytes in one tag message; {goal}"
             )
             yield row(
                 BENCH,
@@ -218,9 +223,8 @@ def ucx_rows(portal: Any, args: argparse.Namespace, repeats: int, receiver_facto
                 unit="GB/s",
                 note=note,
             )
-            if source_name == "emb4096":
+            if case == "ucx_64MiB":
                 yield _against_the_write_protocol(portal, receiver, raw, repeats, args)
-                yield _receiver_copies_row(portal, args, repeats, receiver_factory, ready, raw)
         small = [("block", "ucx_1block_us", "one block"), ("kv_small", "ucx_kv_small_us", "")]
         for source_name, case, what in small + (
             [] if args.quick else [("kv_long", "ucx_kv_512blocks_us", "")]
@@ -245,38 +249,6 @@ def _against_the_write_protocol(
         project,
         baseline,
         "raw ucp tag send / I/O-vector receive",
-        unit="GB/s",
-        note=note,
-    )
-
-
-def _receiver_copies_row(
-    portal: Any,
-    args: argparse.Namespace,
-    repeats: int,
-    receiver_factory: Any,
-    ready: dict[str, Any],
-    raw: RawReceiver,
-) -> Row:
-    """`ucx_64MiB_receiver_copies`: the `ucx_64MiB` transfer with `ucx_sender_writes` off — the receiver
-    reads each piece from the sender's rows — against the same raw ucxx message: which copy protocol
-    suits this host (docs/benchmarks.md measured hosts where either was faster)."""
-    receiver = receiver_factory("ucx_64MiB_receiver_copies-receiver", "emb4096", ucx_sender_writes=False)
-    portal.call(receiver.open, portal, ready["emb4096"], None)
-    receiver.checked(portal, ready["emb4096_crc"])
-    project, baseline = alternate(warmed(partial(receiver.gbps, portal)), warmed(raw.gbps), repeats)
-    note = (
-        f"{receiver.nbytes} bytes in {receiver.rounds} rounds, emb4096 layout, UCX_TLS={args.ucx_tls}, "
-        f"ucx_sender_writes off; baseline {RAW_BYTES} bytes in one tag message; no goal (ucx_64MiB has it)"
-    )
-    return row(
-        BENCH,
-        "ucx_64MiB_receiver_copies",
-        "GB/s",
-        "higher",
-        project,
-        baseline,
-        "raw ucxx tag send/recv",
         unit="GB/s",
         note=note,
     )
