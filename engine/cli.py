@@ -126,7 +126,9 @@ def argument_parser(
         if section not in groups:
             groups[section] = parser.add_argument_group(f"[{section}] options" if section else "node options")
         default = "" if "default:" in option.description else f"default: {format_default(option)}; "
-        help_text = f"{option.description} ({default}{option.toml_key}, ${option.env})"
+        # A repeatable option reads no environment variable (`load` skips it): its help names none.
+        source = option.toml_key if option.repeatable else f"{option.toml_key}, ${option.env}"
+        help_text = f"{option.description} ({default}{source})"
         help_text = help_text.replace("%", "%%")
         dest = ".".join(option.path)
         if option.boolean:

@@ -193,7 +193,10 @@ def test_help_lists_every_option_with_its_default(capsys: pytest.CaptureFixture[
     text = " ".join(capsys.readouterr().out.split())  # undo argparse's line wrapping
     for option in options(NodeConfig, FLAG_PREFIXES):
         assert option.flag in text
-        assert f"{option.toml_key}, ${option.env})" in text
+        if option.repeatable:  # read from flags and TOML only
+            assert f"; {option.toml_key})" in text and f"${option.env}" not in text
+        else:
+            assert f"{option.toml_key}, ${option.env})" in text
         if "default:" not in option.description:
             assert f"default: {format_default(option)}; {option.toml_key}" in text
 
