@@ -69,6 +69,7 @@ class Replica:
         self.pools = ReplicaPools(name, role, services)
         self._inbox_send, self._inbox = trio.open_memory_channel[InboxItem](math.inf)
         self._sender_send, self._sender_receive = trio.open_memory_channel[SenderDelivery](math.inf)
+        self._unhandled: list[Envelope] = []
         self.nursery: trio.Nursery | None = None
         self.work = RoleWork(self)
         self.steps = 0
@@ -87,11 +88,19 @@ class Replica:
         self._inbox_send.send_nowait(item)
 
     async def ask(self, command: ReplicaCommand, *, timeout: float = 30.0) -> Any:
-        """Send `command` and wait for its outcome; raises `CommandRefused` or the command's error."""
+        """Send `command` and wait for its outcome; raises `CommandRefused` — also, with `replica_failed`,
+        when no outcome comes within `timeout` seconds (the loop never blocks, so one that does not
+        answer is stuck or gone)."""
         envelope = Envelope(command)
         self.post(envelope)
-        with trio.fail_after(timeout):
+        with trio.move_on_after(timeout):
             await envelope.done.wait()
+        if not envelope.done.is_set():
+            raise CommandRefused(
+                "replica_failed",
+                f"{self.name} did not answer the {type(command).__name__} command within {timeout:g} s "
+                f"(state {self.state.value}; last error: {self.last_error})",
+            )
         if envelope.error is not None:
             raise envelope.error
         return envelope.result
@@ -136,8 +145,13 @@ class Replica:
                 except trio.WouldBlock:
                     break
             # Commands first, then completions: control is never stuck behind work.
-            for envelope in (i for i in items if isinstance(i, Envelope)):
-                self._handle(envelope)
+            envelopes = [i for i in items if isinstance(i, Envelope)]
+            for index, envelope in enumerate(envelopes):
+                try:
+                    self._handle(envelope)
+                except BaseException:
+                    self._unhandled.extend(envelopes[index + 1 :])  # refused by `reset`
+                    raise
             for completed in (i for i in items if isinstance(i, Completed)):
                 if completed.error is not None:
                     raise completed.error
@@ -158,10 +172,19 @@ class Replica:
 
     # ------------------------------------------------------------------ commands
     def _handle(self, envelope: Envelope) -> None:
+        """Run one command. A refusal is its outcome; any other error is the replica's failure, and the
+        command's outcome says so (`replica_failed`) instead of a result it never produced."""
         try:
             envelope.result = self._dispatch(envelope)
         except CommandRefused as exc:
             envelope.error = exc
+        except Exception as exc:
+            envelope.error = CommandRefused(
+                "replica_failed",
+                f"{self.name} failed handling the {type(envelope.command).__name__} command: "
+                f"{type(exc).__name__}: {exc}",
+            )
+            raise
         finally:
             envelope.done.set()
 
@@ -274,7 +297,25 @@ class Replica:
         return sorted(self.lock_reasons)
 
     def reset(self) -> None:
-        """Fresh inbox and role state after a failure (the supervisor restarts `run` next)."""
+        """Fresh inbox and role state after a failure (the supervisor restarts `run` next).
+
+        Commands the failed run never handled — posted while it unwound, or behind the one that failed it —
+        are refused with `replica_failed`, so whoever waits on them hears of the failure at once."""
+        unhandled, self._unhandled = self._unhandled, []
+        while True:
+            try:
+                item = self._inbox.receive_nowait()
+            except trio.WouldBlock:
+                break
+            if isinstance(item, Envelope):
+                unhandled.append(item)
+        for envelope in unhandled:
+            envelope.error = CommandRefused(
+                "replica_failed",
+                f"{self.name} failed before it handled the {type(envelope.command).__name__} command "
+                f"({self.last_error or 'its task ended'})",
+            )
+            envelope.done.set()
         self._inbox_send, self._inbox = trio.open_memory_channel[InboxItem](math.inf)
         self._sender_send, self._sender_receive = trio.open_memory_channel[SenderDelivery](math.inf)
         self.work = RoleWork(self)

@@ -162,9 +162,7 @@ class Migrator:
             )
             try:
                 await decoder.ask(command, timeout=services.settings.kv_transfer.handshake_timeout)
-            except CommandRefused:
-                continue
-            except trio.TooSlowError:
+            except CommandRefused:  # refused, or no answer within the handshake timeout
                 continue
             self._next_decode = start + offset + 1
             return decoder.name, transfer_id
