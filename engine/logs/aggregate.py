@@ -92,6 +92,9 @@ class _Recent:
         if len(self._keys) > self._limit:
             self._keys.popitem(last=False)
 
+    def discard(self, key: str) -> None:
+        self._keys.pop(key, None)
+
     def __contains__(self, key: object) -> bool:
         return key in self._keys
 
@@ -128,6 +131,7 @@ class Aggregator:
         self.faults: Counter[str] = Counter()
         self.leaks: list[PoolLeak] = []
         self._ended_requests = _Recent(RECENT_IDS)
+        self._reused: Counter[str] = Counter()
         self._ended_transfers = _Recent(RECENT_IDS)
 
     # ------------------------------------------------------------------ feeding
@@ -233,7 +237,9 @@ class Aggregator:
         if isinstance(event, RequestFailed):
             self._error(event.code, event.message)
         request_id = event.request_id or "?"
-        if request_id in self._ended_requests:
+        if isinstance(event, RequestArrived):
+            self._new_arrival(request_id)
+        elif request_id in self._ended_requests:
             return
         request = self.requests.get(request_id)
         if request is None:
@@ -279,6 +285,17 @@ class Aggregator:
                 self._end(request, "failed", ts)
             case _:
                 assert_never(event)
+
+    def _new_arrival(self, request_id: str) -> None:
+        """A client may use a request id again once its request ended (ids are unique among live
+        requests only): the arrival starts a new request, and the ended one keeps its record under
+        `{id}#{n}` (n = 1, 2, ...), so neither request's counts or times mix with the other's."""
+        self._ended_requests.discard(request_id)
+        earlier = self.requests.get(request_id)
+        if earlier is None or earlier.outcome is None:
+            return
+        self._reused[request_id] += 1
+        self.requests[f"{request_id}#{self._reused[request_id]}"] = self.requests.pop(request_id)
 
     def _end(self, request: RequestRecord, outcome: Outcome, ts: float) -> None:
         if request.outcome is not None:

@@ -156,6 +156,35 @@ def test_late_duplicates_of_ended_requests_and_transfers_are_not_counted_twice()
     assert aggregator.requests == {} and aggregator.transfers == {}
 
 
+def _one_request(aggregator: Aggregator, start: float, output_tokens: int) -> None:
+    aggregator.add(
+        RequestArrived(
+            ts=start, request_id="r", replica=None, connection="c1", prompt_tokens=4, images=0, max_tokens=8,
+            stream=False,
+        )
+    )  # fmt: skip
+    aggregator.add(FirstToken(ts=start + 0.1, request_id="r", replica="d", token_id=1, ttft_s=0.1))
+    aggregator.add(
+        RequestFinished(
+            ts=start + 0.5, request_id="r", replica=None, finish_reason="length", prompt_tokens=4,
+            output_tokens=output_tokens, e2e_s=0.5, ttft_s=0.1, tpot_s=0.1,
+        )
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("keep_requests", [False, True], ids=["live", "log"])
+def test_a_request_id_used_again_after_its_request_ended_is_a_new_request(keep_requests: bool) -> None:
+    aggregator = Aggregator(keep_requests=keep_requests)
+    _one_request(aggregator, 10.0, output_tokens=2)
+    _one_request(aggregator, 20.0, output_tokens=3)
+    result = metrics_result(aggregator, id="m")
+    assert (result.requests.arrived, result.requests.finished_length) == (2, 2)
+    assert (result.tokens.prompt, result.tokens.generated) == (8, 5)
+    if keep_requests:
+        assert list(aggregator.requests) == ["r#1", "r"]
+        assert [r.arrived for r in aggregator.requests.values()] == [10.0, 20.0]
+
+
 class _RefusingHandler:
     """Answers every request with `not_supported` (the control server is what this test is about)."""
 
