@@ -202,8 +202,8 @@ class _Node:
             )
         )
         if image_tokens:
+            log.emit(RequestQueued(ts=tick(0.001), queue="work", position=0))  # the router: no replica
             encode = log.bind(replica="encode-0")
-            encode.emit(RequestQueued(ts=tick(0.001), queue="work", position=0))
             encode.emit(EncodeStarted(ts=tick(0.002), images=1))
             encode.emit(EncodeFinished(ts=tick(0.006), tokens=image_tokens, seconds=0.006))
             self.transfer(
@@ -215,14 +215,14 @@ class _Node:
                 EMBED_BLOCK_TOKENS,
                 both_sides_finish=True,
             )
+        log.emit(RequestQueued(ts=tick(0.001), queue="work", position=0))
         language = log.bind(replica=prefill)
-        language.emit(RequestQueued(ts=tick(0.001), queue="work", position=0))
         language.emit(PrefillStarted(ts=tick(0.001), tokens=prompt, batch_size=1))
         language.emit(PrefillFinished(ts=tick(0.010), tokens=prompt, seconds=0.010))
         language.emit(FirstToken(ts=tick(0.0005), token_id=42, ttft_s=0.0))
         if outcome == "failed":
             self.transfer(log, "kv", prefill, decode, prompt, 1024, fail_after=0)
-            language.emit(
+            log.emit(  # the node ends requests: no replica
                 RequestFailed(ts=tick(0.001), code="transfer_timeout", message="kv transfer timed out")
             )
             expected.outcomes["failed"] += 1
@@ -234,9 +234,9 @@ class _Node:
         produced = output_tokens
         if outcome == "cancelled":
             produced = 2
-            generating.emit(RequestCancelled(ts=tick(0.004), reason="cancel_op", output_tokens=produced))
+            log.emit(RequestCancelled(ts=tick(0.004), reason="cancel_op", output_tokens=produced))
         finish_ts = tick(0.004 * produced)
-        generating.emit(
+        log.emit(
             RequestFinished(
                 ts=finish_ts,
                 finish_reason="cancelled" if outcome == "cancelled" else "length",
