@@ -102,6 +102,11 @@ class SchedulerConfig(Section, frozen=True, kw_only=True):
         msgspec.Meta(gt=0, le=86400),
         _doc("seconds a request may wait for a prefill (or encode) replica to take it; then `overloaded`"),
     ] = 60.0
+    migration_wait: Annotated[
+        float,
+        msgspec.Meta(gt=0, le=86400),
+        _doc("seconds a prefilled request may wait for a decode replica to take its KV; then `overloaded`"),
+    ] = 60.0
 
 
 class TransferConfig(Section, frozen=True, kw_only=True):

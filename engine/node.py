@@ -72,6 +72,7 @@ def replica_settings(config: NodeConfig, host: ModelHost) -> ReplicaSettings:
         embedding_max_grant_blocks=config.embedding.max_grant_blocks,
         max_batch_tokens=config.scheduler.max_batch_tokens,
         max_batch_size=config.scheduler.max_batch_size,
+        migration_wait=config.scheduler.migration_wait,
         kv_transfer=TransferConfig(**common),  # type: ignore[arg-type]
         embedding_transfer=TransferConfig(
             default_grant_blocks=config.embedding.default_blocks,

@@ -76,6 +76,8 @@ class Migrator:
         """Remove and return the queued entries no decode replica is being asked about (for Flush)."""
         taken = [item for item in self.outbound if item.request.request_id not in self.claimed]
         self.outbound = deque(item for item in self.outbound if item.request.request_id in self.claimed)
+        for item in taken:  # their wait starts again wherever they are queued next
+            self._queued_at.pop(item.request.request_id, None)
         return taken
 
     # ------------------------------------------------------------------ the task

@@ -10,11 +10,22 @@ on decode-0. Cancelling it removes the skew.
 from __future__ import annotations
 
 import uuid
+from pathlib import Path
 
+import pytest
 import trio
 
+from engine.client import ControlError
 from replicas.model import Model
-from tests.node.harness import NodeProcess, by_name, wait_idle, wait_serving, wait_status
+from tests.node.harness import (
+    NodeProcess,
+    by_name,
+    default_transport,
+    node_process,
+    wait_idle,
+    wait_serving,
+    wait_status,
+)
 from tests.node.workload import Ask, Outcome, assert_correct, distinct_asks, launch, reserved_blocks, send
 
 
@@ -97,3 +108,28 @@ async def test_controller_locks_the_overloaded_decode_replica_and_keeps_manual_l
         unlocked = await client.unlock("decode-0")
         assert (unlocked.locked, unlocked.lock_reasons) == (False, [])
         await wait_idle(client)
+
+
+async def test_a_request_no_decode_replica_takes_fails_overloaded_after_the_migration_wait(
+    tmp_path: Path, tiny: Model
+) -> None:
+    """With every decode replica locked, a prefilled request waits `--migration-wait` seconds for one to
+    take its KV, then fails `overloaded`, and its KV blocks return to the prefill replica's pool."""
+    ask = distinct_asks(1, max_tokens=4, offset=700)[0]
+    with node_process(tmp_path, "--replicas", "prefill=1,decode=1", "--migration-wait", "0.5") as node:
+        async with node.client() as client:
+            await wait_serving(client)
+            await client.lock("decode-0")
+            with pytest.raises(ControlError) as refused:
+                await send(client, ask, request_id="nobody-decodes")
+            assert refused.value.code == "overloaded"
+            assert refused.value.message == (
+                "no decode replica took the KV of request nobody-decodes within 0.5 s "
+                "(all locked, full or not decoding)"
+            )
+            await wait_idle(client)
+            await client.unlock("decode-0")
+            served: list[Outcome] = []
+            async with trio.open_nursery() as nursery:
+                launch(nursery, client, [ask], served)
+            assert_correct(tiny, served, transport=default_transport())
