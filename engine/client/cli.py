@@ -24,6 +24,7 @@ from messages.control_replies import (
     ControlResult,
     GenerateResult,
     MetricsResult,
+    ReplicaStatus,
     StatusResult,
     TokenReply,
 )
@@ -199,6 +200,13 @@ async def _generate(
             err.write(render(reply) + "\n")
 
 
+def _lock_cell(replica: ReplicaStatus) -> str:
+    """The lock's reasons; a replica that is not decoding takes no KV migrations, with no reason set."""
+    if replica.lock_reasons:
+        return ",".join(replica.lock_reasons)
+    return "not decoding" if replica.locked else "-"
+
+
 def render(result: ControlResult) -> str:
     """A short readable form of a final reply."""
     match result:
@@ -218,7 +226,7 @@ def render(result: ControlResult) -> str:
             header = f"{'replica':<12} {'state':<18} {'used':>6} {'cached':>6} {'total':>6} {'lock':<18} {'work':>5} {'migr':>5}  last_error"
             rows = [header] + [
                 f"{r.name:<12} {r.state:<18} {r.used_blocks:>6} {r.cached_blocks:>6} {r.total_blocks:>6} "
-                f"{','.join(r.lock_reasons) or '-':<18} {r.work_queue:>5} {r.migration_queue:>5}  {r.last_error or '-'}"
+                f"{_lock_cell(r):<18} {r.work_queue:>5} {r.migration_queue:>5}  {r.last_error or '-'}"
                 for r in result.replicas
             ]
             return "\n".join(rows + ([] if result.accepting else ["(not accepting: shutting down)"]))

@@ -11,9 +11,10 @@ import pytest
 import trio
 
 from engine.client import ControlClient, ControlConnectionClosed, ControlError
+from engine.client.cli import render
 from engine.control.address import TcpAddress
 from messages.control import ImageInput
-from messages.control_replies import GenerateResult, TokenReply
+from messages.control_replies import GenerateResult, ReplicaStatus, StatusResult, TokenReply
 from tests.control.conftest import Served, start_server
 
 REPO = Path(__file__).resolve().parents[2]
@@ -146,3 +147,26 @@ async def test_cli_without_a_server(short_dir: Path) -> None:
     )
     assert result.returncode == 3
     assert result.stderr.decode().startswith(f"cannot reach the node at unix:{short_dir}/none.sock: ")
+
+
+def test_the_status_table_says_why_each_replica_is_locked() -> None:
+    def replica(name: str, state: str, locked: bool, reasons: list[str]) -> ReplicaStatus:
+        return ReplicaStatus(
+            name=name, role=name.split("-")[0], state=state, used_blocks=0, cached_blocks=0, total_blocks=8,
+            locked=locked, lock_reasons=reasons, work_queue=0, migration_queue=0, last_error=None,
+            transport="inproc",
+        )  # type: ignore[arg-type]  # fmt: skip
+
+    replicas = [
+        replica("prefill-0", "Prefill", True, []),
+        replica("decode-0", "Decode", False, []),
+        replica("decode-1", "Decode", True, ["controller", "manual"]),
+    ]
+    rows = render(StatusResult(id="s", accepting=True, replicas=replicas)).splitlines()
+    assert [row.split("  ")[0].split()[0] for row in rows[1:]] == ["prefill-0", "decode-0", "decode-1"]
+    column = rows[0].index(" lock ") + 1
+    assert [row[column : column + 18].rstrip() for row in rows[1:]] == [
+        "not decoding",
+        "-",
+        "controller,manual",
+    ]
