@@ -17,7 +17,7 @@ demo *ARGS:
 serve *ARGS:
     {{py}} -m engine.node {{ARGS}}
 
-# The whole test suite (what CI runs).
+# The test suite (CI runs it as `pytest -n 2`, then the node and EPD suites again over ucx: `just ci`).
 test *ARGS:
     {{py}} -m pytest {{ARGS}}
 
@@ -40,7 +40,7 @@ fmt:
     {{py}} -m ruff format .
     {{py}} -m ruff check --fix .
 
-# What CI does, on a fresh clone beside ../shared.
+# What CI does (.ci/run): a fresh install into .venv-ci, lint, type check and the tests.
 ci:
     bash .ci/run
 
