@@ -10,8 +10,9 @@ moved between replicas, and — when NVML finds a GPU — GPU metrics.
 
 from __future__ import annotations
 
-from typing import final
+from typing import Any, final
 
+import structlog
 import trio
 
 from engine.config import ControllerConfig
@@ -21,6 +22,8 @@ from replicas.actor import Replica
 from replicas.inbox import new_command_id
 from replicas.services import ReplicaServices
 from replicas.states import ReplicaState
+
+_log = structlog.get_logger("engine.controller")
 
 
 @final
@@ -114,40 +117,90 @@ class Controller:
 @final
 class GpuProbe:
     """NVML readings of every GPU. NVML is initialised once; without a GPU or the NVML library (CPU
-    machines: `NVMLError_LibraryNotFound`) the probe is off and `samples()` is always empty."""
+    machines: `NVMLError_LibraryNotFound`) the probe is off and `samples()` is always empty.
 
-    def __init__(self) -> None:
+    A reading NVML refuses (an `NVMLError`: `NotSupported` for utilisation on a MIG GPU or power on some
+    boards, `GpuIsLost`, ...) never raises out of `samples()`, which runs in the node's nursery: an
+    unreadable `temperature_c` or `power_w` is null; a device whose name, memory or utilisation cannot be
+    read is left out of that `gpu_report` (those fields are not nullable in the log schema, and retyping
+    them would break readers). Each (device, NVML call) failure is logged once, as the diagnostic
+    `controller.gpu_unreadable` (stderr), not every period. `nvml` stands in for the `pynvml` module in
+    tests."""
+
+    def __init__(self, nvml: Any = None) -> None:
         import pynvml
 
-        self._nvml = pynvml
+        self._nvml: Any = pynvml if nvml is None else nvml
+        self._nvml_error: type[Exception] = pynvml.NVMLError  # the real class, whatever `nvml` is
+        self._warned: set[tuple[int | None, str]] = set()
         try:
-            pynvml.nvmlInit()
+            self._nvml.nvmlInit()
             self.available = True
-        except pynvml.NVMLError:
+        except self._nvml_error as exc:
             self.available = False
+            if not isinstance(exc, pynvml.NVMLError_LibraryNotFound):  # that one just means a CPU machine
+                self._warn(None, "nvmlInit", exc, "no gpu_report")
 
     def samples(self) -> list[GpuSample]:
         if not self.available:
             return []
-        nvml = self._nvml
-        samples = []
-        for index in range(nvml.nvmlDeviceGetCount()):
-            handle = nvml.nvmlDeviceGetHandleByIndex(index)
-            memory = nvml.nvmlDeviceGetMemoryInfo(handle)
-            samples.append(
-                GpuSample(
-                    index=index,
-                    name=str(nvml.nvmlDeviceGetName(handle)),
-                    utilization_percent=float(nvml.nvmlDeviceGetUtilizationRates(handle).gpu),
-                    memory_used_bytes=int(memory.used),
-                    memory_total_bytes=int(memory.total),
-                    temperature_c=float(nvml.nvmlDeviceGetTemperature(handle, nvml.NVML_TEMPERATURE_GPU)),
-                    power_w=nvml.nvmlDeviceGetPowerUsage(handle) / 1000.0,
-                )
-            )
-        return samples
+        count = self._read(None, "no gpu_report", "nvmlDeviceGetCount")
+        if count is None:
+            return []
+        return [sample for index in range(count) if (sample := self._sample(index)) is not None]
+
+    def _sample(self, index: int) -> GpuSample | None:
+        left_out = "device left out of gpu_report"
+        handle = self._read(index, left_out, "nvmlDeviceGetHandleByIndex", index)
+        if handle is None:
+            return None
+        # Stop at the first required field that fails: a lost GPU fails every call, and one warning says it.
+        name = self._read(index, left_out, "nvmlDeviceGetName", handle)
+        if name is None:
+            return None
+        memory = self._read(index, left_out, "nvmlDeviceGetMemoryInfo", handle)
+        if memory is None:
+            return None
+        utilization = self._read(index, left_out, "nvmlDeviceGetUtilizationRates", handle)
+        if utilization is None:
+            return None
+        temperature = self._read(
+            index, "temperature_c null", "nvmlDeviceGetTemperature", handle, self._nvml.NVML_TEMPERATURE_GPU
+        )
+        power_mw = self._read(index, "power_w null", "nvmlDeviceGetPowerUsage", handle)
+        return GpuSample(
+            index=index,
+            name=str(name),
+            utilization_percent=float(utilization.gpu),
+            memory_used_bytes=int(memory.used),
+            memory_total_bytes=int(memory.total),
+            temperature_c=None if temperature is None else float(temperature),
+            power_w=None if power_mw is None else power_mw / 1000.0,
+        )
+
+    def _read(self, index: int | None, effect: str, call: str, *args: object) -> Any:
+        """`nvml.<call>(*args)`, or None (warned once per device and call) where NVML raises."""
+        try:
+            return getattr(self._nvml, call)(*args)
+        except self._nvml_error as exc:
+            self._warn(index, call, exc, effect)
+            return None
+
+    def _warn(self, index: int | None, call: str, exc: Exception, effect: str) -> None:
+        if (index, call) in self._warned:
+            return
+        self._warned.add((index, call))
+        _log.warning(
+            "controller.gpu_unreadable",
+            gpu=index,
+            call=call,
+            error=f"{type(exc).__name__}: {exc}",
+            effect=effect,
+        )
 
     def close(self) -> None:
         if self.available:
-            self._nvml.nvmlShutdown()
             self.available = False
+            # Runs in `Controller.run`'s `finally`, as the node stops: an NVML error here must not turn
+            # that into a crash; it is logged instead.
+            self._read(None, "none: the probe is closed", "nvmlShutdown")
