@@ -27,7 +27,7 @@ from typing import Any, BinaryIO, Final, TextIO, final
 import msgspec
 import structlog
 
-from messages.events import Event, Level, LogEvent
+from messages.events import Diagnostic, Event, Level, LogEvent, level_of
 
 LEVELS: Final[dict[Level, int]] = {"debug": 10, "info": 20, "warning": 30, "error": 40}
 CONTEXT_KEYS: Final = ("request_id", "replica")
@@ -66,6 +66,9 @@ def _console_fields(_logger: Any, method: str, event_dict: MutableMapping[str, A
         "level": method,
         "event": event.__struct_config__.tag,
     }
+    if isinstance(event, Diagnostic):  # read as the diagnostic it carries
+        rendered["event"] = event.name
+        fields = event.fields
     rendered.update((key, value) for key, value in fields.items() if value is not None)
     return rendered
 
@@ -140,7 +143,7 @@ class EventLog:
                     observer(event)
         for logger in (self._sinks.file_logger, self._sinks.console_logger):
             if logger is not None:
-                getattr(logger, event.level)(event.__struct_config__.tag, typed=event)
+                getattr(logger, level_of(event))(event.__struct_config__.tag, typed=event)
 
     def flush(self) -> None:
         if self._sinks.file is not None and not self._sinks.closed:
@@ -189,15 +192,56 @@ def open_event_log(
     return EventLog(_Sinks(handle, console, level, observers), {})
 
 
+@final
+class _DiagnosticsRoute:
+    """The event log diagnostics go to while one is open (`route_diagnostics`); None: `stream`."""
+
+    log: EventLog | None = None
+
+
+_route = _DiagnosticsRoute()
+_DIAGNOSTIC_LEVELS: Final[dict[str, Level]] = {
+    "debug": "debug",
+    "info": "info",
+    "msg": "info",
+    "warning": "warning",
+    "warn": "warning",
+    "error": "error",
+    "exception": "error",
+    "critical": "error",
+}
+
+
+def route_diagnostics(log: EventLog | None) -> None:
+    """Send the untyped diagnostics to `log` as `diagnostic` events — into its file and onto its console
+    (so `--no-log-console` quiets them too) — until called with None, before `log` closes."""
+    _route.log = log
+
+
+def _into_event_log(_logger: Any, method: str, event_dict: MutableMapping[str, Any]) -> Any:
+    log = _route.log
+    if log is None:
+        return event_dict
+    name = str(event_dict.pop("event", ""))
+    fields = {key: str(value) for key, value in event_dict.items()}
+    try:
+        log.emit(Diagnostic(severity=_DIAGNOSTIC_LEVELS.get(method, "warning"), name=name, fields=fields))
+    except EventLogClosed:  # a worker thread's diagnostic as the node stops: `stream` still gets it
+        event_dict["event"] = name
+        return event_dict
+    raise structlog.DropEvent
+
+
 def configure_diagnostics(level: Level = "info", stream: TextIO = sys.stderr) -> None:
-    """Route the untyped diagnostics of library code (`structlog.get_logger(...)` in `transport/`: a
-    link closed, a handshake refused) to `stream`, at `level` and above. Entry points call this once;
-    without it structlog's default prints them on stdout, where the node's `listening` line and the
-    benchmarks' JSON rows go."""
+    """Route the untyped diagnostics of library code (`structlog.get_logger(...)` in `transport/` and
+    the controller: a link closed, a handshake refused) to `stream`, at `level` and above, or to the
+    event log `route_diagnostics` names. Entry points call this once; without it structlog's default
+    prints them on stdout, where the node's `listening` line and the benchmarks' JSON rows go."""
     structlog.configure(
         logger_factory=structlog.PrintLoggerFactory(stream),
         wrapper_class=structlog.make_filtering_bound_logger(LEVELS[level]),
         processors=[
+            _into_event_log,
             structlog.processors.add_log_level,
             structlog.processors.TimeStamper(fmt="%H:%M:%S.%f"),
             structlog.dev.ConsoleRenderer(colors=False),

@@ -29,7 +29,7 @@ from engine.config import ConfigError, NodeConfig, ReplicaCounts, parse_node_con
 from engine.control.address import Address
 from engine.control.server import ControlServer, ControlServerError
 from engine.controller import Controller
-from engine.logging import EventLog, LogFileError, configure_diagnostics, open_event_log
+from engine.logging import EventLog, LogFileError, configure_diagnostics, open_event_log, route_diagnostics
 from engine.logs import Aggregator
 from engine.router import Router
 from engine.service import NodeService
@@ -227,6 +227,7 @@ async def run_node(config: NodeConfig, *, demo: bool = False) -> int:
         console=sys.stderr if config.log.console else None,
         observers=[aggregator.add],
     )
+    route_diagnostics(log)
     try:
         node = Node(config, log, aggregator)
         if not demo:
@@ -244,6 +245,7 @@ async def run_node(config: NodeConfig, *, demo: bool = False) -> int:
 
         return await run_demo(node)
     finally:
+        route_diagnostics(None)
         log.close()
 
 

@@ -322,6 +322,23 @@ class GpuReport(Event, frozen=True, kw_only=True, tag="gpu_report"):
     gpus: list[GpuSample]
 
 
+# ---------------------------------------------------------------------------------------------- diagnostics
+class Diagnostic(Event, frozen=True, kw_only=True, tag="diagnostic"):
+    """An untyped diagnostic of library code (`structlog.get_logger(...)` in `transport/` and the
+    controller): a link closed, a handshake refused, the transport `auto` chose, a GPU NVML cannot read.
+    `name` is the diagnostic's own (`transfer.link_closed`), `fields` its key/values as text. Its level
+    is `severity`, not a class constant: the same code may say a thing at `info` or `warning`."""
+
+    severity: Level
+    name: str
+    fields: dict[str, str]
+
+
+def level_of(event: Event) -> Level:
+    """The level `event` is written at."""
+    return event.severity if isinstance(event, Diagnostic) else event.level
+
+
 LogEvent = (
     NodeStarted
     | NodeConfigured
@@ -355,6 +372,7 @@ LogEvent = (
     | BlocksReport
     | FlowReport
     | GpuReport
+    | Diagnostic
 )
 
 

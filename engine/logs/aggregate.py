@@ -29,6 +29,7 @@ from messages.events import (
     ClientDisconnected,
     ControlBadLine,
     ControlHandlerError,
+    Diagnostic,
     EncodeFinished,
     EncodeStarted,
     FaultInjected,
@@ -130,6 +131,9 @@ class Aggregator:
         self.slow_clients = 0
         self.faults: Counter[str] = Counter()
         self.leaks: list[PoolLeak] = []
+        # Diagnostics at warning or error, by (level, name), with the fields of the first of each.
+        self.diagnostics: Counter[tuple[str, str]] = Counter()
+        self.diagnostic_examples: dict[tuple[str, str], dict[str, str]] = {}
         self._ended_requests = _Recent(RECENT_IDS)
         self._reused: Counter[str] = Counter()
         self._ended_transfers = _Recent(RECENT_IDS)
@@ -204,6 +208,11 @@ class Aggregator:
             case FlowReport():
                 for flow in event.flows:
                     self.reported_flows[(flow.source, flow.destination, flow.kind)] += flow.bytes
+            case Diagnostic():
+                if event.severity in ("warning", "error"):
+                    key = (event.severity, event.name)
+                    self.diagnostics[key] += 1
+                    self.diagnostic_examples.setdefault(key, event.fields)
             case NodeConfigured() | WeightsProgress() | GpuReport():
                 pass
             case _:

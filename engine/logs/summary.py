@@ -213,6 +213,11 @@ def _problems(aggregator: Aggregator) -> list[str]:
     found.extend(
         f"fault {fault} injected {count} time(s)" for fault, count in sorted(aggregator.faults.items())
     )
+    for (level, name), count in sorted(aggregator.diagnostics.items()):
+        example = " ".join(
+            f"{key}={value}" for key, value in aggregator.diagnostic_examples[(level, name)].items()
+        )
+        found.append(f"{level} {name} {count} time(s), first: {example}")
     if aggregator.slow_clients:
         found.append(f"{aggregator.slow_clients} client(s) too slow: their requests were cancelled")
     stopped = aggregator.node_stopped

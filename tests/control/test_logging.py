@@ -3,14 +3,26 @@
 from __future__ import annotations
 
 import io
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import structlog
 import trio
 
-from engine.logging import EventLogClosed, LogFileError, MissingContext, open_event_log
+from engine.logging import (
+    EventLogClosed,
+    LogFileError,
+    MissingContext,
+    configure_diagnostics,
+    open_event_log,
+    route_diagnostics,
+)
+from engine.logs.aggregate import Aggregator
+from engine.logs.summary import summarize
 from messages.events import (
     ClientConnected,
+    Diagnostic,
     FirstToken,
     NodeStopped,
     PrefillStarted,
@@ -126,3 +138,58 @@ def test_close_is_final_and_bad_paths_are_named(tmp_path: Path) -> None:
     missing = tmp_path / "no" / "such" / "dir.jsonl"
     with pytest.raises(LogFileError, match=rf"^log file '{missing}': No such file or directory$"):
         open_event_log(file=str(missing), console=None)
+
+
+@pytest.fixture
+def diagnostics_stream() -> Iterator[io.StringIO]:
+    """Diagnostics configured as the node's entry point does, onto a stream of the test's; structlog's
+    defaults again afterwards."""
+    stream = io.StringIO()
+    configure_diagnostics("info", stream)
+    try:
+        yield stream
+    finally:
+        route_diagnostics(None)
+        structlog.reset_defaults()
+
+
+def test_diagnostics_become_events_of_the_log_while_it_is_open(
+    tmp_path: Path, diagnostics_stream: io.StringIO
+) -> None:
+    path = tmp_path / "node.jsonl"
+    aggregator = Aggregator()
+    log = open_event_log(file=str(path), level="info", console=None, observers=[aggregator.add])
+    diagnostics = structlog.get_logger("tests.diagnostics")
+    diagnostics.info("transfer.before_the_log", step=1)
+    route_diagnostics(log)
+    diagnostics.warning("transfer.link_closed", link="a ⇄ b", reason="its endpoint stopped")
+    diagnostics.info("transfer.transport_chosen", transport="inproc")
+    diagnostics.debug("transfer.below_the_level", step=2)
+    route_diagnostics(None)
+    log.close()
+    diagnostics.info("transfer.after_the_log", step=3)
+
+    written = _events(path)
+    assert [(e.severity, e.name, e.fields) for e in written if isinstance(e, Diagnostic)] == [
+        ("warning", "transfer.link_closed", {"link": "a ⇄ b", "reason": "its endpoint stopped"}),
+        ("info", "transfer.transport_chosen", {"transport": "inproc"}),
+    ]
+    printed = diagnostics_stream.getvalue()
+    assert "transfer.before_the_log" in printed and "transfer.after_the_log" in printed
+    assert "transfer.link_closed" not in printed and "below_the_level" not in printed
+    # The summary's problems name the warnings among them.
+    problems = summarize(aggregator).problems
+    assert problems == [
+        "warning transfer.link_closed 1 time(s), first: link=a ⇄ b reason=its endpoint stopped"
+    ]
+
+
+def test_a_diagnostic_on_the_console_reads_under_its_own_name(diagnostics_stream: io.StringIO) -> None:
+    console = io.StringIO()
+    log = open_event_log(file=None, level="info", console=console)
+    route_diagnostics(log)
+    structlog.get_logger("tests.diagnostics").warning("transfer.handshake_refused", endpoint="decode-0/kv")
+    route_diagnostics(None)
+    line = console.getvalue()
+    assert "[warning  ] transfer.handshake_refused" in line and "endpoint=decode-0/kv" in line
+    assert "diagnostic" not in line and diagnostics_stream.getvalue() == ""
