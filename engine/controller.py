@@ -124,7 +124,7 @@ class GpuProbe:
     unreadable `temperature_c` or `power_w` is null; a device whose name, memory or utilisation cannot be
     read is left out of that `gpu_report` (those fields are not nullable in the log schema, and retyping
     them would break readers). Each (device, NVML call) failure is logged once, as the diagnostic
-    `controller.gpu_unreadable` (stderr), not every period. `nvml` stands in for the `pynvml` module in
+    `controller.gpu_unreadable` (a `diagnostic` event of the log), not every period. `nvml` stands in for the `pynvml` module in
     tests."""
 
     def __init__(self, nvml: Any = None) -> None:
