@@ -123,9 +123,9 @@ class GpuProbe:
     boards, `GpuIsLost`, ...) never raises out of `samples()`, which runs in the node's nursery: an
     unreadable `temperature_c` or `power_w` is null; a device whose name, memory or utilisation cannot be
     read is left out of that `gpu_report` (those fields are not nullable in the log schema, and retyping
-    them would break readers). Each (device, NVML call) failure is logged once, as the diagnostic
-    `controller.gpu_unreadable` (a `diagnostic` event of the log), not every period. `nvml` stands in for the `pynvml` module in
-    tests."""
+    them would break readers). Each (device, NVML call) failure is logged once, not every period, as
+    the diagnostic `controller.gpu_unreadable` (a `diagnostic` event of the node's log). `nvml` stands in
+    for the `pynvml` module in tests."""
 
     def __init__(self, nvml: Any = None) -> None:
         import pynvml
