@@ -117,15 +117,38 @@ class DecodeWork:
         outcome: BaseException | None = None
         report = None
         started = time.monotonic()
-        with request.work_scope() as scope:  # also when the prefill side failed the request
-            try:
-                link = await replica.services.fabric.link(endpoint, command.source_endpoint)
-                result = await endpoint.receive(
-                    command.transfer_id, peer=link, blocks=landing, expected_tokens=command.prompt_tokens
+
+        def ended_without_report(reason: FailureReason) -> None:
+            log.emit(
+                TransferFinished(
+                    kind="kv",
+                    transfer_id=command.transfer_id,
+                    status="failed",
+                    reason=reason.value,
+                    rounds=0,
+                    tokens=0,
+                    bytes=0,
+                    seconds=time.monotonic() - started,
+                    source=source,
+                    destination=replica.name,
+                    transport=transport,
                 )
-                report = result.report
-            except (TransferError, LinkError, HandshakeRefused, UnknownEndpoint) as exc:
-                outcome = exc  # that request fails (`_landed`); the replica serves on
+            )
+
+        try:
+            with request.work_scope() as scope:  # also when the prefill side failed the request
+                try:
+                    link = await replica.services.fabric.link(endpoint, command.source_endpoint)
+                    result = await endpoint.receive(
+                        command.transfer_id, peer=link, blocks=landing, expected_tokens=command.prompt_tokens
+                    )
+                    report = result.report
+                except (TransferError, LinkError, HandshakeRefused, UnknownEndpoint) as exc:
+                    outcome = exc  # that request fails (`_landed`); the replica serves on
+        except BaseException:  # the replica stops (fails, shuts down; Cancelled, often in a group): the
+            # log still ends the transfer; the exception goes on
+            ended_without_report(FailureReason.ABORTED)
+            raise
         if report is None and isinstance(outcome, TransferError):
             report = outcome.report
         if report is not None:
@@ -146,22 +169,7 @@ class DecodeWork:
             )
             replica.services.fabric.count_bytes(source, replica.name, "kv", report.bytes)
         else:  # cancelled (the request was), or no link to the sender: the transfer ends all the same
-            reason = FailureReason.ABORTED if scope.cancelled_caught else FailureReason.LINK_LOST
-            log.emit(
-                TransferFinished(
-                    kind="kv",
-                    transfer_id=command.transfer_id,
-                    status="failed",
-                    reason=reason.value,
-                    rounds=0,
-                    tokens=0,
-                    bytes=0,
-                    seconds=time.monotonic() - started,
-                    source=source,
-                    destination=replica.name,
-                    transport=transport,
-                )
-            )
+            ended_without_report(FailureReason.ABORTED if scope.cancelled_caught else FailureReason.LINK_LOST)
         replica.post(Completed(lambda _: self._landed(sequence, command, report, outcome, source)))
 
     def _landed(

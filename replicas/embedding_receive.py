@@ -125,40 +125,50 @@ class EmbeddingReceives:
         )
         started = time.time()
         failure: ReceiveFailure | None = None
-        with request.work_scope() as scope:  # also when its encode side failed the request
-            try:
-                link = await services.fabric.link(endpoint, encode_endpoint_name(route.encoder))
-                await endpoint.receive(route.transfer_id, peer=link, consume=assembler.consume)
-            except (
-                TransferError,
-                LinkError,
-                HandshakeRefused,
-                UnknownEndpoint,
-                EmbeddingMismatch,
-                PromptTooLong,
-            ) as exc:
-                failure = exc
-        ended = time.time()
-        # The transfer's own span: from the sender starting to send (stamped by the encode side) to the
-        # last round consumed here; the wait for the encoder before it is not the transfer's.
-        begun = request.stamps.embedding_started or started
-        seconds = max(0.0, ended - begun)
-        succeeded = failure is None and not scope.cancelled_caught
-        log.emit(
-            TransferFinished(
-                kind="embedding",
-                transfer_id=route.transfer_id,
-                status="success" if succeeded else "failed",
-                reason=None if succeeded else (_reason(failure) or "aborted"),
-                rounds=assembler.rounds,
-                tokens=assembler.filled,
-                bytes=assembler.filled * bytes_per_token,
-                seconds=seconds,
-                source=route.encoder,
-                destination=replica.name,
-                transport=transport,
+
+        def finished(ended: float, reason: str | None) -> float:
+            """Log the transfer's end (`reason` None: success); returns its seconds: from the sender
+            starting to send (stamped by the encode side) to the last round consumed here — the wait for
+            the encoder before it is not the transfer's."""
+            seconds = max(0.0, ended - (request.stamps.embedding_started or started))
+            log.emit(
+                TransferFinished(
+                    kind="embedding",
+                    transfer_id=route.transfer_id,
+                    status="success" if reason is None else "failed",
+                    reason=reason,
+                    rounds=assembler.rounds,
+                    tokens=assembler.filled,
+                    bytes=assembler.filled * bytes_per_token,
+                    seconds=seconds,
+                    source=route.encoder,
+                    destination=replica.name,
+                    transport=transport,
+                )
             )
-        )
+            return seconds
+
+        try:
+            with request.work_scope() as scope:  # also when its encode side failed the request
+                try:
+                    link = await services.fabric.link(endpoint, encode_endpoint_name(route.encoder))
+                    await endpoint.receive(route.transfer_id, peer=link, consume=assembler.consume)
+                except (
+                    TransferError,
+                    LinkError,
+                    HandshakeRefused,
+                    UnknownEndpoint,
+                    EmbeddingMismatch,
+                    PromptTooLong,
+                ) as exc:
+                    failure = exc
+        except BaseException:  # the replica stops (fails, shuts down; Cancelled, often in a group): the
+            # log still ends the transfer; the exception goes on
+            finished(time.time(), "aborted")
+            raise
+        ended = time.time()
+        succeeded = failure is None and not scope.cancelled_caught
+        seconds = finished(ended, None if succeeded else (_reason(failure) or "aborted"))
         services.fabric.count_bytes(
             route.encoder, replica.name, "embedding", assembler.filled * bytes_per_token
         )
