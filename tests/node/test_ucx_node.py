@@ -50,7 +50,11 @@ async def test_auto_resolves_to_inproc_inside_one_node(tmp_path: Path, tiny: Mod
         problem for outcome in outcomes for problem in check_outcome(tiny, outcome, transport="inproc")
     ]
     assert not problems, "\n".join(problems)
-    assert "transfer.transport_chosen" in node.stderr()
+    chosen = [e["fields"] for e in node.events("diagnostic") if e["name"] == "transfer.transport_chosen"]
+    assert chosen and all(
+        fields == {"requested": "auto", "transport": "inproc", "reason": "both endpoints are in this process"}
+        for fields in chosen
+    ), chosen
 
 
 @pytest.mark.slow
