@@ -17,6 +17,9 @@ from messages.control import (
 )
 
 _DECODER: Final = request_decoder()
+TOO_DEEP: Final = (
+    "the line nests JSON arrays or objects too deeply to decode (no request needs more than a few levels)"
+)
 _AT_PATH = re.compile(r" - at `(?P<path>[^`]*)`$")
 # What a person needs to know to fix a bad value at these paths.
 _CHOICES: Final[dict[str, str]] = {
@@ -48,6 +51,8 @@ def parse_request(line: bytes) -> ControlRequest | BadLine:
         return BadLine(id=None, message=f"the line is not valid JSON: {exc}")
     except UnicodeDecodeError:
         return BadLine(id=_probe_id(line), message=_utf8_message(line))
+    except RecursionError:  # msgspec's own depth guard: a line of `[[[[...` must not take the node down
+        return BadLine(id=None, message=TOO_DEEP)
 
 
 def _probe_id(line: bytes) -> str | None:
@@ -60,12 +65,12 @@ def _probe_id(line: bytes) -> str | None:
 def _probe(line: bytes) -> _IdProbe | None:
     try:
         return msgspec.json.decode(line, type=_IdProbe)
-    except (msgspec.DecodeError, UnicodeDecodeError):
-        return None
+    except (msgspec.DecodeError, UnicodeDecodeError, RecursionError):
+        return None  # no id to answer with: the caller's message stands on its own
 
 
 def _validation_message(text: str, line: bytes) -> str:
-    if text.startswith("Expected `object`, got"):
+    if text.startswith("Expected `object`, got") and _AT_PATH.search(text) is None:  # the line itself
         kind = text.removeprefix("Expected `object`, got ").strip("`")
         return f'a request must be a JSON object with "op" and "id"; got a JSON {kind}'
     if text == "Object missing required field `op`":

@@ -5,7 +5,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.control.parse import BadLine, parse_request
+from engine.control.parse import TOO_DEEP, BadLine, parse_request
 from messages.control import CancelRequest, StatusRequest
 from tests.control.strategies import JSON_VALUES
 
@@ -110,10 +110,30 @@ def test_a_good_line_is_a_request() -> None:
             b'{"op":"generate","id":"g2","prompt":"x","max_tokens":1e400}',
             BadLine(id="g2", message="invalid request: Number out of range - at `$.max_tokens`"),
         ),
+        (
+            b'{"op":"generate","id":"g3","input_ids":[1],"images":[1]}',
+            BadLine(id="g3", message="invalid request: Expected `object`, got `int` - at `$.images[0]`"),
+        ),
+        (b'{"a":' * 5000 + b"1" + b"}" * 5000, BadLine(id=None, message=TOO_DEEP)),
     ],
 )
 def test_bad_lines_say_what_is_wrong(line: bytes, expected: BadLine) -> None:
     assert parse_request(line) == expected
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    depth=st.integers(min_value=1, max_value=20_000),
+    opener=st.sampled_from([b"[", b'{"k":']),
+    field=st.sampled_from([b"x", b"prompt", b"id", b"op", b"images"]),
+)
+def test_json_nested_to_any_depth_is_a_bad_line_not_a_crash(depth: int, opener: bytes, field: bytes) -> None:
+    """A review found that ~1000 nested arrays in any field raised RecursionError out of the parser and
+    took the whole node down."""
+    closer = b"]" if opener == b"[" else b"}"
+    value = opener * depth + b"1" + closer * depth
+    parsed = parse_request(b'{"op":"status","id":"s","' + field + b'":' + value + b"}")
+    assert isinstance(parsed, BadLine) and parsed.message
 
 
 def test_an_overlong_id_is_not_echoed() -> None:

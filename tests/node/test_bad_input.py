@@ -37,6 +37,13 @@ GARBAGE = bytes(b for b in range(256) if b not in b"\r\n")
 
 # (line, reply id, code, message, reply request_id)
 BAD_LINES: list[tuple[bytes, str | None, str, str, str | None]] = [
+    (  # 1500 nested arrays: the parser's recursion guard used to end the node with the line
+        b'{"op":"status","id":"deep","x":' + b"[" * 1500 + b"]" * 1500 + b"}",
+        None,
+        "bad_request",
+        "invalid request: Object contains unknown field `x`",
+        None,
+    ),
     (
         b"hello",
         None,
