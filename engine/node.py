@@ -115,6 +115,8 @@ class Node:
         self._shutdown_reason: tuple[str, str] = ("shutdown_op", "")
         self._replica_nursery: trio.Nursery | None = None
         self._indices = {role: itertools.count(0) for role in ROLES}
+        # Held by a `scale` op while it runs (`engine.scaling`): scales apply one after another.
+        self.scale_lock = trio.Lock()
 
     def request_shutdown(self, detail: str, reason: str = "shutdown_op") -> None:
         if not self._shutdown.is_set():
@@ -122,19 +124,20 @@ class Node:
             self._shutdown.set()
 
     async def add_replica(self, role: Role) -> Replica:
-        """Create replica `{role}-{n}` (Inactive) and start its supervised task. Raises
-        `ReplicaStartFailed` (the replica forgotten again) when it cannot start."""
+        """Create replica `{role}-{n}` (Inactive), start its supervised task, and only then make it one of
+        the node's replicas. Raises `ReplicaStartFailed` (the replica never listed) when it cannot start.
+
+        Listed while it started, an `Inactive` replica could be commanded by others (a `transition`, or
+        another `scale` starting `Inactive` replicas) before the caller's own command reached it, which
+        was then refused. Listed after, with no checkpoint before the caller posts its command, the
+        caller's command is the first the replica handles."""
         assert self._replica_nursery is not None
         index = next(self._indices[role])
         while f"{role}-{index}" in self.services.replicas:
             index = next(self._indices[role])
         replica = Replica(f"{role}-{index}", role, self.services)
+        await self._replica_nursery.start(supervise, replica)
         self.services.replicas[replica.name] = replica
-        try:
-            await self._replica_nursery.start(supervise, replica)
-        except ReplicaStartFailed:
-            del self.services.replicas[replica.name]
-            raise
         return replica
 
     async def serve(self, *, task_status: trio.TaskStatus[Address] = trio.TASK_STATUS_IGNORED) -> int:

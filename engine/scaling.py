@@ -2,14 +2,25 @@
 
 Scaling up revives idle replicas first (`ShuttingNull` → `AusPrefill` / `AusDecode`, weights still
 resident; those configured for the role before others whose pools can serve it), then starts `Inactive`
-replicas configured for the role (`Loading*`), then adds new replicas named `{role}-{n}`. Scaling down commands the least loaded serving replicas into `Shutting*`: they
-finish what they hold, admit nothing new, and end `ShuttingNull`. Every move is a commanded transition
-of DESIGN §6, logged like any other.
+replicas configured for the role (`Loading*`), then adds new replicas named `{role}-{n}`. Scaling down
+commands the least loaded serving replicas into `Shutting*`: they finish what they hold, admit nothing
+new, and end `ShuttingNull`. Every move is a commanded transition of DESIGN §6, logged like any other.
+
+Scale ops run one at a time (`Node.scale_lock`, first come first served): each counts the replicas from
+the state the one before it left, so two concurrent `scale decode 2` both answer the same two replicas.
+Run side by side, both counted the same serving replicas and the second commanded the first's new
+replica (still `Inactive`, the first's command not yet handled) into `Loading*` itself; the first's own
+command was then refused (`invalid_transition`) and a larger scale was left half-applied. A scale waits
+at most `SCALE_WAIT` seconds for the one before it, then answers `overloaded`. A new replica is listed
+only once started (`Node.add_replica`), so the scale's own command is the first it handles; a
+`transition` sent to it later is judged from the state that command entered.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
+
+import trio
 
 from engine.control.errors import RequestFailed
 from messages.commands import Transition
@@ -24,6 +35,10 @@ if TYPE_CHECKING:
     from engine.node import Node
 
 S = ReplicaState
+# How long a scale waits for the one before it to finish: as long as a replica gets to answer a command
+# (`Replica.ask`). Each of a scale's commands is answered at once (a replica's loop never blocks) or fails
+# the scale within that time; one that takes longer is starting many replicas, or a slow transfer endpoint.
+SCALE_WAIT = 30.0
 
 ACTIVE_STATES: dict[Role, frozenset[ReplicaState]] = {
     "prefill": frozenset(
@@ -58,6 +73,22 @@ def node_has_vision(replica: Replica) -> bool:
 
 
 async def scale(node: Node, request: ScaleRequest) -> ScaleResult:
+    try:
+        with trio.fail_after(SCALE_WAIT):
+            await node.scale_lock.acquire()
+    except trio.TooSlowError:
+        raise RequestFailed(
+            "overloaded",
+            f"an earlier scale op has not finished within {SCALE_WAIT:g} s; "
+            "send this one again once it answers",
+        ) from None
+    try:
+        return await _scale(node, request)
+    finally:
+        node.scale_lock.release()
+
+
+async def _scale(node: Node, request: ScaleRequest) -> ScaleResult:
     role: Role = request.role
     target = request.replicas
     serving = active(node, role)
