@@ -194,6 +194,7 @@ class Node:
             await self.router.wait_idle()
             await server.wait_requests_done()
         server.close()
+        await server.wait_closed()  # the final replies are sent (bounded by the write timeout)
 
     def _finish(self) -> int:
         leaked = 0

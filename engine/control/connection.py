@@ -13,8 +13,9 @@ Lifecycle:
 - a streamed reply that finds the outbound queue full means the client stopped reading: its in-flight
   requests are cancelled, each ends with a `cancelled` error, and the connection goes on (if the client
   never reads again, the write timeout closes it).
-Closing for any other reason cancels the in-flight requests, waits for their (shielded) cleanup, sends
-what is still queued within the write timeout, and closes the stream.
+Closing for any other reason (`close`: the server closing) cancels the in-flight requests, waits for their
+(shielded) cleanup, sends what is still queued (each write within the write timeout), and closes the
+stream. Cancelling `run` instead drops what is queued.
 """
 
 from __future__ import annotations
@@ -249,6 +250,11 @@ class ControlConnection:
             except (trio.BrokenResourceError, trio.ClosedResourceError):
                 self._fail("broken")
                 return
+
+    def close(self) -> None:
+        """The server is closing: cancel the requests in flight (each ends with a `cancelled` error), read
+        no more, send what is queued — the writer stops when it is sent — then `run` returns."""
+        self._begin_close("server_closing")
 
     def _fail(self, reason: ClientCloseReason) -> None:
         """The client cannot be written to: drop queued replies and close."""

@@ -8,10 +8,12 @@ Usage (the node)::
         ...
         server.stop_accepting()   # shutdown: no new clients; open connections keep working
         ...                       # drain in-flight requests
-        server.close()            # cancel every connection; `serve` returns
+        server.close()            # end every connection's requests, send what is queued; `serve` returns
+        await server.wait_closed()
 
-`serve` owns the listeners and a nursery holding every connection, so cancelling it (or `close`) cancels
-every request task of every client; the node's handler frees their blocks in shielded cleanup.
+`serve` owns the listeners and a nursery holding every connection, so cancelling it cancels every request
+task of every client (the node's handler frees their blocks in shielded cleanup) and drops what is
+queued; `close` does the same in order: each request ends with its final reply, which is sent.
 """
 
 from __future__ import annotations
@@ -53,6 +55,8 @@ class ControlServer:
         self._ids = itertools.count(1)
         self._accept_scope = trio.CancelScope()
         self._serve_scope = trio.CancelScope()
+        self._closing = False
+        self._served = trio.Event()
         self._address: Address | None = None
         self._request_ended = trio.Event()
 
@@ -88,9 +92,21 @@ class ControlServer:
         """Close the listeners (a unix socket file is removed); open connections keep being served."""
         self._accept_scope.cancel()
 
+    async def wait_closed(self) -> None:
+        """Until `serve` has returned (after `close`: every connection sent its last replies and closed)."""
+        await self._served.wait()
+
     def close(self) -> None:
-        """Stop accepting and cancel every connection; `serve` returns once their cleanup is done."""
-        self._serve_scope.cancel()
+        """Stop accepting and close every connection (`ControlConnection.close`: its requests end with a
+        `cancelled` error, what is queued is sent); `serve` returns once they have closed, or after the
+        write timeout, when what is left is cancelled."""
+        self._closing = True
+        self._accept_scope.cancel()
+        for connection in list(self._connections):
+            connection.close()
+        self._serve_scope.deadline = min(
+            self._serve_scope.deadline, trio.current_time() + self._limits.client_write_timeout
+        )
 
     async def serve(
         self, address: Address, *, task_status: trio.TaskStatus[Address] = trio.TASK_STATUS_IGNORED
@@ -105,10 +121,13 @@ class ControlServer:
             raise RuntimeError(f"this ControlServer already served {self._address}; create one per address")
         listeners = await _open_listeners(address)
         self._address = _bound_address(address, listeners[0])
-        with self._serve_scope:
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(self._accept_all, listeners, address, nursery)
-                task_status.started(self._address)
+        try:
+            with self._serve_scope:
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(self._accept_all, listeners, address, nursery)
+                    task_status.started(self._address)
+        finally:
+            self._served.set()
 
     async def _accept_all(
         self, listeners: list[trio.SocketListener], address: Address, nursery: trio.Nursery
@@ -143,6 +162,8 @@ class ControlServer:
         )
         self._connections.add(connection)
         self._log.emit(ClientConnected(connection=info.connection, peer=info.peer))
+        if self._closing:  # accepted just before `close`
+            connection.close()
         try:
             await connection.run()
         finally:

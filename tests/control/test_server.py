@@ -302,7 +302,9 @@ async def test_stop_accepting_keeps_open_connections_serving(served: Served, raw
     assert (await raw.reply())["id"] == "ok"
 
 
-async def test_close_cancels_in_flight_requests_and_serve_returns(short_dir: Path) -> None:
+async def test_close_ends_in_flight_requests_with_their_final_reply_and_serve_returns(
+    short_dir: Path,
+) -> None:
     returned = trio.Event()
     async with trio.open_nursery() as nursery:
 
@@ -323,6 +325,14 @@ async def test_close_cancels_in_flight_requests_and_serve_returns(short_dir: Pat
         with trio.fail_after(10):
             await returned.wait()
         assert served.handler.cancelled["z"].is_set() and served.handler.cleaned["z"].is_set()
+        # The request's final reply is sent before the connection closes (the node's drain relies on it).
+        assert await client.reply() == {
+            "type": "error",
+            "id": "z",
+            "code": "cancelled",
+            "message": "cancelled: the server is closing",
+            "request_id": None,
+        }
         assert await client.at_eof()
         await client.aclose()
     (gone,) = [event for event in served.events() if isinstance(event, ClientDisconnected)]

@@ -26,7 +26,16 @@ from tests.node.harness import (
     wait_states,
     wait_status,
 )
-from tests.node.workload import Ask, Outcome, assert_correct, distinct_asks, launch, send
+from tests.node.workload import (
+    Ask,
+    Outcome,
+    assert_correct,
+    assert_model_tokens,
+    distinct_asks,
+    launch,
+    reserved_blocks,
+    send,
+)
 
 INJECTED = "InjectedFault: decode-0: injected failure (fail_replica fault hook)"
 
@@ -141,3 +150,33 @@ async def test_a_request_no_replica_takes_fails_after_the_queue_wait(tmp_path: P
             await wait_states(client, {"prefill-0": "Prefill"})
             assert_correct(tiny, [await send(client, ask)], transport=default_transport())
             await wait_idle(client)
+
+
+@pytest.mark.slow
+async def test_requests_still_decoding_at_the_drain_deadline_get_their_final_reply(
+    tmp_path: Path, tiny: Model
+) -> None:
+    """A shutdown whose drain deadline passes while requests decode: each still gets its one final reply,
+    a result ending `cancelled` with the model's tokens so far (a review found the connections closed
+    with those replies queued but unsent, so the clients saw the stream end instead)."""
+    long_asks = [
+        Ask(input_ids=ask.input_ids, max_tokens=8000, ignore_eos=True, stream=stream)
+        for ask, stream in zip(distinct_asks(2, max_tokens=1, offset=600), (False, True), strict=True)
+    ]
+    with node_process(tmp_path, "--replicas", "prefill=1,decode=1", "--shutdown-drain-deadline", "1") as node:
+        ended: list[Outcome] = []
+        async with node.client() as client, node.client() as operator:
+            await wait_serving(client)
+            async with trio.open_nursery() as nursery:
+                launch(nursery, client, long_asks, ended)
+                await wait_status(
+                    client,
+                    lambda s: by_name(s)["decode-0"].used_blocks == sum(map(reserved_blocks, long_asks)),
+                    "both requests decoding",
+                )
+                assert (await operator.shutdown()).in_flight == 2
+        assert sorted(o.result.finish_reason for o in ended) == ["cancelled", "cancelled"]
+        for outcome in ended:
+            assert 0 < len(outcome.result.token_ids) < 8000
+            assert_model_tokens(tiny, outcome.ask, outcome.result.token_ids)
+        assert await trio.to_thread.run_sync(node.wait_exit) == 0, node.diagnosis()
