@@ -121,7 +121,13 @@ async def _scale_up(node: Node, role: Role, needed: int) -> None:
                 )
                 needed -= 1
     for replica in replicas:
-        if needed and replica.state is S.INACTIVE and replica.role == role:
+        if not needed or replica.role != role:
+            continue
+        if replica.state is S.SHUTTING_NULL and role not in AUS_STATE:
+            # A role without an Aus state (encode) comes back through Inactive, loading its weights again;
+            # adding a new replica instead left the idle one holding its pools for good.
+            await replica.ask(Transition(command_id=new_command_id(), to=S.INACTIVE.value, origin="planner"))
+        if replica.state is S.INACTIVE:
             await replica.ask(
                 Transition(command_id=new_command_id(), to=LOADING_STATE[role].value, origin="planner")
             )

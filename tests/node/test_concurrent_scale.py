@@ -18,6 +18,8 @@ import trio
 
 from engine import scaling
 from engine.client import ControlClient, ControlError
+from replicas.model import Model
+from tests.epd.images import image_input, image_with_rows, reference
 from tests.epd.inprocess import served_node
 from tests.node.harness import by_name, wait_states
 
@@ -74,3 +76,23 @@ async def test_a_scale_held_up_past_its_wait_answers_overloaded(
         )
         assert sorted(by_name(await client.status())) == ["decode-0", "prefill-0"]
         assert (await client.scale("decode", 2)).replicas == ["decode-0", "decode-1"]
+
+
+async def test_scaling_encode_down_and_up_brings_the_same_replica_back(tmp_path: Path, tiny: Model) -> None:
+    """Encode has no Aus state: an idle (`ShuttingNull`) encode replica comes back through `Inactive`.
+    (A review found each down-and-up cycle added a new encode replica and left the idle one holding its
+    pools.)"""
+    async with served_node(tmp_path) as node, ControlClient.connect(node.address) as client:
+        await wait_states(client, {"encode-0": "Encode"})
+        for _ in range(2):
+            assert (await client.scale("encode", 0)).replicas == []
+            await wait_states(client, {"encode-0": "ShuttingNull"})
+            assert (await client.scale("encode", 1)).replicas == ["encode-0"]
+            status = await wait_states(client, {"encode-0": "Encode"})
+            assert [r.name for r in status.replicas if r.role == "encode"] == ["encode-0"]
+        # Its weights were loaded again: an image request is answered as the model in one piece answers it.
+        image = image_with_rows(4, seed=3)
+        result = await client.generate_result(
+            prompt="<image> after the scales", images=[image_input(image)], max_tokens=3, ignore_eos=True
+        )
+        assert result.token_ids == reference(tiny, "<image> after the scales", [image], max_tokens=3)
