@@ -73,7 +73,10 @@ def sample_tokens(
 
 def sample_one(logits: torch.Tensor, params: SamplingParams, token_index: int) -> int:
     """Temperature / top-p sampling of one `[vocab]` row with the (seed, index) draw."""
-    scaled = logits.detach().to(device="cpu", dtype=torch.float64) / params.temperature
+    row = logits.detach().to(device="cpu", dtype=torch.float64)
+    # Shifted so the largest is 0 before dividing: a tiny temperature (5e-324 passes the bounds) then gives
+    # 0 and -inf — the greedy limit — where the unshifted logits overflowed to inf and softmax to NaN.
+    scaled = (row - row.max()) / params.temperature
     probs = torch.softmax(scaled, dim=-1)
     order = torch.sort(probs, descending=True, stable=True)
     sorted_probs = order.values

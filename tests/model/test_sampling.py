@@ -111,6 +111,22 @@ def test_sampled_token_is_inside_the_top_p_set(
     assert mass_above < top_p + 1e-9, "a token outside the nucleus was sampled"
 
 
+@settings(max_examples=60, deadline=None)
+@given(
+    logits=st.lists(st.integers(-10_000, 10_000), min_size=2, max_size=40, unique=True),  # gaps of >= 1
+    temperature=st.sampled_from([5e-324, 1e-300, 1e-30, 1e-12]),
+    seed=st.integers(0, 2**62),
+)
+def test_a_vanishing_temperature_samples_the_greedy_token(
+    logits: list[int], temperature: float, seed: int
+) -> None:
+    """Any temperature the bounds admit is a distribution: near 0, the argmax (a review found 5e-324
+    overflowed the scaled logits to inf, softmax to NaN, and every token to the first id)."""
+    row = torch.tensor(logits, dtype=torch.float64)
+    params = SamplingParams(temperature=temperature, seed=seed)
+    assert sample_one(row, params, 7) == int(row.argmax())
+
+
 def test_finish_reason_stops_on_eos_unless_ignored() -> None:
     eos = {2}
     assert finish_reason([5, 2], SamplingParams(), eos, 10) == "stop"
