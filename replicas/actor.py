@@ -223,7 +223,7 @@ class Replica:
             raise CommandRefused(
                 "invalid_transition",
                 f"{self.name}: cannot move from {previous.value} to {target.value}: {missing} "
-                f"(it was configured as a {self.role} replica)",
+                f"(it was configured as {'an' if self.role == 'encode' else 'a'} {self.role} replica)",
             )
         self._enter(target, "command", f"{origin} command")
         return previous

@@ -13,8 +13,9 @@ RECEIVE_BYTES = 256 * 1024
 class LineTooLong(Exception):
     """A line (or the unterminated tail of the stream) exceeds the limit; the stream cannot be resynchronised."""
 
-    def __init__(self, limit: int, seen: int) -> None:
-        super().__init__(f"line longer than {limit} bytes (read {seen} bytes without a newline)")
+    def __init__(self, limit: int, seen: int, *, terminated: bool = False) -> None:
+        found = f"{seen} bytes before its newline" if terminated else f"read {seen} bytes without a newline"
+        super().__init__(f"line longer than {limit} bytes ({found})")
         self.limit = limit
         self.seen = seen
 
@@ -64,6 +65,6 @@ class LineReader:
         self._start = self._scanned = newline + 1
         end = newline - 1 if newline > start and self._buffer[newline - 1] == 0x0D else newline
         if end - start > self._max:
-            raise LineTooLong(self._max, end - start)
+            raise LineTooLong(self._max, end - start, terminated=True)
         with memoryview(self._buffer) as view:
             return bytes(view[start:end])

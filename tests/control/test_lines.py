@@ -35,7 +35,7 @@ async def test_a_line_of_exactly_the_limit_is_accepted() -> None:
 async def test_a_complete_line_over_the_limit_is_refused() -> None:
     reader = await _reader_over([b"ok\n" + b"z" * 11 + b"\n"], 10)
     assert await reader.next_line() == b"ok"
-    with pytest.raises(LineTooLong, match=r"^line longer than 10 bytes \(read 11 bytes without a newline\)$"):
+    with pytest.raises(LineTooLong, match=r"^line longer than 10 bytes \(11 bytes before its newline\)$"):
         await reader.next_line()
 
 
