@@ -14,8 +14,12 @@ from __future__ import annotations
 
 from typing import Literal, final
 
+import structlog
 import torch
 import torch.nn.functional as F
+
+_log = structlog.get_logger("replicas.model.linear")
+_refusals_said: set[str] = set()  # each distinct refusal is logged once, not once per layer
 
 # "auto": oneDNN for large CPU float32 weights; "packed": oneDNN wherever it runs (tests, experiments);
 # "plain": `F.linear` everywhere.
@@ -67,7 +71,10 @@ class Linear:
                 3, self.in_features
             )
             got = torch.ops.mkldnn._linear_pointwise(probe, packed, self.bias, "none", [], "")
-        except RuntimeError:
+        except RuntimeError as exc:  # this build or CPU cannot pack: the plain linear serves
+            if str(exc) not in _refusals_said:
+                _refusals_said.add(str(exc))
+                _log.info("model.linear_packing_unavailable", error=str(exc), fallback="F.linear")
             return
         expected = F.linear(probe, weight, self.bias)
         if got.shape == expected.shape and torch.allclose(got, expected, rtol=1e-4, atol=1e-4):
