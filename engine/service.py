@@ -120,7 +120,7 @@ class NodeService:
 
     # ------------------------------------------------------------------ generate
     async def _generate(self, request: GenerateRequest, replies: ReplySink) -> None:
-        request_id = request.request_id or new_request_id()
+        request_id = replies.request_id = request.request_id or new_request_id()
         if request_id in self.services.requests:  # before any event: the log of the live one stays its own
             raise RequestFailed("bad_request", f"request_id {request_id!r} is already in use", request_id)
         request = msgspec.structs.replace(request, request_id=request_id)

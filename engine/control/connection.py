@@ -176,7 +176,9 @@ class ControlConnection:
                     self._handler_crashed(request, exc)
                     self._finish(sink, "internal", f"internal error in {op}: {exc!r}")
             if entry.cancel_message is not None:
-                generate = request.request_id if isinstance(request, GenerateRequest) else None
+                generate = (
+                    (sink.request_id or request.request_id) if isinstance(request, GenerateRequest) else None
+                )
                 self._finish(sink, "cancelled", entry.cancel_message, generate)
             else:
                 self._finish(sink, "internal", f"the node sent no reply to {op}")

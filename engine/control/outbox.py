@@ -137,6 +137,9 @@ class ReplySink:
         # Why the connection is cancelling this request, once it is: the client stopped reading, the
         # client is gone, or the server is closing.
         self.cancelled_because: Literal["client_too_slow", "client_disconnected", "shutdown"] | None = None
+        # The request id a generate is served under, once the handler knows it (the node assigns one
+        # when the client gave none): an error the connection sends for it names that id.
+        self.request_id: str | None = None
 
     @property
     def finished(self) -> bool:

@@ -163,3 +163,30 @@ async def test_more_live_requests_than_max_queue_are_overloaded(
                 await client.unlock(decoder)
         assert_correct(tiny, held, transport="inproc")
         await wait_idle(client)
+
+
+async def test_a_client_that_half_closes_gets_its_generate_cancelled_under_the_id_the_node_gave_it(
+    tiny_inproc_node: NodeProcess,
+) -> None:
+    """End of stream from the client cancels its requests; the `cancelled` error of a generate that named
+    no `request_id` names the one the node assigned (it said null), the id its log events carry."""
+    node = tiny_inproc_node
+    seen = {event["request_id"] for event in node.events("request_arrived")}
+    async with raw_connection(node) as raw:
+        await raw.send(
+            b'{"op":"generate","id":"g","input_ids":[9,8,7],"max_tokens":20000,"ignore_eos":true}\n'
+        )
+        arrived = await node.wait_event("request_arrived", lambda e: e["request_id"] not in seen)
+        await raw.stream.send_eof()
+        (reply,) = await raw.closed()
+    assert reply == {
+        "type": "error",
+        "id": "g",
+        "code": "cancelled",
+        "message": "cancelled: the client closed the connection",
+        "request_id": arrived["request_id"],
+    }
+    cancelled = await node.wait_event("request_cancelled", lambda e: e["request_id"] == arrived["request_id"])
+    assert cancelled["reason"] == "client_disconnected"
+    async with node.client() as client:
+        await wait_idle(client)
