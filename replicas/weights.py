@@ -27,6 +27,7 @@ from replicas.model import (
     tiny_model,
 )
 from replicas.model.config import ModelDType
+from replicas.model.loader import check_checkpoint
 
 Progress = Callable[[LoadProgress], None]
 
@@ -44,6 +45,10 @@ class ModelHost:
         self.device = device
         self.dtype = dtype
         self.config: ModelConfig = self._read_config()
+        if source != "tiny":
+            # Every tensor's presence and shape, from the file headers: a checkpoint that would fail its
+            # first load stops the node at start-up instead of leaving every replica Inactive.
+            check_checkpoint(source, self.config)
         self.tokenizer: Tokenizer | None = self._read_tokenizer()
         self._model: Model | None = None
         self._holders: set[str] = set()

@@ -87,17 +87,20 @@ class CheckpointFiles:
 
     def read(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
         """Tensor `name`, after checking it exists and has `shape` (CPU, checkpoint dtype)."""
+        tensor: torch.Tensor = self._handle(self.check(name, shape)).get_tensor(name)
+        return tensor
+
+    def check(self, name: str, shape: tuple[int, ...]) -> Path:
+        """The file holding tensor `name`, after checking from its header that it has `shape`."""
         path = self._where.get(name)
         if path is None:
             raise CheckpointError(f"{self.directory}: tensor {name!r} is in no safetensors file")
-        handle = self._handle(path)
-        actual = tuple(handle.get_slice(name).get_shape())
+        actual = tuple(self._handle(path).get_slice(name).get_shape())
         if actual != shape:
             raise WeightShapeError(
                 f"{path.name}: tensor {name!r} has shape {list(actual)}, config.json implies {list(shape)}"
             )
-        tensor: torch.Tensor = handle.get_tensor(name)
-        return tensor
+        return path
 
     def close(self) -> None:
         self._open.clear()
@@ -136,7 +139,7 @@ class ModelLoader:
             device=self.device,
             embed_tokens=self._embed,
             tokenizer=tokenizer,
-            eos_token_ids=self._generation_eos(),
+            eos_token_ids=generation_eos_ids(self.directory),
             name=self.directory.name,
             kernels=kernels,
         )
@@ -164,19 +167,39 @@ class ModelLoader:
     def _place(self, tensor: torch.Tensor) -> torch.Tensor:
         return tensor.to(device=self.device, dtype=self.dtype).contiguous()
 
-    def _generation_eos(self) -> tuple[int, ...]:
-        path = self.directory / "generation_config.json"
-        if not path.is_file():
-            return ()
-        try:
-            raw = json.loads(path.read_text(encoding="utf-8"))
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise CheckpointError(f"{path}: not readable as JSON: {exc}") from exc
-        value = raw.get("eos_token_id") if isinstance(raw, dict) else None
-        items = value if isinstance(value, list) else [] if value is None else [value]
-        if not all(isinstance(item, int) and not isinstance(item, bool) for item in items):
-            raise CheckpointError(f"{path}: eos_token_id must be an integer or a list of them, got {value!r}")
-        return tuple(items)
+
+def generation_eos_ids(directory: Path) -> tuple[int, ...]:
+    """The end-of-sequence ids of `generation_config.json` (none without the file)."""
+    path = directory / "generation_config.json"
+    if not path.is_file():
+        return ()
+    try:
+        raw = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CheckpointError(f"{path}: not readable as JSON: {exc}") from exc
+    value = raw.get("eos_token_id") if isinstance(raw, dict) else None
+    items = value if isinstance(value, list) else [] if value is None else [value]
+    if not all(isinstance(item, int) and not isinstance(item, bool) for item in items):
+        raise CheckpointError(f"{path}: eos_token_id must be an integer or a list of them, got {value!r}")
+    return tuple(items)
+
+
+def check_checkpoint(directory: str | Path, config: ModelConfig) -> None:
+    """Check, from the safetensors headers alone (no weights read), that `directory` holds every tensor
+    `config` needs in its shape, and that its generation config reads: what a load would find wrong,
+    found at start-up instead of when a replica first loads. Raises `ModelLoadError`."""
+    files = CheckpointFiles(Path(directory))
+    try:
+        files.check("model.embed_tokens.weight", (config.vocab_size, config.hidden_size))
+        for index in range(config.num_layers):
+            for name, shape in expected_layer_shapes(config).items():
+                files.check(f"model.layers.{index}.{name}", shape)
+        files.check("model.norm.weight", (config.hidden_size,))
+        if not config.tie_word_embeddings:
+            files.check("lm_head.weight", (config.vocab_size, config.hidden_size))
+    finally:
+        files.close()
+    generation_eos_ids(Path(directory))
 
 
 def load_model(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +26,9 @@ from replicas.model import (
     generate_in_one_piece,
     load_model,
 )
-from replicas.model.loader import INDEX_FILE
+from replicas.model.config import read_hf_config
+from replicas.model.errors import ModelLoadError
+from replicas.model.loader import INDEX_FILE, check_checkpoint
 from tests.model.helpers import allocate
 
 
@@ -101,6 +104,43 @@ def test_mismatched_shapes_name_tensor_file_and_shapes(llama_copy: Path) -> None
     assert str(info.value) == (
         "model.safetensors: tensor 'model.layers.0.mlp.gate_proj.weight' has shape [160, 64], config.json implies [96, 64]"
     )
+
+
+def _drop_tensor(directory: Path) -> None:
+    path = directory / INDEX_FILE
+    index = json.loads(path.read_text())
+    del index["weight_map"]["model.layers.2.self_attn.k_proj.bias"]
+    path.write_text(json.dumps(index))
+
+
+def _truncate_a_shard(directory: Path) -> None:
+    shard = directory / json.loads((directory / INDEX_FILE).read_text())["weight_map"]["lm_head.weight"]
+    with shard.open("r+b") as file:
+        file.truncate(shard.stat().st_size // 2)
+
+
+@pytest.mark.parametrize(
+    "breakage",
+    [
+        _drop_tensor,
+        _truncate_a_shard,
+        lambda directory: _edit_config(directory, intermediate_size=96),
+        lambda directory: (directory / "generation_config.json").write_text("{not json"),
+    ],
+    ids=["missing tensor", "truncated shard", "shapes", "generation config"],
+)
+def test_the_start_up_check_finds_what_a_load_would_fail_on(
+    sharded_copy: Path, breakage: Callable[[Path], object]
+) -> None:
+    """`check_checkpoint` (run when a node starts, from the files' headers) raises what `load_model`
+    raises: a broken checkpoint stops the node at start-up, not at its replicas' first load."""
+    check_checkpoint(sharded_copy, read_hf_config(sharded_copy))  # the intact one passes
+    breakage(sharded_copy)
+    with pytest.raises(ModelLoadError) as loading:
+        load_model(sharded_copy)
+    with pytest.raises(type(loading.value)) as checking:
+        check_checkpoint(sharded_copy, read_hf_config(sharded_copy))
+    assert str(checking.value) == str(loading.value)
 
 
 @pytest.mark.parametrize(

@@ -1,8 +1,9 @@
 """A node that cannot come up says why in one line and exits 2; a replica whose restart fails waits longer
 before each next try instead of failing in a loop.
 
-The first two run `python -m engine.node` for real: its control address taken by another socket, and
-UCX told to use a transport that does not exist (`UCX_TLS=bogus`), so no replica can open its endpoint.
+The first three run `python -m engine.node` for real: its control address taken by another socket, a
+checkpoint without its weight file, and UCX told to use a transport that does not exist (`UCX_TLS=bogus`),
+so no replica can open its endpoint.
 The third serves a node in the test's own trio run (`tests.epd.inprocess`), whose decode replica fails on
 its first step (`fail_replica` fault hook) and whose next three endpoint openings fail (a wrapped
 `Fabric.listen`, the transport's own step): the supervisor's restarts back off, 0.1 s then 0.2 s, the
@@ -56,6 +57,20 @@ def test_a_taken_control_address_stops_the_node_in_one_line() -> None:
     assert done.stderr.splitlines()[-1] == (
         f"engine.node: cannot listen on 127.0.0.1:{port}: Address already in use"
     )
+
+
+@pytest.mark.slow
+def test_a_checkpoint_whose_weights_would_not_load_stops_the_node_in_one_line(tmp_path: Path) -> None:
+    """Found from the files' headers at start-up; until 2026-11-23 the node served with every replica
+    `Inactive` and each request waited `--queue-wait` to fail."""
+    from tests.model.helpers import build_hf_model
+
+    checkpoint = tmp_path / "llama"
+    build_hf_model("llama", checkpoint, seed=1)
+    (checkpoint / "model.safetensors").unlink()
+    done = run_node("--listen", "127.0.0.1:0", "--model", str(checkpoint))
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.splitlines()[-1] == f"engine.node: {checkpoint}: no *.safetensors weight files"
 
 
 @pytest.mark.slow
