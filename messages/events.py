@@ -3,7 +3,8 @@
 The line *is* the msgspec JSON encoding of one `LogEvent`: the tag field ``event`` names it, ``ts`` is the
 wall-clock time in float seconds (Unix epoch), and the other keys are the fields below, always present
 (null where not applicable). `python -m engine.logs` decodes lines with `event_decoder()`; the schema is
-documented in docs/logging.md and is a contract: add fields with defaults, never rename.
+documented in docs/logging.md and is a contract: add fields with defaults, never rename. Decoding
+ignores fields it does not know, so an older reader reads a newer node's log.
 
 Context: request events carry `request_id` (never null once emitted) and `replica` (the replica that
 emits it, null before one is chosen); replica events carry `replica` (never null). The logger fills both
@@ -23,7 +24,7 @@ Level = Literal["debug", "info", "warning", "error"]
 Transfer = Literal["embedding", "kv"]
 
 
-class Event(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True, tag_field="event"):
+class Event(msgspec.Struct, frozen=True, kw_only=True, tag_field="event"):
     """Every event: `ts` is stamped when the event is built. `level` is a class constant, not a field."""
 
     level: ClassVar[Level] = "info"
@@ -277,7 +278,7 @@ class PoolLeak(ReplicaEvent, frozen=True, kw_only=True, tag="pool_leak"):
 
 
 # ---------------------------------------------------------------------------------------------- controller
-class ReplicaBlocks(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+class ReplicaBlocks(msgspec.Struct, frozen=True, kw_only=True):
     replica: str
     state: ReplicaStateName
     used_blocks: int
@@ -292,7 +293,7 @@ class BlocksReport(Event, frozen=True, kw_only=True, tag="blocks_report"):
     replicas: list[ReplicaBlocks]
 
 
-class Flow(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+class Flow(msgspec.Struct, frozen=True, kw_only=True):
     source: str
     destination: str
     kind: Transfer
@@ -306,7 +307,7 @@ class FlowReport(Event, frozen=True, kw_only=True, tag="flow_report"):
     flows: list[Flow]
 
 
-class GpuSample(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+class GpuSample(msgspec.Struct, frozen=True, kw_only=True):
     index: int
     name: str
     utilization_percent: float

@@ -222,3 +222,16 @@ def test_a_missing_log_is_an_error_naming_it(tmp_path: Path) -> None:
         LogSet([present, missing])
     with pytest.raises(LogError, match=r"^no log files given$"):
         LogSet([])
+
+
+def test_a_field_this_reader_does_not_know_is_ignored(tmp_path: Path) -> None:
+    """A newer node may add fields (docs/logging.md, Evolution): this reader still reads its lines."""
+    path = tmp_path / "node.jsonl"
+    path.write_bytes(
+        b'{"event":"client_connected","ts":1.0,"connection":"c1","peer":"p","tls":"none"}\n'
+        b'{"event":"blocks_report","ts":2.0,"replicas":[{"replica":"decode-0","state":"Decode",'
+        b'"used_blocks":1,"cached_blocks":0,"total_blocks":8,"locked":false,"pinned_blocks":0}]}\n'
+    )
+    entries, logs = read_entries([path])
+    assert entries[0].event == ClientConnected(ts=1.0, connection="c1", peer="p")
+    assert len(entries) == 2 and logs.warnings() == []
