@@ -198,6 +198,11 @@ def _read_toml(path: str, known: list[Option]) -> dict[tuple[str, ...], tuple[An
         raise ConfigError(f"config file {path!r}: {exc.strerror or exc}") from exc
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"config file {path!r} is not valid TOML: {exc}") from exc
+    except UnicodeDecodeError as exc:  # TOML is UTF-8; tomllib lets this through
+        raise ConfigError(
+            f"config file {path!r} is not valid TOML: not UTF-8 (byte 0x{exc.object[exc.start]:02x} at offset "
+            f"{exc.start})"
+        ) from exc
     by_key = {option.toml_key: option for option in known}
     sections = {option.path[0] for option in known if len(option.path) > 1}
     found: dict[tuple[str, ...], tuple[Any, str]] = {}

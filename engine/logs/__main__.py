@@ -27,6 +27,7 @@ from engine.logs.timeline import DEFAULT_MAX_ROWS, build_timeline
 
 PROG: Final = "python -m engine.logs"
 INSTALL_PLOT: Final = "pip install 'zigzag[plot]'"
+PICTURE_SUFFIXES: Final = (".png", ".svg", ".pdf")  # matplotlib picks the format by the suffix
 
 
 class _Failed(Exception):
@@ -97,6 +98,11 @@ def _run(args: argparse.Namespace) -> None:
         raise _Failed(f"--max-rows {args.max_rows}: must be at least 1", status=2)
     if args.output is None and not args.json:
         raise _Failed("timeline: give -o FILE.png for the picture, or --json for the data", status=2)
+    if args.output is not None and not args.output.lower().endswith(PICTURE_SUFFIXES):
+        raise _Failed(
+            f"timeline: -o {args.output!r} must name a picture file ending in {', '.join(PICTURE_SUFFIXES)}",
+            status=2,
+        )
     timeline = build_timeline(aggregator, max_rows=args.max_rows)
     if args.output is not None:
         try:

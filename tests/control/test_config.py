@@ -186,6 +186,16 @@ def test_toml_errors(tmp_path: Path) -> None:
         assert expected.format(path=path) in str(info.value), str(info.value)
 
 
+def test_a_toml_file_that_is_not_utf8_is_a_config_error(tmp_path: Path) -> None:
+    path = tmp_path / "latin1.toml"
+    path.write_bytes(b'model = "tiny"\n# caf\xe9\n')
+    with pytest.raises(ConfigError) as info:
+        parse_node_config(["--config", str(path)])
+    assert (
+        str(info.value) == f"config file {str(path)!r} is not valid TOML: not UTF-8 (byte 0xe9 at offset 20)"
+    )
+
+
 def test_help_lists_every_option_with_its_default(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exit_info:
         parse_node_config(["--help"])

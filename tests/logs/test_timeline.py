@@ -127,3 +127,19 @@ def test_timeline_command_needs_an_output_or_json(tmp_path: Path, capsys: pytest
     assert capsys.readouterr().err == (
         "python -m engine.logs: timeline: give -o FILE.png for the picture, or --json for the data\n"
     )
+
+
+@pytest.mark.parametrize("output", ["timeline.json", "timeline", ""])
+def test_timeline_command_refuses_an_output_that_is_not_a_picture_file(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], output: str
+) -> None:
+    """matplotlib picks the format by the suffix: `.json` raised its traceback, no suffix or an empty name
+    wrote `<name>.png` while the command said it wrote `<name>`."""
+    path = tmp_path / "node.jsonl"
+    write_scenario(path)
+    target = str(tmp_path / output) if output else ""
+    assert main(["timeline", str(path), "-o", target]) == 2
+    assert capsys.readouterr().err == (
+        f"python -m engine.logs: timeline: -o {target!r} must name a picture file ending in .png, .svg, .pdf\n"
+    )
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["node.jsonl"]
