@@ -19,6 +19,7 @@ import msgspec
 import trio
 
 from engine.client.control_client import ControlClient, ControlClientError, ControlError
+from engine.control.address import parse_address
 from messages.control import ImageInput, ReplicaRole, ReplicaStateName
 from messages.control_replies import (
     ControlResult,
@@ -240,9 +241,17 @@ def render(result: ControlResult) -> str:
             return " ".join(f"{key}={value}" for key, value in fields.items() if key not in ("type", "id"))
 
 
+def _check_usage(args: argparse.Namespace) -> None:
+    """A malformed address or timeout is bad usage (exit 2), not a connection that failed. ValueError."""
+    parse_address(args.address)
+    if not args.timeout > 0:
+        raise ValueError(f"--timeout {args.timeout}: must be a positive number of seconds")
+
+
 def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None) -> int:
     args = build_parser(os.environ if environ is None else environ).parse_args(argv)
     try:
+        _check_usage(args)
         inputs = read_generate_inputs(args) if args.op == "generate" else None
     except (ValueError, OSError) as exc:
         sys.stderr.write(f"{exc}\n")

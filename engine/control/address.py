@@ -44,7 +44,10 @@ def parse_address(text: str) -> Address:
     if host.startswith("[") and host.endswith("]"):
         host = host[1:-1]
     elif ":" in host:
-        raise ValueError(f"address {text!r}: write an IPv6 host in brackets, e.g. [::1]:7340")
+        raise ValueError(
+            f"address {text!r}: expected HOST:PORT (e.g. 127.0.0.1:7340) or unix:PATH, with no scheme; "
+            "an IPv6 host goes in brackets, e.g. [::1]:7340"
+        )
     if not host:
         raise ValueError(f"address {text!r}: the host is empty")
     if not port_text.isdigit() or not 0 <= int(port_text) <= 65535:

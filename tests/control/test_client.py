@@ -11,6 +11,7 @@ import pytest
 import trio
 
 from engine.client import ControlClient, ControlConnectionClosed, ControlError
+from engine.client.cli import main as cli_main
 from engine.client.cli import render
 from engine.control.address import TcpAddress
 from messages.control import ImageInput
@@ -149,6 +150,29 @@ async def test_cli_without_a_server(short_dir: Path) -> None:
     )
     assert result.returncode == 3
     assert result.stderr.decode().startswith(f"cannot reach the node at unix:{short_dir}/none.sock: ")
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        (
+            ["--address", "http://127.0.0.1:7340"],
+            "address 'http://127.0.0.1:7340': expected HOST:PORT (e.g. 127.0.0.1:7340) or unix:PATH, with no "
+            "scheme; an IPv6 host goes in brackets, e.g. [::1]:7340",
+        ),
+        (
+            ["--address", "127.0.0.1"],
+            "address '127.0.0.1': expected HOST:PORT (e.g. 127.0.0.1:7340) or unix:PATH",
+        ),
+        (["--timeout", "-1"], "--timeout -1.0: must be a positive number of seconds"),
+    ],
+)
+def test_a_malformed_address_or_timeout_is_bad_usage(
+    options: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Exit 2 (bad usage) before any connection is tried; it was 3, as if the node could not be reached."""
+    assert cli_main([*options, "status"], environ={}) == 2
+    assert capsys.readouterr().err == message + "\n"
 
 
 def test_the_status_table_says_why_each_replica_is_locked() -> None:
