@@ -46,12 +46,17 @@ def read_ppm(path: str) -> ImageInput:
         while position < len(data) and data[position : position + 1].isspace():
             position += 1
         if data[position : position + 1] == b"#":
-            position = data.index(b"\n", position) + 1
+            end = data.find(b"\n", position)
+            if end < 0:
+                raise ValueError(f"{path}: the PPM header ends inside a comment")
+            position = end + 1
             continue
         start = position
         while position < len(data) and not data[position : position + 1].isspace():
             position += 1
         fields.append(data[start:position])
+    if not all(field.isdigit() for field in fields):
+        raise ValueError(f"{path}: a PPM header needs width, height and maxval as numbers, got {fields!r}")
     width, height, maxval = (int(field) for field in fields)
     if maxval != 255:
         raise ValueError(f"{path}: maxval {maxval} is not supported (only 255)")
@@ -163,7 +168,10 @@ def read_generate_inputs(args: argparse.Namespace) -> GenerateInputs:
             input_ids = [int(part) for part in args.input_ids.split(",") if part.strip()]
         except ValueError:
             raise ValueError(f"--input-ids {args.input_ids!r}: expected comma-separated integers") from None
-    images = [read_ppm(path) for path in args.image] + [read_raw_image(spec) for spec in args.raw_image]
+    try:
+        images = [read_ppm(path) for path in args.image] + [read_raw_image(spec) for spec in args.raw_image]
+    except OSError as exc:  # name the option: "[Errno 2] No such file" alone does not say which
+        raise ValueError(f"--image/--raw-image: {exc.filename}: {exc.strerror or exc}") from exc
     return GenerateInputs(input_ids=input_ids, images=images)
 
 

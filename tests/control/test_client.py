@@ -175,6 +175,26 @@ def test_a_malformed_address_or_timeout_is_bad_usage(
     assert capsys.readouterr().err == message + "\n"
 
 
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        (b"P6\n16", "a PPM header needs width, height and maxval as numbers, got [b'16', b'', b'']"),
+        (b"P6\n# no end", "the PPM header ends inside a comment"),
+        (None, "No such file or directory"),
+    ],
+    ids=["truncated header", "open comment", "missing file"],
+)
+def test_an_image_file_that_cannot_be_read_names_itself(
+    tmp_path: Path, content: bytes | None, message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "picture.ppm"
+    if content is not None:
+        path.write_bytes(content)
+    assert cli_main(["generate", "--prompt", "x", "--image", str(path)], environ={}) == 2
+    prefix = "--image/--raw-image: " if content is None else ""
+    assert capsys.readouterr().err == f"{prefix}{path}: {message}\n"
+
+
 def test_the_status_table_says_why_each_replica_is_locked() -> None:
     def replica(name: str, state: str, locked: bool, reasons: list[str]) -> ReplicaStatus:
         return ReplicaStatus(
