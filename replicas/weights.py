@@ -17,7 +17,6 @@ import trio
 
 from replicas.model import (
     ByteTokenizer,
-    HFTokenizer,
     LoadProgress,
     Model,
     ModelConfig,
@@ -27,7 +26,7 @@ from replicas.model import (
     tiny_model,
 )
 from replicas.model.config import ModelDType
-from replicas.model.loader import check_checkpoint
+from replicas.model.loader import check_checkpoint, checkpoint_tokenizer
 
 Progress = Callable[[LoadProgress], None]
 
@@ -96,8 +95,7 @@ class ModelHost:
     def _read_tokenizer(self) -> Tokenizer | None:
         if self.source == "tiny":
             return ByteTokenizer(self.config.vocab_size)
-        path = Path(self.source) / "tokenizer.json"
-        return HFTokenizer(path) if path.is_file() else None
+        return checkpoint_tokenizer(Path(self.source))
 
     def _load(self, progress: Progress | None) -> Model:
         if self.source == "tiny":

@@ -129,8 +129,7 @@ class ModelLoader:
         self.device = torch.device(device)
         self.dtype = torch_dtype(config.dtype)
         self.files = CheckpointFiles(self.directory)
-        tokenizer_path = self.directory / "tokenizer.json"
-        tokenizer = HFTokenizer(tokenizer_path) if tokenizer_path.is_file() else None
+        tokenizer = checkpoint_tokenizer(self.directory)
         self._embed = self._place(
             self.files.read("model.embed_tokens.weight", (config.vocab_size, config.hidden_size))
         )
@@ -166,6 +165,14 @@ class ModelLoader:
 
     def _place(self, tensor: torch.Tensor) -> torch.Tensor:
         return tensor.to(device=self.device, dtype=self.dtype).contiguous()
+
+
+def checkpoint_tokenizer(directory: Path) -> HFTokenizer | None:
+    """The checkpoint's `tokenizer.json` (None without one: prompts then come as token ids)."""
+    path = directory / "tokenizer.json"
+    if path.exists() and not path.is_file():
+        raise CheckpointError(f"{path}: not a file")
+    return HFTokenizer(path) if path.is_file() else None
 
 
 def generation_eos_ids(directory: Path) -> tuple[int, ...]:

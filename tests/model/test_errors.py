@@ -97,6 +97,15 @@ def test_missing_tensor(sharded_copy: Path) -> None:
     )
 
 
+def test_a_tokenizer_json_that_is_not_a_file(llama_copy: Path) -> None:
+    """It was taken for no tokenizer at all, silently: prompts then needed token ids."""
+    (llama_copy / "tokenizer.json").unlink()
+    (llama_copy / "tokenizer.json").mkdir()
+    with pytest.raises(CheckpointError) as info:
+        load_model(llama_copy)
+    assert str(info.value) == f"{llama_copy / 'tokenizer.json'}: not a file"
+
+
 def test_mismatched_shapes_name_tensor_file_and_shapes(llama_copy: Path) -> None:
     _edit_config(llama_copy, intermediate_size=96)
     with pytest.raises(WeightShapeError) as info:
