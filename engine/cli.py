@@ -209,6 +209,12 @@ def _read_toml(path: str, known: list[Option]) -> dict[tuple[str, ...], tuple[An
     for key, value in document.items():
         if key in sections and isinstance(value, dict):
             items = [(f"{key}.{name}", inner) for name, inner in value.items()]
+        elif key in sections and key not in by_key:
+            example = next(option.toml_key for option in known if option.path[0] == key)
+            raise ConfigError(
+                f"config file {path!r}: {key!r} is a section, a table of options: write [{key}] and its keys "
+                f"below it (e.g. {example.partition('.')[2]} = ...), not {_toml_kind(value)}"
+            )
         else:
             items = [(key, value)]
         for toml_key, inner in items:
@@ -218,6 +224,16 @@ def _read_toml(path: str, known: list[Option]) -> dict[tuple[str, ...], tuple[An
                 raise ConfigError(f"config file {path!r}: unknown option {toml_key!r}{hint}")
             found[by_key[toml_key].path] = (inner, path)
     return found
+
+
+def _toml_kind(value: Any) -> str:
+    if isinstance(value, list):
+        return "an array"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, int | float):
+        return "a number"
+    return "a string" if isinstance(value, str) else f"a {type(value).__name__}"
 
 
 # Options given as strings that need more than a type conversion, keyed by path.

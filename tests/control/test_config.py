@@ -175,6 +175,10 @@ def test_toml_errors(tmp_path: Path) -> None:
         "[kv]\nblok_size = 4\n": "unknown option 'kv.blok_size'; did you mean 'kv.block_size'?",
         "[kv]\nblock_size = -4\n": "--kv-block-size (kv.block_size): bad value -4 from {path}: Expected `int` >= 1",
         "model = \n": "is not valid TOML: Invalid value (at line 1, column 9)",
+        "kv = 5\n": "'kv' is a section, a table of options: write [kv] and its keys below it "
+        "(e.g. block_size = ...), not a number",
+        "[[kv]]\nblock_size = 4\n": "'kv' is a section, a table of options: write [kv] and its keys below it "
+        "(e.g. block_size = ...), not an array",
         '[[faults]]\nkind = "fail_replica"\nreplica = "Decode 0"\n': "--fault (faults): bad value {{'kind': "
         "'fail_replica', 'replica': 'Decode 0'}} from {path} (at [0].replica): Expected `str` matching regex",
     }
