@@ -273,7 +273,7 @@ def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = 
         sys.stderr.write(f"cannot reach the node at {args.address}: {exc}\n")
         return EXIT_CONNECTION
     except ControlClientError as exc:
-        sys.stderr.write(f"{type(exc).__name__}: {exc}\n")
+        sys.stderr.write(f"{type(exc).__name__} from {args.address}: {exc}\n")
         return EXIT_CONNECTION
     except trio.TooSlowError:
         sys.stderr.write(f"no answer within --timeout {args.timeout} s\n")

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import re
+import socket
 import sys
+import threading
 from pathlib import Path
 
 import msgspec
@@ -193,6 +195,24 @@ def test_an_image_file_that_cannot_be_read_names_itself(
     assert cli_main(["generate", "--prompt", "x", "--image", str(path)], environ={}) == 2
     prefix = "--image/--raw-image: " if content is None else ""
     assert capsys.readouterr().err == f"{prefix}{path}: {message}\n"
+
+
+def test_a_peer_that_is_not_a_node_is_named_in_the_error(capsys: pytest.CaptureFixture[str]) -> None:
+    """An HTTP server (say) on the address: the error names the address it came from."""
+    with socket.create_server(("127.0.0.1", 0)) as server:
+
+        def answer_like_http() -> None:
+            connection, _ = server.accept()
+            with connection:
+                connection.recv(4096)
+                connection.sendall(b"HTTP/1.1 400 Bad Request\r\n\r\n")
+
+        thread = threading.Thread(target=answer_like_http)
+        thread.start()
+        address = f"127.0.0.1:{server.getsockname()[1]}"
+        assert cli_main(["--address", address, "status"], environ={}) == 3
+        thread.join()
+    assert capsys.readouterr().err.startswith(f"ControlProtocolError from {address}: ")
 
 
 def test_the_status_table_says_why_each_replica_is_locked() -> None:
