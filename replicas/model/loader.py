@@ -40,6 +40,9 @@ class LoadProgress:
     bytes_loaded: int
 
 
+EMBED, NORM, HEAD = "model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"
+
+
 @final
 class CheckpointFiles:
     """Which safetensors file holds which tensor; opens files lazily; checks shapes before reading."""
@@ -130,9 +133,8 @@ class ModelLoader:
         self.dtype = torch_dtype(config.dtype)
         self.files = CheckpointFiles(self.directory)
         tokenizer = checkpoint_tokenizer(self.directory)
-        self._embed = self._place(
-            self.files.read("model.embed_tokens.weight", (config.vocab_size, config.hidden_size))
-        )
+        self._outer = outer_tensor_shapes(config)
+        self._embed = self._place(self.files.read(EMBED, self._outer[EMBED]))
         self.model = Model(
             config,
             device=self.device,
@@ -154,17 +156,26 @@ class ModelLoader:
             tensors = {name: self.files.read(prefix + name, shape) for name, shape in shapes.items()}
             self.model.set_layer(index, fuse_layer(tensors, self.dtype, self.device, kernels=self.kernels))
             yield LoadProgress("layer", index, index + 1, config.num_layers, self.model.parameter_bytes())
-        norm = self._place(self.files.read("model.norm.weight", (config.hidden_size,)))
-        if config.tie_word_embeddings:
-            head = self._embed
-        else:
-            head = self._place(self.files.read("lm_head.weight", (config.vocab_size, config.hidden_size)))
+        norm = self._place(self.files.read(NORM, self._outer[NORM]))
+        head = (
+            self._embed
+            if config.tie_word_embeddings
+            else self._place(self.files.read(HEAD, self._outer[HEAD]))
+        )
         self.model.set_head(norm, head)
         self.files.close()
         yield LoadProgress("head", None, config.num_layers, config.num_layers, self.model.parameter_bytes())
 
     def _place(self, tensor: torch.Tensor) -> torch.Tensor:
         return tensor.to(device=self.device, dtype=self.dtype).contiguous()
+
+
+def outer_tensor_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """The tensors outside the layers and their shapes; `lm_head` only for an untied head."""
+    shapes = {EMBED: (config.vocab_size, config.hidden_size), NORM: (config.hidden_size,)}
+    if not config.tie_word_embeddings:
+        shapes[HEAD] = (config.vocab_size, config.hidden_size)
+    return shapes
 
 
 def checkpoint_tokenizer(directory: Path) -> HFTokenizer | None:
@@ -197,13 +208,11 @@ def check_checkpoint(directory: str | Path, config: ModelConfig) -> None:
     found at start-up instead of when a replica first loads. Raises `ModelLoadError`."""
     files = CheckpointFiles(Path(directory))
     try:
-        files.check("model.embed_tokens.weight", (config.vocab_size, config.hidden_size))
+        for name, shape in outer_tensor_shapes(config).items():
+            files.check(name, shape)
         for index in range(config.num_layers):
             for name, shape in expected_layer_shapes(config).items():
                 files.check(f"model.layers.{index}.{name}", shape)
-        files.check("model.norm.weight", (config.hidden_size,))
-        if not config.tie_word_embeddings:
-            files.check("lm_head.weight", (config.vocab_size, config.hidden_size))
     finally:
         files.close()
     generation_eos_ids(Path(directory))
