@@ -154,16 +154,14 @@ class GpuProbe:
         handle = self._read(index, left_out, "nvmlDeviceGetHandleByIndex", index)
         if handle is None:
             return None
+        required = []
         # Stop at the first required field that fails: a lost GPU fails every call, and one warning says it.
-        name = self._read(index, left_out, "nvmlDeviceGetName", handle)
-        if name is None:
-            return None
-        memory = self._read(index, left_out, "nvmlDeviceGetMemoryInfo", handle)
-        if memory is None:
-            return None
-        utilization = self._read(index, left_out, "nvmlDeviceGetUtilizationRates", handle)
-        if utilization is None:
-            return None
+        for call in ("nvmlDeviceGetName", "nvmlDeviceGetMemoryInfo", "nvmlDeviceGetUtilizationRates"):
+            value = self._read(index, left_out, call, handle)
+            if value is None:
+                return None
+            required.append(value)
+        name, memory, utilization = required
         temperature = self._read(
             index, "temperature_c null", "nvmlDeviceGetTemperature", handle, self._nvml.NVML_TEMPERATURE_GPU
         )
