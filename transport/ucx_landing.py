@@ -131,6 +131,11 @@ def direct(
 ) -> None:
     """A direct frame's receives, one per segment, into the rows of `storage`."""
     requests = _listed(Landing([]), landings)
+    if storage.device.type == "cpu":
+        base, width = storage.tensors[name].data_ptr(), storage.row_bytes[name]
+        for row, rows in frame.segments:
+            requests.append(worker.receive_host(endpoint, on, base + row * width, rows * width, storage))
+        return
     for row, rows in frame.segments:
         requests.append(worker.receive(endpoint, on, payload_rows(storage, name, row, rows)))
 

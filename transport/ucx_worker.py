@@ -33,7 +33,6 @@ request has completed.
 from __future__ import annotations
 
 import array
-import functools
 import itertools
 import time
 from collections.abc import Callable, Sequence
@@ -190,13 +189,17 @@ class UcxWorker:
         shorter message fails it (`ContiguousReceive`). Raises `UcxFailed` once `endpoint` is disconnected."""
         wrapped = self._array(buffer)
         if not wrapped.cuda:
-            post = functools.partial(
-                ContiguousReceive, self._worker, on, wrapped.ptr, wrapped.nbytes, wrapped
-            )
-            return self._post(endpoint, wrapped, post)
+            return self.receive_host(endpoint, on, wrapped.ptr, wrapped.nbytes, wrapped)
         return self._post_ucxx(
             endpoint, "receive", wrapped, lambda: endpoint.tag_recv(wrapped, self._lib.UCXXTag(on))
         )
+
+    def receive_host(
+        self, endpoint: Any, on: int, address: int, length: int, keep: object
+    ) -> ContiguousReceive:
+        """As `receive`, into the `length` bytes of host memory at `address`, which `keep` owns (no buffer
+        to wrap: a direct frame's pieces are posted this way, tens per round)."""
+        return self._post(endpoint, keep, lambda: ContiguousReceive(self._worker, on, address, length, keep))
 
     def _post_ucxx(self, endpoint: Any, what: str, wrapped: object, post: Callable[[], Any]) -> Any:
         """`post()` (a ucxx request) on an open `endpoint`, tracked."""

@@ -170,14 +170,14 @@ async def test_a_direct_frame_whose_second_receive_fails_to_post_leaves_the_firs
     landings: deque[Landing] = deque()
     with trio.fail_after(10):
         async with two_workers() as (_sender, _to_receiver, receiver, to_sender):
-            post = receiver.receive
+            post = receiver.receive_host
 
-            def first_then_fail(endpoint: Any, on: int, buffer: object) -> Any:
+            def first_then_fail(endpoint: Any, on: int, address: int, length: int, keep: object) -> Any:
                 if landings[0].requests:  # a UCP error pointer on the second post
                     raise UcxFailed("receive not posted: No memory (-4)")
-                return post(endpoint, on, buffer)
+                return post(endpoint, on, address, length, keep)
 
-            receiver.receive = first_then_fail  # type: ignore[method-assign]
+            receiver.receive_host = first_then_fail  # type: ignore[method-assign]
             with pytest.raises(UcxFailed, match=r"^receive not posted: No memory \(-4\)$"):
                 direct(receiver, to_sender, TAG, storage, frame, "embeds", landings)
             assert [len(landing.requests) for landing in landings] == [1]
