@@ -16,6 +16,7 @@ import msgspec
 
 from engine.control.address import Address, parse_address
 from messages.faults import Fault
+from transport.config import UcxCopies
 from transport.kinds import TransportChoice
 from transport.kinds import unavailable as transport_unavailable
 
@@ -119,12 +120,13 @@ class TransferConfig(Section, frozen=True, kw_only=True):
     heartbeat_interval: Annotated[
         float, msgspec.Meta(gt=0, le=600), _doc("seconds between heartbeats on an idle network link")
     ] = 1.0
-    ucx_sender_writes: Annotated[
-        bool,
+    ucx_copies: Annotated[
+        UcxCopies,
         _doc(
-            "ucx: a sender on this host writes straight into the receiver's rows (false: the receiver copies)"
+            "ucx, from a process on this host: who copies into the receiver's rows (docs/transports.md, "
+            "'Who copies')"
         ),
-    ] = True
+    ] = "mixed"
 
     def __post_init__(self) -> None:
         if self.heartbeat_interval >= self.progress_timeout:

@@ -60,7 +60,7 @@ def replica_settings(config: NodeConfig, host: ModelHost) -> ReplicaSettings:
         "pressure_timeout": transfer.grant_wait_timeout,
         "heartbeat_interval": transfer.heartbeat_interval,
         "link_timeout": max(5.0, 5 * transfer.heartbeat_interval),
-        "ucx_sender_writes": transfer.ucx_sender_writes,
+        "ucx_copies": transfer.ucx_copies,
     }
     return ReplicaSettings(
         kv_block_size=config.kv.block_size,

@@ -5,12 +5,14 @@ Every wait that can hang has a deadline here. Sizes are in blocks of the pool th
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Literal
 
 import msgspec
 
 Positive = Annotated[int, msgspec.Meta(ge=1)]
 Seconds = Annotated[float, msgspec.Meta(gt=0)]
+# Who copies a UCX transfer's bytes into the receiver's rows, between processes of one host.
+UcxCopies = Literal["receiver", "mixed", "sender"]
 
 
 class TransferConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -33,10 +35,12 @@ class TransferConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
       (CPU storage only; costs a pass over the bytes).
     - `inproc_thread_bytes`: inproc rounds at least this large are copied in a worker thread, so the
       event loop keeps serving other replicas meanwhile.
-    - `ucx_sender_writes`: over UCX, bytes from a sender process on this host land in scattered receives
-      that the sender writes (the copy runs on the sender's core, straight into the rows); False: the
-      receiver copies them (reads each direct piece, and each bundle of packed rows into a host chunk it
-      then unpacks). See `transport.ucx_landing`.
+    - `ucx_copies`: over UCX, from a sender process on this host (`transport.ucx_landing`):
+      `"mixed"` (the default): the receiver reads each direct piece from the sender's memory itself (what
+      UCX does for any contiguous receive), and bundles of packed rows land straight in their rows from
+      UCX's shared-memory fragments; `"receiver"`: those bundles land in a host chunk the receiver
+      unpacks instead, so no block ever waits for the sender process; `"sender"`: the sender writes the
+      direct pieces into the rows as well (scattered receives), off the receiver's thread.
     """
 
     default_grant_blocks: Positive = 8
@@ -51,7 +55,7 @@ class TransferConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     orphan_timeout: Seconds = 30.0
     checksums: bool = False
     inproc_thread_bytes: Positive = 4 * 1024 * 1024
-    ucx_sender_writes: bool = True
+    ucx_copies: UcxCopies = "mixed"
 
     def __post_init__(self) -> None:
         if self.link_timeout <= self.heartbeat_interval:

@@ -360,7 +360,7 @@ class UcxLink(Link):
         on, on_device = tag(self.number, BULK), False
         if landing is not None and all(claims):
             storage = landing.storage
-            if storage.device.type == "cpu" and self._peer_pid is not None and self._config.ucx_sender_writes:
+            if storage.device.type == "cpu" and self._peer_pid is not None and self._scatters(first.packed):
                 scattered(worker, endpoint, on, storage, frames, names, self._row_bytes, self._landing)
                 return
             if not first.packed and (storage.device.type == "cpu" or worker.cuda_capable):
@@ -379,6 +379,13 @@ class UcxLink(Link):
             for name, claimed in zip(names, claims, strict=True)
         ]
         through_chunk(worker, endpoint, on, self._chunks, frames, targets, self._row_bytes, self._landing)
+
+    def _scatters(self, packed: bool) -> bool:
+        """Whether a frame of host rows from a watched sender process lands in scattered receives
+        (`TransferConfig.ucx_copies`): bundles of packed rows unless the receiver copies everything, direct
+        pieces only when the sender writes them."""
+        copies = self._config.ucx_copies
+        return copies == "sender" or (copies == "mixed" and packed)
 
     async def _land_oldest(self) -> None:
         pending = self._landing[0]

@@ -87,8 +87,8 @@ async def dial(endpoint: TransferEndpoint, address: str) -> UcxLink:
             number, pid, key = parse_accept(await link.next_body())
             watched = local_pid(pid, key)
             link.accepted(number, watched)
-            writes = watched is not None and endpoint.config.ucx_sender_writes
-            _log.info("transfer.ucx_linked", link=link.link_id, endpoint=endpoint.name, sender_writes=writes)
+            copies = endpoint.config.ucx_copies if watched is not None else "receiver"
+            _log.info("transfer.ucx_linked", link=link.link_id, endpoint=endpoint.name, copies=copies)
             return link
         error = LinkBroken(f"no answer from {shown} within {timeout} s")
     except (UcxFailed, UcxFrameError, trio.EndOfChannel, trio.ClosedResourceError) as exc:

@@ -3,13 +3,15 @@
 The link's reader reads descriptors in order and posts, for each, the receives of the bytes that follow
 it on the bulk tag (one message per segment of a direct frame, one per bundle of packed frames):
 
-- `scattered`: when the landing claimed every frame, the pool is in host memory and the sender is a
-  process of this host the link can watch (`transport.peer_process`): each message straight into its
+- `scattered`: when the landing claimed every frame, the pool is in host memory, the sender is a
+  process of this host the link can watch (`transport.peer_process`) and `TransferConfig.ucx_copies`
+  says so (bundles unless "receiver", direct frames only with "sender"): each message straight into its
   rows, however scattered, by a receive with an I/O vector (`transport.ucp_scatter`): no unpack, and a
   direct piece is written by the sender (no copy on this thread; a gathered bundle still comes through
   UCX's shared-memory fragments). A bundle's alignment gaps land in a scratch buffer.
 - `direct`: a direct frame the landing claimed, into block memory UCX can reach (host memory, or GPU
-  memory when UCX has CUDA transports), one contiguous receive per segment; UCX reads the sender's rows.
+  memory when UCX has CUDA transports), one contiguous receive per segment; UCX reads the sender's rows
+  (from this process, between processes of one host).
 - `into_device`: packed frames the landing claimed, for a pool on a GPU that UCX reaches, into one
   device buffer; `land` then scatters it into the rows on the GPU (`transport.device_bundles`).
 - `through_chunk`: anything else — packed frames without those paths, GPU pools UCX cannot reach,

@@ -162,12 +162,15 @@ async def endpoint_pair(
 ) -> AsyncIterator[Pair]:
     """A sending endpoint on `source` and a receiving one, linked over `kind` ("inproc", "tcp", "ucx",
     "cuda-ipc", "inproc-threads": inproc with every round copied through the link's copy lane, or
-    "ucx-receiver-copies": ucx with `ucx_sender_writes` off, so the receiver reads the bytes itself)."""
+    "ucx-receiver-copies" / "ucx-sender-copies": ucx with `ucx_copies` "receiver" (bundles land in a host
+    chunk the receiver unpacks) or "sender" (the sender writes direct pieces into scattered receives);
+    plain "ucx" is the default, "mixed")."""
     if kind == "inproc-threads":
         kind, config = "inproc", msgspec.structs.replace(config or TransferConfig(), inproc_thread_bytes=1)
         sender_config = sender_config and msgspec.structs.replace(sender_config, inproc_thread_bytes=1)
-    if kind == "ucx-receiver-copies":
-        kind, config = "ucx", msgspec.structs.replace(config or TransferConfig(), ucx_sender_writes=False)
+    if kind in ("ucx-receiver-copies", "ucx-sender-copies"):
+        copies = "receiver" if kind == "ucx-receiver-copies" else "sender"
+        kind, config = "ucx", msgspec.structs.replace(config or TransferConfig(), ucx_copies=copies)
     network = InprocNetwork()
     async with (
         open_endpoint(

@@ -27,7 +27,7 @@ from tests.transport.harness import (
     shuffled_pool,
 )
 from transport.blocks import BlockPool
-from transport.config import TransferConfig
+from transport.config import TransferConfig, UcxCopies
 from transport.endpoint import SenderDelivery, TransferEndpoint, open_endpoint
 from transport.errors import HandshakeRefused, LinkBroken, TransferError, TransferFailed
 from transport.faults import FaultPlan
@@ -151,8 +151,9 @@ async def test_ucx_blocks_stay_quarantined_until_the_sender_acknowledges_the_abo
             nursery.cancel_scope.cancel()
 
 
+@pytest.mark.parametrize("kind", ["ucx", "ucx-sender-copies"])
 @pytest.mark.parametrize("hidden", [8, 4096], ids=["packed", "direct"])
-async def test_a_corrupted_ucx_round_is_caught_by_checksums(hidden: int) -> None:
+async def test_a_corrupted_ucx_round_is_caught_by_checksums(kind: str, hidden: int) -> None:
     layout = embedding_layout(block_size=16, hidden=hidden)
     source, storage, pool = (
         Source(layout, 48, seed=7),
@@ -162,7 +163,7 @@ async def test_a_corrupted_ucx_round_is_caught_by_checksums(hidden: int) -> None
     config = TransferConfig(default_grant_blocks=1, round_cap_blocks=1, window=1, checksums=True)
     failures: dict[str, TransferError] = {}
     async with endpoint_pair(
-        "ucx", source, storage, pool, config=config, faults=FaultPlan(corrupt_round=0)
+        kind, source, storage, pool, config=config, faults=FaultPlan(corrupt_round=0)
     ) as pair:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(_expect_sender_failure, pair.sender, "t", source, failures)
@@ -252,13 +253,11 @@ async def test_a_malformed_ucx_frame_closes_only_that_peers_link() -> None:
     assert "malformed frame from the peer: control body of unknown kind 0xde" in why
 
 
-@pytest.mark.parametrize("sender_writes", [True, False], ids=["scattered", "received-by-copy"])
+@pytest.mark.parametrize("copies", ["sender", "receiver"], ids=["scattered", "received-by-copy"])
 async def test_a_short_ucx_message_closes_only_that_peers_link_naming_both_lengths(
-    sender_writes: bool,
+    copies: UcxCopies,
 ) -> None:
-    config = TransferConfig(
-        default_grant_blocks=1, round_cap_blocks=1, window=2, ucx_sender_writes=sender_writes
-    )
+    config = TransferConfig(default_grant_blocks=1, round_cap_blocks=1, window=2, ucx_copies=copies)
     why = await _one_bad_sender(FaultPlan(short_message_after_bytes=1), config, seed=60)
     lengths = re.search(r"receive failed: UcpFailed: a message of (\d+) bytes for a receive of (\d+)$", why)
     assert lengths is not None, why

@@ -24,7 +24,7 @@ from tests.transport.harness import (
     shuffled_pool,
 )
 from tests.transport.test_transfer_ucx_failures import LIVELY
-from transport.config import TransferConfig
+from transport.config import TransferConfig, UcxCopies
 from transport.endpoint import open_endpoint
 from transport.errors import TransferFailed
 from transport.receiver import ReceiveSession
@@ -138,7 +138,9 @@ async def _stop_a_sender_owing_a_write(ucx_env: dict[str, str], seed: int) -> bo
     """One run of the scenario below; whether the stopped process owed a write when it stopped."""
     layout = embedding_layout(block_size=16, hidden=4096)  # 16 KiB rows: whole blocks go direct
     params = {"block_size": 16, "hidden": 4096, "seed": seed, "transfers": {"t": 64}, "transport": "ucx"}
-    config = TransferConfig(default_grant_blocks=2, round_cap_blocks=2, fence_timeout=0.5, **LIVELY)
+    config = TransferConfig(
+        default_grant_blocks=2, round_cap_blocks=2, fence_timeout=0.5, ucx_copies="sender", **LIVELY
+    )
     storage, pool = random_storage(layout, 8, seed=seed), shuffled_pool(8, 16, seed=seed)
     async with (
         sender_process({**params, "stop_after_posting_round": 1}, env=ucx_env) as child,
@@ -182,18 +184,52 @@ async def test_blocks_a_stopped_sender_owes_writes_to_stay_quarantined_until_tha
 
 
 @pytest.mark.slow  # a child process: importing torch and starting it take seconds
+@pytest.mark.parametrize("copies", ["mixed", "receiver"])
+async def test_a_stopped_sender_holds_no_block_of_a_receiver_that_reads_the_pieces_itself(
+    ucx_env: dict[str, str], copies: UcxCopies
+) -> None:
+    """The same stopped sender over shared memory, to a receiver that reads direct pieces itself (the
+    default, "mixed", and "receiver"). The frame the sender posted before it stopped is round 1's direct
+    one (a round's bundle of small rows goes last): if its rendezvous reached the receiver, this side
+    reads the stopped process's memory itself; if not, the receive is cancelled as the link closes. Either
+    way no block waits for the sender process — they all come back within the link deadline and
+    `fence_timeout`, while the process still exists."""
+    layout = embedding_layout(block_size=16, hidden=4096)  # 16 KiB rows: whole blocks go direct
+    params = {"block_size": 16, "hidden": 4096, "seed": 65, "transfers": {"t": 64}, "transport": "ucx"}
+    config = TransferConfig(
+        default_grant_blocks=2, round_cap_blocks=2, fence_timeout=0.5, ucx_copies=copies, **LIVELY
+    )
+    storage, pool = random_storage(layout, 8, seed=65), shuffled_pool(8, 16, seed=65)
+    async with (
+        sender_process({**params, "stop_after_posting_round": 1}, env=ucx_env) as child,
+        open_endpoint("receiver", storage, pool, config=config) as receiver,
+    ):
+        link = await receiver.connect(child.address)
+        started = trio.current_time()
+        with pytest.raises(TransferFailed) as raised, trio.fail_after(20):
+            await receiver.receive("t", peer=link, consume=Collector())
+        assert raised.value.reason is FailureReason.LINK_LOST
+        with trio.fail_after(config.fence_timeout + 2.0):
+            while pool.quarantined_blocks or pool.used_blocks:
+                await trio.sleep(0.01)
+        assert trio.current_time() - started < LIVELY["link_timeout"] + config.fence_timeout + 2.0
+        assert child.process.returncode is None  # stopped, not gone
+        child.process.kill()
+
+
+@pytest.mark.slow  # a child process: importing torch and starting it take seconds
 async def test_blocks_come_back_from_a_stopped_sender_whose_bytes_land_in_host_chunks(
     ucx_env: dict[str, str],
 ) -> None:
     """The same stopped sender, but rows of 3 KiB (packed frames, a rendezvous each round) over UCX's
     TCP (the receiver cannot read a stopped process's memory there) to a receiver that copies the bytes
-    itself (`ucx_sender_writes` off): the receive it posted for the stopped round lands in a host chunk,
+    itself (`ucx_copies` "receiver"): the receive it posted for the stopped round lands in a host chunk,
     never in a block, so the blocks come back as soon as the link is gone, while the process still
     exists (they stayed quarantined until it was killed: `quiesce` waited for that receive too)."""
     layout = embedding_layout(block_size=16, hidden=768)
     params = {"block_size": 16, "hidden": 768, "seed": 64, "transfers": {"t": 64}, "transport": "ucx"}
     config = TransferConfig(
-        default_grant_blocks=2, round_cap_blocks=2, fence_timeout=0.5, ucx_sender_writes=False, **LIVELY
+        default_grant_blocks=2, round_cap_blocks=2, fence_timeout=0.5, ucx_copies="receiver", **LIVELY
     )
     storage, pool = random_storage(layout, 8, seed=64), shuffled_pool(8, 16, seed=64)
     async with (
