@@ -123,8 +123,9 @@ class TransferConfig(Section, frozen=True, kw_only=True):
     ucx_copies: Annotated[
         UcxCopies,
         _doc(
-            "ucx, from a process on this host: who copies into the receiver's rows (docs/transports.md, "
-            "'Who copies')"
+            "ucx, from a process on this host: who copies into the receiver's rows. mixed: the receiver "
+            "reads big pieces, small rows land in place; receiver: it copies everything, so no block waits "
+            "for the sender process; sender: the sender writes big pieces too (docs/transports.md)"
         ),
     ] = "mixed"
 

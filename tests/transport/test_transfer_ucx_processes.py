@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import signal
 import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 
 import pytest
 import trio
@@ -14,6 +16,7 @@ import trio
 from messages.transfer import FailureReason, TransferStatus
 from tests.transport.harness import (
     Collector,
+    SenderProcess,
     Source,
     as_bytes,
     assert_same_bytes,
@@ -24,6 +27,7 @@ from tests.transport.harness import (
     shuffled_pool,
 )
 from tests.transport.test_transfer_ucx_failures import LIVELY
+from transport.blocks import BlockPool
 from transport.config import TransferConfig, UcxCopies
 from transport.endpoint import open_endpoint
 from transport.errors import TransferFailed
@@ -134,12 +138,17 @@ async def test_a_sender_that_gives_up_keeps_its_rows_until_the_receiver_has_read
     assert pool.used_blocks == 0
 
 
-async def _stop_a_sender_owing_a_write(ucx_env: dict[str, str], seed: int) -> bool:
-    """One run of the scenario below; whether the stopped process owed a write when it stopped."""
-    layout = embedding_layout(block_size=16, hidden=4096)  # 16 KiB rows: whole blocks go direct
+@asynccontextmanager
+async def _stopped_sender(
+    ucx_env: dict[str, str], seed: int, copies: UcxCopies
+) -> AsyncIterator[tuple[SenderProcess, BlockPool, TransferConfig]]:
+    """A sender process with 16 KiB rows (whole blocks go direct) that stops itself right after posting
+    round 1's first frame: the receive fails `link_lost` within the link deadline plus `fence_timeout`.
+    Yields the stopped process, the receiving pool and the receiver's config, the receiver still open."""
+    layout = embedding_layout(block_size=16, hidden=4096)
     params = {"block_size": 16, "hidden": 4096, "seed": seed, "transfers": {"t": 64}, "transport": "ucx"}
     config = TransferConfig(
-        default_grant_blocks=2, round_cap_blocks=2, fence_timeout=0.5, ucx_copies="sender", **LIVELY
+        default_grant_blocks=2, round_cap_blocks=2, fence_timeout=0.5, ucx_copies=copies, **LIVELY
     )
     storage, pool = random_storage(layout, 8, seed=seed), shuffled_pool(8, 16, seed=seed)
     async with (
@@ -152,6 +161,12 @@ async def _stop_a_sender_owing_a_write(ucx_env: dict[str, str], seed: int) -> bo
             await receiver.receive("t", peer=link, consume=Collector())
         assert raised.value.reason is FailureReason.LINK_LOST
         assert trio.current_time() - started < LIVELY["link_timeout"] + config.fence_timeout + 2.0
+        yield child, pool, config
+
+
+async def _stop_a_sender_owing_a_write(ucx_env: dict[str, str], seed: int) -> bool:
+    """One run of the scenario below; whether the stopped process owed a write when it stopped."""
+    async with _stopped_sender(ucx_env, seed, "sender") as (child, pool, _config):
         await trio.sleep(0.5)
         owed = pool.quarantined_blocks
         # Round 1's two blocks, while the stopped process may still write them; round 0's two as well
@@ -194,25 +209,10 @@ async def test_a_stopped_sender_holds_no_block_of_a_receiver_that_reads_the_piec
     reads the stopped process's memory itself; if not, the receive is cancelled as the link closes. Either
     way no block waits for the sender process — they all come back within the link deadline and
     `fence_timeout`, while the process still exists."""
-    layout = embedding_layout(block_size=16, hidden=4096)  # 16 KiB rows: whole blocks go direct
-    params = {"block_size": 16, "hidden": 4096, "seed": 65, "transfers": {"t": 64}, "transport": "ucx"}
-    config = TransferConfig(
-        default_grant_blocks=2, round_cap_blocks=2, fence_timeout=0.5, ucx_copies=copies, **LIVELY
-    )
-    storage, pool = random_storage(layout, 8, seed=65), shuffled_pool(8, 16, seed=65)
-    async with (
-        sender_process({**params, "stop_after_posting_round": 1}, env=ucx_env) as child,
-        open_endpoint("receiver", storage, pool, config=config) as receiver,
-    ):
-        link = await receiver.connect(child.address)
-        started = trio.current_time()
-        with pytest.raises(TransferFailed) as raised, trio.fail_after(20):
-            await receiver.receive("t", peer=link, consume=Collector())
-        assert raised.value.reason is FailureReason.LINK_LOST
+    async with _stopped_sender(ucx_env, 65, copies) as (child, pool, config):
         with trio.fail_after(config.fence_timeout + 2.0):
             while pool.quarantined_blocks or pool.used_blocks:
                 await trio.sleep(0.01)
-        assert trio.current_time() - started < LIVELY["link_timeout"] + config.fence_timeout + 2.0
         assert child.process.returncode is None  # stopped, not gone
         child.process.kill()
 
