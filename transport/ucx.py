@@ -31,7 +31,7 @@ import trio
 from messages.layout import PoolLayout
 from messages.peer_codec import PeerCodecError
 from messages.transfer import PeerMessage
-from transport.config import TransferConfig
+from transport.config import TransferConfig, UcxCopies
 from transport.device_bundles import RoundWork, bundles_on_device, gather, written
 from transport.errors import LinkBroken, LinkClosed, LinkError
 from transport.faults import FaultPlan
@@ -89,6 +89,7 @@ class UcxLink(Link):
         self._endpoint: Any = None
         self._peer_number = LISTENER
         self._peer_pid: int | None = None
+        self.copies: UcxCopies = "receiver"  # who copies what into host rows (`accepted`)
         self._scope = trio.CancelScope()
         self._chunks = HostChunks()
         self._landing: deque[Landing] = deque()
@@ -104,8 +105,9 @@ class UcxLink(Link):
 
     def accepted(self, peer_number: int, peer_pid: int | None) -> None:
         """The sender accepted as link `peer_number`; `peer_pid`: its process, when on this host (the
-        fence for scattered receives: `quiesce`)."""
+        fence for scattered receives, `quiesce`: only such a sender gets them, as `ucx_copies` says)."""
         self._peer_number, self._peer_pid = peer_number, peer_pid
+        self.copies = self._config.ucx_copies if peer_pid is not None else "receiver"
 
     def _arrive(self, arrival: Arrival) -> None:
         # Any arrival is liveness, even while the reader waits for bulk bytes.
@@ -360,7 +362,8 @@ class UcxLink(Link):
         on, on_device = tag(self.number, BULK), False
         if landing is not None and all(claims):
             storage = landing.storage
-            if storage.device.type == "cpu" and self._peer_pid is not None and self._scatters(first.packed):
+            copies = self.copies  # scattered: bundles unless "receiver", direct frames with "sender"
+            if storage.device.type == "cpu" and (copies == "sender" or (copies == "mixed" and first.packed)):
                 scattered(worker, endpoint, on, storage, frames, names, self._row_bytes, self._landing)
                 return
             if not first.packed and (storage.device.type == "cpu" or worker.cuda_capable):
@@ -379,13 +382,6 @@ class UcxLink(Link):
             for name, claimed in zip(names, claims, strict=True)
         ]
         through_chunk(worker, endpoint, on, self._chunks, frames, targets, self._row_bytes, self._landing)
-
-    def _scatters(self, packed: bool) -> bool:
-        """Whether a frame of host rows from a watched sender process lands in scattered receives
-        (`TransferConfig.ucx_copies`): bundles of packed rows unless the receiver copies everything, direct
-        pieces only when the sender writes them."""
-        copies = self._config.ucx_copies
-        return copies == "sender" or (copies == "mixed" and packed)
 
     async def _land_oldest(self) -> None:
         pending = self._landing[0]

@@ -87,8 +87,7 @@ async def dial(endpoint: TransferEndpoint, address: str) -> UcxLink:
             number, pid, key = parse_accept(await link.next_body())
             watched = local_pid(pid, key)
             link.accepted(number, watched)
-            copies = endpoint.config.ucx_copies if watched is not None else "receiver"
-            _log.info("transfer.ucx_linked", link=link.link_id, endpoint=endpoint.name, copies=copies)
+            _log.info("transfer.ucx_linked", link=link.link_id, endpoint=endpoint.name, copies=link.copies)
             return link
         error = LinkBroken(f"no answer from {shown} within {timeout} s")
     except (UcxFailed, UcxFrameError, trio.EndOfChannel, trio.ClosedResourceError) as exc:
