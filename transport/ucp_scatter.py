@@ -121,6 +121,8 @@ class _Ucp:
         self.contiguous_param = _RequestParam(
             op_attr_mask=_FIELD_DATATYPE | _NO_IMMEDIATE, datatype=_DATATYPE_BYTES
         )
+        # Sends may complete at once (an eager message is copied out inside the call): no request.
+        self.contiguous_send_param = _RequestParam(op_attr_mask=_FIELD_DATATYPE, datatype=_DATATYPE_BYTES)
 
     def describe(self, status: int) -> str:
         text = self.status_string(status)
@@ -268,6 +270,27 @@ class GatheredSend(_UcpRequest):
         ucp, iov = _ucp(), _iov(vector)
         pointer = ucp.send(handle_of(endpoint), iov, len(iov), tag, ucp.iov_param)
         super().__init__(worker, handle_of(worker), iov, pointer, keep)
+
+
+@final
+class ContiguousSend(_UcpRequest):
+    """A tag send of the `length` bytes at `address` (memory that `keep` owns) as one message on ucxx
+    `endpoint` (of ucxx `worker`): ucxx's own `tag_send` without its request object, which costs 5-10 µs
+    a message warm and 50-80 µs on the first message after a bulk copy (cold caches), where this costs
+    1 µs. An eager message (control messages are) completes inside the call."""
+
+    __slots__ = ()
+    _what = "send"
+
+    def __init__(self, worker: Any, endpoint: Any, tag: int, address: int, length: int, keep: object) -> None:
+        ucp = _ucp()
+        pointer = ucp.send(handle_of(endpoint), address, length, tag, ucp.contiguous_send_param)
+        super().__init__(worker, handle_of(worker), None, pointer, keep)
+
+
+def address_of(body: bytes) -> int:
+    """Where the bytes of `body` are (no copy: ctypes points at the object's own buffer); 0 when empty."""
+    return ctypes.cast(ctypes.c_char_p(body), ctypes.c_void_p).value or 0
 
 
 def handle_of(ucxx_object: Any) -> int:

@@ -135,8 +135,8 @@ def direct(
     requests = _listed(Landing([]), landings)
     if storage.device.type == "cpu":
         base, width = storage.tensors[name].data_ptr(), storage.row_bytes[name]
-        for row, rows in frame.segments:
-            requests.append(worker.receive_host(endpoint, on, base + row * width, rows * width, storage))
+        pieces = [(base + row * width, rows * width) for row, rows in frame.segments]
+        worker.receive_host(endpoint, on, pieces, storage, requests)
         return
     for row, rows in frame.segments:
         requests.append(worker.receive(endpoint, on, payload_rows(storage, name, row, rows)))

@@ -11,10 +11,9 @@ the worker itself, as `../shared/tools/ucxx_trio_sketch.py` measured:
 - a task that posts a request and awaits it (`wait`) registers a waiter; the loop sets its event once the
   requests completed. Posting kicks the loop out of its fd wait: a message already queued inside UCX needs
   a progress call, not an fd event;
-- besides ucxx's requests, the worker posts I/O-vector ones straight through UCP (`receive_scattered`,
-  `send_gathered`: `transport.ucp_scatter`), and bulk receives into host memory too, so that a short
-  message fails its receive (ucxx's does not say); disconnecting an endpoint cancels its own where UCX
-  can;
+- host memory goes straight through UCP (`transport.ucp_scatter`): I/O vectors (ucxx has none), bulk
+  receives (a short message fails one; ucxx's does not say) and sends (ucxx's request costs more than
+  the send); `transport.ucx_requests` keeps each request's memory alive until it completed;
 - control messages are found by probing (`tag_probe` with a mask on the kind bits) and received into a
   buffer of their exact size; each goes to the inbox of the link its tag names (`register`);
 - bulk messages for a link closed in the last `DRAIN_SECONDS` (its peer may not know yet) are looked for
@@ -35,7 +34,7 @@ from __future__ import annotations
 import array
 import itertools
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Final, TypeVar, final
 
@@ -43,10 +42,18 @@ import structlog
 import trio
 
 from transport.link import POLL_SECONDS
-from transport.ucp_scatter import ContiguousReceive, GatheredSend, ScatteredReceive, UcpFailed
+from transport.ucp_scatter import (
+    ContiguousReceive,
+    ContiguousSend,
+    GatheredSend,
+    ScatteredReceive,
+    UcpFailed,
+    address_of,
+)
 from transport.ucx_library import UcxFailed, cuda_transports_allowed, libucxx, ucx_context
+from transport.ucx_requests import ABANDONED, RequestBook
 
-_Posted = TypeVar("_Posted", ScatteredReceive, ContiguousReceive, GatheredSend)
+_Posted = TypeVar("_Posted", ScatteredReceive, GatheredSend, ContiguousSend)
 
 KIND_BITS: Final = 8
 KIND_MASK: Final = (1 << KIND_BITS) - 1
@@ -65,9 +72,6 @@ DRAIN_SECONDS: Final = 30.0
 DRAIN_INTERVAL: Final = 0.05
 
 _log = structlog.get_logger("transport.ucx")
-# Requests that never completed before their worker went away, with their buffers: UCX may still touch
-# both (a scattered receive's I/O vector lives in its request).
-_abandoned: list[tuple[Any, object]] = []
 
 
 def tag(number: int, kind: int) -> int:
@@ -123,10 +127,8 @@ class UcxWorker:
         self._inboxes: dict[int, Callable[[Arrival], None]] = {}
         self._numbers = itertools.count(LISTENER + 1)
         self._waiters: set[_Waiter] = set()
-        self._tracked: list[tuple[Any, object]] = []  # (request, what it reads or writes) until completed
-        self._prune_at = 64
+        self._book = RequestBook()
         self._endpoints: set[Any] = set()
-        self._posted: dict[Any, list[ScatteredReceive | ContiguousReceive | GatheredSend]] = {}
         self._sleep: trio.CancelScope | None = None
         self._kicked = False
         self._running = False
@@ -166,8 +168,7 @@ class UcxWorker:
         if endpoint in self._endpoints:
             self._endpoints.discard(endpoint)
             endpoint.close()
-            for request in self._posted.pop(endpoint, []):
-                request.cancel()
+            self._book.cancel(endpoint)
             self.kick()
 
     # ------------------------------------------------------------------ requests
@@ -177,11 +178,19 @@ class UcxWorker:
             raise UcxFailed(f"the UCX endpoint is closed (worker {self.name!r})")
 
     def send(self, endpoint: Any, to: int, buffer: object) -> Any:
-        """Post a tag send of `buffer` (anything with the buffer or CUDA array interface).
-        Raises `UcxFailed` once `endpoint` is disconnected."""
-        wrapped = self._array(buffer)
-        return self._post_ucxx(
-            endpoint, "send", wrapped, lambda: endpoint.tag_send(wrapped, self._lib.UCXXTag(to))
+        """Post a tag send of `buffer` (anything with the buffer or CUDA array interface); from host memory
+        straight through UCP (`ContiguousSend`). Raises `UcxFailed` once `endpoint` is disconnected."""
+        if isinstance(buffer, bytes):  # a control message: its address without wrapping it
+            address, length, keep = address_of(buffer), len(buffer), buffer
+        else:
+            wrapped = keep = self._array(buffer)
+            address, length = wrapped.ptr, wrapped.nbytes
+            if wrapped.cuda:
+                return self._post_ucxx(
+                    endpoint, "send", wrapped, lambda: endpoint.tag_send(wrapped, self._lib.UCXXTag(to))
+                )
+        return self._post(
+            endpoint, keep, lambda: ContiguousSend(self._worker, endpoint, to, address, length, keep)
         )
 
     def receive(self, endpoint: Any, on: int, buffer: object) -> Any:
@@ -189,17 +198,12 @@ class UcxWorker:
         shorter message fails it (`ContiguousReceive`). Raises `UcxFailed` once `endpoint` is disconnected."""
         wrapped = self._array(buffer)
         if not wrapped.cuda:
-            return self.receive_host(endpoint, on, wrapped.ptr, wrapped.nbytes, wrapped)
+            posted: list[Any] = []
+            self.receive_host(endpoint, on, [(wrapped.ptr, wrapped.nbytes)], wrapped, posted)
+            return posted[0]
         return self._post_ucxx(
             endpoint, "receive", wrapped, lambda: endpoint.tag_recv(wrapped, self._lib.UCXXTag(on))
         )
-
-    def receive_host(
-        self, endpoint: Any, on: int, address: int, length: int, keep: object
-    ) -> ContiguousReceive:
-        """As `receive`, into the `length` bytes of host memory at `address`, which `keep` owns (no buffer
-        to wrap: a direct frame's pieces are posted this way, tens per round)."""
-        return self._post(endpoint, keep, lambda: ContiguousReceive(self._worker, on, address, length, keep))
 
     def _post_ucxx(self, endpoint: Any, what: str, wrapped: object, post: Callable[[], Any]) -> Any:
         """`post()` (a ucxx request) on an open `endpoint`, tracked."""
@@ -208,7 +212,8 @@ class UcxWorker:
             request = post()
         except self._lib.UCXError as exc:
             raise UcxFailed(f"{what} not posted: {type(exc).__name__}: {exc}") from exc
-        self._track(request, wrapped)
+        self._book.track(request, wrapped)
+        self.kick()
         return request
 
     def receive_scattered(
@@ -224,6 +229,23 @@ class UcxWorker:
         as one message. Raises `UcxFailed` once `endpoint` is disconnected."""
         return self._post(endpoint, keep, lambda: GatheredSend(self._worker, endpoint, to, vector, keep))
 
+    def receive_host(
+        self, endpoint: Any, on: int, pieces: Iterable[tuple[int, int]], keep: object, into: list[Any]
+    ) -> None:
+        """As `receive`, into each `(address, length)` of `pieces` in host memory that `keep` owns, in order,
+        appended to `into` as it is posted (one that fails leaves those before it listed and tracked), the
+        bookkeeping done once: a direct frame's pieces, tens a round."""
+        self._check_endpoint(endpoint)
+        worker, start = self._worker, len(into)
+        try:
+            for address, length in pieces:
+                into.append(ContiguousReceive(worker, on, address, length, keep))
+        except UcpFailed as exc:
+            raise UcxFailed(str(exc)) from exc
+        finally:
+            self._book.add(endpoint, into[start:], keep)
+            self.kick()
+
     def _post(self, endpoint: Any, keep: object, post: Callable[[], _Posted]) -> _Posted:
         """`post()` (a request straight through UCP) on an open `endpoint`, tracked, and listed for
         cancelling when it disconnects."""
@@ -232,19 +254,10 @@ class UcxWorker:
             request = post()
         except UcpFailed as exc:
             raise UcxFailed(str(exc)) from exc
-        pending = self._posted.setdefault(endpoint, [])
-        if len(pending) >= self._prune_at:
-            pending[:] = [posted for posted in pending if not posted.completed]
-        pending.append(request)
-        self._track(request, keep)
-        return request
-
-    def _track(self, request: Any, keep: object) -> None:
-        self._tracked.append((request, keep))
-        if len(self._tracked) >= self._prune_at:
-            self._tracked = [entry for entry in self._tracked if not entry[0].completed]
-            self._prune_at = max(64, 2 * len(self._tracked))
+        if not (isinstance(request, ContiguousSend | GatheredSend) and request.completed):
+            self._book.add(endpoint, [request], keep)  # not an eager send, done inside the call
         self.kick()
+        return request
 
     async def wait(self, requests: Sequence[Any], *, check: bool = True) -> None:
         """Until every request completed; with `check`, raises `UcxFailed` for the first that failed.
@@ -345,7 +358,7 @@ class UcxWorker:
             body = bytearray(max(1, probe.length))  # an empty message reads as one zero byte: malformed
             wrapped = self._array(memoryview(body))
             request = worker.tag_recv_with_handle(wrapped, probe)
-            self._tracked.append((request, wrapped))
+            self._book.track(request, wrapped)
             deliver = self._inboxes.get(probe.sender_tag.value >> KIND_BITS)
             if deliver is not None:
                 deliver(Arrival(request, body))
@@ -363,7 +376,7 @@ class UcxWorker:
                 probe := worker.tag_probe(lib.UCXXTag(tag(number, BULK)), lib.UCXXTagMaskFull, True)
             ).matched:
                 wrapped = self._array(bytearray(1))
-                self._track(worker.tag_recv_with_handle(wrapped, probe), wrapped)
+                self._book.track(worker.tag_recv_with_handle(wrapped, probe), wrapped)
                 drained += 1
             if drained:
                 _log.info("transfer.ucx_stale_bulk_drained", worker=self.name, link=number, messages=drained)
@@ -373,15 +386,14 @@ class UcxWorker:
             self.disconnect(endpoint)
         self._worker.cancel_inflight_requests()
         deadline = trio.current_time() + TEARDOWN_SECONDS
-        pending = self._tracked
+        pending = self._book.take_all()
         while pending and trio.current_time() < deadline:
             self._worker.progress()
             pending = [entry for entry in pending if not entry[0].completed]
             if pending:
                 await trio.sleep(0.001)
-        self._tracked = []
         if pending:
-            _abandoned.extend(pending)
+            ABANDONED.extend(pending)
             _log.warning("transfer.ucx_requests_abandoned", worker=self.name, requests=len(pending))
         for waiter in self._waiters:
             waiter.done.set()

@@ -47,7 +47,7 @@ def stop_after_posting(round_number: int) -> None:
             os.kill(os.getpid(), signal.SIGSTOP)
         return posted
 
-    UcxLink._post_frames = post_then_stop  # type: ignore[method-assign]
+    UcxLink._post_frames = post_then_stop  # type: ignore[method-assign, assignment]
 
 
 async def main() -> None:

@@ -10,7 +10,6 @@ import os
 import subprocess
 import sys
 from collections import deque
-from functools import partial
 from typing import Any
 
 import numpy as np
@@ -20,10 +19,11 @@ import trio
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import transport.ucx_worker
 from tests.transport.harness import embedding_layout, two_workers
 from transport.peer_process import host_key, local_pid, process_gone
 from transport.storage import PoolStorage
-from transport.ucp_scatter import ContiguousReceive, io_vector
+from transport.ucp_scatter import ContiguousReceive, ContiguousSend, UcpFailed, io_vector
 from transport.ucx_frames import Descriptor
 from transport.ucx_landing import VECTORISED_STRETCHES, Landing, direct, settle, stretch_entries
 from transport.ucx_library import UcxFailed
@@ -135,8 +135,9 @@ async def test_a_length_checked_ucx_receive_into_gpu_memory_lands_an_exact_messa
                 pytest.skip("this UCX_TLS gives UCX no CUDA transport")
 
             def checked() -> Any:
-                post = partial(ContiguousReceive, receiver._worker, TAG, landed.data_ptr(), size, landed)
-                return receiver._post(to_sender, landed, post)
+                posted: list[Any] = []
+                receiver.receive_host(to_sender, TAG, [(landed.data_ptr(), size)], landed, posted)
+                return posted[0]
 
             request = checked()
             await sender.wait([sender.send(to_receiver, TAG, message)])
@@ -161,23 +162,41 @@ async def test_disconnecting_cancels_a_pending_receive_into_host_memory() -> Non
                 receiver.receive(to_sender, TAG, bytearray(64))
 
 
-async def test_a_direct_frame_whose_second_receive_fails_to_post_leaves_the_first_where_quiesce_waits() -> (
-    None
-):
+@pytest.mark.parametrize("size", [64, 1 << 20])  # an eager message, done inside the call; a rendezvous
+async def test_a_send_from_host_rows_goes_straight_through_ucp_and_no_send_follows_a_disconnect(
+    size: int,
+) -> None:
+    rows = torch.arange(size, dtype=torch.uint8).view(-1, 16)
+    landed = bytearray(size)
+    with trio.fail_after(10):
+        async with two_workers() as (sender, to_receiver, receiver, to_sender):
+            request = receiver.receive(to_sender, TAG, landed)
+            sent = sender.send(to_receiver, TAG, memoryview(rows.numpy()).cast("B"))
+            assert isinstance(sent, ContiguousSend)
+            await sender.wait([sent])
+            await receiver.wait([request])
+            sender.disconnect(to_receiver)
+            with pytest.raises(UcxFailed, match=r"^the UCX endpoint is closed \(worker 'sender'\)$"):
+                sender.send(to_receiver, TAG, b"late")
+    assert bytes(landed) == rows.numpy().tobytes()
+
+
+async def test_a_direct_frame_whose_second_receive_fails_to_post_leaves_the_first_where_quiesce_waits(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     layout = embedding_layout(block_size=16)
     storage = PoolStorage(layout, 4)
     frame = Descriptor(packed=False, buffer=0, round=0, landing_key=1, length=0, segments=[(0, 16), (32, 16)])
     landings: deque[Landing] = deque()
     with trio.fail_after(10):
         async with two_workers() as (_sender, _to_receiver, receiver, to_sender):
-            post = receiver.receive_host
 
-            def first_then_fail(endpoint: Any, on: int, address: int, length: int, keep: object) -> Any:
-                if landings[0].requests:  # a UCP error pointer on the second post
-                    raise UcxFailed("receive not posted: No memory (-4)")
-                return post(endpoint, on, address, length, keep)
+            def first_then_fail(worker: Any, on: int, address: int, length: int, keep: object) -> Any:
+                if landings[0].requests:  # what UCP's error pointer on the second post raises
+                    raise UcpFailed("receive not posted: No memory (-4)")
+                return ContiguousReceive(worker, on, address, length, keep)
 
-            receiver.receive_host = first_then_fail  # type: ignore[method-assign]
+            monkeypatch.setattr(transport.ucx_worker, "ContiguousReceive", first_then_fail)
             with pytest.raises(UcxFailed, match=r"^receive not posted: No memory \(-4\)$"):
                 direct(receiver, to_sender, TAG, storage, frame, "embeds", landings)
             assert [len(landing.requests) for landing in landings] == [1]
