@@ -287,10 +287,11 @@ class ContiguousSend(_UcpRequest):
         pointer = ucp.send(handle_of(endpoint), address, length, tag, ucp.contiguous_send_param)
         super().__init__(worker, handle_of(worker), None, pointer, keep)
 
-
-def address_of(body: bytes) -> int:
-    """Where the bytes of `body` are (no copy: ctypes points at the object's own buffer); 0 when empty."""
-    return ctypes.cast(ctypes.c_char_p(body), ctypes.c_void_p).value or 0
+    @classmethod
+    def of_bytes(cls, worker: Any, endpoint: Any, tag: int, body: bytes) -> ContiguousSend:
+        """The send of `body`, from where its bytes are (ctypes points at the object's own buffer)."""
+        address = ctypes.cast(ctypes.c_char_p(body), ctypes.c_void_p).value or 0
+        return cls(worker, endpoint, tag, address, len(body), body)
 
 
 def handle_of(ucxx_object: Any) -> int:

@@ -6,8 +6,7 @@ the worker itself, as `../shared/tools/ucxx_trio_sketch.py` measured:
 - the worker runs in UCX's *blocking progress mode*: `progress()` does the work that is ready, `arm()` says
   whether more is pending, and the worker's epoll file descriptor turns readable when an event arrives.
   `run` (one task per worker, in its endpoint's nursery) loops: progress, hand out what completed, arm,
-  and wait on the fd with `trio.lowlevel.wait_readable` (plus a `SAFETY_POLL` timeout for UCX's own
-  timers);
+  and wait on the fd with `trio.lowlevel.wait_readable` (`SAFETY_POLL` at most: UCX's own timers);
 - a task that posts a request and awaits it (`wait`) registers a waiter; the loop sets its event once the
   requests completed. Posting kicks the loop out of its fd wait: a message already queued inside UCX needs
   a progress call, not an fd event;
@@ -16,17 +15,18 @@ the worker itself, as `../shared/tools/ucxx_trio_sketch.py` measured:
   the send); `transport.ucx_requests` keeps each request's memory alive until it completed;
 - control messages are found by probing (`tag_probe` with a mask on the kind bits) and received into a
   buffer of their exact size; each goes to the inbox of the link its tag names (`register`);
-- bulk messages for a link closed in the last `DRAIN_SECONDS` (its peer may not know yet) are looked for
-  every `DRAIN_INTERVAL` and received into one byte — truncated, so a rendezvous moves no data and its
-  sender's request completes — instead of waiting in UCX's unexpected queue for as long as the worker.
+- bulk messages for a link closed in the last `DRAIN_SECONDS` (its peer may not know yet) are received
+  into one byte every `DRAIN_INTERVAL` — truncated: no data moves, the sender's request completes —
+  instead of waiting in UCX's unexpected queue for as long as the worker.
 
 Tags: bits 8..63 are the destination's link number on the receiving worker (0: its listener), bits 0..7
 the kind (`CONTROL`, `BULK`). Numbers are never reused within a worker, so a stale peer finds no inbox.
 
 Cancellation: `wait` is cancellable, but its requests stay posted; the worker keeps their buffers alive
 until they complete (a cancelled request completes too), so UCX never writes into freed memory. `run`,
-when cancelled, closes the endpoints still open and progresses (shielded, bounded) until every tracked
-request has completed.
+when cancelled, waits up to `LINKS_CLOSE_SECONDS` for its links to close (each says goodbye; the tasks
+closing them may run after this one), closes the endpoints left and progresses (shielded, bounded)
+until every tracked request has completed.
 """
 
 from __future__ import annotations
@@ -42,14 +42,7 @@ import structlog
 import trio
 
 from transport.link import POLL_SECONDS
-from transport.ucp_scatter import (
-    ContiguousReceive,
-    ContiguousSend,
-    GatheredSend,
-    ScatteredReceive,
-    UcpFailed,
-    address_of,
-)
+from transport.ucp_scatter import ContiguousReceive, ContiguousSend, GatheredSend, ScatteredReceive, UcpFailed
 from transport.ucx_library import UcxFailed, cuda_transports_allowed, libucxx, ucx_context
 from transport.ucx_requests import ABANDONED, RequestBook
 
@@ -68,6 +61,7 @@ PROGRESS_SLICE: Final = 0.002
 # and an event (a piece of a rendezvous copy) ~60 µs, so probing after each was 5 % of a bulk copy.
 PROBE_INTERVAL: Final = 0.0002
 TEARDOWN_SECONDS: Final = 2.0
+LINKS_CLOSE_SECONDS: Final = 0.5
 DRAIN_SECONDS: Final = 30.0
 DRAIN_INTERVAL: Final = 0.05
 
@@ -91,9 +85,7 @@ class _Waiter:
     __slots__ = ("done", "index", "requests")
 
     def __init__(self, requests: list[Any]) -> None:
-        self.requests = requests
-        self.index = 0
-        self.done = trio.Event()
+        self.requests, self.index, self.done = requests, 0, trio.Event()
 
     def advance(self) -> bool:
         while self.index < len(self.requests) and self.requests[self.index].completed:
@@ -125,6 +117,7 @@ class UcxWorker:
         self._control_tag = lib.UCXXTag(CONTROL)
         self._control_mask = lib.UCXXTagMask(KIND_MASK)
         self._inboxes: dict[int, Callable[[Arrival], None]] = {}
+        self._unlinked = trio.Event()  # set when the last link unregisters (only awaited at teardown)
         self._numbers = itertools.count(LISTENER + 1)
         self._waiters: set[_Waiter] = set()
         self._book = RequestBook()
@@ -146,6 +139,8 @@ class UcxWorker:
         """Link `number` closed: its control messages are dropped from now on, and bulk messages for it
         drained for `DRAIN_SECONDS`."""
         self._inboxes.pop(number, None)
+        if not self._inboxes.keys() - {LISTENER}:
+            self._unlinked.set()
         self._draining[number] = time.perf_counter() + DRAIN_SECONDS
 
     def connect(self, address: bytes) -> Any:
@@ -180,17 +175,19 @@ class UcxWorker:
     def send(self, endpoint: Any, to: int, buffer: object) -> Any:
         """Post a tag send of `buffer` (anything with the buffer or CUDA array interface); from host memory
         straight through UCP (`ContiguousSend`). Raises `UcxFailed` once `endpoint` is disconnected."""
-        if isinstance(buffer, bytes):  # a control message: its address without wrapping it
-            address, length, keep = address_of(buffer), len(buffer), buffer
-        else:
-            wrapped = keep = self._array(buffer)
-            address, length = wrapped.ptr, wrapped.nbytes
-            if wrapped.cuda:
-                return self._post_ucxx(
-                    endpoint, "send", wrapped, lambda: endpoint.tag_send(wrapped, self._lib.UCXXTag(to))
-                )
+        if isinstance(buffer, bytes):  # a control message: sent from where it is, not wrapped
+            return self._post(
+                endpoint, buffer, lambda: ContiguousSend.of_bytes(self._worker, endpoint, to, buffer)
+            )
+        wrapped = self._array(buffer)
+        if wrapped.cuda:
+            return self._post_ucxx(
+                endpoint, "send", wrapped, lambda: endpoint.tag_send(wrapped, self._lib.UCXXTag(to))
+            )
         return self._post(
-            endpoint, keep, lambda: ContiguousSend(self._worker, endpoint, to, address, length, keep)
+            endpoint,
+            wrapped,
+            lambda: ContiguousSend(self._worker, endpoint, to, wrapped.ptr, wrapped.nbytes, wrapped),
         )
 
     def receive(self, endpoint: Any, on: int, buffer: object) -> Any:
@@ -382,6 +379,10 @@ class UcxWorker:
                 _log.info("transfer.ucx_stale_bulk_drained", worker=self.name, link=number, messages=drained)
 
     async def _teardown(self) -> None:
+        if self._inboxes.keys() - {LISTENER}:  # links still open: their own closing says goodbye first
+            self._unlinked = trio.Event()
+            with trio.move_on_after(LINKS_CLOSE_SECONDS):
+                await self._unlinked.wait()
         for endpoint in list(self._endpoints):
             self.disconnect(endpoint)
         self._worker.cancel_inflight_requests()

@@ -374,3 +374,34 @@ async def test_a_frame_whose_bytes_cannot_be_made_fails_its_transfer_and_spares_
         assert_same_bytes(collector.data(), source.expected())
         await settle()
     assert (pool.used_blocks, pool.quarantined_blocks) == (0, 0)
+
+
+async def _serve_until_cancelled(
+    owner: trio.CancelScope, seed: int, task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED
+) -> None:
+    """A sending endpoint listening over ucx, its address reported, until `owner` is cancelled."""
+    with owner:
+        async with open_endpoint(
+            "sender", random_storage(LAYOUT, 4, seed), shuffled_pool(4, 16, seed)
+        ) as sender:
+            task_status.started(await sender.listen_on("ucx"))
+            await trio.sleep_forever()
+
+
+async def test_an_endpoint_cancelled_from_outside_still_says_goodbye_on_its_ucx_links() -> None:
+    """Its owner's scope cancelled (a node shutting down), the sending endpoint's links close before its
+    worker cuts the endpoints: the receiver hears why at once, not a heartbeat deadline later. Trio runs
+    the cancelled tasks in a random order, so this tries several times."""
+    for attempt in range(6):
+        async with (
+            open_endpoint("receiver", random_storage(LAYOUT, 4, 9), shuffled_pool(4, 16, 9)) as receiver,
+            trio.open_nursery() as nursery,
+        ):
+            owner = trio.CancelScope()
+            link = await receiver.connect(await nursery.start(_serve_until_cancelled, owner, attempt))
+            owner.cancel()
+            with trio.fail_after(1):  # the link deadline is 5 s
+                await link.closed.wait()
+            assert re.fullmatch(
+                r"link receiver ⇄ sender \(ucx-\d+\): the peer closed it \(.+\)", str(link.error)
+            )
