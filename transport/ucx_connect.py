@@ -26,8 +26,20 @@ import trio
 from transport.errors import LinkBroken, LinkClosed, LinkError
 from transport.link import Link, Role
 from transport.peer_process import host_key, local_pid
+from transport.scope import describe_exit
 from transport.ucx import UcxLink
-from transport.ucx_frames import CONNECT, UcxFrameError, accept_body, connect_body, parse_accept, parse_number
+from transport.ucx_frames import (
+    ACCEPT,
+    CONNECT,
+    GOODBYE,
+    UcxFrameError,
+    accept_body,
+    connect_body,
+    kind_of,
+    parse_accept,
+    parse_goodbye,
+    parse_number,
+)
 from transport.ucx_library import UcxFailed
 from transport.ucx_worker import LISTENER, Arrival, UcxWorker
 
@@ -83,13 +95,17 @@ async def dial(endpoint: TransferEndpoint, address: str) -> UcxLink:
     try:
         link.attach(worker.connect(peer), LISTENER)
         await link.post_control(connect_body(link.number, worker.address))
-        with trio.move_on_after(timeout):
-            number, pid, key = parse_accept(await link.next_body())
-            watched = local_pid(pid, key)
-            link.accepted(number, watched)
+        with trio.move_on_after(timeout) as waiting:
+            body = await link.next_body()
+        if waiting.cancelled_caught:
+            error = LinkBroken(f"no answer from {shown} within {timeout} s")
+        elif kind_of(body, (ACCEPT, GOODBYE)) == GOODBYE:  # the listener's endpoint stopped meanwhile
+            error = LinkBroken(f"{shown} closed the link as it accepted it: {parse_goodbye(body)}")
+        else:
+            number, pid, key = parse_accept(body)
+            link.accepted(number, local_pid(pid, key))
             _log.info("transfer.ucx_linked", link=link.link_id, endpoint=endpoint.name, copies=link.copies)
             return link
-        error = LinkBroken(f"no answer from {shown} within {timeout} s")
     except (UcxFailed, UcxFrameError, trio.EndOfChannel, trio.ClosedResourceError) as exc:
         error = LinkBroken(f"cannot connect to {shown}: {exc}")
     except BaseException as exc:
@@ -127,4 +143,8 @@ async def _accept_links(
             if link is not None:
                 link.close(LinkBroken(f"accepting failed: {exc}"))
             continue
+        except BaseException as exc:  # cancelled mid-accept: nobody else would ever close this link
+            if link is not None:
+                link.close(LinkClosed(f"accepting given up: {describe_exit(exc)}"))
+            raise
         on_accept(link)
