@@ -171,7 +171,7 @@ async def test_a_send_from_host_rows_goes_straight_through_ucp_and_no_send_follo
     with trio.fail_after(10):
         async with two_workers() as (sender, to_receiver, receiver, to_sender):
             request = receiver.receive(to_sender, TAG, landed)
-            sent = sender.send(to_receiver, TAG, memoryview(rows.numpy()).cast("B"))
+            sent = sender.send(to_receiver, TAG, rows.numpy().data.cast("B"))
             assert isinstance(sent, ContiguousSend)
             await sender.wait([sent])
             await receiver.wait([request])
