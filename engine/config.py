@@ -123,11 +123,12 @@ class TransferConfig(Section, frozen=True, kw_only=True):
     ucx_copies: Annotated[
         UcxCopies,
         _doc(
-            "ucx, from a process on this host: who copies into the receiver's rows. mixed: the receiver "
-            "reads big pieces, small rows land in place; receiver: it copies everything, so no block waits "
-            "for the sender process; sender: the sender writes big pieces too (docs/transports.md)"
+            "ucx, from a process on this host: who copies into the receiver's rows. cma: the receiver "
+            "reads pieces of 16 KiB and more itself, many per system call (else as mixed); mixed: it reads "
+            "big pieces through UCX, small rows land in place; receiver: it copies everything, so no block "
+            "waits for the sender process; sender: the sender writes big pieces too (docs/transports.md)"
         ),
-    ] = "mixed"
+    ] = "cma"
 
     def __post_init__(self) -> None:
         if self.heartbeat_interval >= self.progress_timeout:

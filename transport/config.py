@@ -12,7 +12,7 @@ import msgspec
 Positive = Annotated[int, msgspec.Meta(ge=1)]
 Seconds = Annotated[float, msgspec.Meta(gt=0)]
 # Who copies a UCX transfer's bytes into the receiver's rows, between processes of one host.
-UcxCopies = Literal["receiver", "mixed", "sender"]
+UcxCopies = Literal["receiver", "mixed", "sender", "cma"]
 
 
 class TransferConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -36,11 +36,14 @@ class TransferConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     - `inproc_thread_bytes`: inproc rounds at least this large are copied in a worker thread, so the
       event loop keeps serving other replicas meanwhile.
     - `ucx_copies`: over UCX, from a sender process on this host (`transport.ucx_landing`):
-      `"mixed"` (the default): the receiver reads each direct piece from the sender's memory itself (what
-      UCX does for any contiguous receive), and bundles of packed rows land straight in their rows from
-      UCX's shared-memory fragments; `"receiver"`: those bundles land in a host chunk the receiver
-      unpacks instead, so no block ever waits for the sender process; `"sender"`: the sender writes the
-      direct pieces into the rows as well (scattered receives), off the receiver's thread.
+      `"cma"` (the default): the receiver reads every piece of at least 16 KiB from the sender's memory
+      itself, a round's scattered pieces in a few `process_vm_readv` calls (`transport.ucx_reads`; where
+      the kernel refuses it, or the pool is on a GPU, "mixed"); `"mixed"`: the receiver reads each
+      direct piece through UCX's own rendezvous (what UCX does for any contiguous receive); in both,
+      bundles of smaller rows land straight in their rows from UCX's shared-memory fragments;
+      `"receiver"`: as "mixed", but those bundles land in a host chunk the receiver unpacks, so no block
+      ever waits for the sender process; `"sender"`: the sender writes the direct pieces into the rows
+      as well (scattered receives), off the receiver's thread.
     """
 
     default_grant_blocks: Positive = 8
@@ -55,7 +58,7 @@ class TransferConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     orphan_timeout: Seconds = 30.0
     checksums: bool = False
     inproc_thread_bytes: Positive = 4 * 1024 * 1024
-    ucx_copies: UcxCopies = "mixed"
+    ucx_copies: UcxCopies = "cma"
 
     def __post_init__(self) -> None:
         if self.link_timeout <= self.heartbeat_interval:

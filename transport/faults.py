@@ -15,6 +15,9 @@ An endpoint consults its `FaultPlan` at fixed points; with the default plan ever
   message of each frame (or bundle) a byte short of what its descriptor announced (UCX only; where the
   receiver lands it in host memory the receive fails, and the receiver closes that link naming both
   lengths; a receive into GPU memory does not notice).
+- `misaddressed_read_after_bytes`: once it has written that many bulk bytes, the sender describes its
+  read groups (`transport.ucx_reads`) at an address it does not have (UCX, with a receiver that reads;
+  the receiver's read fails, and it closes that link naming the kernel's error).
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ class FaultPlan(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
     corrupt_round: int | None = None
     malformed_frame_after_bytes: int | None = None
     short_message_after_bytes: int | None = None
+    misaddressed_read_after_bytes: int | None = None
 
     def applies_to(self, transfer_id: str) -> bool:
         return self.transfer_id is None or self.transfer_id == transfer_id

@@ -7,9 +7,10 @@ Links are made by `transport.ucx_connect`. On a link (docs/transports.md, "UCX, 
   the bulk tag: a *direct* frame one message per piece, from block (or GPU) memory; *packed* frames
   bundled across buffers, one message per bundle (`transport.ucx_payloads`). The reader posts each
   frame's receives where its landing claims them (`transport.ucx_landing`), or into a scratch chunk
-  when the round is gone, and handles a later peer message only once every earlier frame landed.
-- `write` returns once every send completed (shielded; the link fails when the peer takes nothing for
-  `link_timeout`). Cancellation takes effect between frames.
+  when the round is gone, and handles a later peer message only once every earlier frame landed. A
+  receiver that reads the sender's memory itself gets *read groups* instead (`transport.ucx_reads`).
+- `write` returns once every send (and read receipt) completed, `transport.ucx_sends` (shielded; the
+  link fails when the peer takes nothing for `link_timeout`). Cancellation takes effect between frames.
 - Liveness as on tcp (heartbeats; UCX's shared-memory transports refuse peer-failure handling); a
   closing peer says `goodbye`.
 - `quiesce` returns once nothing can write block memory any more (see its docstring).
@@ -21,7 +22,6 @@ import array
 import itertools
 import math
 from collections import deque
-from collections.abc import Iterable
 from typing import Any, Final, final
 
 import structlog
@@ -31,33 +31,39 @@ import trio
 from messages.layout import PoolLayout
 from messages.peer_codec import PeerCodecError
 from messages.transfer import PeerMessage
+from transport.cma import CmaFailed
 from transport.config import TransferConfig, UcxCopies
 from transport.device_bundles import RoundWork, bundles_on_device, gather, written
 from transport.errors import LinkBroken, LinkClosed, LinkError
 from transport.faults import FaultPlan
-from transport.frame_plan import Frame, plan_bundles
+from transport.frame_plan import Frame
 from transport.in_flight import InFlight
 from transport.link import BulkWrite, Link, LinkHandler, Role, keep_alive, more_rounds_follow
 from transport.peer_process import process_gone
-from transport.staging import HostChunk, HostChunks
+from transport.staging import HostChunks
 from transport.ucx_frames import (
     DESCRIPTOR,
     GOODBYE,
     MESSAGE,
+    READS,
+    RECEIPT,
     Descriptor,
     UcxFrameError,
     descriptor_body,
-    framing,
     goodbye_body,
     kind_of,
     message_body,
     parse_descriptors,
     parse_goodbye,
     parse_message,
+    parse_receipt,
+    receipt_body,
 )
 from transport.ucx_landing import Landing, direct, into_device, land, scattered, settle, through_chunk
 from transport.ucx_library import UcxFailed
 from transport.ucx_payloads import Chunk, frame_payloads, shortened
+from transport.ucx_reads import Receipts, read_group, write_plan
+from transport.ucx_sends import PostedSends
 from transport.ucx_worker import BULK, CONTROL, LISTENER, Arrival, UcxWorker, tag
 
 PACKED_WINDOW: Final = 4
@@ -90,11 +96,14 @@ class UcxLink(Link):
         self._peer_number = LISTENER
         self._peer_pid: int | None = None
         self.copies: UcxCopies = "receiver"  # who copies what into host rows (`accepted`)
+        self._reads_from: int | None = None  # the sender process this receiving side reads
+        self._peer_reads = False  # this sending side's peer reads its host pieces (`transport.ucx_reads`)
+        self._receipts = Receipts()
         self._scope = trio.CancelScope()
         self._chunks = HostChunks()
         self._landing: deque[Landing] = deque()
         self._landing_now = InFlight()  # a landing being unpacked or scattered
-        self._in_flight: list[tuple[list[Any], Chunk | None]] = []  # sends of writes not yet settled
+        self._sends = PostedSends(self, worker, self._chunks, config.link_timeout)
         self._last_received = self._last_sent = trio.current_time()
         self._work = RoundWork()  # what a round's direct GPU pieces wait for
         self._bulk_sent, self._malformed_sent, self._silent_close = 0, False, False
@@ -103,11 +112,14 @@ class UcxLink(Link):
         """Talk to the far link `peer_number` (its listener, `LISTENER`, until accepted) over `endpoint`."""
         self._endpoint, self._peer_number = endpoint, peer_number
 
-    def accepted(self, peer_number: int, peer_pid: int | None) -> None:
+    def accepted(self, peer_number: int, peer_pid: int | None, reads: bool = False) -> None:
         """The sender accepted as link `peer_number`; `peer_pid`: its process, when on this host (the
-        fence for scattered receives, `quiesce`: only such a sender gets them, as `ucx_copies` says)."""
+        fence for scattered receives, `quiesce`: only such a sender gets them, as `ucx_copies` says);
+        `reads`: this side reads its host pieces (`transport.ucx_reads`; "mixed" otherwise)."""
         self._peer_number, self._peer_pid = peer_number, peer_pid
-        self.copies = self._config.ucx_copies if peer_pid is not None else "receiver"
+        self._reads_from = peer_pid if reads else None
+        copies = self._config.ucx_copies if peer_pid is not None else "receiver"
+        self.copies = "mixed" if copies == "cma" and not reads else copies
 
     def _arrive(self, arrival: Arrival) -> None:
         # Any arrival is liveness, even while the reader waits for bulk bytes.
@@ -131,6 +143,7 @@ class UcxLink(Link):
         self._scope.cancel()
         self._inbox_send.close()
         self._worker.unregister(self.number)
+        self._receipts.fail_all(str(error))
         if self._endpoint is None:
             return
         if not self._silent_close:
@@ -153,9 +166,10 @@ class UcxLink(Link):
 
     def _ensure_open(self) -> None:
         if self.error is not None:
-            self._raise_closed()
+            self.raise_closed()
 
-    def _raise_closed(self) -> None:
+    def raise_closed(self) -> None:
+        """Raise (a copy of) the error the link closed with."""
         assert self.error is not None
         raise type(self.error)(str(self.error))
 
@@ -166,38 +180,11 @@ class UcxLink(Link):
     async def post_control(self, body: bytes) -> None:
         """Send one control body to the far link (or its listener, before `accept`)."""
         self._ensure_open()
-        await self._settle([self._post(CONTROL, body)])
+        await self._sends.settle([self._post(CONTROL, body)])
 
     async def settle(self) -> None:
-        """See `Link.settle`: the sends of rounds whose `write` returned early (they stay listed, so the
-        next write that settles them still hands their host chunks back)."""
-        await self._await_sends([request for requests, _chunk in self._in_flight for request in requests])
-
-    async def _await_sends(self, requests: list[Any]) -> None:
-        """Wait, shielded, until each request completed, within `link_timeout` each or the link fails
-        (closing the endpoint cancels what is left)."""
-        with trio.CancelScope(shield=True):
-            for request in requests:
-                if request.completed or self.error is not None:
-                    continue
-                with trio.move_on_after(self._config.link_timeout) as scope:
-                    await self._worker.wait([request], check=False)
-                if scope.cancelled_caught:
-                    timeout = self._config.link_timeout
-                    self.close(LinkBroken(f"link {self.describe()}: peer took nothing for {timeout} s"))
-
-    async def _settle(self, requests: list[Any]) -> None:
-        """Wait until `requests` completed (`_await_sends`). Returns when all went out — a close that
-        came after does not undo them; otherwise the link fails and this raises."""
-        await self._await_sends(requests)
-        try:
-            for request in requests:
-                if not request.completed:
-                    self._raise_closed()
-                self._worker.check(request)
-        except UcxFailed as exc:
-            self.close(LinkBroken(f"link {self.describe()}: send failed: {exc}"))
-            self._raise_closed()
+        """See `Link.settle`: the sends of rounds whose `write` returned early."""
+        await self._sends.wait_all()
 
     async def write(self, bulk: BulkWrite, trailer: PeerMessage | None = None) -> int:
         """See `Link.write`. The sends of a round that does not end its transfer may still be in flight
@@ -206,47 +193,47 @@ class UcxLink(Link):
         `ChunkDone` ends the stream (or any write that fails) waits for every send still in flight."""
         self._ensure_open()
         on_device = bundles_on_device(bulk.source.device, self._worker.cuda_capable)
-        posted = self._in_flight
+        sends = self._sends
         corrupt, defer = bulk.corrupt, False
         try:
-            direct, sizes = framing(bulk.source.device, self._worker.cuda_capable)
-            for bundle in plan_bundles(bulk, self._buffer_index, self._row_bytes, direct, sizes):
-                while sum(chunk is not None for _r, chunk in posted) >= PACKED_WINDOW:
-                    await self._settle_oldest_chunk(posted)
+            faulty = bulk.corrupt or self._faults.short_message_after_bytes is not None
+            reads = self._peer_reads and not faulty  # a fault corrupts or shortens a message, not a read
+            plan = write_plan(bulk, self._buffer_index, self._row_bytes, reads, self._worker.cuda_capable)
+            for is_read_group, bundle in plan:
+                while sends.chunks_out() >= PACKED_WINDOW:
+                    await sends.settle_oldest_chunk()
                 short = self._check_faults(sum(frame.length for frame in bundle))
+                if is_read_group:
+                    sends.posted.append(self._post_reads(bulk, bundle))
+                    continue
                 gathered = None
                 if not bundle[0].packed:  # UCX reads a GPU pool's rows itself: after whatever wrote them
                     await written(self._work.event(bulk.source.device, bulk.landing_key, bulk.round), 0)
                 elif on_device:
                     gathered = await gather(bulk.source, bundle, corrupt)
-                posted.append(self._post_frames(bulk, bundle, corrupt, gathered, short))
+                sends.posted.append(self._post_frames(bulk, bundle, corrupt, gathered, short))
                 corrupt = False
                 # The worker's progress moves what is posted (a gathered send is copied by this process)
                 # while later frames are planned: kv 64 MiB went from 0.60-0.67 to 0.67-0.75 of raw.
                 await trio.lowlevel.checkpoint()
             if trailer is not None:
-                posted.append(([self._post(CONTROL, message_body(trailer))], None))
+                sends.posted.append(([self._post(CONTROL, message_body(trailer))], None))
             defer = more_rounds_follow(trailer)
         finally:
             if not defer:
                 with trio.CancelScope(shield=True):
-                    await self._settle_all(posted)
+                    await sends.settle_all()
         return bulk.nbytes
 
-    async def _settle_all(self, posted: list[tuple[list[Any], Chunk | None]]) -> None:
-        sent = posted[:]
-        posted.clear()
-        await self._settle([request for requests, _chunk in sent for request in requests])
-        self._give_back(chunk for _requests, chunk in sent)
-
-    async def _settle_oldest_chunk(self, posted: list[tuple[list[Any], Chunk | None]]) -> None:
-        requests, chunk = posted.pop(next(i for i, (_r, chunk) in enumerate(posted) if chunk is not None))
-        await self._settle(requests)
-        self._give_back([chunk])
-
-    def _give_back(self, chunks: Iterable[Chunk | None]) -> None:
-        for chunk in (c for c in chunks if isinstance(c, HostChunk)):  # device bundles: torch's allocator
-            self._chunks.give(chunk)
+    def _post_reads(self, bulk: BulkWrite, frames: list[Frame]) -> tuple[list[Any], Chunk | None]:
+        """A read group's descriptor, and the receipt its rows wait for."""
+        misaddressed = self._faults.misaddressed_read_after_bytes
+        wrong = misaddressed is not None and self._bulk_sent >= misaddressed  # no process maps page 0
+        bases = [0 if wrong else bulk.source.tensors[frame.name].data_ptr() for frame in frames]
+        receipt = self._receipts.expect(len(frames))
+        request = self._post(CONTROL, descriptor_body(frames, bulk.landing_key, bulk.round, bases))
+        self._bulk_sent += sum(frame.length for frame in frames)
+        return [request, receipt], None
 
     def _post(self, kind: int, body: object, keep: object = None) -> Any:
         """Post `body` on the far link's `kind` tag; with `keep`, `body` is an I/O vector over memory that
@@ -260,7 +247,7 @@ class UcxLink(Link):
                 request = worker.send_gathered(self._endpoint, to, body, keep)
         except UcxFailed as exc:
             self.close(LinkBroken(f"link {self.describe()}: {exc}"))
-            self._raise_closed()
+            self.raise_closed()
         self._last_sent = trio.current_time()
         return request
 
@@ -326,6 +313,8 @@ class UcxLink(Link):
             self.close(LinkBroken(f"link {self.describe()}: malformed frame from the peer: {exc}"))
         except UcxFailed as exc:
             self.close(LinkBroken(f"link {self.describe()}: receive failed: {exc}"))
+        except CmaFailed as exc:
+            self.close(LinkBroken(f"link {self.describe()}: cannot read the sender's rows: {exc}"))
         except LinkError as exc:
             self.close(exc)
 
@@ -338,8 +327,13 @@ class UcxLink(Link):
     async def _read_one(self, arrival: Arrival) -> None:
         await self._worker.wait([arrival.request])
         body = arrival.body
-        kind = kind_of(body, (DESCRIPTOR, MESSAGE, GOODBYE))
-        if kind == DESCRIPTOR:
+        kind = kind_of(body, (DESCRIPTOR, MESSAGE, GOODBYE, RECEIPT, READS))
+        if kind == RECEIPT:
+            self._receipts.answered(parse_receipt(body))
+            self._worker.kick()  # a write's settle waits on the worker's waiters
+        elif kind == READS:
+            self._peer_reads = self.role == "sender"
+        elif kind == DESCRIPTOR:
             await self._receive_frames(parse_descriptors(body, self._row_bytes))
         elif kind == MESSAGE:
             message = parse_message(body)
@@ -356,6 +350,12 @@ class UcxLink(Link):
         first, worker, endpoint = frames[0], self._worker, self._endpoint
         landing = self.handler.landing(self, first.landing_key)
         names = [self._layout.buffers[frame.buffer].name for frame in frames]
+        if first.read:
+            if self._reads_from is None:
+                raise UcxFrameError("read frames to a receiver that does not read")
+            await read_group(self._reads_from, landing, frames, names, self._ensure_open)
+            self._post(CONTROL, receipt_body(len(frames)))
+            return
         claims = [
             landing is not None and landing.claim(f.round, n, f.segments) for f, n in zip(frames, names)
         ]
@@ -363,7 +363,9 @@ class UcxLink(Link):
         if landing is not None and all(claims):
             storage = landing.storage
             copies = self.copies  # scattered: bundles unless "receiver", direct frames with "sender"
-            if storage.device.type == "cpu" and (copies == "sender" or (copies == "mixed" and first.packed)):
+            if storage.device.type == "cpu" and (
+                copies == "sender" or (copies != "receiver" and first.packed)
+            ):
                 scattered(worker, endpoint, on, storage, frames, names, self._row_bytes, self._landing)
                 return
             if not first.packed and (storage.device.type == "cpu" or worker.cuda_capable):

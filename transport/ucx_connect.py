@@ -7,8 +7,10 @@ from other hosts too.
 
 Connecting (receiver → sender): `dial` makes a UCX endpoint from the sender's worker address and sends
 `connect{its link number, its own worker address}` to the sender's listener (link number 0); the
-listener makes the sending link and an endpoint back, and answers `accept{its link number, its pid and
-host key}` (the receiver's fence for writes the sender makes into its memory: `transport.peer_process`).
+listener makes the sending link and an endpoint back, and answers `accept{its link number, its pid, its
+cross-memory probe address and host key}` (the receiver's fence for writes the sender makes into its
+memory: `transport.peer_process`). A receiver that will read the sender's rows itself (`ucx_copies =
+"cma"`, `transport.ucx_reads`) then says `reads`.
 Then the handshake of DESIGN §5.1 (`Hello` / `HelloAck`) runs over the link as on any transport.
 """
 
@@ -23,6 +25,7 @@ from typing import TYPE_CHECKING
 import structlog
 import trio
 
+from transport.cma import PROBE_ADDRESS, readable
 from transport.errors import LinkBroken, LinkClosed, LinkError
 from transport.link import Link, Role
 from transport.peer_process import host_key, local_pid
@@ -39,6 +42,7 @@ from transport.ucx_frames import (
     parse_accept,
     parse_goodbye,
     parse_number,
+    reads_body,
 )
 from transport.ucx_library import UcxFailed
 from transport.ucx_worker import LISTENER, Arrival, UcxWorker
@@ -102,8 +106,12 @@ async def dial(endpoint: TransferEndpoint, address: str) -> UcxLink:
         elif kind_of(body, (ACCEPT, GOODBYE)) == GOODBYE:  # the listener's endpoint stopped meanwhile
             error = LinkBroken(f"{shown} closed the link as it accepted it: {parse_goodbye(body)}")
         else:
-            number, pid, key = parse_accept(body)
-            link.accepted(number, local_pid(pid, key))
+            number, pid, probe, key = parse_accept(body)
+            sender = local_pid(pid, key)
+            reads = sender is not None and _reads(endpoint, sender, probe)
+            link.accepted(number, sender, reads)
+            if reads:
+                await link.post_control(reads_body())
             _log.info("transfer.ucx_linked", link=link.link_id, endpoint=endpoint.name, copies=link.copies)
             return link
     except (UcxFailed, UcxFrameError, trio.EndOfChannel, trio.ClosedResourceError) as exc:
@@ -113,6 +121,18 @@ async def dial(endpoint: TransferEndpoint, address: str) -> UcxLink:
         raise
     link.close(error)
     raise error
+
+
+def _reads(endpoint: TransferEndpoint, pid: int, probe: int) -> bool:
+    """Whether a link of `endpoint` reads the host pieces of sender process `pid` itself
+    (`transport.ucx_reads`): `ucx_copies` says so, its pool is in host memory, and the probe at `probe`
+    reads back (logged when it does not)."""
+    if endpoint.config.ucx_copies != "cma" or endpoint.storage.device.type != "cpu":
+        return False
+    refused = readable(pid, probe)
+    if refused is not None:
+        _log.info("transfer.ucx_cma_refused", endpoint=endpoint.name, pid=pid, reason=refused)
+    return refused is None
 
 
 async def listen(endpoint: TransferEndpoint, on_accept: Callable[[Link], None]) -> str:
@@ -137,7 +157,7 @@ async def _accept_links(
             number, address = parse_number(arrival.body, CONNECT)
             link = _link(endpoint, worker, "sender")
             link.attach(worker.connect(address), number)
-            await link.post_control(accept_body(link.number, os.getpid(), host_key()))
+            await link.post_control(accept_body(link.number, os.getpid(), PROBE_ADDRESS, host_key()))
         except (UcxFailed, UcxFrameError, LinkError) as exc:
             _log.warning("transfer.ucx_connect_failed", endpoint=endpoint.name, error=str(exc))
             if link is not None:

@@ -4,19 +4,25 @@ says what it is.
     M  a peer message (msgpack, `messages.peer_codec`)
     B  a bulk frame descriptor (below); its bytes follow on the link's bulk tag
     C  connect, receiver → listener: the receiver's link number (u64) and worker address
-    A  accept, listener → receiver: the sender's link number (u64), its pid (u64) and host key
-       (`transport.peer_process`)
+    A  accept, listener → receiver: the sender's link number (u64), its pid (u64), the address of its
+       cross-memory probe (u64, `transport.cma`) and host key (`transport.peer_process`)
+    R  reads, receiver → sender, before the handshake: the receiver reads the sender's host pieces itself
+       (`transport.ucx_reads`), so the sender describes them in read frames and sends no bytes for them
+    K  receipt, receiver → sender: the read frames of its oldest unanswered read descriptor (u32 count)
+       were read or skipped; the sender's rows are its own again
     G  goodbye: the far end closed the link; UTF-8 reason
 
 Bulk descriptor: one or more frame descriptors back to back, each `B` | flavour u8 (1 direct, 2 packed) |
 buffer u16 | round u32 | landing_key u64 | length u64 | segments u32, then `segments` × (dst_row u64,
-rows u64), little-endian. A *direct* frame comes alone, its bytes following as one bulk message per
+rows u64), little-endian; a *read* frame (flavour 3) has the sender's address of the buffer's row 0
+(u64) between header and table, and `segments` × src_row (u64) after it: the receiver reads the rows. A *direct* frame comes alone, its bytes following as one bulk message per
 segment, in order, each straight from the sender's block memory. Packed frames come in bundles
 (`transport.frame_plan.bundle_frames`: one round, at most `MAX_PACKED_BYTES`), whose bytes follow as one
 message: each frame's segments back to back, each frame from a 16-byte aligned offset (`bundle_starts`;
 the gaps are zeros). UCX matches messages of one tag in the
 order they were sent, so the receiver, reading descriptors in order, posts each receive where its bytes
-belong. A body that breaks these rules is a malformed frame: the reader closes the link.
+belong. Read frames come in groups of one round (`READ_GROUP_BYTES`), with no bulk message: the
+receiver reads them, then answers with a receipt. A body that breaks these rules is a malformed frame: the reader closes the link.
 """
 
 from __future__ import annotations
@@ -54,12 +60,20 @@ DESCRIPTOR: Final = ord("B")
 CONNECT: Final = ord("C")
 ACCEPT: Final = ord("A")
 GOODBYE: Final = ord("G")
+READS: Final = ord("R")
+RECEIPT: Final = ord("K")
 DIRECT: Final = 1
 PACKED: Final = 2
+READ: Final = 3
+# The most bytes one read descriptor describes: a group the receiver reads before it answers.
+READ_GROUP_BYTES: Final = MAX_DIRECT_FRAME_BYTES
 
 _HEADER: Final = struct.Struct("<BBHIQQI")
 _NUMBER: Final = struct.Struct("<BQ")
-_PID: Final = struct.Struct("<Q")
+_PROCESS: Final = struct.Struct("<QQ")
+_BASE: Final = struct.Struct("<Q")
+_RECEIPT: Final = struct.Struct("<BI")
+_ADDRESS_END: Final = 1 << 64
 
 
 @final
@@ -74,41 +88,71 @@ class Descriptor(NamedTuple):
     landing_key: int
     length: int
     segments: list[tuple[int, int]]
+    source_base: int = 0  # a read frame's: the sender's address of the buffer's row 0
+    source_rows: Sequence[int] = ()  # a read frame's: the sender's first row of each segment
+
+    @property
+    def read(self) -> bool:
+        return bool(self.source_rows)
 
 
 def message_body(message: PeerMessage) -> bytes:
     return bytes((MESSAGE,)) + encode_peer(message)
 
 
-def descriptor_body(frames: Sequence[Frame], landing_key: int, round: int) -> bytes:
-    """The descriptor of a direct frame, or of a bundle of packed frames (`bundle_frames`)."""
+def descriptor_body(
+    frames: Sequence[Frame], landing_key: int, round: int, read_bases: Sequence[int] | None = None
+) -> bytes:
+    """The descriptor of a direct frame, of a bundle of packed frames (`bundle_frames`), or — with
+    `read_bases`, each frame's address of its buffer's row 0 — of a group of read frames."""
     parts = []
-    for frame in frames:
-        flavour = PACKED if frame.packed else DIRECT
+    for index, frame in enumerate(frames):
+        flavour = READ if read_bases is not None else PACKED if frame.packed else DIRECT
         parts.append(
             _HEADER.pack(
                 DESCRIPTOR, flavour, frame.buffer, round, landing_key, frame.length, len(frame.pieces)
             )
         )
+        if read_bases is not None:
+            parts.append(_BASE.pack(read_bases[index]))
         parts.append(frame.segment_table())
+        if read_bases is not None:
+            parts.append(struct.pack(f"<{len(frame.pieces)}Q", *(piece.src_row for piece in frame.pieces)))
     return b"".join(parts)
+
+
+def reads_body() -> bytes:
+    return bytes((READS,))
+
+
+def receipt_body(frames: int) -> bytes:
+    return _RECEIPT.pack(RECEIPT, frames)
+
+
+def parse_receipt(body: bytes | bytearray) -> int:
+    """The count of read frames a receipt answers."""
+    if len(body) != _RECEIPT.size:
+        raise UcxFrameError(f"a receipt body has {_RECEIPT.size} bytes, got {len(body)}")
+    return int(_RECEIPT.unpack(body)[1])
 
 
 def connect_body(number: int, address: bytes) -> bytes:
     return _NUMBER.pack(CONNECT, number) + address
 
 
-def accept_body(number: int, pid: int, host_key: bytes) -> bytes:
-    return _NUMBER.pack(ACCEPT, number) + _PID.pack(pid) + host_key
+def accept_body(number: int, pid: int, probe: int, host_key: bytes) -> bytes:
+    return _NUMBER.pack(ACCEPT, number) + _PROCESS.pack(pid, probe) + host_key
 
 
-def parse_accept(body: bytes | bytearray) -> tuple[int, int, bytes]:
-    """The sender's link number, pid and host key from an accept body."""
+def parse_accept(body: bytes | bytearray) -> tuple[int, int, int, bytes]:
+    """The sender's link number, pid, cross-memory probe address and host key from an accept body."""
     number, rest = parse_number(body, ACCEPT)
-    if len(rest) < _PID.size:
-        raise UcxFrameError(f"an accept body needs a {_PID.size}-byte pid after the link number")
-    (pid,) = _PID.unpack_from(rest)
-    return number, pid, rest[_PID.size :]
+    if len(rest) < _PROCESS.size:
+        raise UcxFrameError(
+            f"an accept body needs a pid and a probe address ({_PROCESS.size} bytes) after the link number"
+        )
+    pid, probe = _PROCESS.unpack_from(rest)
+    return number, pid, probe, rest[_PROCESS.size :]
 
 
 def goodbye_body(reason: str) -> bytes:
@@ -143,22 +187,33 @@ def parse_goodbye(body: bytes | bytearray) -> str:
 
 def parse_descriptors(body: bytes | bytearray, row_bytes: Sequence[int]) -> list[Descriptor]:
     """A bulk descriptor's frames, checked: each frame as `_parse_one` checks it; several only when all
-    are packed, of one round and landing, at most `MAX_BUNDLE_FRAMES` of them within `MAX_PACKED_BYTES`."""
+    are packed (read), of one round and landing, at most `MAX_BUNDLE_FRAMES` of them within
+    `MAX_PACKED_BYTES` (`READ_GROUP_BYTES`)."""
     frames: list[Descriptor] = []
     at = 0
     while at < len(body) or not frames:
         frame, at = _parse_one(body, at, row_bytes)
         frames.append(frame)
+    reads = [frame.read for frame in frames]
+    if any(reads) and not all(reads):
+        raise UcxFrameError(f"bulk descriptor of {len(frames)} frames, some read and some not")
     if len(frames) > 1:
-        total = bundle_starts([frame.length for frame in frames])[1]
-        if not all(frame.packed for frame in frames):
-            raise UcxFrameError(f"bulk descriptor of {len(frames)} frames, not all of them packed")
+        if reads[0]:
+            kind, total, limit = "read", sum(frame.length for frame in frames), READ_GROUP_BYTES
+        else:
+            kind, total, limit = (
+                "packed",
+                bundle_starts([frame.length for frame in frames])[1],
+                MAX_PACKED_BYTES,
+            )
+            if not all(frame.packed for frame in frames):
+                raise UcxFrameError(f"bulk descriptor of {len(frames)} frames, not all of them packed")
         if len({(frame.round, frame.landing_key) for frame in frames}) > 1:
             raise UcxFrameError(f"bulk descriptor of {len(frames)} frames of different rounds")
-        if len(frames) > MAX_BUNDLE_FRAMES or total > MAX_PACKED_BYTES:
+        if len(frames) > MAX_BUNDLE_FRAMES or total > limit:
             raise UcxFrameError(
-                f"bulk descriptor of {len(frames)} packed frames and {total} bytes, over the limit of "
-                f"{MAX_BUNDLE_FRAMES} frames and {MAX_PACKED_BYTES} bytes"
+                f"bulk descriptor of {len(frames)} {kind} frames and {total} bytes, over the limit of "
+                f"{MAX_BUNDLE_FRAMES} frames and {limit} bytes"
             )
     return frames
 
@@ -172,17 +227,18 @@ def _parse_one(body: bytes | bytearray, at: int, row_bytes: Sequence[int]) -> tu
     kind, flavour, buffer, round, landing_key, length, count = _HEADER.unpack_from(body, at)
     if kind != DESCRIPTOR:
         raise UcxFrameError(f"bulk descriptor with a frame of unknown kind 0x{kind:02x}")
-    if flavour not in (DIRECT, PACKED):
+    if flavour not in (DIRECT, PACKED, READ):
         raise UcxFrameError(f"bulk descriptor of unknown flavour {flavour}")
     if buffer >= len(row_bytes):
         raise UcxFrameError(f"bulk descriptor for buffer {buffer}; the layout has {len(row_bytes)} buffers")
     if not 1 <= count <= MAX_SEGMENTS:
         raise UcxFrameError(f"bulk descriptor with {count} segments (allowed 1 to {MAX_SEGMENTS})")
-    end = at + _HEADER.size + count * SEGMENT.size
+    table = at + _HEADER.size + (_BASE.size if flavour == READ else 0)
+    end = table + count * SEGMENT.size + (count * _BASE.size if flavour == READ else 0)
     if len(body) < end:
         raise UcxFrameError(f"bulk descriptor of {left} bytes does not hold its {count} segments")
     width = row_bytes[buffer]
-    segments, rows = unpack_segments(body, count, at + _HEADER.size)
+    segments, rows = unpack_segments(body, count, table)
     if rows is None or rows * width != length:
         raise UcxFrameError(
             f"bulk descriptor segments {segments[:4]}{'…' if count > 4 else ''} do not add up to its "
@@ -194,7 +250,13 @@ def _parse_one(body: bytes | bytearray, at: int, row_bytes: Sequence[int]) -> tu
         raise UcxFrameError(
             f"bulk descriptor of {length} bytes, over the {limit}-byte limit of a {kind_name} frame"
         )
-    return Descriptor(flavour == PACKED, buffer, round, landing_key, length, segments), end
+    if flavour != READ:
+        return Descriptor(flavour == PACKED, buffer, round, landing_key, length, segments), end
+    (base,) = _BASE.unpack_from(body, at + _HEADER.size)
+    sources = struct.unpack_from(f"<{count}Q", body, table + count * SEGMENT.size)
+    if base + (max(sources) + rows) * width >= _ADDRESS_END:  # a bound on the last row's end: cheap
+        raise UcxFrameError(f"read frame of rows beyond the address space (row 0 at 0x{base:x})")
+    return Descriptor(False, buffer, round, landing_key, length, segments, base, sources), end
 
 
 def payload_rows(storage: PoolStorage, name: str, row: int, rows: int) -> memoryview | torch.Tensor:

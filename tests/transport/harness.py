@@ -162,15 +162,17 @@ async def endpoint_pair(
 ) -> AsyncIterator[Pair]:
     """A sending endpoint on `source` and a receiving one, linked over `kind` ("inproc", "tcp", "ucx",
     "cuda-ipc", "inproc-threads": inproc with every round copied through the link's copy lane, or
-    "ucx-receiver-copies" / "ucx-sender-copies": ucx with `ucx_copies` "receiver" (bundles land in a host
-    chunk the receiver unpacks) or "sender" (the sender writes direct pieces into scattered receives);
-    plain "ucx" is the default, "mixed")."""
+    "ucx-mixed" / "ucx-receiver-copies" / "ucx-sender-copies": ucx with `ucx_copies` "mixed" (UCX's own
+    rendezvous reads direct pieces), "receiver" (bundles land in a host chunk the receiver unpacks) or
+    "sender" (the sender writes direct pieces into scattered receives); plain "ucx" is the default,
+    "cma": the receiver reads pieces of 16 KiB and more itself)."""
     if kind == "inproc-threads":
         kind, config = "inproc", msgspec.structs.replace(config or TransferConfig(), inproc_thread_bytes=1)
         sender_config = sender_config and msgspec.structs.replace(sender_config, inproc_thread_bytes=1)
-    if kind in ("ucx-receiver-copies", "ucx-sender-copies"):
-        copies = "receiver" if kind == "ucx-receiver-copies" else "sender"
-        kind, config = "ucx", msgspec.structs.replace(config or TransferConfig(), ucx_copies=copies)
+    copies = {"ucx-mixed": "mixed", "ucx-receiver-copies": "receiver", "ucx-sender-copies": "sender"}
+    if kind in copies:
+        config = msgspec.structs.replace(config or TransferConfig(), ucx_copies=copies[kind])
+        kind = "ucx"
     network = InprocNetwork()
     async with (
         open_endpoint(

@@ -65,7 +65,7 @@ async def test_seed_scenarios_over_ucx(kind: str, total: int, cap: int | None, r
     mode=st.sampled_from(["keep", "consume", "borrowed"]),
     fragmentation=st.lists(st.tuples(st.integers(1, 4), st.booleans()), max_size=8),
     seed=st.integers(0, 2**16),
-    kind=st.sampled_from(["ucx", "ucx-receiver-copies", "ucx-sender-copies"]),
+    kind=st.sampled_from(["ucx", "ucx-mixed", "ucx-receiver-copies", "ucx-sender-copies"]),
     bundles=st.booleans(),
 )
 def test_random_transfers_over_ucx_land_identical_data_and_nothing_else(
@@ -82,7 +82,7 @@ def test_random_transfers_over_ucx_land_identical_data_and_nothing_else(
 ) -> None:
     """`bundles`: the sender packs device bundles (`harness.device_bundles_on_cpu`); the receiver lands
     them in one buffer it scatters (`ucx-receiver-copies`), or straight into the rows by an I/O-vector
-    receive (`ucx`, `ucx-sender-copies`)."""
+    receive (the others). 16 KiB rows under plain `ucx` travel in read groups (`transport.ucx_reads`)."""
     with device_bundles_on_cpu() if bundles else nullcontext():
         check_random_transfer(
             kind,

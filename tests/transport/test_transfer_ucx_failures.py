@@ -6,6 +6,7 @@ as in test_transfer_ucx.py.
 
 from __future__ import annotations
 
+import os
 import re
 from typing import Any
 
@@ -13,6 +14,7 @@ import pytest
 import trio
 
 import transport.ucx
+from messages.layout import PoolLayout
 from messages.transfer import FailureReason
 from tests.transport.harness import (
     Collector,
@@ -211,12 +213,14 @@ async def test_a_lost_ucx_receiver_or_link_fails_both_sides_within_the_deadline(
     assert pool.used_blocks == 0
 
 
-async def _one_bad_sender(faults: FaultPlan, config: TransferConfig, seed: int) -> str:
+async def _one_bad_sender(
+    faults: FaultPlan, config: TransferConfig, seed: int, layout: PoolLayout = LAYOUT
+) -> str:
     """A receiver with a good sender and one whose link carries `faults`: the good transfer lands whole,
     only the bad link closes, both ends of the bad transfer fail `link_lost`, no block stays used.
     Returns why the bad link closed."""
-    good, bad = Source(LAYOUT, 80, seed=seed), Source(LAYOUT, 80, seed=seed + 1)
-    storage, pool = random_storage(LAYOUT, 30, seed=seed + 2), shuffled_pool(30, 16, seed=seed + 3)
+    good, bad = Source(layout, 80, seed=seed), Source(layout, 80, seed=seed + 1)
+    storage, pool = random_storage(layout, 30, seed=seed + 2), shuffled_pool(30, 16, seed=seed + 3)
     async with (
         open_endpoint("good", good.storage, good.pool, config=config) as good_sender,
         open_endpoint("bad", bad.storage, bad.pool, config=config, faults=faults) as bad_sender,
@@ -251,6 +255,17 @@ async def test_a_malformed_ucx_frame_closes_only_that_peers_link() -> None:
     config = TransferConfig(default_grant_blocks=1, round_cap_blocks=1, window=2)
     why = await _one_bad_sender(FaultPlan(malformed_frame_after_bytes=1), config, seed=50)
     assert "malformed frame from the peer: control body of unknown kind 0xde" in why
+
+
+async def test_a_read_of_rows_the_sender_does_not_have_closes_only_that_peers_link_naming_why() -> None:
+    """A receiver that reads the sender's rows itself (`ucx_copies` "cma", 64 KiB blocks: read groups)
+    is told an address no process maps: the kernel refuses the read, and that link closes saying so."""
+    config = TransferConfig(default_grant_blocks=1, round_cap_blocks=1, window=2, ucx_copies="cma")
+    layout = embedding_layout(block_size=16, hidden=1024)
+    why = await _one_bad_sender(FaultPlan(misaddressed_read_after_bytes=1), config, seed=70, layout=layout)
+    assert why.endswith(
+        f"cannot read the sender's rows: reading process {os.getpid()}'s memory: EFAULT: Bad address"
+    )
 
 
 @pytest.mark.parametrize("copies", ["sender", "receiver"], ids=["scattered", "received-by-copy"])

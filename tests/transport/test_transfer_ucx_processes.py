@@ -199,16 +199,17 @@ async def test_blocks_a_stopped_sender_owes_writes_to_stay_quarantined_until_tha
 
 
 @pytest.mark.slow  # a child process: importing torch and starting it take seconds
-@pytest.mark.parametrize("copies", ["mixed", "receiver"])
+@pytest.mark.parametrize("copies", ["cma", "mixed", "receiver"])
 async def test_a_stopped_sender_holds_no_block_of_a_receiver_that_reads_the_pieces_itself(
     ucx_env: dict[str, str], copies: UcxCopies
 ) -> None:
     """The same stopped sender over shared memory, to a receiver that reads direct pieces itself (the
-    default, "mixed", and "receiver"). The frame the sender posted before it stopped is round 1's direct
-    one (a round's bundle of small rows goes last): if its rendezvous reached the receiver, this side
-    reads the stopped process's memory itself; if not, the receive is cancelled as the link closes. Either
-    way no block waits for the sender process — they all come back within the link deadline and
-    `fence_timeout`, while the process still exists."""
+    default, "cma", then "mixed" and "receiver"). The frame the sender posted before it stopped is round
+    1's direct one (a round's bundle of small rows goes last): with "cma" its read group, which this side
+    reads from the stopped process's memory at once; otherwise, if its rendezvous reached the receiver,
+    this side reads it too, and if not, the receive is cancelled as the link closes. Either way no block
+    waits for the sender process — they all come back within the link deadline and `fence_timeout`,
+    while the process still exists."""
     async with _stopped_sender(ucx_env, 65, copies) as (child, pool, config):
         with trio.fail_after(config.fence_timeout + 2.0):
             while pool.quarantined_blocks or pool.used_blocks:

@@ -7,6 +7,7 @@ import itertools
 import random
 import re
 import struct
+from typing import Any
 
 import pytest
 from hypothesis import given, settings
@@ -36,6 +37,10 @@ from transport.ucx_frames import (
     DESCRIPTOR,
     DIRECT_MIN_BYTES,
     MESSAGE,
+    READ,
+    READ_GROUP_BYTES,
+    READS,
+    RECEIPT,
     UcxFrameError,
     accept_body,
     connect_body,
@@ -44,8 +49,12 @@ from transport.ucx_frames import (
     parse_accept,
     parse_descriptors,
     parse_number,
+    parse_receipt,
+    reads_body,
+    receipt_body,
 )
 from transport.ucx_library import cuda_transports_allowed
+from transport.ucx_reads import read_groups, reads_piece
 
 LAYOUT = embedding_layout(block_size=16, hidden=1024)  # 4 KiB rows: a block is 64 KiB
 ROW_BYTES = [spec.bytes_per_token for spec in LAYOUT.buffers]
@@ -70,6 +79,39 @@ def bulk_write(seed: int, count: int, src_offset: int, dst_offset: int) -> BulkW
         landing_key=7,
         round=3,
     )
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    seed=st.integers(0, 2**16),
+    count=st.integers(1, 1000),
+    row_bytes=st.sampled_from([ROW_BYTES, [4096, 8, 8 << 20]]),
+)
+def test_read_groups_hold_each_direct_frame_once_and_parse_back_with_their_sources(
+    seed: int, count: int, row_bytes: list[int]
+) -> None:
+    """A reading peer's plan: the direct frames gathered in groups within `READ_GROUP_BYTES` and
+    `MAX_BUNDLE_FRAMES`, in order, bundles as they were; a group's descriptor parses back to its frames
+    with the sender's base address and source rows."""
+    bulk = bulk_write(seed, count, 0, 0)
+    index = {name: place for place, name in enumerate(bulk.buffers)}
+    bundles = list(plan_bundles(bulk, index, row_bytes, reads_piece, HOST_SIZES))
+    groups = list(read_groups(bundles))
+    assert [bundle for reads, bundle in groups if not reads] == [b for b in bundles if b[0].packed]
+    direct = [bundle[0] for bundle in bundles if not bundle[0].packed]
+    assert [frame for reads, group in groups if reads for frame in group] == direct
+    for reads, group in groups:
+        if not reads:
+            continue
+        assert len(group) <= MAX_BUNDLE_FRAMES
+        assert len(group) == 1 or sum(frame.length for frame in group) <= READ_GROUP_BYTES
+        bases = [0x7F0000000000 + 0x1000 * place for place in range(len(group))]
+        parsed = parse_descriptors(descriptor_body(group, 7, 3, bases), row_bytes)
+        assert parsed == [
+            (False, f.buffer, 3, 7, f.length, f.segments(), base, tuple(p.src_row for p in f.pieces))
+            for f, base in zip(group, bases, strict=True)
+        ]
+        assert all(frame.read for frame in parsed)
 
 
 @settings(max_examples=60, deadline=None)
@@ -101,7 +143,7 @@ def test_frames_cover_every_row_once_within_the_limits(
             assert frame.length <= max(frame_bytes(frame.packed), width)
             assert all((piece.rows * width >= threshold) != frame.packed for piece in frame.pieces)
             descriptors = parse_descriptors(descriptor_body([frame], 7, 3), ROW_BYTES)
-            assert descriptors == [(frame.packed, index, 3, 7, frame.length, frame.segments())]
+            assert descriptors == [(frame.packed, index, 3, 7, frame.length, frame.segments(), 0, ())]
 
 
 @settings(max_examples=60, deadline=None)
@@ -141,7 +183,7 @@ def test_bundles_hold_each_frame_once_and_parse_back(
         assert len(bundle) <= MAX_BUNDLE_FRAMES
         assert len(bundle) == 1 or bundle_starts([frame.length for frame in bundle])[1] <= sizes.bundle
         parsed = parse_descriptors(descriptor_body(bundle, 7, 3), row_bytes)
-        assert parsed == [(f.packed, f.buffer, 3, 7, f.length, f.segments()) for f in bundle]
+        assert parsed == [(f.packed, f.buffer, 3, 7, f.length, f.segments(), 0, ()) for f in bundle]
     packed_bundles = [bundle for bundle in bundles if bundle[0].packed]
     for bundle, after in itertools.pairwise(packed_bundles):  # closed only when the next is too big
         full = len(bundle) == MAX_BUNDLE_FRAMES
@@ -181,12 +223,21 @@ def descriptor(
     length: int | None = None,
     round: int = 1,
     kind: int = DESCRIPTOR,
+    source: tuple[int, list[int]] | None = None,
 ) -> bytes:
-    """A descriptor body built by hand, so it can be wrong."""
+    """A descriptor body built by hand, so it can be wrong; `source`: a read frame's base and rows."""
     segments = segments if segments is not None else [(5, 2)]
     length = length if length is not None else sum(rows for _row, rows in segments) * ROW_BYTES[0]
     header = struct.pack("<BBHIQQI", kind, flavour, buffer, round, 2, length, count)
-    return header + b"".join(struct.pack("<QQ", row, rows) for row, rows in segments)
+    table = b"".join(struct.pack("<QQ", row, rows) for row, rows in segments)
+    if source is None:
+        return header + table
+    base, rows = source
+    return header + struct.pack("<Q", base) + table + struct.pack(f"<{len(rows)}Q", *rows)
+
+
+def read_descriptor(**fields: Any) -> bytes:
+    return descriptor(flavour=READ, source=(0x10000, [40]), **fields)
 
 
 @pytest.mark.parametrize(
@@ -213,7 +264,7 @@ def descriptor(
             "bulk descriptor with a frame of unknown kind 0x4d",
         ),
         (descriptor()[:20], "bulk descriptor of 20 bytes, shorter than its 28-byte header"),
-        (descriptor(flavour=3), "bulk descriptor of unknown flavour 3"),
+        (descriptor(flavour=4), "bulk descriptor of unknown flavour 4"),
         (descriptor(buffer=3), "bulk descriptor for buffer 3; the layout has 3 buffers"),
         (descriptor(count=0, segments=[], length=0), "bulk descriptor with 0 segments (allowed 1 to 256)"),
         (descriptor(count=2), "bulk descriptor of 44 bytes does not hold its 2 segments"),
@@ -234,6 +285,18 @@ def descriptor(
             f"bulk descriptor of {16385 * 4096} bytes, over the {MAX_DIRECT_FRAME_BYTES}-byte limit of a "
             "direct frame",
         ),
+        (read_descriptor() + descriptor(), "bulk descriptor of 2 frames, some read and some not"),
+        (
+            descriptor(flavour=READ, segments=[(0, 16384)], source=(0, [0])) * 2,
+            f"bulk descriptor of 2 read frames and {2 * 16384 * 4096} bytes, over the limit of "
+            f"{MAX_BUNDLE_FRAMES} frames and {READ_GROUP_BYTES} bytes",
+        ),
+        (read_descriptor() + read_descriptor(round=2), "bulk descriptor of 2 frames of different rounds"),
+        (read_descriptor()[:-1], "bulk descriptor of 59 bytes does not hold its 1 segments"),
+        (
+            descriptor(flavour=READ, source=(2**64 - 4096, [0])),
+            f"read frame of rows beyond the address space (row 0 at 0x{2**64 - 4096:x})",
+        ),
     ],
     ids=[
         "bundle-mixed",
@@ -251,6 +314,11 @@ def descriptor(
         "sum",
         "too-big-packed",
         "too-big-direct",
+        "read-mixed",
+        "read-too-big",
+        "read-rounds",
+        "read-table",
+        "read-beyond",
     ],
 )
 def test_malformed_descriptors_are_named(body: bytes, message: str) -> None:
@@ -260,10 +328,17 @@ def test_malformed_descriptors_are_named(body: bytes, message: str) -> None:
 
 def test_connect_accept_and_unknown_bodies() -> None:
     assert parse_number(connect_body(9, b"worker-address"), CONNECT) == (9, b"worker-address")
-    assert parse_number(accept_body(4, 77, b"key"), ACCEPT)[0] == 4
-    assert parse_accept(accept_body(4, 77, b"boot/pid:[1]")) == (4, 77, b"boot/pid:[1]")
-    with pytest.raises(UcxFrameError, match=r"^an accept body needs a 8-byte pid after the link number$"):
-        parse_accept(bytes((ACCEPT,)) + bytes(8))
+    assert parse_number(accept_body(4, 77, 0x7F00, b"key"), ACCEPT)[0] == 4
+    assert parse_accept(accept_body(4, 77, 0x7F00, b"boot/pid:[1]")) == (4, 77, 0x7F00, b"boot/pid:[1]")
+    with pytest.raises(
+        UcxFrameError,
+        match=r"^an accept body needs a pid and a probe address \(16 bytes\) after the link number$",
+    ):
+        parse_accept(bytes((ACCEPT,)) + bytes(16))
+    assert kind_of(reads_body(), (READS,)) == READS
+    assert kind_of(receipt_body(3), (RECEIPT,)) == RECEIPT and parse_receipt(receipt_body(3)) == 3
+    with pytest.raises(UcxFrameError, match=r"^a receipt body has 5 bytes, got 4$"):
+        parse_receipt(receipt_body(3)[:4])
     with pytest.raises(UcxFrameError, match=r"^expected a 'A' body of at least 9 bytes, got 9$"):
         parse_number(connect_body(9, b""), ACCEPT)
     with pytest.raises(UcxFrameError, match=r"^control body of unknown kind 0xde$"):

@@ -1,0 +1,197 @@
+"""Read frames (`transport.cma`, `transport.ucx_reads`): cross-memory reads land scattered rows exactly,
+refusals are named, receipts answer groups in order. Reads from this very process (the kernel's call is
+the same for any process it may read); between processes: test_transfer_ucx_processes.py."""
+
+from __future__ import annotations
+
+import array
+import ctypes
+import os
+import random
+import subprocess
+import sys
+from collections.abc import Sequence
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tests.transport.harness import embedding_layout, poisoned_storage, random_storage
+from transport.cma import IOV_MAX, PROBE_ADDRESS, PROBE_BYTES, CmaFailed, read, readable
+from transport.errors import LinkClosed
+from transport.frame_plan import plan_bundles
+from transport.link import BulkWrite
+from transport.storage import PoolStorage
+from transport.ucp_scatter import UcpFailed
+from transport.ucx_frames import UcxFrameError, descriptor_body, parse_descriptors
+from transport.ucx_reads import READ_SLICE_BYTES, Receipts, read_group, read_groups, reads_piece
+
+LAYOUT = embedding_layout(block_size=16, hidden=1024)  # 4 KiB rows: a block's embeds are 64 KiB
+NAMES = [spec.name for spec in LAYOUT.buffers]
+ROW_BYTES = [spec.bytes_per_token for spec in LAYOUT.buffers]
+
+
+def _bytes(rows: torch.Tensor) -> torch.Tensor:
+    """Rows as bytes: random bits make NaNs, which equal nothing as floats."""
+    return rows.contiguous().view(torch.uint8)
+
+
+def _vector(pieces: Sequence[tuple[int, int]]) -> array.array[int]:
+    return array.array("Q", [value for piece in pieces for value in piece])
+
+
+def test_a_read_lands_scattered_pieces_in_order() -> None:
+    source = bytes(random.Random(1).randbytes(64 * 1024))
+    landed = ctypes.create_string_buffer(len(source))
+    held = ctypes.create_string_buffer(source, len(source))
+    base, into = ctypes.addressof(held), ctypes.addressof(landed)
+    cuts = [(0, 4096), (40960, 8192), (4096, 36864), (49152, 16384)]  # source ranges, read in this order
+    remote = _vector([(base + start, length) for start, length in cuts])
+    at = 0
+    local_pieces = []
+    for _start, length in cuts:
+        local_pieces.append((into + at, length))
+        at += length
+    read(os.getpid(), _vector(local_pieces), remote, len(source))
+    assert landed.raw == b"".join(source[start : start + length] for start, length in cuts)
+
+
+def test_refused_reads_name_the_process_and_the_kernels_reason() -> None:
+    landed = ctypes.create_string_buffer(64)
+    local = _vector([(ctypes.addressof(landed), 64)])
+    pid = os.getpid()
+    with pytest.raises(CmaFailed, match=rf"^reading process {pid}'s memory: EFAULT: Bad address$"):
+        read(pid, local, _vector([(16, 64)]), 64)  # no process maps its first page
+    gone = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, check=True
+    )
+    dead = int(gone.stdout)
+    with pytest.raises(CmaFailed, match=rf"^reading process {dead}'s memory: ESRCH: No such process$"):
+        read(dead, local, _vector([(16, 64)]), 64)
+    with pytest.raises(ValueError, match=rf"^I/O vectors of {IOV_MAX + 1} and 1 entries; at most {IOV_MAX}$"):
+        read(pid, _vector([(ctypes.addressof(landed), 0)] * (IOV_MAX + 1)), local, 64)
+
+
+def test_the_probe_reads_back_only_at_the_senders_probe_address() -> None:
+    assert readable(os.getpid(), PROBE_ADDRESS) is None
+    other = ctypes.create_string_buffer(b"x" * len(PROBE_BYTES), len(PROBE_BYTES))
+    why = readable(os.getpid(), ctypes.addressof(other))
+    assert (
+        why
+        == f"process {os.getpid()}'s probe read back as {other.raw!r}: not a zigzag sender at that address"
+    )
+    assert readable(os.getpid(), 16) == f"reading process {os.getpid()}'s memory: EFAULT: Bad address"
+
+
+def test_receipts_answer_read_groups_oldest_first_and_fail_when_the_link_closes() -> None:
+    receipts = Receipts()
+    with pytest.raises(UcxFrameError, match=r"^a receipt for 2 read frames, with no read group waiting$"):
+        receipts.answered(2)
+    first, second, third = receipts.expect(2), receipts.expect(1), receipts.expect(3)
+    with pytest.raises(UcxFrameError, match=r"^a receipt for 1 read frames; the oldest read group has 2$"):
+        receipts.answered(1)
+    receipts.answered(2)
+    assert (first.completed, second.completed) == (True, False)
+    first.check_error()
+    receipts.fail_all("link x: the peer closed it")
+    assert second.completed and third.completed
+    with pytest.raises(UcpFailed, match=r"^no receipt for a read group: link x: the peer closed it$"):
+        third.check_error()
+
+
+class _Rounds:
+    """The landing of one receiver session, as `ReceiveSession.claim` decides: rounds in `open` claim."""
+
+    def __init__(self, storage: PoolStorage, open_rounds: set[int]) -> None:
+        self.storage, self.open, self.claimed = storage, open_rounds, 0
+
+    def claim(self, round: int, buffer: str, segments: Sequence[tuple[int, int]]) -> bool:
+        self.claimed += 1
+        return round in self.open
+
+
+def _write(seed: int, count: int, blocks: int = 64) -> BulkWrite:
+    rng = random.Random(seed)
+    need = -(-count // 16)
+    return BulkWrite(
+        source=random_storage(LAYOUT, blocks, seed=seed),
+        source_ids=rng.sample(range(blocks), need),
+        source_offset=0,
+        dest_ids=rng.sample(range(blocks), need),
+        dest_offset=0,
+        count=count,
+        buffers=tuple(NAMES),
+        landing_key=7,
+        round=3,
+    )
+
+
+@settings(max_examples=25, deadline=None)
+@given(seed=st.integers(0, 2**16), count=st.integers(1, 1000))
+async def test_a_read_group_lands_every_claimed_row_and_nothing_else(seed: int, count: int) -> None:
+    """Plan a write as a reading peer gets it, parse its read groups back, read them from this process:
+    every row of the write lands where its run says, no other row changes."""
+    bulk = _write(seed, count)
+    index = {name: place for place, name in enumerate(NAMES)}
+    target, expected = poisoned_storage(LAYOUT, 64), poisoned_storage(LAYOUT, 64)
+    landing = _Rounds(target, {3})
+    read_rows = {name: 0 for name in NAMES}
+    for is_read, group in read_groups(plan_bundles(bulk, index, ROW_BYTES, reads_piece)):
+        if not is_read:
+            continue
+        bases = [bulk.source.tensors[frame.name].data_ptr() for frame in group]
+        frames = parse_descriptors(descriptor_body(group, 7, 3, bases), ROW_BYTES)
+        names = [NAMES[frame.buffer] for frame in frames]
+        await read_group(os.getpid(), landing, frames, names, lambda: None)
+        for frame, name in zip(frames, names, strict=True):
+            for (row, rows), source_row in zip(frame.segments, frame.source_rows, strict=True):
+                expected.flat(name)[row : row + rows] = bulk.source.flat(name)[source_row : source_row + rows]
+                read_rows[name] += rows
+    # Every embeds run of at least 4 rows (16 KiB) is read, each from where its run says.
+    assert read_rows["embeds"] == sum(run.rows for run in bulk.runs if run.rows >= 4)
+    for run in (run for run in bulk.runs if run.rows >= 4):
+        landed = expected.flat("embeds")[run.dst_row : run.dst_row + run.rows]
+        assert torch.equal(
+            _bytes(landed), _bytes(bulk.source.flat("embeds")[run.src_row : run.src_row + run.rows])
+        )
+    for name in NAMES:
+        assert torch.equal(_bytes(target.flat(name)), _bytes(expected.flat(name)))
+
+
+async def test_a_group_larger_than_a_slice_is_read_in_slices_and_stops_once_the_link_closed() -> None:
+    layout = embedding_layout(block_size=4, hidden=1024 * 1024)  # 4 MiB rows, 16 MiB a block
+    source, target = random_storage(layout, 4, seed=3), poisoned_storage(layout, 4)
+    bulk = BulkWrite(
+        source=source,
+        source_ids=[2, 0],
+        source_offset=0,
+        dest_ids=[1, 3],
+        dest_offset=0,
+        count=8,
+        buffers=("embeds",),
+        landing_key=7,
+        round=0,
+    )
+    widths = [spec.bytes_per_token for spec in layout.buffers]
+    ((is_read, group),) = read_groups(plan_bundles(bulk, {"embeds": 0}, widths, reads_piece))
+    assert is_read and sum(frame.length for frame in group) == 2 * READ_SLICE_BYTES
+    frames = parse_descriptors(descriptor_body(group, 7, 0, [source.tensors["embeds"].data_ptr()]), widths)
+    calls = 0
+
+    def check_open() -> None:
+        nonlocal calls
+        calls += 1
+        if calls > 1:
+            raise LinkClosed("link x: closed")
+
+    with pytest.raises(LinkClosed, match=r"^link x: closed$"):
+        await read_group(os.getpid(), _Rounds(target, {0}), frames, ["embeds"], check_open)
+    assert calls == 2  # one slice read, the second never
+    gone = _Rounds(target, set())  # a round no longer open: nothing is read
+    await read_group(os.getpid(), gone, frames, ["embeds"], lambda: None)
+    await read_group(os.getpid(), None, frames, ["embeds"], lambda: None)  # a transfer no longer here
+    assert gone.claimed == 1
+    assert torch.equal(_bytes(target.flat("embeds")[4:8]), _bytes(source.flat("embeds")[8:12]))
+    poisoned = poisoned_storage(layout, 4).flat("embeds")
+    assert torch.equal(_bytes(target.flat("embeds")[12:16]), _bytes(poisoned[12:16]))

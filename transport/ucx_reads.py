@@ -1,0 +1,186 @@
+"""Read frames: a UCX link's host pieces that the receiver reads from the sender's memory itself (issue 7).
+
+When both ends of a UCX link run on one host, the receiver's pool is in host memory and
+`TransferConfig.ucx_copies` is `"cma"`, the receiver checks at connect time that it may read the sender's
+memory (`transport.cma.readable`) and tells the sender so (a `reads` body, `transport.ucx_frames`). From
+then on the sender describes every piece of its host pool of at least `READ_MIN_BYTES` in *read frames*,
+grouped per round (`read_groups`), and sends no bytes for them; smaller rows still travel packed.
+
+- The receiver (`read_group`) claims each frame's rows, reads the claimed ones with `process_vm_readv`,
+  several frames and scattered pieces per call, at most `READ_SLICE_BYTES` at a time (other tasks run
+  between calls, as between UCX's copies), and answers with a receipt. A frame whose round is gone is
+  not read at all.
+- The sender (`Receipts`) keeps each group's rows until its receipt comes: a round's `write` that ends
+  the transfer waits for it, as it waits for its sends. If the link closes first, the waits end failed
+  (`Receipt.check_error`); the rows are the owner's again. A receiver reads only while its link is open,
+  between its reader's awaits, so a sender that closes the link gets no later reads — except from a
+  receiver stopped mid-read for longer than `link_timeout`, the same as a UCX rendezvous read; the
+  `checksums` option detects such a round.
+
+A read copies once, on the receiver's core (as UCX's own rendezvous read does), with no message per
+piece and no progress event per 512 KiB.
+"""
+
+from __future__ import annotations
+
+import array
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from typing import Final, final
+
+import trio
+
+from transport.cma import IOV_MAX, read
+from transport.frame_plan import HOST_SIZES, MAX_BUNDLE_FRAMES, Frame, plan_bundles
+from transport.link import BulkWrite, Landing
+from transport.ucp_scatter import UcpFailed
+from transport.ucx_frames import READ_GROUP_BYTES, Descriptor, UcxFrameError, framing
+from transport.ucx_landing import stretch_entries
+
+# A piece this large goes in a read frame: below it, pinning its pages costs more than UCX's fragments
+# (64 MiB as 4 KiB pieces read at 3.1 GB/s, as 32 KiB pieces at 8.4, as 2 MiB pieces at 13.6).
+READ_MIN_BYTES: Final = 16 * 1024
+# The most bytes one `process_vm_readv` copies: about 1.3 ms here, so other tasks wait no longer.
+READ_SLICE_BYTES: Final = 16 * 1024 * 1024
+
+
+def reads_piece(piece_bytes: int) -> bool:
+    """The `direct` of a link whose receiver reads: which pieces go in read frames."""
+    return piece_bytes >= READ_MIN_BYTES
+
+
+def write_plan(
+    bulk: BulkWrite, index: Mapping[str, int], row_bytes: Sequence[int], reads: bool, cuda_capable: bool
+) -> Iterator[tuple[bool, list[Frame]]]:
+    """A UCX link's write as bundles, each with whether it is a read group: read groups of a host pool's
+    pieces for a peer that `reads`, otherwise the frames of `transport.ucx_frames.framing`."""
+    if reads and bulk.source.device.type == "cpu":
+        return read_groups(plan_bundles(bulk, index, row_bytes, reads_piece, HOST_SIZES))
+    direct, sizes = framing(bulk.source.device, cuda_capable)
+    return ((False, bundle) for bundle in plan_bundles(bulk, index, row_bytes, direct, sizes))
+
+
+def read_groups(bundles: Iterable[list[Frame]]) -> Iterator[tuple[bool, list[Frame]]]:
+    """`transport.frame_plan.plan_bundles`' output with its direct frames gathered into read groups —
+    `(True, frames)`, up to `READ_GROUP_BYTES` and `MAX_BUNDLE_FRAMES` frames — and its bundles of packed
+    frames as they were, `(False, bundle)`."""
+    group: list[Frame] = []
+    size = 0
+    for bundle in bundles:
+        if bundle[0].packed:
+            yield False, bundle
+            continue
+        frame = bundle[0]
+        if group and (size + frame.length > READ_GROUP_BYTES or len(group) == MAX_BUNDLE_FRAMES):
+            yield True, group
+            group, size = [], 0
+        group.append(frame)
+        size += frame.length
+    if group:
+        yield True, group
+
+
+@final
+class Receipt:
+    """What a sender waits for after a read group (the `completed` / `check_error` of a UCX request)."""
+
+    __slots__ = ("completed", "failure", "frames")
+
+    def __init__(self, frames: int) -> None:
+        self.frames, self.completed, self.failure = frames, False, ""
+
+    def check_error(self) -> None:
+        if self.failure:
+            raise UcpFailed(self.failure)
+
+
+@final
+class Receipts:
+    """A sending link's read groups that wait for their receipts, oldest first."""
+
+    def __init__(self) -> None:
+        self._waiting: deque[Receipt] = deque()
+
+    def expect(self, frames: int) -> Receipt:
+        receipt = Receipt(frames)
+        self._waiting.append(receipt)
+        return receipt
+
+    def answered(self, frames: int) -> None:
+        """A receipt for `frames` read frames came. Raises `UcxFrameError` when it answers no group
+        waiting, or another count than the oldest group's."""
+        if not self._waiting:
+            raise UcxFrameError(f"a receipt for {frames} read frames, with no read group waiting")
+        oldest = self._waiting[0]
+        if oldest.frames != frames:
+            raise UcxFrameError(
+                f"a receipt for {frames} read frames; the oldest read group has {oldest.frames}"
+            )
+        self._waiting.popleft().completed = True
+
+    def fail_all(self, reason: str) -> None:
+        """The link closed: every group waiting ends, failed with `reason`."""
+        while self._waiting:
+            receipt = self._waiting.popleft()
+            receipt.failure = f"no receipt for a read group: {reason}"
+            receipt.completed = True
+
+
+async def read_group(
+    pid: int,
+    landing: Landing | None,
+    frames: Sequence[Descriptor],
+    names: Sequence[str],
+    check_open: Callable[[], None],
+) -> None:
+    """Read the claimed frames of a read group from process `pid` into `landing`'s storage: at most
+    `READ_SLICE_BYTES` and `IOV_MAX` pieces per call, a checkpoint between calls, `check_open()` (raises
+    once the link closed) before each. Raises `transport.cma.CmaFailed` for a read the kernel refuses
+    (the sender's memory is not where it said, or the process is gone)."""
+    if landing is None:
+        return
+    storage = landing.storage
+    calls: list[tuple[array.array[int], array.array[int], int]] = []
+    local, remote, nbytes = array.array("Q"), array.array("Q"), 0
+    for frame, name in zip(frames, names, strict=True):
+        if not landing.claim(frame.round, name, frame.segments):
+            continue
+        width = storage.row_bytes[name]
+        for here, there, length in _stretches(storage.tensors[name].data_ptr(), width, frame):
+            if nbytes and (nbytes + length > READ_SLICE_BYTES or len(local) + len(here) > 2 * IOV_MAX):
+                calls.append((local, remote, nbytes))
+                local, remote, nbytes = array.array("Q"), array.array("Q"), 0
+            local.extend(here)
+            remote.extend(there)
+            nbytes += length
+    if nbytes:
+        calls.append((local, remote, nbytes))
+    for index, (here, there, length) in enumerate(calls):
+        if index:
+            await trio.lowlevel.checkpoint()
+        check_open()
+        read(pid, here, there, length)
+
+
+def _stretches(
+    base: int, width: int, frame: Descriptor
+) -> Iterator[tuple[array.array[int], array.array[int], int]]:
+    """A read frame as `(local entries, remote entries, bytes)` of at most `READ_SLICE_BYTES` each (and
+    `MAX_SEGMENTS` entries): the whole frame when it is that small (a KV frame: up to 256 pieces of 32
+    KiB), else piece by piece (large pieces, few of them), a piece over the limit cut up."""
+    segments = frame.segments
+    if frame.length <= READ_SLICE_BYTES:
+        sources = list(zip(frame.source_rows, (rows for _row, rows in segments), strict=True))
+        here, there = (
+            stretch_entries(base, width, segments),
+            stretch_entries(frame.source_base, width, sources),
+        )
+        yield here, there, frame.length
+        return
+    step = max(1, READ_SLICE_BYTES // width)
+    for (row, rows), source in zip(segments, frame.source_rows, strict=True):
+        for offset in range(0, rows, step):
+            count = min(step, rows - offset)
+            here = array.array("Q", (base + (row + offset) * width, count * width))
+            there = array.array("Q", (frame.source_base + (source + offset) * width, count * width))
+            yield here, there, count * width
