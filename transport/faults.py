@@ -22,6 +22,8 @@ An endpoint consults its `FaultPlan` at fixed points; with the default plan ever
 
 from __future__ import annotations
 
+from typing import final
+
 import msgspec
 
 
@@ -44,3 +46,33 @@ class FaultPlan(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
 
 
 NO_FAULTS = FaultPlan()
+
+
+@final
+class WriteFaults:
+    """A sending link's `FaultPlan` as its bulk bytes go out (tcp, ucx): each fault falls due once the
+    link has written its number of bytes (`written`, which the link adds to)."""
+
+    def __init__(self, plan: FaultPlan) -> None:
+        self.plan, self.written, self._malformed_sent = plan, 0, False
+
+    def drop_due(self, length: int) -> int | None:
+        """`drop_link_after_bytes`, when writing `length` more bytes reaches it."""
+        at = self.plan.drop_link_after_bytes
+        return at if at is not None and self.written + length >= at else None
+
+    def malformed_due(self) -> bool:
+        """True once, when the garbage frame is due."""
+        at = self.plan.malformed_frame_after_bytes
+        if at is None or self._malformed_sent or self.written < at:
+            return False
+        self._malformed_sent = True
+        return True
+
+    def short_due(self) -> bool:
+        at = self.plan.short_message_after_bytes
+        return at is not None and self.written >= at
+
+    def misaddressed_due(self) -> bool:
+        at = self.plan.misaddressed_read_after_bytes
+        return at is not None and self.written >= at

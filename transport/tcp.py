@@ -37,7 +37,7 @@ from messages.peer_codec import PeerCodecError, decode_peer, encode_peer
 from messages.transfer import PeerMessage
 from transport.config import TransferConfig
 from transport.errors import LinkBroken, LinkClosed, LinkError
-from transport.faults import FaultPlan
+from transport.faults import FaultPlan, WriteFaults
 from transport.frame_plan import buffer_frames, packed_only
 from transport.link import POLL_SECONDS, BulkWrite, Link, LinkHandler, Role, keep_alive
 from transport.staging import HostChunk, HostChunks, staged_tcp_frames, unpack
@@ -95,7 +95,7 @@ class TcpLink(Link):
         self._row_bytes = [spec.bytes_per_token for spec in layout.buffers]
         self._table = memoryview(bytearray(MAX_SEGMENTS * SEGMENT.size))
         self._config = config
-        self._faults = faults
+        self._faults = WriteFaults(faults)
         self._send_lock = trio.StrictFIFOLock()
         self._scope = trio.CancelScope()
         self._scratch = memoryview(bytearray(SCRATCH_BYTES))
@@ -103,8 +103,6 @@ class TcpLink(Link):
         self._ahead_at = self._ahead_end = 0
         self._last_received, self._bytes_at = trio.current_time(), time.perf_counter()
         self._last_sent = trio.current_time()
-        self._bulk_sent = 0
-        self._malformed_sent = False
         self._read_since_yield = 0
         self._chunks = HostChunks()  # pools on a GPU go through pinned host chunks (transport.staging)
         self._staged: tuple[PoolStorage, str, list[tuple[int, int]], HostChunk] | None = None
@@ -168,18 +166,16 @@ class TcpLink(Link):
         return bulk.nbytes
 
     async def _send_bulk(self, parts: list[Buffer], payload_bytes: int) -> None:
-        drop_at = self._faults.drop_link_after_bytes
-        if drop_at is not None and self._bulk_sent + payload_bytes >= drop_at:
+        faults = self._faults
+        if (drop_at := faults.drop_due(payload_bytes)) is not None:
             await self._send_batch(parts[:1])
             error = LinkBroken(f"link {self.describe()} dropped by fault injection after {drop_at} bytes")
             self.close(error)
             raise error
-        malformed_at = self._faults.malformed_frame_after_bytes
-        if malformed_at is not None and not self._malformed_sent and self._bulk_sent >= malformed_at:
-            self._malformed_sent = True
+        if faults.malformed_due():
             parts = [b"\xde\xad" * (HEADER_BYTES // 2), *parts]
         await self._send_batch(parts)
-        self._bulk_sent += payload_bytes
+        faults.written += payload_bytes
 
     async def _send_batch(self, parts: Sequence[Buffer]) -> None:
         if self.error is not None:

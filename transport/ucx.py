@@ -35,7 +35,7 @@ from transport.cma import CmaFailed
 from transport.config import TransferConfig, UcxCopies
 from transport.device_bundles import RoundWork, bundles_on_device, gather, written
 from transport.errors import LinkBroken, LinkClosed, LinkError
-from transport.faults import FaultPlan
+from transport.faults import FaultPlan, WriteFaults
 from transport.frame_plan import Frame
 from transport.in_flight import InFlight
 from transport.link import BulkWrite, Link, LinkHandler, Role, keep_alive, more_rounds_follow
@@ -87,7 +87,7 @@ class UcxLink(Link):
         faults: FaultPlan,
     ) -> None:
         super().__init__(link_id=f"ucx-{next(_link_numbers)}", local=local, role=role, handler=handler)
-        self._worker, self._layout, self._config, self._faults = worker, layout, config, faults
+        self._worker, self._layout, self._config, self._faults = worker, layout, config, WriteFaults(faults)
         self._buffer_index = {spec.name: index for index, spec in enumerate(layout.buffers)}
         self._row_bytes = [spec.bytes_per_token for spec in layout.buffers]
         self._inbox_send, self._inbox = trio.open_memory_channel[Arrival](math.inf)
@@ -106,7 +106,7 @@ class UcxLink(Link):
         self._sends = PostedSends(self, worker, self._chunks, config.link_timeout)
         self._last_received = self._last_sent = trio.current_time()
         self._work = RoundWork()  # what a round's direct GPU pieces wait for
-        self._bulk_sent, self._malformed_sent, self._silent_close = 0, False, False
+        self._silent_close = False
 
     def attach(self, endpoint: Any, peer_number: int) -> None:
         """Talk to the far link `peer_number` (its listener, `LISTENER`, until accepted) over `endpoint`."""
@@ -196,7 +196,7 @@ class UcxLink(Link):
         sends = self._sends
         corrupt, defer = bulk.corrupt, False
         try:
-            faulty = bulk.corrupt or self._faults.short_message_after_bytes is not None
+            faulty = bulk.corrupt or self._faults.plan.short_message_after_bytes is not None
             reads = self._peer_reads and not faulty  # a fault corrupts or shortens a message, not a read
             plan = write_plan(bulk, self._buffer_index, self._row_bytes, reads, self._worker.cuda_capable)
             for is_read_group, bundle in plan:
@@ -227,12 +227,11 @@ class UcxLink(Link):
 
     def _post_reads(self, bulk: BulkWrite, frames: list[Frame]) -> tuple[list[Any], Chunk | None]:
         """A read group's descriptor, and the receipt its rows wait for."""
-        misaddressed = self._faults.misaddressed_read_after_bytes
-        wrong = misaddressed is not None and self._bulk_sent >= misaddressed  # no process maps page 0
+        wrong = self._faults.misaddressed_due()  # no process maps page 0
         bases = [0 if wrong else bulk.source.tensors[frame.name].data_ptr() for frame in frames]
         receipt = self._receipts.expect(len(frames))
         request = self._post(CONTROL, descriptor_body(frames, bulk.landing_key, bulk.round, bases))
-        self._bulk_sent += sum(frame.length for frame in frames)
+        self._faults.written += sum(frame.length for frame in frames)
         return [request, receipt], None
 
     def _post(self, kind: int, body: object, keep: object = None) -> Any:
@@ -267,23 +266,19 @@ class UcxLink(Link):
         except BaseException as exc:
             self.close(LinkBroken(f"link {self.describe()}: a frame's bytes not posted: {exc!r}"))
             raise
-        self._bulk_sent += length
+        self._faults.written += length
         return requests, chunk
 
     def _check_faults(self, length: int) -> bool:
         """The faults due before a frame of `length` bytes; True: send it short."""
-        malformed_at = self._faults.malformed_frame_after_bytes
-        if malformed_at is not None and not self._malformed_sent and self._bulk_sent >= malformed_at:
-            self._malformed_sent = True
+        if self._faults.malformed_due():
             self._post(CONTROL, b"\xde\xad" * 16)
-        drop_at = self._faults.drop_link_after_bytes
-        if drop_at is not None and self._bulk_sent + length >= drop_at:
+        if (drop_at := self._faults.drop_due(length)) is not None:
             self._silent_close = True  # torn down mid-frame: the peer hears nothing more
             error = LinkBroken(f"link {self.describe()} dropped by fault injection after {drop_at} bytes")
             self.close(error)
             raise error
-        short_at = self._faults.short_message_after_bytes
-        return short_at is not None and self._bulk_sent >= short_at
+        return self._faults.short_due()
 
     # ------------------------------------------------------------------ receiving
     async def run(self) -> None:
