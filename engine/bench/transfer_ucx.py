@@ -5,14 +5,17 @@
   over `--transport ucx`, against the raw ucxx core API moving the same number of bytes between two
   processes: one tag receive into a preallocated buffer, one tag send from another process, both
   workers busy-polled during the transfer. GB/s, higher is better; goal ratio >= 0.85.
+- `ucx_64MiB_mixed`: `ucx_64MiB` with `ucx_copies` "mixed" (UCX's own rendezvous reads the direct
+  pieces, 512 KiB a progress event; the default, "cma", reads them with a few `process_vm_readv` calls of
+  zigzag's) against the same raw ucxx message.
 - `ucx_64MiB_sender_writes`: `ucx_64MiB` with `ucx_copies` "sender" (scattered receives: the sender
   writes each piece into the receiver's rows) against the same raw ucxx message: which of the two
   protocols suits this host.
 - `ucx_64MiB_vs_iov`: that sender-writes transfer against raw UCP with the same protocol (the receive
   takes an I/O vector, so UCX has the sender write the bytes): the best this host's UCX does for these
   bytes that way, GB/s, higher is better.
-- `ucx_kv_64MiB` (not with `--quick`): the KV layout, 16-token blocks of 32 KiB per buffer (packed frames,
-  which land straight in their rows by default); `ucx_kv_64MiB_receiver_copies`: the same with `ucx_copies`
+- `ucx_kv_64MiB` (not with `--quick`): the KV layout, 16-token blocks of 32 KiB per buffer (read by the
+  receiver by default; packed frames that land straight in their rows with "mixed"); `ucx_kv_64MiB_receiver_copies`: the same with `ucx_copies`
   "receiver" (each bundle lands in a host chunk the receiver unpacks).
 - `ucx_1block_us`: one 516 KiB block (what a transfer costs beyond its bytes), µs, against a raw ucxx
   request and a reply of the same bytes; lower is better.
@@ -197,6 +200,7 @@ def ucx_rows(portal: Any, args: argparse.Namespace, repeats: int, receiver_facto
     # (layout, case, config overrides): the overridden cases are the others with another `ucx_copies`.
     cases: list[tuple[str, str, dict[str, Any]]] = [
         ("emb4096", "ucx_64MiB", {}),
+        ("emb4096", "ucx_64MiB_mixed", {"ucx_copies": "mixed"}),
         ("emb4096", "ucx_64MiB_sender_writes", {"ucx_copies": "sender"}),
     ] + (
         []
