@@ -16,7 +16,8 @@ Cases (figures and machine in docs/benchmarks.md):
   transfer, vs the least a Trio replica pair could do: a request through a memory channel, a task that
   `copy_`s the same bytes, a reply. Lower is better; it is what a transfer costs beyond its bytes.
 - `ucx_64MiB`, `ucx_kv_64MiB` (`engine.bench.transfer_ucx`): zigzag over ucx vs raw ucxx between two
-  processes (`ucx_64MiB_mixed`: with UCX's own reads; `ucx_64MiB_sender_writes`: the sender writing); `cuda_ipc_1GiB`, `cuda_ipc_1GiB_known` (one round: the receiver knows the length),
+  processes (`ucx_64MiB_mixed`: with UCX's own reads; `ucx_64MiB_sender_writes`: the sender writing);
+  `cuda_ipc_1GiB`, `cuda_ipc_1GiB_known` (one round: the receiver knows the length),
   `gpu_pool_tcp`, `gpu_pool_ucx` (`engine.bench.transfer_gpu`): GPU pools,
   skipped with a note on stderr without a CUDA device.
 

@@ -15,8 +15,9 @@
   takes an I/O vector, so UCX has the sender write the bytes): the best this host's UCX does for these
   bytes that way, GB/s, higher is better.
 - `ucx_kv_64MiB` (not with `--quick`): the KV layout, 16-token blocks of 32 KiB per buffer (read by the
-  receiver by default; packed frames that land straight in their rows with "mixed"); `ucx_kv_64MiB_receiver_copies`: the same with `ucx_copies`
-  "receiver" (each bundle lands in a host chunk the receiver unpacks).
+  receiver by default; with "mixed", packed frames that land straight in their rows);
+  `ucx_kv_64MiB_receiver_copies`: the same with `ucx_copies` "receiver" (each bundle lands in a host chunk
+  the receiver unpacks).
 - `ucx_1block_us`: one 516 KiB block (what a transfer costs beyond its bytes), µs, against a raw ucxx
   request and a reply of the same bytes; lower is better.
 - `ucx_kv_small_us`: the KV of a 512-token prompt of a small model (1 MiB: 8 buffers of 256-byte rows,
