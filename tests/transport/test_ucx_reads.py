@@ -13,17 +13,21 @@ import sys
 from collections.abc import Sequence
 
 import pytest
+import structlog
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tests.transport.harness import embedding_layout, poisoned_storage, random_storage
+from tests.transport.harness import embedding_layout, poisoned_storage, random_storage, shuffled_pool
 from transport.cma import IOV_MAX, PROBE_ADDRESS, PROBE_BYTES, CmaFailed, read, readable
+from transport.config import TransferConfig, UcxCopies
+from transport.endpoint import open_endpoint
 from transport.errors import LinkClosed
 from transport.frame_plan import plan_bundles
 from transport.link import BulkWrite
 from transport.storage import PoolStorage
 from transport.ucp_scatter import UcpFailed
+from transport.ucx_connect import _reads
 from transport.ucx_frames import UcxFrameError, descriptor_body, parse_descriptors
 from transport.ucx_reads import READ_SLICE_BYTES, Receipts, read_group, read_groups, reads_piece
 
@@ -195,3 +199,27 @@ async def test_a_group_larger_than_a_slice_is_read_in_slices_and_stops_once_the_
     assert torch.equal(_bytes(target.flat("embeds")[4:8]), _bytes(source.flat("embeds")[8:12]))
     poisoned = poisoned_storage(layout, 4).flat("embeds")
     assert torch.equal(_bytes(target.flat("embeds")[12:16]), _bytes(poisoned[12:16]))
+
+
+@pytest.mark.parametrize("copies", ["cma", "mixed"])
+async def test_a_receiver_reads_the_sender_only_when_told_to_and_the_probe_reads_back(
+    copies: UcxCopies,
+) -> None:
+    """`ucx_copies` "cma" and a probe that reads back: the receiver reads. A probe that does not (here:
+    an address no process maps) is logged with the kernel's reason (the link then works as "mixed":
+    `UcxLink.accepted`)."""
+    storage, pool = random_storage(LAYOUT, 4, seed=9), shuffled_pool(4, 16, seed=9)
+    async with open_endpoint("receiver", storage, pool, config=TransferConfig(ucx_copies=copies)) as endpoint:
+        with structlog.testing.capture_logs() as logs:
+            assert _reads(endpoint, os.getpid(), PROBE_ADDRESS) is (copies == "cma")
+            assert not _reads(endpoint, os.getpid(), 16)
+    expected = [
+        {
+            "event": "transfer.ucx_cma_refused",
+            "endpoint": "receiver",
+            "pid": os.getpid(),
+            "reason": f"reading process {os.getpid()}'s memory: EFAULT: Bad address",
+            "log_level": "info",
+        }
+    ]
+    assert logs == (expected if copies == "cma" else [])
