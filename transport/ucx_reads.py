@@ -62,13 +62,16 @@ def write_plan(
 
 def read_groups(bundles: Iterable[list[Frame]]) -> Iterator[tuple[bool, list[Frame]]]:
     """`transport.frame_plan.plan_bundles`' output with its direct frames gathered into read groups —
-    `(True, frames)`, up to `READ_GROUP_BYTES` and `MAX_BUNDLE_FRAMES` frames — and its bundles of packed
-    frames as they were, `(False, bundle)`."""
+    `(True, frames)`, up to `READ_GROUP_BYTES` and `MAX_BUNDLE_FRAMES` frames — ahead of its bundles of
+    packed frames, `(False, bundle)`, as they were: the receiver starts reading before it posts the
+    bundles' receives (`ucx_1block_us` 411–421 µs against 417–446 with the bundle first: three
+    alternating pairs, within this VM's spread)."""
     group: list[Frame] = []
+    packed: list[list[Frame]] = []
     size = 0
     for bundle in bundles:
         if bundle[0].packed:
-            yield False, bundle
+            packed.append(bundle)
             continue
         frame = bundle[0]
         if group and (size + frame.length > READ_GROUP_BYTES or len(group) == MAX_BUNDLE_FRAMES):
@@ -78,6 +81,8 @@ def read_groups(bundles: Iterable[list[Frame]]) -> Iterator[tuple[bool, list[Fra
         size += frame.length
     if group:
         yield True, group
+    for bundle in packed:
+        yield False, bundle
 
 
 @final

@@ -91,7 +91,7 @@ def test_read_groups_hold_each_direct_frame_once_and_parse_back_with_their_sourc
     seed: int, count: int, row_bytes: list[int]
 ) -> None:
     """A reading peer's plan: the direct frames gathered in groups within `READ_GROUP_BYTES` and
-    `MAX_BUNDLE_FRAMES`, in order, bundles as they were; a group's descriptor parses back to its frames
+    `MAX_BUNDLE_FRAMES`, in order, then the bundles as they were; a group's descriptor parses back to its frames
     with the sender's base address and source rows."""
     bulk = bulk_write(seed, count, 0, 0)
     index = {name: place for place, name in enumerate(bulk.buffers)}
@@ -100,6 +100,8 @@ def test_read_groups_hold_each_direct_frame_once_and_parse_back_with_their_sourc
     assert [bundle for reads, bundle in groups if not reads] == [b for b in bundles if b[0].packed]
     direct = [bundle[0] for bundle in bundles if not bundle[0].packed]
     assert [frame for reads, group in groups if reads for frame in group] == direct
+    kinds = [reads for reads, _group in groups]
+    assert kinds == sorted(kinds, reverse=True)  # every read group ahead of every bundle
     for reads, group in groups:
         if not reads:
             continue
