@@ -4,7 +4,8 @@ When both ends of a UCX link run on one host, the receiver's pool is in host mem
 `TransferConfig.ucx_copies` is `"cma"`, the receiver checks at connect time that it may read the sender's
 memory (`transport.cma.readable`) and tells the sender so (a `reads` body, `transport.ucx_frames`). From
 then on the sender describes every piece of its host pool of at least `READ_MIN_BYTES` in *read frames*,
-grouped per round (`read_groups`), and sends no bytes for them; smaller rows still travel packed.
+grouped per round (`read_groups`), and sends no bytes for them; smaller rows still travel in bundles
+of packed frames, after the round's read groups.
 
 - The receiver (`read_group`) claims each frame's rows, reads the claimed ones with `process_vm_readv`,
   several frames and scattered pieces per call, at most `READ_SLICE_BYTES` at a time (other tasks run
