@@ -12,17 +12,18 @@ says what it is.
        were read or skipped; the sender's rows are its own again
     G  goodbye: the far end closed the link; UTF-8 reason
 
-Bulk descriptor: one or more frame descriptors back to back, each `B` | flavour u8 (1 direct, 2 packed) |
-buffer u16 | round u32 | landing_key u64 | length u64 | segments u32, then `segments` × (dst_row u64,
-rows u64), little-endian; a *read* frame (flavour 3) has the sender's address of the buffer's row 0
-(u64) between header and table, and `segments` × src_row (u64) after it: the receiver reads the rows. A *direct* frame comes alone, its bytes following as one bulk message per
-segment, in order, each straight from the sender's block memory. Packed frames come in bundles
-(`transport.frame_plan.bundle_frames`: one round, at most `MAX_PACKED_BYTES`), whose bytes follow as one
-message: each frame's segments back to back, each frame from a 16-byte aligned offset (`bundle_starts`;
-the gaps are zeros). UCX matches messages of one tag in the
-order they were sent, so the receiver, reading descriptors in order, posts each receive where its bytes
-belong. Read frames come in groups of one round (`READ_GROUP_BYTES`), with no bulk message: the
-receiver reads them, then answers with a receipt. A body that breaks these rules is a malformed frame: the reader closes the link.
+Bulk descriptor: one or more frame descriptors back to back, each `B` | flavour u8 (1 direct, 2 packed,
+3 read) | buffer u16 | round u32 | landing_key u64 | length u64 | segments u32, then `segments` ×
+(dst_row u64, rows u64), little-endian; a *read* frame has the sender's address of the buffer's row 0
+(u64) between header and table, and `segments` × src_row (u64) after it. A *direct* frame comes alone,
+its bytes following as one bulk message per segment, in order, each straight from the sender's block
+memory. Packed frames come in bundles (`transport.frame_plan.bundle_frames`: one round, at most
+`MAX_PACKED_BYTES`), whose bytes follow as one message: each frame's segments back to back, each frame
+from a 16-byte aligned offset (`bundle_starts`; the gaps are zeros). UCX matches messages of one tag in
+the order they were sent, so the receiver, reading descriptors in order, posts each receive where its
+bytes belong. Read frames come in groups of one round (up to `READ_GROUP_BYTES`) with no bulk message:
+the receiver reads the rows itself, then answers with a receipt. A body that breaks these rules is a
+malformed frame: the reader closes the link.
 """
 
 from __future__ import annotations
