@@ -129,6 +129,14 @@ class TransferConfig(Section, frozen=True, kw_only=True):
             "waits for the sender process; sender: the sender writes big pieces too (docs/transports.md)"
         ),
     ] = "cma"
+    ucx_read_lanes: Annotated[
+        int,
+        msgspec.Meta(ge=1, le=64),
+        _doc(
+            "ucx with cma: threads that read one large piece of a transfer together (the receiver's own "
+            "and the rest from a thread pool); 1 reads on the receiver's thread alone"
+        ),
+    ] = 2
 
     def __post_init__(self) -> None:
         if self.heartbeat_interval >= self.progress_timeout:

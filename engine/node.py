@@ -61,6 +61,7 @@ def replica_settings(config: NodeConfig, host: ModelHost) -> ReplicaSettings:
         "heartbeat_interval": transfer.heartbeat_interval,
         "link_timeout": max(5.0, 5 * transfer.heartbeat_interval),
         "ucx_copies": transfer.ucx_copies,
+        "ucx_read_lanes": transfer.ucx_read_lanes,
     }
     return ReplicaSettings(
         kv_block_size=config.kv.block_size,

@@ -44,6 +44,8 @@ class TransferConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
       `"receiver"`: as "mixed", but those bundles land in a host chunk the receiver unpacks, so no block
       ever waits for the sender process; `"sender"`: the sender writes the direct pieces into the rows
       as well (scattered receives), off the receiver's thread.
+    - `ucx_read_lanes`: with `"cma"`, how many threads read a large call together (the receiver's own
+      and `ucx_read_lanes - 1` of Trio's thread cache; `transport.cma.read`). 1: the receiver's only.
     """
 
     default_grant_blocks: Positive = 8
@@ -59,6 +61,7 @@ class TransferConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     checksums: bool = False
     inproc_thread_bytes: Positive = 4 * 1024 * 1024
     ucx_copies: UcxCopies = "cma"
+    ucx_read_lanes: Annotated[int, msgspec.Meta(ge=1, le=64)] = 2
 
     def __post_init__(self) -> None:
         if self.link_timeout <= self.heartbeat_interval:

@@ -229,9 +229,10 @@ class UcxLink(Link):
         """A read group's descriptor, and the receipt its rows wait for."""
         wrong = self._faults.misaddressed_due()  # no process maps page 0
         bases = [0 if wrong else bulk.source.tensors[frame.name].data_ptr() for frame in frames]
-        receipt = self._receipts.expect(len(frames))
+        nbytes = sum(frame.length for frame in frames)
+        receipt = self._receipts.expect(len(frames), nbytes)
         request = self._post(CONTROL, descriptor_body(frames, bulk.landing_key, bulk.round, bases))
-        self._faults.written += sum(frame.length for frame in frames)
+        self._faults.written += nbytes
         return [request, receipt], None
 
     def _post(self, kind: int, body: object, keep: object = None) -> Any:
@@ -348,7 +349,8 @@ class UcxLink(Link):
         if first.read:
             if self._reads_from is None:
                 raise UcxFrameError("read frames to a receiver that does not read")
-            await read_group(self._reads_from, landing, frames, names, self._ensure_open)
+            lanes = self._config.ucx_read_lanes
+            await read_group(self._reads_from, landing, frames, names, self._ensure_open, lanes=lanes)
             self._post(CONTROL, receipt_body(len(frames)))
             return
         claims = [

@@ -43,6 +43,9 @@ from transport.ucx_landing import stretch_entries
 READ_MIN_BYTES: Final = 16 * 1024
 # The most bytes one `process_vm_readv` copies: about 1.3 ms here, so other tasks wait no longer.
 READ_SLICE_BYTES: Final = 16 * 1024 * 1024
+# A group this large takes its reader longer than the worker's poll window (`transport.link.POLL_SECONDS`,
+# 0.5 ms) even at 16 GB/s: its sender waits for the receipt without polling.
+PATIENT_BYTES: Final = 8 * 1024 * 1024
 
 
 def reads_piece(piece_bytes: int) -> bool:
@@ -88,12 +91,15 @@ def read_groups(bundles: Iterable[list[Frame]]) -> Iterator[tuple[bool, list[Fra
 
 @final
 class Receipt:
-    """What a sender waits for after a read group (the `completed` / `check_error` of a UCX request)."""
+    """What a sender waits for after a read group (the `completed` / `check_error` of a UCX request).
+    `patient`: the group is large enough (`PATIENT_BYTES`) that its receipt cannot come within the
+    worker's poll window, so the sender need not poll for it (`UcxWorker.wait`)."""
 
-    __slots__ = ("completed", "failure", "frames")
+    __slots__ = ("completed", "failure", "frames", "patient")
 
-    def __init__(self, frames: int) -> None:
+    def __init__(self, frames: int, nbytes: int) -> None:
         self.frames, self.completed, self.failure = frames, False, ""
+        self.patient = nbytes >= PATIENT_BYTES
 
     def check_error(self) -> None:
         if self.failure:
@@ -107,8 +113,8 @@ class Receipts:
     def __init__(self) -> None:
         self._waiting: deque[Receipt] = deque()
 
-    def expect(self, frames: int) -> Receipt:
-        receipt = Receipt(frames)
+    def expect(self, frames: int, nbytes: int) -> Receipt:
+        receipt = Receipt(frames, nbytes)
         self._waiting.append(receipt)
         return receipt
 
@@ -138,10 +144,13 @@ async def read_group(
     frames: Sequence[Descriptor],
     names: Sequence[str],
     check_open: Callable[[], None],
+    *,
+    lanes: int = 1,
 ) -> None:
     """Read the claimed frames of a read group from process `pid` into `landing`'s storage: at most
-    `READ_SLICE_BYTES` and `IOV_MAX` pieces per call, a checkpoint between calls, `check_open()` (raises
-    once the link closed) before each. Raises `transport.cma.CmaFailed` for a read the kernel refuses
+    `READ_SLICE_BYTES` and `IOV_MAX` pieces per call, each call on up to `lanes` threads
+    (`transport.cma.read`), a checkpoint between calls, `check_open()` (raises once the link closed)
+    before each. Raises `transport.cma.CmaFailed` for a read the kernel refuses
     (the sender's memory is not where it said, or the process is gone)."""
     if landing is None:
         return
@@ -165,7 +174,7 @@ async def read_group(
         if index:
             await trio.lowlevel.checkpoint()
         check_open()
-        read(pid, here, there, length)
+        read(pid, here, there, length, lanes=lanes)
 
 
 def _stretches(

@@ -1,4 +1,5 @@
-"""What a UCX worker has posted and not yet seen complete (issue 7): `transport.ucx_worker`'s book.
+"""What a UCX worker has posted and not yet seen complete, and who waits for it (issue 7): the book and
+the waiters of `transport.ucx_worker`.
 
 Invariant: a request stays here, with what it reads or writes (its buffer, or what owns the memory an
 I/O vector points into), until it is seen completed — UCX may touch that memory until then — and a
@@ -11,6 +12,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from typing import Any, Final, final
+
+import trio
 
 FIRST_PRUNE: Final = 64
 # Requests that never completed before their worker went away, with their memory: UCX may still touch
@@ -34,6 +37,10 @@ class RequestBook:
             self.tracked = [entry for entry in self.tracked if not entry[0].completed]
             self._prune_at = max(FIRST_PRUNE, 2 * len(self.tracked))
 
+    def pending(self) -> bool:
+        """Whether a tracked request has not completed yet."""
+        return any(not request.completed for request, _keep in self.tracked)
+
     def add(self, endpoint: Any, requests: Sequence[Any], keep: object) -> None:
         """Track `requests` (posted straight through UCP, on `endpoint`), listed for `cancel`."""
         listed = self._by_endpoint.setdefault(endpoint, [])
@@ -53,3 +60,19 @@ class RequestBook:
         """Every tracked entry, no longer tracked here (the worker's teardown waits for them)."""
         tracked, self.tracked = self.tracked, []
         return tracked
+
+
+@final
+class Waiter:
+    """A task waiting for `requests` to complete, in order: the progress loop `advance`s it and sets
+    `done` once all have."""
+
+    __slots__ = ("done", "index", "requests")
+
+    def __init__(self, requests: list[Any]) -> None:
+        self.requests, self.index, self.done = requests, 0, trio.Event()
+
+    def advance(self) -> bool:
+        while self.index < len(self.requests) and self.requests[self.index].completed:
+            self.index += 1
+        return self.index == len(self.requests)

@@ -22,6 +22,7 @@ from transport.errors import LinkBroken
 from transport.staging import HostChunk, HostChunks
 from transport.ucx_library import UcxFailed
 from transport.ucx_payloads import Chunk
+from transport.ucx_reads import Receipt
 from transport.ucx_worker import UcxWorker
 
 if TYPE_CHECKING:
@@ -77,7 +78,9 @@ class PostedSends:
                 if request.completed or link.error is not None:
                     continue
                 with trio.move_on_after(self._timeout) as scope:
-                    await self._worker.wait([request], check=False)
+                    await self._worker.wait(
+                        [request], check=False, patient=isinstance(request, Receipt) and request.patient
+                    )
                 if scope.cancelled_caught:
                     link.close(LinkBroken(f"link {link.describe()}: peer took nothing for {self._timeout} s"))
 

@@ -9,7 +9,10 @@ the worker itself, as `../shared/tools/ucxx_trio_sketch.py` measured:
   and wait on the fd with `trio.lowlevel.wait_readable` (`SAFETY_POLL` at most: UCX's own timers);
 - a task that posts a request and awaits it (`wait`) registers a waiter; the loop sets its event once the
   requests completed. Posting kicks the loop out of its fd wait: a message already queued inside UCX needs
-  a progress call, not an fd event;
+  a progress call, not an fd event. After activity the loop polls for `POLL_SECONDS` before it sleeps,
+  unless a waiter is *patient* (a sender waiting for a read group's receipt, which comes only after
+  the peer's milliseconds of reading) and no UCX request is in flight: polling would only take a core
+  from the peer then;
 - host memory goes straight through UCP (`transport.ucp_scatter`): I/O vectors (ucxx has none), bulk
   receives (a short message fails one; ucxx's does not say) and sends (ucxx's request costs more than
   the send); `transport.ucx_requests` keeps each request's memory alive until it completed;
@@ -44,7 +47,7 @@ import trio
 from transport.link import POLL_SECONDS
 from transport.ucp_scatter import ContiguousReceive, ContiguousSend, GatheredSend, ScatteredReceive, UcpFailed
 from transport.ucx_library import UcxFailed, cuda_transports_allowed, libucxx, ucx_context
-from transport.ucx_requests import ABANDONED, RequestBook
+from transport.ucx_requests import ABANDONED, RequestBook, Waiter
 
 _Posted = TypeVar("_Posted", ScatteredReceive, GatheredSend, ContiguousSend)
 
@@ -81,19 +84,6 @@ class Arrival:
 
 
 @final
-class _Waiter:
-    __slots__ = ("done", "index", "requests")
-
-    def __init__(self, requests: list[Any]) -> None:
-        self.requests, self.index, self.done = requests, 0, trio.Event()
-
-    def advance(self) -> bool:
-        while self.index < len(self.requests) and self.requests[self.index].completed:
-            self.index += 1
-        return self.index == len(self.requests)
-
-
-@final
 class UcxWorker:
     """One ucxx worker, its progress task and its endpoints (see the module docstring)."""
 
@@ -119,11 +109,12 @@ class UcxWorker:
         self._inboxes: dict[int, Callable[[Arrival], None]] = {}
         self._unlinked = trio.Event()  # set when the last link unregisters (only awaited at teardown)
         self._numbers = itertools.count(LISTENER + 1)
-        self._waiters: set[_Waiter] = set()
+        self._waiters: set[Waiter] = set()
         self._book = RequestBook()
         self._endpoints: set[Any] = set()
         self._sleep: trio.CancelScope | None = None
         self._kicked = False
+        self._patient = 0  # waits that want no polling (see the module docstring)
         self._running = False
         self._draining: dict[int, float] = {}  # closed link number → until when its bulk tag is drained
         self._drain_at = 0.0
@@ -256,12 +247,13 @@ class UcxWorker:
         self.kick()
         return request
 
-    async def wait(self, requests: Sequence[Any], *, check: bool = True) -> None:
-        """Until every request completed; with `check`, raises `UcxFailed` for the first that failed.
-        Cancellable: the requests stay posted and tracked."""
-        waiter = _Waiter(list(requests))
+    async def wait(self, requests: Sequence[Any], *, check: bool = True, patient: bool = False) -> None:
+        """Until every request completed; with `check`, raises `UcxFailed` for the first that failed;
+        `patient`: no polling while this waits. Cancellable: the requests stay posted and tracked."""
+        waiter = Waiter(list(requests))
         if not waiter.advance():
             self._waiters.add(waiter)
+            self._patient += patient
             self.kick()
             try:
                 if self._running:
@@ -272,6 +264,7 @@ class UcxWorker:
                         await trio.sleep(0.001)
             finally:
                 self._waiters.discard(waiter)
+                self._patient -= patient
         for request in requests:
             if not request.completed:
                 raise UcxFailed(f"UCX worker {self.name!r} stopped with the request pending")
@@ -303,7 +296,7 @@ class UcxWorker:
                     self._kicked = False
                     active = time.perf_counter()
                     await trio.lowlevel.checkpoint()
-                elif time.perf_counter() - active < POLL_SECONDS:
+                elif time.perf_counter() - active < POLL_SECONDS and not self._resting():
                     await trio.lowlevel.checkpoint()  # more is likely on its way: poll, do not arm yet
                 elif self._worker.arm():
                     with trio.move_on_after(SAFETY_POLL) as scope:
@@ -317,6 +310,9 @@ class UcxWorker:
             self._sleep = None
             with trio.CancelScope(shield=True):
                 await self._teardown()
+
+    def _resting(self) -> bool:
+        return bool(self._patient) and not self._book.pending()
 
     def _progress(self) -> bool:
         """One round of UCX progress — transport events (e.g. rendezvous copies) until none is ready, a

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import array
 import ctypes
+import itertools
 import os
 import random
 import subprocess
@@ -19,7 +20,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests.transport.harness import embedding_layout, poisoned_storage, random_storage, shuffled_pool
-from transport.cma import IOV_MAX, PROBE_ADDRESS, PROBE_BYTES, CmaFailed, read, readable
+from transport.cma import IOV_MAX, LANE_MIN_BYTES, PROBE_ADDRESS, PROBE_BYTES, CmaFailed, read, readable
 from transport.config import TransferConfig, UcxCopies
 from transport.endpoint import open_endpoint
 from transport.errors import LinkClosed
@@ -61,6 +62,50 @@ def test_a_read_lands_scattered_pieces_in_order() -> None:
     assert landed.raw == b"".join(source[start : start + length] for start, length in cuts)
 
 
+def _cuts(data: st.DataObject, total: int, pieces: int) -> list[tuple[int, int]]:
+    """`total` bytes cut into at most `pieces` ranges `(start, length)`, in order."""
+    bounds = sorted(data.draw(st.sets(st.integers(1, total - 1), max_size=pieces - 1)))
+    edges = [0, *bounds, total]
+    return [(start, end - start) for start, end in itertools.pairwise(edges)]
+
+
+@settings(max_examples=20, deadline=None)
+@given(data=st.data(), lanes=st.integers(1, 5), extra=st.integers(0, 3 * LANE_MIN_BYTES))
+def test_a_read_on_several_lanes_lands_exactly_what_one_lane_would(
+    data: st.DataObject, lanes: int, extra: int
+) -> None:
+    """Both vectors cut anywhere (a lane's share may begin or end inside a piece on either side), the
+    source pieces read in shuffled order: every byte lands where one lane would put it."""
+    total = 2 * LANE_MIN_BYTES + extra
+    source = random.Random(extra).randbytes(total)
+    held = ctypes.create_string_buffer(source, total)
+    landed = ctypes.create_string_buffer(total)
+    pieces = _cuts(data, total, 40)
+    order = data.draw(st.permutations(range(len(pieces))))
+    remote = _vector([(ctypes.addressof(held) + pieces[i][0], pieces[i][1]) for i in order])
+    local = _vector([(ctypes.addressof(landed) + start, length) for start, length in _cuts(data, total, 40)])
+    read(os.getpid(), local, remote, total, lanes=lanes)
+    assert landed.raw == b"".join(source[pieces[i][0] : pieces[i][0] + pieces[i][1]] for i in order)
+
+
+def test_a_lane_that_fails_fails_the_read_and_every_failure_is_reported() -> None:
+    """The second half of the source is unmapped: the lane reading it fails (on a pool thread), and the
+    caller's read raises its error once every lane is done; with both halves unmapped, the first
+    half's error is raised and the second's is in its notes."""
+    size = 2 * LANE_MIN_BYTES
+    held, landed = ctypes.create_string_buffer(size), ctypes.create_string_buffer(2 * size)
+    local = _vector([(ctypes.addressof(landed), 2 * size)])
+    pid = os.getpid()
+    efault = f"reading process {pid}'s memory: EFAULT: Bad address"
+    with pytest.raises(CmaFailed, match=rf"^{efault}$") as raised:
+        read(pid, local, _vector([(ctypes.addressof(held), size), (16, size)]), 2 * size, lanes=2)
+    assert not getattr(raised.value, "__notes__", None)
+    both = rf"^{efault}\nanother part of the same read: {efault}$"  # pytest matches the notes too
+    with pytest.raises(CmaFailed, match=both) as raised:
+        read(pid, local, _vector([(16, size), (16, size)]), 2 * size, lanes=2)
+    assert raised.value.__notes__ == [f"another part of the same read: {efault}"]
+
+
 def test_refused_reads_name_the_process_and_the_kernels_reason() -> None:
     landed = ctypes.create_string_buffer(64)
     local = _vector([(ctypes.addressof(landed), 64)])
@@ -92,7 +137,7 @@ def test_receipts_answer_read_groups_oldest_first_and_fail_when_the_link_closes(
     receipts = Receipts()
     with pytest.raises(UcxFrameError, match=r"^a receipt for 2 read frames, with no read group waiting$"):
         receipts.answered(2)
-    first, second, third = receipts.expect(2), receipts.expect(1), receipts.expect(3)
+    first, second, third = receipts.expect(2, 64), receipts.expect(1, 32), receipts.expect(3, 96)
     with pytest.raises(UcxFrameError, match=r"^a receipt for 1 read frames; the oldest read group has 2$"):
         receipts.answered(1)
     receipts.answered(2)

@@ -4,10 +4,13 @@ file descriptor."""
 
 from __future__ import annotations
 
+from functools import partial
+
 import pytest
 import trio
 
 from tests.transport.harness import two_workers
+from transport.ucx_reads import PATIENT_BYTES, Receipt
 from transport.ucx_worker import BULK, tag
 
 pytestmark = pytest.mark.usefixtures("ucx_env")
@@ -39,3 +42,27 @@ async def test_bulk_messages_for_a_live_link_wait_for_its_receives() -> None:
             await receiver.wait([receiver.receive(to_sender, tag(number, BULK), landed)])
             await sender.wait([send])
         assert landed == bytes(range(256)) * 4096
+
+
+async def test_a_patient_wait_rests_the_progress_loop_only_while_no_request_is_in_flight() -> None:
+    """A sender waiting for a large read group's receipt does not poll (`UcxWorker.wait(patient=True)`),
+    unless a UCX request of its own is still in flight; once the wait ends, polling is as before."""
+    assert Receipt(1, PATIENT_BYTES).patient and not Receipt(1, PATIENT_BYTES - 1).patient
+    async with two_workers() as (sender, to_receiver, receiver, to_sender):
+        receipt = Receipt(1, PATIENT_BYTES)
+        assert not sender._resting()
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(partial(sender.wait, [receipt], check=False, patient=True))
+            await trio.sleep(0.05)
+            assert sender._resting()
+            number = receiver.register(lambda _arrival: None)
+            send = sender.send(to_receiver, tag(number, BULK), bytes(1 << 20))  # rendezvous: until received
+            assert not sender._resting()
+            landed = bytearray(1 << 20)
+            with trio.fail_after(5):
+                await receiver.wait([receiver.receive(to_sender, tag(number, BULK), landed)])
+                await sender.wait([send])
+            assert sender._resting()
+            receipt.completed = True
+            sender.kick()  # as the link does once the receipt came
+        assert not sender._resting()
