@@ -8,9 +8,9 @@ frame's scattered pieces in one call (`transport.ucx_reads`). On the 2-vCPU VM o
 in 5.7 ms; as 2 048 pieces of 32 KiB, in 8.0 ms.
 
 One thread does not reach the memory's bandwidth: the kernel pins each source page and copies it on the
-calling thread. `read` with `lanes` > 1 cuts a large call into that many parts of equal bytes and reads
-all but the first on threads of Trio's thread cache while the caller reads the first; 64 MiB of 2 MiB
-pieces in 3.1–5.0 ms on two threads against 5.8–6.8 ms on one (the same VM, docs/benchmarks.md).
+calling thread. `read` with `lanes` > 1 cuts a large call into chunks that the caller and threads of
+Trio's thread cache claim one at a time; 64 MiB of 2 MiB pieces in 3.1–5.0 ms on two threads against
+5.8–6.8 ms on one (the same VM, docs/benchmarks.md).
 
 The kernel allows the call where `ptrace` would be allowed (same user, and Yama's `ptrace_scope`), so a
 receiver first reads a probe the sender names (`PROBE`, `readable`) and falls back to UCX if that fails.
@@ -25,16 +25,15 @@ import errno
 import itertools
 import os
 import threading
-from functools import partial
 from typing import Any, Final, final
 
 import outcome
 import trio
 
 IOV_MAX: Final = 1024  # the most entries of one I/O vector that Linux takes in one call
-# A lane's share of a call below this is read on the caller's thread: handing it to another thread
-# (20–60 µs) would cost more than the copy saves.
-LANE_MIN_BYTES: Final = 1024 * 1024
+# What a lane claims at a time when several read one call (`read`): about 0.1 ms of copying, so a lane
+# never waits long for another's last chunk; a call smaller than two is read on the caller's thread.
+CHUNK_BYTES: Final = 1024 * 1024
 # What a sender exposes for the receiver's probe read, at an address it sends in its UCX accept body.
 PROBE_BYTES: Final = b"zigzag cma probe"
 _PROBE: Final = ctypes.create_string_buffer(PROBE_BYTES, len(PROBE_BYTES))
@@ -70,59 +69,108 @@ def read(pid: int, local: array.array[int], remote: array.array[int], nbytes: in
     """Copy `nbytes` from process `pid`'s memory at I/O vector `remote` into this process's `local`.
 
     Both vectors are flat `Q` arrays of `(address, length)` pairs (`transport.ucp_scatter.io_vector`), each
-    adding up to `nbytes`, at most `IOV_MAX` entries each. With `lanes` > 1 and at least `LANE_MIN_BYTES`
-    a lane, the call is cut into `lanes` parts of equal bytes, read at once on this thread and
-    `lanes - 1` threads of Trio's cache. Blocks this thread until every part is read (about 0.1 ms per
-    MiB on one lane): no part outlives the call, so the caller owns `local` again when it returns, even
-    when it raises. Raises `CmaFailed` for any error or a short read (the first part's that failed; the
-    others' as notes): the data in `local` is then undefined."""
+    adding up to `nbytes`, at most `IOV_MAX` entries each. With `lanes` > 1 and at least two
+    `CHUNK_BYTES`, the call is cut into chunks that this thread and `lanes - 1` threads of Trio's cache
+    read, each claiming the next chunk when it is free (`_SharedRead`). Blocks this thread until every
+    chunk is read (about 0.1 ms per MiB on one lane): no read outlives the call, so the caller owns
+    `local` again when it returns, even when it raises. Raises `CmaFailed` for any error or a short read
+    (the first chunk's that failed; other reasons as notes): the data in `local` is then undefined."""
     if _process_vm_readv is None:
         raise CmaFailed("process_vm_readv is not available on this system")
     entries_local, entries_remote = len(local) // 2, len(remote) // 2
     if entries_local > IOV_MAX or entries_remote > IOV_MAX:
         raise ValueError(f"I/O vectors of {entries_local} and {entries_remote} entries; at most {IOV_MAX}")
-    lanes = max(1, min(lanes, nbytes // LANE_MIN_BYTES))
-    if lanes == 1:
+    if lanes == 1 or nbytes < 2 * CHUNK_BYTES:
         _read_part(pid, local, remote, nbytes)
         return
-    cuts = [nbytes * part // lanes for part in range(lanes + 1)]
-    parts = [
-        (_cut(local, start, end), _cut(remote, start, end), end - start)
-        for start, end in itertools.pairwise(cuts)
-    ]
-    outcomes: list[outcome.Outcome[None] | None] = [None] * lanes
-    finished = threading.Semaphore(0)
-    for index in range(1, lanes):
-        trio.lowlevel.start_thread_soon(
-            partial(_read_part, pid, *parts[index]),
-            partial(_deliver, outcomes, index, finished),
-            name="zigzag cma read",
-        )
-    outcomes[0] = outcome.capture(_read_part, pid, *parts[0])
-    for _ in range(1, lanes):
-        finished.acquire()
-    failures = [result.error for result in outcomes if isinstance(result, outcome.Error)]
-    if failures:
-        first = failures[0]
-        for other in failures[1:]:
-            first.add_note(f"another part of the same read: {other}")
-        raise first
+    cuts = [*range(0, nbytes, CHUNK_BYTES), nbytes]
+    local_ends, remote_ends = _ends(local), _ends(remote)
+    shared = _SharedRead(
+        pid,
+        [
+            (_cut(local, local_ends, start, end), _cut(remote, remote_ends, start, end), end - start)
+            for start, end in itertools.pairwise(cuts)
+        ],
+    )
+    for _ in range(min(lanes, len(cuts) - 1) - 1):
+        trio.lowlevel.start_thread_soon(shared.lane, _report, name="zigzag cma read")
+    shared.run()
 
 
-def _deliver(
-    outcomes: list[outcome.Outcome[None] | None],
-    index: int,
-    finished: threading.Semaphore,
-    result: outcome.Outcome[None],
-) -> None:
-    """A lane's thread: its part's outcome, then the caller's wake-up."""
-    outcomes[index] = result
-    finished.release()
+@final
+class _SharedRead:
+    """One `read` on several lanes. Chunks are claimed one at a time by whichever lane is free, so a lane
+    whose thread starts late (its core busy) reads fewer of them instead of holding the read up. The
+    caller is a lane too; once no chunk is left it waits only for chunks other lanes are reading at that
+    moment: a thread that starts later finds the read closed and touches no memory.
+
+    Invariant: after `run` returns or raises, no lane reads into the caller's memory."""
+
+    def __init__(self, pid: int, chunks: list[tuple[array.array[int], array.array[int], int]]) -> None:
+        self._pid, self._chunks, self._next = pid, chunks, 0
+        self._lock = threading.Lock()  # guards everything below
+        self._reading = 0  # other lanes inside `lane`
+        self._closed = False
+        self._failures: list[tuple[int, BaseException]] = []
+        self._idle = threading.Event()
+
+    def lane(self) -> None:
+        """Another thread's lane."""
+        with self._lock:
+            if self._closed:
+                return
+            self._reading += 1
+        result = outcome.capture(self._drain)
+        with self._lock:
+            if isinstance(result, outcome.Error):  # not a refused read (`_drain` keeps those): a defect
+                self._failures.append((len(self._chunks), result.error))
+            self._reading -= 1
+            if self._closed and not self._reading:
+                self._idle.set()
+
+    def run(self) -> None:
+        """The caller's lane, then the wait for the others; raises the first failed chunk's error."""
+        self._drain()
+        with self._lock:
+            self._closed = True
+            others = self._reading
+        if others:
+            self._idle.wait()
+        if self._failures:
+            failures = [error for _index, error in sorted(self._failures, key=lambda failure: failure[0])]
+            first, seen = failures[0], {str(failures[0])}
+            for other in failures[1:]:  # chunks read at once often fail alike: each reason once
+                if str(other) not in seen:
+                    seen.add(str(other))
+                    first.add_note(f"another chunk of the same read: {other}")
+            raise first
+
+    def _drain(self) -> None:
+        """Read chunks until none is left (or one failed: the others are not started)."""
+        while True:
+            with self._lock:
+                if self._failures or self._next == len(self._chunks):
+                    return
+                index, self._next = self._next, self._next + 1
+            try:
+                _read_part(self._pid, *self._chunks[index])
+            except CmaFailed as exc:  # handed to the caller's thread, which raises it
+                with self._lock:
+                    self._failures.append((index, exc))
 
 
-def _cut(vector: array.array[int], start: int, end: int) -> array.array[int]:
-    """The entries of I/O vector `vector` that cover its bytes `[start, end)`, the end ones trimmed."""
-    ends = list(itertools.accumulate(vector[1::2]))
+def _report(result: outcome.Outcome[None]) -> None:
+    result.unwrap()  # `lane` raises nothing: it hands every error to the caller
+
+
+def _ends(vector: array.array[int]) -> list[int]:
+    """Where each entry of I/O vector `vector` ends, in bytes from its start."""
+    return list(itertools.accumulate(vector[1::2]))
+
+
+def _cut(vector: array.array[int], ends: list[int], start: int, end: int) -> array.array[int]:
+    """The entries of I/O vector `vector` (`ends`: `_ends(vector)`) that cover its bytes `[start, end)`,
+    the end ones trimmed."""
     first = bisect.bisect_right(ends, start)
     last = bisect.bisect_left(ends, end)
     part = vector[2 * first : 2 * last + 2]

@@ -25,7 +25,7 @@ piece and no progress event per 512 KiB.
 from __future__ import annotations
 
 import array
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Final, final
 
@@ -46,11 +46,33 @@ READ_SLICE_BYTES: Final = 16 * 1024 * 1024
 # A group this large takes its reader longer than the worker's poll window (`transport.link.POLL_SECONDS`,
 # 0.5 ms) even at 16 GB/s: its sender waits for the receipt without polling.
 PATIENT_BYTES: Final = 8 * 1024 * 1024
+# A write with at most this many pieces under `READ_MIN_BYTES` has them read too (`reads_of`).
+FEW_SMALL_PIECES: Final = 64
 
 
 def reads_piece(piece_bytes: int) -> bool:
     """The `direct` of a link whose receiver reads: which pieces go in read frames."""
     return piece_bytes >= READ_MIN_BYTES
+
+
+def reads_every_piece(_piece_bytes: int) -> bool:
+    """The `direct` of a write with few small pieces (`reads_of`)."""
+    return True
+
+
+def reads_of(bulk: BulkWrite, index: Mapping[str, int], row_bytes: Sequence[int]) -> Callable[[int], bool]:
+    """Which pieces of `bulk` its reading peer reads: those of `READ_MIN_BYTES` and more — or all of
+    them, when at most `FEW_SMALL_PIECES` are smaller: those then ride in the read group instead of
+    costing a bundle of their own (a descriptor, a message, a receive to post and to wait for)."""
+    widths = Counter(row_bytes[index[name]] for name in bulk.buffers)
+    small = 0
+    for run in bulk.runs:
+        for width, buffers in widths.items():
+            if run.rows * width < READ_MIN_BYTES:
+                small += buffers
+                if small > FEW_SMALL_PIECES:
+                    return reads_piece
+    return reads_every_piece
 
 
 def write_plan(
@@ -59,7 +81,7 @@ def write_plan(
     """A UCX link's write as bundles, each with whether it is a read group: read groups of a host pool's
     pieces for a peer that `reads`, otherwise the frames of `transport.ucx_frames.framing`."""
     if reads and bulk.source.device.type == "cpu":
-        return read_groups(plan_bundles(bulk, index, row_bytes, reads_piece, HOST_SIZES))
+        return read_groups(plan_bundles(bulk, index, row_bytes, reads_of(bulk, index, row_bytes), HOST_SIZES))
     direct, sizes = framing(bulk.source.device, cuda_capable)
     return ((False, bundle) for bundle in plan_bundles(bulk, index, row_bytes, direct, sizes))
 

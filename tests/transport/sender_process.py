@@ -35,19 +35,23 @@ from transport.ucx import UcxLink
 
 
 def stop_after_posting(round_number: int) -> None:
-    """The `stop_after_posting_round` fault, by wrapping `UcxLink._post_frames` in this process."""
-    post_frames = UcxLink._post_frames
+    """The `stop_after_posting_round` fault, by wrapping `UcxLink._post_frames` and `_post_reads` (a
+    read group) in this process."""
 
-    def post_then_stop(link: UcxLink, bulk: BulkWrite, *frames_and_how: Any) -> Any:
-        posted = post_frames(link, bulk, *frames_and_how)
-        if bulk.round == round_number:
-            # One progress call pushes out what UCX queued (the rendezvous requests); the receiver's
-            # answer takes far longer than this to come back, so the bytes are never written.
-            link._worker._worker.progress()
-            os.kill(os.getpid(), signal.SIGSTOP)
-        return posted
+    def stopping(post: Any) -> Any:
+        def post_then_stop(link: UcxLink, bulk: BulkWrite, *frames_and_how: Any) -> Any:
+            posted = post(link, bulk, *frames_and_how)
+            if bulk.round == round_number:
+                # One progress call pushes out what UCX queued (the rendezvous requests); the receiver's
+                # answer takes far longer than this to come back, so the bytes are never written.
+                link._worker._worker.progress()
+                os.kill(os.getpid(), signal.SIGSTOP)
+            return posted
 
-    UcxLink._post_frames = post_then_stop  # type: ignore[method-assign, assignment]
+        return post_then_stop
+
+    UcxLink._post_frames = stopping(UcxLink._post_frames)  # type: ignore[method-assign]
+    UcxLink._post_reads = stopping(UcxLink._post_reads)  # type: ignore[method-assign]
 
 
 async def main() -> None:

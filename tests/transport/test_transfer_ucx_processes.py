@@ -205,8 +205,8 @@ async def test_a_stopped_sender_holds_no_block_of_a_receiver_that_reads_the_piec
 ) -> None:
     """The same stopped sender over shared memory, to a receiver that reads direct pieces itself (the
     default, "cma", then "mixed" and "receiver"). The frame the sender posted before it stopped is round
-    1's direct one (a round's bundle of small rows goes last): with "cma" its read group, which this side
-    reads from the stopped process's memory at once; otherwise, if its rendezvous reached the receiver,
+    1's first: with "cma" its read group (with so few small rows, every row of the round), which this
+    side reads from the stopped process's memory at once; otherwise, if its rendezvous reached the receiver,
     this side reads it too, and if not, the receive is cancelled as the link closes. Either way no block
     waits for the sender process — they all come back within the link deadline and `fence_timeout`,
     while the process still exists."""

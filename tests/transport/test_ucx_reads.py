@@ -20,7 +20,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests.transport.harness import embedding_layout, poisoned_storage, random_storage, shuffled_pool
-from transport.cma import IOV_MAX, LANE_MIN_BYTES, PROBE_ADDRESS, PROBE_BYTES, CmaFailed, read, readable
+from transport.cma import CHUNK_BYTES, IOV_MAX, PROBE_ADDRESS, PROBE_BYTES, CmaFailed, read, readable
 from transport.config import TransferConfig, UcxCopies
 from transport.endpoint import open_endpoint
 from transport.errors import LinkClosed
@@ -30,7 +30,17 @@ from transport.storage import PoolStorage
 from transport.ucp_scatter import UcpFailed
 from transport.ucx_connect import _reads
 from transport.ucx_frames import UcxFrameError, descriptor_body, parse_descriptors
-from transport.ucx_reads import READ_SLICE_BYTES, Receipts, read_group, read_groups, reads_piece
+from transport.ucx_reads import (
+    FEW_SMALL_PIECES,
+    READ_SLICE_BYTES,
+    Receipts,
+    read_group,
+    read_groups,
+    reads_every_piece,
+    reads_of,
+    reads_piece,
+    write_plan,
+)
 
 LAYOUT = embedding_layout(block_size=16, hidden=1024)  # 4 KiB rows: a block's embeds are 64 KiB
 NAMES = [spec.name for spec in LAYOUT.buffers]
@@ -70,13 +80,13 @@ def _cuts(data: st.DataObject, total: int, pieces: int) -> list[tuple[int, int]]
 
 
 @settings(max_examples=20, deadline=None)
-@given(data=st.data(), lanes=st.integers(1, 5), extra=st.integers(0, 3 * LANE_MIN_BYTES))
+@given(data=st.data(), lanes=st.integers(1, 5), extra=st.integers(0, 3 * CHUNK_BYTES))
 def test_a_read_on_several_lanes_lands_exactly_what_one_lane_would(
     data: st.DataObject, lanes: int, extra: int
 ) -> None:
     """Both vectors cut anywhere (a lane's share may begin or end inside a piece on either side), the
     source pieces read in shuffled order: every byte lands where one lane would put it."""
-    total = 2 * LANE_MIN_BYTES + extra
+    total = 2 * CHUNK_BYTES + extra
     source = random.Random(extra).randbytes(total)
     held = ctypes.create_string_buffer(source, total)
     landed = ctypes.create_string_buffer(total)
@@ -88,22 +98,19 @@ def test_a_read_on_several_lanes_lands_exactly_what_one_lane_would(
     assert landed.raw == b"".join(source[pieces[i][0] : pieces[i][0] + pieces[i][1]] for i in order)
 
 
-def test_a_lane_that_fails_fails_the_read_and_every_failure_is_reported() -> None:
-    """The second half of the source is unmapped: the lane reading it fails (on a pool thread), and the
-    caller's read raises its error once every lane is done; with both halves unmapped, the first
-    half's error is raised and the second's is in its notes."""
-    size = 2 * LANE_MIN_BYTES
+def test_a_lane_that_fails_fails_the_read_with_its_reason_once() -> None:
+    """Half the source, then all of it, unmapped: whichever lane meets it, the caller's read raises the
+    first failed chunk's error, each reason once (lanes failing alike add no notes)."""
+    size = 4 * CHUNK_BYTES
     held, landed = ctypes.create_string_buffer(size), ctypes.create_string_buffer(2 * size)
     local = _vector([(ctypes.addressof(landed), 2 * size)])
     pid = os.getpid()
-    efault = f"reading process {pid}'s memory: EFAULT: Bad address"
-    with pytest.raises(CmaFailed, match=rf"^{efault}$") as raised:
-        read(pid, local, _vector([(ctypes.addressof(held), size), (16, size)]), 2 * size, lanes=2)
-    assert not getattr(raised.value, "__notes__", None)
-    both = rf"^{efault}\nanother part of the same read: {efault}$"  # pytest matches the notes too
-    with pytest.raises(CmaFailed, match=both) as raised:
-        read(pid, local, _vector([(16, size), (16, size)]), 2 * size, lanes=2)
-    assert raised.value.__notes__ == [f"another part of the same read: {efault}"]
+    efault = rf"^reading process {pid}'s memory: EFAULT: Bad address$"  # pytest matches notes too
+    for unmapped_from in (size, 0):
+        remote = [(ctypes.addressof(held), size), (16, size)][unmapped_from // size :]
+        remote += [(16, size)] * (2 - len(remote))
+        with pytest.raises(CmaFailed, match=efault):
+            read(pid, local, _vector(remote), 2 * size, lanes=3)
 
 
 def test_refused_reads_name_the_process_and_the_kernels_reason() -> None:
@@ -180,13 +187,14 @@ def _write(seed: int, count: int, blocks: int = 64) -> BulkWrite:
 @given(seed=st.integers(0, 2**16), count=st.integers(1, 1000))
 async def test_a_read_group_lands_every_claimed_row_and_nothing_else(seed: int, count: int) -> None:
     """Plan a write as a reading peer gets it, parse its read groups back, read them from this process:
-    every row of the write lands where its run says, no other row changes."""
+    every row read lands where its run says, no other row changes. Read are the pieces of 16 KiB and
+    more, or every piece of a write with few (`FEW_SMALL_PIECES`) smaller ones."""
     bulk = _write(seed, count)
     index = {name: place for place, name in enumerate(NAMES)}
     target, expected = poisoned_storage(LAYOUT, 64), poisoned_storage(LAYOUT, 64)
     landing = _Rounds(target, {3})
     read_rows = {name: 0 for name in NAMES}
-    for is_read, group in read_groups(plan_bundles(bulk, index, ROW_BYTES, reads_piece)):
+    for is_read, group in write_plan(bulk, index, ROW_BYTES, reads=True, cuda_capable=False):
         if not is_read:
             continue
         bases = [bulk.source.tensors[frame.name].data_ptr() for frame in group]
@@ -197,9 +205,15 @@ async def test_a_read_group_lands_every_claimed_row_and_nothing_else(seed: int, 
             for (row, rows), source_row in zip(frame.segments, frame.source_rows, strict=True):
                 expected.flat(name)[row : row + rows] = bulk.source.flat(name)[source_row : source_row + rows]
                 read_rows[name] += rows
-    # Every embeds run of at least 4 rows (16 KiB) is read, each from where its run says.
-    assert read_rows["embeds"] == sum(run.rows for run in bulk.runs if run.rows >= 4)
-    for run in (run for run in bulk.runs if run.rows >= 4):
+    small = sum((run.rows < 4) + 2 for run in bulk.runs)  # embeds under 16 KiB, and every other piece
+    read_all = small <= FEW_SMALL_PIECES
+    assert reads_of(bulk, index, ROW_BYTES) is (reads_every_piece if read_all else reads_piece)
+    if read_all:
+        assert read_rows == {name: count for name in NAMES}
+    else:  # every embeds run of at least 4 rows (16 KiB), each from where its run says
+        embeds = sum(run.rows for run in bulk.runs if run.rows >= 4)
+        assert read_rows == {"embeds": embeds, "token_ids": 0, "positions": 0}
+    for run in (run for run in bulk.runs if read_all or run.rows >= 4):
         landed = expected.flat("embeds")[run.dst_row : run.dst_row + run.rows]
         assert torch.equal(
             _bytes(landed), _bytes(bulk.source.flat("embeds")[run.src_row : run.src_row + run.rows])
