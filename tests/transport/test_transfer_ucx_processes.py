@@ -27,6 +27,7 @@ from tests.transport.harness import (
     shuffled_pool,
 )
 from tests.transport.test_transfer_ucx_failures import LIVELY
+from transport import cma
 from transport.blocks import BlockPool
 from transport.config import TransferConfig, UcxCopies
 from transport.endpoint import open_endpoint
@@ -246,3 +247,45 @@ async def test_blocks_come_back_from_a_stopped_sender_whose_bytes_land_in_host_c
                 await trio.sleep(0.01)
         assert child.process.returncode is None  # stopped, not gone
         child.process.kill()
+
+
+@pytest.mark.slow  # a child process: importing torch there takes seconds
+async def test_rounds_read_on_three_lanes_land_byte_exact_with_checksums(
+    ucx_env: dict[str, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """12 MiB in three rounds of 4 MiB from a sender process, each round's read call cut into 1 MiB
+    chunks that three lanes share (`transport.cma.read`): every byte lands where it should, the
+    senders' checksums agree, no block leaks."""
+    shared_reads: list[int] = []
+    run = cma._SharedRead.run
+
+    def counted(self: cma._SharedRead) -> None:
+        shared_reads.append(1)
+        run(self)
+
+    monkeypatch.setattr(cma._SharedRead, "run", counted)
+    layout = embedding_layout(block_size=16, hidden=4096)  # 16 KiB rows, 256 KiB blocks
+    params = {
+        "block_size": 16,
+        "hidden": 4096,
+        "seed": 71,
+        "transfers": {"t": 768},
+        "transport": "ucx",
+        "config": {"checksums": True},
+    }
+    source = Source(layout, 768, seed=71)
+    config = TransferConfig(default_grant_blocks=16, round_cap_blocks=16, checksums=True, ucx_read_lanes=3)
+    storage, pool = random_storage(layout, 64, seed=72), shuffled_pool(64, 16, seed=73)
+    async with (
+        sender_process(params, env=ucx_env) as child,
+        open_endpoint("receiver", storage, pool, config=config) as receiver,
+    ):
+        collector = Collector()
+        link = await receiver.connect(child.address)
+        with trio.fail_after(20):
+            result = await receiver.receive("t", peer=link, consume=collector)
+        assert result.report.rounds == 3
+        assert await child.line() == {"sent": "t", "rounds": 3}
+    assert_same_bytes(collector.data(), source.expected(tokens=768))
+    assert len(shared_reads) >= 3  # at least one shared read a round
+    assert (pool.used_blocks, pool.quarantined_blocks) == (0, 0)
