@@ -9,8 +9,8 @@ in 5.7 ms; as 2 048 pieces of 32 KiB, in 8.0 ms.
 
 One thread does not reach the memory's bandwidth: the kernel pins each source page and copies it on the
 calling thread. `read` with `lanes` > 1 cuts a large call into chunks that the caller and threads of
-Trio's thread cache claim one at a time; 64 MiB of 2 MiB pieces in 3.1–5.0 ms on two threads against
-5.8–6.8 ms on one (the same VM, docs/benchmarks.md).
+Trio's thread cache claim one at a time; 64 MiB of 2 MiB pieces in 4.2–5.2 ms on two lanes against
+5.1–5.9 ms on one (the same VM, docs/benchmarks.md, *`ucx_64MiB` on two lanes*).
 
 The kernel allows the call where `ptrace` would be allowed (same user, and Yama's `ptrace_scope`), so a
 receiver first reads a probe the sender names (`PROBE`, `readable`) and falls back to UCX if that fails.
