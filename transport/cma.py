@@ -84,11 +84,11 @@ def read(pid: int, local: array.array[int], remote: array.array[int], nbytes: in
         _read_part(pid, local, remote, nbytes)
         return
     cuts = [*range(0, nbytes, CHUNK_BYTES), nbytes]
-    local_ends, remote_ends = _ends(local), _ends(remote)
+    local_ends, remote_ends = ends(local), ends(remote)
     shared = _SharedRead(
         pid,
         [
-            (_cut(local, local_ends, start, end), _cut(remote, remote_ends, start, end), end - start)
+            (cut(local, local_ends, start, end), cut(remote, remote_ends, start, end), end - start)
             for start, end in itertools.pairwise(cuts)
         ],
     )
@@ -163,13 +163,13 @@ def _report(result: outcome.Outcome[None]) -> None:
     result.unwrap()  # `lane` raises nothing: it hands every error to the caller
 
 
-def _ends(vector: array.array[int]) -> list[int]:
+def ends(vector: array.array[int]) -> list[int]:
     """Where each entry of I/O vector `vector` ends, in bytes from its start."""
     return list(itertools.accumulate(vector[1::2]))
 
 
-def _cut(vector: array.array[int], ends: list[int], start: int, end: int) -> array.array[int]:
-    """The entries of I/O vector `vector` (`ends`: `_ends(vector)`) that cover its bytes `[start, end)`,
+def cut(vector: array.array[int], ends: list[int], start: int, end: int) -> array.array[int]:
+    """The entries of I/O vector `vector` (`ends`: `ends(vector)`) that cover its bytes `[start, end)`,
     the end ones trimmed."""
     first = bisect.bisect_right(ends, start)
     last = bisect.bisect_left(ends, end)

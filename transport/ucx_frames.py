@@ -91,6 +91,9 @@ class Descriptor(NamedTuple):
     segments: list[tuple[int, int]]
     source_base: int = 0  # a read frame's: the sender's address of the buffer's row 0
     source_rows: Sequence[int] = ()  # a read frame's: the sender's first row of each segment
+    # A read frame's segment table then source rows, as they came (u64 little-endian): its reader's I/O
+    # vectors are computed from these bytes (`transport.ucx_reads`), not from the tuples above.
+    read_table: bytes = b""
 
     @property
     def read(self) -> bool:
@@ -257,7 +260,8 @@ def _parse_one(body: bytes | bytearray, at: int, row_bytes: Sequence[int]) -> tu
     sources = struct.unpack_from(f"<{count}Q", body, table + count * SEGMENT.size)
     if base + (max(sources) + rows) * width >= _ADDRESS_END:  # a bound on the last row's end: cheap
         raise UcxFrameError(f"read frame of rows beyond the address space (row 0 at 0x{base:x})")
-    return Descriptor(False, buffer, round, landing_key, length, segments, base, sources), end
+    read_table = bytes(body[table:end])
+    return Descriptor(False, buffer, round, landing_key, length, segments, base, sources, read_table), end
 
 
 def payload_rows(storage: PoolStorage, name: str, row: int, rows: int) -> memoryview | torch.Tensor:

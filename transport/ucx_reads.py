@@ -25,18 +25,22 @@ piece and no progress event per 512 KiB.
 from __future__ import annotations
 
 import array
+import bisect
+import sys
 from collections import Counter, deque
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Final, final
 
+import numpy as np
 import trio
 
-from transport.cma import IOV_MAX, read
+from transport.cma import IOV_MAX, cut, ends, read
 from transport.frame_plan import HOST_SIZES, MAX_BUNDLE_FRAMES, Frame, plan_bundles
 from transport.link import BulkWrite, Landing
+from transport.storage import PoolStorage
+from transport.tcp_frames import SEGMENT
 from transport.ucp_scatter import UcpFailed
 from transport.ucx_frames import READ_GROUP_BYTES, Descriptor, UcxFrameError, framing
-from transport.ucx_landing import stretch_entries
 
 # A piece this large goes in a read frame: below it, pinning its pages costs more than UCX's fragments
 # (64 MiB as 4 KiB pieces read at 3.1 GB/s, as 32 KiB pieces at 8.4, as 2 MiB pieces at 13.6).
@@ -176,48 +180,67 @@ async def read_group(
     (the sender's memory is not where it said, or the process is gone)."""
     if landing is None:
         return
-    storage = landing.storage
-    calls: list[tuple[array.array[int], array.array[int], int]] = []
-    local, remote, nbytes = array.array("Q"), array.array("Q"), 0
-    for frame, name in zip(frames, names, strict=True):
-        if not landing.claim(frame.round, name, frame.segments):
-            continue
-        width = storage.row_bytes[name]
-        for here, there, length in _stretches(storage.tensors[name].data_ptr(), width, frame):
-            if nbytes and (nbytes + length > READ_SLICE_BYTES or len(local) + len(here) > 2 * IOV_MAX):
-                calls.append((local, remote, nbytes))
-                local, remote, nbytes = array.array("Q"), array.array("Q"), 0
-            local.extend(here)
-            remote.extend(there)
-            nbytes += length
-    if nbytes:
-        calls.append((local, remote, nbytes))
-    for index, (here, there, length) in enumerate(calls):
+    claimed = [
+        (frame, name)
+        for frame, name in zip(frames, names, strict=True)
+        if landing.claim(frame.round, name, frame.segments)
+    ]
+    if not claimed:
+        return
+    local, remote = _vectors(landing.storage, claimed)
+    for index, (here, there, length) in enumerate(_calls(local, remote)):
         if index:
             await trio.lowlevel.checkpoint()
         check_open()
         read(pid, here, there, length, lanes=lanes)
 
 
-def _stretches(
-    base: int, width: int, frame: Descriptor
+def _vectors(
+    storage: PoolStorage, claimed: Sequence[tuple[Descriptor, str]]
+) -> tuple[array.array[int], array.array[int]]:
+    """Both sides' I/O vectors of the claimed read frames, entry k of one the same piece as entry k of the
+    other: from the frames' tables as they came, numpy computing every address and length in one pass
+    (a KV round's 1 920 pieces in 16 frames: about 40 µs, where converting the parsed tuples alone took
+    240 µs; torch took 0.6 ms in a transfer, its small ops slowed by its intra-op threads on a busy host)."""
+    rows, sources = array.array("q"), array.array("q")
+    counts, widths, bases, source_bases = [], [], [], []
+    for frame, name in claimed:
+        count = len(frame.segments)
+        rows.frombytes(frame.read_table[: SEGMENT.size * count])  # a copy at memory speed: no int objects
+        sources.frombytes(frame.read_table[SEGMENT.size * count :])
+        counts.append(count)
+        widths.append(storage.row_bytes[name])
+        bases.append(storage.tensors[name].data_ptr())
+        source_bases.append(frame.source_base)
+    if sys.byteorder != "little":
+        rows.byteswap()
+        sources.byteswap()
+    per_piece = np.array(counts)
+    width = np.repeat(np.array(widths, dtype=np.int64), per_piece)
+    pairs = np.frombuffer(rows, dtype=np.int64).reshape(-1, 2)  # addresses are below 2**63
+    lengths = pairs[:, 1] * width
+    local = np.empty_like(pairs)
+    local[:, 0] = pairs[:, 0] * width + np.repeat(np.array(bases, dtype=np.int64), per_piece)
+    local[:, 1] = lengths
+    remote = np.empty_like(pairs)
+    remote[:, 0] = np.frombuffer(sources, dtype=np.int64) * width
+    remote[:, 0] += np.repeat(np.array(source_bases, dtype=np.int64), per_piece)
+    remote[:, 1] = lengths
+    return array.array("Q", local.tobytes()), array.array("Q", remote.tobytes())
+
+
+def _calls(
+    local: array.array[int], remote: array.array[int]
 ) -> Iterator[tuple[array.array[int], array.array[int], int]]:
-    """A read frame as `(local entries, remote entries, bytes)` of at most `READ_SLICE_BYTES` each (and
-    `MAX_SEGMENTS` entries): the whole frame when it is that small (a KV frame: up to 256 pieces of 32
-    KiB), else piece by piece (large pieces, few of them), a piece over the limit cut up."""
-    segments = frame.segments
-    if frame.length <= READ_SLICE_BYTES:
-        sources = list(zip(frame.source_rows, (rows for _row, rows in segments), strict=True))
-        here, there = (
-            stretch_entries(base, width, segments),
-            stretch_entries(frame.source_base, width, sources),
-        )
-        yield here, there, frame.length
-        return
-    step = max(1, READ_SLICE_BYTES // width)
-    for (row, rows), source in zip(segments, frame.source_rows, strict=True):
-        for offset in range(0, rows, step):
-            count = min(step, rows - offset)
-            here = array.array("Q", (base + (row + offset) * width, count * width))
-            there = array.array("Q", (frame.source_base + (source + offset) * width, count * width))
-            yield here, there, count * width
+    """Matching vectors `local` and `remote` as calls of at most `READ_SLICE_BYTES` and `IOV_MAX` entries
+    each, a piece cut where a call ends inside it."""
+    piece_ends = ends(local)  # the same for `remote`: its pieces have the same lengths
+    start, first = 0, 0
+    while start < piece_ends[-1]:
+        end = min(start + READ_SLICE_BYTES, piece_ends[-1])
+        last = bisect.bisect_left(piece_ends, end)
+        if last - first >= IOV_MAX:
+            last = first + IOV_MAX - 1
+            end = piece_ends[last]
+        yield cut(local, piece_ends, start, end), cut(remote, piece_ends, start, end), end - start
+        start, first = end, bisect.bisect_right(piece_ends, end)

@@ -109,11 +109,16 @@ def test_read_groups_hold_each_direct_frame_once_and_parse_back_with_their_sourc
         assert len(group) == 1 or sum(frame.length for frame in group) <= READ_GROUP_BYTES
         bases = [0x7F0000000000 + 0x1000 * place for place in range(len(group))]
         parsed = parse_descriptors(descriptor_body(group, 7, 3, bases), row_bytes)
-        assert parsed == [
+        assert [tuple(descriptor)[:8] for descriptor in parsed] == [
             (False, f.buffer, 3, 7, f.length, f.segments(), base, tuple(p.src_row for p in f.pieces))
             for f, base in zip(group, bases, strict=True)
         ]
         assert all(frame.read for frame in parsed)
+        for descriptor in parsed:  # the tables as they came, which the reader computes its vectors from
+            flat = [value for segment in descriptor.segments for value in segment]
+            assert descriptor.read_table == struct.pack(
+                f"<{len(flat) + len(descriptor.source_rows)}Q", *flat, *descriptor.source_rows
+            )
 
 
 @settings(max_examples=60, deadline=None)
@@ -145,7 +150,7 @@ def test_frames_cover_every_row_once_within_the_limits(
             assert frame.length <= max(frame_bytes(frame.packed), width)
             assert all((piece.rows * width >= threshold) != frame.packed for piece in frame.pieces)
             descriptors = parse_descriptors(descriptor_body([frame], 7, 3), ROW_BYTES)
-            assert descriptors == [(frame.packed, index, 3, 7, frame.length, frame.segments(), 0, ())]
+            assert descriptors == [(frame.packed, index, 3, 7, frame.length, frame.segments(), 0, (), b"")]
 
 
 @settings(max_examples=60, deadline=None)
@@ -185,7 +190,7 @@ def test_bundles_hold_each_frame_once_and_parse_back(
         assert len(bundle) <= MAX_BUNDLE_FRAMES
         assert len(bundle) == 1 or bundle_starts([frame.length for frame in bundle])[1] <= sizes.bundle
         parsed = parse_descriptors(descriptor_body(bundle, 7, 3), row_bytes)
-        assert parsed == [(f.packed, f.buffer, 3, 7, f.length, f.segments(), 0, ()) for f in bundle]
+        assert parsed == [(f.packed, f.buffer, 3, 7, f.length, f.segments(), 0, (), b"") for f in bundle]
     packed_bundles = [bundle for bundle in bundles if bundle[0].packed]
     for bundle, after in itertools.pairwise(packed_bundles):  # closed only when the next is too big
         full = len(bundle) == MAX_BUNDLE_FRAMES
