@@ -129,13 +129,12 @@ class _SharedRead:
                 self._idle.set()
 
     def run(self) -> None:
-        """The caller's lane, then the wait for the others; raises the first failed chunk's error."""
-        self._drain()
-        with self._lock:
-            self._closed = True
-            others = self._reading
-        if others:
-            self._idle.wait()
+        """The caller's lane, then the wait for the others (also when interrupted: `_close`); raises the
+        first failed chunk's error."""
+        try:
+            self._drain()
+        finally:
+            self._close()
         if self._failures:
             failures = [error for _index, error in sorted(self._failures, key=lambda failure: failure[0])]
             first, seen = failures[0], {str(failures[0])}
@@ -145,11 +144,23 @@ class _SharedRead:
                     first.add_note(f"another chunk of the same read: {other}")
             raise first
 
+    def _close(self) -> None:
+        """No chunk is started after this; returns once none is being read."""
+        with self._lock:
+            self._closed = True
+            others = self._reading
+        if others:
+            try:
+                self._idle.wait()
+            except BaseException:  # a KeyboardInterrupt: a lane may still write the caller's memory
+                self._idle.wait()
+                raise
+
     def _drain(self) -> None:
         """Read chunks until none is left (or one failed: the others are not started)."""
         while True:
             with self._lock:
-                if self._failures or self._next == len(self._chunks):
+                if self._closed or self._failures or self._next == len(self._chunks):
                     return
                 index, self._next = self._next, self._next + 1
             try:

@@ -11,6 +11,8 @@ import os
 import random
 import subprocess
 import sys
+import threading
+import time
 from collections.abc import Sequence
 
 import pytest
@@ -20,6 +22,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests.transport.harness import embedding_layout, poisoned_storage, random_storage, shuffled_pool
+from transport import cma
 from transport.cma import CHUNK_BYTES, IOV_MAX, PROBE_ADDRESS, PROBE_BYTES, CmaFailed, read, readable
 from transport.config import TransferConfig, UcxCopies
 from transport.endpoint import open_endpoint
@@ -282,3 +285,29 @@ async def test_a_receiver_reads_the_sender_only_when_told_to_and_the_probe_reads
         }
     ]
     assert logs == (expected if copies == "cma" else [])
+
+
+def test_an_interrupted_read_returns_only_once_no_lane_reads_any_more(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Ctrl-C while the caller reads its chunk: `read` raises it only after the other lanes' chunks in
+    progress are done, and no lane starts another (the caller's memory is its own again)."""
+    caller = threading.get_ident()
+    started: list[int] = []
+    finished: list[int] = []
+
+    def read_part(pid: int, local: array.array[int], remote: array.array[int], nbytes: int) -> None:
+        if threading.get_ident() == caller:
+            while not started:  # a lane is inside a chunk
+                time.sleep(0.001)
+            raise KeyboardInterrupt
+        started.append(nbytes)
+        time.sleep(0.05)
+        finished.append(nbytes)
+
+    monkeypatch.setattr(cma, "_read_part", read_part)
+    size = 16 * CHUNK_BYTES
+    vector = _vector([(1 << 40, size)])
+    with pytest.raises(KeyboardInterrupt):
+        read(os.getpid(), vector, vector, size, lanes=2)
+    assert finished == started and len(started) == 1  # waited for, and no chunk after the interrupt
