@@ -37,6 +37,9 @@ from transport.ucx_reads import (
     FEW_SMALL_PIECES,
     READ_SLICE_BYTES,
     Receipts,
+    _few_vectors,
+    _table_vectors,
+    _vectors,
     read_group,
     read_groups,
     reads_every_piece,
@@ -223,6 +226,27 @@ async def test_a_read_group_lands_every_claimed_row_and_nothing_else(seed: int, 
         )
     for name in NAMES:
         assert torch.equal(_bytes(target.flat(name)), _bytes(expected.flat(name)))
+
+
+@settings(max_examples=25, deadline=None)
+@given(seed=st.integers(0, 2**16), count=st.integers(1, 300))  # 3 to about 60 pieces
+def test_both_ways_of_building_a_groups_vectors_build_the_same(seed: int, count: int) -> None:
+    """Python from the parsed tuples, numpy from the raw tables: the same I/O vectors for every read group
+    of a write, small (at most `PYTHON_VECTOR_PIECES` pieces, which `_vectors` builds in Python) or not."""
+    bulk = _write(seed, count)
+    index = {name: place for place, name in enumerate(NAMES)}
+    target = poisoned_storage(LAYOUT, 64)
+    for is_read, group in write_plan(bulk, index, ROW_BYTES, reads=True, cuda_capable=False):
+        if not is_read:
+            continue
+        bases = [bulk.source.tensors[frame.name].data_ptr() for frame in group]
+        frames = parse_descriptors(descriptor_body(group, 7, 3, bases), ROW_BYTES)
+        claimed = [(frame, NAMES[frame.buffer]) for frame in frames]
+        few, table = _few_vectors(target, claimed), _table_vectors(target, claimed)
+        assert few == table
+        local, remote = few
+        assert len(local) == len(remote) == 2 * sum(len(frame.segments) for frame in frames)
+        assert _vectors(target, claimed) == few
 
 
 async def test_a_group_larger_than_a_slice_is_read_in_slices_and_stops_once_the_link_closed() -> None:
