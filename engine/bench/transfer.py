@@ -115,10 +115,14 @@ def trio_thread() -> Iterator[Portal]:
 class Receiver:
     """A receiving endpoint with its own shuffled pool and one link to a sender."""
 
-    def __init__(self, name: str, source_name: str, config: TransferConfig) -> None:
+    def __init__(
+        self, name: str, source_name: str, config: TransferConfig, known_length: bool = False
+    ) -> None:
+        """`known_length`: pass the length as a decode replica does (one round), whatever the layout's
+        default (`KNOWN_LENGTH`)."""
         self.name, self.layout, self.config = name, LAYOUTS[source_name], config
         self.tokens = tokens_for(source_name)
-        self.expected = self.tokens if source_name in KNOWN_LENGTH else None
+        self.expected = self.tokens if known_length or source_name in KNOWN_LENGTH else None
         num_blocks = 2 * -(-self.tokens // self.layout.block_size)
         self.storage = PoolStorage(self.layout, num_blocks)
         self.pool = fragmented_pool(num_blocks, self.layout.block_size, seed=21)
@@ -371,7 +375,9 @@ def extra_rows(group: str, portal: Portal, args: argparse.Namespace, repeats: in
             portal,
             args,
             repeats,
-            lambda name, source, **config: Receiver(name, source, _config(args, **config)),
+            lambda name, source, known_length=False, **config: Receiver(
+                name, source, _config(args, **config), known_length
+            ),
         )
         return
     from engine.bench.transfer_gpu import gpu_rows

@@ -17,7 +17,9 @@
   takes an I/O vector, so UCX has the sender write the bytes): the best this host's UCX does for these
   bytes that way, GB/s, higher is better.
 - `ucx_kv_64MiB` (not with `--quick`): the KV layout, 16-token blocks of 32 KiB per buffer (read by the
-  receiver by default; with "mixed", packed frames that land straight in their rows);
+  receiver by default; with "mixed", packed frames that land straight in their rows), length unknown
+  (two rounds); `ucx_kv_64MiB_known`: the same with the length known, as a decode replica receives its
+  prompt's KV (one round);
   `ucx_kv_64MiB_receiver_copies`: the same with `ucx_copies` "receiver" (each bundle lands in a host chunk
   the receiver unpacks).
 - `ucx_1block_us`: one 516 KiB block (what a transfer costs beyond its bytes), µs, against a raw ucxx
@@ -200,7 +202,8 @@ class RawReceiver:
 def ucx_rows(portal: Any, args: argparse.Namespace, repeats: int, receiver_factory: Any) -> Iterator[Row]:
     """The rows, alternating zigzag and raw; `receiver_factory` builds `transfer.Receiver`s."""
     os.environ["UCX_TLS"] = args.ucx_tls  # this process's and its children's UCX, set by the entry point
-    # (layout, case, config overrides): the overridden cases are the default's with another setting.
+    # (layout, case, receiver overrides): the overridden cases are the default's with another setting, or
+    # (`known_length`) with the length passed as a decode replica passes its prompt's.
     one_lane: dict[str, Any] = {"ucx_read_lanes": 1}
     cases: list[tuple[str, str, dict[str, Any]]] = [
         ("emb4096", "ucx_64MiB", {}),
@@ -210,7 +213,11 @@ def ucx_rows(portal: Any, args: argparse.Namespace, repeats: int, receiver_facto
     ] + (
         []
         if args.quick
-        else [("kv", "ucx_kv_64MiB", {}), ("kv", "ucx_kv_64MiB_receiver_copies", {"ucx_copies": "receiver"})]
+        else [
+            ("kv", "ucx_kv_64MiB", {}),
+            ("kv", "ucx_kv_64MiB_known", {"known_length": True}),
+            ("kv", "ucx_kv_64MiB_receiver_copies", {"ucx_copies": "receiver"}),
+        ]
     )
     layouts = ["emb4096", "block", "kv_small"] + ([] if args.quick else ["kv", "kv_long"])
     with peer_process("engine.bench.transfer_ucx:serve_ucx_sender", {"layouts": layouts}) as (_child, ready):
@@ -223,7 +230,8 @@ def ucx_rows(portal: Any, args: argparse.Namespace, repeats: int, receiver_facto
             portal.call(receiver.open, portal, ready[source_name], None)
             receiver.checked(portal, ready[f"{source_name}_crc"])
             project, baseline = alternate(warmed(partial(receiver.gbps, portal)), warmed(raw.gbps), repeats)
-            how = "".join(f", {key} {value}" for key, value in config.items())
+            how = "".join(f", {key} {value}" for key, value in config.items() if key != "known_length")
+            how += ", length known" if config.get("known_length") else ""
             goal = "no goal" if config else "goal >= 0.85"
             note = (
                 f"{receiver.nbytes} bytes in {receiver.rounds} rounds, {source_name} layout, "
