@@ -194,9 +194,10 @@ def parse_descriptors(body: bytes | bytearray, row_bytes: Sequence[int]) -> list
     are packed (read), of one round and landing, at most `MAX_BUNDLE_FRAMES` of them within
     `MAX_PACKED_BYTES` (`READ_GROUP_BYTES`)."""
     frames: list[Descriptor] = []
+    tables = _Tables()
     at = 0
     while at < len(body) or not frames:
-        frame, at = _parse_one(body, at, row_bytes)
+        frame, at = _parse_one(body, at, row_bytes, tables)
         frames.append(frame)
     reads = [frame.read for frame in frames]
     if any(reads) and not all(reads):
@@ -222,7 +223,24 @@ def parse_descriptors(body: bytes | bytearray, row_bytes: Sequence[int]) -> list
     return frames
 
 
-def _parse_one(body: bytes | bytearray, at: int, row_bytes: Sequence[int]) -> tuple[Descriptor, int]:
+@final
+class _Tables:
+    """The tables one descriptor's frames carry, each unpacked once, by their bytes: a KV round's frames
+    (a layer's `k` and `v`, each a frame) have the same rows on both sides, so every frame after the
+    first shares its lists (a read group of 16 frames of 120 segments: parsed in 110 µs instead of 227).
+    Parsed lists are never changed, so they can be shared."""
+
+    __slots__ = ("reads", "segments")
+
+    def __init__(self) -> None:
+        self.segments: dict[bytes, tuple[list[tuple[int, int]], int | None]] = {}
+        # a read frame's segments, their rows, its source rows and the largest of them
+        self.reads: dict[bytes, tuple[list[tuple[int, int]], int | None, tuple[int, ...], int]] = {}
+
+
+def _parse_one(
+    body: bytes | bytearray, at: int, row_bytes: Sequence[int], tables: _Tables
+) -> tuple[Descriptor, int]:
     """The frame described from byte `at`, and where the next begins: known flavour and buffer, 1 to
     `MAX_SEGMENTS` non-empty segments adding up to `length`, and no more than one frame's bytes."""
     left = len(body) - at
@@ -242,7 +260,19 @@ def _parse_one(body: bytes | bytearray, at: int, row_bytes: Sequence[int]) -> tu
     if len(body) < end:
         raise UcxFrameError(f"bulk descriptor of {left} bytes does not hold its {count} segments")
     width = row_bytes[buffer]
-    segments, rows = unpack_segments(body, count, table)
+    table_bytes = bytes(body[table:end])
+    if flavour == READ:
+        read = tables.reads.get(table_bytes)
+        if read is None:
+            segments, rows = unpack_segments(table_bytes, count)
+            sources = struct.unpack_from(f"<{count}Q", table_bytes, count * SEGMENT.size)
+            read = tables.reads[table_bytes] = (segments, rows, sources, max(sources))
+        segments, rows, sources, last_source = read
+    else:
+        unpacked = tables.segments.get(table_bytes)
+        if unpacked is None:
+            unpacked = tables.segments[table_bytes] = unpack_segments(table_bytes, count)
+        segments, rows = unpacked
     if rows is None or rows * width != length:
         raise UcxFrameError(
             f"bulk descriptor segments {segments[:4]}{'…' if count > 4 else ''} do not add up to its "
@@ -257,11 +287,9 @@ def _parse_one(body: bytes | bytearray, at: int, row_bytes: Sequence[int]) -> tu
     if flavour != READ:
         return Descriptor(flavour == PACKED, buffer, round, landing_key, length, segments), end
     (base,) = _BASE.unpack_from(body, at + _HEADER.size)
-    sources = struct.unpack_from(f"<{count}Q", body, table + count * SEGMENT.size)
-    if base + (max(sources) + rows) * width >= _ADDRESS_END:  # a bound on the last row's end: cheap
+    if base + (last_source + rows) * width >= _ADDRESS_END:  # a bound on the last row's end: cheap
         raise UcxFrameError(f"read frame of rows beyond the address space (row 0 at 0x{base:x})")
-    read_table = bytes(body[table:end])
-    return Descriptor(False, buffer, round, landing_key, length, segments, base, sources, read_table), end
+    return Descriptor(False, buffer, round, landing_key, length, segments, base, sources, table_bytes), end
 
 
 def payload_rows(storage: PoolStorage, name: str, row: int, rows: int) -> memoryview | torch.Tensor:

@@ -304,6 +304,14 @@ def read_descriptor(**fields: Any) -> bytes:
             descriptor(flavour=READ, source=(2**64 - 4096, [0])),
             f"read frame of rows beyond the address space (row 0 at 0x{2**64 - 4096:x})",
         ),
+        (  # a table already unpacked for the first frame is checked against the second's own length
+            descriptor(flavour=2) + descriptor(flavour=2, length=5),
+            "bulk descriptor segments [(5, 2)] do not add up to its 5 bytes of 4096-byte rows",
+        ),
+        (  # and its rows against the second's own base
+            read_descriptor() + descriptor(flavour=READ, source=(2**64 - 4096, [40])),
+            f"read frame of rows beyond the address space (row 0 at 0x{2**64 - 4096:x})",
+        ),
     ],
     ids=[
         "bundle-mixed",
@@ -326,11 +334,24 @@ def read_descriptor(**fields: Any) -> bytes:
         "read-rounds",
         "read-table",
         "read-beyond",
+        "shared-table-sum",
+        "shared-table-beyond",
     ],
 )
 def test_malformed_descriptors_are_named(body: bytes, message: str) -> None:
     with pytest.raises(UcxFrameError, match=f"^{re.escape(message)}$"):
         parse_descriptors(body, ROW_BYTES)
+
+
+def test_frames_with_the_same_tables_share_their_parsed_lists() -> None:
+    """A KV round's frames carry the same rows for every buffer: parsed once per descriptor."""
+    same = read_descriptor(buffer=0) + read_descriptor(buffer=1, length=2 * ROW_BYTES[1])
+    other = descriptor(flavour=READ, buffer=2, length=2 * ROW_BYTES[2], source=(0x10000, [41]))
+    first, second, third = parse_descriptors(same + other, ROW_BYTES)
+    assert first.segments is second.segments and first.source_rows is second.source_rows
+    assert (first.buffer, second.buffer, third.buffer) == (0, 1, 2)
+    assert third.segments == first.segments and third.source_rows == (41,) != first.source_rows
+    assert third.read_table != first.read_table == second.read_table
 
 
 def test_connect_accept_and_unknown_bodies() -> None:
