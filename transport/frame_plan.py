@@ -78,6 +78,7 @@ class PieceTables:
     (`plan_bundles`), so a KV round's eight buffers would otherwise build the same tables eight times."""
 
     segment_table: bytes | None = None
+    source_row_table: bytes | None = None
     sources: list[tuple[int, int]] | None = None
     source_bytes: list[tuple[int, int]] | None = None
 
@@ -110,6 +111,13 @@ class Frame:
             pairs = chain.from_iterable(map(_DESTINATION, self.pieces))
             self.tables.segment_table = struct.pack(f"<{2 * len(self.pieces)}Q", *pairs)
         return self.tables.segment_table
+
+    def source_row_table(self) -> bytes:
+        """The sender's first row of each piece as little-endian u64s (a read frame's source rows)."""
+        if self.tables.source_row_table is None:
+            rows = [piece.src_row for piece in self.pieces]
+            self.tables.source_row_table = struct.pack(f"<{len(rows)}Q", *rows)
+        return self.tables.source_row_table
 
     def sources(self) -> list[tuple[int, int]]:
         """The sender's side: `(src_row, rows)` per piece."""

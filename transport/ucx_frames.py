@@ -121,7 +121,7 @@ def descriptor_body(
             parts.append(_BASE.pack(read_bases[index]))
         parts.append(frame.segment_table())
         if read_bases is not None:
-            parts.append(struct.pack(f"<{len(frame.pieces)}Q", *(piece.src_row for piece in frame.pieces)))
+            parts.append(frame.source_row_table())
     return b"".join(parts)
 
 
