@@ -227,7 +227,7 @@ def parse_descriptors(body: bytes | bytearray, row_bytes: Sequence[int]) -> list
 class _Tables:
     """The tables one descriptor's frames carry, each unpacked once, by their bytes: a KV round's frames
     (a layer's `k` and `v`, each a frame) have the same rows on both sides, so every frame after the
-    first shares its lists (a read group of 16 frames of 120 segments: parsed in 110 µs instead of 227).
+    first shares its lists (a read group of 16 frames of 120 segments: parsed in 55 µs instead of 227).
     Parsed lists are never changed, so they can be shared."""
 
     __slots__ = ("reads", "segments")

@@ -52,8 +52,9 @@ READ_SLICE_BYTES: Final = 16 * 1024 * 1024
 PATIENT_BYTES: Final = 8 * 1024 * 1024
 # A write with at most this many pieces under `READ_MIN_BYTES` has them read too (`reads_of`).
 FEW_SMALL_PIECES: Final = 64
-# A read group of at most this many pieces has its I/O vectors built in Python (`_vectors`): numpy's
-# fixed cost is more than Python's per piece below it (12 against 8 µs at 32 pieces in isolation).
+# A read group of at most this many pieces has its I/O vectors built in Python (`_vectors`): below it
+# numpy's fixed cost is more than Python's per piece (in isolation 12 against 4 µs at 12 pieces, 13
+# against 12 at 48; in a transfer both cost several times that).
 PYTHON_VECTOR_PIECES: Final = 32
 
 
