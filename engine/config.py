@@ -124,7 +124,8 @@ class TransferConfig(Section, frozen=True, kw_only=True):
         UcxCopies,
         _doc(
             "ucx, from a process on this host: who copies into the receiver's rows. cma: the receiver "
-            "reads pieces of 16 KiB and more itself, many per system call (else as mixed); mixed: it reads "
+            "reads pieces of 16 KiB and more itself (all of a write's, when at most 64 are smaller), many "
+            "per system call (else as mixed); mixed: it reads "
             "big pieces through UCX, small rows land in place; receiver: it copies everything, so no block "
             "waits for the sender process; sender: the sender writes big pieces too (docs/transports.md)"
         ),

@@ -37,7 +37,7 @@ class TransferConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
       event loop keeps serving other replicas meanwhile.
     - `ucx_copies`: over UCX, from a sender process on this host (`transport.ucx_landing`):
       `"cma"` (the default): the receiver reads every piece of at least 16 KiB from the sender's memory
-      itself, a round's scattered pieces in a few `process_vm_readv` calls (`transport.ucx_reads`; where
+      itself (every piece of a write with at most 64 smaller ones, `ucx_reads.reads_of`), a round's scattered pieces in a few `process_vm_readv` calls (`transport.ucx_reads`; where
       the kernel refuses it, or the pool is on a GPU, "mixed"); `"mixed"`: the receiver reads each
       direct piece through UCX's own rendezvous (what UCX does for any contiguous receive); in both,
       bundles of smaller rows land straight in their rows from UCX's shared-memory fragments;
