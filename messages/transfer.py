@@ -29,7 +29,7 @@ NonNegative = Annotated[int, msgspec.Meta(ge=0)]
 
 
 class TransferStatus(enum.Enum):
-    """Per-transfer status (DESIGN §5.6); the transition table lives in `transport.status`."""
+    """Per-transfer status (DESIGN §5.6); the transition table lives in `transport.protocol.status`."""
 
     BOOTSTRAPPING = "bootstrapping"
     WAITING_FOR_INPUT = "waiting_for_input"

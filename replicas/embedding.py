@@ -32,10 +32,10 @@ from messages.peer_codec import PeerCodecError, decode_header, encode_header
 from messages.transfer import TransferReport
 from replicas.model import ImageEmbedding, ImageGrid, InvalidBatchError, embedding_rows, layout_prompt
 from replicas.model.vision import image_positions
-from transport.blocks import BlockPool
-from transport.landing import LandedRound
-from transport.sender import SendSession
-from transport.storage import PoolStorage
+from transport.memory.blocks import BlockPool
+from transport.memory.storage import PoolStorage
+from transport.protocol.landing import LandedRound
+from transport.protocol.sender import SendSession
 
 THREAD_BYTES: Final = 4 * 1024 * 1024  # copies at least this large run in a worker thread
 

@@ -29,7 +29,7 @@ from replicas.inbox import Completed
 from replicas.request import EmbeddingRoute, ServingRequest
 from replicas.states import ReplicaState
 from transport.errors import HandshakeRefused, LinkError, TransferError
-from transport.landing import LandedRound
+from transport.protocol.landing import LandedRound
 
 if TYPE_CHECKING:
     from replicas.roles import RoleWork

@@ -35,8 +35,8 @@ from replicas.embedding import EncodePoolTooSmall, send_embeddings
 from replicas.embedding_receive import EmbeddingReceives, release_input
 from replicas.model import ImageEmbedding, ModelInputError
 from replicas.request import EmbeddingRoute, ServingRequest
-from transport.blocks import AllocationTimeout
 from transport.errors import TransferError
+from transport.memory.blocks import AllocationTimeout
 
 if TYPE_CHECKING:
     from replicas.roles import RoleWork

@@ -22,9 +22,9 @@ import trio
 
 from transport.endpoint import TransferEndpoint
 from transport.errors import LinkError
-from transport.inproc import InprocNetwork
 from transport.kinds import LinkFacts, TransportChoice, TransportKind, choose
-from transport.link import Link
+from transport.links.inproc.link import InprocNetwork
+from transport.protocol.link import Link
 
 _log = structlog.get_logger("transport.fabric")
 

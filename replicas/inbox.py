@@ -10,7 +10,7 @@ from typing import Any, final
 import trio
 
 from messages.commands import ReplicaCommand
-from transport.link import Link
+from transport.protocol.link import Link
 
 _command_ids = itertools.count(1)
 

@@ -17,11 +17,11 @@ from messages.faults import DropLink, StallSender
 from replicas.model import KVCache, embedding_layout
 from replicas.services import ReplicaServices
 from replicas.states import Role
-from transport.blocks import BlockPool
 from transport.config import TransferConfig
 from transport.endpoint import SenderDelivery, TransferEndpoint, open_endpoint
 from transport.faults import NO_FAULTS, FaultPlan
-from transport.storage import PoolStorage
+from transport.memory.blocks import BlockPool
+from transport.memory.storage import PoolStorage
 
 
 @final

@@ -8,7 +8,7 @@
             result = await session.send(ids, total_tokens=n)
 
 The endpoint's nursery owns every link's reader, fence watchers, small control sends and the one task
-that keeps every transfer's deadlines and keep-alives (`transport.liveness`); transfers run in their
+that keeps every transfer's deadlines and keep-alives (`transport.protocol.liveness`); transfers run in their
 callers' tasks (`receive`, `SendSession.send`). Leaving the context closes the links (which fences every
 write) and returns quarantined blocks.
 
@@ -46,21 +46,24 @@ from messages.transfer import (
     StatusUpdate,
     TotalAnnounce,
 )
-from transport import dial, gpu_copy, handshake, tcp
-from transport.blocks import BlockPool
+from transport.bulk import gpu_copy
 from transport.config import TransferConfig
 from transport.errors import HandshakeRefused, LinkBroken, LinkClosed, LinkError
 from transport.faults import NO_FAULTS, FaultPlan
-from transport.fences import Fences
-from transport.inproc import InprocNetwork
-from transport.landing import Consume, ReceiveResult, check_landing_request
-from transport.link import Landing, Link, Role
-from transport.liveness import KeptAlive, keep_alive_sessions
-from transport.receiver import ReceiveSession
-from transport.scope import describe_exit, open_task_scope
-from transport.sender import SendSession
-from transport.sender_desk import SenderDelivery, SenderDesk, hand_to_owner
-from transport.storage import PoolStorage
+from transport.links import dial
+from transport.links.inproc.link import InprocNetwork
+from transport.links.tcp import link as tcp
+from transport.memory.blocks import BlockPool
+from transport.memory.storage import PoolStorage
+from transport.protocol import handshake
+from transport.protocol.fences import Fences
+from transport.protocol.landing import Consume, ReceiveResult, check_landing_request
+from transport.protocol.link import Landing, Link, Role
+from transport.protocol.liveness import KeptAlive, keep_alive_sessions
+from transport.protocol.receiver import ReceiveSession
+from transport.protocol.scope import describe_exit, open_task_scope
+from transport.protocol.sender import SendSession
+from transport.protocol.sender_desk import SenderDelivery, SenderDesk, hand_to_owner
 
 _log = structlog.get_logger("transport.endpoint")
 
@@ -149,7 +152,7 @@ class TransferEndpoint:
         return self.address
 
     async def listen_on(self, kind: Literal["ucx", "cuda-ipc"], host: str = "127.0.0.1") -> str:
-        """Accept links over `ucx` or `cuda-ipc` (`transport.dial`); returns the address."""
+        """Accept links over `ucx` or `cuda-ipc` (`transport.links.dial`); returns the address."""
         self.address = await dial.listen(self, kind, self._adopt, host)
         return self.address
 
@@ -193,7 +196,7 @@ class TransferEndpoint:
             host, _, port = rest.rpartition(":")
             with trio.fail_after(self.config.handshake_timeout):
                 link = self._tcp_link(await tcp.connect(host, int(port)), "receiver")
-        else:  # ucx://, cuda-ipc:// (optional dependencies: transport.dial imports them when used)
+        else:  # ucx://, cuda-ipc:// (optional dependencies: transport.links.dial imports them when used)
             link = await dial.dial(self, address)
         self._adopt(link)
         await link.send(handshake.hello(link.link_id, self.name, self.storage.layout, self.address))
@@ -223,7 +226,7 @@ class TransferEndpoint:
         owner: str | None = None,
     ) -> ReceiveResult:
         """Receive transfer `transfer_id` from the sender at the far end of `peer`; see
-        `transport.receiver` for the two landing modes. `peer` is a link from `connect` or the sending
+        `transport.protocol.receiver` for the two landing modes. `peer` is a link from `connect` or the sending
         endpoint's name. Raises `TransferFailed` / `TransferTimeout`."""
         if isinstance(peer, str):
             named = [link for link in self.links(peer) if link.role == "receiver"]
@@ -368,7 +371,7 @@ class TransferEndpoint:
 
     # ------------------------------------------------------------------ fences and small sends
     def open_fence(self, link: Link, transfer_id: str, quarantine: list[int], owner: str) -> trio.Event:
-        """Quarantine `quarantine` until no write for `transfer_id` can land (see `transport.fences`)."""
+        """Quarantine `quarantine` until no write for `transfer_id` can land (see `transport.protocol.fences`)."""
         return self._fences.open(self.nursery, link, transfer_id, quarantine, owner)
 
     def send_soon(self, link: Link, message: PeerMessage) -> None:

@@ -16,7 +16,7 @@ An endpoint consults its `FaultPlan` at fixed points; with the default plan ever
   receiver lands it in host memory the receive fails, and the receiver closes that link naming both
   lengths; a receive into GPU memory does not notice).
 - `misaddressed_read_after_bytes`: once it has written that many bulk bytes, the sender describes its
-  read groups (`transport.ucx_reads`) at an address it does not have (UCX, with a receiver that reads;
+  read groups (`transport.links.ucx.reads`) at an address it does not have (UCX, with a receiver that reads;
   the receiver's read fails, and it closes that link naming the kernel's error).
 """
 

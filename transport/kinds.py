@@ -4,7 +4,7 @@
 |---|---|---|
 | `inproc` | endpoints of one process | copied pool to pool (device to device on GPUs) |
 | `tcp` | sockets (loopback or network) | sub-framed over the socket; GPU pools staged through pinned host memory |
-| `ucx` | ucxx tag messages (`transport.ucx`) | straight between pools over UCX (shared memory, TCP, RDMA…); GPU pools staged unless UCX has CUDA transports |
+| `ucx` | ucxx tag messages (`transport.links.ucx.link`) | straight between pools over UCX (shared memory, TCP, RDMA…); GPU pools staged unless UCX has CUDA transports |
 | `cuda-ipc` | control over TCP, same host | the sender copies into the receiver's GPU pool, mapped by CUDA IPC |
 
 `auto` picks per link, best first: same process → inproc; same host with GPU pools on both sides →
@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from transport.ucx_library import INSTALL_HINT, ucx_installed
+from transport.links.ucx.library import INSTALL_HINT, ucx_installed
 
 TransportKind = Literal["inproc", "tcp", "ucx", "cuda-ipc"]
 TransportChoice = Literal["inproc", "tcp", "ucx", "cuda-ipc", "auto"]

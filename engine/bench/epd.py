@@ -39,9 +39,9 @@ from replicas.model import ImageEmbedding, ImageGrid, embedding_layout, tiny_mod
 from replicas.model.vision import image_positions
 from transport.config import TransferConfig
 from transport.endpoint import SenderDelivery, TransferEndpoint, open_endpoint
-from transport.inproc import InprocNetwork
-from transport.link import Link
-from transport.storage import PoolStorage
+from transport.links.inproc.link import InprocNetwork
+from transport.memory.storage import PoolStorage
+from transport.protocol.link import Link
 
 BENCH = "epd"
 TOKENS = 10_000

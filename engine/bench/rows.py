@@ -76,7 +76,7 @@ def timed(fn: Callable[[], object]) -> float:
 
 def warmed(measure: Callable[[], float]) -> Callable[[], float]:
     """`measure`, run once unrecorded first. zigzag's readers poll for a moment after their last bytes
-    (`transport.link.POLL_SECONDS`), which would slow a baseline run right after them in the same
+    (`transport.protocol.link.POLL_SECONDS`), which would slow a baseline run right after them in the same
     processes; with this each side's recorded run follows a run of its own."""
 
     def run_twice() -> float:

@@ -58,10 +58,10 @@ from engine.bench.transfer_peer import (
 )
 from transport.config import TransferConfig
 from transport.endpoint import TransferEndpoint, open_endpoint
-from transport.inproc import InprocNetwork
-from transport.link import Link
-from transport.storage import PoolStorage
-from transport.ucx_library import INSTALL_HINT, ucx_installed
+from transport.links.inproc.link import InprocNetwork
+from transport.links.ucx.library import INSTALL_HINT, ucx_installed
+from transport.memory.storage import PoolStorage
+from transport.protocol.link import Link
 
 BENCH = "transfer"
 T = TypeVar("T")

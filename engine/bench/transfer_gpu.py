@@ -8,7 +8,7 @@ with a note on stderr. Figures from lent H100s: docs/benchmarks.md, "GPU pools (
 - `cuda_ipc_1GiB_known`: the same, the receiver knowing the length (a KV handoff knows its prompt's):
   one round, no round trip for the total.
 - `gpu_copy_1GiB`: the cuda-ipc sender's device copy alone, in this process: 512 of 1 024 shuffled 2 MiB
-  blocks of one pool into another (`runs.block_index` + `transport.gpu_copy`: one Triton kernel, or two
+  blocks of one pool into another (`runs.block_index` + `transport.bulk.gpu_copy`: one Triton kernel, or two
   passes without Triton), index built in the call, against one contiguous `copy_` of the same GiB; both
   synchronised. Added after the H100 lease of 2026-11-23 from its probe (docs/benchmarks.md, "The copy
   itself"); first run as a row on the third lease (0.71-0.87).
@@ -36,13 +36,13 @@ from engine.bench.rows import Row, alternate, row
 from engine.bench.transfer_peer import LAYOUTS, filled_storage, fragmented_pool, peer_process, serve_grants
 from messages.cuda_ipc import PoolShare
 from messages.layout import BufferSpec, PoolLayout
-from transport import gpu_copy
+from transport.bulk import gpu_copy
+from transport.bulk.runs import block_index
 from transport.config import TransferConfig
-from transport.cuda_ipc_share import open_share, share_pool
 from transport.endpoint import SenderDelivery, TransferEndpoint, open_endpoint
-from transport.runs import block_index
-from transport.storage import PoolStorage
-from transport.ucx_library import ucx_installed
+from transport.links.cuda_ipc.share import open_share, share_pool
+from transport.links.ucx.library import ucx_installed
+from transport.memory.storage import PoolStorage
 
 BENCH = "transfer"
 GiB: Final = 1024**3

@@ -23,10 +23,10 @@ import trio
 
 from messages.layout import BufferSpec, DType, PoolLayout
 from messages.transfer import Grant
-from transport.blocks import BlockPool
 from transport.endpoint import SenderDelivery, TransferEndpoint, open_endpoint
-from transport.inproc import InprocNetwork
-from transport.storage import PoolStorage
+from transport.links.inproc.link import InprocNetwork
+from transport.memory.blocks import BlockPool
+from transport.memory.storage import PoolStorage
 
 MiB: Final = 1024 * 1024
 

@@ -54,8 +54,8 @@ import trio
 from engine.bench.rows import Row, alternate, row, warmed
 from engine.bench.transfer_peer import RAW_BYTES, Source, peer_process, serve_grants
 from transport.endpoint import SenderDelivery, open_endpoint
-from transport.ucp_scatter import ScatteredReceive, io_vector
-from transport.ucx_library import libucxx
+from transport.links.ucx.library import libucxx
+from transport.links.ucx.scatter import ScatteredReceive, io_vector
 
 BENCH = "transfer"
 ADDRESS: Final = 1  # raw baseline tags: the receiver's worker address, a request, the payload
@@ -170,7 +170,7 @@ class RawReceiver:
         return RAW_BYTES / self._exchange(RAW_BYTES) / 1e9
 
     def scattered_gbps(self) -> float:
-        """As `gbps`, received by a UCP receive with an I/O vector (`transport.ucp_scatter`): UCX then
+        """As `gbps`, received by a UCP receive with an I/O vector (`transport.links.ucx.scatter`): UCX then
         has the sender write the bytes, the protocol zigzag's scattered receives get."""
         return RAW_BYTES / self._exchange(RAW_BYTES, scattered=True) / 1e9
 

@@ -58,7 +58,7 @@ from messages.control_replies import (
     TransitionResult,
     reply_decoder,
 )
-from transport.scope import open_task_scope
+from transport.protocol.scope import open_task_scope
 
 DEFAULT_MAX_LINE_BYTES: Final = 64 * 1024 * 1024
 R = TypeVar("R", bound=ControlResult)

@@ -19,8 +19,8 @@ import torch
 from messages.layout import BufferSpec, PoolLayout
 from replicas.model.config import ModelConfig
 from replicas.model.errors import ContextLengthError, InvalidBatchError
-from transport.blocks import BlockPool
-from transport.storage import PoolStorage, token_rows
+from transport.memory.blocks import BlockPool
+from transport.memory.storage import PoolStorage, token_rows
 
 DEFAULT_KV_BLOCK_SIZE = 16
 

@@ -23,7 +23,7 @@ from replicas.model.kv_cache import DEFAULT_KV_BLOCK_SIZE, kv_layout
 from replicas.model.layers import LayerWeights, rms_norm, swiglu
 from replicas.model.linear import Kernels, Linear
 from replicas.model.rope import Rotary, apply_rotary
-from transport.storage import torch_dtype
+from transport.memory.storage import torch_dtype
 
 if TYPE_CHECKING:
     from messages.layout import PoolLayout

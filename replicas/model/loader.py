@@ -25,7 +25,7 @@ from replicas.model.layers import expected_layer_shapes, fuse_layer
 from replicas.model.linear import Kernels
 from replicas.model.llama import Model
 from replicas.model.tokenizer import HFTokenizer
-from transport.storage import torch_dtype
+from transport.memory.storage import torch_dtype
 
 INDEX_FILE = "model.safetensors.index.json"
 

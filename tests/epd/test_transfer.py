@@ -28,13 +28,13 @@ from replicas.embedding import (
     send_embeddings,
 )
 from replicas.model import ImageEmbedding, ImageGrid, Model, embedding_layout, layout_prompt
-from transport.blocks import BlockPool
 from transport.config import TransferConfig
 from transport.endpoint import open_endpoint
 from transport.errors import TransferError, TransferTimeout
-from transport.inproc import InprocNetwork
-from transport.landing import LandedRound
-from transport.storage import PoolStorage
+from transport.links.inproc.link import InprocNetwork
+from transport.memory.blocks import BlockPool
+from transport.memory.storage import PoolStorage
+from transport.protocol.landing import LandedRound
 
 IMAGE = 258  # the tiny model's image token
 HIDDEN = 128

@@ -161,8 +161,8 @@ def test_image_rows_through_an_embedding_pool_give_the_reference_output(tiny: Mo
         encode_prompt,
         generate_in_one_piece,
     )
-    from transport.blocks import BlockPool
-    from transport.storage import PoolStorage
+    from transport.memory.blocks import BlockPool
+    from transport.memory.storage import PoolStorage
 
     assert tiny.vision is not None and tiny.tokenizer is not None
     images = [_image(64, 32, seed=5), _image(16, 48, seed=6)]

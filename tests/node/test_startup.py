@@ -31,7 +31,7 @@ from replicas.supervisor import RESTART_BACKOFF_FIRST
 from tests.epd.inprocess import served_node
 from tests.node.harness import REPO_ROOT, START_TIMEOUT, by_name, wait_states
 from transport.endpoint import TransferEndpoint
-from transport.ucx_library import ucx_installed
+from transport.links.ucx.library import ucx_installed
 
 
 def run_node(*options: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:

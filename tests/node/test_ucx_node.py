@@ -14,7 +14,7 @@ from engine.client import ControlError
 from replicas.model import Model
 from tests.node.harness import by_name, node_process, wait_idle, wait_serving, wait_status
 from tests.node.workload import check_outcome, mixed_workload, send_all
-from transport.ucx_library import ucx_installed
+from transport.links.ucx.library import ucx_installed
 
 CONCURRENT = 8
 

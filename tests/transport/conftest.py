@@ -8,7 +8,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from transport.ucx_library import ucx_installed
+from transport.links.ucx.library import ucx_installed
 
 # CI runs the UCX tests on CPU over shared memory and TCP (issue 7); a developer's own UCX_TLS wins.
 UCX_TLS = "sm,tcp"

@@ -17,15 +17,15 @@ import torch
 import trio
 
 from messages.layout import BufferSpec, PoolLayout
-from transport.blocks import BlockPool
 from transport.config import TransferConfig
 from transport.endpoint import SenderDelivery, TransferEndpoint, open_endpoint
 from transport.faults import NO_FAULTS, FaultPlan
-from transport.inproc import InprocNetwork
-from transport.landing import LandedRound
-from transport.link import Link
-from transport.storage import PoolStorage
-from transport.ucx_worker import UcxWorker
+from transport.links.inproc.link import InprocNetwork
+from transport.links.ucx.worker import UcxWorker
+from transport.memory.blocks import BlockPool
+from transport.memory.storage import PoolStorage
+from transport.protocol.landing import LandedRound
+from transport.protocol.link import Link
 
 
 def embedding_layout(block_size: int = 128, hidden: int = 8) -> PoolLayout:
@@ -248,12 +248,12 @@ def _always(_device: torch.device, _cuda_capable: bool) -> bool:
 
 @contextmanager
 def device_bundles_on_cpu() -> Iterator[None]:
-    """UCX links pack CPU pools as they pack GPU pools their UCX reaches (`transport.device_bundles`):
+    """UCX links pack CPU pools as they pack GPU pools their UCX reaches (`transport.bulk.device_bundles`):
     the policy that picks the path (`bundles_on_device`, true only for CUDA pools) switched on, so the
     path itself — one gathered bundle per message, received into one buffer and scattered — runs on CPU
     over real UCX, all but its streams and events."""
     with pytest.MonkeyPatch.context() as patch:
-        for module in ("transport.ucx", "transport.ucx_frames"):
+        for module in ("transport.links.ucx.link", "transport.links.ucx.frames"):
             patch.setattr(f"{module}.bundles_on_device", _always)
         yield
 

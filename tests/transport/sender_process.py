@@ -25,13 +25,13 @@ import torch
 import trio
 
 from tests.transport.harness import Source, embedding_layout, listen
+from transport.bulk.write import BulkWrite
 from transport.config import TransferConfig
 from transport.endpoint import open_endpoint
 from transport.errors import TransferError
 from transport.faults import FaultPlan
-from transport.link import BulkWrite
-from transport.sender import SendSession
-from transport.ucx import UcxLink
+from transport.links.ucx.link import UcxLink
+from transport.protocol.sender import SendSession
 
 
 def stop_after_posting(round_number: int) -> None:

@@ -36,12 +36,12 @@ from tests.transport.harness import (
     settle,
     shuffled_pool,
 )
-from tests.transport.test_transfer import SEED_SCENARIOS
-from transport import gpu_copy
+from tests.transport.protocol.test_transfer import SEED_SCENARIOS
+from transport.bulk import gpu_copy
+from transport.bulk.runs import group_index, launch_copy_runs, plan_runs
 from transport.config import TransferConfig
 from transport.endpoint import SenderDelivery, open_endpoint
 from transport.errors import LinkBroken, TransferFailed
-from transport.runs import group_index, launch_copy_runs, plan_runs
 
 pytestmark = pytest.mark.gpu
 KINDS = ["inproc", "tcp", "ucx", "cuda-ipc"]
@@ -129,7 +129,7 @@ async def test_an_inproc_gpu_round_lands_what_was_queued_before_it(cuda: torch.d
 @pytest.mark.parametrize("kind", ["cuda-ipc", "ucx"], indirect=True)
 async def test_gpu_pools_between_two_processes_and_a_killed_sender(kind: str) -> None:
     """GPU pool to GPU pool across processes (the child inherits `UCX_TLS`: with CUDA transports in it,
-    ucx moves device bundles, `transport.device_bundles`), then a sender killed mid-transfer."""
+    ucx moves device bundles, `transport.bulk.device_bundles`), then a sender killed mid-transfer."""
     layout = embedding_layout(block_size=128, hidden=8)
     seeds = {"t2000": 2000, "t10000-cap8": 10_000, "doomed": 10_000}
     lively: dict[str, Any] = {"heartbeat_interval": 0.2, "link_timeout": 1.0}
@@ -216,7 +216,7 @@ async def test_a_cuda_ipc_link_the_receiver_closes_keeps_its_blocks_until_the_se
 ) -> None:
     """The sender's copy waits behind a second of work on its current stream when the receiver closes
     the link: the round's blocks stay quarantined until that copy has run — the sender ends the
-    connection only then (`transport.socket_fence`) — and come back after. The work is queued as the
+    connection only then (`transport.links.cuda_ipc.socket_fence`) — and come back after. The work is queued as the
     sender's owner hands it the grant, so the copy is launched behind it whatever the timing."""
     layout = embedding_layout(hidden=1024)
     source = Source(layout, 2048, seed=3, device="cuda")

@@ -44,7 +44,7 @@ def test_zigzag_imports_and_explains_a_missing_ucxx() -> None:
     script = """
 import sys
 sys.modules["ucxx"] = None  # as if the ucx extra were not installed
-import engine.node, engine.bench.transfer, replicas.fabric, transport.endpoint, transport.dial
+import engine.node, engine.bench.transfer, replicas.fabric, transport.endpoint, transport.links.dial
 assert engine.node.main(["--transport", "ucx"]) == 2
 assert sys.modules["ucxx"] is None
 """
