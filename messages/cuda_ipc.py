@@ -1,4 +1,4 @@
-"""What a cuda-ipc receiver tells its sender before the link's handshake (issue 7, `transport.links.cuda_ipc.link`).
+"""What a cuda-ipc receiver tells its sender before the link's handshake (`transport.links.cuda_ipc.link`).
 
 The receiver shares its pool: for each buffer tensor, the CUDA IPC handle of the allocation it lives in
 and where in it the tensor starts, as `torch.multiprocessing.reductions.reduce_tensor` describes it. The

@@ -3,7 +3,7 @@
 A transition is either *commanded* (the `transition` op, the planner, the controller) or *automatic* (the
 replica moves itself when a condition holds: weights loaded, nothing left to finish). `check_command`
 refuses every commanded move that the table does not list, naming both states; ZigZag moves are
-refused as not supported until the ZigZag issue lands.
+refused as not supported yet (ZigZag live scaling is not built).
 """
 
 from __future__ import annotations

@@ -36,16 +36,17 @@ class TransferConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     - `inproc_thread_bytes`: inproc rounds at least this large are copied in a worker thread, so the
       event loop keeps serving other replicas meanwhile.
     - `ucx_copies`: over UCX, from a sender process on this host (`transport.links.ucx.landing`):
-      `"cma"` (the default): the receiver reads every piece of at least 16 KiB from the sender's memory
-      itself (every piece of a write with at most 64 smaller ones, `ucx_reads.reads_of`), a round's scattered pieces in a few `process_vm_readv` calls (`transport.links.ucx.reads`; where
-      the kernel refuses it, or the pool is on a GPU, "mixed"); `"mixed"`: the receiver reads each
-      direct piece through UCX's own rendezvous (what UCX does for any contiguous receive); in both,
-      bundles of smaller rows land straight in their rows from UCX's shared-memory fragments;
-      `"receiver"`: as "mixed", but those bundles land in a host chunk the receiver unpacks, so no block
-      ever waits for the sender process; `"sender"`: the sender writes the direct pieces into the rows
-      as well (scattered receives), off the receiver's thread.
-    - `ucx_read_lanes`: with `"cma"`, how many threads read a large call together (the receiver's own
-      and `ucx_read_lanes - 1` of Trio's thread cache; `transport.links.ucx.cma.read`). 1: the receiver's only.
+      `"cma"` (the default): the receiver reads every piece of at least 16 KiB from the sender's memory itself
+      (every piece of a write with at most 64 smaller ones, `transport.links.ucx.reads.reads_of`), a round's
+      scattered pieces in a few `process_vm_readv` calls (`transport.links.ucx.reads`; where the kernel
+      refuses it, or the pool is on a GPU, "mixed"); `"mixed"`: the receiver reads each direct piece through
+      UCX's own rendezvous (what UCX does for any contiguous receive); in both, bundles of smaller rows land
+      straight in their rows from UCX's shared-memory fragments; `"receiver"`: as "mixed", but those bundles
+      land in a host chunk the receiver unpacks, so no block ever waits for the sender process; `"sender"`:
+      the sender writes the direct pieces into the rows as well (scattered receives), off the receiver's
+      thread.
+    - `ucx_read_lanes`: with `"cma"`, how many threads read a large call together (the receiver's own and
+      `ucx_read_lanes - 1` of Trio's thread cache; `transport.links.ucx.cma.read`). 1: the receiver's only.
     """
 
     default_grant_blocks: Positive = 8

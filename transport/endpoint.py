@@ -226,8 +226,8 @@ class TransferEndpoint:
         owner: str | None = None,
     ) -> ReceiveResult:
         """Receive transfer `transfer_id` from the sender at the far end of `peer`; see
-        `transport.protocol.receiver` for the two landing modes. `peer` is a link from `connect` or the sending
-        endpoint's name. Raises `TransferFailed` / `TransferTimeout`."""
+        `transport.protocol.receiver` for the two landing modes. `peer` is a link from `connect` or the
+        sending endpoint's name. Raises `TransferFailed` / `TransferTimeout`."""
         if isinstance(peer, str):
             named = [link for link in self.links(peer) if link.role == "receiver"]
             if not named:
@@ -371,12 +371,13 @@ class TransferEndpoint:
 
     # ------------------------------------------------------------------ fences and small sends
     def open_fence(self, link: Link, transfer_id: str, quarantine: list[int], owner: str) -> trio.Event:
-        """Quarantine `quarantine` until no write for `transfer_id` can land (see `transport.protocol.fences`)."""
+        """Quarantine `quarantine` until no write for `transfer_id` can land (see
+        `transport.protocol.fences`)."""
         return self._fences.open(self.nursery, link, transfer_id, quarantine, owner)
 
     def send_soon(self, link: Link, message: PeerMessage) -> None:
-        """Send a small control message from synchronous code, in a task of the endpoint's nursery; none
-        on a closed link (its close failed what it carried; the endpoint closes them all before its nursery)."""
+        """Send a small control message from synchronous code, in a task of the endpoint's nursery; none on a
+        closed link (its close failed what it carried; the endpoint closes them all before its nursery)."""
         if not link.is_closed:
             self.nursery.start_soon(self._send_logged, link, message)
 

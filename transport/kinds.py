@@ -1,4 +1,4 @@
-"""The transports a node can use, whether each is usable here, and the `auto` rule (issue 7).
+"""The transports a node can use, whether each is usable here, and the `auto` rule.
 
 | kind | link | bulk bytes |
 |---|---|---|

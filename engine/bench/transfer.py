@@ -364,7 +364,7 @@ def run(args: argparse.Namespace) -> Iterable[Row]:
 
 
 def extra_rows(group: str, portal: Portal, args: argparse.Namespace, repeats: int) -> Iterator[Row]:
-    """The ucx and gpu cases (issue 7), or a note on stderr saying why they were skipped."""
+    """The ucx and gpu cases, or a note on stderr saying why they were skipped."""
     if group == "ucx":
         if not ucx_installed():
             print(f"transfer: ucx cases skipped: ucxx is not installed ({INSTALL_HINT})", file=sys.stderr)

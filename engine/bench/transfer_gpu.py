@@ -1,5 +1,6 @@
-"""The transfer benchmark's GPU cases (issue 7). They need a CUDA device; without one they are skipped
-with a note on stderr. Figures from lent H100s: docs/benchmarks.md, "GPU pools (H100)".
+"""The transfer benchmark's GPU cases. They need a CUDA device; without one they are skipped with a note
+on stderr. Figures, measured on an NVIDIA H100 80GB HBM3 (`python -m engine.bench transfer --only gpu`):
+docs/benchmarks.md.
 
 - `cuda_ipc_1GiB`: 1 GiB of embedding rows (4096 wide, 128-token blocks, both free lists shuffled) from a
   sender process's GPU pool into this process's over `cuda-ipc`, against a raw device-to-device `copy_`
@@ -10,8 +11,7 @@ with a note on stderr. Figures from lent H100s: docs/benchmarks.md, "GPU pools (
 - `gpu_copy_1GiB`: the cuda-ipc sender's device copy alone, in this process: 512 of 1 024 shuffled 2 MiB
   blocks of one pool into another (`runs.block_index` + `transport.bulk.gpu_copy`: one Triton kernel, or two
   passes without Triton), index built in the call, against one contiguous `copy_` of the same GiB; both
-  synchronised. Added after the H100 lease of 2026-11-23 from its probe (docs/benchmarks.md, "The copy
-  itself"); first run as a row on the third lease (0.71-0.87).
+  synchronised. On an H100 80GB HBM3: 0.71-0.87 of the contiguous copy.
 - `gpu_pool_tcp`, `gpu_pool_ucx`: 256 MiB between GPU pools of two processes over tcp / ucx (staged
   through pinned host memory unless UCX has CUDA transports), beside this host's pinned host → device
   copy bandwidth (GB/s; the ratio shows how close a network transport gets to the PCIe copy alone).

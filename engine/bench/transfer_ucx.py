@@ -1,4 +1,4 @@
-"""The transfer benchmark's UCX cases (issue 7): zigzag over ucx against raw ucxx between two processes.
+"""The transfer benchmark's UCX cases: zigzag over ucx against raw ucxx between two processes.
 
 - `ucx_64MiB`: one 64 MiB embedding transfer (4096-wide rows, 128-token blocks, both free lists
   shuffled, unknown length: default grant then more rounds, window of grants) from a sender process

@@ -1,12 +1,13 @@
-"""A bundle of packed frames as one buffer on the pool's GPU (issue 7): how a UCX link moves a GPU
-pool's rows when UCX reaches GPU memory itself (CUDA transports in `UCX_TLS`).
+"""A bundle of packed frames as one buffer on the pool's GPU: how a UCX link moves a GPU pool's rows
+when UCX reaches GPU memory itself (CUDA transports in `UCX_TLS`).
 
 UCX moves each message between GPU buffers by a CUDA IPC rendezvous, about 23 µs however small the
-message (raw ucxx on the lent H100: 128 messages of 2 MiB in 3.0 ms, one of 256 MiB in 0.35 ms). A piece
-per message, a fragmented pool costs a message per block and buffer: 384 for the benchmark's 256 MiB of
-128 embedding blocks, 14-23 GB/s (`gpu_pool_ucx`, docs/benchmarks.md, "Third lease"). So such a link
-packs on the device instead, in frames and bundles of up to `DEVICE_BUNDLE_BYTES`
-(`frame_plan.DEVICE_SIZES`); only a piece that fills a bundle alone still goes as its own message:
+message (raw ucxx on an H100 80GB HBM3: 128 messages of 2 MiB in 3.0 ms, one of 256 MiB in 0.35 ms). A
+piece per message, a fragmented pool costs a message per block and buffer: 384 for the benchmark's
+256 MiB of 128 embedding blocks, which moved at 14-23 GB/s that way (`gpu_pool_ucx` of
+`python -m engine.bench transfer --only gpu`, same GPU). So such a link packs on the device instead, in
+frames and bundles of up to `DEVICE_BUNDLE_BYTES` (`frame_plan.DEVICE_SIZES`); only a piece that fills a
+bundle alone still goes as its own message:
 
 - `gather`: the sender's rows of each frame, one `index_select` each, into one new device buffer, each
   frame from its aligned start (`bundle_starts`; the gaps zeroed: the buffer is recycled memory);

@@ -1,7 +1,7 @@
 """A bulk write cut into frames of one buffer, each of at most `MAX_SEGMENTS` pieces.
 
-A *piece* is a stretch of rows consecutive on both sides: a run (`transport.bulk.runs`), or a slice of one that
-would not fit a frame. Frames are what the ucx transport describes in one control message, and what a
+A *piece* is a stretch of rows consecutive on both sides: a run (`transport.bulk.runs`), or a slice of one
+that would not fit a frame. Frames are what the ucx transport describes in one control message, and what a
 pool on a GPU is staged through host memory by (tcp, ucx without CUDA transports).
 
 `direct(piece_bytes)` sorts the pieces: *direct* frames send each piece as its own message, straight
@@ -42,8 +42,9 @@ BUNDLE_BYTES: Final = 1024 * 1024
 # (staging a GPU pool's rows views the chunk as the buffer's dtype).
 BUNDLE_ALIGN: Final = 16
 # A packed frame, and a bundle, gathered on a GPU: UCX moves a message between GPU buffers by a CUDA IPC
-# rendezvous of about 23 µs however small (the H100's raw ucxx: 128 × 2 MiB in 3.0 ms, 1 × 256 MiB in
-# 0.35 ms), so fewer, larger messages; 4 in flight per link (`PACKED_WINDOW`) hold 128 MiB of the GPU.
+# rendezvous of about 23 µs however small (raw ucxx on an H100 80GB HBM3: 128 × 2 MiB in 3.0 ms,
+# 1 × 256 MiB in 0.35 ms), so fewer, larger messages; 4 in flight per link (`PACKED_WINDOW`) hold 128 MiB
+# of the GPU.
 DEVICE_BUNDLE_BYTES: Final = 32 * 1024 * 1024
 # The largest packed frame, or bundle, a descriptor may announce: what a receiver accepts.
 MAX_PACKED_BYTES: Final = max(MAX_FRAME_BYTES, DEVICE_BUNDLE_BYTES)

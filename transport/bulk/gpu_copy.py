@@ -1,16 +1,18 @@
 """One pass over a round's bytes on a GPU: groups of rows gathered from one buffer and scattered into
 another by a single kernel, instead of `index_select` into a temporary and `index_copy_` out of it.
 
-Measured on an H100 (docs/benchmarks.md, "GPU pools (H100)"): 512 shuffled 2 MiB blocks took 1.8–2.0 ms
-through the temporary (every byte read and written twice) and 0.78–0.85 ms in one pass, 0.91–0.94 of one
-contiguous `copy_` of the same GiB; a `copy_` per block costs about 10 µs of host time each.
+Measured on an H100 80GB HBM3, the index prebuilt: 512 shuffled 2 MiB blocks took 1.8–2.0 ms through
+the temporary (every byte read and written twice) and 0.78–0.85 ms in one pass, 0.91–0.94 of one
+contiguous `copy_` of the same GiB; a `copy_` per block costs about 10 µs of host time each. The
+`gpu_copy_1GiB` row of `python -m engine.bench transfer --only gpu` times it with the index built in the
+call.
 
 The kernel is written in Triton, which torch's CUDA builds for Linux install as their own dependency
 (torch.compile's code generator). `prepare(device)` builds and checks it once per device; an endpoint
 on a GPU pool does so in a worker thread as it opens. `copy_groups` never compiles: until that build is
 done (about a second, longer on a busy host), it copies through the temporary, so a first round neither
-waits for the compiler nor blocks the event loop on it (a second's block there once broke a link whose
-peer waited a second for a heartbeat). Where Triton cannot be imported (CPU builds, other platforms), or
+waits for the compiler nor blocks the event loop on it (a second's block there can break a link whose
+peer waits a second for a heartbeat). Where Triton cannot be imported (CPU builds, other platforms), or
 the kernel fails its check on the device, `copy_groups` always copies through the temporary — the same
 bytes, one pass slower — and the log says why once (`transport.gpu_copy_two_pass`).
 
@@ -72,7 +74,7 @@ async def copies_done(event: CopyEvent, nbytes: int) -> None:
 
     It first polls the event between Trio turns, for as long as copies at `POLL_BYTES_PER_SECOND` (plus
     `POLL_SLACK_SECONDS`) would take, and only then waits in a worker thread. Against the thread alone
-    this saved 80-290 µs per 1 GiB transfer on the lent H100's VM (a thread's wake-up, then the event
+    this saved 80-290 µs per 1 GiB transfer on an H100 80GB HBM3 (a thread's wake-up, then the event
     loop's); polling costs the loop's turns for under a millisecond per GiB, and other tasks run between
     the polls."""
     poll_until = time.perf_counter() + nbytes / POLL_BYTES_PER_SECOND + POLL_SLACK_SECONDS
@@ -115,7 +117,7 @@ def prepare(device: torch.device) -> Any:
 
 
 def _build(device: torch.device) -> Any:
-    """Triton compiles a kernel per integer view on first launch (about 0.1 s each on the lent H100):
+    """Triton compiles a kernel per integer view on first launch (about 0.1 s each on an H100 80GB HBM3):
     the check copy launches each here, so no launch of `copy_groups` compiles on the event loop."""
     kernel = _kernel()
     if kernel is None:

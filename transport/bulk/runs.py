@@ -199,7 +199,7 @@ def _numbers(starts: torch.Tensor, lengths: list[int], group: int) -> torch.Tens
         return (firsts.unsqueeze(2) + torch.arange(per_run)).view(firsts.shape[0], -1)
     # Every entry is one more than the one before it, except at a run's first: a cumulative sum of ones
     # with each run's jump put in (a handful of whole-tensor ops; `repeat_interleave` took milliseconds
-    # for a hundred runs on the lent H100's host).
+    # for a hundred runs on the host of an H100 80GB HBM3 machine).
     counts = [length // group for length in lengths]
     if 0 in counts:
         kept = [run for run, count in enumerate(counts) if count]

@@ -1,8 +1,8 @@
 """The transports beyond inproc and tcp, reached through `TransferEndpoint.connect` / `listen_on`.
 
-`ucx` (`transport.links.ucx.connect`) needs the optional `ucx` extra (ucxx), and `cuda-ipc` (`transport.links.cuda_ipc.link`)
-needs CUDA pools; their modules are imported only here, when a link is made, so importing zigzag never
-needs either.
+`ucx` (`transport.links.ucx.connect`) needs the optional `ucx` extra (ucxx), and `cuda-ipc`
+(`transport.links.cuda_ipc.link`) needs CUDA pools; their modules are imported only here, when a link is made,
+so importing zigzag never needs either.
 """
 
 from __future__ import annotations

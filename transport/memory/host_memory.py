@@ -1,12 +1,12 @@
-"""Host memory for CPU pools, on transparent huge pages where the kernel offers them (issue 7).
+"""Host memory for CPU pools, on transparent huge pages where the kernel offers them.
 
 Copies walk a pool's pages: UCX's shared-memory transport reads the sender's pool from the receiver's
 process (`process_vm_readv`), pinning every page it reads, and inproc and tcp copies take a TLB miss per
-page. On 4 KiB pages 2 MiB messages moved at 5.7 GB/s on the 2-vCPU VM of docs/benchmarks.md, on 2 MiB
-pages at 7.2 GB/s. So a pool buffer of at least 2 MiB is allocated untouched, 2 MiB aligned, advised
-`MADV_HUGEPAGE` (Linux; honoured with transparent huge pages `always` or `madvise`), and only then
-zeroed — the first touch is what places it on huge pages. Elsewhere, or when the advice is refused,
-it is ordinary zeroed memory: huge pages are a speed-up, never a requirement.
+page. On 4 KiB pages 2 MiB messages moved at 5.7 GB/s on a 2-vCPU VM, on 2 MiB pages at 7.2 GB/s. So
+a pool buffer of at least 2 MiB is allocated untouched, 2 MiB aligned, advised `MADV_HUGEPAGE` (Linux;
+honoured with transparent huge pages `always` or `madvise`), and only then zeroed — the first touch is
+what places it on huge pages. Elsewhere, or when the advice is refused, it is ordinary zeroed memory:
+huge pages are a speed-up, never a requirement.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The `Link` interface every transport backend implements (inproc, tcp; later ucx, cuda-ipc).
+"""The `Link` interface every transport backend implements (inproc, tcp, ucx, cuda-ipc).
 
 A link joins one receiver endpoint to one sender endpoint. It carries control messages both ways and
 bulk writes from the sender into the receiver's blocks, **in one order**: a control message sent after a

@@ -7,11 +7,11 @@ its pool. Grants that arrived before the session opened are replayed into it.
 Control messages from the receiver reach the session through `handle(link, message)`: called by the
 endpoint directly, or by the owner after they went through the owner's command channel (DESIGN §3).
 
-Rounds are written strictly in order; a grant for a round already written is a duplicate and ignored.
-Each round: bytes first, then `ChunkDone` with the header and total as the write's trailer, on the same ordered
-link. An `Abort` from the receiver is answered with `AbortAck` once no write for this transfer is in
-flight (the fence the receiver waits for). Deadlines: while waiting on the receiver, a lack of progress
-for `progress_timeout` fails the transfer; while the owner prepares the data, the session tells the
+Rounds are written strictly in order; a grant for a round already written is a duplicate and ignored. Each
+round: bytes first, then `ChunkDone` with the header and total as the write's trailer, on the same ordered
+link. An `Abort` from the receiver is answered with `AbortAck` once no write for this transfer is in flight
+(the fence the receiver waits for). Deadlines: while waiting on the receiver, a lack of progress for
+`progress_timeout` fails the transfer; while the owner prepares the data, the session tells the
 receiver so (`StatusUpdate`) instead. Cancellation of `send` aborts the transfer (shielded, bounded).
 """
 
@@ -312,10 +312,10 @@ class SendSession:
         self._fail(FailureReason.NO_PROGRESS, f"no grant from the receiver for {self.liveness.timeout} s")
 
     def tick(self, now: float) -> float:
-        """Called by the endpoint's keep-alive task (`transport.protocol.liveness`): while the owner prepares the
-        data, tell the receiver this side is alive and queued; while `send` waits for a grant, fail the
-        transfer once the receiver made no progress for `progress_timeout` (`send` checks the deadline
-        itself before it waits: no cancel scope per wait)."""
+        """Called by the endpoint's keep-alive task (`transport.protocol.liveness`): while the owner prepares
+        the data, tell the receiver this side is alive and queued; while `send` waits for a grant, fail the
+        transfer once the receiver made no progress for `progress_timeout` (`send` checks the deadline itself
+        before it waits: no cancel scope per wait)."""
         if self.status.terminal:
             return math.inf
         preparing = self.link is not None and not self._data_ready

@@ -1,4 +1,4 @@
-"""The cuda-ipc transport (issue 7): replicas on one host whose pools are on GPUs; the sender copies
+"""The cuda-ipc transport: replicas on one host whose pools are on GPUs; the sender copies
 straight into the receiver's pool, device to device.
 
 - Address `cuda-ipc://host:port`, a TCP listener. Control messages travel over a `TcpLink` on that

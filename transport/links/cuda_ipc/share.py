@@ -1,4 +1,4 @@
-"""Sharing a GPU pool with another process of the host, for the cuda-ipc transport (issue 7).
+"""Sharing a GPU pool with another process of the host, for the cuda-ipc transport.
 
 Handles come from torch's own CUDA IPC path — `torch.multiprocessing.reductions.reduce_tensor` on the
 receiver's buffer tensors, `rebuild_cuda_tensor` in the sender — rather than `cudaIpcGetMemHandle`

@@ -1,18 +1,17 @@
 """The in-process transport: replicas in one process, copies straight between the two pools' tensors.
 
-Control messages travel as objects through a bounded Trio memory channel per direction (one reader per
-link end). A bulk write copies run by run from the sender's blocks into the receiver's blocks — never a
-temporary gather for large runs, never aliasing one tensor — after the receiver's landing has claimed
-every run, so no byte lands outside a standing grant. Rounds of at least
-`TransferConfig.inproc_thread_bytes` are copied in a worker thread (torch releases the GIL) through the
-link's copy lane (`transport.links.inproc.copy_lane`), so the event loop keeps serving other replicas: the write of a
-round that does not end its transfer returns once the round is queued, its `ChunkDone` goes out when the
-copy is done, and every later message of that end waits for the lane first, which keeps link order. A
-copy is never abandoned: `settle`, `quiesce` and the link's `run` wait for the lane. Pools on a GPU: a
-round's copies are queued on the device's transfer stream after the work already queued on the current
-one (`runs.launch_copy_runs`), and a smaller round's write waits for them with the event loop going on
-(`gpu_copy.copies_done`, counted for `quiesce` as the lane is) — never for a whole stream, where the
-model steps of other replicas in the process are queued.
+Control messages travel as objects through a bounded Trio memory channel per direction (one reader per link
+end). A bulk write copies run by run from the sender's blocks into the receiver's blocks — never a temporary
+gather for large runs, never aliasing one tensor — after the receiver's landing has claimed every run, so no
+byte lands outside a standing grant. Rounds of at least `TransferConfig.inproc_thread_bytes` are copied in a
+worker thread (torch releases the GIL) through the link's copy lane (`transport.links.inproc.copy_lane`), so
+the event loop keeps serving other replicas: the write of a round that does not end its transfer returns once
+the round is queued, its `ChunkDone` goes out when the copy is done, and every later message of that end waits
+for the lane first, which keeps link order. A copy is never abandoned: `settle`, `quiesce` and the link's
+`run` wait for the lane. Pools on a GPU: a round's copies are queued on the device's transfer stream after the
+work already queued on the current one (`runs.launch_copy_runs`), and a smaller round's write waits for them
+with the event loop going on (`gpu_copy.copies_done`, counted for `quiesce` as the lane is) — never for a
+whole stream, where the model steps of other replicas in the process are queued.
 """
 
 from __future__ import annotations

@@ -1,16 +1,16 @@
-"""Reading another process's memory with the kernel's cross-memory attach (`process_vm_readv`, issue 7).
+"""Reading another process's memory with the kernel's cross-memory attach (`process_vm_readv`).
 
 Between two processes of one host, UCX moves a large message by the receiver reading the sender's
 memory with this same call (its `cma` transport, "zero-copy read from remote" in `UCX_PROTO_INFO=y`), in
 fragments of about 512 KiB, one progress event each. `read` takes both sides' I/O vectors whole: a
-frame's scattered pieces in one call (`transport.links.ucx.reads`). On the 2-vCPU VM of docs/benchmarks.md,
-64 MiB as 32 shuffled 2 MiB pieces read in 4.9 ms where raw ucxx moved one contiguous 64 MiB message
-in 5.7 ms; as 2 048 pieces of 32 KiB, in 8.0 ms.
+frame's scattered pieces in one call (`transport.links.ucx.reads`). On a 2-vCPU VM, 64 MiB as 32
+shuffled 2 MiB pieces read in 4.9 ms where raw ucxx moved one contiguous 64 MiB message in 5.7 ms; as
+2 048 pieces of 32 KiB, in 8.0 ms.
 
 One thread does not reach the memory's bandwidth: the kernel pins each source page and copies it on the
 calling thread. `read` with `lanes` > 1 cuts a large call into chunks that the caller and threads of
 Trio's thread cache claim one at a time; 64 MiB of 2 MiB pieces in 4.2–5.2 ms on two lanes against
-5.1–5.9 ms on one (the same VM, docs/benchmarks.md, *`ucx_64MiB` on two lanes*).
+5.1–5.9 ms on one (the same VM).
 
 The kernel allows the call where `ptrace` would be allowed (same user, and Yama's `ptrace_scope`), so a
 receiver first reads a probe the sender names (`PROBE`, `readable`) and falls back to UCX if that fails.
@@ -68,10 +68,10 @@ _process_vm_readv: Final = _libc_call()
 def read(pid: int, local: array.array[int], remote: array.array[int], nbytes: int, *, lanes: int = 1) -> None:
     """Copy `nbytes` from process `pid`'s memory at I/O vector `remote` into this process's `local`.
 
-    Both vectors are flat `Q` arrays of `(address, length)` pairs (`transport.links.ucx.scatter.io_vector`), each
-    adding up to `nbytes`, at most `IOV_MAX` entries each. With `lanes` > 1 and at least two
-    `CHUNK_BYTES`, the call is cut into chunks that this thread and `lanes - 1` threads of Trio's cache
-    read, each claiming the next chunk when it is free (`_SharedRead`). Blocks this thread until every
+    Both vectors are flat `Q` arrays of `(address, length)` pairs (`transport.links.ucx.scatter.io_vector`),
+    each adding up to `nbytes`, at most `IOV_MAX` entries each. With `lanes` > 1 and at least two
+    `CHUNK_BYTES`, the call is cut into chunks that this thread and `lanes - 1` threads of Trio's cache read,
+    each claiming the next chunk when it is free (`_SharedRead`). Blocks this thread until every
     chunk is read (about 0.1 ms per MiB on one lane): no read outlives the call, so the caller owns
     `local` again when it returns, even when it raises. Raises `CmaFailed` for any error or a short read
     (the first chunk's that failed; other reasons as notes): the data in `local` is then undefined."""

@@ -1,4 +1,4 @@
-"""Making UCX links (issue 7): one worker per endpoint, listening, and the connect exchange.
+"""Making UCX links: one worker per endpoint, listening, and the connect exchange.
 
 Each endpoint that uses UCX gets one worker (`worker_for`), progressed by a task in the endpoint's
 nursery. A sending endpoint listens at `ucx://<hex of its worker address>`; with UCX's shared-memory

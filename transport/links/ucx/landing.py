@@ -1,4 +1,4 @@
-"""Where a UCX link's bulk bytes land (issue 7): the receives one frame descriptor calls for.
+"""Where a UCX link's bulk bytes land: the receives one frame descriptor calls for.
 
 The link's reader reads descriptors in order and posts, for each, the receives of the bytes that follow
 it on the bulk tag (one message per segment of a direct frame, one per bundle of packed frames):

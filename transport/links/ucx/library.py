@@ -1,4 +1,4 @@
-"""Loading ucxx (the `ucx` extra) and the process's UCX context (issue 7).
+"""Loading ucxx (the `ucx` extra) and the process's UCX context.
 
 Importing zigzag never needs ucxx: `libucxx` imports it on first use, after setting what UCX reads as
 its library loads. One context serves every worker of the process (`transport.links.ucx.worker`).

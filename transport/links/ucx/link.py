@@ -1,4 +1,4 @@
-"""The UCX transport (issue 7): links over ucxx tag messages, driven from Trio (`transport.links.ucx.worker`).
+"""The UCX transport: links over ucxx tag messages, driven from Trio (`transport.links.ucx.worker`).
 
 Links are made by `transport.links.ucx.connect`. On a link (docs/transports.md, "UCX, driven from Trio"):
 

@@ -1,6 +1,6 @@
-"""What a UCX link sends after a bulk descriptor (issue 7): the messages carrying one direct frame's or
-one bundle's bytes, chosen by where the sender's pool is (`transport.links.ucx.link` posts them on the bulk tag, in
-order, right after the descriptor).
+"""What a UCX link sends after a bulk descriptor: the messages carrying one direct frame's or one bundle's
+bytes, chosen by where the sender's pool is (`transport.links.ucx.link` posts them on the bulk tag, in order,
+right after the descriptor).
 
 - a bundle gathered on the GPU already (`transport.bulk.device_bundles`): one message from that buffer;
 - a bundle of a host pool: one message gathered by UCX from the rows (an I/O vector, `bundle_vector`);

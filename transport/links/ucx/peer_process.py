@@ -1,4 +1,4 @@
-"""Which process is at the far end of a UCX link, when it runs on this host (issue 7).
+"""Which process is at the far end of a UCX link, when it runs on this host.
 
 A scattered receive (`transport.links.ucx.scatter`) is written by the sender process itself. Once UCX has
 matched it, only that process can complete it, so a link that closes with such a receive pending can

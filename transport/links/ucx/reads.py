@@ -1,11 +1,11 @@
-"""Read frames: a UCX link's host pieces that the receiver reads from the sender's memory itself (issue 7).
+"""Read frames: a UCX link's host pieces that the receiver reads from the sender's memory itself.
 
 When both ends of a UCX link run on one host, the receiver's pool is in host memory and
 `TransferConfig.ucx_copies` is `"cma"`, the receiver checks at connect time that it may read the sender's
-memory (`transport.links.ucx.cma.readable`) and tells the sender so (a `reads` body, `transport.links.ucx.frames`). From
-then on the sender describes every piece of its host pool of at least `READ_MIN_BYTES` in *read frames*,
-grouped per round (`read_groups`), and sends no bytes for them; smaller rows still travel in bundles
-of packed frames, after the round's read groups.
+memory (`transport.links.ucx.cma.readable`) and tells the sender so (a `reads` body,
+`transport.links.ucx.frames`). From then on the sender describes every piece of its host pool of at least
+`READ_MIN_BYTES` in *read frames*, grouped per round (`read_groups`), and sends no bytes for them; smaller
+rows still travel in bundles of packed frames, after the round's read groups.
 
 - The receiver (`read_group`) claims each frame's rows, reads the claimed ones with `process_vm_readv`,
   several frames and scattered pieces per call, at most `READ_SLICE_BYTES` at a time (other tasks run
@@ -47,8 +47,9 @@ from transport.protocol.link import Landing
 READ_MIN_BYTES: Final = 16 * 1024
 # The most bytes one `process_vm_readv` copies: about 1.3 ms here, so other tasks wait no longer.
 READ_SLICE_BYTES: Final = 16 * 1024 * 1024
-# A group this large takes its reader longer than the worker's poll window (`transport.protocol.link.POLL_SECONDS`,
-# 0.5 ms) even at 16 GB/s: its sender waits for the receipt without polling.
+# A group this large takes its reader longer than the worker's poll window
+# (`transport.protocol.link.POLL_SECONDS`, 0.5 ms) even at 16 GB/s: its sender waits for the receipt without
+# polling.
 PATIENT_BYTES: Final = 8 * 1024 * 1024
 # A write with at most this many pieces under `READ_MIN_BYTES` has them read too (`reads_of`).
 FEW_SMALL_PIECES: Final = 64
@@ -99,7 +100,7 @@ def read_groups(bundles: Iterable[list[Frame]]) -> Iterator[tuple[bool, list[Fra
     `(True, frames)`, up to `READ_GROUP_BYTES` and `MAX_BUNDLE_FRAMES` frames — ahead of its bundles of
     packed frames, `(False, bundle)`, as they were: the receiver starts reading before it posts the
     bundles' receives (`ucx_1block_us` 411–421 µs against 417–446 with the bundle first: three
-    alternating pairs, within this VM's spread)."""
+    alternating pairs, within a 2-vCPU VM's run-to-run spread)."""
     group: list[Frame] = []
     packed: list[list[Frame]] = []
     size = 0

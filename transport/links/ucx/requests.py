@@ -1,4 +1,4 @@
-"""What a UCX worker has posted and not yet seen complete, and who waits for it (issue 7): the book and
+"""What a UCX worker has posted and not yet seen complete, and who waits for it: the book and
 the waiters of `transport.links.ucx.worker`.
 
 Invariant: a request stays here, with what it reads or writes (its buffer, or what owns the memory an

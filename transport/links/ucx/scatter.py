@@ -1,4 +1,4 @@
-"""Scattered receives, gathered sends and length-checked receives straight from libucp (issue 7):
+"""Scattered receives, gathered sends and length-checked receives straight from libucp:
 UCP's I/O-vector datatype, which ucxx lacks, and the received length, which ucxx does not report.
 
 ucxx 0.52 receives a message into one contiguous buffer only. A packed bundle's bytes belong to rows
@@ -8,13 +8,13 @@ message lands in the rows themselves. And with an I/O vector on the receiving si
 rendezvous protocol between processes of one host — the *sender* writes the bytes (CMA
 `process_vm_writev`) instead of the receiver reading them — so the copy runs on the sender's core and the
 receiver's thread stays free for its Python. Raw, 64 MiB in 64 messages into 2048 scattered 32 KiB rows:
-7.3–8.2 ms this way, 9.0–9.6 ms into contiguous buffers (`docs/benchmarks.md`). `ucp_tag_send_nbx` takes
+7.3–8.2 ms this way, 9.0–9.6 ms into contiguous buffers (on a 2-vCPU VM). `ucp_tag_send_nbx` takes
 one too: a bundle goes out from the rows where they are, without being packed into a chunk first.
 
-That protocol is why `transport.links.ucx.link` posts scattered receives only to a peer process it can watch: a
-receive the sender has begun to write completes only when the sender says so, and cannot be cancelled.
-If the sender dies first it never completes — but a dead process writes nothing, so its blocks are safe
-once `process_gone(peer)` says so (`UcxLink.quiesce`).
+That protocol is why `transport.links.ucx.link` posts scattered receives only to a peer process it can watch:
+a receive the sender has begun to write completes only when the sender says so, and cannot be cancelled. If
+the sender dies first it never completes — but a dead process writes nothing, so its blocks are safe once
+`process_gone(peer)` says so (`UcxLink.quiesce`).
 
 The same call with UCP's contiguous datatype (`ContiguousReceive`) is ucxx's own `tag_recv` plus one
 thing ucxx leaves out (rapidsai/ucxx#104): the received length is checked, so a message shorter than its

@@ -1,9 +1,9 @@
-"""A UCX link's sends in flight (issue 7): what each write posted, until it completed.
+"""A UCX link's sends in flight: what each write posted, until it completed.
 
 Each write's frames are listed as they are posted — their UCX requests, the receipts of read groups
 (`transport.links.ucx.reads`), the host chunk a packed bundle was copied into — and settled (waited for) when
-the write ends its transfer, when it fails, or when too many chunks are out (`settle_oldest_chunk`).
-A round that does not end its transfer leaves its sends listed: the next write posts without waiting.
+the write ends its transfer, when it fails, or when too many chunks are out (`settle_oldest_chunk`). A round
+that does not end its transfer leaves its sends listed: the next write posts without waiting.
 
 Waits are shielded and bounded: a request that does not complete within `link_timeout` fails the link
 ("peer took nothing"), and closing the link ends what is left (disconnecting cancels UCX's requests; the

@@ -1,7 +1,7 @@
-"""A ucxx worker driven from Trio: no threads, no asyncio (the UCX transport's engine, issue 7).
+"""A ucxx worker driven from Trio: no threads, no asyncio (the UCX transport's engine).
 
 ucxx offers a progress thread or asyncio; zigzag's replicas live in one Trio thread, so this module drives
-the worker itself, as `../shared/tools/ucxx_trio_sketch.py` measured:
+the worker itself:
 
 - the worker runs in UCX's *blocking progress mode*: `progress()` does the work that is ready, `arm()` says
   whether more is pending, and the worker's epoll file descriptor turns readable when an event arrives.
