@@ -7,9 +7,22 @@ Public API (import from here):
 - `SamplingParams`, `sample_tokens`, `finish_reason` — greedy and (seed, index)-determined sampling
 - `VisionEncoder`, `ImageEmbedding`, `ImageGrid`, `layout_prompt` — images for the tiny model
 - `generate_in_one_piece` — the reference output of a request
+- `resolve_model()` — what a `--model` value names (`tiny`, `smollm2`, a `.gguf` file converted once into a
+  cache, a checkpoint directory); `ChatTemplate` — a checkpoint's chat template, rendered as transformers does
 - exceptions in `replicas.model.errors`
 """
 
+from replicas.model.chat_template import ChatTemplate, ChatTemplateError, checkpoint_chat_template
+from replicas.model.checkpoints import (
+    DEFAULT_CACHE_DIR,
+    PACKAGED_MODELS,
+    ModelNotInstalledError,
+    ModelSource,
+    PackagedModel,
+    convert_gguf,
+    gguf_checkpoint,
+    resolve_model,
+)
 from replicas.model.config import ModelConfig, RopeConfig, parse_hf_config, read_hf_config
 from replicas.model.errors import (
     CheckpointError,
@@ -52,12 +65,16 @@ from replicas.model.vision import (
 )
 
 __all__ = [
+    "DEFAULT_CACHE_DIR",
     "DEFAULT_KV_BLOCK_SIZE",
     "GREEDY",
     "IMAGE_PLACEHOLDER",
+    "PACKAGED_MODELS",
     "PATCH_SIZE",
     "TINY_CONFIG",
     "ByteTokenizer",
+    "ChatTemplate",
+    "ChatTemplateError",
     "CheckpointError",
     "ContextLengthError",
     "DecodeResult",
@@ -78,6 +95,9 @@ __all__ = [
     "ModelInputError",
     "ModelLoadError",
     "ModelLoader",
+    "ModelNotInstalledError",
+    "ModelSource",
+    "PackagedModel",
     "PrefillResult",
     "PrefillSequence",
     "PromptLayout",
@@ -91,11 +111,14 @@ __all__ = [
     "VisionEncoder",
     "WeightShapeError",
     "check_image",
+    "checkpoint_chat_template",
+    "convert_gguf",
     "embedding_layout",
     "embedding_rows",
     "encode_prompt",
     "finish_reason",
     "generate_in_one_piece",
+    "gguf_checkpoint",
     "image_grid",
     "kv_layout",
     "layer_buffer_names",
@@ -103,6 +126,7 @@ __all__ = [
     "load_model",
     "parse_hf_config",
     "read_hf_config",
+    "resolve_model",
     "sample_tokens",
     "tiny_model",
     "uniform_draw",

