@@ -33,6 +33,8 @@ def build_request(request: GenerateRequest, host: ModelHost, settings: ReplicaSe
         raise RequestFailed(
             "not_supported", f"model {host.name!r} takes text only; this request has {len(images)} images"
         )
+    if request.stop and host.tokenizer is None:
+        raise RequestFailed("bad_request", f"model {host.name!r} has no tokenizer: `stop` strings need one")
     prompt_ids = _prompt_ids(request, host, len(images))
     context = config.max_position_embeddings
     if len(prompt_ids) >= context:
@@ -55,7 +57,12 @@ def build_request(request: GenerateRequest, host: ModelHost, settings: ReplicaSe
         prompt_ids=prompt_ids,
         images=images,
         sampling=SamplingParams(
-            temperature=request.temperature, top_p=request.top_p, seed=seed, ignore_eos=request.ignore_eos
+            temperature=request.temperature,
+            top_p=request.top_p,
+            seed=seed,
+            ignore_eos=request.ignore_eos,
+            eos_banned_before=len(prompt_ids) + request.min_tokens,
+            eos_token_ids=tuple(sorted(config.eos_token_ids)) if request.min_tokens else (),
         ),
         max_tokens=request.max_tokens,
         eos_token_ids=config.eos_token_ids,
@@ -73,7 +80,13 @@ def _prompt_ids(request: GenerateRequest, host: ModelHost, image_count: int) -> 
         if not request.prompt:
             raise RequestFailed("bad_request", "prompt is empty")
         try:
-            return encode_prompt(host.tokenizer, request.prompt, image_count, config.image_token_id)
+            return encode_prompt(
+                host.tokenizer,
+                request.prompt,
+                image_count,
+                config.image_token_id,
+                add_special_tokens=request.add_special_tokens,
+            )
         except InvalidBatchError as exc:
             raise RequestFailed("bad_request", str(exc)) from None
     assert request.input_ids is not None

@@ -15,6 +15,7 @@ from typing import Annotated, Final, Literal
 import msgspec
 
 from engine.control.address import Address, parse_address
+from engine.http.address import parse_http
 from messages.faults import Fault
 from transport.config import UcxCopies
 from transport.kinds import TransportChoice
@@ -192,9 +193,20 @@ class ControllerConfig(Section, frozen=True, kw_only=True):
 
 class NodeConfig(Section, frozen=True, kw_only=True):
     listen: Annotated[str, _doc("control socket: HOST:PORT or unix:PATH")] = "127.0.0.1:7340"
-    model: Annotated[str, msgspec.Meta(min_length=1), _doc("`tiny` (built in) or a checkpoint directory")] = (
-        "tiny"
-    )
+    http: Annotated[
+        str, _doc("OpenAI-compatible HTTP API: HOST:PORT (port 0: a free one) or off (docs/http-api.md)")
+    ] = "127.0.0.1:8000"
+    api_key: Annotated[
+        str | None, _doc("when set, HTTP /v1 requests must send `Authorization: Bearer <key>`")
+    ] = None
+    model: Annotated[
+        str,
+        msgspec.Meta(min_length=1),
+        _doc("`tiny` (built in), `smollm2` (a packaged GGUF), a .gguf file or a checkpoint directory"),
+    ] = "tiny"
+    model_cache: Annotated[
+        str, msgspec.Meta(min_length=1), _doc("where GGUF files are converted to checkpoints (under gguf/)")
+    ] = "~/.cache/zigzag"
     replicas: Annotated[
         ReplicaCounts | None,
         _doc(
@@ -227,6 +239,7 @@ class NodeConfig(Section, frozen=True, kw_only=True):
 
     def __post_init__(self) -> None:
         parse_address(self.listen)
+        parse_http(self.http)
         problem = device_unavailable(self.device) or transport_unavailable(self.transport, device=self.device)
         if problem is not None:
             raise ValueError(problem)

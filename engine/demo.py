@@ -48,6 +48,33 @@ WORDS = [
 ]
 
 
+# Asked first, chat-templated, on a model with a chat template of its own (say `--model smollm2`).
+QUESTIONS = (
+    "What is the capital of France?",
+    "Name three primary colors.",
+    "What is 12 times 12?",
+    "Write one sentence about the sea.",
+)
+
+
+def chat_questions(node: Node) -> list[DemoRequest]:
+    template = node.host.chat_template
+    if template is None or node.host.name == "tiny":
+        return []
+    return [
+        DemoRequest(
+            prompt=template.render([{"role": "user", "content": question}], add_generation_prompt=True),
+            max_tokens=40,
+            temperature=0.0,
+            seed=0,
+            stream=True,
+            question=question,
+            add_special_tokens=False,
+        )
+        for question in QUESTIONS
+    ]
+
+
 # (width, height) of the demo's images: 256, 400 and 1280 embedding rows (16×16 patches); the last needs
 # more than the default grant of 1024 rows, so its embeddings arrive in two rounds.
 IMAGE_SIZES = ((256, 256), (320, 320), (512, 640))
@@ -61,6 +88,8 @@ class DemoRequest:
     seed: int
     stream: bool
     images: tuple[np.ndarray, ...] = ()
+    question: str | None = None  # a chat question (the prompt is it, chat-templated)
+    add_special_tokens: bool = True
 
 
 def demo_workload(count: int, seed: int = 7, *, images: bool = False) -> list[DemoRequest]:
@@ -99,7 +128,9 @@ async def run_demo(node: Node, *, requests: int = 24, out: TextIO | None = None)
     out = out or sys.stdout
     node_code = 1
     results: dict[int, GenerateResult | ControlError] = {}
-    workload = demo_workload(requests, images=node.host.config.image_token_id is not None)
+    workload = chat_questions(node) + demo_workload(
+        requests, images=node.host.config.image_token_id is not None
+    )
 
     async def serve(task_status: trio.TaskStatus[Address]) -> None:
         nonlocal node_code
@@ -125,6 +156,7 @@ async def run_demo(node: Node, *, requests: int = 24, out: TextIO | None = None)
     node.host.release("demo-reference")
     failed = [r for r in results.values() if isinstance(r, ControlError)]
     done = [r for r in results.values() if isinstance(r, GenerateResult)]
+    _answers(out, workload, results)
     _report(out, workload, done, failed)
     print(f"demo: outputs identical to the model run in one piece: {matched}/{len(workload)}", file=out)
     print(f"demo: failed requests: {len(failed)}; node exit code {node_code} (1 = leaked blocks)", file=out)
@@ -141,6 +173,7 @@ async def _one(
             temperature=item.temperature,
             seed=item.seed,
             stream=item.stream,
+            add_special_tokens=item.add_special_tokens,
             images=[ImageInput(width=i.shape[1], height=i.shape[0], pixels=i.tobytes()) for i in item.images],
         ):
             if isinstance(reply, GenerateResult):
@@ -161,7 +194,13 @@ def _verify(
         result = results.get(index)
         if not isinstance(result, GenerateResult):
             continue
-        prompt_ids = encode_prompt(tokenizer, item.prompt, len(item.images), model.config.image_token_id)
+        prompt_ids = encode_prompt(
+            tokenizer,
+            item.prompt,
+            len(item.images),
+            model.config.image_token_id,
+            add_special_tokens=item.add_special_tokens,
+        )
         sampling = SamplingParams(temperature=item.temperature, seed=item.seed)
         verdict = compare(
             model,
@@ -217,3 +256,12 @@ def _report(
             )
     for error in failed:
         print(f"demo: failed: {error.code}: {error}", file=out)
+
+
+def _answers(
+    out: TextIO, workload: list[DemoRequest], results: dict[int, GenerateResult | ControlError]
+) -> None:
+    for index, item in enumerate(workload):
+        result = results.get(index)
+        if item.question is not None and isinstance(result, GenerateResult):
+            print(f"demo: Q: {item.question}\ndemo: A: {result.text.strip()}", file=out)

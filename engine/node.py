@@ -29,6 +29,10 @@ from engine.config import ConfigError, NodeConfig, ReplicaCounts, parse_node_con
 from engine.control.address import Address
 from engine.control.server import ControlServer, ControlServerError
 from engine.controller import Controller
+from engine.http.address import parse_http
+from engine.http.app import HttpApi
+from engine.http.metrics import NodeMetrics
+from engine.http.server import serve_http
 from engine.logging import EventLog, LogFileError, configure_diagnostics, open_event_log, route_diagnostics
 from engine.logs import Aggregator
 from engine.router import Router
@@ -92,11 +96,13 @@ def default_counts(host: ModelHost) -> ReplicaCounts:
 class Node:
     """One node: its replicas, router, controller and control server (see the module docstring)."""
 
-    def __init__(self, config: NodeConfig, log: EventLog, aggregator: Aggregator) -> None:
+    def __init__(
+        self, config: NodeConfig, log: EventLog, aggregator: Aggregator, metrics: NodeMetrics | None = None
+    ) -> None:
         self.config = config
         self.log = log
         dtype = config.dtype or ("float32" if config.device == "cpu" else "bfloat16")
-        self.host = ModelHost(config.model, device=config.device, dtype=dtype)
+        self.host = ModelHost(config.model, device=config.device, dtype=dtype, cache_dir=config.model_cache)
         self.counts = config.replicas or default_counts(self.host)
         self.services = ReplicaServices(
             settings=replica_settings(config, self.host),
@@ -110,6 +116,9 @@ class Node:
         )
         self.service = NodeService(self, self.services, self.router, aggregator)
         self.controller = Controller(self.services, config.controller)
+        self.metrics = metrics or NodeMetrics()
+        self.metrics.attach(self.services, lambda: len(self.router.pending))
+        self.http_url: str | None = None  # set once the HTTP API listens
         self.drain_deadline = config.shutdown.drain_deadline
         self.started = time.monotonic()
         self._shutdown = trio.Event()
@@ -160,10 +169,15 @@ class Node:
             nursery.start_soon(self._watch_signals, nursery.cancel_scope)
             server = ControlServer(self.service, config.control, self.log)
             address = await nursery.start(server.serve, config.listen_address)
+            http = parse_http(config.http)
+            if http is not None:
+                api = HttpApi(self, self.metrics, api_key=config.api_key)
+                self.http_url = await nursery.start(partial(serve_http, api, *http))
             self.log.emit(NodeConfigured(config=msgspec.to_builtins(config)))
             self.log.emit(
                 NodeStarted(
                     listen=str(address),
+                    http=self.http_url,
                     model=self.host.name,
                     device=config.device,
                     transport=config.transport,
@@ -226,15 +240,16 @@ class Node:
 
 async def run_node(config: NodeConfig, *, demo: bool = False) -> int:
     aggregator = Aggregator(keep_requests=False)
+    metrics = NodeMetrics()
     log = open_event_log(
         file=config.log.file,
         level=config.log.level,
         console=sys.stderr if config.log.console else None,
-        observers=[aggregator.add],
+        observers=[aggregator.add, metrics.observe],
     )
     route_diagnostics(log)
     try:
-        node = Node(config, log, aggregator)
+        node = Node(config, log, aggregator, metrics)
         if not demo:
             exit_code = 0
 
@@ -244,7 +259,8 @@ async def run_node(config: NodeConfig, *, demo: bool = False) -> int:
 
             async with trio.open_nursery() as nursery:
                 address = await nursery.start(serve)
-                print(msgspec.json.encode({"listening": str(address)}).decode(), flush=True)
+                line = {"listening": str(address), "http": node.http_url}
+                print(msgspec.json.encode(line).decode(), flush=True)
             return exit_code
         from engine.demo import run_demo
 
@@ -264,6 +280,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     configure_diagnostics(config.log.level)
     if config.demo and config.listen == NodeConfig().listen:
         config = msgspec.structs.replace(config, listen="127.0.0.1:0")
+    if config.demo and config.http == NodeConfig().http:
+        config = msgspec.structs.replace(config, http="127.0.0.1:0")
     try:
         return trio.run(partial(run_node, config, demo=config.demo))
     except (*STARTUP_ERRORS, BaseExceptionGroup) as exc:

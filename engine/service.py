@@ -10,11 +10,9 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING, Any, assert_never, final
 
-import msgspec
-
-from engine.admission import build_request, new_request_id
 from engine.control.errors import RequestFailed
 from engine.control.outbox import ReplySink
+from engine.generation import Generation
 from engine.logs import Aggregator, metrics_result
 from engine.router import Router
 from engine.scaling import scale
@@ -42,12 +40,11 @@ from messages.control_replies import (
     TokenReply,
     TransitionResult,
 )
-from messages.events import RequestArrived, RequestCancelled, RequestFinished
+from messages.events import RequestCancelled, RequestFinished
 from messages.events import RequestFailed as RequestFailedEvent
 from replicas.actor import Replica
 from replicas.inbox import CommandRefused, new_command_id
-from replicas.model import TextStream
-from replicas.request import FailedUpdate, FinishedUpdate, ServingRequest, TokensUpdate
+from replicas.request import FailedUpdate, FinishedUpdate, ServingRequest
 from replicas.services import ReplicaServices
 from replicas.states import SERVING_ROLE
 
@@ -120,97 +117,48 @@ class NodeService:
 
     # ------------------------------------------------------------------ generate
     async def _generate(self, request: GenerateRequest, replies: ReplySink) -> None:
-        request_id = replies.request_id = request.request_id or new_request_id()
-        if request_id in self.services.requests:  # before any event: the log of the live one stays its own
-            raise RequestFailed("bad_request", f"request_id {request_id!r} is already in use", request_id)
-        request = msgspec.structs.replace(request, request_id=request_id)
-        log = self.services.log.bind(request_id=request_id)
-
-        def arrived(prompt_tokens: int | None) -> RequestArrived:
-            return RequestArrived(
-                connection=replies.connection.connection,
-                prompt_tokens=prompt_tokens,
-                images=len(request.images),
-                max_tokens=request.max_tokens,
-                stream=request.stream,
-            )
-
+        if request.request_id is not None:
+            replies.request_id = request.request_id
+        generation = Generation.start(
+            self.services,
+            self.router,
+            request,
+            connection=replies.connection.connection,
+            on_end=self.log_end,
+        )
+        replies.request_id = generation.request_id
+        generation.cancel_reason = lambda: (
+            replies.cancelled_because or ("shutdown" if not self.router.accepting else "client_disconnected")
+        )
         try:
-            serving = build_request(request, self.services.host, self.services.settings)
-        except RequestFailed as exc:  # refused at admission: it still arrived, and failed
-            log.emit(arrived(None))
-            log.emit(RequestFailedEvent(code=exc.code, message=exc.message))
-            raise RequestFailed(exc.code, exc.message, request_id) from None
-        log.emit(arrived(len(serving.prompt_ids)))
-        serving.on_end.append(self._log_end)
-        try:
-            self.router.admit(serving)
-        except RequestFailed as exc:
-            serving.fail(exc.code, exc.message)
-            raise RequestFailed(exc.code, exc.message, request_id) from None
-        tokenizer = self.services.host.tokenizer
-        stream = TextStream(tokenizer) if tokenizer is not None and request.stream else None
-        relayed = 0  # tokens relayed so far: the replicas may be ahead of this task
-        try:
-            async for update in serving.updates:
-                match update:
-                    case TokensUpdate(token_ids=token_ids):
-                        index, relayed = relayed, relayed + len(token_ids)
-                        if request.stream:
-                            text = stream.push(token_ids) if stream is not None else ""
-                            if stream is not None and serving.ended and relayed == len(serving.generated):
-                                # The last tokens (the final update is already queued): send the
-                                # text held back for an unfinished character too, so the streamed
-                                # texts add up to the result's.
-                                text += stream.finish()
-                            replies.send(
-                                TokenReply(
-                                    id=request.id,
-                                    request_id=serving.request_id,
-                                    index=index,
-                                    token_ids=list(token_ids),
-                                    text=text,
-                                )
-                            )
-                    case FinishedUpdate(finish_reason=reason):
-                        text = tokenizer.decode(serving.generated) if tokenizer is not None else ""
-                        held_back = stream.finish() if stream is not None else ""
-                        if held_back:  # ended without tokens after the held-back ones (cancelled)
-                            replies.send(
-                                TokenReply(
-                                    id=request.id,
-                                    request_id=serving.request_id,
-                                    index=relayed,
-                                    token_ids=[],
-                                    text=held_back,
-                                )
-                            )
-                        replies.send(
-                            GenerateResult(
-                                id=request.id,
-                                request_id=serving.request_id,
-                                prompt_tokens=serving.prompt_tokens or len(serving.prompt_ids),
-                                token_ids=list(serving.generated),
-                                text=text,
-                                finish_reason=reason,
-                                timings=serving.timings(),
-                                transfers=list(serving.transfers),
-                            )
+            async for piece in generation.pieces():
+                if request.stream:
+                    replies.send(
+                        TokenReply(
+                            id=request.id,
+                            request_id=generation.request_id,
+                            index=piece.index,
+                            token_ids=list(piece.token_ids),
+                            text=piece.text,
                         )
-                        return
-                    case FailedUpdate(code=code, message=message):
-                        raise RequestFailed(code, message, serving.request_id)
-                    case _:
-                        assert_never(update)
-        finally:
-            if not serving.ended:  # cancelled before the end: no await here, so nothing can interrupt it
-                if serving.cancel_reason == "cancel_op":
-                    serving.cancel_reason = replies.cancelled_because or (
-                        "shutdown" if not self.router.accepting else "client_disconnected"
                     )
-                self.router.cancel(serving.request_id)
+            outcome = generation.outcome()
+            replies.send(
+                GenerateResult(
+                    id=request.id,
+                    request_id=outcome.request_id,
+                    prompt_tokens=outcome.prompt_tokens,
+                    token_ids=outcome.token_ids,
+                    text=outcome.text,
+                    finish_reason=outcome.finish_reason,
+                    timings=outcome.timings,
+                    transfers=outcome.transfers,
+                )
+            )
+        finally:
+            generation.close()
 
-    def _log_end(self, serving: ServingRequest) -> None:
+    def log_end(self, serving: ServingRequest) -> None:
         log = self.services.log.bind(request_id=serving.request_id)
         update = serving.final_update
         timings = serving.timings()

@@ -25,11 +25,14 @@ MAX_NEW_TOKENS = 1 << 20
 MAX_TEMPERATURE = 10.0
 MAX_SEED = (1 << 63) - 1
 MAX_SCALE_REPLICAS = 64
+MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 256
 
 ClientId = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_ID_CHARS)]
 RequestId = Annotated[str, msgspec.Meta(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9._:-]+$")]
 ReplicaName = Annotated[str, msgspec.Meta(max_length=64, pattern=r"^[a-z]+-[0-9]+$")]
 TokenId = Annotated[int, msgspec.Meta(ge=0, le=MAX_TOKEN_ID)]
+StopString = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_STOP_CHARS)]
 Count = Annotated[int, msgspec.Meta(ge=0)]
 Seconds = Annotated[float, msgspec.Meta(ge=0)]
 
@@ -119,6 +122,9 @@ class GenerateRequest(ControlRequestBase, frozen=True, tag="generate"):
     top_p: Annotated[float, msgspec.Meta(gt=0.0, le=1.0)] = 1.0
     seed: Annotated[int, msgspec.Meta(ge=0, le=MAX_SEED)] | None = None
     ignore_eos: bool = False
+    min_tokens: Annotated[int, msgspec.Meta(ge=0, le=MAX_NEW_TOKENS)] = 0
+    stop: Annotated[list[StopString], msgspec.Meta(max_length=MAX_STOP_STRINGS)] = []
+    add_special_tokens: bool = True
     stream: bool = False
     request_id: RequestId | None = None
 
@@ -126,6 +132,8 @@ class GenerateRequest(ControlRequestBase, frozen=True, tag="generate"):
         if (self.prompt is None) == (self.input_ids is None):
             given = "both were given" if self.prompt is not None else "neither was given"
             raise ValueError(f"generate needs exactly one of `prompt` or `input_ids`; {given}")
+        if self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
 
 
 class StatusRequest(ControlRequestBase, frozen=True, tag="status"):

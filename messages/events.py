@@ -49,6 +49,7 @@ class ReplicaEvent(Event, frozen=True, kw_only=True):
 # ---------------------------------------------------------------------------------------------- node
 class NodeStarted(Event, frozen=True, kw_only=True, tag="node_started"):
     listen: str
+    http: str | None = None  # the HTTP API's URL; None when it is off
     model: str
     device: str
     transport: str

@@ -125,6 +125,8 @@ class ServingRequest:
             "cancel_op"
         )
         self.final_update: FinishedUpdate | FailedUpdate | None = None
+        # Set by `stop_early`: the request ends `stop` with this many generated tokens kept.
+        self.stop_at: int | None = None
         self.holder: str | None = None  # the replica holding it (None: the router or a migration)
         self._update_send, self.updates = trio.open_memory_channel[RequestUpdate](max_tokens + 4)
         self.cancel_hooks: list[trio.CancelScope] = []
@@ -170,8 +172,12 @@ class ServingRequest:
             self._update_send.send_nowait(TokensUpdate(tuple(token_ids)))
 
     def finish(self, reason: FinishReason) -> None:
-        """End normally. Idempotent with `fail`: the first final update wins."""
+        """End normally. Idempotent with `fail`: the first final update wins. After `stop_early` the
+        reason is `stop` and `generated` is cut to the tokens kept, whatever the holder saw last."""
         if not self.ended:
+            if self.stop_at is not None:
+                reason = "stop"
+                del self.generated[self.stop_at :]
             self.ended = True
             self.stamps.finished = time.time()
             self.final_update = FinishedUpdate(reason)
@@ -213,6 +219,13 @@ class ServingRequest:
         self.cancelled = True
         for scope in self.cancel_hooks:
             scope.cancel()
+
+    def stop_early(self, kept_tokens: int) -> None:
+        """A stop string ended the text within the first `kept_tokens` generated tokens: stop generating
+        (as `cancel` does) and end `stop` with only those tokens."""
+        if self.stop_at is None:
+            self.stop_at = kept_tokens
+        self.cancel()
 
     def timings(self) -> Timings:
         s = self.stamps

@@ -25,6 +25,8 @@ from replicas.model import (
     read_hf_config,
     tiny_model,
 )
+from replicas.model.chat_template import ChatTemplate, checkpoint_chat_template
+from replicas.model.checkpoints import DEFAULT_CACHE_DIR, resolve_model
 from replicas.model.config import ModelDType
 from replicas.model.loader import check_checkpoint, checkpoint_tokenizer
 
@@ -33,22 +35,29 @@ Progress = Callable[[LoadProgress], None]
 
 @final
 class ModelHost:
-    """Loads `source` (`tiny` or a checkpoint directory) on demand; see the module docstring.
+    """Loads `source` on demand; see the module docstring. `source` is `tiny`, a packaged model
+    (`smollm2`), a `.gguf` file (converted once into `cache_dir`) or a checkpoint directory: see
+    `replicas.model.checkpoints`.
 
     Cancellation: a cancelled `acquire` does not hold the model; a load in progress finishes in its
     worker thread (threads are never abandoned) and is kept for the next `acquire` if anyone waits.
     """
 
-    def __init__(self, source: str, *, device: str, dtype: ModelDType | None) -> None:
-        self.source = source
+    def __init__(
+        self, source: str, *, device: str, dtype: ModelDType | None, cache_dir: str = DEFAULT_CACHE_DIR
+    ) -> None:
+        resolved = resolve_model(source, cache_dir=cache_dir)
+        self._name = resolved.name
+        self.source = "tiny" if resolved.directory is None else str(resolved.directory)
         self.device = device
         self.dtype = dtype
         self.config: ModelConfig = self._read_config()
-        if source != "tiny":
+        if self.source != "tiny":
             # Every tensor's presence and shape, from the file headers: a checkpoint that would fail its
             # first load stops the node at start-up instead of leaving every replica Inactive.
-            check_checkpoint(source, self.config)
+            check_checkpoint(self.source, self.config)
         self.tokenizer: Tokenizer | None = self._read_tokenizer()
+        self.chat_template: ChatTemplate | None = self._read_chat_template()
         self._model: Model | None = None
         self._holders: set[str] = set()
         self._lock = trio.Lock()
@@ -56,7 +65,7 @@ class ModelHost:
 
     @property
     def name(self) -> str:
-        return "tiny" if self.source == "tiny" else Path(self.source).name
+        return self._name
 
     @property
     def loaded(self) -> Model | None:
@@ -97,6 +106,13 @@ class ModelHost:
             return ByteTokenizer(self.config.vocab_size)
         return checkpoint_tokenizer(Path(self.source))
 
+    def _read_chat_template(self) -> ChatTemplate | None:
+        if self.source == "tiny":
+            from replicas.model.tiny import TINY_CHAT_TEMPLATE
+
+            return ChatTemplate(TINY_CHAT_TEMPLATE, origin="the tiny model's chat template")
+        return checkpoint_chat_template(self.source)
+
     def _load(self, progress: Progress | None) -> Model:
         if self.source == "tiny":
             model = tiny_model(dtype=self.dtype or "float32", device=self.device)
@@ -104,7 +120,7 @@ class ModelHost:
                 layers = model.config.num_layers
                 progress(LoadProgress("head", None, layers, layers, model.parameter_bytes()))
             return model
-        loader = ModelLoader(self.source, dtype=self.dtype, device=self.device)
+        loader = ModelLoader(self.source, dtype=self.dtype, device=self.device, name=self._name)
         for step in loader.steps():
             if progress is not None:
                 progress(step)

@@ -149,6 +149,7 @@ async def _project_run(
 
     config = NodeConfig(
         listen="127.0.0.1:0",
+        http="off",
         model=source,
         replicas=ReplicaCounts(prefill=1, decode=1),
         transport=args.transport,

@@ -157,6 +157,9 @@ class ControlClient:
         top_p: float = 1.0,
         seed: int | None = None,
         ignore_eos: bool = False,
+        min_tokens: int = 0,
+        stop: Sequence[str] = (),
+        add_special_tokens: bool = True,
         stream: bool = False,
         request_id: str | None = None,
     ) -> AsyncGenerator[TokenReply | GenerateResult, None]:
@@ -171,6 +174,9 @@ class ControlClient:
             top_p=top_p,
             seed=seed,
             ignore_eos=ignore_eos,
+            min_tokens=min_tokens,
+            stop=list(stop),
+            add_special_tokens=add_special_tokens,
             stream=stream,
             request_id=request_id or uuid.uuid4().hex,
         )
@@ -192,6 +198,8 @@ class ControlClient:
         top_p: float = 1.0,
         seed: int | None = None,
         ignore_eos: bool = False,
+        min_tokens: int = 0,
+        stop: Sequence[str] = (),
         request_id: str | None = None,
     ) -> GenerateResult:
         """`generate` without streaming: the result alone."""
@@ -204,6 +212,8 @@ class ControlClient:
             top_p=top_p,
             seed=seed,
             ignore_eos=ignore_eos,
+            min_tokens=min_tokens,
+            stop=stop,
             request_id=request_id,
         )
         async for reply in replies:

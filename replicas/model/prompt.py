@@ -81,11 +81,19 @@ def layout_prompt(
     )
 
 
-def encode_prompt(tokenizer: Tokenizer, text: str, image_count: int, image_token_id: int | None) -> list[int]:
+def encode_prompt(
+    tokenizer: Tokenizer,
+    text: str,
+    image_count: int,
+    image_token_id: int | None,
+    *,
+    add_special_tokens: bool = True,
+) -> list[int]:
     """Token ids of a text prompt with one image marker per image.
 
     Each `<image>` in `text` marks where the next image goes; a prompt without any puts all images
-    first (after the tokenizer's leading special tokens). Special tokens are added once, at the start.
+    first (after the tokenizer's leading special tokens). Special tokens are added once, at the start,
+    unless `add_special_tokens` is false (a chat template's output already holds them).
     """
     markers = text.count(IMAGE_PLACEHOLDER)
     if image_count and image_token_id is None:
@@ -97,7 +105,7 @@ def encode_prompt(tokenizer: Tokenizer, text: str, image_count: int, image_token
     if not markers:
         text = IMAGE_PLACEHOLDER * image_count + text
     first, *rest = text.split(IMAGE_PLACEHOLDER)
-    ids = tokenizer.encode(first)
+    ids = tokenizer.encode(first, add_special_tokens=add_special_tokens)
     for piece in rest:
         assert image_token_id is not None
         ids.append(image_token_id)

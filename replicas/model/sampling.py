@@ -29,12 +29,19 @@ class SamplingError(ModelInputError, ValueError):
 
 @final
 class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """`temperature` 0 means greedy (then `top_p` and `seed` do not matter)."""
+    """`temperature` 0 means greedy (then `top_p` and `seed` do not matter).
+
+    `min_tokens`: the tokens at indices below `eos_banned_before` (the prompt's length plus the request's
+    `min_tokens`) are never one of `eos_token_ids` — their logits are masked before greedy or sampled
+    choice, as vLLM's `min_tokens` does — so a generation runs at least that long.
+    """
 
     temperature: float = 0.0
     top_p: float = 1.0
     seed: int = 0
     ignore_eos: bool = False
+    eos_banned_before: int = 0
+    eos_token_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if not self.temperature >= 0.0:
@@ -64,6 +71,15 @@ def sample_tokens(
         raise ValueError(
             f"sample_tokens: logits {list(logits.shape)}, {len(params)} params, {len(token_indices)} indices"
         )
+    banned = [
+        row
+        for row, (p, index) in enumerate(zip(params, token_indices, strict=True))
+        if p.eos_token_ids and index < p.eos_banned_before
+    ]
+    if banned:
+        logits = logits.clone()
+        for row in banned:
+            logits[row, list(params[row].eos_token_ids)] = float("-inf")
     chosen = logits.argmax(dim=-1).tolist()
     for row, (p, index) in enumerate(zip(params, token_indices, strict=True)):
         if not p.greedy:

@@ -21,6 +21,11 @@ from replicas.model.tokenizer import ByteTokenizer
 from replicas.model.vision import VisionConfig, VisionEncoder
 
 TINY_SEED = 20240531
+# The tiny model's chat template (it has no checkpoint to carry one): role tags around each message.
+TINY_CHAT_TEMPLATE = (
+    "{% for message in messages %}<|{{ message['role'] }}|>\n{{ message['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
 
 TINY_CONFIG = ModelConfig(
     architecture="tiny",

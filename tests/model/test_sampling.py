@@ -20,7 +20,7 @@ from replicas.model import (
     sample_tokens,
     uniform_draw,
 )
-from replicas.model.sampling import sample_one
+from replicas.model.sampling import GREEDY, sample_one
 from tests.model.helpers import allocate, generate_batch
 
 HOT = SamplingParams(temperature=2.5, top_p=0.95, seed=1234, ignore_eos=True)
@@ -151,3 +151,13 @@ def test_bad_sampling_parameters_are_refused() -> None:
         SamplingParams(temperature=-1.0)
     with pytest.raises(SamplingError, match=r"^top_p must be in \(0, 1\], got 0.0$"):
         SamplingParams(top_p=0.0)
+
+
+def test_min_tokens_masks_the_eos_tokens_until_their_index() -> None:
+    """`eos_banned_before`: below that token index, an EOS token is never chosen, greedy or sampled."""
+    logits = torch.tensor([[0.0, 5.0, 9.0, 1.0]] * 3)  # token 2 (an EOS) is the greedy choice
+    banned = SamplingParams(eos_banned_before=10, eos_token_ids=(2,))
+    assert sample_tokens(logits, [banned, banned, GREEDY], [9, 10, 9]) == [1, 2, 2]
+    hot = SamplingParams(temperature=50.0, seed=3, eos_banned_before=100, eos_token_ids=(1, 2))
+    assert {sample_tokens(logits[:1], [hot], [index])[0] for index in range(60)} <= {0, 3}
+    assert logits[0, 2] == 9.0  # the caller's logits are left as they were

@@ -8,16 +8,14 @@ the worker itself:
   `run` (one task per worker, in its endpoint's nursery) loops: progress, hand out what completed, arm,
   and wait on the fd with `trio.lowlevel.wait_readable` (`SAFETY_POLL` at most: UCX's own timers);
 - a task that posts a request and awaits it (`wait`) registers a waiter; the loop sets its event once the
-  requests completed. Posting kicks the loop out of its fd wait: a message already queued inside UCX needs
-  a progress call, not an fd event. After activity the loop polls for `POLL_SECONDS` before it sleeps,
-  unless a waiter is *patient* (a sender waiting for a read group's receipt, which comes only after
-  the peer's milliseconds of reading) and no UCX request is in flight: polling would only take a core
-  from the peer then;
-- host memory goes straight through UCP (`transport.links.ucx.scatter`): I/O vectors (ucxx has none), bulk
-  receives (a short message fails one; ucxx's does not say) and sends (ucxx's request costs more than
-  the send); `transport.links.ucx.requests` keeps each request's memory alive until it completed;
-- control messages are found by probing (`tag_probe` with a mask on the kind bits) and received into a
-  buffer of their exact size; each goes to the inbox of the link its tag names (`register`);
+  requests completed. Posting kicks the loop out of its fd wait: a message already queued inside UCX
+  needs a progress call, not an fd event. After activity the loop polls for `POLL_SECONDS` before it
+  sleeps, unless a waiter is *patient* (a sender waiting for a read group's receipt, which comes after
+  the peer's milliseconds of reading) and no UCX request is in flight: polling would take the peer's core;
+- host memory goes straight through UCP (`scatter`: I/O vectors, which ucxx lacks; length-checked bulk
+  receives; cheaper sends); `requests` keeps each request's memory alive until it completed;
+- control messages are found by probing (`tag_probe`, a mask on the kind bits) and received into a buffer
+  of their exact size, each to the inbox of the link its tag names (`register`);
 - bulk messages for a link closed in the last `DRAIN_SECONDS` (its peer may not know yet) are received
   into one byte every `DRAIN_INTERVAL` — truncated: no data moves, the sender's request completes —
   instead of waiting in UCX's unexpected queue for as long as the worker.

@@ -1,0 +1,213 @@
+"""One `generate`, admitted and relayed: what the control socket and the HTTP API both serve.
+
+    generation = Generation.start(services, router, request, connection="http-3")   # RequestFailed
+    try:
+        async for piece in generation.pieces():      # Piece(index, token_ids, text) as they come
+            ...
+        outcome = generation.outcome()               # finish reason, every token, the whole text
+    finally:
+        generation.close()                           # cancels it when it has not ended (no await)
+
+Text is decoded incrementally (`TextStream`): no piece ends in half a UTF-8 character, and the pieces'
+texts add up to the outcome's text. Stop strings (`StopText`) end the request early: the tokens up to
+the one that completed the stop string are kept, the text ends before it, and the finish reason is
+`stop`. A failure of the request is raised from `pieces` as `RequestFailed` with its code.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import final
+
+import msgspec
+
+from engine.admission import build_request, new_request_id
+from engine.control.errors import RequestFailed
+from engine.router import Router
+from engine.stops import StopText
+from messages.control import GenerateRequest
+from messages.control_replies import Timings, TransferSummary
+from messages.events import RequestArrived
+from messages.events import RequestFailed as RequestFailedEvent
+from replicas.model import TextStream
+from replicas.request import FailedUpdate, FinishedUpdate, FinishReason, ServingRequest, TokensUpdate
+from replicas.services import ReplicaServices
+
+
+@final
+@dataclass(frozen=True, slots=True)
+class Piece:
+    """Generated tokens `[index, index + len(token_ids))` and the text they complete (may be empty)."""
+
+    index: int
+    token_ids: tuple[int, ...]
+    text: str
+
+
+@final
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    """How a generation ended normally (a failure is raised instead)."""
+
+    request_id: str
+    prompt_tokens: int
+    token_ids: list[int]
+    text: str
+    finish_reason: FinishReason
+    timings: Timings
+    transfers: list[TransferSummary]
+
+
+@final
+class Generation:
+    """An admitted request and its relay to one client (see the module docstring)."""
+
+    def __init__(
+        self, serving: ServingRequest, request: GenerateRequest, router: Router, services: ReplicaServices
+    ):
+        self.serving = serving
+        self.request = request
+        self._router = router
+        tokenizer = services.host.tokenizer
+        self._tokenizer = tokenizer
+        wants_text = request.stream or bool(request.stop)
+        self._stream = TextStream(tokenizer) if tokenizer is not None and wants_text else None
+        self._stops = StopText(request.stop, min_tokens=request.min_tokens) if request.stop else None
+        self._relayed = 0  # tokens relayed so far: the replicas may be ahead of this task
+        self._text: list[str] = []
+        self._finish: FinishReason | None = None
+        self.cancel_reason: Callable[[], str] | None = None
+
+    @property
+    def request_id(self) -> str:
+        return self.serving.request_id
+
+    @classmethod
+    def start(
+        cls,
+        services: ReplicaServices,
+        router: Router,
+        request: GenerateRequest,
+        *,
+        connection: str,
+        on_end: Callable[[ServingRequest], None],
+    ) -> Generation:
+        """Admit `request` (a node-chosen id when it has none) and log its arrival. Raises `RequestFailed`
+        (with the request id) when it is refused: a refused request has still arrived, and failed."""
+        request_id = request.request_id or new_request_id()
+        if request_id in services.requests:  # before any event: the log of the live one stays its own
+            raise RequestFailed("bad_request", f"request_id {request_id!r} is already in use", request_id)
+        request = msgspec.structs.replace(request, request_id=request_id)
+        log = services.log.bind(request_id=request_id)
+
+        def arrived(prompt_tokens: int | None) -> RequestArrived:
+            return RequestArrived(
+                connection=connection,
+                prompt_tokens=prompt_tokens,
+                images=len(request.images),
+                max_tokens=request.max_tokens,
+                stream=request.stream,
+            )
+
+        try:
+            serving = build_request(request, services.host, services.settings)
+        except RequestFailed as exc:
+            log.emit(arrived(None))
+            log.emit(RequestFailedEvent(code=exc.code, message=exc.message))
+            raise RequestFailed(exc.code, exc.message, request_id) from None
+        log.emit(arrived(len(serving.prompt_ids)))
+        serving.on_end.append(on_end)
+        try:
+            router.admit(serving)
+        except RequestFailed as exc:
+            serving.fail(exc.code, exc.message)
+            raise RequestFailed(exc.code, exc.message, request_id) from None
+        return cls(serving, request, router, services)
+
+    async def pieces(self) -> AsyncIterator[Piece]:
+        """The generated tokens as they come, then returns once the request ended normally; raises
+        `RequestFailed` when it failed. Cancelling the caller leaves the request running: `close` it."""
+        serving = self.serving
+        async for update in serving.updates:
+            match update:
+                case TokensUpdate(token_ids=token_ids):
+                    if self._stops is not None and self._stops.stopped:
+                        continue  # tokens after the stop string: the replica had not seen the stop yet
+                    piece = self._take(token_ids)
+                    if serving.ended and self._relayed == len(serving.generated):
+                        # The last tokens (the final update is already queued): the text held back
+                        # goes with them, so the pieces' texts add up to the outcome's.
+                        piece = Piece(piece.index, piece.token_ids, piece.text + self._tail())
+                    if piece.token_ids or piece.text:
+                        yield piece
+                case FinishedUpdate(finish_reason=reason):
+                    tail = self._tail()
+                    # The held-back text may complete a stop string only now, after the last token.
+                    self._finish = "stop" if self._stops is not None and self._stops.stopped else reason
+                    if tail:  # the text held back for an unfinished character or a possible stop string
+                        yield Piece(self._relayed, (), tail)
+                    return
+                case FailedUpdate(code=code, message=message):
+                    raise RequestFailed(code, message, serving.request_id)
+                case _:
+                    raise AssertionError(f"unknown update {update!r}")
+
+    def outcome(self) -> Outcome:
+        """The ended generation (after `pieces` returned)."""
+        serving = self.serving
+        assert self._finish is not None, "outcome() before pieces() returned"
+        if self._stops is not None and self._stops.stopped:
+            text = "".join(self._text)
+        else:
+            text = self._tokenizer.decode(serving.generated) if self._tokenizer is not None else ""
+        return Outcome(
+            request_id=serving.request_id,
+            prompt_tokens=serving.prompt_tokens or len(serving.prompt_ids),
+            token_ids=list(serving.generated),
+            text=text,
+            finish_reason=self._finish,
+            timings=serving.timings(),
+            transfers=list(serving.transfers),
+        )
+
+    def close(self) -> None:
+        """Cancel the request unless it ended (no await: safe in `finally` of a cancelled task)."""
+        serving = self.serving
+        if not serving.ended:
+            if serving.cancel_reason == "cancel_op" and self.cancel_reason is not None:
+                serving.cancel_reason = self.cancel_reason()  # type: ignore[assignment]
+            self._router.cancel(serving.request_id)
+
+    # ------------------------------------------------------------------ text
+    def _take(self, token_ids: tuple[int, ...]) -> Piece:
+        index = self._relayed
+        if self._stream is None:
+            self._relayed += len(token_ids)
+            return Piece(index, token_ids, "")
+        stops, texts, kept = self._stops, [], []
+        for token in token_ids:
+            text = self._stream.push((token,))
+            kept.append(token)
+            if stops is not None:
+                text = stops.push(text)
+            texts.append(text)
+            if stops is not None and stops.stopped:
+                self.serving.stop_early(index + len(kept))
+                break
+        self._relayed += len(kept)
+        text = "".join(texts)
+        self._text.append(text)
+        return Piece(index, tuple(kept), text)
+
+    def _tail(self) -> str:
+        """What the detokeniser and the stop strings held back (once: later calls return "")."""
+        if self._stream is None:
+            return ""
+        if self._stops is not None and self._stops.stopped:
+            return ""
+        tail = self._stream.finish()
+        if self._stops is not None:
+            tail = self._stops.finish(tail)
+        self._text.append(tail)
+        return tail

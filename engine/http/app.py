@@ -1,0 +1,223 @@
+"""The OpenAI-compatible HTTP API of a node (docs/http-api.md), as a Starlette app on the node's Trio loop.
+
+Routes: `POST /v1/completions`, `POST /v1/chat/completions`, `GET /v1/models`, `GET /health`,
+`GET /metrics`. Requests go through the same `Generation` as the control socket's `generate`, so they
+share admission, routing, logging and token identity.
+
+Cancellation: a client that disconnects cancels its request — for a stream, Starlette cancels the body
+iterator; otherwise `_until_disconnected` does — and `Generation.close` (in `finally`, no await) frees
+its blocks. Errors have vLLM's shape with an HTTP status (`engine.http.errors`); an error after a stream
+has started is one SSE `error` event, then `data: [DONE]`.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING, final
+
+import msgspec
+import trio
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
+from starlette.routing import Route
+
+from engine.control.errors import RequestFailed
+from engine.generation import Generation, Outcome
+from engine.http.chat import renderer
+from engine.http.errors import error_response, failed_response, sse_error, validation_response
+from engine.http.metrics import CONTENT_TYPE, NodeMetrics
+from engine.http.requests import BadBody, chat_request, completion_request
+from engine.http.responses import ChatStream, CompletionStream, chat_completion, completion
+from messages.control import GenerateRequest
+from messages.openai import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+from replicas.states import ReplicaState
+
+if TYPE_CHECKING:
+    from engine.node import Node
+
+JSON = "application/json"
+MAX_BODY_BYTES = 256 * 1024 * 1024
+
+
+@final
+class HttpApi:
+    """The routes of one node; `app` is the ASGI application hypercorn serves."""
+
+    def __init__(self, node: Node, metrics: NodeMetrics, *, api_key: str | None) -> None:
+        self.node = node
+        self.metrics = metrics
+        self.api_key = api_key
+        self.created = int(time.time())
+        self._connections = itertools.count(1)
+        self._render = renderer(node.host.chat_template, node.host.name)
+        self.app = Starlette(
+            routes=[
+                Route("/v1/completions", self.completions, methods=["POST"]),
+                Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
+                Route("/v1/models", self.models, methods=["GET"]),
+                Route("/health", self.health, methods=["GET"]),
+                Route("/metrics", self.prometheus, methods=["GET"]),
+            ]
+        )
+
+    @property
+    def model_name(self) -> str:
+        return self.node.host.name
+
+    # ------------------------------------------------------------------ routes
+    async def models(self, request: Request) -> Response:
+        if (refused := self._refuse_key(request)) is not None:
+            return refused
+        card = ModelCard(
+            id=self.model_name,
+            created=self.created,
+            max_model_len=self.node.host.config.max_position_embeddings,
+        )
+        return Response(msgspec.json.encode(ModelList(data=[card])), media_type=JSON)
+
+    async def health(self, request: Request) -> Response:
+        states = {replica.state for replica in self.node.services.replicas.values()}
+        ready = ReplicaState.PREFILL in states and ReplicaState.DECODE in states
+        if not ready or not self.node.router.accepting:
+            why = (
+                "shutting down"
+                if not self.node.router.accepting
+                else "no prefill and decode replica serve yet"
+            )
+            return error_response(503, why, None)
+        return Response(b"", status_code=200)
+
+    async def prometheus(self, request: Request) -> Response:
+        return Response(self.metrics.exposition(), media_type=CONTENT_TYPE)
+
+    async def completions(self, request: Request) -> Response:
+        return await self._serve(request, CompletionRequest)
+
+    async def chat_completions(self, request: Request) -> Response:
+        return await self._serve(request, ChatCompletionRequest)
+
+    # ------------------------------------------------------------------ serving
+    async def _serve(
+        self, request: Request, kind: type[CompletionRequest] | type[ChatCompletionRequest]
+    ) -> Response:
+        if (refused := self._refuse_key(request)) is not None:
+            return refused
+        raw = await request.body()
+        if len(raw) > MAX_BODY_BYTES:
+            return error_response(413, f"the body is {len(raw)} bytes, over the {MAX_BODY_BYTES} limit", None)
+        try:
+            body = msgspec.json.decode(raw, type=kind)
+        except msgspec.ValidationError as exc:
+            return validation_response(exc)
+        except msgspec.DecodeError as exc:
+            return error_response(400, f"the body is not valid JSON: {exc}", None)
+        if body.model != self.model_name:
+            return error_response(
+                404, f"the model {body.model!r} does not exist; this node serves {self.model_name!r}", "model"
+            )
+        try:
+            generate = self._generate_request(body)
+        except BadBody as exc:
+            return error_response(400, exc.message, exc.param)
+        connection = f"http-{next(self._connections)}"
+        try:
+            generation = Generation.start(
+                self.node.services,
+                self.node.router,
+                generate,
+                connection=connection,
+                on_end=self.node.service.log_end,
+            )
+        except RequestFailed as exc:
+            return failed_response(exc)
+        generation.cancel_reason = lambda: "client_disconnected" if self.node.router.accepting else "shutdown"
+        request_id = f"{'chatcmpl' if kind is ChatCompletionRequest else 'cmpl'}-{uuid.uuid4().hex}"
+        chat = isinstance(body, ChatCompletionRequest)
+        if body.stream:
+            usage = body.stream_options is not None and body.stream_options.include_usage
+            stream_kind = ChatStream if chat else CompletionStream
+            encoder = stream_kind(request_id, self.model_name, int(time.time()), include_usage=usage)
+            return StreamingResponse(
+                self._events(generation, encoder),
+                media_type="text/event-stream",
+                headers={"Cache-Control": "no-cache"},
+            )
+        outcome: Outcome | None = None
+        failure: RequestFailed | None = None
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self._until_disconnected, request, nursery.cancel_scope)
+                try:
+                    await self._drain(generation)
+                    outcome = generation.outcome()
+                except RequestFailed as exc:
+                    failure = exc
+                nursery.cancel_scope.cancel()
+        finally:
+            generation.close()
+        if failure is not None:
+            return failed_response(failure)
+        if outcome is None:  # the client went away: nobody reads this
+            return Response(b"", status_code=499)
+        reply = chat_completion if chat else completion
+        return Response(
+            msgspec.json.encode(reply(request_id, self.model_name, int(time.time()), outcome)),
+            media_type=JSON,
+        )
+
+    def _generate_request(self, body: CompletionRequest | ChatCompletionRequest) -> GenerateRequest:
+        host = self.node.host
+        if isinstance(body, CompletionRequest):
+            return completion_request(body, host.config.vocab_size)
+        return chat_request(body, self._render, host.config.max_position_embeddings)
+
+    async def _drain(self, generation: Generation) -> None:
+        last = time.monotonic()
+        async for piece in generation.pieces():
+            now = time.monotonic()
+            self.metrics.token_gap(now - last, len(piece.token_ids))
+            last = now
+
+    async def _events(
+        self, generation: Generation, encoder: ChatStream | CompletionStream
+    ) -> AsyncIterator[bytes]:
+        """The SSE body. Cancelled when the client disconnects: `close` then cancels the request."""
+        try:
+            if first := encoder.start():
+                yield first
+            last = time.monotonic()
+            try:
+                async for piece in generation.pieces():
+                    now = time.monotonic()
+                    self.metrics.token_gap(now - last, len(piece.token_ids))
+                    last = now
+                    if piece.text:
+                        yield encoder.text(piece.text)
+                outcome = generation.outcome()
+            except RequestFailed as exc:
+                yield sse_error(exc)
+            else:
+                yield encoder.finish(outcome)
+            yield b"data: [DONE]\n\n"
+        finally:
+            generation.close()
+
+    @staticmethod
+    async def _until_disconnected(request: Request, scope: trio.CancelScope) -> None:
+        """Cancel `scope` when the client disconnects (the body was read: only `http.disconnect` comes)."""
+        while True:
+            message = await request.receive()
+            if message["type"] == "http.disconnect":
+                scope.cancel()
+                return
+
+    def _refuse_key(self, request: Request) -> Response | None:
+        if self.api_key is None:
+            return None
+        if request.headers.get("authorization", "") != f"Bearer {self.api_key}":
+            return error_response(401, "missing or wrong API key (send `Authorization: Bearer <key>`)", None)
+        return None

@@ -1,0 +1,188 @@
+"""OpenAI request bodies → the node's `GenerateRequest`, with every refusal a `BadBody` naming its field.
+
+- Sampling: `temperature` defaults to 1.0 and `top_p` to 1.0, as OpenAI's do; a missing `seed` gets a
+  random one (as on the socket). `max_tokens` (completions: default 16) or `max_completion_tokens` (chat;
+  default: what the context leaves after the prompt, capped at `DEFAULT_CHAT_MAX_TOKENS`).
+- Chat: the messages are rendered with the model's chat template (`replicas.model.chat_template`). An
+  image part (`image_url` with a `data:` URL, PNG or JPEG) becomes the model's image marker in the text
+  and an `ImageInput`, so images go through the encode replicas exactly as on the socket.
+- Known fields the node does not support are refused by name (`unsupported`), never dropped.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import io
+from collections.abc import Callable
+from typing import Any, Final, final
+
+from messages.control import MAX_IMAGE_SIDE, MAX_IMAGES, GenerateRequest, ImageInput
+from messages.openai import ChatCompletionRequest, ChatMessage, CompletionRequest, ImagePart, SamplingFields
+
+DEFAULT_TEMPERATURE: Final = 1.0
+DEFAULT_CHAT_MAX_TOKENS: Final = 4096
+IMAGE_MARKER: Final = "<image>"  # where `replicas.model.encode_prompt` puts the next image
+
+
+@final
+class BadBody(Exception):
+    """A request body the node refuses: HTTP 400 with `param` naming the field (None: the body)."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+
+
+def unsupported(body: SamplingFields) -> BadBody | None:
+    """The first known field set to a value the node does not support, as a `BadBody`; None if none."""
+    checks: list[tuple[str, bool, str]] = [
+        ("n", body.n != 1, "only n=1 is supported: send one request per choice"),
+        ("best_of", body.best_of not in (None, 1), "best_of is not supported"),
+        ("presence_penalty", body.presence_penalty != 0.0, "presence_penalty is not supported (use 0)"),
+        ("frequency_penalty", body.frequency_penalty != 0.0, "frequency_penalty is not supported (use 0)"),
+        ("repetition_penalty", body.repetition_penalty != 1.0, "repetition_penalty is not supported (use 1)"),
+        ("logit_bias", bool(body.logit_bias), "logit_bias is not supported"),
+    ]
+    if isinstance(body, CompletionRequest):
+        checks += [
+            ("echo", body.echo, "echo is not supported"),
+            ("logprobs", body.logprobs is not None, "logprobs are not supported"),
+            ("suffix", body.suffix is not None, "suffix is not supported"),
+        ]
+    if isinstance(body, ChatCompletionRequest):
+        checks += [
+            ("logprobs", body.logprobs, "logprobs are not supported"),
+            ("top_logprobs", body.top_logprobs is not None, "top_logprobs are not supported"),
+            ("tools", bool(body.tools), "tools are not supported"),
+            ("tool_choice", body.tool_choice not in (None, "none"), "tool_choice is not supported"),
+            (
+                "response_format",
+                body.response_format is not None and body.response_format.get("type") != "text",
+                "response_format other than text is not supported",
+            ),
+        ]
+    for param, wrong, message in checks:
+        if wrong:
+            return BadBody(message, param)
+    return None
+
+
+def _sampling(body: SamplingFields, max_tokens: int) -> dict[str, Any]:
+    if body.min_tokens > max_tokens:
+        raise BadBody(
+            f"min_tokens ({body.min_tokens}) must not exceed max_tokens ({max_tokens})", "min_tokens"
+        )
+    stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+    return {
+        "max_tokens": max_tokens,
+        "temperature": DEFAULT_TEMPERATURE if body.temperature is None else body.temperature,
+        "top_p": 1.0 if body.top_p is None else body.top_p,
+        "seed": body.seed,
+        "ignore_eos": body.ignore_eos,
+        "min_tokens": body.min_tokens,
+        "stop": stop,
+        "stream": body.stream,
+    }
+
+
+def completion_request(body: CompletionRequest, vocab_size: int) -> GenerateRequest:
+    """`/v1/completions`: one prompt, text or token ids."""
+    problem = unsupported(body)
+    if problem is not None:
+        raise problem
+    sampling = _sampling(body, body.max_tokens or 16)
+    prompt = body.prompt
+    if isinstance(prompt, str):
+        if not prompt:
+            raise BadBody("prompt is empty", "prompt")
+        return GenerateRequest(id="http", prompt=prompt, **sampling)
+    if not prompt:
+        raise BadBody("prompt is an empty list", "prompt")
+    if not all(isinstance(token, int) and not isinstance(token, bool) for token in prompt):
+        raise BadBody(
+            "prompt must be a string or a list of token ids; a list of prompts is not supported "
+            "(send one request per prompt)",
+            "prompt",
+        )
+    for index, token in enumerate(prompt):
+        if not 0 <= token < vocab_size:
+            raise BadBody(
+                f"prompt[{index}] = {token} is outside the vocabulary of {vocab_size} tokens", "prompt"
+            )
+    return GenerateRequest(id="http", input_ids=list(prompt), **sampling)
+
+
+def chat_request(
+    body: ChatCompletionRequest,
+    render: Callable[[list[dict[str, Any]], bool, bool], str],
+    context_tokens: int,
+) -> GenerateRequest:
+    """`/v1/chat/completions`: the messages rendered by `render(messages, add_generation_prompt,
+    continue_final_message)` into one prompt, images in order."""
+    problem = unsupported(body)
+    if problem is not None:
+        raise problem
+    images: list[ImageInput] = []
+    messages = [_flatten(message, index, images) for index, message in enumerate(body.messages)]
+    if body.continue_final_message and body.add_generation_prompt:
+        raise BadBody(
+            "continue_final_message and add_generation_prompt cannot both be true", "add_generation_prompt"
+        )
+    prompt = render(messages, body.add_generation_prompt, body.continue_final_message)
+    max_tokens = body.max_completion_tokens or body.max_tokens or min(DEFAULT_CHAT_MAX_TOKENS, context_tokens)
+    return GenerateRequest(
+        id="http", prompt=prompt, images=images, add_special_tokens=False, **_sampling(body, max_tokens)
+    )
+
+
+def _flatten(message: ChatMessage, index: int, images: list[ImageInput]) -> dict[str, Any]:
+    """A message as chat templates take it: `content` one string, each image as the image marker."""
+    content = message.content
+    if isinstance(content, list):
+        texts = []
+        for part_index, part in enumerate(content):
+            if isinstance(part, ImagePart):
+                where = f"messages[{index}].content[{part_index}].image_url.url"
+                if len(images) >= MAX_IMAGES:
+                    raise BadBody(f"more than {MAX_IMAGES} images in one request", where)
+                images.append(decode_image(part.image_url.url, where))
+                texts.append(IMAGE_MARKER)
+            else:
+                texts.append(part.text)
+        content = "".join(texts)
+    flat: dict[str, Any] = {"role": message.role, "content": content if content is not None else ""}
+    if message.name is not None:
+        flat["name"] = message.name
+    return flat
+
+
+def decode_image(url: str, where: str) -> ImageInput:
+    """A `data:image/png;base64,...` or JPEG URL as raw RGB (`ImageInput`); other URLs are refused: the
+    node fetches nothing from the network."""
+    header, comma, data = url.partition(",")
+    if not url.startswith("data:") or not comma:
+        raise BadBody("only data: URLs are supported for images (the node fetches nothing)", where)
+    if not header.endswith(";base64") or header[5:].split(";")[0] not in (
+        "image/png",
+        "image/jpeg",
+        "image/jpg",
+    ):
+        raise BadBody("an image must be a base64 data: URL of image/png or image/jpeg", where)
+    try:
+        raw = base64.b64decode(data, validate=True)
+    except (binascii.Error, ValueError):
+        raise BadBody("the image's base64 data does not decode", where) from None
+    from PIL import Image, UnidentifiedImageError  # only when images come
+
+    try:
+        with Image.open(io.BytesIO(raw)) as image:
+            if image.format not in ("PNG", "JPEG"):
+                raise BadBody(f"the image is {image.format}, not PNG or JPEG", where)
+            rgb = image.convert("RGB")
+    except (UnidentifiedImageError, OSError, Image.DecompressionBombError) as exc:
+        raise BadBody(f"the image cannot be read: {exc}", where) from None
+    if max(rgb.width, rgb.height) > MAX_IMAGE_SIDE:
+        raise BadBody(f"the image is {rgb.width}x{rgb.height}; sides may be at most {MAX_IMAGE_SIDE}", where)
+    return ImageInput(width=rgb.width, height=rgb.height, pixels=rgb.tobytes())

@@ -1,0 +1,114 @@
+"""Response bodies: whole completions, and the SSE chunks of a stream (`data: {json}\n\n` each).
+
+A chat stream starts with a chunk whose delta holds the role, then one chunk per piece of text, then a
+chunk with the finish reason; with `stream_options.include_usage`, a last chunk with no choices carries
+the usage (and every chunk has `"usage": null`), as OpenAI's streams do. A completion stream is the same
+without the role chunk. The finish reason `cancelled` is reported as vLLM does: `abort`.
+"""
+
+from __future__ import annotations
+
+from typing import final
+
+import msgspec
+
+from engine.generation import Outcome
+from messages.openai import (
+    AssistantMessage,
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletion,
+    ChatCompletionChunk,
+    Completion,
+    CompletionChoice,
+    Delta,
+    Reply,
+    Usage,
+)
+
+
+def finish_reason(outcome: Outcome) -> str:
+    return "abort" if outcome.finish_reason == "cancelled" else outcome.finish_reason
+
+
+def usage(outcome: Outcome) -> Usage:
+    generated = len(outcome.token_ids)
+    return Usage(
+        prompt_tokens=outcome.prompt_tokens,
+        completion_tokens=generated,
+        total_tokens=outcome.prompt_tokens + generated,
+    )
+
+
+def completion(request_id: str, model: str, created: int, outcome: Outcome) -> Completion:
+    choice = CompletionChoice(index=0, text=outcome.text, finish_reason=finish_reason(outcome))
+    return Completion(id=request_id, created=created, model=model, choices=[choice], usage=usage(outcome))
+
+
+def chat_completion(request_id: str, model: str, created: int, outcome: Outcome) -> ChatCompletion:
+    choice = ChatChoice(
+        index=0, message=AssistantMessage(content=outcome.text), finish_reason=finish_reason(outcome)
+    )
+    return ChatCompletion(id=request_id, created=created, model=model, choices=[choice], usage=usage(outcome))
+
+
+def event(body: Reply) -> bytes:
+    return b"data: " + msgspec.json.encode(body) + b"\n\n"
+
+
+@final
+class CompletionStream:
+    """The SSE chunks of one streamed completion."""
+
+    def __init__(self, request_id: str, model: str, created: int, *, include_usage: bool) -> None:
+        self.request_id, self.model, self.created = request_id, model, created
+        self.include_usage = include_usage
+
+    def _chunk(self, text: str, reason: str | None) -> bytes:
+        choice = CompletionChoice(index=0, text=text, finish_reason=reason)
+        return event(Completion(id=self.request_id, created=self.created, model=self.model, choices=[choice]))
+
+    def start(self) -> bytes:
+        return b""
+
+    def text(self, text: str) -> bytes:
+        return self._chunk(text, None)
+
+    def finish(self, outcome: Outcome) -> bytes:
+        last = self._chunk("", finish_reason(outcome))
+        if not self.include_usage:
+            return last
+        body = Completion(
+            id=self.request_id, created=self.created, model=self.model, choices=[], usage=usage(outcome)
+        )
+        return last + event(body)
+
+
+@final
+class ChatStream:
+    """The SSE chunks of one streamed chat completion."""
+
+    def __init__(self, request_id: str, model: str, created: int, *, include_usage: bool) -> None:
+        self.request_id, self.model, self.created = request_id, model, created
+        self.include_usage = include_usage
+
+    def _chunk(self, delta: Delta, reason: str | None) -> bytes:
+        choice = ChatChunkChoice(index=0, delta=delta, finish_reason=reason)
+        return event(
+            ChatCompletionChunk(id=self.request_id, created=self.created, model=self.model, choices=[choice])
+        )
+
+    def start(self) -> bytes:
+        return self._chunk(Delta(role="assistant", content=""), None)
+
+    def text(self, text: str) -> bytes:
+        return self._chunk(Delta(content=text), None)
+
+    def finish(self, outcome: Outcome) -> bytes:
+        last = self._chunk(Delta(), finish_reason(outcome))
+        if not self.include_usage:
+            return last
+        body = ChatCompletionChunk(
+            id=self.request_id, created=self.created, model=self.model, choices=[], usage=usage(outcome)
+        )
+        return last + event(body)

@@ -1,0 +1,207 @@
+"""The bodies of the OpenAI-compatible HTTP API (docs/http-api.md): requests in, responses out.
+
+Unlike the control socket's messages, request bodies ignore fields they do not know, as OpenAI's and
+vLLM's servers do: clients and load generators send many optional fields. Fields that are known but not
+supported (`n` > 1, `logprobs`, penalties, tools, `echo`, ...) are refused with a 400 that names them
+(`engine.http.requests.unsupported`), never silently dropped. Numbers are bounded here, so a bad body is
+a 400 naming the field, not an error deep inside the node.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+import msgspec
+
+from messages.control import MAX_NEW_TOKENS, MAX_SEED, MAX_STOP_CHARS, MAX_STOP_STRINGS, MAX_TEMPERATURE
+
+MAX_MESSAGES = 4096
+MAX_TEXT_CHARS = 16 * 1024 * 1024
+MAX_URL_CHARS = 64 * 1024 * 1024
+
+Stop = (
+    Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_STOP_CHARS)]
+    | Annotated[
+        list[Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_STOP_CHARS)]],
+        msgspec.Meta(max_length=MAX_STOP_STRINGS),
+    ]
+    | None
+)
+Tokens = Annotated[int, msgspec.Meta(ge=1, le=MAX_NEW_TOKENS)]
+Temperature = Annotated[float, msgspec.Meta(ge=0.0, le=MAX_TEMPERATURE)]
+TopP = Annotated[float, msgspec.Meta(gt=0.0, le=1.0)]
+Seed = Annotated[int, msgspec.Meta(ge=0, le=MAX_SEED)]
+
+
+class Body(msgspec.Struct, frozen=True, kw_only=True):
+    """Base of request bodies: unknown fields are ignored (see the module docstring)."""
+
+
+class StreamOptions(Body, frozen=True, kw_only=True):
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+class SamplingFields(Body, frozen=True, kw_only=True):
+    """What completions and chat completions share."""
+
+    model: Annotated[str, msgspec.Meta(min_length=1, max_length=1024)]
+    temperature: Temperature | None = None
+    top_p: TopP | None = None
+    n: Annotated[int, msgspec.Meta(ge=1, le=128)] = 1
+    stop: Stop = None
+    seed: Seed | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    ignore_eos: bool = False
+    min_tokens: Annotated[int, msgspec.Meta(ge=0, le=MAX_NEW_TOKENS)] = 0
+    # Known, supported only at their neutral values (a 400 names them otherwise).
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[str, float] | None = None
+    best_of: int | None = None
+    user: str | None = None
+
+
+class CompletionRequest(SamplingFields, frozen=True, kw_only=True):
+    """`POST /v1/completions`: one prompt, as text or token ids (a list of prompts is refused)."""
+
+    # Text, or token ids; a list of prompts is refused (`engine.http.requests`): one prompt per request.
+    prompt: Annotated[str, msgspec.Meta(max_length=MAX_TEXT_CHARS)] | list[Any]
+    max_tokens: Tokens | None = 16
+    echo: bool = False
+    logprobs: int | None = None
+    suffix: str | None = None
+
+
+class ImageUrl(Body, frozen=True, kw_only=True):
+    url: Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_URL_CHARS)]
+    detail: str | None = None
+
+
+class TextPart(Body, frozen=True, kw_only=True, tag="text", tag_field="type"):
+    text: Annotated[str, msgspec.Meta(max_length=MAX_TEXT_CHARS)]
+
+
+class ImagePart(Body, frozen=True, kw_only=True, tag="image_url", tag_field="type"):
+    image_url: ImageUrl
+
+
+ContentPart = TextPart | ImagePart
+
+
+class ChatMessage(Body, frozen=True, kw_only=True):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Annotated[str, msgspec.Meta(max_length=MAX_TEXT_CHARS)] | list[ContentPart] | None = None
+    name: str | None = None
+
+
+class ChatCompletionRequest(SamplingFields, frozen=True, kw_only=True):
+    """`POST /v1/chat/completions`."""
+
+    messages: Annotated[list[ChatMessage], msgspec.Meta(min_length=1, max_length=MAX_MESSAGES)]
+    max_tokens: Tokens | None = None
+    max_completion_tokens: Tokens | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    response_format: dict[str, Any] | None = None
+
+
+# ---------------------------------------------------------------------- responses
+class Reply(msgspec.Struct, frozen=True, kw_only=True):
+    """Base of response bodies (written, never read by the node)."""
+
+
+class Usage(Reply, frozen=True, kw_only=True):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class CompletionChoice(Reply, frozen=True, kw_only=True):
+    index: int
+    text: str
+    logprobs: None = None
+    finish_reason: str | None
+
+
+class Completion(Reply, frozen=True, kw_only=True):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+
+
+class AssistantMessage(Reply, frozen=True, kw_only=True):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(Reply, frozen=True, kw_only=True):
+    index: int
+    message: AssistantMessage
+    logprobs: None = None
+    finish_reason: str
+
+
+class ChatCompletion(Reply, frozen=True, kw_only=True):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class Delta(Reply, frozen=True, kw_only=True, omit_defaults=True):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(Reply, frozen=True, kw_only=True):
+    index: int
+    delta: Delta
+    logprobs: None = None
+    finish_reason: str | None
+
+
+class ChatCompletionChunk(Reply, frozen=True, kw_only=True):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+
+
+class ModelCard(Reply, frozen=True, kw_only=True):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "zigzag"
+    max_model_len: int
+
+
+class ModelList(Reply, frozen=True, kw_only=True):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class ErrorDetail(Reply, frozen=True, kw_only=True):
+    message: str
+    type: str
+    param: str | None
+    code: int
+
+
+class ErrorBody(Reply, frozen=True, kw_only=True):
+    """The error shape vLLM uses: `{"error": {"message", "type", "param", "code"}}`."""
+
+    error: ErrorDetail

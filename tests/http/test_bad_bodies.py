@@ -1,0 +1,158 @@
+"""Malformed and unsupported bodies: each is a 400 in vLLM's error shape naming what is wrong (never a
+500), and the node keeps serving."""
+
+from __future__ import annotations
+
+import base64
+import io
+from typing import Any
+
+import httpx
+import pytest
+from PIL import Image
+
+GOOD = {"model": "tiny", "prompt": "hello", "max_tokens": 2, "temperature": 0}
+CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+
+
+def png(width: int, height: int) -> str:
+    buffer = io.BytesIO()
+    Image.new("RGB", (width, height), (10, 20, 30)).save(buffer, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
+
+
+def image_message(url: str) -> dict[str, Any]:
+    return {
+        "role": "user",
+        "content": [{"type": "text", "text": "see"}, {"type": "image_url", "image_url": {"url": url}}],
+    }
+
+
+def completion(**changes: Any) -> dict[str, Any]:
+    return {**GOOD, **changes}
+
+
+def chat(**changes: Any) -> dict[str, Any]:
+    return {**CHAT, **changes}
+
+
+def without(body: dict[str, Any], key: str) -> dict[str, Any]:
+    return {k: v for k, v in body.items() if k != key}
+
+
+# (path, body or raw bytes, the param the error names — None where the body as a whole is wrong)
+CASES: list[tuple[str, Any, str | None]] = [
+    ("/v1/completions", b"{", None),
+    ("/v1/completions", b"[]", None),
+    ("/v1/completions", without(GOOD, "model"), None),
+    ("/v1/completions", without(GOOD, "prompt"), None),
+    ("/v1/completions", completion(prompt=5), "prompt"),
+    ("/v1/completions", completion(prompt=""), "prompt"),
+    ("/v1/completions", completion(prompt=["one", "two"]), "prompt"),
+    ("/v1/completions", completion(prompt=[]), "prompt"),
+    ("/v1/completions", completion(prompt=[999_999]), "prompt"),
+    ("/v1/completions", completion(prompt=[-1]), "prompt"),
+    ("/v1/completions", completion(max_tokens=0), "max_tokens"),
+    ("/v1/completions", completion(max_tokens="ten"), "max_tokens"),
+    ("/v1/completions", completion(max_tokens=1 << 40), "max_tokens"),
+    ("/v1/completions", completion(temperature=-1), "temperature"),
+    ("/v1/completions", completion(temperature=100), "temperature"),
+    ("/v1/completions", completion(top_p=0), "top_p"),
+    ("/v1/completions", completion(top_p=1.5), "top_p"),
+    ("/v1/completions", completion(n=2), "n"),
+    ("/v1/completions", completion(stop=[f"s{i}" for i in range(20)]), "stop"),
+    ("/v1/completions", completion(stop=""), "stop"),
+    ("/v1/completions", completion(stop=7), "stop"),
+    ("/v1/completions", completion(seed=-5), "seed"),
+    ("/v1/completions", completion(seed="abc"), "seed"),
+    ("/v1/completions", completion(stream="yes"), "stream"),
+    ("/v1/completions", completion(stream_options=3), "stream_options"),
+    ("/v1/completions", completion(min_tokens=5, max_tokens=2), "min_tokens"),
+    ("/v1/completions", completion(presence_penalty=0.5), "presence_penalty"),
+    ("/v1/completions", completion(logprobs=3), "logprobs"),
+    ("/v1/completions", completion(echo=True), "echo"),
+    ("/v1/completions", completion(best_of=3), "best_of"),
+    ("/v1/completions", completion(logit_bias={"5": 1.0}), "logit_bias"),
+    ("/v1/completions", completion(prompt=[65] * 40_000), None),  # over the context
+    ("/v1/chat/completions", without(CHAT, "messages"), None),
+    ("/v1/chat/completions", chat(messages=[]), "messages"),
+    ("/v1/chat/completions", chat(messages=[{"role": "robot", "content": "hi"}]), "messages[0].role"),
+    ("/v1/chat/completions", chat(messages=[{"role": "user", "content": 5}]), "messages[0].content"),
+    (
+        "/v1/chat/completions",
+        chat(messages=[{"role": "user", "content": [{"type": "audio"}]}]),
+        "messages[0].content[0].type",
+    ),
+    (
+        "/v1/chat/completions",
+        chat(messages=[image_message("https://example.com/a.png")]),
+        "messages[0].content[1].image_url.url",
+    ),
+    (
+        "/v1/chat/completions",
+        chat(messages=[image_message("data:image/png;base64,@@@")]),
+        "messages[0].content[1].image_url.url",
+    ),
+    (
+        "/v1/chat/completions",
+        chat(messages=[image_message("data:image/png;base64," + base64.b64encode(b"not a png").decode())]),
+        "messages[0].content[1].image_url.url",
+    ),
+    (
+        "/v1/chat/completions",
+        chat(messages=[image_message(png(17, 9))]),
+        None,
+    ),  # sides not a multiple of the patch
+    ("/v1/chat/completions", chat(tools=[{"type": "function", "function": {"name": "f"}}]), "tools"),
+    ("/v1/chat/completions", chat(logprobs=True), "logprobs"),
+    ("/v1/chat/completions", chat(response_format={"type": "json_object"}), "response_format"),
+    ("/v1/chat/completions", chat(max_completion_tokens=0), "max_completion_tokens"),
+    ("/v1/chat/completions", chat(continue_final_message=True), "add_generation_prompt"),
+]
+
+
+async def test_every_bad_body_is_a_400_naming_it_and_the_node_keeps_serving(http: httpx.AsyncClient) -> None:
+    assert len(CASES) >= 30
+    wrong = []
+    for path, body, param in CASES:
+        if isinstance(body, bytes):
+            reply = await http.post(path, content=body, headers={"Content-Type": "application/json"})
+        else:
+            reply = await http.post(path, json=body)
+        shape = reply.json() if reply.headers.get("content-type", "").startswith("application/json") else None
+        error = shape.get("error") if isinstance(shape, dict) else None
+        if (
+            reply.status_code != 400
+            or not isinstance(error, dict)
+            or set(error) != {"message", "type", "param", "code"}
+            or error["code"] != 400
+            or error["type"] != "BadRequestError"
+            or not error["message"]
+            or (param is not None and error["param"] != param)
+        ):
+            wrong.append(f"{path} {str(body)[:80]}: {reply.status_code} {reply.text[:200]}")
+    assert not wrong, "\n".join(wrong)
+    assert (await http.post("/v1/completions", json=GOOD)).status_code == 200
+    assert (await http.get("/health")).status_code == 200
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+async def test_an_unknown_model_is_a_404(http: httpx.AsyncClient, path: str) -> None:
+    body = {**(GOOD if path.endswith("/completions") and "chat" not in path else CHAT), "model": "gpt-x"}
+    reply = await http.post(path, json=body)
+    assert reply.status_code == 404
+    assert reply.json()["error"] == {
+        "message": "the model 'gpt-x' does not exist; this node serves 'tiny'",
+        "type": "NotFoundError",
+        "param": "model",
+        "code": 404,
+    }
+
+
+async def test_an_image_in_chat_goes_through_the_encoder(http: httpx.AsyncClient) -> None:
+    """The tiny model has a vision encoder: a PNG data URL of patch-aligned sides is served."""
+    reply = await http.post(
+        "/v1/chat/completions", json=chat(messages=[image_message(png(32, 16))], temperature=0)
+    )
+    assert reply.status_code == 200, reply.text
+    assert reply.json()["usage"]["completion_tokens"] == 2

@@ -1,0 +1,69 @@
+"""`GET /metrics` parses as Prometheus text and its counters agree with the requests sent; `/health`
+answers 503 while no prefill and decode replica serve."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import httpx
+import openai
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.node.harness import node_process
+from tests.waiting import wait_until
+
+PROMPTS = [[65 + i] * (5 + 3 * i) for i in range(4)]
+
+
+def samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    return {
+        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    }
+
+
+async def test_counters_agree_with_the_requests_sent(
+    client: openai.AsyncOpenAI, http: httpx.AsyncClient
+) -> None:
+    completion_tokens = 0
+    for prompt in PROMPTS:
+        reply = await client.completions.create(
+            model="tiny", prompt=prompt, max_tokens=5, temperature=0, extra_body={"ignore_eos": True}
+        )
+        assert reply.usage is not None
+        completion_tokens += reply.usage.completion_tokens
+    refused = await http.post("/v1/completions", json={"model": "tiny", "prompt": [65] * 40_000})
+    assert refused.status_code == 400
+    seen = samples((await http.get("/metrics")).text)
+    sent = len(PROMPTS)
+    assert seen[("zigzag:requests_arrived_total", ())] == sent + 1
+    assert seen[("zigzag:request_success_total", (("finished_reason", "length"),))] == sent
+    assert seen[("zigzag:requests_failed_total", (("code", "bad_request"),))] == 1
+    assert seen[("zigzag:prompt_tokens_total", ())] == sum(len(prompt) for prompt in PROMPTS)
+    assert seen[("zigzag:generation_tokens_total", ())] == completion_tokens == 5 * sent
+    for histogram in (
+        "time_to_first_token_seconds",
+        "e2e_request_latency_seconds",
+        "request_queue_time_seconds",
+    ):
+        assert seen[(f"zigzag:{histogram}_count", ())] == sent, histogram
+    assert seen[("zigzag:transfer_seconds_count", (("kind", "kv"), ("status", "success")))] == sent
+    assert seen[("zigzag:transfer_rounds_count", (("kind", "kv"),))] == sent
+    assert seen[("zigzag:inter_token_latency_seconds_count", ())] == completion_tokens
+    assert seen[("zigzag:num_requests_running", ())] == 0
+    assert seen[("zigzag:num_requests_waiting", ())] == 0
+    for (name, labels), value in seen.items():
+        if name == "zigzag:replica_state" and value == 1.0:
+            assert dict(labels)["state"] in ("Prefill", "Decode", "Encode"), labels
+    assert sum(value for (name, _), value in seen.items() if name == "zigzag:blocks_used") == 0
+
+
+async def test_health_is_503_while_no_replica_can_serve(tmp_path: Path) -> None:
+    with node_process(tmp_path, "--replicas", "decode=1") as node:
+        assert node.http_url is not None
+        async with httpx.AsyncClient(base_url=node.http_url, timeout=30) as http:
+            await wait_until(lambda: node.events("replica_state"), "the decode replica to change state", 60)
+            reply = await http.get("/health")
+            assert reply.status_code == 503
+            assert reply.json()["error"]["message"] == "no prefill and decode replica serve yet"
