@@ -22,12 +22,14 @@ from unittest import mock
 
 import pytest
 import torch
+import trio
 
 from engine.verify import TIE_TOLERANCE, compare
 from replicas.model import GREEDY, PACKAGED_MODELS, Model, checkpoint_chat_template, load_model
 from replicas.model.checkpoints import packaged_file
 from replicas.model.tokenizer import HFTokenizer
 from tests.model.helpers import generate_batch
+from tests.node.harness import node_process, wait_serving
 
 SMOLLM2 = PACKAGED_MODELS["smollm2"]
 if importlib.util.find_spec(SMOLLM2.package) is None:
@@ -236,28 +238,29 @@ def test_the_chat_template_renders_as_transformers_does(model_dir: Path, hf_toke
             assert got.encode() == want.encode()
 
 
-def test_greedy_generation_equals_transformers_generate(
-    model: Model, model_dir: Path, hf_model: Any, hf_tokenizer: Any
-) -> None:
-    """20 prompts (10 chat-templated, 10 raw; the prompt ids equal transformers' own), 16 new tokens
-    each. Ours run batched through the executor (one prefill, then decode steps); a sequence that
-    differs from transformers' is judged by `engine.verify.compare`, which reruns it in one piece and
-    accepts a difference only at a genuine tie (top-2 logits within TIE_TOLERANCE)."""
+@pytest.fixture(scope="module")
+def prompts(model: Model, model_dir: Path, hf_tokenizer: Any) -> list[list[int]]:
+    """20 prompts, 10 chat-templated and 10 raw, as ids — each equal to transformers' own ids."""
     template = checkpoint_chat_template(model_dir)
     assert template is not None and model.tokenizer is not None
-    prompts: list[list[int]] = []
+    found: list[list[int]] = []
     for messages in CHATS:
         ids = model.tokenizer.encode(template.render(messages, add_generation_prompt=True))
         want = hf_tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=False)
         assert ids == want
-        prompts.append(ids)
+        found.append(ids)
     for text in RAW_PROMPTS:
         ids = model.tokenizer.encode(text)
         assert ids == hf_tokenizer.encode(text)
-        prompts.append(ids)
-    batched = generate_batch(model, prompts, MAX_TOKENS)
-    identical, ties, failures = 0, 0, []
-    for ids, ours in zip(prompts, batched):
+        found.append(ids)
+    return found
+
+
+@pytest.fixture(scope="module")
+def hf_outputs(prompts: list[list[int]], hf_model: Any, hf_tokenizer: Any) -> list[list[int]]:
+    """transformers' greedy `generate` of `MAX_TOKENS` tokens for each prompt."""
+    outputs = []
+    for ids in prompts:
         with torch.no_grad():
             out = hf_model.generate(
                 torch.tensor([ids]),
@@ -266,9 +269,17 @@ def test_greedy_generation_equals_transformers_generate(
                 do_sample=False,
                 pad_token_id=hf_tokenizer.pad_token_id,
             )
-        theirs = out[0, len(ids) :].tolist()
-        stop = next((i + 1 for i, token in enumerate(ours) if token in model.eos_token_ids), len(ours))
-        if ours[:stop] == theirs:
+        outputs.append(out[0, len(ids) :].tolist())
+    return outputs
+
+
+def judge(model: Model, prompts: list[list[int]], ours: list[list[int]], hf_outputs: list[list[int]]) -> None:
+    """Each of ours equals transformers' output (up to its EOS), or differs only at a genuine tie of the
+    model run in one piece (`engine.verify.compare`, top-2 logits within TIE_TOLERANCE)."""
+    identical, ties, failures = 0, 0, []
+    for ids, mine, theirs in zip(prompts, ours, hf_outputs, strict=True):
+        stop = next((i + 1 for i, token in enumerate(mine) if token in model.eos_token_ids), len(mine))
+        if mine[:stop] == theirs:
             identical += 1
             continue
         verdict = compare(model, ids, theirs, sampling=GREEDY, max_tokens=MAX_TOKENS)
@@ -279,3 +290,34 @@ def test_greedy_generation_equals_transformers_generate(
     assert not failures, f"diverged beyond a tie (tolerance {TIE_TOLERANCE}): {failures}"
     assert identical + ties == len(prompts) == 20
     print(f"smollm2 vs transformers: {identical}/{len(prompts)} identical, {ties} ties")
+
+
+def test_greedy_generation_equals_transformers_generate(
+    model: Model, prompts: list[list[int]], hf_outputs: list[list[int]]
+) -> None:
+    """Ours run batched through the executor (one prefill, then decode steps)."""
+    judge(model, prompts, generate_batch(model, prompts, MAX_TOKENS), hf_outputs)
+
+
+async def test_a_node_serving_smollm2_disaggregated_equals_transformers(
+    tmp_path: Path, model: Model, model_dir: Path, prompts: list[list[int]], hf_outputs: list[list[int]]
+) -> None:
+    """`--model smollm2` through a real node: prefill replica, KV transfer, decode replica — all 20
+    prompts at once over the socket."""
+    cache = model_dir.parent.parent  # <cache>/gguf/<entry>: converted already, only loaded here
+    ours: list[list[int]] = [[] for _ in prompts]
+    with node_process(
+        tmp_path, "--model", "smollm2", "--model-cache", str(cache), "--transport", "tcp"
+    ) as node:
+        async with node.client() as client:
+            await wait_serving(client)
+
+            async def one(index: int) -> None:
+                result = await client.generate_result(input_ids=prompts[index], max_tokens=MAX_TOKENS)
+                assert [t.kind for t in result.transfers] == ["kv"] or len(result.token_ids) == 1
+                ours[index] = result.token_ids
+
+            async with trio.open_nursery() as nursery:
+                for index in range(len(prompts)):
+                    nursery.start_soon(one, index)
+    judge(model, prompts, ours, hf_outputs)
