@@ -7,11 +7,12 @@ finishes its shielded cleanup, which is what the tests check against what the se
 
 from __future__ import annotations
 
+import itertools
 import shutil
 import tempfile
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import msgspec
 import pytest
@@ -41,6 +42,7 @@ from messages.control_replies import (
     TokenReply,
 )
 from messages.events import LogEvent, event_decoder
+from tests.waiting import deadline
 
 BIG_TEXT = "z" * 65536
 
@@ -57,6 +59,14 @@ class Handler:
 
     def event(self, table: dict[str, trio.Event], request_id: str) -> trio.Event:
         return table.setdefault(request_id, trio.Event())
+
+    async def wait(
+        self, what: Literal["started", "cancelled", "cleaned"], request_id: str, seconds: float = 10
+    ) -> None:
+        """Until request `request_id` (its client id) has started, been cancelled or finished its
+        cleanup; fails naming which after `seconds`."""
+        with deadline(f"request {request_id!r} {what}", seconds):
+            await self.event(getattr(self, what), request_id).wait()
 
     async def handle(self, request: ControlRequest, replies: ReplySink) -> None:
         match request:
@@ -150,15 +160,13 @@ class Handler:
                 raise RequestFailed("overloaded", "the queue is full (test)")
             case "sleep":
                 await trio.sleep(1000)
-            case "forever":
-                index = 0
-                while True:
+            case "forever":  # a stream that yields between tokens (it paces itself, it waits for nothing)
+                for index in itertools.count():
                     replies.send(
                         TokenReply(
                             id=request.id, request_id=request_id, index=index, token_ids=[7], text=BIG_TEXT
                         )
                     )
-                    index += 1
                     await trio.sleep(0)
             case "huge":  # one 16 MiB reply, more than the socket buffers hold, then nothing
                 replies.send(
@@ -247,7 +255,7 @@ class RawClient:
         await self.stream.send_all(b"".join(line + b"\n" for line in lines))
 
     async def reply(self) -> dict[str, Any]:
-        with trio.fail_after(10):
+        with deadline("a reply line from the server", 10):
             line = await self.reader.next_line()
         assert line is not None, "the server closed the connection"
         decoded: dict[str, Any] = msgspec.json.decode(line)
@@ -266,7 +274,7 @@ class RawClient:
         return replies
 
     async def at_eof(self) -> bool:
-        with trio.fail_after(10):
+        with deadline("a line or the end of the connection from the server", 10):
             return await self.reader.next_line() is None
 
     async def aclose(self) -> None:

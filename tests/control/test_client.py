@@ -80,7 +80,7 @@ async def test_a_closing_server_ends_pending_requests_with_cancelled(
     async with ControlClient.connect(served.address) as client:
 
         async def close_when_started() -> None:
-            await served.handler.event(served.handler.started, "1").wait()
+            await served.handler.wait("started", "1")
             served.server.close()
 
         nursery.start_soon(close_when_started)
@@ -211,7 +211,8 @@ def test_a_peer_that_is_not_a_node_is_named_in_the_error(capsys: pytest.CaptureF
         thread.start()
         address = f"127.0.0.1:{server.getsockname()[1]}"
         assert cli_main(["--address", address, "status"], environ={}) == 3
-        thread.join()
+        thread.join(timeout=10)
+        assert not thread.is_alive(), "the fake HTTP server did not answer and end within 10 s"
     assert capsys.readouterr().err.startswith(f"ControlProtocolError from {address}: ")
 
 

@@ -21,6 +21,7 @@ from messages.events import (
     SlowClient,
 )
 from tests.control.conftest import Handler, RawClient, Served, start_server
+from tests.waiting import deadline, wait_until
 
 KNOWN_OPS = "generate, status, cancel, transition, lock, unlock, scale, metrics, shutdown"
 STATUS = b'{"op":"status","id":"ok"}'
@@ -183,7 +184,7 @@ async def test_an_id_already_in_flight_is_refused(served: Served, raw: RawClient
 
 async def test_cancel_from_another_connection(served: Served, raw: RawClient) -> None:
     await raw.send(b'{"op":"generate","id":"long","prompt":"sleep","request_id":"job-7"}')
-    await served.handler.event(served.handler.started, "long").wait()
+    await served.handler.wait("started", "long")
     other = await RawClient.open(served.address)
     await other.send(
         b'{"op":"cancel","id":"c1","request_id":"job-7"}', b'{"op":"cancel","id":"c2","request_id":"nope"}'
@@ -211,9 +212,8 @@ async def test_a_client_that_stops_reading_has_its_requests_cancelled(
     )
     client = await RawClient.open(served.address, receive_buffer=4096)
     await client.send(b'{"op":"generate","id":"flood","prompt":"forever","stream":true}')
-    with trio.fail_after(20):
-        await served.handler.event(served.handler.cancelled, "flood").wait()
-        await served.handler.event(served.handler.cleaned, "flood").wait()
+    await served.handler.wait("cancelled", "flood", 20)
+    await served.handler.wait("cleaned", "flood", 20)
     # Reading again: the queued tokens, then the request's final `cancelled` error; the connection lives.
     replies = await client.until_final()
     assert all(reply["type"] == "token" for reply in replies[:-1])
@@ -235,13 +235,15 @@ async def test_a_client_that_disconnects_mid_stream_has_its_requests_cancelled(s
         b'{"op":"generate","id":"q","prompt":"sleep"}',
     )
     assert (await client.reply())["type"] == "token"
-    await served.handler.event(served.handler.started, "q").wait()
+    await served.handler.wait("started", "q")
     await client.aclose()
-    with trio.fail_after(10):
-        await served.handler.event(served.handler.cancelled, "s").wait()
-        await served.handler.event(served.handler.cancelled, "q").wait()
-        while not any(isinstance(event, ClientDisconnected) for event in served.events()):
-            await trio.sleep(0.01)
+    await served.handler.wait("cancelled", "s")
+    await served.handler.wait("cancelled", "q")
+    await wait_until(
+        lambda: any(isinstance(event, ClientDisconnected) for event in served.events()),
+        "the server logging the client's disconnection",
+        10,
+    )
     assert served.handler.cleaned["s"].is_set() and served.handler.cleaned["q"].is_set()
     (gone,) = [event for event in served.events() if isinstance(event, ClientDisconnected)]
     assert gone.reason in ("eof", "broken")
@@ -315,14 +317,12 @@ async def test_close_ends_in_flight_requests_with_their_final_reply_and_serve_re
 
         box: list[Served] = []
         nursery.start_soon(serve_then_mark, box)
-        while not box:
-            await trio.sleep(0.01)
-        served = box[0]
+        served = (await wait_until(lambda: box, "the server started"))[0]
         client = await RawClient.open(served.address)
         await client.send(b'{"op":"generate","id":"z","prompt":"sleep"}')
-        await served.handler.event(served.handler.started, "z").wait()
+        await served.handler.wait("started", "z")
         served.server.close()
-        with trio.fail_after(10):
+        with deadline("serve returning once the server closed", 10):
             await returned.wait()
         assert served.handler.cancelled["z"].is_set() and served.handler.cleaned["z"].is_set()
         # The request's final reply is sent before the connection closes (the node's drain relies on it).
@@ -351,10 +351,13 @@ async def test_a_stuck_client_is_dropped_after_the_write_timeout(
     )
     client = await RawClient.open(served.address, receive_buffer=4096)
     await client.send(b'{"op":"generate","id":"h","prompt":"huge","stream":true}')
-    with trio.fail_after(60):
-        await served.handler.event(served.handler.cancelled, "h").wait()
-        while not any(isinstance(e, ClientDisconnected) for e in served.events()):
-            await trio.sleep(1)
+    await served.handler.wait("cancelled", "h", 60)  # virtual seconds (autojump_clock)
+    await wait_until(
+        lambda: any(isinstance(e, ClientDisconnected) for e in served.events()),
+        "the server logging the stuck client's disconnection",
+        60,
+        interval=1,
+    )
     (gone,) = [event for event in served.events() if isinstance(event, ClientDisconnected)]
     assert gone.reason == "write_timeout"
     await client.aclose()

@@ -39,7 +39,16 @@ class ServedNode:
 @asynccontextmanager
 async def served_node(directory: Path, *options: str) -> AsyncIterator[ServedNode]:
     log_file = directory / "node.jsonl"
-    argv = ["--listen", "127.0.0.1:0", "--log-file", str(log_file), "--no-log-console", *options]
+    argv = [
+        "--listen",
+        "127.0.0.1:0",
+        "--http",
+        "127.0.0.1:0",
+        "--log-file",
+        str(log_file),
+        "--no-log-console",
+        *options,
+    ]
     config = parse_node_config(argv, {})
     aggregator = Aggregator(keep_requests=False)
     log = open_event_log(

@@ -19,6 +19,7 @@ from messages.commands import Lock
 from replicas.inbox import CommandRefused, Completed, Envelope, new_command_id
 from tests.epd.inprocess import served_node
 from tests.epd.node import wait_serving
+from tests.waiting import deadline, wait_until
 
 
 async def test_a_command_posted_as_the_replica_fails_is_refused_with_its_failure(tmp_path: Path) -> None:
@@ -32,7 +33,7 @@ async def test_a_command_posted_as_the_replica_fails_is_refused_with_its_failure
             raise RuntimeError("a helper's step failed")
 
         decode.post(Completed(fail))
-        with trio.fail_after(10):
+        with deadline("the Lock posted as the replica failed being answered", 10):
             await waiting.done.wait()
         assert isinstance(waiting.error, CommandRefused)
         assert waiting.error.code == "replica_failed"
@@ -65,9 +66,11 @@ async def test_a_kv_transfer_cut_short_by_its_replica_failing_is_logged_as_ended
 
         async with trio.open_nursery() as nursery:
             nursery.start_soon(generate)
-            with trio.fail_after(30):
-                while not any(e["replica"] == "decode-0" for e in served.events("transfer_started")):
-                    await trio.sleep(0.01)
+            await wait_until(
+                lambda: any(e["replica"] == "decode-0" for e in served.events("transfer_started")),
+                "a KV transfer into decode-0 starting",
+                30,
+            )
 
             def fail(_: Any) -> None:
                 raise RuntimeError("the decode replica failed mid-transfer")

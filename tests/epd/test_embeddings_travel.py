@@ -18,12 +18,13 @@ from replicas.model import Model
 from tests.epd.images import image_input, image_with_rows, reference
 from tests.epd.inprocess import served_node
 from tests.epd.node import wait_blocks_returned, wait_serving
+from tests.waiting import deadline
 
 MAX_TOKENS = 5
 
 
 async def _generate(client: ControlClient, prompt: str, images: list[np.ndarray]) -> GenerateResult:
-    with trio.fail_after(60):
+    with deadline(f"the reply to {prompt!r}", 60):
         return await client.generate_result(
             prompt=prompt,
             images=[image_input(image) for image in images],

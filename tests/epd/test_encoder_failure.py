@@ -19,6 +19,7 @@ from messages.control_replies import GenerateResult
 from replicas.model import Model
 from tests.epd.images import image_input, image_with_rows, reference
 from tests.epd.node import Node, start_nodes, wait_blocks_returned, wait_serving, wait_states
+from tests.waiting import deadline
 
 MAX_TOKENS = 4
 STEP_TIMEOUT = 60.0
@@ -52,7 +53,7 @@ async def _generate(
     client: ControlClient, prompt: str, rows: list[int], request_id: str | None = None
 ) -> GenerateResult:
     images = [image_input(image_with_rows(n, seed=n)) for n in rows]
-    with trio.fail_after(STEP_TIMEOUT):
+    with deadline(f"the reply to {prompt!r}", STEP_TIMEOUT):
         return await client.generate_result(
             prompt=prompt, images=images, max_tokens=MAX_TOKENS, ignore_eos=True, request_id=request_id
         )
@@ -129,7 +130,7 @@ async def test_an_encode_replica_that_raises_mid_transfer(raising_node: Node, ti
             nursery.start_soon(image)
             passing = await _generate(client, "text passes the waiting image", [])
             assert not waiting
-            with trio.fail_after(STEP_TIMEOUT):
+            with deadline("encode-0's transition to LoadingEncode", STEP_TIMEOUT):
                 await client.transition("encode-0", "LoadingEncode")
             await wait_states(client, {"encode-0": frozenset({"Encode"})})
         await wait_blocks_returned(client)

@@ -20,6 +20,7 @@ from replicas.model import Model, SamplingParams
 from replicas.request import FailedUpdate, ServingRequest
 from tests.epd.inprocess import served_node
 from tests.epd.node import wait_serving
+from tests.waiting import deadline, wait_until
 
 
 async def test_a_kv_source_that_is_gone_fails_its_request_and_the_decode_replica_serves_on(
@@ -32,15 +33,15 @@ async def test_a_kv_source_that_is_gone_fails_its_request_and_the_decode_replica
         lived: list[int] = []
 
         async def generate() -> None:
-            with trio.fail_after(60):
+            with deadline("the reply to the long request", 60):
                 result = await client.generate_result(prompt="a long answer", max_tokens=200, ignore_eos=True)
             lived.append(len(result.token_ids))
 
         async with trio.open_nursery() as nursery:
             nursery.start_soon(generate)
-            with trio.fail_after(60):
-                while not decode.work.decode.running:
-                    await trio.sleep(0.005)
+            await wait_until(
+                lambda: decode.work.decode.running, "the long request decoding", 60, interval=0.005
+            )
             victim = ServingRequest(
                 request_id="orphan",
                 prompt_ids=list(range(5, 25)),
@@ -59,9 +60,12 @@ async def test_a_kv_source_that_is_gone_fails_its_request_and_the_decode_replica
                 capacity_tokens=24,
             )
             await decode.ask(reserve)
-            with trio.fail_after(10):
-                while victim.final_update is None:
-                    await trio.sleep(0.005)
+            await wait_until(
+                lambda: victim.final_update is not None,
+                "the orphan request's final update",
+                10,
+                interval=0.005,
+            )
             assert not lived  # still decoding when the orphan failed beside it
             del services.requests[victim.request_id]  # what the router does for the requests it admits
         assert isinstance(victim.final_update, FailedUpdate)

@@ -17,6 +17,7 @@ from messages.control_replies import GenerateResult
 from replicas.model import Model
 from tests.epd.images import image_input, image_with_rows, reference
 from tests.epd.node import start_nodes, wait_blocks_returned, wait_serving, wait_states
+from tests.waiting import deadline, wait_until
 
 PROMPT = "<image> changing hands"
 
@@ -36,7 +37,7 @@ async def test_embeddings_landing_on_a_replica_that_changes_role(tmp_path: Path,
             result: list[GenerateResult] = []
 
             async def generate(client: ControlClient) -> None:
-                with trio.fail_after(60):
+                with deadline("the reply to the image request", 60):
                     result.append(
                         await client.generate_result(
                             prompt=PROMPT, images=[image_input(image)], max_tokens=4, ignore_eos=True
@@ -45,9 +46,10 @@ async def test_embeddings_landing_on_a_replica_that_changes_role(tmp_path: Path,
 
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(generate, client)
-                with trio.fail_after(60):
-                    while not node.events("transfer_started"):
-                        await trio.sleep(0.02)
+                await wait_until(
+                    lambda: node.events("transfer_started"), "the embeddings' transfer starting", 60
+                )
+                with deadline("prefill-0's transition to MutatingToDecode", 60):
                     await client.transition("prefill-0", "MutatingToDecode")
             await wait_states(client, {"prefill-0": frozenset({"Decode"})})
             await wait_blocks_returned(client)

@@ -24,6 +24,7 @@ from replicas.model import Model
 from tests.epd.images import image_input, image_with_rows, reference
 from tests.epd.node import Node, start_nodes, wait_blocks_returned, wait_serving
 from tests.node.harness import default_transport
+from tests.waiting import deadline
 
 BYTES_PER_ROW = 128 * 4 + 8 + 3 * 8  # embeds [128] float32, token_ids int64, positions [3] int64
 MAX_TOKENS = 6
@@ -58,7 +59,7 @@ async def _generate_all(
             ignore_eos=True,
         )
 
-    with trio.fail_after(120):
+    with deadline(f"the replies to {len(requests)} concurrent requests", 120):
         async with trio.open_nursery() as nursery:
             for index, (prompt, images) in enumerate(requests):
                 nursery.start_soon(one, index, prompt, images)

@@ -29,6 +29,7 @@ from messages.events import (
     TransferRound,
 )
 from tests.logs.scenario import START_TS, write_scenario
+from tests.waiting import deadline
 
 
 def _fed(path: Path, *, keep_requests: bool) -> Aggregator:
@@ -203,7 +204,7 @@ async def test_an_observer_of_the_event_log_counts_what_the_control_server_logs(
         stream = await trio.open_tcp_stream(address.host, address.port)
         async with stream:
             await stream.send_all(b"hello\n")
-            with trio.fail_after(10):
+            with deadline("the server's reply to a bad line", 10):
                 reply = await stream.receive_some(65536)
         assert b'"code":"bad_request"' in reply
         server.close()

@@ -43,6 +43,7 @@ from engine.logs.summary import Summary, summarize
 from engine.logs.timeline import Timeline, build_timeline
 from messages.control import ImageInput, ReplicaStateName
 from messages.control_replies import GenerateResult, MetricsResult
+from tests.waiting import deadline, wait_until
 
 pytestmark = pytest.mark.skipif(
     not importlib.util.find_spec("engine.node"),
@@ -76,6 +77,8 @@ def _node_command(socket: Path, log: Path, *options: str) -> list[str]:
         "engine.node",
         "--listen",
         f"unix:{socket}",
+        "--http",
+        "127.0.0.1:0",
         "--log-file",
         str(log),
         "--no-log-console",
@@ -91,19 +94,19 @@ def _node_command(socket: Path, log: Path, *options: str) -> list[str]:
 
 async def _wait_for_states(client: ControlClient, wanted: dict[str, frozenset[str]]) -> None:
     """Poll `status` until every named replica is in one of its wanted states."""
-    with trio.fail_after(STARTUP_TIMEOUT):
-        while True:
-            status = await client.status()
-            states = {replica.name: replica.state for replica in status.replicas}
-            if all(states.get(name) in allowed for name, allowed in wanted.items()):
-                return
-            await trio.sleep(0.05)
+
+    async def reached() -> bool:
+        status = await client.status()
+        states = {replica.name: replica.state for replica in status.replicas}
+        return all(states.get(name) in allowed for name, allowed in wanted.items())
+
+    await wait_until(reached, f"replica states {wanted}", STARTUP_TIMEOUT, interval=0.05)
 
 
 async def _generate(client: ControlClient, run: NodeRun, **request: object) -> None:
     run.generates += 1
     try:
-        with trio.fail_after(STEP_TIMEOUT):
+        with deadline(f"node {run.name}'s reply to generate {request.get('prompt')!r}", STEP_TIMEOUT):
             run.results.append(await client.generate_result(ignore_eos=True, **request))  # type: ignore[arg-type]
     except ControlError as exc:
         run.errors[exc.code] += 1
@@ -112,14 +115,14 @@ async def _generate(client: ControlClient, run: NodeRun, **request: object) -> N
 async def _transition(
     client: ControlClient, run: NodeRun, replica: str, to: ReplicaStateName, then: str
 ) -> None:
-    with trio.fail_after(STEP_TIMEOUT):
+    with deadline(f"node {run.name}'s {replica} transition to {to}", STEP_TIMEOUT):
         await client.transition(replica, to)
     run.driven.setdefault(replica, []).extend([to, then])  # type: ignore[list-item]
     await _wait_for_states(client, {replica: frozenset({then})})
 
 
 async def _send_bad_line(socket: Path, run: NodeRun) -> None:
-    with trio.fail_after(STEP_TIMEOUT):
+    with deadline(f"node {run.name}'s reply to a bad line", STEP_TIMEOUT):
         stream = await trio.open_unix_socket(str(socket))
         async with stream:
             await stream.send_all(b"hello\n")
@@ -152,16 +155,16 @@ async def _drive_a(socket: Path, run: NodeRun) -> None:
                         max_tokens=3,
                     )
                 )
-        with trio.fail_after(STEP_TIMEOUT):
+        with deadline("locking decode-1", STEP_TIMEOUT):
             await client.lock("decode-1")
         await _generate(client, run, prompt="while decode-1 is locked", max_tokens=2)
-        with trio.fail_after(STEP_TIMEOUT):
+        with deadline("unlocking decode-1", STEP_TIMEOUT):
             await client.unlock("decode-1")
         await _transition(client, run, "decode-1", "ShuttingDecode", "ShuttingNull")
         await _transition(client, run, "decode-1", "AusDecode", "Decode")
         await _generate(client, run, input_ids=[OUT_OF_VOCABULARY], max_tokens=2)
         await _send_bad_line(socket, run)
-        with trio.fail_after(STEP_TIMEOUT):
+        with deadline("node a's metrics and shutdown replies", STEP_TIMEOUT):
             run.metrics = await client.metrics()
             await client.shutdown()
 
@@ -171,7 +174,7 @@ async def _drive_b(socket: Path, run: NodeRun) -> None:
         await _wait_for_states(client, {"prefill-0": SERVING, "decode-0": SERVING})
         for index in range(2):
             await _generate(client, run, prompt=f"other node {index}", max_tokens=3)
-        with trio.fail_after(STEP_TIMEOUT):
+        with deadline("node b's shutdown reply", STEP_TIMEOUT):
             await client.shutdown()
 
 
@@ -187,14 +190,14 @@ async def _run_node(
             # The node prints {"listening": ...} once its socket accepts (the socket file exists earlier).
             assert process.stdout is not None
             line = b""
-            with trio.fail_after(STARTUP_TIMEOUT):
+            with deadline(f"node {run.name}'s listening line", STARTUP_TIMEOUT):
                 while not line.endswith(b"\n"):
                     chunk = await process.stdout.receive_some(4096)
                     assert chunk, f"node {run.name} exited before listening: {stderr.read_text()}"
                     line += chunk
             assert b"listening" in line, line
             await drive(socket, run)
-            with trio.fail_after(STARTUP_TIMEOUT):
+            with deadline(f"node {run.name} exiting after its shutdown", STARTUP_TIMEOUT):
                 run.exit_code = await process.wait()
         finally:
             if process.returncode is None:

@@ -34,10 +34,10 @@ from pathlib import Path
 from typing import Any, Literal, final
 
 import pytest
-import trio
 
 from engine.client import ControlClient
 from messages.control_replies import ReplicaStatus, StatusResult
+from tests.waiting import wait_until, wait_until_blocking
 
 START_TIMEOUT = 60.0  # process start + imports + binding the socket (a loaded CI machine is slow)
 STATE_TIMEOUT = 60.0  # replicas loading weights, draining, reviving
@@ -69,6 +69,7 @@ class NodeProcess:
     def __init__(self, process: subprocess.Popen[bytes], address: str, log_file: Path, stderr_file: Path):
         self.process = process
         self.address = address
+        self.http_url: str | None = None  # the HTTP API's URL from the listening line
         self.log_file = log_file
         self.stderr_file = stderr_file
         self.exit_code: int | None = None
@@ -95,13 +96,13 @@ class NodeProcess:
         self, name: str, predicate: Callable[[dict[str, Any]], bool], *, timeout: float = STATE_TIMEOUT
     ) -> dict[str, Any]:
         """The first logged `name` event that satisfies `predicate`, polling the log until `timeout`."""
-        with trio.move_on_after(timeout):
-            while True:
-                found = [event for event in self.events(name) if predicate(event)]
-                if found:
-                    return found[0]
-                await trio.sleep(0.02)
-        raise AssertionError(f"no matching {name} event in the log within {timeout} s")
+        found = await wait_until(
+            lambda: [event for event in self.events(name) if predicate(event)],
+            f"a matching {name} event in the log",
+            timeout,
+            interval=0.02,
+        )
+        return found[0]
 
     def check_ready(self, timeout: float = 20.0) -> None:
         """Blocking: fail unless every replica serves, unlocked, idle, with no block held, within
@@ -109,8 +110,9 @@ class NodeProcess:
         later ones fail at once, naming the first failure, instead of each test timing out on its own."""
         if self.unready is not None:
             pytest.fail(f"the shared node was left unready by an earlier test: {self.unready}")
-        deadline = time.monotonic() + timeout
-        while True:
+        last: list[object] = []
+
+        def ready() -> bool:
             (status,) = self.send_lines(b'{"op":"status","id":"ready"}\n', replies=1)
             wrong = [
                 replica
@@ -121,12 +123,16 @@ class NodeProcess:
                 or replica["work_queue"]
                 or replica["migration_queue"]
             ]
-            if not wrong and status.get("type") == "result":
-                return
-            if time.monotonic() > deadline:
-                self.unready = json.dumps(wrong or status)[:2000]
-                pytest.fail(f"the shared node is not ready after {timeout} s: {self.unready}")
-            time.sleep(0.05)
+            last[:] = [wrong or status]
+            return not wrong and status.get("type") == "result"
+
+        try:
+            wait_until_blocking(
+                ready, "the shared node ready (serving, unlocked, idle)", timeout, interval=0.05
+            )
+        except AssertionError:
+            self.unready = json.dumps(last[0])[:2000]
+            pytest.fail(f"the shared node is not ready after {timeout} s: {self.unready}")
 
     def diagnosis(self) -> str:
         """What a failure message should show: the exit code, stderr's tail and the log's errors."""
@@ -153,7 +159,7 @@ class NodeProcess:
     def await_listening(self) -> None:
         """Blocking: read the node's listening line into `address` (killing the node if none comes)."""
         try:
-            self.address = _read_listening_line(self.process)
+            self.address, self.http_url = _read_listening_line(self.process)
         except NodeFailed as exc:
             self.kill()
             raise NodeFailed(f"{exc}\n{self.diagnosis()}") from None
@@ -225,6 +231,8 @@ def node_command(log_file: Path, options: tuple[str, ...]) -> list[str]:
         "engine.node",
         "--listen",
         "127.0.0.1:0",
+        "--http",
+        "127.0.0.1:0",
         "--log-file",
         str(log_file),
         "--no-log-console",
@@ -258,8 +266,9 @@ def launch_node(directory: Path, *options: str) -> NodeProcess:
     return NodeProcess(process, "", log_file, stderr_file)
 
 
-def _read_listening_line(process: subprocess.Popen[bytes]) -> str:
-    """The address in the node's `{"listening": ...}` stdout line (other lines before it are skipped)."""
+def _read_listening_line(process: subprocess.Popen[bytes]) -> tuple[str, str | None]:
+    """The control address and HTTP URL in the node's `{"listening": ..., "http": ...}` stdout line
+    (other lines before it are skipped)."""
     assert process.stdout is not None
     descriptor = process.stdout.fileno()
     deadline = time.monotonic() + START_TIMEOUT
@@ -272,7 +281,8 @@ def _read_listening_line(process: subprocess.Popen[bytes]) -> str:
             except json.JSONDecodeError:
                 continue
             if isinstance(message, dict) and "listening" in message:
-                return str(message["listening"])
+                http = message.get("http")
+                return str(message["listening"]), None if http is None else str(http)
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             raise NodeFailed(f"no listening line within {START_TIMEOUT} s")
@@ -310,15 +320,13 @@ async def wait_status(
 ) -> StatusResult:
     """Poll `status` until `predicate` holds; fail naming `what` and the last status after `timeout`."""
     last: StatusResult | None = None
-    try:
-        with trio.fail_after(timeout):
-            while True:
-                last = await client.status()
-                if predicate(last):
-                    return last
-                await trio.sleep(interval)
-    except trio.TooSlowError:
-        raise AssertionError(f"timed out after {timeout} s waiting for {what}; last status: {last}") from None
+
+    async def holds() -> StatusResult | None:
+        nonlocal last
+        last = await client.status()
+        return last if predicate(last) else None
+
+    return await wait_until(holds, what, timeout, interval=interval, detail=lambda: f"last status: {last}")
 
 
 def by_name(status: StatusResult) -> dict[str, ReplicaStatus]:

@@ -11,6 +11,7 @@ from typing import Any, final
 import trio
 
 from tests.node.harness import START_TIMEOUT, STATE_TIMEOUT, NodeProcess
+from tests.waiting import deadline
 
 
 @final
@@ -22,7 +23,7 @@ class RawConnection:
         self._buffer = b""
 
     async def send(self, data: bytes) -> None:
-        with trio.fail_after(STATE_TIMEOUT):
+        with deadline("the node taking a raw line", STATE_TIMEOUT):
             await self.stream.send_all(data)
 
     async def reply(self, timeout: float = STATE_TIMEOUT) -> dict[str, Any]:
@@ -46,7 +47,7 @@ class RawConnection:
         return replies
 
     async def _line(self, timeout: float) -> bytes | None:
-        with trio.fail_after(timeout):
+        with deadline("a reply line (or the end of the connection) from the node", timeout):
             while b"\n" not in self._buffer:
                 chunk = await self.stream.receive_some(65536)
                 if not chunk:
@@ -65,7 +66,7 @@ async def raw_connection(
     sock = trio.socket.socket()
     if receive_buffer is not None:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, receive_buffer)
-    with trio.fail_after(START_TIMEOUT):
+    with deadline(f"a raw connection to the node at {node.address}", START_TIMEOUT):
         await sock.connect(node.host_port)
     stream = trio.SocketStream(sock)
     try:

@@ -36,6 +36,7 @@ from tests.node.workload import (
     reserved_blocks,
     send,
 )
+from tests.waiting import deadline
 
 INJECTED = "InjectedFault: decode-0: injected failure (fail_replica fault hook)"
 
@@ -140,7 +141,10 @@ async def test_a_request_no_replica_takes_fails_after_the_queue_wait(tmp_path: P
                 "prefill-0 failed, decode-0 serving",
             )
             ask = Ask(input_ids=tuple(range(3, 20)), max_tokens=3, ignore_eos=True)
-            with trio.fail_after(30), pytest.raises(ControlError) as refused:
+            with (
+                deadline("the request refused after its queue wait", 30),
+                pytest.raises(ControlError) as refused,
+            ):
                 await send(client, ask)
             assert (refused.value.code, refused.value.message) == (
                 "overloaded",

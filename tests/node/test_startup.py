@@ -30,13 +30,14 @@ from replicas.fabric import Fabric
 from replicas.supervisor import RESTART_BACKOFF_FIRST
 from tests.epd.inprocess import served_node
 from tests.node.harness import REPO_ROOT, START_TIMEOUT, by_name, wait_states
+from tests.waiting import wait_until
 from transport.endpoint import TransferEndpoint
 from transport.links.ucx.library import ucx_installed
 
 
 def run_node(*options: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "engine.node", "--no-log-console", *options],
+        [sys.executable, "-m", "engine.node", "--no-log-console", "--http", "127.0.0.1:0", *options],
         capture_output=True,
         text=True,
         timeout=START_TIMEOUT,
@@ -107,9 +108,7 @@ async def test_a_replica_whose_restarts_fail_waits_longer_before_each(
     options = ("--replicas", "prefill=1,decode=1", "--fault", "fail_replica:replica=decode-0,after_steps=0")
     async with served_node(tmp_path, *options) as node:
         async with ControlClient.connect(node.address) as client:
-            with trio.fail_after(60):
-                while opened < 5:
-                    await trio.sleep(0.05)
+            await wait_until(lambda: opened >= 5, "decode-0's endpoint opened a fifth time", 60)
             status = await wait_states(client, {"decode-0": "Inactive", "prefill-0": "Prefill"})
             assert by_name(status)["decode-0"].last_error == (
                 "OSError: cannot listen (opening 4 of decode-0's endpoint, injected)"
@@ -177,9 +176,7 @@ async def test_a_replica_whose_task_is_not_running_takes_no_request(tmp_path: Pa
 
         async with trio.open_nursery() as requests:
             requests.start_soon(generate)
-            with trio.fail_after(30):
-                while not node.node.router.pending:  # arrived, and kept by the router
-                    await trio.sleep(0.01)
+            await wait_until(lambda: node.node.router.pending, "the request arriving and kept by the router")
             await trio.sleep(0.2)  # dispatches that would hand it over have had their chance
             assert [request.request_id for request in node.node.router.pending] and not results
             prefill.nursery = running

@@ -26,13 +26,14 @@ from messages.control import ReplicaStateName
 from replicas.model import Model
 from tests.node.harness import NodeProcess, by_name, wait_idle, wait_serving, wait_states, wait_status
 from tests.node.workload import Outcome, assert_correct, distinct_asks, launch, reserved_blocks, send
+from tests.waiting import deadline
 
 DECODERS = ("decode-0", "decode-1", "decode-2")
 PREFILLERS = ("prefill-0", "prefill-1")
 
 
 async def transition(client: ControlClient, replica: str, to: ReplicaStateName, previous: str) -> None:
-    with trio.fail_after(30):
+    with deadline(f"{replica}'s transition to {to}", 30):
         result = await client.transition(replica, to)
     assert (result.replica, result.previous, result.state) == (replica, previous, to)
 

@@ -23,6 +23,7 @@ from engine.verify import compare
 from messages.control_replies import GenerateResult, TokenReply
 from replicas.model import Model, SamplingParams, encode_prompt, finish_reason
 from tests.node.harness import NodeProcess, wait_idle, wait_serving
+from tests.waiting import deadline
 
 WORDS = ("hello", "world", "the", "cat", "sat", "on", "mat", "zig", "zag")
 # Prompt lengths around the 16-token KV block (1, 15, 16, 17, 31, 32, 33) and some long ones.
@@ -95,7 +96,7 @@ def mixed_workload(model: Model, count: int, *, text: bool, seed: int = 11) -> l
 async def send(client: ControlClient, ask: Ask, *, request_id: str | None = None) -> Outcome:
     """Send one generate and collect its streamed replies and result (ControlError on an error)."""
     streamed: list[TokenReply] = []
-    with trio.fail_after(REQUEST_TIMEOUT):
+    with deadline(f"every reply to generate {request_id or ''} of {ask.max_tokens} tokens", REQUEST_TIMEOUT):
         async for reply in client.generate(
             prompt=ask.prompt,
             input_ids=ask.input_ids,

@@ -17,6 +17,7 @@ import torch
 import trio
 
 from messages.layout import BufferSpec, PoolLayout
+from tests.waiting import WAIT_SECONDS, deadline
 from transport.config import TransferConfig
 from transport.endpoint import SenderDelivery, TransferEndpoint, open_endpoint
 from transport.faults import NO_FAULTS, FaultPlan
@@ -126,16 +127,26 @@ def assert_same_bytes(got: dict[str, torch.Tensor], expected: dict[str, torch.Te
 
 
 class Collector:
-    """A consume step that copies each landed round out, in stream order."""
+    """A consume step that copies each landed round out, in stream order; `wait_rounds` waits for them."""
 
     def __init__(self) -> None:
         self.parts: list[dict[str, torch.Tensor]] = []
         self.rounds: list[LandedRound] = []
+        self._landed = trio.Event()  # set (and replaced) each time a round lands
 
     async def __call__(self, landed: LandedRound) -> None:
         assert landed.offset == sum(r.tokens for r in self.rounds)
         self.rounds.append(landed)
         self.parts.append(as_bytes(landed.gather()))
+        self._landed.set()
+        self._landed = trio.Event()
+
+    async def wait_rounds(self, count: int, seconds: float = WAIT_SECONDS) -> None:
+        """Until `count` rounds have landed here; fails naming them after `seconds`."""
+        landed = lambda: f"{len(self.rounds)} landed"  # noqa: E731
+        with deadline(f"{count} rounds landing in the collector", seconds, detail=landed):
+            while len(self.rounds) < count:
+                await self._landed.wait()
 
     def data(self) -> dict[str, torch.Tensor]:
         return {name: torch.cat([part[name] for part in self.parts]) for name in self.parts[0]}
@@ -207,7 +218,10 @@ async def send_all(endpoint: TransferEndpoint, transfer_id: str, source: Source)
 
 
 async def settle() -> None:
-    """Let fence watchers and small control sends run (quarantine release happens there)."""
+    """Let fence watchers and small control sends run (quarantine release happens there): a fixed pause,
+    not a wait for a condition, for a test that then checks what must have happened by now or what
+    must not have (a block still quarantined). A test waiting for something to happen uses
+    `tests.waiting.wait_until`."""
     for _ in range(20):
         await trio.sleep(0.01)
 
@@ -268,7 +282,7 @@ class SenderProcess:
 
     async def line(self) -> dict[str, object]:
         assert self.process.stdout is not None
-        with trio.fail_after(60):
+        with deadline("a reply line from the sender process", 60):
             while b"\n" not in self._buffer:
                 chunk = await self.process.stdout.receive_some()
                 if not chunk:
@@ -299,7 +313,7 @@ async def sender_process(
         with trio.CancelScope(shield=True):
             if process.stdin is not None:
                 await process.stdin.aclose()
-            with trio.move_on_after(10):
+            with trio.move_on_after(10):  # it exits once stdin closes; killed below if it does not
                 await process.wait()
             if process.returncode is None:
                 process.kill()

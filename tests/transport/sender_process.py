@@ -3,8 +3,9 @@
 Reads one JSON object on stdin (`hidden`, `block_size`, `seed`, `transfers` = {transfer id: tokens},
 optional `faults`, `config`, `transport` — tcp, ucx or cuda-ipc — and `device`), prints `{"address": ...}`, sends the first `tokens` tokens of its source
 for each listed transfer when its grant comes, reports each outcome as a JSON line, and exits when stdin
-closes. With `give_up_after_round` = k the owner cancels each `send` once it wrote round k and, the
-moment `send` returns, overwrites its whole source: what an owner that reuses the blocks does. With
+closes. With `give_up_after_round` = k the owner cancels each `send` once it wrote round k (reporting
+`{"giving_up": id}` first) and, the moment `send` returns, overwrites its whole source: what an owner
+that reuses the blocks does. With
 `stop_after_posting_round` = k (ucx) the process stops itself (SIGSTOP) right after posting round k's first
 frame, before its UCX worker progresses again: it owes the receiver that frame's bytes and cannot write
 them. Its source is `harness.Source(layout, max tokens, seed)`, so the test process rebuilds the
@@ -25,6 +26,7 @@ import torch
 import trio
 
 from tests.transport.harness import Source, embedding_layout, listen
+from tests.waiting import wait_until
 from transport.bulk.write import BulkWrite
 from transport.config import TransferConfig
 from transport.endpoint import open_endpoint
@@ -74,9 +76,13 @@ async def main() -> None:
 
         async def give_up(session: SendSession, owner: trio.CancelScope) -> None:
             assert give_up_after_round is not None
-            while session.report().rounds <= give_up_after_round:
-                await trio.sleep(0.005)
+            await wait_until(
+                lambda: session.report().rounds > give_up_after_round,
+                f"the sender writing round {give_up_after_round} of {session.transfer_id}",
+                interval=0.005,
+            )
             gave_up.add(session.transfer_id)
+            print(json.dumps({"giving_up": session.transfer_id}), flush=True)
             owner.cancel()
 
         async def send(transfer_id: str, tokens: int) -> None:

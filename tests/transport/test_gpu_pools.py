@@ -37,6 +37,7 @@ from tests.transport.harness import (
     shuffled_pool,
 )
 from tests.transport.protocol.test_transfer import SEED_SCENARIOS
+from tests.waiting import wait_until
 from transport.bulk import gpu_copy
 from transport.bulk.runs import group_index, launch_copy_runs, plan_runs
 from transport.config import TransferConfig
@@ -164,8 +165,7 @@ async def test_gpu_pools_between_two_processes_and_a_killed_sender(kind: str) ->
             collector = Collector()
 
             async def kill_when_stalled() -> None:
-                while len(collector.rounds) < 2:
-                    await trio.sleep(0.01)
+                await collector.wait_rounds(2)
                 child.process.send_signal(signal.SIGKILL)
 
             async with trio.open_nursery() as nursery:
@@ -246,8 +246,7 @@ async def test_a_cuda_ipc_link_the_receiver_closes_keeps_its_blocks_until_the_se
                 await pair.receiver.receive("t", peer=pair.link, consume=Collector())
             assert raised.value.reason is FailureReason.LINK_LOST
             assert not behind.query() and pool.quarantined_blocks > 0
-            while pool.quarantined_blocks > 0:
-                await trio.sleep(0.005)
+            await wait_until(lambda: not pool.quarantined_blocks, "the fenced blocks leaving quarantine", 30)
             assert behind.query()  # released only after the copy that waited behind the work
             nursery.cancel_scope.cancel()
     assert pool.used_blocks == 0

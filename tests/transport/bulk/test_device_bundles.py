@@ -10,7 +10,6 @@ import random
 
 import pytest
 import torch
-import trio
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -22,6 +21,7 @@ from tests.transport.harness import (
     poisoned_storage,
     random_storage,
 )
+from tests.waiting import deadline
 from transport.bulk.device_bundles import (
     DEVICE_DIRECT_MIN_BYTES,
     gather,
@@ -155,7 +155,7 @@ def test_a_corrupted_bundle_differs_in_its_first_byte_only_and_the_rows_stay() -
 async def test_gather_and_written_on_cpu_return_the_bundle_without_waiting() -> None:
     source = random_storage(LAYOUT, BLOCKS, seed=5)
     (bundle,) = device_bundles(shuffled_write(source, seed=5, count=60))
-    with trio.fail_after(1):
+    with deadline("a CPU bundle gathered and written without waiting", 1):
         gathered = await gather(source, bundle)
         await written(None, gathered.numel())
     assert torch.equal(gathered, launch_gather(source, bundle)[0])

@@ -6,6 +6,7 @@ import pytest
 import trio
 import trio.testing
 
+from tests.waiting import deadline
 from transport.links.in_flight import InFlight
 
 
@@ -27,7 +28,7 @@ async def test_idle_is_set_only_once_overlapping_pieces_have_all_finished(
         await work.idle.wait()
         woken.append(trio.current_time())
 
-    with trio.fail_after(10):
+    with deadline("both waiters woken", 10):  # virtual seconds (autojump_clock)
         async with trio.open_nursery() as nursery:
             nursery.start_soon(piece, 2.0)
             await trio.sleep(0.5)

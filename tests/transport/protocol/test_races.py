@@ -22,6 +22,7 @@ from tests.transport.harness import (
     shuffled_pool,
 )
 from tests.transport.protocol.test_failures import expect_sender_failure, parts
+from tests.waiting import deadline, wait_until
 from transport.config import TransferConfig
 from transport.errors import TransferError
 
@@ -43,8 +44,9 @@ async def test_a_receive_cancelled_as_the_total_arrives_leaves_the_endpoint_serv
 
             async def announce_and_wait(transfer_id: str, announced: trio.Event) -> None:
                 async with pair.sender.open_send(transfer_id) as session:
-                    while session.link is None:  # granted: the announcement goes out now
-                        await trio.sleep(0.0002)
+                    await wait_until(  # granted: the announcement goes out now
+                        lambda: session.link is not None, f"the grant of {transfer_id}", interval=0.0002
+                    )
                     session.announce_total(16 * 6)
                     announced.set()
                     await trio.sleep_forever()
@@ -65,7 +67,8 @@ async def test_a_receive_cancelled_as_the_total_arrives_leaves_the_endpoint_serv
 
 
 async def cancel_after(event: trio.Event, delay: float, scope: trio.CancelScope) -> None:
-    await event.wait()
+    with deadline("the moment the receive's owner gives up after"):
+        await event.wait()
     await trio.sleep(delay)
     scope.cancel()
 
@@ -113,9 +116,9 @@ async def test_an_abort_that_arrives_during_the_last_write_is_acknowledged(
             written.set()
         assert failures["t"].reason is FailureReason.ABORTED
         assert failures["t"].report.detail == "receiver aborted: receiver gave up: cancelled"
-        with trio.fail_after(5):  # well before fence_timeout: the AbortAck came
-            while pool.quarantined_blocks:
-                await trio.sleep(0.01)
+        await wait_until(  # well before fence_timeout (30 s)
+            lambda: not pool.quarantined_blocks, "the AbortAck releasing the aborted round's blocks", 5
+        )
         sender_link.write = write  # type: ignore[method-assign]
         collector = Collector()
         async with trio.open_nursery() as nursery:

@@ -26,6 +26,7 @@ from tests.transport.harness import (
     send_all,
     shuffled_pool,
 )
+from tests.waiting import wait_until
 from transport.config import TransferConfig
 from transport.endpoint import SenderDelivery, open_endpoint
 from transport.links.inproc.link import InprocNetwork
@@ -265,9 +266,12 @@ async def test_owner_channel_seam_and_early_total_open_the_window_before_the_dat
         async def sender() -> None:
             async with enc.open_send("t") as session:
                 session.announce_total(source.tokens)
-                with trio.fail_after(5):  # the window (round 0 + 2 more) opened before any data moved
-                    while seen.count(RequestMoreCache) < 2:
-                        await trio.sleep(0.001)
+                await wait_until(  # before any data moved
+                    lambda: seen.count(RequestMoreCache) >= 2,
+                    "the window (round 0 and 2 more) opening",
+                    5,
+                    interval=0.001,
+                )
                 await session.send(source.ids, total_tokens=source.tokens)
 
         async with trio.open_nursery() as nursery:

@@ -10,10 +10,10 @@ import random
 import pytest
 import structlog.testing
 import torch
-import trio
 
 from messages.cuda_ipc import PoolShare, SharedBuffer
 from tests.transport.harness import Source, embedding_layout, random_storage, settle, shuffled_pool
+from tests.waiting import deadline, wait_until
 from transport.bulk.runs import plan_runs
 from transport.endpoint import open_endpoint
 from transport.links.cuda_ipc.share import (
@@ -103,7 +103,7 @@ async def test_a_share_the_sender_cannot_map_is_refused_naming_why(host: str, re
         sock = await tcp.connect(host_name, int(port))
         with sock:
             await send_setup(sock, share(host))
-            with trio.fail_after(5):
+            with deadline("the sender's verdict on the share", 5):
                 verdict = decode_verdict(await receive_setup(sock))
         assert verdict.refusal == refusal
         await settle()
@@ -119,9 +119,11 @@ async def test_garbage_instead_of_a_share_is_dropped_with_a_log_line() -> None:
             sock = await tcp.connect(host_name, int(port))
             with sock:
                 sock.sendall(b"\x05\x00\x00\x00hello")
-                with trio.fail_after(5):
-                    while not any(e["event"] == "transfer.cuda_ipc_setup_failed" for e in logs):
-                        await trio.sleep(0.01)
+                await wait_until(
+                    lambda: any(e["event"] == "transfer.cuda_ipc_setup_failed" for e in logs),
+                    "a transfer.cuda_ipc_setup_failed log line",
+                    5,
+                )
             assert sender.links() == []
 
 

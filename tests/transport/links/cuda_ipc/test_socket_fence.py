@@ -13,6 +13,7 @@ import pytest
 import trio
 
 from tests.transport.harness import embedding_layout, random_storage, shuffled_pool
+from tests.waiting import deadline
 from transport.endpoint import open_endpoint
 from transport.errors import LinkClosed
 from transport.links.cuda_ipc.link import CudaIpcLink
@@ -42,7 +43,7 @@ async def test_a_closed_link_ends_its_connection_only_when_the_sender_releases_t
             await receiver_fence.peer_released()
         assert waited.cancelled_caught  # the fence still holds the connection open
         sender_fence.release()  # the copies are done
-        with trio.fail_after(5):
+        with deadline("the receiver's fence seeing the sender's release", 5):
             await receiver_fence.peer_released()
         receiver_fence.release()
 
@@ -52,7 +53,7 @@ async def test_the_receiver_stopping_is_read_by_the_sender_as_the_end_of_the_str
         receiver_fence = SocketFence(receiver)
         receiver.close()
         receiver_fence.stop_writing()
-        with trio.fail_after(5):
+        with deadline("the end of the stream reaching the sender", 5):
             await trio.lowlevel.wait_readable(sender)
         assert sender.recv(16) == b""
         receiver_fence.stop_writing()  # again, and after the peer's end: harmless
@@ -73,7 +74,7 @@ async def test_what_still_arrives_is_discarded_and_a_reset_counts_as_released() 
 
         async with trio.open_nursery() as nursery:
             nursery.start_soon(release_later)
-            with trio.fail_after(5):
+            with deadline("the receiver's fence seeing the sender's release", 5):
                 await receiver_fence.peer_released()
         receiver_fence.release()
         receiver_fence.release()  # again: harmless
@@ -87,13 +88,13 @@ async def test_releasing_closes_only_the_fences_descriptor(released_first: bool)
         if released_first:
             fence.release()
         sender.sendall(b"still open")
-        with trio.fail_after(5):
+        with deadline("bytes over the link's own socket", 5):
             await trio.lowlevel.wait_readable(receiver)
         assert receiver.recv(16) == b"still open"
         sender.close()
         if not released_first:
             fence.release()
-        with trio.fail_after(5):
+        with deadline("the end of the connection once socket and fence are closed", 5):
             await trio.lowlevel.wait_readable(receiver)
         assert receiver.recv(16) == b""
 
@@ -113,7 +114,7 @@ async def test_a_cuda_ipc_receiver_quiesces_once_the_sender_ends_the_connection(
             ended_at: list[float] = []
 
             async def sender_ends_after_its_copies() -> None:
-                with trio.fail_after(5):
+                with deadline("the receiver's end of the stream reaching the sender", 5):
                     await trio.lowlevel.wait_readable(sender)
                 assert sender.recv(16) == b""  # told: the receiver stopped
                 await trio.sleep(0.2)
@@ -130,6 +131,6 @@ async def test_a_cuda_ipc_receiver_quiesces_once_the_sender_ends_the_connection(
                             scope.cancel()
                         else:
                             link.close(LinkClosed("closed by the test"))
-                with trio.fail_after(5):
+                with deadline("the receiving link's quiesce", 5):
                     await link.quiesce()
                 assert ended_at and trio.current_time() >= ended_at[0]

@@ -72,8 +72,7 @@ async def test_sender_process_killed_mid_transfer() -> None:
         collector = Collector()
 
         async def kill_when_stalled() -> None:
-            while len(collector.rounds) < 2:  # rounds 0 and 1 landed, round 2 granted and in flight
-                await trio.sleep(0.01)
+            await collector.wait_rounds(2)  # rounds 0 and 1 landed, round 2 granted and in flight
             child.process.send_signal(signal.SIGKILL)
 
         async with trio.open_nursery() as nursery:
@@ -109,8 +108,7 @@ async def test_a_lost_receiver_or_link_fails_both_sides_without_leaks(how: str) 
             collector = Collector()
 
             async def receiver_goes_away() -> None:
-                while len(collector.rounds) < 2:
-                    await trio.sleep(0.01)
+                await collector.wait_rounds(2)
                 pair.link.close(LinkBroken("receiver gone"))
 
             if how == "receiver-gone":

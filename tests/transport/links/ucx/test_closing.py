@@ -11,6 +11,7 @@ import trio
 
 import transport.links.ucx.link
 from tests.transport.harness import embedding_layout, random_storage, shuffled_pool
+from tests.waiting import deadline, wait_until
 from transport.endpoint import open_endpoint
 from transport.errors import LinkBroken
 
@@ -43,7 +44,7 @@ async def test_an_endpoint_cancelled_from_outside_still_says_goodbye_on_its_ucx_
             owner = trio.CancelScope()
             link = await receiver.connect(await nursery.start(_serve_until_cancelled, owner, attempt))
             owner.cancel()
-            with trio.fail_after(1):  # the link deadline is 5 s
+            with deadline("the receiver hearing its link closed", 1):  # the link deadline is 5 s
                 await link.closed.wait()
             assert re.fullmatch(
                 r"link receiver ⇄ sender \(ucx-\d+\): the peer closed it \(.+\)", str(link.error)
@@ -66,7 +67,7 @@ async def test_a_link_whose_accept_is_cancelled_is_closed_and_its_dialer_told_wh
         await post_control(link, body)
 
     monkeypatch.setattr(transport.links.ucx.link.UcxLink, "post_control", stuck_accept)
-    with trio.fail_after(3):  # the handshake deadline is 5 s
+    with deadline("the cancelled accept closing its link, the dialer told", 3):  # handshake deadline 5 s
         async with (
             open_endpoint("receiver", random_storage(LAYOUT, 4, 9), shuffled_pool(4, 16, 9)) as receiver,
             trio.open_nursery() as nursery,
@@ -81,8 +82,7 @@ async def test_a_link_whose_accept_is_cancelled_is_closed_and_its_dialer_told_wh
                 refused.append(caught.value)
 
             nursery.start_soon(connect)
-            while not accepting:
-                await trio.sleep(0.01)
+            await wait_until(lambda: accepting, "the sending endpoint accepting the link")
             owner.cancel()
     (link,) = accepting
     assert str(link.error) == "accepting given up: cancelled"

@@ -28,6 +28,7 @@ from tests.transport.harness import (
     settle,
     shuffled_pool,
 )
+from tests.waiting import deadline
 from transport.bulk.write import BulkWrite
 from transport.config import TransferConfig, UcxCopies
 from transport.endpoint import SenderDelivery, TransferEndpoint, open_endpoint
@@ -193,8 +194,7 @@ async def test_a_lost_ucx_receiver_or_link_fails_both_sides_within_the_deadline(
         collector = Collector()
 
         async def receiver_goes_away() -> None:
-            while len(collector.rounds) < 2:
-                await trio.sleep(0.01)
+            await collector.wait_rounds(2)
             pair.link.close(LinkBroken("receiver gone"))
 
         async with trio.open_nursery() as nursery:
@@ -340,10 +340,11 @@ async def test_cancelling_everything_mid_transfer_tears_ucx_down_cleanly() -> No
                     # Either side may see its link close before its own cancellation: link_lost.
                     nursery.start_soon(_expect_sender_failure, pair.sender, "t", source, failures)
                     nursery.start_soon(_expect_receiver_failure, pair, collector, failures)
-                    while len(collector.rounds) < 1 + attempt:
-                        await trio.sleep(0.001)
+                    await collector.wait_rounds(1 + attempt)
                     everything.cancel()
-        assert not watchdog.cancelled_caught
+        assert not watchdog.cancelled_caught, (
+            f"attempt {attempt}: the transfer and its teardown took over 5 s"
+        )
         assert pool.used_blocks == 0
 
 
@@ -369,7 +370,7 @@ async def test_a_frame_whose_bytes_cannot_be_made_fails_its_transfer_and_spares_
     storage, pool = random_storage(layout, 30, seed=13), shuffled_pool(30, 16, seed=14)
     config = TransferConfig(default_grant_blocks=2, round_cap_blocks=2, progress_timeout=60.0)
     async with endpoint_pair("ucx-receiver-copies", source, storage, pool, config=config) as pair:
-        with trio.fail_after(5):  # well under progress_timeout and the link's deadlines
+        with deadline("the failed transfer and the next one on the link", 5):  # under the deadlines
             async with trio.open_nursery() as nursery:
 
                 async def sender() -> None:

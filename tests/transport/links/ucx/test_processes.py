@@ -6,14 +6,13 @@ and a sender that gives up while its round is still going out. On CPU over `UCX_
 from __future__ import annotations
 
 import signal
-import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 import pytest
 import trio
 
-from messages.transfer import FailureReason, TransferStatus
+from messages.transfer import FailureReason
 from tests.transport.harness import (
     Collector,
     SenderProcess,
@@ -27,12 +26,14 @@ from tests.transport.harness import (
     shuffled_pool,
 )
 from tests.transport.links.ucx.test_failures import LIVELY
+from tests.waiting import deadline, wait_until
 from transport.config import TransferConfig, UcxCopies
 from transport.endpoint import open_endpoint
 from transport.errors import TransferFailed
 from transport.links.ucx import cma
+from transport.links.ucx.frames import Descriptor
+from transport.links.ucx.link import UcxLink
 from transport.memory.blocks import BlockPool
-from transport.protocol.receiver import ReceiveSession
 
 pytestmark = pytest.mark.usefixtures("ucx_env")
 
@@ -81,8 +82,7 @@ async def test_seed_scenarios_and_a_killed_sender_between_two_processes_over_ucx
             killed_at: list[float] = []
 
             async def kill_when_stalled() -> None:
-                while len(collector.rounds) < 2:  # rounds 0 and 1 landed, round 2 granted
-                    await trio.sleep(0.01)
+                await collector.wait_rounds(2)  # rounds 0 and 1 landed, round 2 granted
                 child.process.send_signal(signal.SIGKILL)
                 killed_at.append(trio.current_time())
 
@@ -99,12 +99,13 @@ async def test_seed_scenarios_and_a_killed_sender_between_two_processes_over_ucx
 
 @pytest.mark.slow  # a child process: importing torch there takes seconds
 async def test_a_sender_that_gives_up_keeps_its_rows_until_the_receiver_has_read_them(
-    ucx_env: dict[str, str],
+    ucx_env: dict[str, str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A round's sends may still be in flight when its `write` returns (ucx). Here the receiver reads
-    nothing for 1.5 s (its event loop is blocked); the sender's owner gives up once round 0 was written
-    and overwrites its source the moment `send` returns. `send` must not return before the receiver has
-    read round 0, which then lands intact in the caller's blocks, ahead of the sender's `Abort`."""
+    """A round's sends may still be in flight when its `write` returns (ucx). Here the receiver's link
+    reader is held before it takes in any of the sender's frames (it neither reads them itself nor posts
+    UCX's receives for them); the sender's owner gives up once round 0 was written and overwrites its
+    source the moment `send` returns. `send` must not return before the receiver has read round 0,
+    which then lands intact in the caller's blocks, ahead of the sender's `Abort`."""
     layout = embedding_layout(block_size=16, hidden=4096)  # 16 KiB rows: whole blocks go direct
     params = {"block_size": 16, "hidden": 4096, "seed": 51, "transfers": {"t": 64}, "transport": "ucx"}
     source = Source(layout, 64, seed=51)
@@ -112,26 +113,39 @@ async def test_a_sender_that_gives_up_keeps_its_rows_until_the_receiver_has_read
     # owner gives up while it waits for that grant.
     config = TransferConfig(default_grant_blocks=2, round_cap_blocks=2, window=1)
     storage, pool = random_storage(layout, 8, seed=52), shuffled_pool(8, 16, seed=53)
+    reader_released, held = trio.Event(), trio.Event()
+    take_in = UcxLink._receive_frames
+
+    async def held_until_released(link: UcxLink, frames: list[Descriptor]) -> None:
+        held.set()
+        await reader_released.wait()
+        await take_in(link, frames)
+
+    monkeypatch.setattr(UcxLink, "_receive_frames", held_until_released)
     async with (
         sender_process({**params, "give_up_after_round": 0}, env=ucx_env) as child,
         open_endpoint("receiver", storage, pool, config=config) as receiver,
     ):
         link = await receiver.connect(child.address)
         blocks = pool.allocate(4, "caller")
-        async with trio.open_nursery() as nursery:
+        with deadline("the receive ending with the sender's Abort", 60):
+            async with trio.open_nursery() as nursery:
 
-            async def receive() -> None:
-                with pytest.raises(TransferFailed, match="sender gave up"):
-                    await receiver.receive("t", peer=link, expected_tokens=64, blocks=blocks)
+                async def receive() -> None:
+                    with pytest.raises(TransferFailed, match="sender gave up"):
+                        await receiver.receive("t", peer=link, expected_tokens=64, blocks=blocks)
 
-            nursery.start_soon(receive)
-            while not any(  # the session moves to waiting_for_input as it posts round 0's grant
-                isinstance(session, ReceiveSession)
-                and session.status.status == TransferStatus.WAITING_FOR_INPUT
-                for session in receiver.kept_alive()
-            ):
-                await trio.lowlevel.checkpoint()
-            time.sleep(1.5)  # blocks the event loop on purpose: this receiver reads nothing meanwhile
+                nursery.start_soon(receive)
+                with deadline("round 0's first frame reaching the receiver's link reader"):
+                    await held.wait()
+                assert await child.line() == {"giving_up": "t"}  # round 0 written, its owner cancels
+                # While the reader is held the sender's `send` must not return: a second, bounded look that
+                # expects no line (the process reports `gave_up` the moment `send` returns). A second is
+                # far more than a `send` that did not wait would need; the link deadline (5 s) is further.
+                with trio.move_on_after(1.0):
+                    early = await child.line()
+                    pytest.fail(f"the sender's send returned before the receiver read round 0: {early}")
+                reader_released.set()
         assert await child.line() == {"gave_up": "t"}
         landed = as_bytes(storage.gather(blocks, 0, 32))
         pool.free(blocks, "caller")
@@ -158,7 +172,10 @@ async def _stopped_sender(
     ):
         link = await receiver.connect(child.address)
         started = trio.current_time()
-        with pytest.raises(TransferFailed) as raised, trio.fail_after(20):
+        with (
+            pytest.raises(TransferFailed) as raised,
+            deadline("the receive from a stopped sender failing", 20),
+        ):
             await receiver.receive("t", peer=link, consume=Collector())
         assert raised.value.reason is FailureReason.LINK_LOST
         assert trio.current_time() - started < LIVELY["link_timeout"] + config.fence_timeout + 2.0
@@ -174,9 +191,11 @@ async def _stop_a_sender_owing_a_write(ucx_env: dict[str, str], seed: int) -> bo
         # when the process stopped before progressing round 0's writes (it writes them, and lazily).
         assert owed in (0, 2, 4)
         child.process.kill()
-        with trio.fail_after(5):
-            while pool.quarantined_blocks:
-                await trio.sleep(0.01)
+        await wait_until(
+            lambda: not pool.quarantined_blocks,
+            "the killed sender's owed blocks leaving quarantine",
+            detail=lambda: f"{pool.quarantined_blocks} still quarantined",
+        )
     assert (pool.used_blocks, pool.quarantined_blocks) == (0, 0)
     return owed > 0
 
@@ -199,6 +218,17 @@ async def test_blocks_a_stopped_sender_owes_writes_to_stay_quarantined_until_tha
     pytest.fail("in three runs the stopped sender never owed a write")
 
 
+async def _every_block_back(pool: BlockPool, *, within: float) -> None:
+    """Until no block of `pool` is used or quarantined: `within` seconds of the failed receive, while
+    the stopped sender process still exists."""
+    await wait_until(
+        lambda: not (pool.quarantined_blocks or pool.used_blocks),
+        "every block back from the stopped sender within fence_timeout + 2 s",
+        within,
+        detail=lambda: f"{pool.used_blocks} used, {pool.quarantined_blocks} quarantined",
+    )
+
+
 @pytest.mark.slow  # a child process: importing torch and starting it take seconds
 @pytest.mark.parametrize("copies", ["cma", "mixed", "receiver"])
 async def test_a_stopped_sender_holds_no_block_of_a_receiver_that_reads_the_pieces_itself(
@@ -212,9 +242,7 @@ async def test_a_stopped_sender_holds_no_block_of_a_receiver_that_reads_the_piec
     waits for the sender process — they all come back within the link deadline and `fence_timeout`,
     while the process still exists."""
     async with _stopped_sender(ucx_env, 65, copies) as (child, pool, config):
-        with trio.fail_after(config.fence_timeout + 2.0):
-            while pool.quarantined_blocks or pool.used_blocks:
-                await trio.sleep(0.01)
+        await _every_block_back(pool, within=config.fence_timeout + 2.0)
         assert child.process.returncode is None  # stopped, not gone
         child.process.kill()
 
@@ -239,12 +267,13 @@ async def test_blocks_come_back_from_a_stopped_sender_whose_bytes_land_in_host_c
         open_endpoint("receiver", storage, pool, config=config) as receiver,
     ):
         link = await receiver.connect(child.address)
-        with pytest.raises(TransferFailed) as raised, trio.fail_after(20):
+        with (
+            pytest.raises(TransferFailed) as raised,
+            deadline("the receive from a stopped sender failing", 20),
+        ):
             await receiver.receive("t", peer=link, consume=Collector())
         assert raised.value.reason is FailureReason.LINK_LOST
-        with trio.fail_after(config.fence_timeout + 2.0):
-            while pool.quarantined_blocks or pool.used_blocks:
-                await trio.sleep(0.01)
+        await _every_block_back(pool, within=config.fence_timeout + 2.0)
         assert child.process.returncode is None  # stopped, not gone
         child.process.kill()
 
@@ -282,7 +311,7 @@ async def test_rounds_read_on_three_lanes_land_byte_exact_with_checksums(
     ):
         collector = Collector()
         link = await receiver.connect(child.address)
-        with trio.fail_after(20):
+        with deadline("12 MiB read on three lanes", 20):
             result = await receiver.receive("t", peer=link, consume=collector)
         assert result.report.rounds == 3
         assert await child.line() == {"sent": "t", "rounds": 3}

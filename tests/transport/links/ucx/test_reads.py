@@ -22,6 +22,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests.transport.harness import embedding_layout, poisoned_storage, random_storage, shuffled_pool
+from tests.waiting import wait_until_blocking
 from transport.bulk.frame_plan import plan_bundles
 from transport.bulk.write import BulkWrite
 from transport.config import TransferConfig, UcxCopies
@@ -134,7 +135,7 @@ def test_refused_reads_name_the_process_and_the_kernels_reason() -> None:
     with pytest.raises(CmaFailed, match=rf"^reading process {pid}'s memory: EFAULT: Bad address$"):
         read(pid, local, _vector([(16, 64)]), 64)  # no process maps its first page
     gone = subprocess.run(
-        [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, check=True
+        [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, check=True, timeout=60
     )
     dead = int(gone.stdout)
     with pytest.raises(CmaFailed, match=rf"^reading process {dead}'s memory: ESRCH: No such process$"):
@@ -330,8 +331,7 @@ def test_an_interrupted_read_returns_only_once_no_lane_reads_any_more(
 
     def read_part(pid: int, local: array.array[int], remote: array.array[int], nbytes: int) -> None:
         if threading.get_ident() == caller:
-            while not started:  # a lane is inside a chunk
-                time.sleep(0.001)
+            wait_until_blocking(lambda: started, "a lane starting a chunk", interval=0.001)
             raise KeyboardInterrupt
         started.append(nbytes)
         time.sleep(0.05)

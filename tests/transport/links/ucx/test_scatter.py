@@ -21,6 +21,7 @@ from hypothesis import strategies as st
 
 import transport.links.ucx.worker
 from tests.transport.harness import embedding_layout, two_workers
+from tests.waiting import deadline, wait_until, wait_until_blocking
 from transport.links.ucx.frames import Descriptor
 from transport.links.ucx.landing import VECTORISED_STRETCHES, Landing, direct, settle, stretch_entries
 from transport.links.ucx.library import UcxFailed
@@ -47,7 +48,7 @@ async def test_a_scattered_receive_lands_each_piece_where_its_segment_points() -
     memory = np.zeros(4096, dtype=np.uint8)
     segments = [(address_of(memory, 3000), 700), (address_of(memory, 10), 48)]
     segments += [(address_of(memory, 1024), 1000), (address_of(memory, 3750), 300)]
-    with trio.fail_after(10):
+    with deadline("the scattered receive landing", 10):
         async with two_workers() as (sender, to_receiver, receiver, to_sender):
             request = receiver.receive_scattered(to_sender, TAG, io_vector(segments), memory)
             await sender.wait([sender.send(to_receiver, TAG, message)])
@@ -66,7 +67,7 @@ async def test_a_gathered_send_sends_its_segments_back_to_back_as_one_message() 
     source = np.frombuffer(bytes(range(256)) * 16, dtype=np.uint8).copy()
     segments = [(address_of(source, 4000), 96), (address_of(source, 7), 1000), (address_of(source, 2048), 1)]
     landed = bytearray(1097)
-    with trio.fail_after(10):
+    with deadline("the gathered send landing", 10):
         async with two_workers() as (sender, to_receiver, receiver, to_sender):
             request = receiver.receive(to_sender, TAG, landed)
             await sender.wait([sender.send_gathered(to_receiver, TAG, io_vector(segments), source)])
@@ -76,7 +77,7 @@ async def test_a_gathered_send_sends_its_segments_back_to_back_as_one_message() 
 
 async def test_a_message_longer_than_its_segments_fails_the_receive_as_truncated() -> None:
     memory = np.zeros(64, dtype=np.uint8)
-    with trio.fail_after(10):
+    with deadline("the truncated receive failing", 10):
         async with two_workers() as (sender, to_receiver, receiver, to_sender):
             request = receiver.receive_scattered(to_sender, TAG, all_of(memory), memory)
             await sender.wait([sender.send(to_receiver, TAG, bytes(100))])
@@ -86,7 +87,7 @@ async def test_a_message_longer_than_its_segments_fails_the_receive_as_truncated
 
 async def test_a_message_shorter_than_its_segments_fails_the_receive_instead_of_leaving_stale_rows() -> None:
     memory = np.full(64, 7, dtype=np.uint8)
-    with trio.fail_after(10):
+    with deadline("the short message failing its receive", 10):
         async with two_workers() as (sender, to_receiver, receiver, to_sender):
             vector = io_vector([(address_of(memory, 0), 32), (address_of(memory, 40), 24)])
             request = receiver.receive_scattered(to_sender, TAG, vector, memory)
@@ -101,7 +102,7 @@ async def test_a_receive_into_host_memory_completes_only_for_a_message_of_its_ex
     size: int, sent: int, seed: int
 ) -> None:
     landed, message = bytearray(size), np.random.default_rng(seed).bytes(sent)
-    with trio.fail_after(10):
+    with deadline("the receives into host memory ending", 10):
         async with two_workers() as (sender, to_receiver, receiver, to_sender):
             request = receiver.receive(to_sender, TAG, landed)
             await sender.wait([sender.send(to_receiver, TAG, message)], check=False)
@@ -129,7 +130,7 @@ async def test_a_length_checked_ucx_receive_into_gpu_memory_lands_an_exact_messa
     size = 1 << 20
     landed = torch.zeros(size, dtype=torch.uint8, device=cuda)
     message = torch.randint(0, 256, (size,), dtype=torch.uint8, device=cuda)
-    with trio.fail_after(10):
+    with deadline("the receives into GPU memory ending", 10):
         async with two_workers() as (sender, to_receiver, receiver, to_sender):
             if not receiver.cuda_capable:
                 pytest.skip("this UCX_TLS gives UCX no CUDA transport")
@@ -152,7 +153,7 @@ async def test_a_length_checked_ucx_receive_into_gpu_memory_lands_an_exact_messa
 
 
 async def test_disconnecting_cancels_a_pending_receive_into_host_memory() -> None:
-    with trio.fail_after(10):
+    with deadline("the pending receive cancelled by the disconnect", 10):
         async with two_workers() as (_sender, _to_receiver, receiver, to_sender):
             request = receiver.receive(to_sender, TAG, bytearray(64))
             receiver.disconnect(to_sender)
@@ -168,7 +169,7 @@ async def test_a_send_from_host_rows_goes_straight_through_ucp_and_no_send_follo
 ) -> None:
     rows = torch.arange(size, dtype=torch.uint8).view(-1, 16)
     landed = bytearray(size)
-    with trio.fail_after(10):
+    with deadline("the send from host rows landing", 10):
         async with two_workers() as (sender, to_receiver, receiver, to_sender):
             request = receiver.receive(to_sender, TAG, landed)
             sent = sender.send(to_receiver, TAG, rows.numpy().data.cast("B"))
@@ -188,7 +189,7 @@ async def test_a_direct_frame_whose_second_receive_fails_to_post_leaves_the_firs
     storage = PoolStorage(layout, 4)
     frame = Descriptor(packed=False, buffer=0, round=0, landing_key=1, length=0, segments=[(0, 16), (32, 16)])
     landings: deque[Landing] = deque()
-    with trio.fail_after(10):
+    with deadline("the failed direct frame's receive settling", 10):
         async with two_workers() as (_sender, _to_receiver, receiver, to_sender):
 
             def first_then_fail(worker: Any, on: int, address: int, length: int, keep: object) -> Any:
@@ -209,7 +210,7 @@ async def test_a_direct_frame_whose_second_receive_fails_to_post_leaves_the_firs
 
 async def test_disconnecting_cancels_a_pending_scattered_receive_and_no_more_can_be_posted() -> None:
     memory = np.zeros(64, dtype=np.uint8)
-    with trio.fail_after(10):
+    with deadline("the pending scattered receive cancelled by the disconnect", 10):
         async with two_workers() as (_sender, _to_receiver, receiver, to_sender):
             request = receiver.receive_scattered(to_sender, TAG, all_of(memory), memory)
             receiver.disconnect(to_sender)
@@ -255,10 +256,15 @@ async def test_a_matched_receive_holds_its_fence_until_its_writer_process_is_gon
         )
         try:
             assert child.stdout is not None
-            with trio.fail_after(60):
-                line = await trio.to_thread.run_sync(child.stdout.readline)
+            with deadline("the silent sender's worker address", 60):
+                # Abandoned at the deadline: the `finally` kills the child, which ends the read.
+                line = await trio.to_thread.run_sync(child.stdout.readline, abandon_on_cancel=True)
             endpoint = worker.connect(bytes.fromhex(line.decode()))
-            await trio.sleep(0.2)  # the rendezvous request waits, unexpected, in this worker
+            lib = worker._lib
+            await wait_until(
+                lambda: worker._worker.tag_probe(lib.UCXXTag(TAG), lib.UCXXTagMaskFull, False).matched,
+                "the silent sender's rendezvous request waiting, unexpected, in this worker",
+            )
             request = worker.receive_scattered(endpoint, TAG, all_of(memory), memory)
             request.cancel()  # matched at once: cancelling does nothing
             landing = Landing([request])
@@ -266,7 +272,7 @@ async def test_a_matched_receive_holds_its_fence_until_its_writer_process_is_gon
                 await settle(worker, [landing], lambda: process_gone(child.pid))
             assert waited.cancelled_caught and not request.completed
             child.kill()
-            with trio.fail_after(10):
+            with deadline("settle returning once the writer process is gone", 10):
                 assert await settle(worker, [landing], lambda: process_gone(child.pid)) is False
             assert not request.completed and not memory.any()
         finally:
@@ -283,7 +289,7 @@ async def test_a_landing_whose_receives_complete_settles_true_without_asking_abo
         asked.append(True)
         return True
 
-    with trio.fail_after(10):
+    with deadline("the completed landing settling", 10):
         async with two_workers() as (sender, to_receiver, receiver, to_sender):
             request = receiver.receive_scattered(to_sender, TAG, all_of(memory), memory)
             await sender.wait([sender.send(to_receiver, TAG, bytes(range(16)))])
@@ -298,8 +304,12 @@ def test_a_pid_counts_only_with_this_hosts_key_and_a_dead_child_is_gone() -> Non
     assert local_pid(os.getpid(), b"") is None
     assert not process_gone(os.getpid())
     child = subprocess.Popen([sys.executable, "-c", "pass"])
-    while child.poll() is None and not process_gone(child.pid):
-        pass  # exited but not yet reaped is a zombie: gone already
+    # Exited but not yet reaped is a zombie: gone already.
+    wait_until_blocking(
+        lambda: child.poll() is not None or process_gone(child.pid),
+        "the child process exiting",
+        interval=0.001,
+    )
     assert process_gone(child.pid)
     child.wait()
     assert process_gone(child.pid)

@@ -10,6 +10,7 @@ import pytest
 import trio
 
 from tests.transport.harness import two_workers
+from tests.waiting import deadline, wait_until
 from transport.links.ucx.reads import PATIENT_BYTES, Receipt
 from transport.links.ucx.worker import BULK, tag
 
@@ -24,7 +25,8 @@ async def test_bulk_messages_for_a_closed_link_are_drained_so_even_a_rendezvous_
         )  # the link closed, as `UcxLink.close` closes it; its peer has not heard yet
         receiver.disconnect(to_sender)
         sends = [sender.send(to_receiver, tag(number, BULK), bytes(size)) for size in (64, 1 << 20)]
-        with trio.fail_after(5):  # a rendezvous send completes only once the receiver takes the message
+        # A rendezvous send completes only once the receiver takes the message.
+        with deadline("the sends to a closed link completing", 5):
             await sender.wait(sends)
         lib = receiver._lib
         probe = receiver._worker.tag_probe(lib.UCXXTag(tag(number, BULK)), lib.UCXXTagMaskFull, False)
@@ -38,7 +40,7 @@ async def test_bulk_messages_for_a_live_link_wait_for_its_receives() -> None:
         await trio.sleep(0.3)  # several drain intervals
         assert not send.completed
         landed = bytearray(1 << 20)
-        with trio.fail_after(5):
+        with deadline("the bulk message landing once received", 5):
             await receiver.wait([receiver.receive(to_sender, tag(number, BULK), landed)])
             await sender.wait([send])
         assert landed == bytes(range(256)) * 4096
@@ -53,13 +55,12 @@ async def test_a_patient_wait_rests_the_progress_loop_only_while_no_request_is_i
         assert not sender._resting()
         async with trio.open_nursery() as nursery:
             nursery.start_soon(partial(sender.wait, [receipt], check=False, patient=True))
-            await trio.sleep(0.05)
-            assert sender._resting()
+            await wait_until(sender._resting, "the sender's progress loop resting in its patient wait", 5)
             number = receiver.register(lambda _arrival: None)
             send = sender.send(to_receiver, tag(number, BULK), bytes(1 << 20))  # rendezvous: until received
             assert not sender._resting()
             landed = bytearray(1 << 20)
-            with trio.fail_after(5):
+            with deadline("the rendezvous send landing", 5):
                 await receiver.wait([receiver.receive(to_sender, tag(number, BULK), landed)])
                 await sender.wait([send])
             assert sender._resting()
