@@ -1,7 +1,6 @@
 """A decode replica asked to receive KV from a transfer endpoint that is gone (its prefill replica failed
-and has not registered it again) fails that one request and serves on (issue 7's review of the
-receive paths: the embedding side already caught it, the KV side let `UnknownEndpoint` escape and took
-down the decode replica with every request it was decoding).
+and has not registered it again) fails that one request and serves on: `UnknownEndpoint` must not escape
+the KV receive path and take down the decode replica with every request it is decoding.
 
 A node served in the test's own trio run (`tests.epd.inprocess`), so the decode replica can be sent the
 `ReserveKV` a prefill replica's migrator would send, naming an endpoint no replica has open.

@@ -1,4 +1,4 @@
-"""`python -m engine.logs` on the logs of real nodes run here (issue 6, "Must show").
+"""`python -m engine.logs` on the logs of real nodes run here.
 
 Two nodes run as subprocesses (`python -m engine.node --log-file ...`) on unix sockets, driven through
 `engine.client.ControlClient`:
@@ -18,7 +18,6 @@ admits to parsing (the refused one included), `request_failed` with the error co
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import shutil
 import subprocess
@@ -44,11 +43,6 @@ from engine.logs.timeline import Timeline, build_timeline
 from messages.control import ImageInput, ReplicaStateName
 from messages.control_replies import GenerateResult, MetricsResult
 from tests.waiting import deadline, wait_until
-
-pytestmark = pytest.mark.skipif(
-    not importlib.util.find_spec("engine.node"),
-    reason="needs the node (python -m engine.node), issue 'The node'",
-)
 
 STARTUP_TIMEOUT = 60.0
 STEP_TIMEOUT = 30.0

@@ -1,6 +1,6 @@
 """End-to-end tests of the node: a real `python -m engine.node` process driven over its control socket.
 
-Issue 4's "Must show — tests", one module each:
+One module per concern:
 
 | module | shows | node |
 |---|---|---|

@@ -1,4 +1,4 @@
-"""Token identity through a real node, and the KV really moving (issue 4, "Must show — tests").
+"""Token identity through a real node, and the KV really moving.
 
 32 concurrent requests of mixed lengths (text and token ids, greedy and seeded sampling, streamed and
 not) go through the node's socket; each output must equal the model run in one piece in this process

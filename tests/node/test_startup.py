@@ -62,8 +62,8 @@ def test_a_taken_control_address_stops_the_node_in_one_line() -> None:
 
 @pytest.mark.slow
 def test_a_checkpoint_whose_weights_would_not_load_stops_the_node_in_one_line(tmp_path: Path) -> None:
-    """Found from the files' headers at start-up; until 2026-11-23 the node served with every replica
-    `Inactive` and each request waited `--queue-wait` to fail."""
+    """Found from the files' headers at start-up: otherwise the node would serve with every replica
+    `Inactive` and each request would wait `--queue-wait` to fail."""
     from tests.model.helpers import build_hf_model
 
     checkpoint = tmp_path / "llama"

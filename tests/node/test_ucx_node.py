@@ -1,4 +1,4 @@
-"""The node end to end over `--transport ucx` (issue 7): a real `python -m engine.node` whose replicas move
+"""The node end to end over `--transport ucx`: a real `python -m engine.node` whose replicas move
 KV through ucxx (its shared-memory and TCP transports, `UCX_TLS=sm,tcp`, on CPU), checked token for token
 against the model run in one piece (`engine.verify.compare`), and `status` naming the transport; then
 `--transport auto`, which resolves to inproc (every endpoint is in the node's process)."""

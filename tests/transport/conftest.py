@@ -10,7 +10,7 @@ import torch
 
 from transport.links.ucx.library import ucx_installed
 
-# CI runs the UCX tests on CPU over shared memory and TCP (issue 7); a developer's own UCX_TLS wins.
+# CI runs the UCX tests on CPU over shared memory and TCP; a developer's own UCX_TLS wins.
 UCX_TLS = "sm,tcp"
 
 

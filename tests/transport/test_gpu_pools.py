@@ -1,11 +1,10 @@
-"""Pools on a GPU (issue 7): every transport moves them, and the protocol's fences hold — inproc device
+"""Pools on a GPU: every transport moves them, and the protocol's fences hold — inproc device
 to device, tcp and ucx through pinned host chunks (ucx packs on the device instead when its `UCX_TLS`
 has CUDA transports: `.ci/gpu` runs the ucx cases a second time so), cuda-ipc by device copies into the
 receiver's pool mapped through CUDA IPC.
 
-Needs a CUDA device (the `cuda` fixture skips without one, as in CI). They ran on lent H100s
-(docs/benchmarks.md, *GPU pools*), the ucx cases with `UCX_TLS=all` included: device bundles and the
-two-process cases on the fourth lease, 2026-11-23.
+Needs a CUDA device (the `cuda` fixture skips without one, as in CI); `.ci/gpu` runs them, the ucx
+cases with `UCX_TLS=all` too (device bundles and the two-process cases).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Device bundles (`transport.bulk.device_bundles`, issue 7): how a UCX link that reaches GPU memory packs a
+"""Device bundles (`transport.bulk.device_bundles`): how a UCX link that reaches GPU memory packs a
 GPU pool's rows. The gather and scatter are torch index operations on whatever device the pool is on, so
 their layout and index arithmetic run here on CPU tensors, checked against the host path
 (`staging.pack_bundle`); the GPU tests (skipped without CUDA) check the same on the device and the

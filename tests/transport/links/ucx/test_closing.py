@@ -1,4 +1,4 @@
-"""Closing UCX links (issue 7): the goodbyes an endpoint cancelled from outside still says, and a link
+"""Closing UCX links: the goodbyes an endpoint cancelled from outside still says, and a link
 cancelled while being accepted — on CPU over `UCX_TLS=sm,tcp` (the `ucx_env` fixture), real time.
 """
 

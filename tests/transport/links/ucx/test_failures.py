@@ -1,4 +1,4 @@
-"""Failures of the resumable transfer over UCX (issue 7): deadlines, aborts, quarantine, corruption, lost
+"""Failures of the resumable transfer over UCX: deadlines, aborts, quarantine, corruption, lost
 peers and links, malformed frames, refused handshakes, cancellation — on CPU over `UCX_TLS=sm,tcp` (the
 `ucx_env` fixture); a sender in another process: test_transfer_ucx_processes.py. Real time throughout,
 as in test_transfer_ucx.py.

@@ -1,4 +1,4 @@
-"""The UCX transfer with the sender in another process (issue 7): the seeds' transfers, a killed sender,
+"""The UCX transfer with the sender in another process: the seeds' transfers, a killed sender,
 and a sender that gives up while its round is still going out. On CPU over `UCX_TLS=sm,tcp` (the
 `ucx_env` fixture); real time throughout, as in test_transfer_ucx.py.
 """

@@ -1,4 +1,4 @@
-"""Scattered receives and length-checked ones (`transport.links.ucx.scatter`, issue 7) on a real UCX worker:
+"""Scattered receives and length-checked ones (`transport.links.ucx.scatter`) on a real UCX worker:
 where the bytes land, the errors UCX reports, cancellation, and the fence for a sender process that dies
 before writing. Over `UCX_TLS=sm,tcp` on CPU (the `ucx_env` fixture); real time, as the UCX progress task
 waits on a file descriptor."""

@@ -1,4 +1,4 @@
-"""The resumable transfer over UCX (issue 7): the protocol suite's scenarios and properties (its faults
+"""The resumable transfer over UCX: the protocol suite's scenarios and properties (its faults
 are in test_transfer_ucx_failures.py), run on CPU over UCX's shared-memory and TCP transports
 (`UCX_TLS=sm,tcp`, the `ucx_env` fixture).
 

@@ -1,4 +1,4 @@
-"""The UCX worker's drain of bulk messages for closed links (`transport.links.ucx.worker`, issue 7), on real
+"""The UCX worker's drain of bulk messages for closed links (`transport.links.ucx.worker`), on real
 UCX workers over `UCX_TLS=sm,tcp` (the `ucx_env` fixture); real time, as the progress task waits on a
 file descriptor."""
 
