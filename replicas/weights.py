@@ -25,10 +25,10 @@ from replicas.model import (
     read_hf_config,
     tiny_model,
 )
-from replicas.model.chat_template import ChatTemplate, checkpoint_chat_template
-from replicas.model.checkpoints import DEFAULT_CACHE_DIR, resolve_model
+from replicas.model.checkpoint.loader import check_checkpoint, checkpoint_tokenizer
+from replicas.model.checkpoint.resolve import DEFAULT_CACHE_DIR, resolve_model
 from replicas.model.config import ModelDType
-from replicas.model.loader import check_checkpoint, checkpoint_tokenizer
+from replicas.model.text.chat_template import ChatTemplate, checkpoint_chat_template
 
 Progress = Callable[[LoadProgress], None]
 
@@ -37,7 +37,7 @@ Progress = Callable[[LoadProgress], None]
 class ModelHost:
     """Loads `source` on demand; see the module docstring. `source` is `tiny`, a packaged model
     (`smollm2`), a `.gguf` file (converted once into `cache_dir`) or a checkpoint directory: see
-    `replicas.model.checkpoints`.
+    `replicas.model.checkpoint.resolve`.
 
     Cancellation: a cancelled `acquire` does not hold the model; a load in progress finishes in its
     worker thread (threads are never abandoned) and is kept for the next `acquire` if anyone waits.

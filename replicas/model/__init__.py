@@ -12,8 +12,8 @@ Public API (import from here):
 - exceptions in `replicas.model.errors`
 """
 
-from replicas.model.chat_template import ChatTemplate, ChatTemplateError, checkpoint_chat_template
-from replicas.model.checkpoints import (
+from replicas.model.checkpoint.loader import LoadProgress, ModelLoader, load_model
+from replicas.model.checkpoint.resolve import (
     DEFAULT_CACHE_DIR,
     PACKAGED_MODELS,
     ModelNotInstalledError,
@@ -40,8 +40,6 @@ from replicas.model.executor import DecodeResult, DecodeSequence, Executor, Pref
 from replicas.model.kv_cache import DEFAULT_KV_BLOCK_SIZE, KVCache, kv_layout, layer_buffer_names
 from replicas.model.linear import Kernels, Linear
 from replicas.model.llama import Model
-from replicas.model.loader import LoadProgress, ModelLoader, load_model
-from replicas.model.prompt import IMAGE_PLACEHOLDER, PromptLayout, encode_prompt, layout_prompt
 from replicas.model.reference import generate_in_one_piece
 from replicas.model.sampling import (
     GREEDY,
@@ -51,8 +49,10 @@ from replicas.model.sampling import (
     sample_tokens,
     uniform_draw,
 )
+from replicas.model.text.chat_template import ChatTemplate, ChatTemplateError, checkpoint_chat_template
+from replicas.model.text.prompt import IMAGE_PLACEHOLDER, PromptLayout, encode_prompt, layout_prompt
+from replicas.model.text.tokenizer import ByteTokenizer, HFTokenizer, TextStream, Tokenizer
 from replicas.model.tiny import TINY_CONFIG, tiny_model
-from replicas.model.tokenizer import ByteTokenizer, HFTokenizer, TextStream, Tokenizer
 from replicas.model.vision import (
     PATCH_SIZE,
     ImageEmbedding,

@@ -27,7 +27,7 @@ from transport.memory.storage import torch_dtype
 
 if TYPE_CHECKING:
     from messages.layout import PoolLayout
-    from replicas.model.tokenizer import Tokenizer
+    from replicas.model.text.tokenizer import Tokenizer
     from replicas.model.vision import VisionEncoder
 
 # (q [N, heads, d], k [N, kv_heads, d], v [N, kv_heads, d], layer) -> [N, heads * d]

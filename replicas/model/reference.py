@@ -17,8 +17,8 @@ from replicas.model.errors import ContextLengthError, InvalidBatchError
 from replicas.model.executor import DecodeSequence, Executor, PrefillSequence
 from replicas.model.kv_cache import DEFAULT_KV_BLOCK_SIZE, KVCache
 from replicas.model.llama import Model
-from replicas.model.prompt import layout_prompt
 from replicas.model.sampling import GREEDY, SamplingParams, finish_reason
+from replicas.model.text.prompt import layout_prompt
 
 REFERENCE_OWNER = "reference"
 

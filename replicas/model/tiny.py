@@ -17,7 +17,7 @@ from replicas.model.config import ModelConfig, ModelDType, RopeConfig
 from replicas.model.layers import fuse_layer
 from replicas.model.linear import Kernels
 from replicas.model.llama import Model
-from replicas.model.tokenizer import ByteTokenizer
+from replicas.model.text.tokenizer import ByteTokenizer
 from replicas.model.vision import VisionConfig, VisionEncoder
 
 TINY_SEED = 20240531

@@ -9,7 +9,7 @@ model's hidden size — linear in the number of patches. Weights are seeded (sam
 `ImageEmbedding` is exactly what the encode replica writes into the node's embedding pool (`embeds
 [hidden] float32`, `token_ids [] int64`, `positions [3] int64` per row) plus the per-image `ImageGrid`
 header. Positions are the patch's grid coordinates (t, h, w) *relative to the image*; the language side
-offsets them by the image's starting rotary position (`replicas.model.prompt.layout_prompt`).
+offsets them by the image's starting rotary position (`replicas.model.text.prompt.layout_prompt`).
 """
 
 from __future__ import annotations

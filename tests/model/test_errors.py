@@ -26,9 +26,9 @@ from replicas.model import (
     generate_in_one_piece,
     load_model,
 )
+from replicas.model.checkpoint.loader import INDEX_FILE, check_checkpoint
 from replicas.model.config import read_hf_config
 from replicas.model.errors import ModelLoadError
-from replicas.model.loader import INDEX_FILE, check_checkpoint
 from tests.model.helpers import allocate
 
 

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from replicas.model import Executor, KVCache, PrefillSequence, load_model
+from replicas.model.checkpoint.loader import INDEX_FILE
 from replicas.model.linear import Kernels
-from replicas.model.loader import INDEX_FILE
 from tests.model.helpers import VOCAB, allocate, first_real_divergence, generate_batch
 
 PROMPT_LENGTHS = (5, 17, 32, 9)

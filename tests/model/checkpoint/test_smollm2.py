@@ -26,8 +26,8 @@ import trio
 
 from engine.verify import TIE_TOLERANCE, compare
 from replicas.model import GREEDY, PACKAGED_MODELS, Model, checkpoint_chat_template, load_model
-from replicas.model.checkpoints import packaged_file
-from replicas.model.tokenizer import HFTokenizer
+from replicas.model.checkpoint.resolve import packaged_file
+from replicas.model.text.tokenizer import HFTokenizer
 from tests.model.helpers import generate_batch
 from tests.node.harness import node_process, wait_serving
 
@@ -35,7 +35,7 @@ SMOLLM2 = PACKAGED_MODELS["smollm2"]
 if importlib.util.find_spec(SMOLLM2.package) is None:
     pytest.skip(f"{SMOLLM2.package} is not installed ({SMOLLM2.install})", allow_module_level=True)
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 MAX_TOKENS = 16
 
 CORPUS = [
@@ -133,7 +133,7 @@ def _run_without_transformers(cache: Path) -> dict[str, Any]:
 
         sys.meta_path.insert(0, NoTransformers())
         from replicas.model import generate_in_one_piece, load_model, resolve_model
-        from replicas.model.chat_template import checkpoint_chat_template
+        from replicas.model.text.chat_template import checkpoint_chat_template
 
         source = resolve_model("smollm2", cache_dir=sys.argv[1])
         model = load_model(source.directory, dtype="float32")

@@ -27,9 +27,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Final, final
 
+from replicas.model.checkpoint.gguf import GGUFFile, write_checkpoint
+from replicas.model.checkpoint.gguf_tokenizer import gguf_tokenizer, gguf_tokenizer_config
 from replicas.model.errors import CheckpointError, ModelLoadError
-from replicas.model.gguf import GGUFFile, write_checkpoint
-from replicas.model.gguf_tokenizer import gguf_tokenizer, gguf_tokenizer_config
 
 TINY: Final = "tiny"
 DEFAULT_CACHE_DIR: Final = "~/.cache/zigzag"

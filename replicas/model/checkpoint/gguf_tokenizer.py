@@ -16,8 +16,8 @@ from typing import Any, Final
 
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 
+from replicas.model.checkpoint.gguf import GGUFFile
 from replicas.model.errors import CheckpointError, UnsupportedModelError
-from replicas.model.gguf import GGUFFile
 
 CONTROL, USER_DEFINED = 3, 4
 

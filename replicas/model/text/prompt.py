@@ -17,7 +17,7 @@ from typing import final
 import torch
 
 from replicas.model.errors import InvalidBatchError
-from replicas.model.tokenizer import Tokenizer
+from replicas.model.text.tokenizer import Tokenizer
 from replicas.model.vision import ImageGrid, image_positions
 
 IMAGE_PLACEHOLDER = "<image>"

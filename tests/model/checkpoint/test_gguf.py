@@ -22,12 +22,12 @@ from replicas.model import (
     read_hf_config,
     resolve_model,
 )
-from replicas.model import checkpoints as checkpoints_module
-from replicas.model import gguf as gguf_module
-from replicas.model.checkpoints import packaged_file
-from replicas.model.loader import INDEX_FILE
+from replicas.model.checkpoint import gguf as gguf_module
+from replicas.model.checkpoint import resolve as checkpoints_module
+from replicas.model.checkpoint.loader import INDEX_FILE
+from replicas.model.checkpoint.resolve import packaged_file
 from replicas.weights import ModelHost
-from tests.model.gguf_files import (
+from tests.model.checkpoint.gguf_files import (
     BF16_TENSOR,
     F16_TENSOR,
     HEADS,

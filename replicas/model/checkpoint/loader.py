@@ -24,7 +24,7 @@ from replicas.model.errors import CheckpointError, WeightShapeError
 from replicas.model.layers import expected_layer_shapes, fuse_layer
 from replicas.model.linear import Kernels
 from replicas.model.llama import Model
-from replicas.model.tokenizer import HFTokenizer
+from replicas.model.text.tokenizer import HFTokenizer
 from transport.memory.storage import torch_dtype
 
 INDEX_FILE = "model.safetensors.index.json"

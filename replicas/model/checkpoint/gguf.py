@@ -28,8 +28,8 @@ from gguf import GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize
 from safetensors.torch import save_file
 
+from replicas.model.checkpoint.loader import INDEX_FILE
 from replicas.model.errors import CheckpointError, UnsupportedModelError
-from replicas.model.loader import INDEX_FILE
 
 GGUF_ARCHITECTURES: Final[dict[str, str]] = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 SHARD_BYTES: Final = 2 << 30  # one safetensors file per ~2 GiB of converted weights
