@@ -1,4 +1,4 @@
-"""Chat messages → one prompt, with the model's chat template (`replicas.model.chat_template`).
+"""Chat messages → one prompt, with the model's chat template (`replicas.model.text.chat_template`).
 
 `continue_final_message` renders without a generation prompt and cuts the text right after the last
 message's content, as transformers' `apply_chat_template` does, so the model continues that message.
@@ -11,7 +11,7 @@ from collections.abc import Callable
 from typing import Any
 
 from engine.http.requests import BadBody
-from replicas.model.chat_template import ChatTemplate, ChatTemplateError
+from replicas.model.text.chat_template import ChatTemplate, ChatTemplateError
 
 Render = Callable[[list[dict[str, Any]], bool, bool], str]
 
