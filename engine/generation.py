@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from typing import final
+from typing import assert_never, final
 
 import msgspec
 
@@ -31,7 +31,14 @@ from messages.control_replies import Timings, TransferSummary
 from messages.events import RequestArrived
 from messages.events import RequestFailed as RequestFailedEvent
 from replicas.model import TextStream
-from replicas.request import FailedUpdate, FinishedUpdate, FinishReason, ServingRequest, TokensUpdate
+from replicas.request import (
+    CancelReason,
+    FailedUpdate,
+    FinishedUpdate,
+    FinishReason,
+    ServingRequest,
+    TokensUpdate,
+)
 from replicas.services import ReplicaServices
 
 
@@ -77,7 +84,8 @@ class Generation:
         self._relayed = 0  # tokens relayed so far: the replicas may be ahead of this task
         self._text: list[str] = []
         self._finish: FinishReason | None = None
-        self.cancel_reason: Callable[[], str] | None = None
+        # Why the request is cancelled when `close` finds it still running (set by the relaying side).
+        self.cancel_reason: Callable[[], CancelReason] | None = None
 
     @property
     def request_id(self) -> str:
@@ -151,7 +159,7 @@ class Generation:
                 case FailedUpdate(code=code, message=message):
                     raise RequestFailed(code, message, serving.request_id)
                 case _:
-                    raise AssertionError(f"unknown update {update!r}")
+                    assert_never(update)
 
     def outcome(self) -> Outcome:
         """The ended generation (after `pieces` returned)."""
@@ -176,7 +184,7 @@ class Generation:
         serving = self.serving
         if not serving.ended:
             if serving.cancel_reason == "cancel_op" and self.cancel_reason is not None:
-                serving.cancel_reason = self.cancel_reason()  # type: ignore[assignment]
+                serving.cancel_reason = self.cancel_reason()
             self._router.cancel(serving.request_id)
 
     # ------------------------------------------------------------------ text

@@ -97,8 +97,9 @@ class Node:
     """One node: its replicas, router, controller and control server (see the module docstring)."""
 
     def __init__(
-        self, config: NodeConfig, log: EventLog, aggregator: Aggregator, metrics: NodeMetrics | None = None
+        self, config: NodeConfig, log: EventLog, aggregator: Aggregator, metrics: NodeMetrics
     ) -> None:
+        """`aggregator.add` and `metrics.observe` must be observers of `log` (`open_event_log`)."""
         self.config = config
         self.log = log
         dtype = config.dtype or ("float32" if config.device == "cpu" else "bfloat16")
@@ -116,7 +117,7 @@ class Node:
         )
         self.service = NodeService(self, self.services, self.router, aggregator)
         self.controller = Controller(self.services, config.controller)
-        self.metrics = metrics or NodeMetrics()
+        self.metrics = metrics
         self.metrics.attach(self.services, lambda: len(self.router.pending))
         self.http_url: str | None = None  # set once the HTTP API listens
         self.drain_deadline = config.shutdown.drain_deadline

@@ -24,6 +24,7 @@ from messages.control_replies import Timings, TransferSummary
 from replicas.model import ImageGrid, SamplingParams
 
 FinishReason = Literal["stop", "length", "cancelled"]
+CancelReason = Literal["cancel_op", "client_disconnected", "client_too_slow", "shutdown"]
 
 
 @final
@@ -121,9 +122,7 @@ class ServingRequest:
         self.embedding_route: EmbeddingRoute | None = None  # set by the router for an image request
         self.cancelled = False
         self.ended = False
-        self.cancel_reason: Literal["cancel_op", "client_disconnected", "client_too_slow", "shutdown"] = (
-            "cancel_op"
-        )
+        self.cancel_reason: CancelReason = "cancel_op"
         self.final_update: FinishedUpdate | FailedUpdate | None = None
         # Set by `stop_early`: the request ends `stop` with this many generated tokens kept.
         self.stop_at: int | None = None

@@ -142,6 +142,7 @@ async def _project_run(
 ) -> tuple[float, list[Sample]]:
     from engine.client import ControlClient
     from engine.config import LogConfig, NodeConfig, ReplicaCounts
+    from engine.http.metrics import NodeMetrics
     from engine.logging import open_event_log
     from engine.logs import Aggregator
     from engine.node import Node
@@ -156,8 +157,9 @@ async def _project_run(
         log=LogConfig(console=False),
     )
     aggregator = Aggregator(keep_requests=False)
-    log = open_event_log(file=None, console=None, observers=[aggregator.add])
-    node = Node(config, log, aggregator)
+    metrics = NodeMetrics()
+    log = open_event_log(file=None, console=None, observers=[aggregator.add, metrics.observe])
+    node = Node(config, log, aggregator, metrics)
     samples: list[Sample] = []
     limiter = trio.Semaphore(args.concurrency)
 

@@ -17,6 +17,7 @@ from typing import Any, final
 import trio
 
 from engine.config import parse_node_config
+from engine.http.metrics import NodeMetrics
 from engine.logging import open_event_log
 from engine.logs import Aggregator
 from engine.node import Node
@@ -50,13 +51,16 @@ async def served_node(directory: Path, *options: str) -> AsyncIterator[ServedNod
         *options,
     ]
     config = parse_node_config(argv, {})
-    aggregator = Aggregator(keep_requests=False)
+    aggregator, metrics = Aggregator(keep_requests=False), NodeMetrics()
     log = open_event_log(
-        file=config.log.file, level=config.log.level, console=None, observers=[aggregator.add]
+        file=config.log.file,
+        level=config.log.level,
+        console=None,
+        observers=[aggregator.add, metrics.observe],
     )
     exit_codes: list[int] = []
     try:
-        node = Node(config, log, aggregator)
+        node = Node(config, log, aggregator, metrics)
 
         async def serve(task_status: trio.TaskStatus[object] = trio.TASK_STATUS_IGNORED) -> None:
             exit_codes.append(await node.serve(task_status=task_status))
