@@ -16,6 +16,7 @@ the one that completed the stop string are kept, the text ends before it, and th
 
 from __future__ import annotations
 
+import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import assert_never, final
@@ -71,7 +72,12 @@ class Generation:
     """An admitted request and its relay to one client (see the module docstring)."""
 
     def __init__(
-        self, serving: ServingRequest, request: GenerateRequest, router: Router, services: ReplicaServices
+        self,
+        serving: ServingRequest,
+        request: GenerateRequest,
+        router: Router,
+        services: ReplicaServices,
+        token_gap: Callable[[float, int], None] | None = None,
     ):
         self.serving = serving
         self.request = request
@@ -84,6 +90,10 @@ class Generation:
         self._relayed = 0  # tokens relayed so far: the replicas may be ahead of this task
         self._text: list[str] = []
         self._finish: FinishReason | None = None
+        # Inter-token latency, observed here for every relay (socket and HTTP): `token_gap(seconds,
+        # tokens)` for each batch of tokens after the first, against the previous batch's arrival.
+        self._token_gap = token_gap
+        self._last_tokens: float | None = None
         # Why the request is cancelled when `close` finds it still running (set by the relaying side).
         self.cancel_reason: Callable[[], CancelReason] | None = None
 
@@ -100,6 +110,7 @@ class Generation:
         *,
         connection: str,
         on_end: Callable[[ServingRequest], None],
+        token_gap: Callable[[float, int], None] | None = None,
     ) -> Generation:
         """Admit `request` (a node-chosen id when it has none) and log its arrival. Raises `RequestFailed`
         (with the request id) when it is refused: a refused request has still arrived, and failed."""
@@ -131,7 +142,7 @@ class Generation:
         except RequestFailed as exc:
             serving.fail(exc.code, exc.message)
             raise RequestFailed(exc.code, exc.message, request_id) from None
-        return cls(serving, request, router, services)
+        return cls(serving, request, router, services, token_gap)
 
     async def pieces(self) -> AsyncIterator[Piece]:
         """The generated tokens as they come, then returns once the request ended normally; raises
@@ -142,6 +153,7 @@ class Generation:
                 case TokensUpdate(token_ids=token_ids):
                     if self._stops is not None and self._stops.stopped:
                         continue  # tokens after the stop string: the replica had not seen the stop yet
+                    self._observe_gap(len(token_ids))
                     piece = self._take(token_ids)
                     if serving.ended and self._relayed == len(serving.generated):
                         # The last tokens (the final update is already queued): the text held back
@@ -186,6 +198,12 @@ class Generation:
             if serving.cancel_reason == "cancel_op" and self.cancel_reason is not None:
                 serving.cancel_reason = self.cancel_reason()
             self._router.cancel(serving.request_id)
+
+    def _observe_gap(self, tokens: int) -> None:
+        now = time.monotonic()
+        if self._token_gap is not None and self._last_tokens is not None:
+            self._token_gap(now - self._last_tokens, tokens)
+        self._last_tokens = now
 
     # ------------------------------------------------------------------ text
     def _take(self, token_ids: tuple[int, ...]) -> Piece:

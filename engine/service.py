@@ -125,6 +125,7 @@ class NodeService:
             request,
             connection=replies.connection.connection,
             on_end=self.log_end,
+            token_gap=self.node.metrics.token_gap,
         )
         replies.request_id = generation.request_id
         generation.cancel_reason = lambda: (

@@ -31,7 +31,7 @@ from engine.http.chat import renderer
 from engine.http.errors import error_response, failed_response, sse_error, validation_response
 from engine.http.metrics import CONTENT_TYPE, NodeMetrics
 from engine.http.requests import BadBody, chat_request, completion_request
-from engine.http.responses import ChatStream, CompletionStream, chat_completion, completion
+from engine.http.responses import SseStream, chat_completion, completion
 from messages.control import GenerateRequest
 from messages.openai import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
 from replicas.states import ReplicaState
@@ -131,6 +131,7 @@ class HttpApi:
                 generate,
                 connection=connection,
                 on_end=self.node.service.log_end,
+                token_gap=self.metrics.token_gap,
             )
         except RequestFailed as exc:
             return failed_response(exc)
@@ -139,8 +140,7 @@ class HttpApi:
         chat = isinstance(body, ChatCompletionRequest)
         if body.stream:
             usage = body.stream_options is not None and body.stream_options.include_usage
-            stream_kind = ChatStream if chat else CompletionStream
-            encoder = stream_kind(request_id, self.model_name, int(time.time()), include_usage=usage)
+            encoder = SseStream(request_id, self.model_name, int(time.time()), chat=chat, include_usage=usage)
             return StreamingResponse(
                 self._events(generation, encoder),
                 media_type="text/event-stream",
@@ -152,7 +152,8 @@ class HttpApi:
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(self._until_disconnected, request, nursery.cancel_scope)
                 try:
-                    await self._drain(generation)
+                    async for _piece in generation.pieces():
+                        pass
                     outcome = generation.outcome()
                 except RequestFailed as exc:
                     failure = exc
@@ -175,26 +176,13 @@ class HttpApi:
             return completion_request(body, host.config.vocab_size)
         return chat_request(body, self._render, host.config.max_position_embeddings)
 
-    async def _drain(self, generation: Generation) -> None:
-        last = time.monotonic()
-        async for piece in generation.pieces():
-            now = time.monotonic()
-            self.metrics.token_gap(now - last, len(piece.token_ids))
-            last = now
-
-    async def _events(
-        self, generation: Generation, encoder: ChatStream | CompletionStream
-    ) -> AsyncIterator[bytes]:
+    async def _events(self, generation: Generation, encoder: SseStream) -> AsyncIterator[bytes]:
         """The SSE body. Cancelled when the client disconnects: `close` then cancels the request."""
         try:
             if first := encoder.start():
                 yield first
-            last = time.monotonic()
             try:
                 async for piece in generation.pieces():
-                    now = time.monotonic()
-                    self.metrics.token_gap(now - last, len(piece.token_ids))
-                    last = now
                     if piece.text:
                         yield encoder.text(piece.text)
                 outcome = generation.outcome()

@@ -10,8 +10,8 @@ Two sources:
 - gauges are read from the live replicas at each scrape (`NodeGauges`): requests running and waiting,
   KV cache usage per replica, blocks used and total, the replica's state and lock.
 
-Inter-token latency is observed by whoever relays tokens (`token_gap`): gaps between token arrivals as
-the client sees them.
+Inter-token latency is observed where tokens are relayed to a client, socket or HTTP
+(`engine.generation.Generation` calls `token_gap`): the gaps between token arrivals after the first.
 """
 
 from __future__ import annotations

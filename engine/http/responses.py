@@ -57,58 +57,39 @@ def event(body: Reply) -> bytes:
 
 
 @final
-class CompletionStream:
-    """The SSE chunks of one streamed completion."""
+class SseStream:
+    """The SSE chunks of one streamed completion (`chat` false) or chat completion (`chat` true)."""
 
-    def __init__(self, request_id: str, model: str, created: int, *, include_usage: bool) -> None:
+    def __init__(self, request_id: str, model: str, created: int, *, chat: bool, include_usage: bool) -> None:
         self.request_id, self.model, self.created = request_id, model, created
-        self.include_usage = include_usage
+        self.chat, self.include_usage = chat, include_usage
 
-    def _chunk(self, text: str, reason: str | None) -> bytes:
-        choice = CompletionChoice(index=0, text=text, finish_reason=reason)
+    def _chunk(self, text: str | None, reason: str | None, *, role: bool = False) -> bytes:
+        """One chunk with one choice: `text` (None: no content) and `reason`."""
+        if self.chat:
+            delta = Delta(role="assistant" if role else None, content=text)
+            choices = [ChatChunkChoice(index=0, delta=delta, finish_reason=reason)]
+            return event(
+                ChatCompletionChunk(
+                    id=self.request_id, created=self.created, model=self.model, choices=choices
+                )
+            )
+        choice = CompletionChoice(index=0, text=text or "", finish_reason=reason)
         return event(Completion(id=self.request_id, created=self.created, model=self.model, choices=[choice]))
 
     def start(self) -> bytes:
-        return b""
+        """A chat stream opens with the role; a completion stream has no opening chunk."""
+        return self._chunk("", None, role=True) if self.chat else b""
 
     def text(self, text: str) -> bytes:
         return self._chunk(text, None)
 
     def finish(self, outcome: Outcome) -> bytes:
-        last = self._chunk("", finish_reason(outcome))
+        last = self._chunk(None, finish_reason(outcome))
         if not self.include_usage:
             return last
-        body = Completion(
-            id=self.request_id, created=self.created, model=self.model, choices=[], usage=usage(outcome)
-        )
-        return last + event(body)
-
-
-@final
-class ChatStream:
-    """The SSE chunks of one streamed chat completion."""
-
-    def __init__(self, request_id: str, model: str, created: int, *, include_usage: bool) -> None:
-        self.request_id, self.model, self.created = request_id, model, created
-        self.include_usage = include_usage
-
-    def _chunk(self, delta: Delta, reason: str | None) -> bytes:
-        choice = ChatChunkChoice(index=0, delta=delta, finish_reason=reason)
-        return event(
-            ChatCompletionChunk(id=self.request_id, created=self.created, model=self.model, choices=[choice])
-        )
-
-    def start(self) -> bytes:
-        return self._chunk(Delta(role="assistant", content=""), None)
-
-    def text(self, text: str) -> bytes:
-        return self._chunk(Delta(content=text), None)
-
-    def finish(self, outcome: Outcome) -> bytes:
-        last = self._chunk(Delta(), finish_reason(outcome))
-        if not self.include_usage:
-            return last
-        body = ChatCompletionChunk(
+        kind = ChatCompletionChunk if self.chat else Completion
+        body = kind(
             id=self.request_id, created=self.created, model=self.model, choices=[], usage=usage(outcome)
         )
         return last + event(body)
