@@ -107,33 +107,47 @@ class Executor:
         *,
         layers: range | None = None,
         hidden: torch.Tensor | None = None,
+        head: bool = True,
     ) -> PrefillResult:
         """Run `layers` (default all) over a batch; KV is written only for those layers.
 
-        `hidden` is required when `layers.start > 0`: the packed `[sum T, hidden]` output of the range
-        before. Returns hidden states, or logits and sampled first tokens when `layers` ends the model.
+        `hidden` is the packed `[sum T, hidden]` output of the range before: required when
+        `layers.start > 0`; at layer 0 it may replace the input embeddings (images merged). An empty
+        range is allowed at the two ends: `range(0, 0)` returns the input embeddings, `range(L, L)` runs
+        only the final norm and head on `hidden` (ZigZag hands a batch over at any layer boundary).
+        Returns hidden states, or — when `layers` ends the model and `head` is true — logits and
+        sampled first tokens.
         """
         model = self.model
-        layer_range = range(model.config.num_layers) if layers is None else layers
-        model.check_layer_range(layer_range)
+        num_layers = model.config.num_layers
+        layer_range = range(num_layers) if layers is None else layers
+        empty = len(layer_range) == 0 and layer_range.step == 1 and layer_range.start in (0, num_layers)
+        if empty:
+            if layer_range.start == num_layers and head:
+                model.check_layer_range(range(num_layers - 1, num_layers))
+        else:
+            model.check_layer_range(layer_range, head=head)
         self._check_prefill(sequences, layer_range, hidden)
         with torch.inference_mode():
-            if layer_range.start == 0:
+            if layer_range.start == 0 and hidden is None:
                 hidden = self._input_embeddings(sequences)
             else:
                 assert hidden is not None
                 hidden = hidden.to(device=model.device, dtype=model.dtype, copy=True)
-            cos, sin = model.rotary.cos_sin(self._prefill_positions(sequences), model.dtype)
-            spans = [SequenceSpan(s.block_table, s.cached_tokens, s.num_tokens) for s in sequences]
-            plan = plan_prefill(self.cache, spans)
+            if empty:
+                out = hidden
+            else:
+                cos, sin = model.rotary.cos_sin(self._prefill_positions(sequences), model.dtype)
+                spans = [SequenceSpan(s.block_table, s.cached_tokens, s.num_tokens) for s in sequences]
+                plan = plan_prefill(self.cache, spans)
 
-            def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int) -> torch.Tensor:
-                return prefill_attention(q, k, v, self.cache, layer, plan)
+                def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int) -> torch.Tensor:
+                    return prefill_attention(q, k, v, self.cache, layer, plan)
 
-            out = model.run_layers(hidden, layer_range, cos, sin, attend)
-            if layer_range.stop < model.config.num_layers:
+                out = model.run_layers(hidden, layer_range, cos, sin, attend)
+            if layer_range.stop < num_layers or not head:
                 return PrefillResult(hidden=out, logits=None, tokens=None)
-            last = torch.tensor(plan.lengths, dtype=torch.int64).cumsum(0) - 1
+            last = torch.tensor([s.num_tokens for s in sequences], dtype=torch.int64).cumsum(0) - 1
             logits = model.logits(out.index_select(0, last.to(out.device)))
             tokens = sample_tokens(
                 logits, [s.sampling for s in sequences], [s.cached_tokens + s.num_tokens for s in sequences]
@@ -215,9 +229,7 @@ class Executor:
                 indices = torch.as_tensor(seq.embed_indices, dtype=torch.int64)
                 if rows and (int(indices.min()) < 0 or int(indices.max()) >= seq.num_tokens):
                     raise InvalidBatchError(f"{what}: embed_indices outside [0, {seq.num_tokens})")
-        if layers.start == 0:
-            if hidden is not None:
-                raise InvalidBatchError("prefill: hidden states given to a range that starts at layer 0")
+        if layers.start == 0 and hidden is None:
             return
         expected = [total, config.hidden_size]
         if hidden is None or list(hidden.shape) != expected:

@@ -114,7 +114,9 @@ class Model:
         """`[N]` int64 ids → `[N, hidden]` in the model dtype (ids must already be checked)."""
         return F.embedding(token_ids, self.embed_tokens)
 
-    def check_layer_range(self, layers: range) -> None:
+    def check_layer_range(self, layers: range, *, head: bool = True) -> None:
+        """Raise unless `layers` is a non-empty run of loaded layers (and, when it ends the model and
+        `head` is true, the final norm and head are loaded too)."""
         if layers.step != 1 or layers.start < 0 or layers.stop > self.config.num_layers or len(layers) == 0:
             raise InvalidBatchError(
                 f"layer range [{layers.start}, {layers.stop}) is not a non-empty part of "
@@ -123,7 +125,11 @@ class Model:
         for index in layers:
             if self.layers[index] is None:
                 raise InvalidBatchError(f"layer {index} of {self.name!r} is not loaded yet")
-        if layers.stop == self.config.num_layers and (self.lm_head is None or self.final_norm is None):
+        if (
+            head
+            and layers.stop == self.config.num_layers
+            and (self.lm_head is None or self.final_norm is None)
+        ):
             raise InvalidBatchError(f"the output head of {self.name!r} is not loaded yet")
 
     def run_layers(

@@ -42,17 +42,21 @@ def _prefill_all(
 
 
 def test_layer_split_equals_the_whole_for_every_split_point(tiny: Model) -> None:
+    """Every ZigZag handover point, the two ends included: `range(0, 0)` gives the input embeddings,
+    `range(L, L)` runs only the norm and head."""
     prompts = _prompts(tiny)
     layers = tiny.config.num_layers
     whole_cache = KVCache.create(tiny.config, 32)
     whole_tables = [allocate(whole_cache, f"r{i}", len(p)) for i, p in enumerate(prompts)]
     whole = _prefill_all(Executor(tiny, whole_cache), whole_tables, prompts)
     assert whole.logits is not None
-    for split in range(1, layers):
+    for split in range(0, layers + 1):
         first_cache, second_cache = KVCache.create(tiny.config, 32), KVCache.create(tiny.config, 32)
         first_tables = [allocate(first_cache, f"r{i}", len(p)) for i, p in enumerate(prompts)]
         second_tables = [allocate(second_cache, f"r{i}", len(p) + 8)[::-1] for i, p in enumerate(prompts)]
-        head = _prefill_all(Executor(tiny, first_cache), first_tables, prompts, range(0, split))
+        first = Executor(tiny, first_cache)
+        sequences = [PrefillSequence(block_table=t, token_ids=p) for t, p in zip(first_tables, prompts)]
+        head = first.prefill(sequences, layers=range(0, split), head=False)
         assert head.hidden is not None and head.logits is None
         assert list(head.hidden.shape) == [sum(map(len, prompts)), tiny.config.hidden_size]
         tail = _prefill_all(
@@ -63,12 +67,15 @@ def test_layer_split_equals_the_whole_for_every_split_point(tiny: Model) -> None
         assert tail.tokens == whole.tokens
         for i, prompt in enumerate(prompts):
             reference = whole_cache.export_kv(whole_tables[i], len(prompt), range(layers))
-            got = first_cache.export_kv(first_tables[i], len(prompt), range(0, split))
-            got |= second_cache.export_kv(second_tables[i], len(prompt), range(split, layers))
+            got = first_cache.export_kv(first_tables[i], len(prompt), range(0, split)) if split else {}
+            if split < layers:
+                got |= second_cache.export_kv(second_tables[i], len(prompt), range(split, layers))
             assert set(got) == set(reference)
             for name in reference:
                 assert torch.equal(got[name], reference[name]), f"{name} split at {split}"
-            untouched = second_cache.export_kv(second_tables[i], len(prompt), range(0, split))
+            untouched = (
+                second_cache.export_kv(second_tables[i], len(prompt), range(0, split)) if split else {}
+            )
             assert all(not tensor.any() for tensor in untouched.values()), (
                 "KV written outside the layer range"
             )
@@ -236,9 +243,9 @@ def test_layer_range_inputs_are_checked(tiny: Model) -> None:
     ):
         executor.prefill(seq, layers=range(2, 4), hidden=torch.zeros(3, 128))
     with pytest.raises(
-        InvalidBatchError, match=r"^prefill: hidden states given to a range that starts at layer 0$"
+        InvalidBatchError, match=r"^prefill from layer 0: hidden states \[3, 128\], expected \[4, 128\]$"
     ):
-        executor.prefill(seq, layers=range(0, 2), hidden=torch.zeros(4, 128))
+        executor.prefill(seq, layers=range(0, 2), hidden=torch.zeros(3, 128))
 
 
 def test_kv_layout_is_what_the_pool_storage_holds(tiny: Model) -> None:
