@@ -1,43 +1,48 @@
-"""Shared, read-only model weights: loaded once per node, held by the replicas that serve them.
+"""The node's model: its resident shared copy, its host-memory copy, and what every replica loads from.
 
-Replicas of one model in one process share its weights (DESIGN §6). `ModelHost.acquire` returns the
-loaded model, loading it layer by layer (off the event loop, progress reported per layer) if no replica
-holds it; `release` drops a holder, and the weights are freed when the last one goes (a replica moving
-to `Inactive`). Two replicas acquiring at once share one load.
+Replicas of one model in one process may share one resident copy of its weights (DESIGN §6).
+`ModelHost.acquire` returns it, loading it piece by piece (off the event loop, progress reported per
+piece) if no replica holds it; `release` drops a holder, and the resident copy is freed when the last one
+goes (a replica moving to `Inactive`). Two replicas acquiring at once share one load.
+
+The first load reads the checkpoint from disk and fills the node's host-memory copy
+(`replicas.loading.host_copy`) on the way; it stays for the node's life, so later loads — a resident copy
+loaded again, a replica's own copy with source `host` (`replicas.loading.copy`) — read no file. The
+built-in `tiny` model is a checkpoint too: it is written once into the model cache
+(`replicas.loading.tiny_checkpoint`) and read back like any other.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import final
+from typing import Literal, final
 
 import msgspec
+import torch
 import trio
 
-from replicas.model import (
-    ByteTokenizer,
-    LoadProgress,
-    Model,
-    ModelConfig,
-    ModelLoader,
-    Tokenizer,
-    read_hf_config,
-    tiny_model,
-)
-from replicas.model.checkpoint.loader import check_checkpoint, checkpoint_tokenizer
+from replicas.loading.builder import ModelBuilder, ModelFrame
+from replicas.loading.disk import DiskReader
+from replicas.loading.host_copy import HostCopy
+from replicas.loading.pieces import piece_bytes
+from replicas.loading.progress import PieceLoaded
+from replicas.loading.tiny_checkpoint import tiny_checkpoint, tiny_vision_seed
+from replicas.model import ByteTokenizer, Model, ModelConfig, Tokenizer, read_hf_config
+from replicas.model.checkpoint.loader import check_checkpoint, checkpoint_tokenizer, generation_eos_ids
 from replicas.model.checkpoint.resolve import DEFAULT_CACHE_DIR, resolve_model
 from replicas.model.config import ModelDType
 from replicas.model.text.chat_template import ChatTemplate, checkpoint_chat_template
 
-Progress = Callable[[LoadProgress], None]
+Progress = Callable[[PieceLoaded], None]
 
 
 @final
 class ModelHost:
     """Loads `source` on demand; see the module docstring. `source` is `tiny`, a packaged model
     (`smollm2`), a `.gguf` file (converted once into `cache_dir`) or a checkpoint directory: see
-    `replicas.model.checkpoint.resolve`.
+    `replicas.model.checkpoint.resolve`. `checkpoint` is the directory every load reads.
 
     Cancellation: a cancelled `acquire` does not hold the model; a load in progress finishes in its
     worker thread (threads are never abandoned) and is kept for the next `acquire` if anyone waits.
@@ -51,16 +56,24 @@ class ModelHost:
         self.source = "tiny" if resolved.directory is None else str(resolved.directory)
         self.device = device
         self.dtype = dtype
+        self.cache_dir = cache_dir
         self.config: ModelConfig = self._read_config()
-        if self.source != "tiny":
+        self._vision_seed: int | None = None
+        if resolved.directory is None:
+            self.checkpoint = tiny_checkpoint(cache_dir)
+            self._vision_seed = tiny_vision_seed(self.checkpoint)
+        else:
+            self.checkpoint = resolved.directory
             # Every tensor's presence and shape, from the file headers: a checkpoint that would fail its
             # first load stops the node at start-up instead of leaving every replica Inactive.
-            check_checkpoint(self.source, self.config)
+            check_checkpoint(self.checkpoint, self.config)
         self.tokenizer: Tokenizer | None = self._read_tokenizer()
         self.chat_template: ChatTemplate | None = self._read_chat_template()
+        self._eos = () if self.source == "tiny" else generation_eos_ids(self.checkpoint)
         self._model: Model | None = None
         self._holders: set[str] = set()
         self._lock = trio.Lock()
+        self._host_copy = HostCopy(self.config, pin=torch.device(device).type == "cuda")
         self.loads = 0
 
     @property
@@ -75,8 +88,29 @@ class ModelHost:
     def holders(self) -> frozenset[str]:
         return frozenset(self._holders)
 
+    @property
+    def host_copy(self) -> HostCopy | None:
+        """The node's host-memory copy once complete (None before the first load finished)."""
+        return self._host_copy if self._host_copy.complete else None
+
+    def host_copy_to_fill(self) -> HostCopy | None:
+        """The node's host copy while it is not complete: a load from disk fills it on the way."""
+        return None if self._host_copy.complete else self._host_copy
+
+    def frame(self) -> ModelFrame:
+        """What a `Model` of this node is besides its weights (a copy's builder starts from it)."""
+        return ModelFrame(
+            config=self.config,
+            device=torch.device(self.device),
+            name=self._name,
+            tokenizer=self.tokenizer,
+            eos_token_ids=self._eos,
+            vision_seed=self._vision_seed,
+        )
+
     async def acquire(self, holder: str, progress: Progress | None = None) -> Model:
-        """The loaded model, now held by `holder`. Raises the loader's `ModelLoadError` on bad files."""
+        """The loaded model, now held by `holder`. `progress` is called in the loading worker thread
+        after each piece. Raises the loader's `ModelLoadError` on bad files."""
         async with self._lock:
             if self._model is None:
                 self._model = await trio.to_thread.run_sync(self._load, progress)
@@ -85,7 +119,8 @@ class ModelHost:
             return self._model
 
     def release(self, holder: str) -> None:
-        """`holder` no longer serves the model; the last release frees the weights."""
+        """`holder` no longer serves the model; the last release frees the resident copy (the host copy
+        stays)."""
         self._holders.discard(holder)
         if not self._holders:
             self._model = None
@@ -114,14 +149,32 @@ class ModelHost:
         return checkpoint_chat_template(self.source)
 
     def _load(self, progress: Progress | None) -> Model:
-        if self.source == "tiny":
-            model = tiny_model(dtype=self.dtype or "float32", device=self.device)
-            if progress is not None:
-                layers = model.config.num_layers
-                progress(LoadProgress("head", None, layers, layers, model.parameter_bytes()))
-            return model
-        loader = ModelLoader(self.source, dtype=self.dtype, device=self.device, name=self._name)
-        for step in loader.steps():
-            if progress is not None:
-                progress(step)
-        return loader.model
+        """The resident copy, from the host copy when complete, else from disk (filling the host copy)."""
+        host = self.host_copy
+        source: Literal["host", "disk"] = "disk" if host is None else "host"
+        builder = ModelBuilder(self.frame())
+        reader = DiskReader(self.checkpoint, self.config)
+        try:
+            for piece in builder.pieces:
+                started = time.monotonic()
+                if host is not None:
+                    tensors = host.read(piece)
+                else:
+                    tensors = self._host_copy.put(piece, reader.read(piece))
+                model = builder.add(piece, tensors)
+                if progress is not None:
+                    progress(
+                        PieceLoaded(
+                            piece=piece,
+                            source=source,
+                            bytes=piece_bytes(self.config, piece),
+                            seconds=time.monotonic() - started,
+                            loaded_layers=model.loaded_layers,
+                            total_layers=self.config.num_layers,
+                            bytes_loaded=model.parameter_bytes(),
+                        )
+                    )
+        finally:
+            reader.close()
+        assert builder.model is not None and builder.done
+        return builder.model

@@ -47,30 +47,19 @@ TINY_CONFIG = ModelConfig(
 )
 
 
-def tiny_model(
-    *,
-    seed: int = TINY_SEED,
-    dtype: ModelDType = "float32",
-    device: str | torch.device = "cpu",
-    kernels: Kernels = "auto",
-) -> Model:
-    """Build the tiny model (a few milliseconds; no files); `kernels` as in `replicas.model.linear`."""
-    config = msgspec.structs.replace(TINY_CONFIG, dtype=dtype)
+def tiny_tensors(seed: int = TINY_SEED) -> tuple[dict[str, torch.Tensor], int]:
+    """The tiny model's checkpoint: its decoder tensors under their HF names (float32, CPU), and the seed
+    of its vision encoder (drawn from the same generator after the weights)."""
+    config = TINY_CONFIG
     generator = torch.Generator(device="cpu").manual_seed(seed)
-    target = torch.device(device)
-    model_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
 
     def normal(*shape: int, std: float) -> torch.Tensor:
         return torch.randn(*shape, generator=generator, dtype=torch.float32) * std
 
-    def place(tensor: torch.Tensor) -> torch.Tensor:
-        return tensor.to(device=target, dtype=model_dtype).contiguous()
-
     hidden, inter = config.hidden_size, config.intermediate_size
-    embed = normal(config.vocab_size, hidden, std=1.0)
-    layers = []
-    for _ in range(config.num_layers):
-        tensors = {
+    tensors = {"model.embed_tokens.weight": normal(config.vocab_size, hidden, std=1.0)}
+    for index in range(config.num_layers):
+        layer = {
             "input_layernorm.weight": 1.0 + normal(hidden, std=0.05),
             "self_attn.q_proj.weight": normal(config.q_size, hidden, std=1 / math.sqrt(hidden)),
             "self_attn.k_proj.weight": normal(config.kv_size, hidden, std=1 / math.sqrt(hidden)),
@@ -84,24 +73,47 @@ def tiny_model(
             "mlp.up_proj.weight": normal(inter, hidden, std=1 / math.sqrt(hidden)),
             "mlp.down_proj.weight": normal(hidden, inter, std=0.5 / math.sqrt(inter)),
         }
-        layers.append(fuse_layer(tensors, model_dtype, target, kernels=kernels))
-    final_norm = 1.0 + normal(hidden, std=0.05)
-    lm_head = normal(config.vocab_size, hidden, std=0.5)
+        tensors.update({f"model.layers.{index}.{name}": tensor for name, tensor in layer.items()})
+    tensors["model.norm.weight"] = 1.0 + normal(hidden, std=0.05)
+    tensors["lm_head.weight"] = normal(config.vocab_size, hidden, std=0.5)
     vision_seed = int(torch.randint(0, 2**31 - 1, (1,), generator=generator).item())
+    return tensors, vision_seed
+
+
+def tiny_model(
+    *,
+    seed: int = TINY_SEED,
+    dtype: ModelDType = "float32",
+    device: str | torch.device = "cpu",
+    kernels: Kernels = "auto",
+) -> Model:
+    """Build the tiny model (a few milliseconds; no files); `kernels` as in `replicas.model.linear`."""
+    config = msgspec.structs.replace(TINY_CONFIG, dtype=dtype)
+    target = torch.device(device)
+    model_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
+    tensors, vision_seed = tiny_tensors(seed)
+
+    def place(tensor: torch.Tensor) -> torch.Tensor:
+        return tensor.to(device=target, dtype=model_dtype).contiguous()
+
     assert config.image_token_id is not None
     vision = VisionEncoder(
-        VisionConfig(out_hidden=hidden, seed=vision_seed), image_token_id=config.image_token_id, device=target
+        VisionConfig(out_hidden=config.hidden_size, seed=vision_seed),
+        image_token_id=config.image_token_id,
+        device=target,
     )
     model = Model(
         config,
         device=target,
-        embed_tokens=place(embed),
+        embed_tokens=place(tensors["model.embed_tokens.weight"]),
         tokenizer=ByteTokenizer(config.vocab_size),
         vision=vision,
         name="tiny",
         kernels=kernels,
     )
-    for index, layer in enumerate(layers):
-        model.set_layer(index, layer)
-    model.set_head(place(final_norm), place(lm_head))
+    for index in range(config.num_layers):
+        prefix = f"model.layers.{index}."
+        layer = {name[len(prefix) :]: tensor for name, tensor in tensors.items() if name.startswith(prefix)}
+        model.set_layer(index, fuse_layer(layer, model_dtype, target, kernels=kernels))
+    model.set_head(place(tensors["model.norm.weight"]), place(tensors["lm_head.weight"]))
     return model

@@ -141,7 +141,11 @@ class BlockPool:
             )
         ids = self.try_allocate(n_blocks, owner)
         if ids is not None:
-            await trio.lowlevel.checkpoint()
+            try:
+                await trio.lowlevel.checkpoint()
+            except BaseException:  # cancelled at the checkpoint: the caller never sees these blocks
+                self.free(ids, owner)
+                raise
             return ids
         waiter = _Waiter(n_blocks)
         self._waiters.append(waiter)

@@ -109,10 +109,11 @@ async def test_a_gguf_model_loads_layer_by_layer_through_the_host(tmp_path: Path
     host = ModelHost(str(source), device="cpu", dtype="float32", cache_dir=str(tmp_path / "cache"))
     steps = []
     model = await host.acquire("test", steps.append)
-    assert [(s.stage, s.layer) for s in steps] == [
-        ("embeddings", None),
-        *[("layer", i) for i in range(3)],
-        ("head", None),
+    assert [(s.piece.kind, s.piece.layer, s.source) for s in steps] == [
+        ("embeddings", None, "disk"),
+        *[("layer", i, "disk") for i in range(3)],
+        ("norm", None, "disk"),
+        *([] if model.config.tie_word_embeddings else [("head", None, "disk")]),
     ]
     assert model.name == "tiny" and model.loaded_layers == 3
 

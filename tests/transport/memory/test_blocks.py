@@ -72,6 +72,16 @@ async def test_allocate_wait_fails_at_the_deadline_not_before(autojump_clock: tr
     assert pool.owners() == {"hog": 4}
 
 
+async def test_allocate_wait_cancelled_at_once_allocates_nothing() -> None:
+    """The blocks are free, but the caller is cancelled at the call's checkpoint: none stay allocated."""
+    pool = BlockPool(4, 4)
+    with trio.CancelScope() as scope:
+        scope.cancel()
+        await pool.allocate_wait(2, "w", deadline=trio.current_time() + 10)
+    assert scope.cancelled_caught
+    assert pool.owners() == {} and pool.free_blocks == 4
+
+
 async def test_allocate_wait_succeeds_when_blocks_are_freed(autojump_clock: trio.testing.MockClock) -> None:
     pool = BlockPool(4, 4)
     hog = pool.allocate(4, "hog")

@@ -1,0 +1,137 @@
+"""A `Model` assembled piece by piece in checkpoint order, as the checkpoint loader does.
+
+`ModelBuilder.add(piece, tensors)` takes a piece's checkpoint tensors (full HF names, any dtype, any
+device), checks names and shapes, converts them to the model's dtype and device and installs them: the
+embeddings create the `Model` (usable from then on for the layers it has: `Model.loaded_layers`), each
+layer is fused (`replicas.model.layers.fuse_layer`) and set, the final norm is set, and the head — the
+embeddings when tied — completes it. The builder keeps the tensors it is given where no conversion is
+needed: a caller that must not share them passes copies (`replicas.loading.sources`).
+
+Not thread-safe: one thread adds at a time (a copy adds in worker threads, one after another); a
+reader on another thread sees each piece either absent or complete. Synchronous, so nothing here is
+cancelled half-way: a cancelled copy stops between pieces (`replicas.loading.copy`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import final
+
+import torch
+
+from messages.weights import WeightPiece
+from replicas.loading.pieces import checkpoint_pieces, piece_shapes, relative
+from replicas.model.config import ModelConfig
+from replicas.model.errors import WeightShapeError
+from replicas.model.layers import fuse_layer
+from replicas.model.linear import Kernels
+from replicas.model.llama import Model
+from replicas.model.text.tokenizer import Tokenizer
+from replicas.model.vision import VisionConfig, VisionEncoder
+from transport.memory.storage import torch_dtype
+
+
+@final
+@dataclass(frozen=True, slots=True)
+class ModelFrame:
+    """What a `Model` is besides its weights: config (its dtype is the serving dtype), device, name,
+    tokenizer, end-of-sequence ids, the seed of its vision encoder (None: it has none), kernels."""
+
+    config: ModelConfig
+    device: torch.device
+    name: str
+    tokenizer: Tokenizer | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    vision_seed: int | None = None
+    kernels: Kernels = "auto"
+
+
+@final
+class ModelBuilder:
+    """See the module docstring. `model` is None until the embeddings landed."""
+
+    def __init__(self, frame: ModelFrame) -> None:
+        self.frame = frame
+        self.dtype = torch_dtype(frame.config.dtype)
+        self.pieces = checkpoint_pieces(frame.config)
+        self.landed = 0
+        self.model: Model | None = None
+
+    @property
+    def next_piece(self) -> WeightPiece | None:
+        return self.pieces[self.landed] if self.landed < len(self.pieces) else None
+
+    @property
+    def done(self) -> bool:
+        return self.landed == len(self.pieces)
+
+    def add(self, piece: WeightPiece, tensors: Mapping[str, torch.Tensor]) -> Model:
+        """Install `piece` (it must be the next one); returns the model. Raises `WeightShapeError` naming
+        a missing, extra or misshapen tensor."""
+        if piece != self.next_piece:
+            expected = "nothing (the model is complete)" if self.done else self.pieces[self.landed].label
+            raise ValueError(f"{self.frame.name}: {piece.label} landed, expected {expected}")
+        self._check(piece, tensors)
+        match piece.kind:
+            case "embeddings":
+                self.model = self._create(self._place(next(iter(tensors.values()))))
+            case "layer":
+                assert piece.layer is not None
+                layer = {relative(piece, name): tensor for name, tensor in tensors.items()}
+                weights = fuse_layer(layer, self.dtype, self.frame.device, kernels=self.frame.kernels)
+                self._model().set_layer(piece.layer, weights)
+            case "norm":
+                model = self._model()
+                norm = self._place(next(iter(tensors.values())))
+                if self.frame.config.tie_word_embeddings:
+                    model.set_head(norm, model.embed_tokens)
+                else:
+                    model.final_norm = norm  # counted from now on; the head piece completes the output
+            case "head":
+                model = self._model()
+                assert model.final_norm is not None
+                model.set_head(model.final_norm, self._place(next(iter(tensors.values()))))
+        self.landed += 1
+        return self._model()
+
+    def _check(self, piece: WeightPiece, tensors: Mapping[str, torch.Tensor]) -> None:
+        shapes = piece_shapes(self.frame.config, piece)
+        if set(tensors) != set(shapes):
+            missing, extra = sorted(set(shapes) - set(tensors)), sorted(set(tensors) - set(shapes))
+            raise WeightShapeError(
+                f"{self.frame.name} {piece.label}: missing tensors {missing}, extra {extra}"
+            )
+        for name, shape in shapes.items():
+            if tuple(tensors[name].shape) != shape:
+                raise WeightShapeError(
+                    f"{self.frame.name}: tensor {name!r} has shape {list(tensors[name].shape)}, "
+                    f"the config implies {list(shape)}"
+                )
+
+    def _place(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor.to(device=self.frame.device, dtype=self.dtype).contiguous()
+
+    def _model(self) -> Model:
+        assert self.model is not None, "the embeddings come first"
+        return self.model
+
+    def _create(self, embed_tokens: torch.Tensor) -> Model:
+        frame, config = self.frame, self.frame.config
+        vision = None
+        if frame.vision_seed is not None and config.image_token_id is not None:
+            vision = VisionEncoder(
+                VisionConfig(out_hidden=config.hidden_size, seed=frame.vision_seed),
+                image_token_id=config.image_token_id,
+                device=frame.device,
+            )
+        return Model(
+            config,
+            device=frame.device,
+            embed_tokens=embed_tokens,
+            tokenizer=frame.tokenizer,
+            vision=vision,
+            eos_token_ids=frame.eos_token_ids,
+            name=frame.name,
+            kernels=frame.kernels,
+        )

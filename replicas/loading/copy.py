@@ -1,0 +1,304 @@
+"""A replica's own copy of the weights, from a source, piece by piece (DESIGN §8). The public entry point:
+
+    outcome = await copy_weights(replica, "auto", on_model=..., on_piece=...)   # raises WeightCopyFailed
+
+`copy_weights(replica, source, *, on_model, on_piece, weights_gb_per_s=None, memory_probe=available_memory)
+-> CopyOutcome` loads the node's model (`replica.services.host`) into storage of the replica's own, in
+checkpoint order (`replicas.loading.pieces`): embeddings, layers 0 … L−1, final norm, head (untied only).
+`source` is one of:
+
+- `peer` (blitz): from another running replica that holds a fully loaded model, over the replicas'
+  transport links (`replicas.loading.peer_receive` / `peer_send`; counted on the fabric as `weights`);
+- `host`: from the node's host-memory copy (`replicas.loading.host_copy`), once the node has one;
+- `disk`: from the checkpoint files (`replicas.loading.disk`);
+- `auto`: peer when another replica holds the whole model, then host when the host copy exists, then disk.
+  When a source fails mid-copy (a peer stopping, a link dropping, a read error) `auto` goes on with the
+  next source from the piece it reached; an explicit source fails the copy.
+
+Before anything moves, a copy that would not fit in the device's available memory is refused
+(`replicas.loading.memory`; `memory_probe` is injectable). `on_model(model)` is called once the
+embeddings landed: the `Model` is usable from then on for its leading loaded layers (`Model.loaded_layers`;
+ZigZag runs them); `on_piece(PieceLoaded)` after every piece. Both are called in the caller's Trio
+thread. With `weights_gb_per_s` (the node's `--emulated-speed weights_gb_per_s=X`) each piece is padded
+with a sleep to `bytes / (X·1e9)` seconds from its start; the real copy still happens. The `hold_weights`
+fault hook (`messages.faults.HoldWeights`) holds a copy before a chosen layer. Events: `WeightsCopyStarted`,
+one `WeightsProgress` per piece, `WeightsCopyFinished` (`messages.weight_events`).
+
+Raises `WeightCopyFailed` with a message a person can act on: the source is unavailable or failed, or
+the copy does not fit. Cancellation: the piece in flight is abandoned (a transfer aborts; a worker thread
+finishes its piece first — threads are never abandoned), `WeightsCopyFinished(status="aborted")` is
+logged and `Cancelled` propagates; nothing half-loaded is handed over beyond the model given to
+`on_model`, whose missing layers are simply absent.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Literal, final
+
+import torch
+import trio
+
+from messages.control import SourceChoice
+from messages.events import FaultInjected, WeightsProgress
+from messages.faults import HoldWeights
+from messages.weight_events import WeightsCopyFinished, WeightsCopyStarted, WeightsFallback, WeightsSourceName
+from messages.weights import WeightPiece
+from replicas.loading.builder import ModelBuilder
+from replicas.loading.memory import MemoryProbe, available_memory, refusal
+from replicas.loading.peer_receive import PeerSource
+from replicas.loading.pieces import model_bytes, piece_bytes
+from replicas.loading.progress import CopyOutcome, PieceLoaded
+from replicas.loading.sources import DiskSource, HostSource, Source, SourceFailed
+from replicas.model.llama import Model
+
+if TYPE_CHECKING:
+    from replicas.actor import Replica
+
+ORDER: tuple[WeightsSourceName, ...] = ("peer", "host", "disk")
+
+
+@final
+class WeightCopyFailed(Exception):
+    """A replica's own weight copy failed or was refused; the message says which source, at which piece,
+    why, and what to try instead."""
+
+
+def choose_peer(replica: Replica) -> Replica | None:
+    """Another running replica of the node holding a fully loaded model (by name: the first)."""
+    services = replica.services
+    for name in sorted(services.replicas):
+        other = services.replicas[name]
+        model = other.work.model
+        if (
+            other is not replica
+            and model is not None
+            and model.fully_loaded
+            and other.nursery is not None
+            and other.pools.weights.endpoint is not None
+        ):
+            return other
+    return None
+
+
+async def copy_weights(
+    replica: Replica,
+    source: SourceChoice,
+    *,
+    on_model: Callable[[Model], None],
+    on_piece: Callable[[PieceLoaded], None],
+    weights_gb_per_s: float | None = None,
+    memory_probe: MemoryProbe = available_memory,
+) -> CopyOutcome:
+    """See the module docstring."""
+    services = replica.services
+    services.weight_copies += 1
+    copy = _Copy(replica, source, services.weight_copies, weights_gb_per_s, on_model, on_piece)
+    replica.log.emit(
+        WeightsCopyStarted(
+            copy=copy.number,
+            requested=source,
+            sources=list(copy.order),
+            peer=None if copy.peer is None else copy.peer.name,
+            total_bytes=copy.total,
+            total_layers=copy.config.num_layers,
+            device=str(copy.device),
+        )
+    )
+    try:
+        return await copy.run(memory_probe)
+    except WeightCopyFailed as exc:
+        copy.finished("failed", str(exc))
+        raise
+    except BaseException as exc:
+        stopped = isinstance(exc, trio.Cancelled)
+        copy.finished("aborted", "the replica stopped" if stopped else f"{type(exc).__name__}: {exc}")
+        raise
+
+
+@final
+class _Copy:
+    """One copy's state: the sources to try, the builder, what happened so far."""
+
+    def __init__(
+        self,
+        replica: Replica,
+        requested: SourceChoice,
+        number: int,
+        weights_gb_per_s: float | None,
+        on_model: Callable[[Model], None],
+        on_piece: Callable[[PieceLoaded], None],
+    ) -> None:
+        host = replica.services.host
+        self.replica, self.requested, self.number = replica, requested, number
+        self.host, self.config, self.model_name = host, host.config, host.name
+        self.device = torch.device(host.device)
+        self.speed, self.on_model, self.on_piece = weights_gb_per_s, on_model, on_piece
+        self.total = model_bytes(self.config)
+        self.peer = choose_peer(replica)
+        self.order = self._plan()
+        self.builder = ModelBuilder(host.frame())
+        self.fallbacks: list[WeightsFallback] = []
+        self.used: list[WeightsSourceName] = []
+        self.loaded_bytes = 0
+        self.held = False
+        self.started = trio.current_time()
+
+    def _plan(self) -> list[WeightsSourceName]:
+        available = {"peer": self.peer is not None, "host": self.host.host_copy is not None, "disk": True}
+        if self.requested == "auto":
+            return [name for name in ORDER if available[name]]
+        return [self.requested] if available[self.requested] else []
+
+    async def run(self, memory_probe: MemoryProbe) -> CopyOutcome:
+        why = refusal(self.total, self.device, memory_probe)
+        if why is not None:
+            raise WeightCopyFailed(
+                f"{self.replica.name}: refused to copy the weights of {self.model_name}: {why}"
+            )
+        if not self.order:
+            raise WeightCopyFailed(self._unavailable())
+        for name in self.order:
+            source = self._open(name)
+            try:
+                if await self._pieces_from(source):
+                    break
+            finally:
+                with trio.CancelScope(shield=True):
+                    await source.aclose()
+        if not self.builder.done:
+            tried = "; ".join(f"{f.weights_source} at {f.piece}: {f.reason}" for f in self.fallbacks)
+            raise WeightCopyFailed(
+                f"{self.replica.name}: every source failed copying the weights of {self.model_name} ({tried})"
+            )
+        assert self.builder.model is not None
+        self.finished("success", None)
+        return CopyOutcome(
+            model=self.builder.model,
+            source=self.used[-1],
+            sources=tuple(dict.fromkeys(self.used)),
+            fallbacks=tuple(self.fallbacks),
+            peer=self.peer.name if self.peer is not None and "peer" in self.used else None,
+            bytes=self.loaded_bytes,
+            seconds=trio.current_time() - self.started,
+        )
+
+    def _open(self, name: WeightsSourceName) -> Source:
+        if name == "peer":
+            assert self.peer is not None
+            return PeerSource(self.replica, self.peer)
+        if name == "host":
+            host_copy = self.host.host_copy
+            assert host_copy is not None
+            return HostSource(host_copy, self.device)
+        return DiskSource(self.host.checkpoint, self.config, self.device, fill=self.host.host_copy_to_fill())
+
+    async def _pieces_from(self, source: Source) -> bool:
+        """Load pieces from `source` until the model is complete (True) or it fails under `auto` (False)."""
+        while (piece := self.builder.next_piece) is not None:
+            await self._maybe_hold(piece)
+            started = trio.current_time()
+            try:
+                tensors = await source.fetch(piece)
+            except SourceFailed as exc:
+                if self.requested != "auto":
+                    raise WeightCopyFailed(self._failed(exc)) from exc
+                self.fallbacks.append(
+                    WeightsFallback(weights_source=source.name, piece=piece.label, reason=exc.reason)
+                )
+                return False
+            model = await trio.to_thread.run_sync(self.builder.add, piece, tensors)
+            del tensors
+            nbytes = piece_bytes(self.config, piece)
+            if self.speed is not None:
+                await trio.sleep_until(started + nbytes / (self.speed * 1e9))
+            self._landed(piece, source.name, nbytes, trio.current_time() - started, model)
+        return True
+
+    def _landed(
+        self, piece: WeightPiece, source: WeightsSourceName, nbytes: int, seconds: float, model: Model
+    ) -> None:
+        self.loaded_bytes += nbytes
+        if not self.used or self.used[-1] != source:
+            self.used.append(source)
+        landed = PieceLoaded(
+            piece=piece,
+            source=source,
+            bytes=nbytes,
+            seconds=seconds,
+            loaded_layers=model.loaded_layers,
+            total_layers=self.config.num_layers,
+            bytes_loaded=model.parameter_bytes(),
+        )
+        self.replica.log.emit(
+            WeightsProgress(
+                layers_loaded=landed.loaded_layers,
+                layers_total=landed.total_layers,
+                seconds=trio.current_time() - self.started,
+                piece=piece.kind,
+                layer=piece.layer,
+                bytes=nbytes,
+                piece_seconds=seconds,
+                weights_source=source,
+                bytes_loaded=landed.bytes_loaded,
+            )
+        )
+        if piece.kind == "embeddings":
+            self.on_model(model)
+        self.on_piece(landed)
+
+    async def _maybe_hold(self, piece: WeightPiece) -> None:
+        """The `hold_weights` fault hook: once per copy, before the layer it names."""
+        layers = self.config.num_layers
+        position = piece.layer if piece.kind == "layer" else layers if piece.kind == "norm" else None
+        if self.held or position is None:
+            return
+        for fault in self.replica.services.faults:
+            if (
+                isinstance(fault, HoldWeights)
+                and fault.before_layer == position
+                and fault.replica in (None, self.replica.name)
+                and fault.nth in (None, self.number)
+            ):
+                self.held = True
+                where = f"layer {position}" if position < layers else "the final norm and head"
+                self.replica.log.emit(
+                    FaultInjected(
+                        fault="hold_weights",
+                        detail=f"weight copy {self.number} held {fault.seconds:g} s before {where}",
+                    )
+                )
+                await trio.sleep(fault.seconds)
+                return
+
+    def _unavailable(self) -> str:
+        name, model = self.replica.name, self.model_name
+        if self.requested == "peer":
+            return (
+                f"{name}: no other running replica holds a fully loaded copy of {model} to copy from "
+                "(source peer); use source auto, host or disk"
+            )
+        return (
+            f"{name}: the node holds no host-memory copy of {model} yet (it is filled when the node first "
+            "loads the model from disk; source host); use source auto or disk"
+        )
+
+    def _failed(self, exc: SourceFailed) -> str:
+        what = f"{self.replica.name}: copying the weights of {self.model_name} from {exc.source}"
+        if exc.source == "peer" and self.peer is not None:
+            what += f" replica {self.peer.name}"
+        others = ", ".join(name for name in ("auto", *ORDER) if name != exc.source)
+        return f"{what} failed at {exc.piece.label}: {exc.reason} (source {others} may serve instead)"
+
+    def finished(self, status: Literal["success", "failed", "aborted"], reason: str | None) -> None:
+        self.replica.log.emit(
+            WeightsCopyFinished(
+                copy=self.number,
+                status=status,
+                weights_source=self.used[-1] if self.used else None,
+                fallbacks=list(self.fallbacks),
+                reason=reason,
+                bytes=self.loaded_bytes,
+                seconds=trio.current_time() - self.started,
+            )
+        )

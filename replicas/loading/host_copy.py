@@ -1,0 +1,59 @@
+"""The node's host-memory copy of a model: one per node process and model, whatever the replicas.
+
+It holds every piece's checkpoint tensors (HF names, unfused) in the serving dtype on the CPU — in
+pinned memory when the model serves on CUDA, so copies to the device run at full speed. The node fills
+it while it first loads the model from disk (`replicas.weights.ModelHost`, or a replica's own copy from
+disk when that comes first: `replicas.loading.sources.DiskSource`); it stays when replicas drop
+their copies (a replica scaled down to `Inactive`), so a later copy with source `host` reads no file.
+Its tensors are read-only: a copy into a replica takes copies of them (`replicas.loading.sources`); the
+node's shared resident model on the CPU may use them as they are.
+
+Writers: the node's loads from disk (worker threads; two that overlap put the same tensors, each piece
+whole); readers look only at a complete copy. Synchronous: nothing to cancel.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import final
+
+import torch
+
+from messages.weights import WeightPiece
+from replicas.loading.pieces import checkpoint_pieces
+from replicas.model.config import ModelConfig
+
+
+@final
+class HostCopy:
+    """See the module docstring. `pin`: keep the tensors in pinned memory (a CUDA model)."""
+
+    def __init__(self, config: ModelConfig, *, pin: bool) -> None:
+        self.config = config
+        self.pin = pin
+        self._pieces: dict[WeightPiece, dict[str, torch.Tensor]] = {}
+        self._expected = checkpoint_pieces(config)
+
+    @property
+    def complete(self) -> bool:
+        return len(self._pieces) == len(self._expected)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for piece in self._pieces.values() for t in piece.values())
+
+    def put(self, piece: WeightPiece, tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Keep `piece`'s tensors (CPU, serving dtype; taken as they are unless they must be pinned);
+        returns what is kept."""
+        kept = {}
+        for name, tensor in tensors.items():
+            tensor = tensor.to("cpu").contiguous()
+            if self.pin and torch.cuda.is_available() and not tensor.is_pinned():
+                tensor = tensor.pin_memory()
+            kept[name] = tensor
+        self._pieces[piece] = kept
+        return kept
+
+    def read(self, piece: WeightPiece) -> dict[str, torch.Tensor]:
+        """`piece`'s tensors (read-only: copy them to keep them). Raises `KeyError` when absent."""
+        return dict(self._pieces[piece])

@@ -1,0 +1,205 @@
+"""The receiving side of a peer weight copy (blitz): a loading replica pulls pieces from a replica that
+holds them, over the replicas' transport links.
+
+`PeerSource.fetch(piece)` moves one piece as one or more *parts* — a part is at most what the sender's
+staging pool holds (`replicas.loading.peer_send`): for each it takes the link from its own
+`{replica}/weights` endpoint to the peer's (`Fabric.link`, made once per pair), asks the peer with
+`SendWeights(piece, byte_offset)` and receives the transfer in the consumed mode: its staging blocks are
+granted, each landed round is copied out into the piece's byte buffer and the blocks are granted again
+(REQUEST_MORE_CACHE rounds), so a part larger than this replica's pool still lands. The header is checked
+on every round against the tensor table this side computes from its own config (names, dtype, shapes,
+offsets, the part's place in the piece). Each landed part's bytes are counted on the fabric as
+`weights` from the peer to this replica. The piece's tensors are then cut out of the buffer into tensors
+of their own, in the serving dtype on this replica's device.
+
+Failures — the peer stopped or refused, the link dropped, a deadline passed, a header disagreed — raise
+`SourceFailed("peer", piece, reason)`. Cancellation: the receive aborts (the transport returns or
+quarantines its blocks) and `Cancelled` propagates.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import TYPE_CHECKING, Final, final
+
+import torch
+import trio
+
+from messages.commands import SendWeights
+from messages.peer_codec import PeerCodecError, decode_header
+from messages.weight_events import WeightsSourceName
+from messages.weights import WeightPiece, WeightsHeader, WeightTensor
+from replicas.fabric import UnknownEndpoint
+from replicas.inbox import CommandRefused, new_command_id
+from replicas.loading.pieces import tensor_table
+from replicas.loading.sources import SourceFailed
+from replicas.loading.staging import ROW_BYTES, WeightStaging, copy_out, rows_for, weights_endpoint_name
+from transport.errors import HandshakeRefused, LinkError, TransferError
+from transport.memory.storage import torch_dtype
+from transport.protocol.landing import LandedRound
+
+if TYPE_CHECKING:
+    from replicas.actor import Replica
+
+THREAD_BYTES: Final = 1 << 20  # rounds at least this large are copied out in a worker thread
+_transfer_numbers = itertools.count(1)
+
+
+@final
+class WeightsMismatch(Exception):
+    """A weight transfer's header or length disagrees with what this replica expects (names both)."""
+
+
+@final
+class PeerGone(Exception):
+    """The peer replica stopped running."""
+
+
+@final
+class PartLanding:
+    """The `consume` step of one part: checks each round's header, copies its bytes into `buffer`."""
+
+    def __init__(
+        self,
+        buffer: torch.Tensor,
+        model: str,
+        piece: WeightPiece,
+        table: tuple[WeightTensor, ...],
+        offset: int,
+    ) -> None:
+        self.buffer, self.model, self.piece, self.table, self.offset = buffer, model, piece, table, offset
+        self.header: WeightsHeader | None = None
+        self._raw: bytes | None = None
+        self.rows = 0
+        self.copied = 0
+
+    async def consume(self, landed: LandedRound) -> None:
+        header = self._check(landed)
+        if landed.offset != self.rows:
+            raise WeightsMismatch(
+                f"{self.piece.label}: a round starts at row {landed.offset}, {self.rows} landed"
+            )
+        start = landed.offset * ROW_BYTES
+        args = (landed.storage, landed.blocks, landed.landing_offset, landed.tokens)
+        rest = (self.buffer, header.offset + start, header.nbytes - start)
+        if landed.tokens * ROW_BYTES >= THREAD_BYTES:
+            self.copied += await trio.to_thread.run_sync(copy_out, *args, *rest)
+        else:
+            self.copied += copy_out(*args, *rest)
+        self.rows += landed.tokens
+
+    def _check(self, landed: LandedRound) -> WeightsHeader:
+        raw = bytes(landed.header)
+        if self.header is not None and raw == self._raw:
+            return self.header
+        if self.header is not None:
+            raise WeightsMismatch(f"{self.piece.label}: the header changed between rounds")
+        try:
+            header = decode_header(landed.header, WeightsHeader)
+        except PeerCodecError as exc:
+            raise WeightsMismatch(f"{self.piece.label}: {exc}") from None
+        problems = []
+        if header.model != self.model:
+            problems.append(f"model {header.model!r}, expected {self.model!r}")
+        if header.piece != self.piece:
+            problems.append(f"piece {header.piece.label}, expected {self.piece.label}")
+        if header.tensors != self.table:
+            problems.append(f"tensor table {_describe(header.tensors)}, expected {_describe(self.table)}")
+        total = self.buffer.numel()
+        if header.piece_bytes != total or header.offset != self.offset:
+            problems.append(
+                f"bytes from {header.offset} of {header.piece_bytes}, expected from {self.offset} of {total}"
+            )
+        if not 0 < header.nbytes <= total - self.offset or landed.total_tokens != rows_for(header.nbytes):
+            problems.append(f"a part of {header.nbytes} bytes in {landed.total_tokens} rows")
+        if problems:
+            raise WeightsMismatch(f"weights header of {self.piece.label}: " + "; ".join(problems))
+        self.header, self._raw = header, raw
+        return header
+
+    def finish(self) -> int:
+        """The part's bytes, once all landed (raises `WeightsMismatch` otherwise)."""
+        if self.header is None or self.copied != self.header.nbytes:
+            expected = None if self.header is None else self.header.nbytes
+            raise WeightsMismatch(f"{self.piece.label}: {self.copied} of {expected} bytes landed")
+        return self.copied
+
+
+def _describe(table: tuple[WeightTensor, ...]) -> str:
+    return ", ".join(f"{t.name} {t.dtype}{list(t.shape)}@{t.offset}" for t in table[:3]) + (
+        f", … ({len(table)} tensors)" if len(table) > 3 else ""
+    )
+
+
+PEER_FAILURES = (
+    TransferError,
+    LinkError,
+    HandshakeRefused,
+    UnknownEndpoint,
+    CommandRefused,
+    WeightsMismatch,
+    PeerGone,
+)
+
+
+@final
+class PeerSource:
+    """Pieces from replica `peer` into replica `replica` (see the module docstring)."""
+
+    name: WeightsSourceName = "peer"
+
+    def __init__(self, replica: Replica, peer: Replica) -> None:
+        self.replica = replica
+        self.peer = peer
+        self.staging: WeightStaging = replica.pools.weights
+        self.config = replica.services.host.config
+        self.device = torch.device(replica.services.host.device)
+        self.model_name = replica.services.host.name
+        self.bytes = 0  # landed and counted on the fabric
+
+    async def fetch(self, piece: WeightPiece) -> dict[str, torch.Tensor]:
+        try:
+            return await self._fetch(piece)
+        except PEER_FAILURES as exc:
+            raise SourceFailed("peer", piece, str(exc)) from exc
+
+    async def _fetch(self, piece: WeightPiece) -> dict[str, torch.Tensor]:
+        endpoint = self.staging.endpoint
+        if endpoint is None:
+            raise PeerGone(f"{self.replica.name} has no open weights endpoint")
+        services = self.replica.services
+        table = tensor_table(self.config, piece)
+        total = table[-1].offset + table[-1].nbytes
+        buffer = torch.empty(total, dtype=torch.uint8, device=self.device)
+        offset = 0
+        while offset < total:
+            if self.peer.nursery is None:
+                raise PeerGone(f"{self.peer.name} is not running (state {self.peer.state.value})")
+            link = await services.fabric.link(endpoint, weights_endpoint_name(self.peer.name))
+            transfer_id = f"{self.replica.name}/weights/{next(_transfer_numbers)}"
+            command = SendWeights(
+                command_id=new_command_id(),
+                transfer_id=transfer_id,
+                piece=piece,
+                destination_endpoint=endpoint.name,
+                byte_offset=offset,
+            )
+            await self.peer.ask(command, timeout=services.settings.weights_transfer.progress_timeout)
+            landing = PartLanding(buffer, self.model_name, piece, table, offset)
+            await endpoint.receive(transfer_id, peer=link, consume=landing.consume)
+            nbytes = landing.finish()
+            services.fabric.count_bytes(self.peer.name, self.replica.name, "weights", nbytes)
+            self.bytes += nbytes
+            offset += nbytes
+        return await trio.to_thread.run_sync(_cut, buffer, table)
+
+    async def aclose(self) -> None:
+        return None
+
+
+def _cut(buffer: torch.Tensor, table: tuple[WeightTensor, ...]) -> dict[str, torch.Tensor]:
+    """The tensors of a piece's bytes, each in storage of its own (the buffer is dropped after)."""
+    return {
+        t.name: buffer[t.offset : t.offset + t.nbytes].view(torch_dtype(t.dtype)).view(t.shape).clone()
+        for t in table
+    }

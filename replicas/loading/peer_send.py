@@ -1,0 +1,141 @@
+"""The sending side of a peer weight copy (blitz): a replica that holds the weights serves a piece.
+
+A loading replica sends `SendWeights(piece, byte_offset, ...)` to a replica holding a fully loaded
+model; the actor's dispatch calls `send_weights`, which checks the request at once (a refusal is the
+command's outcome) and starts a helper task in the replica's nursery. The helper opens the transfer's
+sending session first (so the receiver's grant finds it, and any failure reaches the receiver as an
+abort), takes the piece's checkpoint tensors from the model (`replicas.loading.split`: fused weights
+split back, packed ones made dense), allocates staging blocks (a bounded wait when other copies hold
+them), stages bytes `[byte_offset, byte_offset + n)` of the piece — `n` as many as the staging pool holds,
+at most the rest of the piece — and sends them; the header (`messages.weights.WeightsHeader`) carries the
+piece's tensor table. The receiver asks for the next part when this one has landed.
+
+The helper keeps a reference to the model it sends from, so a replica scaled down meanwhile still
+finishes the part. The split tensors of the last pieces asked for are cached per model (a piece of
+several parts is split once).
+
+Cancellation: when the replica stops, the helper is cancelled; leaving the session aborts the transfer
+(the receiver learns why) and the staging blocks are freed on every path. Transfer failures are the
+receiver's to report; this side only logs them.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections import OrderedDict
+from typing import TYPE_CHECKING, Final
+
+import structlog
+import torch
+import trio
+
+from messages.commands import SendWeights
+from messages.peer_codec import encode_header
+from messages.weights import WeightPiece, WeightsHeader, WeightTensor
+from replicas.inbox import CommandRefused
+from replicas.loading.pieces import tensor_table
+from replicas.loading.split import model_piece
+from replicas.loading.staging import WeightStaging, rows_for, stage
+from replicas.model.llama import Model
+from transport.errors import TransferError
+from transport.memory.blocks import AllocationTimeout
+
+if TYPE_CHECKING:
+    from replicas.actor import Replica
+
+_log = structlog.get_logger("replicas.loading")
+THREAD_BYTES: Final = 1 << 20  # staging copies at least this large run in a worker thread
+CACHED_PIECES: Final = 2
+Tensors = list[tuple[str, torch.Tensor]]
+_split_cache: weakref.WeakKeyDictionary[Model, OrderedDict[WeightPiece, Tensors]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def send_weights(replica: Replica, command: SendWeights) -> None:
+    """Serve `command` (called by the actor's dispatch, in the main loop). Raises `CommandRefused`
+    (`not_found`: no fully loaded weights here; `bad_request`: a piece or offset the model lacks)."""
+    model = replica.work.model
+    staging = replica.pools.weights
+    if model is None or not model.fully_loaded or staging.endpoint is None:
+        raise CommandRefused(
+            "not_found",
+            f"{replica.name} ({replica.state.value}) holds no fully loaded weights to send",
+        )
+    try:
+        table = tensor_table(model.config, command.piece)
+    except ValueError as exc:
+        raise CommandRefused("bad_request", f"{replica.name}: {command.piece.label}: {exc}") from None
+    total = table[-1].offset + table[-1].nbytes
+    if command.byte_offset >= total:
+        raise CommandRefused(
+            "bad_request",
+            f"{replica.name}: {command.piece.label} has {total} bytes; asked from byte {command.byte_offset}",
+        )
+    replica.work.spawn(_send, replica, model, staging, command, table)
+
+
+async def _send(
+    replica: Replica,
+    model: Model,
+    staging: WeightStaging,
+    command: SendWeights,
+    table: tuple[WeightTensor, ...],
+) -> None:
+    """One part of one piece (see the module docstring)."""
+    endpoint = staging.endpoint
+    assert endpoint is not None
+    config = replica.services.settings.weights_transfer
+    total = table[-1].offset + table[-1].nbytes
+    nbytes = min(total - command.byte_offset, staging.capacity_bytes)
+    rows = rows_for(nbytes)
+    header = encode_header(
+        WeightsHeader(
+            model=model.name,
+            piece=command.piece,
+            piece_bytes=total,
+            offset=command.byte_offset,
+            nbytes=nbytes,
+            tensors=table,
+        )
+    )
+    owner = f"weights:{command.transfer_id}"
+    try:
+        async with endpoint.open_send(command.transfer_id, peer=command.destination_endpoint) as session:
+            session.announce_total(rows, header)
+            tensors = await _split(model, command.piece)
+            deadline = trio.current_time() + config.pressure_timeout
+            ids = await staging.pool.allocate_wait(staging.pool.blocks_for(rows), owner, deadline=deadline)
+            try:
+                parts = [tensor for _, tensor in tensors]
+                if nbytes >= THREAD_BYTES:
+                    await trio.to_thread.run_sync(
+                        stage, staging.storage, ids, parts, command.byte_offset, nbytes
+                    )
+                else:
+                    stage(staging.storage, ids, parts, command.byte_offset, nbytes)
+                await session.send(ids, total_tokens=rows, header=header)
+            finally:
+                staging.pool.free(ids, owner)
+    except (TransferError, AllocationTimeout) as exc:
+        _log.info(
+            "weights.send_failed",
+            replica=replica.name,
+            transfer_id=command.transfer_id,
+            piece=command.piece.label,
+            error=str(exc),
+        )
+
+
+async def _split(model: Model, piece: WeightPiece) -> Tensors:
+    """The piece's checkpoint tensors, split once per piece (a small per-model cache)."""
+    cache = _split_cache.setdefault(model, OrderedDict())
+    tensors = cache.get(piece)
+    if tensors is None:
+        tensors = await trio.to_thread.run_sync(model_piece, model, piece)
+        cache[piece] = tensors
+        while len(cache) > CACHED_PIECES:
+            cache.popitem(last=False)
+    else:
+        cache.move_to_end(piece)
+    return tensors
