@@ -23,6 +23,7 @@ import msgspec.inspect as mi
 from engine.config import ConfigError, ReplicaCounts
 from engine.control.address import parse_address
 from messages.faults import FAULT_KINDS
+from replicas.emulation import parse_emulated_speed
 
 ENV_PREFIX: Final = "ZIGZAG_"  # + the flag's name in capitals, dashes as underscores
 CONFIG_ENV: Final = "ZIGZAG_CONFIG"
@@ -247,6 +248,10 @@ def _listen(text: Any) -> Any:
     return text
 
 
+def _emulated(text: Any) -> Any:
+    return msgspec.to_builtins(parse_emulated_speed(text)) if isinstance(text, str) else text
+
+
 def _faults(specs: Any) -> Any:
     return [parse_fault(spec) if isinstance(spec, str) else spec for spec in specs]
 
@@ -255,6 +260,7 @@ _PREPARSERS: Final[dict[tuple[str, ...], Callable[[Any], Any]]] = {
     ("replicas",): _replicas,
     ("listen",): _listen,
     ("faults",): _faults,
+    ("emulated_speed",): _emulated,
 }
 
 

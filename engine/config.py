@@ -17,6 +17,7 @@ import msgspec
 from engine.control.address import Address, parse_address
 from engine.http.address import parse_http
 from messages.faults import Fault
+from replicas.emulation import EmulatedSpeed
 from transport.config import UcxCopies
 from transport.kinds import TransportChoice
 from transport.kinds import unavailable as transport_unavailable
@@ -228,6 +229,13 @@ class NodeConfig(Section, frozen=True, kw_only=True):
     faults: Annotated[
         list[Fault], _doc("fault-injection hooks, KIND:key=value,... (repeatable; off by default)")
     ] = []
+    emulated_speed: Annotated[
+        EmulatedSpeed | None,
+        _doc(
+            "emulate accelerators for scaling benches: prefill_tokens_per_s=N,decode_steps_per_s=N,"
+            "weights_gb_per_s=N (each optional; computes and copies are padded to it; docs/zigzag.md)"
+        ),
+    ] = None
     log: LogConfig = msgspec.field(default_factory=LogConfig)
     kv: KvConfig = msgspec.field(default_factory=KvConfig)
     embedding: EmbeddingConfig = msgspec.field(default_factory=EmbeddingConfig)

@@ -28,7 +28,7 @@ from engine.control.errors import RequestFailed
 from engine.router import Router
 from engine.stops import StopText
 from messages.control import GenerateRequest
-from messages.control_replies import Timings, TransferSummary
+from messages.control_replies import RelayInfo, Timings, TransferSummary
 from messages.events import RequestArrived
 from messages.events import RequestFailed as RequestFailedEvent
 from replicas.model import TextStream
@@ -65,6 +65,7 @@ class Outcome:
     finish_reason: FinishReason
     timings: Timings
     transfers: list[TransferSummary]
+    relay: RelayInfo | None = None
 
 
 @final
@@ -189,6 +190,7 @@ class Generation:
             finish_reason=self._finish,
             timings=serving.timings(),
             transfers=list(serving.transfers),
+            relay=serving.relay,
         )
 
     def close(self) -> None:

@@ -40,6 +40,7 @@ from engine.service import NodeService
 from messages.commands import Transition
 from messages.events import NodeConfigured, NodeStarted, NodeStopped, NodeStopping, PoolLeak
 from replicas.actor import Replica
+from replicas.emulation import EmulatedSpeed
 from replicas.fabric import Fabric
 from replicas.inbox import new_command_id
 from replicas.model import ModelLoadError
@@ -78,6 +79,7 @@ def replica_settings(config: NodeConfig, host: ModelHost) -> ReplicaSettings:
         max_batch_tokens=config.scheduler.max_batch_tokens,
         max_batch_size=config.scheduler.max_batch_size,
         migration_wait=config.scheduler.migration_wait,
+        emulated=config.emulated_speed or EmulatedSpeed(),
         kv_transfer=TransferConfig(**common),  # type: ignore[arg-type]
         embedding_transfer=TransferConfig(
             default_grant_blocks=config.embedding.default_blocks,

@@ -99,7 +99,7 @@ class Router:
                     request.finish("cancelled")
                     continue
                 images = request.needs_embeddings
-                replica = self._choose_prefill(images)
+                replica = self._choose_prefill(request)
                 encoder = self._choose_encoder() if images else None
                 if images and (replica is None or encoder is None):
                     waiting_for_encoder.append(self.pending.popleft())
@@ -139,11 +139,18 @@ class Router:
             replica.post()
         return True
 
-    def _choose_prefill(self, images: bool) -> Replica | None:
+    def _choose_prefill(self, request: ServingRequest) -> Replica | None:
+        images = request.needs_embeddings
+        old_serves = self.services.settings.old_prefill_serves_queue
         candidates = [
             r
             for r in self.services.replicas.values()
-            if r.state is S.PREFILL and (not images or r.pools.emb_endpoint is not None)
+            if (
+                r.state is S.PREFILL
+                or (r.state is S.OLD_PREFILL and old_serves)
+                or (r.state is S.NEW_PREFILL and r.work.new_prefill.accepts(request))
+            )
+            and (not images or r.pools.emb_endpoint is not None)
         ]
         if not candidates:
             return None

@@ -24,8 +24,9 @@ import trio
 
 from engine.control.errors import RequestFailed
 from messages.commands import Transition
-from messages.control import ScaleRequest
-from messages.control_replies import ScaleResult
+from messages.control import ScaleMode, ScaleRequest, SourceChoice
+from messages.control_replies import ScaleResult, StartedReplica
+from messages.scaling_events import ReplicasPaired
 from replicas.actor import Replica
 from replicas.inbox import CommandRefused, new_command_id
 from replicas.states import LOADING_STATE, SHUTTING_STATE, ReplicaState, Role
@@ -48,6 +49,8 @@ ACTIVE_STATES: dict[Role, frozenset[ReplicaState]] = {
     "encode": frozenset({S.LOADING_ENCODE, S.ENCODE}),
 }
 AUS_STATE: dict[Role, ReplicaState] = {"prefill": S.AUS_PREFILL, "decode": S.AUS_DECODE}
+EPISODE_POLL = 0.05
+ZIGZAG_STATES = frozenset({S.NEW_PREFILL, S.OLD_PREFILL, S.REFRACTORY_PREFILL})
 
 
 def active(node: Node, role: Role) -> list[Replica]:
@@ -92,11 +95,23 @@ async def _scale(node: Node, request: ScaleRequest) -> ScaleResult:
     role: Role = request.role
     target = request.replicas
     serving = active(node, role)
+    mode = request.mode
+    if mode == "zigzag" and role != "prefill":
+        raise RequestFailed("bad_request", f"mode zigzag scales prefill only; {role} loads stop_the_world")
+    if mode is None:
+        zigzag = role == "prefill" and any(r.state is S.PREFILL for r in serving)
+        mode = "zigzag" if zigzag else "stop_the_world"
+    if mode == "zigzag" and len(serving) < target and not any(r.state is S.PREFILL for r in serving):
+        raise RequestFailed(
+            "bad_request", "mode zigzag needs a serving Prefill replica to pair with; none is in Prefill"
+        )
+    started: list[StartedReplica] = []
     try:
         if len(serving) < target:
-            await _scale_up(node, role, target - len(serving))
+            await _scale_up(node, role, target - len(serving), mode, request.source, started)
         elif len(serving) > target:
-            for replica in sorted(serving, key=_load)[: len(serving) - target]:
+            await _wait_for_episode(node, role)
+            for replica in sorted(active(node, role), key=_load)[: len(serving) - target]:
                 if replica.state in (S.PREFILL, S.DECODE, S.ENCODE):
                     await replica.ask(
                         Transition(
@@ -107,10 +122,41 @@ async def _scale(node: Node, request: ScaleRequest) -> ScaleResult:
         raise RequestFailed(exc.code, str(exc)) from None  # type: ignore[arg-type]
     except ReplicaStartFailed as exc:
         raise RequestFailed("replica_failed", str(exc)) from None
-    return ScaleResult(id=request.id, role=role, target=target, replicas=[r.name for r in active(node, role)])
+    return ScaleResult(
+        id=request.id,
+        role=role,
+        target=target,
+        replicas=[r.name for r in active(node, role)],
+        started=started,
+    )
 
 
-async def _scale_up(node: Node, role: Role, needed: int) -> None:
+def episode(node: Node, role: Role) -> list[Replica]:
+    """Replicas of `role` in a ZigZag episode (NewPrefill, RefractoryPrefill, OldPrefill)."""
+    if role != "prefill":
+        return []
+    return [r for r in node.services.replicas.values() if r.state in ZIGZAG_STATES]
+
+
+async def _wait_for_episode(node: Node, role: Role) -> None:
+    """A scale-down waits (bounded) for a ZigZag episode to end: its replicas are not serving plainly."""
+    # Replica states change in their own tasks with no node-wide signal: look every 50 ms, bounded.
+    for _ in range(int(SCALE_WAIT / EPISODE_POLL)):
+        if not episode(node, role):
+            break
+        await trio.sleep(EPISODE_POLL)
+    busy = episode(node, role)
+    if busy:
+        states = ", ".join(f"{r.name} {r.state.value}" for r in busy)
+        raise RequestFailed(
+            "overloaded",
+            f"a ZigZag episode is still running after {SCALE_WAIT:g} s ({states}); scale down once it ends",
+        )
+
+
+async def _scale_up(
+    node: Node, role: Role, needed: int, mode: ScaleMode, source: SourceChoice, started: list[StartedReplica]
+) -> None:
     # Replicas configured for the role first: reviving another role's replica changes its role.
     replicas = sorted(node.services.replicas.values(), key=lambda r: r.role != role)
     if role in AUS_STATE:
@@ -119,6 +165,7 @@ async def _scale_up(node: Node, role: Role, needed: int) -> None:
                 await replica.ask(
                     Transition(command_id=new_command_id(), to=AUS_STATE[role].value, origin="planner")
                 )
+                started.append(StartedReplica(replica=replica.name, mode=mode, source="resident"))
                 needed -= 1
     for replica in replicas:
         if not needed or replica.role != role:
@@ -128,13 +175,67 @@ async def _scale_up(node: Node, role: Role, needed: int) -> None:
             # adding a new replica instead left the idle one holding its pools for good.
             await replica.ask(Transition(command_id=new_command_id(), to=S.INACTIVE.value, origin="planner"))
         if replica.state is S.INACTIVE:
-            await replica.ask(
-                Transition(command_id=new_command_id(), to=LOADING_STATE[role].value, origin="planner")
-            )
+            await _start(node, replica, role, mode, source, started)
             needed -= 1
     while needed:
         replica = await node.add_replica(role)
-        await replica.ask(
-            Transition(command_id=new_command_id(), to=LOADING_STATE[role].value, origin="planner")
-        )
+        await _start(node, replica, role, mode, source, started)
         needed -= 1
+
+
+async def _start(
+    node: Node,
+    replica: Replica,
+    role: Role,
+    mode: ScaleMode,
+    source: SourceChoice,
+    started: list[StartedReplica],
+) -> None:
+    """Command `replica` into Loading*; with ZigZag, straight on into NewPrefill, paired."""
+    await replica.ask(
+        Transition(command_id=new_command_id(), to=LOADING_STATE[role].value, origin="planner", source=source)
+    )
+    if mode == "zigzag" and replica.state is S.LOADING_PREFILL:
+        await pair(node, replica, None)
+    chosen = replica.work.weights_source or source
+    started.append(
+        StartedReplica(replica=replica.name, mode=mode, source=chosen if chosen != "auto" else "disk")
+    )
+
+
+def choose_old_prefill(node: Node) -> Replica | None:
+    """The partner for a new NewPrefill: the least-loaded `Prefill` replica not yet paired, else the
+    least-loaded `OldPrefill` (partners are shared when there are not enough)."""
+    replicas = node.services.replicas.values()
+    free = [r for r in replicas if r.state is S.PREFILL]
+    if free:
+        return min(free, key=_load)
+    paired = [r for r in replicas if r.state is S.OLD_PREFILL]
+    return min(paired, key=_load) if paired else None
+
+
+async def pair(node: Node, new: Replica, old: Replica | None) -> Replica | None:
+    """Move `new` (LoadingPrefill) into NewPrefill and `old` (Prefill, or an OldPrefill that takes one
+    more partner) into OldPrefill, each naming the other. Returns the partner, or None when `new`
+    finished loading before it could be paired (it then serves as a plain Prefill replica). Raises
+    `RequestFailed` when no replica can be the partner, `CommandRefused` when one refuses."""
+    old = old or choose_old_prefill(node)
+    if old is None:
+        raise RequestFailed("bad_request", f"{new.name}: no Prefill or OldPrefill replica to pair with")
+    try:
+        await new.ask(
+            Transition(
+                command_id=new_command_id(), to=S.NEW_PREFILL.value, origin="planner", paired_with=old.name
+            )
+        )
+    except CommandRefused:
+        if new.state in (S.PREFILL, S.LOADING_PREFILL):
+            return None  # it finished loading first: nothing to relay, it serves as a Prefill replica
+        raise
+    await old.ask(
+        Transition(
+            command_id=new_command_id(), to=S.OLD_PREFILL.value, origin="planner", paired_with=new.name
+        )
+    )
+    node.log.bind(replica=new.name).emit(ReplicasPaired(new_prefill=new.name, old_prefill=old.name))
+    return old

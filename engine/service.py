@@ -15,7 +15,7 @@ from engine.control.outbox import ReplySink
 from engine.generation import Generation
 from engine.logs import Aggregator, metrics_result
 from engine.router import Router
-from engine.scaling import scale
+from engine.scaling import pair, scale
 from messages.commands import Lock, Transition, Unlock
 from messages.control import (
     CancelRequest,
@@ -46,7 +46,7 @@ from replicas.actor import Replica
 from replicas.inbox import CommandRefused, new_command_id
 from replicas.request import FailedUpdate, FinishedUpdate, ServingRequest
 from replicas.services import ReplicaServices
-from replicas.states import SERVING_ROLE
+from replicas.states import SERVING_ROLE, ReplicaState
 
 if TYPE_CHECKING:
     from engine.node import Node
@@ -77,7 +77,7 @@ class NodeService:
                 replies.send(CancelResult(id=request.id, request_id=request_id))
             case TransitionRequest(replica=name, to=to):
                 replica = self._replica(name)
-                previous = await self._ask(replica, Transition(command_id=new_command_id(), to=to))
+                previous = await self._transition(replica, request)
                 # The state the command entered: an automatic move (AusDecode → Decode, a quick load)
                 # may already have followed by now; `status` shows where the replica is.
                 replies.send(TransitionResult(id=request.id, replica=name, previous=previous.value, state=to))
@@ -154,6 +154,7 @@ class NodeService:
                     finish_reason=outcome.finish_reason,
                     timings=outcome.timings,
                     transfers=outcome.transfers,
+                    relay=outcome.relay,
                 )
             )
         finally:
@@ -180,6 +181,34 @@ class NodeService:
             )
 
     # ------------------------------------------------------------------ helpers
+    async def _transition(self, replica: Replica, request: TransitionRequest) -> ReplicaState:
+        """A commanded move; NewPrefill / OldPrefill pair the replica with a partner (DESIGN §8)."""
+        partner = None if request.paired_with is None else self._replica(request.paired_with)
+        previous = replica.state
+        if request.to == ReplicaState.NEW_PREFILL.value and replica.state is ReplicaState.LOADING_PREFILL:
+            if await pair(self.node, replica, partner) is None:
+                raise RequestFailed(
+                    "invalid_transition", f"{replica.name} finished loading first; it serves as Prefill"
+                )
+            return previous
+        if request.to == ReplicaState.OLD_PREFILL.value and partner is None:
+            new = [r for r in self.services.replicas.values() if r.state is ReplicaState.NEW_PREFILL]
+            if not new:
+                raise RequestFailed(
+                    "invalid_transition", f"{replica.name}: no NewPrefill replica to pair with as OldPrefill"
+                )
+            partner = new[0]
+        command = Transition(
+            command_id=new_command_id(),
+            to=request.to,
+            source=request.source,
+            paired_with=None if partner is None else partner.name,
+        )
+        previous = await self._ask(replica, command)
+        if request.to == ReplicaState.OLD_PREFILL.value and partner is not None:
+            partner.work.new_prefill.add_partner(replica.name)  # so it hints this replica too
+        return previous
+
     def _replica(self, name: str) -> Replica:
         replica = self.services.replicas.get(name)
         if replica is None:
@@ -212,6 +241,11 @@ class NodeService:
                     migration_queue=migration,
                     last_error=replica.last_error,
                     transport=self.services.fabric.kind,
+                    loaded_layers=replica.work.loaded_layers,
+                    total_layers=replica.work.total_layers,
+                    weights_source=replica.work.weights_source,
+                    weights_bytes_loaded=replica.work.weights_bytes_loaded,
+                    paired_with=replica.work.paired_with(),
                 )
             )
         return statuses

@@ -12,8 +12,9 @@ from typing import Annotated, Literal
 import msgspec
 
 from messages.base import Message
-from messages.control import ReplicaStateName
+from messages.control import ReplicaStateName, SourceChoice
 from messages.transfer import SenderBound
+from messages.weights import WeightPiece
 
 Origin = Literal["manual", "controller", "planner", "node"]
 
@@ -24,6 +25,11 @@ class Transition(Message, frozen=True, tag="transition"):
     command_id: str
     to: ReplicaStateName
     origin: Origin = "manual"
+    # NewPrefill / OldPrefill: the replica it relays with (DESIGN §8).
+    paired_with: str | None = None
+    # Loading*: load the replica's own copy of the weights from this source (`replicas.loading`);
+    # None: share the node's resident copy.
+    source: SourceChoice | None = None
 
 
 class Lock(Message, frozen=True, tag="lock"):
@@ -47,11 +53,63 @@ class Flush(Message, frozen=True, tag="flush"):
 
 
 class Relay(Message, frozen=True, tag="relay"):
-    """ZigZag: run layers `[start_layer, L)` of a batch another replica began (not supported yet)."""
+    """ZigZag (DESIGN §8): OldPrefill replica `old_prefill` asks its paired NewPrefill replica for its
+    oldest unfinished batch. Answered with a `RelayOffer` — the batch then streams its hidden states as
+    transfer `offer.transfer_id` from the NewPrefill's relay endpoint — or refused with `not_found`
+    when the NewPrefill holds no batch it can hand over whose prompts fit in `room_tokens` tokens."""
 
     command_id: str
+    old_prefill: str
+    room_tokens: Annotated[int, msgspec.Meta(ge=0)]
+
+
+class RelayedRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """One request of a relayed batch: its rows are `[offset, offset + prompt_tokens)` of the batch."""
+
+    request_id: str
+    prompt_tokens: Annotated[int, msgspec.Meta(ge=1)]
+    offset: Annotated[int, msgspec.Meta(ge=0)]
+
+
+class RelayOffer(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """A NewPrefill's answer to `Relay`: batch `batch_id`, computed through layers `[0, layer)`, whose
+    hidden states (`hidden`, and the rotary `positions` of each token) stream as transfer `transfer_id`
+    from endpoint `source_endpoint`. The NewPrefill keeps each request's KV of layers `[0, layer)` until
+    a `SendKVHalf` or `DropKVHalf` names it."""
+
     batch_id: str
-    start_layer: Annotated[int, msgspec.Meta(ge=0)]
+    transfer_id: str
+    source_endpoint: str
+    new_prefill: str
+    layer: Annotated[int, msgspec.Meta(ge=0)]
+    total_tokens: Annotated[int, msgspec.Meta(ge=1)]
+    requests: list[RelayedRequest]
+
+
+class SendKVHalf(Message, frozen=True, tag="send_kv_half"):
+    """To a NewPrefill: send request `request_id`'s KV of layers `[0, layer)` as transfer `transfer_id`
+    (a decode replica reserved its cache and is receiving it); the blocks are freed once sent."""
+
+    command_id: str
+    request_id: str
+    transfer_id: str
+
+
+class DropKVHalf(Message, frozen=True, tag="drop_kv_half"):
+    """To a NewPrefill: free request `request_id`'s KV half (the request ended without decoding)."""
+
+    command_id: str
+    request_id: str
+
+
+class KVHalf(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """The other half of a ZigZag migration: layers `[start, stop)` sent as `transfer_id` from
+    endpoint `source_endpoint`."""
+
+    transfer_id: str
+    source_endpoint: str
+    start: Annotated[int, msgspec.Meta(ge=0)]
+    stop: Annotated[int, msgspec.Meta(ge=0)]
 
 
 class ReserveKV(Message, frozen=True, tag="reserve_kv"):
@@ -65,6 +123,34 @@ class ReserveKV(Message, frozen=True, tag="reserve_kv"):
     source_endpoint: str
     prompt_tokens: Annotated[int, msgspec.Meta(ge=1)]
     capacity_tokens: Annotated[int, msgspec.Meta(ge=1)]
+    # ZigZag: this transfer carries layers `[layers[0], layers[1])` only, and `other_half` the rest; the
+    # request decodes once both landed. None: one transfer carries every layer.
+    layers: tuple[int, int] | None = None
+    other_half: KVHalf | None = None
 
 
-ReplicaCommand = Transition | Lock | Unlock | Flush | Relay | ReserveKV | SenderBound
+class SendWeights(Message, frozen=True, tag="send_weights"):
+    """To a replica holding a fully loaded model: send bytes from `byte_offset` of checkpoint piece `piece`
+    — as many as its weight staging pool holds — as transfer `transfer_id` to the weights endpoint
+    `destination_endpoint` (`replicas.loading.peer_send`). Refused with `not_found` when it holds no
+    fully loaded weights."""
+
+    command_id: str
+    transfer_id: str
+    piece: WeightPiece
+    destination_endpoint: str
+    byte_offset: Annotated[int, msgspec.Meta(ge=0)] = 0
+
+
+ReplicaCommand = (
+    Transition
+    | Lock
+    | Unlock
+    | Flush
+    | Relay
+    | SendKVHalf
+    | DropKVHalf
+    | ReserveKV
+    | SendWeights
+    | SenderBound
+)

@@ -78,7 +78,11 @@ ReplicaStateName = Literal[
 ]
 LockReason = Literal["manual", "controller"]
 FinishReason = Literal["stop", "length", "cancelled"]
-TransferKind = Literal["embedding", "kv"]
+# Where a replica's weights come from (DESIGN §8); `resident`: a copy already on the device.
+WeightsSource = Literal["resident", "peer", "host", "disk"]
+SourceChoice = Literal["auto", "peer", "host", "disk"]
+ScaleMode = Literal["zigzag", "stop_the_world"]
+TransferKind = Literal["embedding", "kv", "relay", "weights"]
 
 
 # ---------------------------------------------------------------------------------------------- requests
@@ -151,6 +155,10 @@ class TransitionRequest(ControlRequestBase, frozen=True, tag="transition"):
 
     replica: ReplicaName
     to: ReplicaStateName
+    # Loading*: where the weights come from; NewPrefill / OldPrefill: the replica to relay with (chosen
+    # by the node when absent).
+    source: SourceChoice = "auto"
+    paired_with: ReplicaName | None = None
 
 
 class LockRequest(ControlRequestBase, frozen=True, tag="lock"):
@@ -170,6 +178,9 @@ class ScaleRequest(ControlRequestBase, frozen=True, tag="scale"):
 
     role: ReplicaRole
     replicas: Annotated[int, msgspec.Meta(ge=0, le=MAX_SCALE_REPLICAS)]
+    # Default: `zigzag` for prefill when a prefill replica is serving, else `stop_the_world`.
+    mode: ScaleMode | None = None
+    source: SourceChoice = "auto"
 
 
 class MetricsRequest(ControlRequestBase, frozen=True, tag="metrics"):

@@ -20,9 +20,11 @@ from messages.control import (
     ReplicaRole,
     ReplicaStateName,
     RequestId,
+    ScaleMode,
     Seconds,
     TokenId,
     TransferKind,
+    WeightsSource,
 )
 
 
@@ -74,6 +76,17 @@ class TransferSummary(Record, frozen=True):
     bytes: Count
     seconds: Seconds
     transport: str
+    # A KV transfer's layers `[start, stop)` (every layer, or one ZigZag half); null for the other kinds.
+    layers: list[int] | None = None
+
+
+class RelayInfo(Record, frozen=True):
+    """A request whose prefill was relayed (ZigZag): `new_prefill` ran layers `[0, layer)`,
+    `old_prefill` the rest and the head."""
+
+    new_prefill: str
+    old_prefill: str
+    layer: Count
 
 
 class GenerateResult(Message, frozen=True, tag="result"):
@@ -85,6 +98,7 @@ class GenerateResult(Message, frozen=True, tag="result"):
     finish_reason: FinishReason
     timings: Timings
     transfers: list[TransferSummary]
+    relay: RelayInfo | None = None
 
 
 class ReplicaStatus(Record, frozen=True):
@@ -102,6 +116,11 @@ class ReplicaStatus(Record, frozen=True):
     migration_queue: Count
     last_error: str | None
     transport: str
+    loaded_layers: Count = 0
+    total_layers: Count = 0
+    weights_source: WeightsSource | None = None
+    weights_bytes_loaded: Count = 0
+    paired_with: list[str] = msgspec.field(default_factory=list)
 
 
 class StatusResult(Message, frozen=True, tag="result"):
@@ -135,6 +154,15 @@ class LockResult(Message, frozen=True, tag="result"):
     lock_reasons: list[LockReason]
 
 
+class StartedReplica(Record, frozen=True):
+    """A replica a `scale` brought up: how (`zigzag` or `stop_the_world`) and where its weights come from
+    (`resident` for a revived replica, which loads nothing)."""
+
+    replica: str
+    mode: ScaleMode
+    source: WeightsSource
+
+
 class ScaleResult(Message, frozen=True, tag="result"):
     """`replicas` names the replicas of `role` that serve or are starting after the command."""
 
@@ -142,6 +170,7 @@ class ScaleResult(Message, frozen=True, tag="result"):
     role: ReplicaRole
     target: Count
     replicas: list[str]
+    started: list[StartedReplica] = msgspec.field(default_factory=list)
 
 
 class RequestCounters(Record, frozen=True):

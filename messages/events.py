@@ -13,37 +13,20 @@ from its bound context (`engine.logging.EventLog.bind`), so call sites need not 
 
 from __future__ import annotations
 
-import time
 from typing import Any, ClassVar, Literal
 
 import msgspec
 
 from messages.control import ErrorCode, FinishReason, LockReason, ReplicaStateName
+from messages.event_base import Event, Level, ReplicaEvent, RequestEvent, Transfer
+from messages.scaling_events import (
+    RelayHandedOver,
+    RelayReceived,
+    ReplicasPaired,
+)
+from messages.weight_events import WeightsCopyFinished, WeightsCopyStarted
 
-Level = Literal["debug", "info", "warning", "error"]
-Transfer = Literal["embedding", "kv"]
-
-
-class Event(msgspec.Struct, frozen=True, kw_only=True, tag_field="event"):
-    """Every event: `ts` is stamped when the event is built. `level` is a class constant, not a field."""
-
-    level: ClassVar[Level] = "info"
-    required_context: ClassVar[tuple[str, ...]] = ()
-
-    ts: float = msgspec.field(default_factory=time.time)
-
-
-class RequestEvent(Event, frozen=True, kw_only=True):
-    required_context: ClassVar[tuple[str, ...]] = ("request_id",)
-
-    request_id: str | None = None
-    replica: str | None = None
-
-
-class ReplicaEvent(Event, frozen=True, kw_only=True):
-    required_context: ClassVar[tuple[str, ...]] = ("replica",)
-
-    replica: str | None = None
+__all__ = ["Event", "Level", "ReplicaEvent", "RequestEvent", "Transfer"]
 
 
 # ---------------------------------------------------------------------------------------------- node
@@ -256,9 +239,19 @@ class ReplicaFailed(ReplicaEvent, frozen=True, kw_only=True, tag="replica_failed
 
 
 class WeightsProgress(ReplicaEvent, frozen=True, kw_only=True, tag="weights_progress"):
+    """A piece of the weights landed (`seconds`: since the load began). The piece fields are null in logs
+    of older nodes: `piece` (`embeddings`, `layer`, `norm`, `head`), `layer` (its index), `bytes` (the
+    piece's), `piece_seconds`, `weights_source` (`peer`, `host`, `disk`), `bytes_loaded` (the model's so far)."""
+
     layers_loaded: int
     layers_total: int
     seconds: float
+    piece: Literal["embeddings", "layer", "norm", "head"] | None = None
+    layer: int | None = None
+    bytes: int | None = None
+    piece_seconds: float | None = None
+    weights_source: Literal["peer", "host", "disk"] | None = None
+    bytes_loaded: int | None = None
 
 
 class FaultInjected(ReplicaEvent, frozen=True, kw_only=True, tag="fault_injected"):
@@ -369,6 +362,11 @@ LogEvent = (
     | ReplicaUnlocked
     | ReplicaFailed
     | WeightsProgress
+    | WeightsCopyStarted
+    | WeightsCopyFinished
+    | ReplicasPaired
+    | RelayHandedOver
+    | RelayReceived
     | FaultInjected
     | PoolLeak
     | BlocksReport

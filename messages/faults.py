@@ -54,10 +54,22 @@ class CorruptTransfer(FaultBase, frozen=True, tag="corrupt_transfer"):
     nth: Annotated[int, msgspec.Meta(ge=0)] | None = None
 
 
-Fault = FailReplica | DropLink | StallSender | CorruptTransfer
+class HoldWeights(FaultBase, frozen=True, tag="hold_weights"):
+    """A replica's own weight copy (`replicas.loading`) waits `seconds` before loading layer `before_layer`
+    (the number of layers: before the final norm and head), so a test can see it partly loaded. `replica`:
+    only copies into that replica; `nth`: only the node's `nth` weight copy, counting from 1."""
+
+    before_layer: Annotated[int, msgspec.Meta(ge=0)]
+    seconds: Annotated[float, msgspec.Meta(gt=0.0, le=3600.0)]
+    replica: ReplicaName | None = None
+    nth: Annotated[int, msgspec.Meta(ge=1)] | None = None
+
+
+Fault = FailReplica | DropLink | StallSender | CorruptTransfer | HoldWeights
 FAULT_KINDS: dict[str, type[Fault]] = {
     "fail_replica": FailReplica,
     "drop_link": DropLink,
     "stall_sender": StallSender,
     "corrupt_transfer": CorruptTransfer,
+    "hold_weights": HoldWeights,
 }

@@ -21,12 +21,24 @@ from typing import Any, assert_never, final
 
 import trio
 
-from messages.commands import Flush, Lock, Relay, ReplicaCommand, ReserveKV, Transition, Unlock
+from messages.commands import (
+    DropKVHalf,
+    Flush,
+    Lock,
+    Relay,
+    ReplicaCommand,
+    ReserveKV,
+    SendKVHalf,
+    SendWeights,
+    Transition,
+    Unlock,
+)
 from messages.control import LockReason
 from messages.events import FaultInjected, ReplicaLocked, ReplicaStateChanged, ReplicaUnlocked
 from messages.faults import FailReplica
 from messages.transfer import Abort, Grant, RequestMoreCache, StatusUpdate
 from replicas.inbox import CommandRefused, Completed, Envelope, InboxItem, InjectedFault
+from replicas.loading.peer_send import send_weights
 from replicas.pools import ReplicaPools
 from replicas.request import ServingRequest
 from replicas.roles import RoleWork
@@ -192,7 +204,14 @@ class Replica:
         command = envelope.command
         match command:
             case Transition(to=to):
-                return self._commanded(parse_state(to), command.origin)
+                self.work.weights.commanded(to, command.source)  # where a Loading* state loads from
+                target = parse_state(to)
+                if target is S.OLD_PREFILL and self.state is S.OLD_PREFILL and command.paired_with:
+                    self.work.paired(target, command.paired_with)  # one more partner (shared)
+                    return self.state
+                previous = self._commanded(target, command.origin)
+                self.work.paired(target, command.paired_with)
+                return previous
             case Lock(reason=reason):
                 return self._lock(reason)
             case Unlock(reason=reason):
@@ -200,9 +219,17 @@ class Replica:
             case Flush():
                 return self.work.flush()
             case Relay():
-                raise CommandRefused("not_supported", f"{self.name}: ZigZag relays are not supported yet")
+                if self.state not in (S.NEW_PREFILL, S.REFRACTORY_PREFILL):
+                    raise CommandRefused("not_found", f"{self.name} is {self.state.value}: no batch to relay")
+                return self.work.new_prefill.offer(command)
+            case SendKVHalf():
+                return self.work.new_prefill.send_half(command)
+            case DropKVHalf():
+                return self.work.new_prefill.drop_half(command.request_id)
             case ReserveKV():
                 return self.work.reserve_kv(command)
+            case SendWeights():
+                return send_weights(self, command)
             case Grant() | RequestMoreCache() | Abort() | StatusUpdate():
                 assert envelope.link is not None
                 self.pools.deliver(SenderDelivery(envelope.link, command))

@@ -14,18 +14,19 @@ from collections import deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, final
 
+import trio
+
 from messages.commands import ReserveKV
 from messages.control_replies import TransferSummary
-from messages.events import FaultInjected, TransferFinished, TransferStarted
+from messages.events import FaultInjected
 from messages.faults import CorruptTransfer
-from messages.transfer import FailureReason, TransferReport
-from replicas.fabric import UnknownEndpoint
 from replicas.inbox import CommandRefused, Completed
+from replicas.kv_receive import KVPart, KVReceived, receive_kv_part
 from replicas.model import DecodeResult, DecodeSequence, ModelInputError, finish_reason
 from replicas.prefill import Prefilled
 from replicas.request import ServingRequest
 from replicas.states import ReplicaState
-from transport.errors import HandshakeRefused, LinkError, TransferError
+from transport.errors import TransferError
 
 if TYPE_CHECKING:
     from replicas.actor import Replica
@@ -94,98 +95,44 @@ class DecodeWork:
         return "accepted"
 
     async def _receive(self, sequence: DecodeSlot, command: ReserveKV) -> None:
-        replica = self.replica
-        endpoint = replica.pools.kv_endpoint
-        kv = replica.pools.kv
-        assert endpoint is not None and kv is not None
-        request = sequence.request
-        log = replica.log.bind(request_id=request.request_id)
-        source = command.source_endpoint.split("/")[0]
-        transport = replica.services.fabric.kind
-        landing = sequence.table[: kv.blocks_for(command.prompt_tokens)]
-        log.emit(
-            TransferStarted(
-                kind="kv",
-                transfer_id=command.transfer_id,
-                source=source,
-                destination=replica.name,
-                transport=transport,
-                total_tokens=command.prompt_tokens,
-                granted_blocks=len(landing),
-            )
-        )
-        outcome: BaseException | None = None
-        report = None
-        started = time.monotonic()
+        """Receive the prompt's KV — one transfer, or a ZigZag request's two halves at once (a failed
+        half aborts the other) — then let the main loop adopt or fail the request."""
+        num_layers = self.replica.services.host.config.num_layers
+        halves = [KVPart(command.transfer_id, command.source_endpoint, command.layers or (0, num_layers))]
+        if command.other_half is not None:
+            other = command.other_half
+            halves.append(KVPart(other.transfer_id, other.source_endpoint, (other.start, other.stop)))
+        outcomes: list[KVReceived] = []
+        async with trio.open_nursery() as nursery:
 
-        def ended_without_report(reason: FailureReason) -> None:
-            log.emit(
-                TransferFinished(
-                    kind="kv",
-                    transfer_id=command.transfer_id,
-                    status="failed",
-                    reason=reason.value,
-                    rounds=0,
-                    tokens=0,
-                    bytes=0,
-                    seconds=time.monotonic() - started,
-                    source=source,
-                    destination=replica.name,
-                    transport=transport,
+            async def one(part: KVPart) -> None:
+                received = await receive_kv_part(
+                    self.replica, sequence.request, sequence.table, command, part
                 )
-            )
+                outcomes.append(received)
+                if received.error is not None or received.report is None:
+                    nursery.cancel_scope.cancel()  # the request cannot decode: stop the other half
 
-        try:
-            with request.work_scope() as scope:  # also when the prefill side failed the request
-                try:
-                    link = await replica.services.fabric.link(endpoint, command.source_endpoint)
-                    result = await endpoint.receive(
-                        command.transfer_id, peer=link, blocks=landing, expected_tokens=command.prompt_tokens
-                    )
-                    report = result.report
-                except (TransferError, LinkError, HandshakeRefused, UnknownEndpoint) as exc:
-                    outcome = exc  # that request fails (`_landed`); the replica serves on
-        except BaseException:  # the replica stops (fails, shuts down; Cancelled, often in a group): the
-            # log still ends the transfer; the exception goes on
-            ended_without_report(FailureReason.ABORTED)
-            raise
-        if report is None and isinstance(outcome, TransferError):
-            report = outcome.report
-        if report is not None:
-            log.emit(
-                TransferFinished(
-                    kind="kv",
-                    transfer_id=command.transfer_id,
-                    status="success" if outcome is None else "failed",
-                    reason=None if report.reason is None else report.reason.value,
-                    rounds=report.rounds,
-                    tokens=report.tokens,
-                    bytes=report.bytes,
-                    seconds=report.seconds,
-                    source=source,
-                    destination=replica.name,
-                    transport=transport,
-                )
-            )
-            replica.services.fabric.count_bytes(source, replica.name, "kv", report.bytes)
-        else:  # cancelled (the request was), or no link to the sender: the transfer ends all the same
-            ended_without_report(FailureReason.ABORTED if scope.cancelled_caught else FailureReason.LINK_LOST)
-        replica.post(Completed(lambda _: self._landed(sequence, command, report, outcome, source)))
+            for part in halves:
+                nursery.start_soon(one, part)
+        self.replica.post(Completed(lambda _: self._landed(sequence, command, outcomes)))
 
-    def _landed(
-        self,
-        sequence: DecodeSlot,
-        command: ReserveKV,
-        report: TransferReport | None,
-        outcome: BaseException | None,
-        source: str,
-    ) -> None:
+    def _landed(self, sequence: DecodeSlot, command: ReserveKV, outcomes: list[KVReceived]) -> None:
         request = sequence.request
         self.incoming.pop(request.request_id, None)
         kv = self.replica.pools.kv
         assert kv is not None
-        if outcome is not None or request.cancelled or request.ended:
+        complete = len(outcomes) == (2 if command.other_half is not None else 1)
+        failed = next((o for o in outcomes if o.error is not None), None)
+        if (
+            failed is not None
+            or not complete
+            or any(o.report is None for o in outcomes)
+            or request.cancelled
+            or request.ended
+        ):
             kv.pool.free(sequence.table, request.request_id)
+            outcome = None if failed is None else failed.error
             if request.cancelled or outcome is None:  # a cancel aborts the transfer: no failure
                 request.finish("cancelled")
             elif isinstance(outcome, TransferError):
@@ -195,20 +142,23 @@ class DecodeWork:
                     "transfer_failed", f"KV migration of request {request.request_id} failed: {outcome}"
                 )
             return
-        assert report is not None
         request.stamps.kv_finished = time.time()
-        request.transfers.append(
-            TransferSummary(
-                kind="kv",
-                transfer_id=command.transfer_id,
-                source=source,
-                destination=self.replica.name,
-                rounds=report.rounds,
-                bytes=report.bytes,
-                seconds=report.seconds,
-                transport=self.replica.services.fabric.kind,
+        for received in sorted(outcomes, key=lambda o: o.part.layers):
+            report = received.report
+            assert report is not None
+            request.transfers.append(
+                TransferSummary(
+                    kind="kv",
+                    transfer_id=received.part.transfer_id,
+                    source=received.source,
+                    destination=self.replica.name,
+                    rounds=report.rounds,
+                    bytes=report.bytes,
+                    seconds=report.seconds,
+                    transport=self.replica.services.fabric.kind,
+                    layers=list(received.part.layers),
+                )
             )
-        )
         self._maybe_corrupt(sequence, command)
         self.arrived.append(sequence)
 
@@ -282,7 +232,8 @@ class DecodeWork:
             for s in batch
         ]
         self.stepping = batch
-        self.work.compute(lambda: executor.decode(sequences), self._stepped)
+        emulated = self.replica.services.settings.emulated.decode_seconds()
+        self.work.compute(lambda: executor.decode(sequences), self._stepped, emulated=emulated)
 
     def _drop_cancelled(self) -> None:
         for sequence in [s for s in self.running if s.request.cancelled]:

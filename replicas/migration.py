@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, final
 
 import trio
 
-from messages.commands import ReserveKV
+from messages.commands import KVHalf, ReserveKV, SendKVHalf
 from messages.events import RequestQueued
 from replicas.inbox import CommandRefused, Completed, new_command_id
 from replicas.prefill import Prefilled
@@ -32,7 +32,16 @@ if TYPE_CHECKING:
     from replicas.roles import RoleWork
 
 S = ReplicaState
-MIGRATING_STATES = frozenset({S.PREFILL, S.SHUTTING_PREFILL, S.MUTATING_TO_DECODE})
+MIGRATING_STATES = frozenset(
+    {
+        S.PREFILL,
+        S.SHUTTING_PREFILL,
+        S.MUTATING_TO_DECODE,
+        S.OLD_PREFILL,
+        S.NEW_PREFILL,
+        S.REFRACTORY_PREFILL,
+    }
+)
 _transfer_numbers = itertools.count(1)
 
 
@@ -154,13 +163,30 @@ class Migrator:
             if decoder is self.replica:
                 continue
             transfer_id = f"{request.request_id}/kv{next(_transfer_numbers)}"
+            layers, other_half = None, None
+            source = self.replica.pools.kv_endpoint_name
+            split, total = self._split(item)
+            if split == total:  # relayed after every layer: all of its KV is on the NewPrefill replica
+                assert item.relay is not None
+                source = f"{item.relay.new_prefill}/kv"
+            elif split > 0:  # ZigZag: two halves, one reservation
+                assert item.relay is not None
+                layers = (split, total)
+                other_half = KVHalf(
+                    transfer_id=f"{transfer_id}a",
+                    source_endpoint=f"{item.relay.new_prefill}/kv",
+                    start=0,
+                    stop=split,
+                )
             command = ReserveKV(
                 command_id=new_command_id(),
                 request_id=request.request_id,
                 transfer_id=transfer_id,
-                source_endpoint=self.replica.pools.kv_endpoint_name,
+                source_endpoint=source,
                 prompt_tokens=request.prompt_tokens,
                 capacity_tokens=request.kv_capacity_tokens(context),
+                layers=layers,
+                other_half=other_half,
             )
             try:
                 await decoder.ask(command, timeout=services.settings.kv_transfer.handshake_timeout)
@@ -179,6 +205,13 @@ class Migrator:
         if request.stamps.kv_started is None:
             request.stamps.kv_started = time.time()
         error: BaseException | None = None
+        split, total = self._split(item)
+        if split > 0:  # the NewPrefill partner sends layers [0, split): the whole KV when split == L
+            half = transfer_id if split == total else f"{transfer_id}a"
+            sent = await self._other_half_sent(item, half)
+            if split == total or not sent:  # nothing of its own to send, or the request failed
+                self.replica.post(Completed(lambda _: self._sent(item, None)))
+                return
         with request.work_scope():  # also when the decode side failed the request: no grant will come
             try:
                 async with endpoint.open_send(transfer_id) as session:
@@ -186,6 +219,37 @@ class Migrator:
             except TransferError as exc:
                 error = exc
         self.replica.post(Completed(lambda _: self._sent(item, error)))
+
+    def _split(self, item: Prefilled) -> tuple[int, int]:
+        """(n, L): this replica computed the KV of layers `[n, L)` (n = 0 unless relayed)."""
+        total = self.replica.services.host.config.num_layers
+        return (0 if item.relay is None else item.relay.layer), total
+
+    async def _other_half_sent(self, item: Prefilled, transfer_id: str) -> bool:
+        """Tell the NewPrefill partner to send its half (layers `[0, n)`); False (the request failed)
+        when it cannot — it failed, or no longer holds the half."""
+        assert item.relay is not None
+        request = item.request
+        partner = self.replica.services.replicas.get(item.relay.new_prefill)
+        command = SendKVHalf(
+            command_id=new_command_id(), request_id=request.request_id, transfer_id=transfer_id
+        )
+        problem: str | None = f"{item.relay.new_prefill} is gone"
+        if partner is not None:
+            try:
+                await partner.ask(
+                    command, timeout=self.replica.services.settings.kv_transfer.handshake_timeout
+                )
+                problem = None
+            except CommandRefused as exc:
+                problem = str(exc)
+        if problem is not None and not request.cancelled:
+            request.fail(
+                "replica_failed",
+                f"request {request.request_id}: {item.relay.new_prefill} could not send its KV of layers "
+                f"[0, {item.relay.layer}): {problem}",
+            )
+        return problem is None
 
     def _sent(self, item: Prefilled, error: BaseException | None) -> None:
         request = item.request

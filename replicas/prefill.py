@@ -14,6 +14,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, final
 
+from messages.control_replies import RelayInfo
 from messages.events import FirstToken, PrefillFinished, PrefillStarted
 from replicas.model import ModelInputError, PrefillResult, PrefillSequence, finish_reason
 from replicas.request import ServingRequest
@@ -26,10 +27,14 @@ if TYPE_CHECKING:
 @final
 @dataclass(frozen=True, slots=True)
 class Prefilled:
-    """A request whose prompt KV sits in this replica's blocks `table` (owner: the request id)."""
+    """A request whose prompt KV sits in this replica's blocks `table` (owner: the request id).
+
+    `layers`: the layers whose KV this replica computed (all, unless the prefill was relayed: then
+    `[relay.layer, L)` here and `[0, relay.layer)` on `relay.new_prefill`)."""
 
     request: ServingRequest
     table: list[int]
+    relay: RelayInfo | None = None
 
 
 @final
@@ -117,7 +122,9 @@ class PrefillWork:
                 )
             )
         self.running = batch
-        self.work.compute(lambda: executor.prefill(sequences), self._finished)
+        layers = self._replica.services.host.config.num_layers
+        emulated = self.work.emulated_prefill(tokens, layers)
+        self.work.compute(lambda: executor.prefill(sequences), self._finished, emulated=emulated)
 
     def _finished(self, result: PrefillResult | ModelInputError) -> None:
         batch, self.running = self.running, []
@@ -129,8 +136,15 @@ class PrefillWork:
                 item.request.fail("bad_request", str(result))
             return
         assert result.tokens is not None
+        self.complete(batch, result.tokens)
+
+    def complete(self, batch: list[Prefilled], tokens: list[int]) -> None:
+        """The prompts of `batch` ran through the head: stream each first token, then end the request
+        or queue its KV for a decode replica (also for relayed and locally finished ZigZag batches)."""
+        kv = self._replica.pools.kv
+        assert kv is not None
         now = time.time()
-        for item, token in zip(batch, result.tokens, strict=True):
+        for item, token in zip(batch, tokens, strict=True):
             request = item.request
             log = self._replica.log.bind(request_id=request.request_id)
             request.stamps.prefill_finished = now

@@ -20,7 +20,7 @@ import torch
 import trio
 
 from messages.control import ErrorCode
-from messages.control_replies import Timings, TransferSummary
+from messages.control_replies import RelayInfo, Timings, TransferSummary
 from replicas.model import ImageGrid, SamplingParams
 
 FinishReason = Literal["stop", "length", "cancelled"]
@@ -127,6 +127,7 @@ class ServingRequest:
         # Set by `stop_early`: the request ends `stop` with this many generated tokens kept.
         self.stop_at: int | None = None
         self.holder: str | None = None  # the replica holding it (None: the router or a migration)
+        self.relay: RelayInfo | None = None  # set when its prefill was relayed (ZigZag)
         self._update_send, self.updates = trio.open_memory_channel[RequestUpdate](max_tokens + 4)
         self.cancel_hooks: list[trio.CancelScope] = []
         self.on_end: list[Callable[[ServingRequest], None]] = []

@@ -15,21 +15,27 @@ from typing import TYPE_CHECKING, Any, final
 import trio
 
 from messages.commands import ReserveKV
+from messages.control import SourceChoice, WeightsSource
 from messages.events import WeightsProgress
 from replicas.decode import DecodeWork
 from replicas.encode import EncodeWork
 from replicas.inbox import Completed
+from replicas.loading.copy import copy_weights
+from replicas.loading.progress import PieceLoaded, WeightsStatus
 from replicas.migration import Migrator
-from replicas.model import Executor, LoadProgress, Model, ModelInputError
+from replicas.model import Executor, Model, ModelInputError
 from replicas.prefill import PrefillWork
 from replicas.request import ServingRequest
 from replicas.states import LOADING_STATE, ReplicaState
+from replicas.zigzag.new_prefill import NewPrefillWork
+from replicas.zigzag.old_prefill import OldPrefillWork
 
 if TYPE_CHECKING:
     from replicas.actor import Replica
 
 S = ReplicaState
-PREFILL_SERVING = frozenset({S.PREFILL, S.SHUTTING_PREFILL})
+PREFILL_SERVING = frozenset({S.PREFILL, S.SHUTTING_PREFILL, S.OLD_PREFILL})
+ZIGZAG_NEW = frozenset({S.NEW_PREFILL, S.REFRACTORY_PREFILL})
 DECODE_SERVING = frozenset({S.DECODE, S.SHUTTING_DECODE, S.MUTATING_TO_DECODE})
 
 
@@ -46,7 +52,10 @@ class RoleWork:
         self.decode = DecodeWork(self)
         self.migrator = Migrator(self)
         self.encode = EncodeWork(self)
+        self.new_prefill = NewPrefillWork(self)
+        self.old_prefill = OldPrefillWork(self)
         self._loading_started: float | None = None
+        self.weights = WeightsStatus(replica.services.host.config.num_layers)  # replicas.loading
 
     @property
     def context_length(self) -> int:
@@ -55,7 +64,12 @@ class RoleWork:
     # ------------------------------------------------------------------ asked by others
     def submit(self, request: ServingRequest) -> bool:
         state = self.replica.state
-        if state is S.PREFILL:
+        if state is S.PREFILL or (
+            state is S.OLD_PREFILL and self.replica.services.settings.old_prefill_serves_queue
+        ):
+            self.prefill.enqueue(request)
+            return True
+        if state is S.NEW_PREFILL and self.new_prefill.accepts(request):
             self.prefill.enqueue(request)
             return True
         if state is S.ENCODE:
@@ -72,7 +86,7 @@ class RoleWork:
 
     def queue_lengths(self) -> tuple[int, int]:
         """(work queue, migration queue) as `status` shows them."""
-        work = len(self.prefill.queue) + len(self.encode.queue)
+        work = len(self.prefill.queue) + len(self.encode.queue) + len(self.new_prefill.batches)
         migration = self.migrator.queued + self.decode.queued
         return work, migration
 
@@ -81,8 +95,26 @@ class RoleWork:
         if self.replica.pools.kv is not None:
             nursery.start_soon(self.migrator.run)
 
+    def paired_with(self) -> list[str]:
+        """The replicas this one relays with now (ZigZag); [] outside an episode."""
+        state = self.replica.state
+        if state in ZIGZAG_NEW:
+            return list(self.new_prefill.partners)
+        if state is S.OLD_PREFILL:
+            return list(self.old_prefill.partners)
+        return []
+
+    def paired(self, target: ReplicaState, partner: str | None) -> None:
+        """A commanded NewPrefill / OldPrefill move named (or added) the replica it relays with."""
+        if target is S.NEW_PREFILL:
+            self.new_prefill.entered(partner)
+        elif target is S.OLD_PREFILL:
+            self.old_prefill.pair(partner)
+
     def entered(self, previous: ReplicaState, target: ReplicaState) -> None:
         """Side effects of entering `target` (called by the actor right after the state changed)."""
+        if previous in ZIGZAG_NEW and target not in ZIGZAG_NEW:
+            self.new_prefill.wake_partners()  # an OldPrefill partner may end its episode
         if target in LOADING_STATE.values():
             self._start_loading()
         elif target is S.MUTATING_TO_DECODE:
@@ -92,9 +124,28 @@ class RoleWork:
         self.migrator.wake()
 
     def release_weights(self) -> None:
+        """Drop the weights: the hold on the node's resident copy, or the replica's own copy."""
         self.replica.services.host.release(self.replica.name)
         self.model = None
         self.executor = None
+        self.weights.released()
+
+    # ------------------------------------------------------------------ weights, as `status` shows them
+    @property
+    def weights_source(self) -> WeightsSource | None:
+        return self.weights.source
+
+    @property
+    def loaded_layers(self) -> int:
+        return self.weights.loaded_layers
+
+    @property
+    def total_layers(self) -> int:
+        return self.weights.total_layers
+
+    @property
+    def weights_bytes_loaded(self) -> int:
+        return self.weights.bytes_loaded
 
     def advance(self) -> None:
         """Automatic moves and the next compute of the current state."""
@@ -108,18 +159,32 @@ class RoleWork:
             self.flush()
             if not self.busy and self.migrator.idle and not self.prefill.queue:
                 replica.move(S.DECODE, "flush adopted the queued migrations")
+        elif state is S.REFRACTORY_PREFILL and self.new_prefill.idle and not self.busy:
+            replica.move(S.PREFILL, "every ZigZag batch finished or handed over")
+        elif state is S.OLD_PREFILL and self.old_prefill.episode_over() and not self._relay_running():
+            replica.move(S.PREFILL, "no relays left")
         state = replica.state
         self.migrator.wake()
-        if state in PREFILL_SERVING:
+        if state in PREFILL_SERVING or state is S.NEW_PREFILL:
             self.prefill.cancel_sweep()
+        if state is S.OLD_PREFILL:
+            self.old_prefill.maybe_ask()
         if state in DECODE_SERVING or state in PREFILL_SERVING:
             self.decode.adopt_arrivals()
         if not self.busy:
             self._start_next(state)
         self._check_drained(replica.state)
 
+    def _relay_running(self) -> bool:
+        return self.busy and self.old_prefill.running is not None
+
     def _start_next(self, state: ReplicaState) -> None:
-        if state in PREFILL_SERVING:
+        if state is S.OLD_PREFILL:
+            if not self.old_prefill.start_next() and not self.old_prefill.asking:
+                self.prefill.start_batch()  # relays first; no own batch while asking (its room was offered)
+        elif state in ZIGZAG_NEW:
+            self.new_prefill.start_next()
+        elif state in PREFILL_SERVING:
             self.prefill.start_batch()
         elif state in DECODE_SERVING:
             self.decode.start_step()
@@ -137,8 +202,11 @@ class RoleWork:
             self.replica.move(S.SHUTTING_NULL, "no unfinished encodes")
 
     # ------------------------------------------------------------------ compute and helpers
-    def compute(self, fn: Callable[[], Any], apply: Callable[[Any], None]) -> None:
-        """Run `fn` in a worker thread; `apply(result)` then runs in the main loop. One at a time."""
+    def compute(
+        self, fn: Callable[[], Any], apply: Callable[[Any], None], *, emulated: float | None = None
+    ) -> None:
+        """Run `fn` in a worker thread; `apply(result)` then runs in the main loop. One at a time.
+        `emulated`: pad the compute to this many seconds (`replicas.emulation`)."""
         assert not self.busy, f"{self.replica.name}: a compute is already running"
         assert self.replica.nursery is not None
         self.busy = True
@@ -147,16 +215,26 @@ class RoleWork:
             self.busy = False
             apply(result)
 
-        self.replica.nursery.start_soon(self._compute, fn, done)
+        self.replica.nursery.start_soon(self._compute, fn, done, emulated)
 
-    async def _compute(self, fn: Callable[[], Any], done: Callable[[Any], None]) -> None:
+    async def _compute(
+        self, fn: Callable[[], Any], done: Callable[[Any], None], emulated: float | None
+    ) -> None:
         # Any other exception propagates out of this helper and fails the replica (the supervisor).
+        started = trio.current_time()
         try:
-            result = await trio.to_thread.run_sync(fn)
+            result: Any = await trio.to_thread.run_sync(fn)
         except ModelInputError as exc:  # the inputs were refused before any write: `apply` fails them
-            self.replica.post(Completed(done, exc))
-            return
+            result = exc
+        if emulated is not None:
+            await trio.sleep_until(started + emulated)
         self.replica.post(Completed(done, result))
+
+    def emulated_prefill(self, tokens: int, layers: int, *, head: bool = True) -> float | None:
+        """The emulated duration of `tokens` prompt tokens through `layers` layers (None: not emulated)."""
+        del head  # the head is counted with the last layer
+        config = self.replica.services.host.config
+        return self.replica.services.settings.emulated.prefill_seconds(tokens, layers, config.num_layers)
 
     def spawn(self, fn: Callable[..., Any], *args: Any) -> None:
         """Start a helper task in the replica's nursery (transfers, loading)."""
@@ -165,33 +243,70 @@ class RoleWork:
 
     def _start_loading(self) -> None:
         self._loading_started = time.monotonic()
-        self.spawn(self._load)
+        self.spawn(self._load, self.weights.loading())
 
-    async def _load(self) -> None:
+    async def _load(self, source: SourceChoice | None) -> None:
+        """Load the weights: share the node's resident copy (`source` None), or load the replica's own
+        copy from `source` (`replicas.loading.copy`), handing its `Model` over as soon as the embeddings
+        landed. A failure raises out of this helper: the replica fails with its message (a bad
+        checkpoint; `WeightCopyFailed`, naming the source, the piece and why)."""
         replica = self.replica
+        if source is not None:
+
+            def hand_over(model: Model) -> None:  # main loop: the loaded leading layers may serve (ZigZag)
+                if self.model is None:
+                    kv = replica.pools.kv
+                    self.model, self.executor = model, None if kv is None else Executor(model, kv)
+
+            def own_piece(piece: PieceLoaded) -> None:  # main loop
+                self.weights.landed(piece, shared=False)
+
+            outcome = await copy_weights(
+                replica,
+                source,
+                on_model=lambda model: replica.post(Completed(hand_over, model)),
+                on_piece=lambda piece: replica.post(Completed(own_piece, piece)),
+                weights_gb_per_s=replica.services.settings.emulated.weights_gb_per_s,
+            )
+            replica.post(Completed(self._loaded, (outcome.model, outcome.source)))
+            return
         started = time.monotonic()
 
-        def progress(step: LoadProgress) -> None:
-            trio.from_thread.run_sync(
-                replica.log.emit,
+        def landed(piece: PieceLoaded) -> None:  # main loop
+            replica.log.emit(
                 WeightsProgress(
-                    layers_loaded=step.loaded_layers,
-                    layers_total=step.total_layers,
+                    layers_loaded=piece.loaded_layers,
+                    layers_total=piece.total_layers,
                     seconds=time.monotonic() - started,
-                ),
+                    piece=piece.piece.kind,
+                    layer=piece.piece.layer,
+                    bytes=piece.bytes,
+                    piece_seconds=piece.seconds,
+                    weights_source=piece.source,
+                    bytes_loaded=piece.bytes_loaded,
+                )
             )
+            self.weights.landed(piece, shared=True)
 
-        # A bad checkpoint raises out of this helper: the replica fails with the loader's message.
+        def progress(piece: PieceLoaded) -> None:  # in the loading worker thread
+            trio.from_thread.run_sync(landed, piece)
+
         model = await replica.services.host.acquire(replica.name, progress)
-        replica.post(Completed(self._loaded, model))
+        replica.post(Completed(self._loaded, (model, "resident")))
 
-    def _loaded(self, model: Model) -> None:
-        self.model = model
+    def _loaded(self, loaded: tuple[Model, WeightsSource]) -> None:
+        model, source = loaded
+        self.weights.loaded(model, source)
         kv = self.replica.pools.kv
-        self.executor = None if kv is None else Executor(model, kv)
+        if self.model is not model or (kv is not None and self.executor is None):
+            self.executor = None if kv is None else Executor(model, kv)
+        self.model = model
         target = {S.LOADING_PREFILL: S.PREFILL, S.LOADING_DECODE: S.DECODE, S.LOADING_ENCODE: S.ENCODE}
         state = self.replica.state
         if state in target:
             self.replica.move(target[state], "weights loaded")
+        elif state is S.NEW_PREFILL:
+            self.replica.move(S.REFRACTORY_PREFILL, "weights loaded")
+            self.new_prefill.loading_finished()
         else:  # commanded elsewhere while loading (e.g. a crash and restart): keep nothing
             self.release_weights()

@@ -15,6 +15,7 @@ import msgspec
 
 from messages.events import LogEvent
 from messages.faults import Fault
+from replicas.emulation import EmulatedSpeed
 from replicas.fabric import Fabric
 from replicas.request import ServingRequest
 from replicas.weights import ModelHost
@@ -47,6 +48,13 @@ class ReplicaSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     migrations_in_flight: int = 8
     kv_transfer: TransferConfig = msgspec.field(default_factory=TransferConfig)
     embedding_transfer: TransferConfig = msgspec.field(default_factory=TransferConfig)
+    # A replica's weight staging pool (`replicas.loading.staging`): blocks of 1 MiB, what one peer weight
+    # transfer carries at most; and its endpoint's knobs.
+    weights_pool_blocks: int = 4
+    weights_transfer: TransferConfig = msgspec.field(default_factory=TransferConfig)
+    emulated: EmulatedSpeed = msgspec.field(default_factory=EmulatedSpeed)
+    # ZigZag: an OldPrefill replica also serves its own queue between relays (relays first).
+    old_prefill_serves_queue: bool = True
 
 
 @final
@@ -64,6 +72,8 @@ class ReplicaServices:
     # Transfers that finished landing on this node, per kind: the `nth` of the corrupt_transfer fault
     # counts these (node-wide, in finishing order).
     transfers_landed: Counter[str] = field(default_factory=Counter)
+    # Own weight copies started on this node (`replicas.loading`): the `nth` of the hold_weights fault.
+    weight_copies: int = 0
     # The router's hooks: take back work a replica will not do; a replica's readiness changed.
     return_work: Callable[[ServingRequest], None] = lambda request: None
     readiness_changed: Callable[[], None] = lambda: None

@@ -2,8 +2,7 @@
 
 A transition is either *commanded* (the `transition` op, the planner, the controller) or *automatic* (the
 replica moves itself when a condition holds: weights loaded, nothing left to finish). `check_command`
-refuses every commanded move that the table does not list, naming both states; ZigZag moves are
-refused as not supported yet (ZigZag live scaling is not built).
+refuses every commanded move that the table does not list, naming both states.
 """
 
 from __future__ import annotations
@@ -72,7 +71,7 @@ TRANSITIONS: dict[tuple[ReplicaState, ReplicaState], Trigger] = {
     (S.SHUTTING_NULL, S.INACTIVE): Trigger.COMMAND,
 }
 
-# Commands that start ZigZag states: refused with `not_supported` until ZigZag lands.
+# Commands that start ZigZag states (DESIGN §8): they pair a NewPrefill with an OldPrefill replica.
 ZIGZAG_STARTS = frozenset({(S.LOADING_PREFILL, S.NEW_PREFILL), (S.PREFILL, S.OLD_PREFILL)})
 
 # The role a replica serves in each state (None: serves nothing).
@@ -125,10 +124,6 @@ def parse_state(name: str) -> ReplicaState:
 
 def check_command(replica: str, current: ReplicaState, target: ReplicaState) -> None:
     """Raise unless `replica` may be *commanded* from `current` to `target`."""
-    if (current, target) in ZIGZAG_STARTS:
-        raise TransitionNotSupported(
-            f"{replica}: {current.value} -> {target.value} starts ZigZag live scaling, which is not supported yet"
-        )
     if TRANSITIONS.get((current, target)) is not Trigger.COMMAND:
         automatic = TRANSITIONS.get((current, target)) is Trigger.AUTOMATIC
         why = " (that move happens automatically)" if automatic else ""

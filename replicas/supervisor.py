@@ -64,6 +64,8 @@ async def supervise(replica: Replica, task_status: trio.TaskStatus[None] = trio.
             freed = replica.pools.free_everything()
             replica.work.release_weights()
             replica.force_inactive(error)
+            for other in replica.services.replicas.values():
+                other.post()  # a ZigZag partner looks again at its episode
             replica.log.emit(
                 ReplicaFailed(error=f"{replica.last_error} ({freed} blocks returned)", failed_requests=failed)
             )

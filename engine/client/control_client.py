@@ -37,8 +37,10 @@ from messages.control import (
     Op,
     ReplicaRole,
     ReplicaStateName,
+    ScaleMode,
     ScaleRequest,
     ShutdownRequest,
+    SourceChoice,
     StatusRequest,
     TransitionRequest,
     UnlockRequest,
@@ -227,8 +229,17 @@ class ControlClient:
     async def cancel(self, request_id: str) -> CancelResult:
         return await self._call(CancelRequest(id=self._next_id(), request_id=request_id), CancelResult)
 
-    async def transition(self, replica: str, to: ReplicaStateName) -> TransitionResult:
-        request = TransitionRequest(id=self._next_id(), replica=replica, to=to)
+    async def transition(
+        self,
+        replica: str,
+        to: ReplicaStateName,
+        *,
+        source: SourceChoice = "auto",
+        paired_with: str | None = None,
+    ) -> TransitionResult:
+        request = TransitionRequest(
+            id=self._next_id(), replica=replica, to=to, source=source, paired_with=paired_with
+        )
         return await self._call(request, TransitionResult)
 
     async def lock(self, replica: str) -> LockResult:
@@ -237,8 +248,16 @@ class ControlClient:
     async def unlock(self, replica: str) -> LockResult:
         return await self._call(UnlockRequest(id=self._next_id(), replica=replica), LockResult)
 
-    async def scale(self, role: ReplicaRole, replicas: int) -> ScaleResult:
-        return await self._call(ScaleRequest(id=self._next_id(), role=role, replicas=replicas), ScaleResult)
+    async def scale(
+        self,
+        role: ReplicaRole,
+        replicas: int,
+        *,
+        mode: ScaleMode | None = None,
+        source: SourceChoice = "auto",
+    ) -> ScaleResult:
+        request = ScaleRequest(id=self._next_id(), role=role, replicas=replicas, mode=mode, source=source)
+        return await self._call(request, ScaleResult)
 
     async def metrics(self) -> MetricsResult:
         return await self._call(MetricsRequest(id=self._next_id()), MetricsResult)

@@ -60,6 +60,8 @@ from messages.events import (
     TransferStarted,
     WeightsProgress,
 )
+from messages.scaling_events import RelayHandedOver, RelayReceived, ReplicasPaired
+from messages.weight_events import WeightsCopyFinished, WeightsCopyStarted
 
 RECENT_IDS: Final = 65536
 FlowKey = tuple[str, str, Transfer]  # source, destination, kind
@@ -214,6 +216,10 @@ class Aggregator:
                     self.diagnostics[key] += 1
                     self.diagnostic_examples.setdefault(key, event.fields)
             case NodeConfigured() | WeightsProgress() | GpuReport():
+                pass
+            case WeightsCopyStarted() | WeightsCopyFinished():
+                pass
+            case ReplicasPaired() | RelayHandedOver() | RelayReceived():
                 pass
             case _:
                 assert_never(event)

@@ -279,8 +279,8 @@ async def test_automatic_moves_and_zigzag_starts_are_refused(tiny_tcp_node: Node
         with pytest.raises(ControlError) as refused:
             await client.transition("prefill-0", "OldPrefill")
         assert (refused.value.code, refused.value.message) == (
-            "not_supported",
-            "prefill-0: Prefill -> OldPrefill starts ZigZag live scaling, which is not supported yet",
+            "invalid_transition",
+            "prefill-0: no NewPrefill replica to pair with as OldPrefill",
         )
         with pytest.raises(ControlError) as refused:
             await client.transition("decode-9", "Decode")
@@ -291,7 +291,8 @@ async def test_automatic_moves_and_zigzag_starts_are_refused(tiny_tcp_node: Node
 
 async def test_whole_node_to_inactive_and_back_with_scale(tiny_tcp_node: NodeProcess, tiny: Model) -> None:
     """Scale both roles to 0 (Shutting* → ShuttingNull), release every replica's weights (Inactive), catch
-    a replica in LoadingPrefill to see NewPrefill refused, then scale back up; a generate sent while no
+    a replica in LoadingPrefill to see NewPrefill refused (no serving prefill replica to pair it with),
+    then scale back up; a generate sent while no
     replica serves waits in the queue and is served once they are back."""
     node = tiny_tcp_node
     async with node.client() as client:
@@ -309,11 +310,8 @@ async def test_whole_node_to_inactive_and_back_with_scale(tiny_tcp_node: NodePro
             try:
                 await client.transition("prefill-0", "NewPrefill")
             except ControlError as refused:
-                if refused.code == "not_supported":
-                    assert refused.message == (
-                        "prefill-0: LoadingPrefill -> NewPrefill starts ZigZag live scaling, which is not "
-                        "supported yet"
-                    )
+                if refused.code == "bad_request":
+                    assert refused.message == "prefill-0: no Prefill or OldPrefill replica to pair with"
                     break
                 # The weights loaded before the command arrived: start again from Inactive.
                 assert refused.message.startswith("prefill-0: cannot move from Prefill to NewPrefill")

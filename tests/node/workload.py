@@ -196,17 +196,31 @@ def check_kv_transfer(model: Model, outcome: Outcome, prompt_tokens: int, *, tra
     kv = [t for t in result.transfers if t.kind == "kv"]
     if len(result.token_ids) <= 1:
         return [] if not kv else [f"finished at the first token but has KV transfers {kv}"]
-    if len(kv) != 1:
+    layers = model.config.num_layers
+    relay = result.relay
+    if relay is not None and relay.layer == layers:  # relayed after every layer: all KV from NewPrefill
+        if [(t.layers, t.source) for t in kv] != [([0, layers], relay.new_prefill)]:
+            return [f"expected all KV from {relay.new_prefill}, got {result.transfers}"]
+    elif relay is not None and relay.layer > 0:  # ZigZag: two halves, [0, n) and [n, L)
+        expected_halves = [([0, relay.layer], relay.new_prefill), ([relay.layer, layers], relay.old_prefill)]
+        got = [(t.layers, t.source) for t in kv]
+        if got != expected_halves:
+            return [f"expected the KV halves {expected_halves}, got {got}"]
+    elif len(kv) != 1:
         return [f"expected one kv transfer, got {result.transfers}"]
-    transfer = kv[0]
+    elif kv[0].layers != [0, layers]:
+        return [f"kv transfer layers {kv[0].layers}, expected [0, {layers}]"]
     problems = []
-    expected = kv_bytes_per_token(model) * prompt_tokens
-    if transfer.bytes != expected:
-        problems.append(f"kv transfer carried {transfer.bytes} bytes, expected {expected}")
-    if transfer.source == transfer.destination:
-        problems.append(f"kv transfer from {transfer.source} to itself")
-    if transfer.rounds < 1 or transfer.transport != transport:
-        problems.append(f"kv transfer rounds {transfer.rounds}, transport {transfer.transport}")
+    per_layer = kv_bytes_per_token(model) * prompt_tokens // layers
+    for transfer in kv:
+        assert transfer.layers is not None
+        expected = per_layer * (transfer.layers[1] - transfer.layers[0])
+        if transfer.bytes != expected:
+            problems.append(f"kv transfer carried {transfer.bytes} bytes, expected {expected}")
+        if transfer.source == transfer.destination:
+            problems.append(f"kv transfer from {transfer.source} to itself")
+        if transfer.rounds < 1 or transfer.transport != transport:
+            problems.append(f"kv transfer rounds {transfer.rounds}, transport {transfer.transport}")
     return problems
 
 

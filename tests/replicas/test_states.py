@@ -6,7 +6,6 @@ from replicas.states import (
     TRANSITIONS,
     InvalidTransition,
     ReplicaState,
-    TransitionNotSupported,
     Trigger,
     check_command,
     parse_state,
@@ -39,9 +38,11 @@ def test_automatic_move_cannot_be_commanded() -> None:
         check_command("decode-0", S.SHUTTING_DECODE, S.SHUTTING_NULL)
 
 
-def test_zigzag_starts_are_not_supported() -> None:
-    with pytest.raises(TransitionNotSupported, match=r"^prefill-0: Prefill -> OldPrefill starts ZigZag"):
-        check_command("prefill-0", S.PREFILL, S.OLD_PREFILL)
+def test_zigzag_starts_are_commanded_moves() -> None:
+    check_command("prefill-0", S.PREFILL, S.OLD_PREFILL)
+    check_command("prefill-1", S.LOADING_PREFILL, S.NEW_PREFILL)
+    with pytest.raises(InvalidTransition, match=r"^prefill-1: cannot move from NewPrefill to Prefill"):
+        check_command("prefill-1", S.NEW_PREFILL, S.PREFILL)
 
 
 def test_every_state_but_the_dead_ends_is_reachable_from_inactive() -> None:

@@ -1,0 +1,55 @@
+"""Emulated accelerator speeds, for benchmarks of scaling behaviour on a machine without accelerators.
+
+On a few CPU cores a second replica adds no compute, so what a scaling policy buys is invisible. With
+`--emulated-speed prefill_tokens_per_s=…,decode_steps_per_s=…,weights_gb_per_s=…` (each optional; an
+absent key leaves that part real) every replica behaves like a separate accelerator of that speed: each
+real compute and each weight copy runs for real — outputs stay token-exact — and is then padded with a
+sleep to the duration the emulated speed gives. A compute that is already slower than its emulated
+duration is not shortened. This is an emulation, documented as such; bench rows that use it say so.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import msgspec
+
+Speed = Annotated[float, msgspec.Meta(gt=0.0)]
+
+
+class EmulatedSpeed(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    prefill_tokens_per_s: Speed | None = None
+    decode_steps_per_s: Speed | None = None
+    weights_gb_per_s: Speed | None = None
+
+    def prefill_seconds(self, tokens: int, layers: int, num_layers: int) -> float | None:
+        """Emulated time of `tokens` prompt tokens through `layers` of the model's `num_layers` layers."""
+        if self.prefill_tokens_per_s is None:
+            return None
+        return tokens / self.prefill_tokens_per_s * layers / max(1, num_layers)
+
+    def decode_seconds(self) -> float | None:
+        return None if self.decode_steps_per_s is None else 1.0 / self.decode_steps_per_s
+
+    def copy_seconds(self, nbytes: int) -> float | None:
+        return None if self.weights_gb_per_s is None else nbytes / (self.weights_gb_per_s * 1e9)
+
+
+def parse_emulated_speed(text: str) -> EmulatedSpeed:
+    """`KEY=VALUE,…` → `EmulatedSpeed`; ValueError naming the bad part."""
+    fields: dict[str, float] = {}
+    known = EmulatedSpeed.__struct_fields__
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        key, sep, value = part.partition("=")
+        if not sep or key not in known:
+            raise ValueError(
+                f"--emulated-speed: {part!r} is not KEY=VALUE with KEY one of {', '.join(known)}"
+            )
+        try:
+            number = float(value)
+        except ValueError:
+            raise ValueError(f"--emulated-speed: {key} must be a number, got {value!r}") from None
+        if not number > 0:
+            raise ValueError(f"--emulated-speed: {key} must be > 0, got {value}")
+        fields[key] = number
+    return msgspec.convert(fields, EmulatedSpeed)

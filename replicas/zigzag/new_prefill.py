@@ -1,0 +1,368 @@
+"""The NewPrefill side of ZigZag (DESIGN §8): serve with the layers that have landed, hand the rest over.
+
+While its weights arrive, a `NewPrefill` replica takes a few batches from the router (`limits`), runs
+each through the layers it has (KV of those layers lands in its own blocks) and, as more layers land,
+through those too. Its OldPrefill partner asks for work (`Relay`): it hands over its oldest batch that
+is not computing, at the layer boundary `n` it reached — hidden states and positions as a relay transfer,
+the request facts in the `RelayOffer` — and keeps each request's KV of layers `[0, n)` (a *half*) until
+the decode replica chosen by the partner takes it (`SendKVHalf`) or the request ends (`DropKVHalf`, or
+its end hook). When loading finishes the replica turns `RefractoryPrefill`: it gives its unbatched
+requests back to the router, finishes its batches with every layer (or hands them over when asked) and
+then serves as a plain `Prefill` replica.
+
+Invariants: a batch is computing, held here, or handed over — never two; a half is freed exactly once
+(sent, dropped, or its request ended). Runs in the replica's main loop; transfers in helper tasks.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, final
+
+import trio
+
+from messages.commands import Relay, RelayedRequest, RelayOffer, SendKVHalf
+from messages.control_replies import RelayInfo
+from messages.events import PrefillStarted, RelayHandedOver
+from replicas.inbox import CommandRefused, Completed
+from replicas.model import ModelInputError, PrefillResult, PrefillSequence
+from replicas.prefill import Prefilled
+from replicas.request import ServingRequest
+from replicas.states import ReplicaState
+from replicas.zigzag import wire
+from replicas.zigzag.limits import batch_limit
+from transport.errors import TransferError
+
+if TYPE_CHECKING:
+    import torch
+
+    from replicas.actor import Replica
+    from replicas.roles import RoleWork
+
+S = ReplicaState
+_batch_numbers = itertools.count(1)
+
+
+def hint(partner: Replica) -> None:
+    """Tell OldPrefill replica `partner` a batch is ready (its next ask will find one)."""
+    partner.post(Completed(lambda _: partner.work.old_prefill.hint()))
+
+
+@final
+@dataclass(slots=True)
+class PartBatch:
+    """A batch part-way through the model: `hidden` is the output of layers `[0, reached)`."""
+
+    batch_id: str
+    items: list[Prefilled]
+    sequences: list[PrefillSequence]
+    hidden: torch.Tensor | None = None
+    reached: int = -1  # -1: not even embedded yet
+    computing: bool = False
+
+    @property
+    def tokens(self) -> int:
+        return sum(item.request.prompt_tokens for item in self.items)
+
+
+@final
+@dataclass(slots=True)
+class Half:
+    """A relayed request's KV of layers `[0, layer)` in this replica's blocks."""
+
+    item: Prefilled
+    layer: int
+    sending: bool = False
+
+
+@final
+class NewPrefillWork:
+    """See the module docstring."""
+
+    def __init__(self, work: RoleWork) -> None:
+        self.work = work
+        self.batches: deque[PartBatch] = deque()
+        self.halves: dict[str, Half] = {}
+        self.partners: list[str] = []
+        self.entered_at = 0.0
+
+    @property
+    def replica(self) -> Replica:
+        return self.work.replica
+
+    @property
+    def idle(self) -> bool:
+        return not self.batches
+
+    def entered(self, paired_with: str | None) -> None:
+        self.entered_at = trio.current_time()
+        if paired_with is not None:
+            self.add_partner(paired_with)
+
+    def add_partner(self, name: str) -> None:
+        if name not in self.partners:
+            self.partners.append(name)
+
+    def accepts(self, request: ServingRequest) -> bool:
+        """Whether the router may hand this NewPrefill `request` now (see `limits`)."""
+        if self.replica.state is not S.NEW_PREFILL or self.work.executor is None:
+            return False
+        if request.prompt_tokens > self.replica.services.settings.max_batch_tokens:
+            return False  # a longer prompt runs alone on a serving replica (the relay pool holds a batch)
+        held = len(self.batches) + (1 if self.work.prefill.queue else 0)
+        return held < batch_limit(trio.current_time() - self.entered_at)
+
+    # ------------------------------------------------------------------ compute
+    def start_next(self) -> None:
+        """Advance the oldest batch that can go further, else start a new batch (main loop, not busy)."""
+        model, executor = self.work.model, self.work.executor
+        if model is None or executor is None:
+            return
+        self._drop_cancelled_batches()
+        loaded = model.loaded_layers
+        whole = model.fully_loaded
+        for batch in self.batches:
+            if batch.computing:
+                continue
+            if batch.reached < loaded or (whole and batch.reached == loaded):
+                self._run(batch, batch.reached if batch.reached >= 0 else 0, loaded, head=whole)
+                return
+        if self.replica.state is S.NEW_PREFILL and not whole:
+            formed = self._form_batch()
+            if formed is not None:
+                self._run(formed, 0, loaded, head=False)
+
+    def _form_batch(self) -> PartBatch | None:
+        settings = self.replica.services.settings
+        kv = self.replica.pools.kv
+        assert kv is not None
+        items: list[Prefilled] = []
+        tokens = 0
+        queue = self.work.prefill.queue
+        for request in list(queue):
+            if not request.prompt_ready or request.cancelled:
+                continue
+            if items and (
+                len(items) >= settings.max_batch_size
+                or tokens + request.prompt_tokens > settings.max_batch_tokens
+            ):
+                break
+            table = kv.pool.try_allocate(kv.blocks_for(request.prompt_tokens), request.request_id)
+            if table is None:
+                break
+            queue.remove(request)
+            items.append(Prefilled(request, table))
+            tokens += request.prompt_tokens
+        if not items:
+            return None
+        eos = tuple(self.work.model.eos_token_ids) if self.work.model is not None else ()
+        now = time.time()
+        sequences = []
+        for item in items:
+            request = item.request
+            request.eos_token_ids = eos
+            request.stamps.prefill_started = now
+            self.replica.log.bind(request_id=request.request_id).emit(
+                PrefillStarted(tokens=request.prompt_tokens, batch_size=len(items))
+            )
+            sequences.append(
+                PrefillSequence(
+                    block_table=item.table,
+                    token_ids=request.token_ids,
+                    positions=request.positions,
+                    embeds=request.embeds,
+                    embed_indices=request.embed_indices,
+                    sampling=request.sampling,
+                )
+            )
+        batch = PartBatch(f"{self.replica.name}/b{next(_batch_numbers)}", items, sequences)
+        self.batches.append(batch)
+        return batch
+
+    def _run(self, batch: PartBatch, start: int, stop: int, *, head: bool) -> None:
+        executor = self.work.executor
+        assert executor is not None
+        batch.computing = True
+        hidden = batch.hidden
+        sequences = batch.sequences
+        tokens = batch.tokens
+        emulated = self.work.emulated_prefill(tokens, stop - start, head=head)
+
+        def run() -> PrefillResult:
+            return executor.prefill(sequences, layers=range(start, stop), hidden=hidden, head=head)
+
+        self.work.compute(run, lambda result: self._ran(batch, stop, result), emulated=emulated)
+
+    def _ran(self, batch: PartBatch, stop: int, result: PrefillResult | ModelInputError) -> None:
+        batch.computing = False
+        kv = self.replica.pools.kv
+        assert kv is not None
+        if isinstance(result, ModelInputError):
+            self.batches.remove(batch)
+            for item in batch.items:
+                kv.pool.free(item.table, item.request.request_id)
+                item.request.fail("bad_request", str(result))
+            return
+        if result.tokens is not None:  # every layer and the head: finished here
+            self.batches.remove(batch)
+            self.work.prefill.complete(batch.items, result.tokens)
+            return
+        batch.hidden, batch.reached = result.hidden, stop
+        self._hint_partners()
+
+    def wake_partners(self) -> None:
+        for name in self.partners:
+            partner = self.replica.services.replicas.get(name)
+            if partner is not None:
+                partner.post()
+
+    def _hint_partners(self) -> None:
+        for name in self.partners:
+            partner = self.replica.services.replicas.get(name)
+            if partner is not None:
+                hint(partner)
+
+    def _drop_cancelled_batches(self) -> None:
+        kv = self.replica.pools.kv
+        assert kv is not None
+        for batch in [b for b in self.batches if not b.computing]:
+            if all(item.request.cancelled for item in batch.items):
+                self.batches.remove(batch)
+                for item in batch.items:
+                    kv.pool.free(item.table, item.request.request_id)
+                    item.request.finish("cancelled")
+
+    # ------------------------------------------------------------------ handing over
+    def offer(self, command: Relay) -> RelayOffer:
+        """Hand the oldest batch that is not computing to `command.old_prefill` (see the docstring)."""
+        name = self.replica.name
+        candidates = [b for b in self.batches if not b.computing and b.hidden is not None]
+        if not candidates or candidates[0] is not self.batches[0]:
+            raise CommandRefused("not_found", f"{name} has no batch to hand over now")
+        batch = candidates[0]
+        if batch.tokens > command.room_tokens:
+            raise CommandRefused(
+                "overloaded",
+                f"{name}: batch {batch.batch_id} has {batch.tokens} tokens, room for {command.room_tokens}",
+            )
+        assert batch.hidden is not None
+        transfer_id = f"{batch.batch_id}/relay"
+        staged = wire.stage(self.replica, transfer_id, batch.hidden, wire.batch_positions(batch.sequences))
+        if staged is None:
+            raise CommandRefused(
+                "overloaded", f"{name}: no room in its relay pool for batch {batch.batch_id}"
+            )
+        self.batches.remove(batch)
+        layer = batch.reached
+        requests = []
+        offset = 0
+        for item in batch.items:
+            request = item.request
+            requests.append(
+                RelayedRequest(
+                    request_id=request.request_id, prompt_tokens=request.prompt_tokens, offset=offset
+                )
+            )
+            offset += request.prompt_tokens
+            request.holder = command.old_prefill
+            request.relay = RelayInfo(new_prefill=name, old_prefill=command.old_prefill, layer=layer)
+            self._keep_half(item, layer)
+        offer = RelayOffer(
+            batch_id=batch.batch_id,
+            transfer_id=transfer_id,
+            source_endpoint=self.replica.pools.relay_endpoint_name,
+            new_prefill=name,
+            layer=layer,
+            total_tokens=staged.tokens,
+            requests=requests,
+        )
+        self.replica.log.emit(
+            RelayHandedOver(
+                batch_id=batch.batch_id,
+                new_prefill=name,
+                old_prefill=command.old_prefill,
+                layer=layer,
+                requests=len(requests),
+                tokens=staged.tokens,
+            )
+        )
+        self.work.spawn(self._send, transfer_id, staged, command.old_prefill)
+        self.replica.services.readiness_changed()  # room for another batch: the router may hand one
+        return offer
+
+    async def _send(self, transfer_id: str, staged: wire.Staged, destination: str) -> None:
+        try:
+            report = await wire.send_staged(self.replica, transfer_id, staged)
+        except TransferError:
+            return  # the OldPrefill side fails the requests; the blocks are back in the pool
+        self.replica.services.fabric.count_bytes(self.replica.name, destination, "relay", report.bytes)
+
+    def _keep_half(self, item: Prefilled, layer: int) -> None:
+        kv = self.replica.pools.kv
+        assert kv is not None
+        request = item.request
+        if layer == 0:  # no KV computed here: nothing to keep
+            kv.pool.free(item.table, request.request_id)
+            return
+        self.halves[request.request_id] = Half(item, layer)
+
+        def ended(_: ServingRequest) -> None:
+            self.replica.post(Completed(lambda __: self._drop(request.request_id)))
+
+        request.on_end.append(ended)
+
+    def _drop(self, request_id: str) -> None:
+        self.drop_half(request_id)
+
+    def drop_half(self, request_id: str) -> int:
+        """Free a request's half unless it is being sent (then `_sent` frees it). Returns blocks freed."""
+        half = self.halves.get(request_id)
+        if half is None or half.sending or self.replica.work is not self.work:
+            return 0  # (after a failure and restart the pool was emptied; this object is stale)
+        del self.halves[request_id]
+        kv = self.replica.pools.kv
+        assert kv is not None
+        kv.pool.free(half.item.table, request_id)
+        return len(half.item.table)
+
+    def send_half(self, command: SendKVHalf) -> str:
+        half = self.halves.get(command.request_id)
+        if half is None:
+            raise CommandRefused(
+                "not_found", f"{self.replica.name} holds no KV half of request {command.request_id}"
+            )
+        if half.sending:
+            raise CommandRefused(
+                "bad_request",
+                f"{self.replica.name}: the KV half of {command.request_id} is already being sent",
+            )
+        half.sending = True
+        self.work.spawn(self._send_half, half, command.transfer_id)
+        return "sending"
+
+    async def _send_half(self, half: Half, transfer_id: str) -> None:
+        endpoint = self.replica.pools.kv_endpoint
+        assert endpoint is not None
+        request = half.item.request
+        with request.work_scope():
+            try:
+                async with endpoint.open_send(transfer_id) as session:
+                    await session.send(half.item.table, total_tokens=request.prompt_tokens)
+            except TransferError:
+                pass  # the decode side fails the request with the transfer's reason
+        self.replica.post(Completed(lambda _: self._sent(half)))
+
+    def _sent(self, half: Half) -> None:
+        half.sending = False
+        self.drop_half(half.item.request.request_id)
+
+    # ------------------------------------------------------------------ state changes
+    def loading_finished(self) -> None:
+        """NewPrefill → RefractoryPrefill: requests not yet in a batch go back to the router."""
+        self.work.prefill.return_queued("the replica finished loading and takes no new ZigZag batches")
+
+    def held_blocks(self) -> int:
+        return sum(len(h.item.table) for h in self.halves.values())
