@@ -110,6 +110,9 @@ class SchedulerConfig(Section, frozen=True, kw_only=True):
         msgspec.Meta(gt=0, le=86400),
         _doc("seconds a prefilled request may wait for a decode replica to take its KV; then `overloaded`"),
     ] = 60.0
+    old_prefill_serves_queue: Annotated[
+        bool, _doc("ZigZag: an OldPrefill replica also takes new requests between relays (docs/zigzag.md)")
+    ] = True
 
 
 class TransferConfig(Section, frozen=True, kw_only=True):

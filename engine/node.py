@@ -80,6 +80,7 @@ def replica_settings(config: NodeConfig, host: ModelHost) -> ReplicaSettings:
         max_batch_size=config.scheduler.max_batch_size,
         migration_wait=config.scheduler.migration_wait,
         emulated=config.emulated_speed or EmulatedSpeed(),
+        old_prefill_serves_queue=config.scheduler.old_prefill_serves_queue,
         kv_transfer=TransferConfig(**common),  # type: ignore[arg-type]
         embedding_transfer=TransferConfig(
             default_grant_blocks=config.embedding.default_blocks,

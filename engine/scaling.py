@@ -24,11 +24,12 @@ import trio
 
 from engine.control.errors import RequestFailed
 from messages.commands import Transition
-from messages.control import ScaleMode, ScaleRequest, SourceChoice
+from messages.control import ScaleMode, ScaleRequest, SourceChoice, WeightsSource
 from messages.control_replies import ScaleResult, StartedReplica
 from messages.scaling_events import ReplicasPaired
 from replicas.actor import Replica
 from replicas.inbox import CommandRefused, new_command_id
+from replicas.loading.copy import choose_peer
 from replicas.states import LOADING_STATE, SHUTTING_STATE, ReplicaState, Role
 from replicas.supervisor import ReplicaStartFailed
 
@@ -192,15 +193,23 @@ async def _start(
     started: list[StartedReplica],
 ) -> None:
     """Command `replica` into Loading*; with ZigZag, straight on into NewPrefill, paired."""
+    planned = planned_source(replica, source)
     await replica.ask(
         Transition(command_id=new_command_id(), to=LOADING_STATE[role].value, origin="planner", source=source)
     )
     if mode == "zigzag" and replica.state is S.LOADING_PREFILL:
         await pair(node, replica, None)
-    chosen = replica.work.weights_source or source
-    started.append(
-        StartedReplica(replica=replica.name, mode=mode, source=chosen if chosen != "auto" else "disk")
-    )
+    started.append(StartedReplica(replica=replica.name, mode=mode, source=planned))
+
+
+def planned_source(replica: Replica, source: SourceChoice) -> WeightsSource:
+    """The source a copy starts from: `auto` is a peer holding the model, else the host copy, else disk
+    (the copy may still fall back mid-way: its events and `status` say where the weights came from)."""
+    if source != "auto":
+        return source
+    if choose_peer(replica) is not None:
+        return "peer"
+    return "host" if replica.services.host.host_copy is not None else "disk"
 
 
 def choose_old_prefill(node: Node) -> Replica | None:

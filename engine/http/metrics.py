@@ -5,7 +5,8 @@ Two sources:
 - counters and histograms follow the node's typed events (`observe`, an event-log observer): the serving
   metrics users know from vLLM under the `zigzag:` prefix — prompt and generation tokens, requests by
   outcome, time to first token, time per output token, end-to-end latency, queue time — and what only a
-  disaggregated node has: transfer seconds and bytes per kind (`kv`, `embedding`), rounds per transfer,
+  disaggregated node has: transfer seconds and bytes per kind (`kv`, `embedding`, `relay`, `weights`),
+  ZigZag relays by layer, rounds per transfer,
   failed transfers, lock events, weight-loading progress;
 - gauges are read from the live replicas at each scrape (`NodeGauges`): requests running and waiting,
   KV cache usage per replica, blocks used and total, the replica's state and lock.
@@ -35,6 +36,8 @@ from messages.events import (
     TransferFinished,
     WeightsProgress,
 )
+from messages.scaling_events import RelayReceived
+from messages.weight_events import WeightsCopyFinished
 from replicas.services import ReplicaServices
 from replicas.states import ReplicaState
 
@@ -104,6 +107,7 @@ class NodeMetrics:
             "transfer_bytes", "Bytes moved per transfer.", BYTES_BUCKETS, ("kind",)
         )
         self.transfer_rounds = histogram("transfer_rounds", "Rounds per transfer.", ROUND_BUCKETS, ("kind",))
+        self.relays = counter("relays", "ZigZag batches relayed, by the layer handed over at.", ("layer",))
         self.locks = counter("replica_locks", "Times a replica was locked, by reason.", ("replica", "reason"))
         self.weights = Gauge(
             "zigzag:weights_layers_loaded",
@@ -155,6 +159,15 @@ class NodeMetrics:
                 self.locks.labels(event.replica or "", event.reason).inc()
             case WeightsProgress():
                 self.weights.labels(event.replica or "", str(event.layers_total)).set(event.layers_loaded)
+            case RelayReceived():
+                self.relays.labels(str(event.layer)).inc()
+                self.transfer_seconds.labels("relay", "success").observe(event.seconds)
+                self.transfer_bytes.labels("relay").observe(event.bytes)
+            case WeightsCopyFinished():
+                status = "success" if event.status == "success" else "failed"
+                self.transfer_seconds.labels("weights", status).observe(event.seconds)
+                if event.status == "success":
+                    self.transfer_bytes.labels("weights").observe(event.bytes)
             case _:
                 pass
 

@@ -117,6 +117,8 @@ class Aggregator:
         self.requests: dict[str, RequestRecord] = {}
         self.transfers: dict[str, TransferRecord] = {}
         self.replicas: dict[str, ReplicaRecord] = {}
+        # ZigZag relays: (ts, new_prefill, old_prefill, layer), as the OldPrefill replica received them.
+        self.relays: list[tuple[float, str, str, int]] = []
         self.arrived = 0
         self.outcomes: Counter[Outcome] = Counter()
         self.prompt_tokens = 0
@@ -219,7 +221,9 @@ class Aggregator:
                 pass
             case WeightsCopyStarted() | WeightsCopyFinished():
                 pass
-            case ReplicasPaired() | RelayHandedOver() | RelayReceived():
+            case RelayReceived():
+                self.relays.append((event.ts, event.new_prefill, event.old_prefill, event.layer))
+            case ReplicasPaired() | RelayHandedOver():
                 pass
             case _:
                 assert_never(event)

@@ -12,9 +12,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Final
 
+from matplotlib.artist import Artist
 from matplotlib.axes import Axes
 from matplotlib.collections import LineCollection, PolyCollection
 from matplotlib.figure import Figure
+from matplotlib.lines import Line2D
 from matplotlib.patches import Patch
 
 from engine.logs.timeline import Timeline
@@ -106,6 +108,11 @@ def draw_timeline(
         failures_x.extend(failure.at for failure in lane.failures)
         failures_y.extend(y for _ in lane.failures)
     boxes.draw(top)
+    lane_y = {lane.replica: len(lanes) - 1 - index for index, lane in enumerate(lanes)}
+    relays = [r for r in timeline.relays if r.new_prefill in lane_y and r.old_prefill in lane_y]
+    for relay in relays:  # a ZigZag relay: a line from the NewPrefill lane to its OldPrefill lane
+        between = (lane_y[relay.new_prefill], lane_y[relay.old_prefill])
+        top.plot((relay.at, relay.at), between, color="#e76f51", linewidth=0.8, marker="v", markersize=3)
     if failures_x:
         top.plot(failures_x, failures_y, marker="X", color="#c0392b", markersize=10, linestyle="none")
     top.set_yticks(range(len(lanes)), [lane.replica for lane in reversed(lanes)])
@@ -113,9 +120,15 @@ def draw_timeline(
     top.set_title(title or "replica states")
     ordered = [state for state in STATE_COLOURS if state in states_used]
     ordered += sorted(state for state in states_used if state not in STATE_COLOURS)
-    handles = [Patch(facecolor=STATE_COLOURS.get(state, UNKNOWN_COLOUR), label=state) for state in ordered]
+    handles: list[Artist] = [
+        Patch(facecolor=STATE_COLOURS.get(state, UNKNOWN_COLOUR), label=state) for state in ordered
+    ]
     if any(lane.locks for lane in lanes):
         handles.append(Patch(facecolor="none", edgecolor="black", hatch="///", label="locked"))
+    if relays:
+        layers = sorted({r.layer for r in relays})
+        label = f"relay (after layer{'s' if len(layers) > 1 else ''} {', '.join(map(str, layers))})"
+        handles.append(Line2D([], [], color="#e76f51", marker="v", markersize=3, label=label))
     if handles:
         top.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize="small")
 

@@ -68,12 +68,22 @@ class RequestSpan(Data, frozen=True, kw_only=True):
     phases: list[Phase]
 
 
+class RelayMark(Data, frozen=True, kw_only=True):
+    """A ZigZag relay: `new_prefill` handed a batch to `old_prefill` after `layer` layers."""
+
+    at: float
+    new_prefill: str
+    old_prefill: str
+    layer: int
+
+
 class Timeline(Data, frozen=True, kw_only=True):
     start_ts: float
     end: float
     lanes: list[Lane]
     requests: list[RequestSpan]
     rows: int
+    relays: list[RelayMark] = msgspec.field(default_factory=list)
 
 
 def _phases(request: RequestRecord, end: float) -> list[tuple[str, float, float, str | None]]:
@@ -161,7 +171,13 @@ def build_timeline(aggregator: Aggregator, *, max_rows: int = DEFAULT_MAX_ROWS) 
                 ],
             )
         )
-    return Timeline(start_ts=origin, end=last - origin, lanes=lanes, requests=spans, rows=len(row_ends))
+    relays = [
+        RelayMark(at=ts - origin, new_prefill=new, old_prefill=old, layer=layer)
+        for ts, new, old, layer in aggregator.relays
+    ]
+    return Timeline(
+        start_ts=origin, end=last - origin, lanes=lanes, requests=spans, rows=len(row_ends), relays=relays
+    )
 
 
 def _first_seen(request: RequestRecord) -> float | None:

@@ -278,10 +278,10 @@ def names_request(request_id: str, event: dict[str, Any]) -> bool:
     return bool(event["request_id"] == request_id)
 
 
-async def still_serving(node: NodeProcess, model: Model, *, offset: int) -> None:
+async def still_serving(node: NodeProcess, model: Model, *, offset: int, transport: str = "inproc") -> None:
     """The node serves a request correctly, then every replica is idle with no block held."""
     async with node.client() as client:
         await wait_serving(client)
         outcome = await send(client, distinct_asks(1, max_tokens=3, offset=offset)[0])
-        assert_correct(model, [outcome], transport="inproc")
+        assert_correct(model, [outcome], transport=transport)
         await wait_idle(client)

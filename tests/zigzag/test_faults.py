@@ -12,7 +12,15 @@ import trio
 
 from engine.client import ControlClient, ControlError
 from replicas.model import Model
-from tests.node.harness import by_name, node_process, wait_idle, wait_serving, wait_states, wait_status
+from tests.node.harness import (
+    by_name,
+    default_transport,
+    node_process,
+    wait_idle,
+    wait_serving,
+    wait_states,
+    wait_status,
+)
 from tests.node.workload import Ask, Outcome, check_outcome, mixed_workload, send, still_serving
 
 ERROR_CODES = frozenset({"replica_failed", "transfer_failed", "transfer_timeout", "overloaded"})
@@ -64,7 +72,9 @@ async def test_a_replica_of_the_episode_failing(tmp_path: Path, tiny: Model, fai
         async with node.client() as client:
             await wait_serving(client)
             outcomes, _errors = await episode_with_load(client, tiny, 24)
-            problems = [p for outcome in outcomes for p in check_outcome(tiny, outcome, transport="inproc")]
+            problems = [
+                p for outcome in outcomes for p in check_outcome(tiny, outcome, transport=default_transport())
+            ]
             assert not problems, "\n".join(problems)
             await wait_states(client, {"prefill-0": frozenset({"Prefill", "Inactive"})})
             status = await wait_idle(client)
@@ -79,7 +89,7 @@ async def test_a_replica_of_the_episode_failing(tmp_path: Path, tiny: Model, fai
                 await client.transition(
                     failing, "LoadingDecode" if failing.startswith("decode") else "LoadingPrefill"
                 )
-        await still_serving(node, tiny, offset=60)
+        await still_serving(node, tiny, offset=60, transport=default_transport())
 
 
 async def test_requests_cancelled_while_relayed(tmp_path: Path, tiny: Model) -> None:
@@ -118,4 +128,4 @@ async def test_requests_cancelled_while_relayed(tmp_path: Path, tiny: Model) -> 
             assert set(ended) <= {"cancelled", "length"} and "cancelled" in ended
             status = await wait_idle(client)
             assert all(replica.used_blocks == 0 for replica in status.replicas)
-        await still_serving(node, tiny, offset=70)
+        await still_serving(node, tiny, offset=70, transport=default_transport())

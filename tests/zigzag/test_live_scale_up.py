@@ -13,12 +13,19 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import httpx
+import msgspec
 import pytest
+import trio
+from prometheus_client.parser import text_string_to_metric_families
 
 from engine.client import ControlClient
+from engine.logs.__main__ import main as logs_main
+from engine.logs.timeline import Timeline
 from messages.control import SourceChoice
-from messages.control_replies import StatusResult
+from messages.control_replies import GenerateResult, StatusResult
 from replicas.model import Model
+from tests.epd.images import image_input, image_with_rows, reference
 from tests.node.harness import (
     by_name,
     default_transport,
@@ -50,7 +57,9 @@ async def run_episode(
     client: ControlClient, model: Model, *, layer: int, source: SourceChoice, seed: int
 ) -> list[Outcome]:
     result = await client.scale("prefill", 2, mode="zigzag", source=source)
-    assert [s.mode for s in result.started] == ["zigzag"]
+    assert [(s.mode, s.source) for s in result.started] == [
+        ("zigzag", "peer" if source == "auto" else source)
+    ]
     new = result.started[0].replica
 
     def holding(status: StatusResult) -> bool:  # the embeddings landed: it can take batches
@@ -102,6 +111,9 @@ async def test_scale_up_relays_at_every_boundary_token_exact(
             for index, (layer, source) in enumerate(EPISODES):
                 outcomes += await run_episode(client, tiny, layer=layer, source=source, seed=100 + index)
             await wait_idle(client)
+        assert node.http_url is not None
+        async with httpx.AsyncClient(base_url=node.http_url) as http:
+            metrics = (await http.get("/metrics")).text
     problems = [p for outcome in outcomes for p in check_outcome(tiny, outcome, transport=transport)]
     assert not problems, "\n".join(problems)
     layers_seen = {o.result.relay.layer for o in outcomes if o.result.relay is not None}
@@ -109,3 +121,69 @@ async def test_scale_up_relays_at_every_boundary_token_exact(
     relay_events = node.events("relay_received")
     assert {e["layer"] for e in relay_events} == layers_seen
     assert not node.events("replica_failed")
+    relays = {
+        sample.labels["layer"]: sample.value
+        for family in text_string_to_metric_families(metrics)
+        for sample in family.samples
+        if sample.name == "zigzag:relays_total"
+    }
+    assert {int(layer) for layer in relays} == layers_seen
+    assert sum(relays.values()) == len(relay_events)
+
+
+async def test_image_requests_relayed_token_exact(
+    tmp_path: Path, tiny: Model, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """With images (EPD: an encode replica sends the embeddings to the NewPrefill replica), the relay
+    carries the merged input rows and their 3-D rotary positions. `--no-old-prefill-serves-queue`: the
+    router hands new requests to the NewPrefill alone during the episode, so they are all relayed."""
+    transport = default_transport()
+    options = ["--replicas", "encode=1,prefill=1,decode=1", "--no-old-prefill-serves-queue"]
+    options += ["--fault", f"hold_weights:before_layer=2,seconds={HOLD_SECONDS}"]
+    with node_process(tmp_path, *options) as node:
+        async with node.client() as client:
+            await wait_serving(client)
+            result = await client.scale("prefill", 2, mode="zigzag")
+            new = result.started[0].replica
+
+            def holding(status: StatusResult) -> bool:
+                return by_name(status)[new].loaded_layers == 2
+
+            await wait_status(client, holding, f"{new} holding 2 layers")
+            prompts = [("<image>what is it?", 4), ("two: <image> and <image>", 6), ("<image>", 9)]
+            images = {
+                index: [image_with_rows(rows, seed=index + k) for k in range(prompt.count("<image>"))]
+                for index, (prompt, rows) in enumerate(prompts)
+            }
+            results: dict[int, GenerateResult] = {}
+
+            async def one(index: int) -> None:
+                prompt, _ = prompts[index]
+                results[index] = await client.generate_result(
+                    prompt=prompt,
+                    images=[image_input(image) for image in images[index]],
+                    max_tokens=5,
+                    ignore_eos=True,
+                )
+
+            async with trio.open_nursery() as nursery:
+                for index in range(len(prompts)):
+                    nursery.start_soon(one, index)
+            await wait_states(client, {new: "Prefill", "prefill-0": "Prefill"})
+            await wait_idle(client)
+    for index, (prompt, _) in enumerate(prompts):
+        expected = reference(tiny, prompt, images[index], 5)
+        assert results[index].token_ids == expected, f"{prompt!r}"
+        relay = results[index].relay
+        assert relay is not None and (relay.new_prefill, relay.layer) == (new, 2)
+        kinds = [t.kind for t in results[index].transfers]
+        assert kinds.count("embedding") >= 1 and "relay" in kinds and kinds.count("kv") == 2
+    assert transport in {t.transport for r in results.values() for t in r.transfers}
+    # `python -m engine.logs timeline` draws the relays between the two lanes.
+    picture = tmp_path / "timeline.png"
+    assert logs_main(["timeline", str(node.log_file), "-o", str(picture), "--json"]) == 0
+    timeline = msgspec.json.decode(capsys.readouterr().out, type=Timeline)
+    assert {(r.new_prefill, r.old_prefill, r.layer) for r in timeline.relays} == {(new, "prefill-0", 2)}
+    states = {lane.replica: [s.state for s in lane.segments] for lane in timeline.lanes}
+    assert states[new][-4:] == ["LoadingPrefill", "NewPrefill", "RefractoryPrefill", "Prefill"]
+    assert states["prefill-0"][-3:] == ["Prefill", "OldPrefill", "Prefill"]

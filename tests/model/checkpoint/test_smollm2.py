@@ -29,7 +29,7 @@ from replicas.model import GREEDY, PACKAGED_MODELS, Model, checkpoint_chat_templ
 from replicas.model.checkpoint.resolve import packaged_file
 from replicas.model.text.tokenizer import HFTokenizer
 from tests.model.helpers import generate_batch
-from tests.node.harness import node_process, wait_serving
+from tests.node.harness import by_name, node_process, wait_serving, wait_status
 
 SMOLLM2 = PACKAGED_MODELS["smollm2"]
 if importlib.util.find_spec(SMOLLM2.package) is None:
@@ -320,4 +320,41 @@ async def test_a_node_serving_smollm2_disaggregated_equals_transformers(
             async with trio.open_nursery() as nursery:
                 for index in range(len(prompts)):
                     nursery.start_soon(one, index)
+    judge(model, prompts, ours, hf_outputs)
+
+
+async def test_a_zigzag_scale_up_serving_smollm2_equals_transformers(
+    tmp_path: Path, model: Model, model_dir: Path, prompts: list[list[int]], hf_outputs: list[list[int]]
+) -> None:
+    """A real checkpoint through ZigZag: a second prefill replica copies SmolLM2's weights from the
+    node's host copy, held half-way (15 of 30 layers); with `--no-old-prefill-serves-queue` the router
+    hands the 20 prompts to it alone, it runs layers [0, 15) and relays every batch to the serving replica,
+    which runs [15, 30) and the head; both KV halves land in the decode replica."""
+    cache = model_dir.parent.parent
+    half = model.config.num_layers // 2
+    ours: list[list[int]] = [[] for _ in prompts]
+    layers: set[int] = set()
+    with node_process(
+        tmp_path,
+        *("--model", "smollm2", "--model-cache", str(cache), "--replicas", "prefill=1,decode=1"),
+        *("--no-old-prefill-serves-queue", "--fault", f"hold_weights:before_layer={half},seconds=10"),
+    ) as node:
+        async with node.client() as client:
+            await wait_serving(client)
+            result = await client.scale("prefill", 2, mode="zigzag", source="host")
+            new = result.started[0].replica
+            await wait_status(
+                client, lambda s: by_name(s)[new].loaded_layers == half, f"{new} holding {half} layers"
+            )
+
+            async def one(index: int) -> None:
+                result = await client.generate_result(input_ids=prompts[index], max_tokens=MAX_TOKENS)
+                assert result.relay is not None
+                layers.add(result.relay.layer)
+                ours[index] = result.token_ids
+
+            async with trio.open_nursery() as nursery:
+                for index in range(len(prompts)):
+                    nursery.start_soon(one, index)
+    assert layers == {half}
     judge(model, prompts, ours, hf_outputs)
