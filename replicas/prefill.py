@@ -79,9 +79,23 @@ class PrefillWork:
     # ------------------------------------------------------------------ a batch
     def start_batch(self) -> None:
         executor = self.work.executor
-        kv = self._replica.pools.kv
-        if executor is None or kv is None or not self.queue:
+        if executor is None or not self.queue:
             return
+        taken = self.take_batch()
+        if taken is None:
+            return
+        batch, sequences = taken
+        self.running = batch
+        tokens = sum(item.request.prompt_tokens for item in batch)
+        layers = self._replica.services.host.config.num_layers
+        emulated = self.work.emulated_prefill(tokens, layers)
+        self.work.compute(lambda: executor.prefill(sequences), self._finished, emulated=emulated)
+
+    def take_batch(self) -> tuple[list[Prefilled], list[PrefillSequence]] | None:
+        """Take the next batch off the queue (see the module docstring), its KV blocks allocated, its
+        requests stamped and logged as started; None when no request is ready or the first does not fit."""
+        kv = self._replica.pools.kv
+        assert kv is not None
         settings = self._replica.services.settings
         batch: list[Prefilled] = []
         tokens = 0
@@ -100,7 +114,7 @@ class PrefillWork:
             batch.append(Prefilled(request, table))
             tokens += request.prompt_tokens
         if not batch:
-            return
+            return None
         now = time.time()
         sequences = []
         eos = tuple(self.work.model.eos_token_ids) if self.work.model is not None else ()
@@ -121,10 +135,7 @@ class PrefillWork:
                     sampling=request.sampling,
                 )
             )
-        self.running = batch
-        layers = self._replica.services.host.config.num_layers
-        emulated = self.work.emulated_prefill(tokens, layers)
-        self.work.compute(lambda: executor.prefill(sequences), self._finished, emulated=emulated)
+        return batch, sequences
 
     def _finished(self, result: PrefillResult | ModelInputError) -> None:
         batch, self.running = self.running, []

@@ -17,7 +17,6 @@ Invariants: a batch is computing, held here, or handed over — never two; a hal
 from __future__ import annotations
 
 import itertools
-import time
 from collections import deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, final
@@ -26,7 +25,7 @@ import trio
 
 from messages.commands import Relay, RelayedRequest, RelayOffer, SendKVHalf
 from messages.control_replies import RelayInfo
-from messages.events import PrefillStarted, RelayHandedOver
+from messages.events import RelayHandedOver
 from replicas.inbox import CommandRefused, Completed
 from replicas.model import ModelInputError, PrefillResult, PrefillSequence
 from replicas.prefill import Prefilled
@@ -136,48 +135,10 @@ class NewPrefillWork:
                 self._run(formed, 0, loaded, head=False)
 
     def _form_batch(self) -> PartBatch | None:
-        settings = self.replica.services.settings
-        kv = self.replica.pools.kv
-        assert kv is not None
-        items: list[Prefilled] = []
-        tokens = 0
-        queue = self.work.prefill.queue
-        for request in list(queue):
-            if not request.prompt_ready or request.cancelled:
-                continue
-            if items and (
-                len(items) >= settings.max_batch_size
-                or tokens + request.prompt_tokens > settings.max_batch_tokens
-            ):
-                break
-            table = kv.pool.try_allocate(kv.blocks_for(request.prompt_tokens), request.request_id)
-            if table is None:
-                break
-            queue.remove(request)
-            items.append(Prefilled(request, table))
-            tokens += request.prompt_tokens
-        if not items:
+        taken = self.work.prefill.take_batch()
+        if taken is None:
             return None
-        eos = tuple(self.work.model.eos_token_ids) if self.work.model is not None else ()
-        now = time.time()
-        sequences = []
-        for item in items:
-            request = item.request
-            request.eos_token_ids = eos
-            request.stamps.prefill_started = now
-            self.replica.log.bind(request_id=request.request_id).emit(
-                PrefillStarted(tokens=request.prompt_tokens, batch_size=len(items))
-            )
-            sequences.append(
-                PrefillSequence(
-                    block_table=item.table,
-                    token_ids=request.token_ids,
-                    positions=request.positions,
-                    embeds=request.embeds,
-                    embed_indices=request.embed_indices,
-                    sampling=request.sampling,
-                )
-            )
+        items, sequences = taken
         batch = PartBatch(f"{self.replica.name}/b{next(_batch_numbers)}", items, sequences)
         self.batches.append(batch)
         return batch
