@@ -16,6 +16,7 @@ BENCHMARKS = {
     "model": "engine.bench.model",
     "e2e": "engine.bench.e2e",
     "epd": "engine.bench.epd",
+    "zigzag": "engine.bench.zigzag",
 }
 
 

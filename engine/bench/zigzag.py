@@ -1,0 +1,256 @@
+"""zigzag: scaling prefill up at a 3× burst, ZigZag against stop-the-world; the weight copy's speed.
+
+TTFT at a burst (cases `burst3x-emulated`, `burst3x-uncapped`). One seeded trace: Poisson arrivals at
+`--rate` requests/s, tripled from `--burst-at` seconds to the end of `--duration`; prompts of
+`--prompt-min`–`--prompt-max` random tokens, `--max-tokens` generated (`ignore_eos`). Each way is its own
+node process (`python -m engine.node --replicas prefill=1,decode=1 --max-batch-tokens 512`, tiny model;
+`--no-old-prefill-serves-queue` passes that option on) driven through its control socket on the same
+trace; when the burst starts the client sends `scale {role: prefill, replicas: 2, source: host}` with
+`mode: zigzag` (the project) or `mode: stop_the_world` (the baseline).
+Rows: p50 and p99 TTFT (the node's `timings.ttft_s`) of the requests arriving in the first `--window`
+seconds of the burst, pooled over `--repeats` runs of each way. `-emulated`: the nodes run with
+`--emulated-speed` (replicas/emulation.py: every real compute and weight copy is padded with a sleep to
+an emulated accelerator's time): prefill `--prefill-tokens-per-s` (one replica copes with the steady
+rate and saturates at the tripled one), decode `--decode-steps-per-s`, and a weight copy of
+`--load-seconds`. `-uncapped`: the same without emulation (on the CPU the copy takes milliseconds).
+
+Weight copy (cases `weights_copy_{peer,host,disk}`, `_100m` with `--copy-model 100m`; `--only copy`): one
+uncapped node; a second prefill replica is scaled up (`stop_the_world`) with each `source` in turn and
+released (`Inactive`) again, and the node's `weights_copy_finished` event gives bytes / seconds
+(engine/bench/zigzag_copy.py); baselines are raw copies of the same bytes on the same path in the
+benchmark's process.
+
+`--plot FILE` draws TTFT around the scale of the last emulated runs (engine/bench/zigzag_plot.py); `--logs
+DIR` keeps the nodes' logs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import shutil
+import tempfile
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Final
+
+import trio
+
+from engine.bench.nodes import node_process
+from engine.bench.rows import Row, row
+from messages.control import ScaleMode
+
+BENCH: Final = "zigzag"
+PROJECT: Final = "zigzag"
+BASELINE: Final = "stop_the_world"
+MODES: Final[tuple[ScaleMode, ScaleMode]] = (BASELINE, PROJECT)  # the order the runs alternate in
+SERVE_SECONDS: Final = 60.0  # a node's replicas load before the trace starts
+
+
+@dataclass(frozen=True, slots=True)
+class Arrival:
+    at: float  # seconds from the trace's start
+    prompt: list[int]
+
+
+@dataclass(frozen=True, slots=True)
+class Sample:
+    at: float
+    ttft: float | None  # None: the request failed (`error`)
+    relay_layer: int | None
+    error: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class Way:
+    mode: ScaleMode
+    emulated: str | None  # the --emulated-speed value; None: uncapped
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--only", default="ttft,copy", help="comma-separated: ttft, copy (default both)")
+    parser.add_argument(
+        "--rate", type=float, default=4.0, help="steady requests/s (default 4; ×3 at the burst)"
+    )
+    parser.add_argument("--duration", type=float, default=6.0, help="seconds of the trace (default 6)")
+    parser.add_argument("--burst-at", type=float, default=2.0, help="the burst's start, s (default 2)")
+    parser.add_argument("--window", type=float, default=3.0, help="the burst's measured seconds (default 3)")
+    parser.add_argument("--repeats", type=int, default=2, help="runs of each way (default 2)")
+    parser.add_argument("--prompt-min", type=int, default=64)
+    parser.add_argument("--prompt-max", type=int, default=192)
+    parser.add_argument("--max-tokens", type=int, default=4, help="tokens generated per request (default 4)")
+    parser.add_argument(
+        "--max-batch-tokens", type=int, default=512, help="the nodes' prompt tokens per prefill batch (512)"
+    )
+    parser.add_argument(
+        "--old-prefill-serves-queue",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="the nodes' option of that name (default: on, the node's default)",
+    )
+    parser.add_argument("--prefill-tokens-per-s", type=float, default=1000.0, help="emulated (default 1000)")
+    parser.add_argument("--decode-steps-per-s", type=float, default=100.0, help="emulated (default 100)")
+    parser.add_argument("--load-seconds", type=float, default=1.5, help="emulated weight copy (default 1.5)")
+    parser.add_argument("--copy-repeats", type=int, default=9, help="weight copies per source (default 9)")
+    parser.add_argument(
+        "--copy-model",
+        choices=["tiny", "small", "100m"],
+        default="tiny",
+        help="the weight copy's model: tiny (default) or a random Llama checkpoint (100m: 0.4 GB)",
+    )
+    parser.add_argument("--seed", type=int, default=7)
+    parser.add_argument("--plot", type=Path, default=None, help="draw TTFT around the scale into this file")
+    parser.add_argument("--logs", type=Path, default=None, help="keep the nodes' JSON logs in this folder")
+    parser.add_argument("--quick", action="store_true", help="a 2 s trace, one run of each, one copy each")
+
+
+def run(args: argparse.Namespace) -> Iterable[Row]:
+    if args.quick:
+        args.duration, args.burst_at, args.window, args.repeats, args.copy_repeats = 2.0, 1.0, 1.0, 1, 1
+    only = {part.strip() for part in args.only.split(",") if part.strip()}
+    unknown = only - {"ttft", "copy"}
+    if unknown:
+        raise SystemExit(f"--only: unknown groups {sorted(unknown)} (groups: ttft, copy)")
+    directory = Path(tempfile.mkdtemp(prefix="zigzag-bench-")) if args.logs is None else args.logs
+    directory.mkdir(parents=True, exist_ok=True)
+    try:
+        if "ttft" in only:
+            yield from _ttft_rows(args, directory)
+        if "copy" in only:
+            from engine.bench.zigzag_copy import copy_rows
+
+            yield from copy_rows(args, directory)
+    finally:
+        if args.logs is None:
+            shutil.rmtree(directory, ignore_errors=True)
+
+
+# ---------------------------------------------------------------------------------------------- the trace
+def make_trace(args: argparse.Namespace) -> list[Arrival]:
+    """Seeded Poisson arrivals, `rate` before `burst_at` and 3 × `rate` after it, with their prompts."""
+    rng = random.Random(args.seed)
+    arrivals: list[Arrival] = []
+    at = 0.0
+    while True:
+        at += rng.expovariate(args.rate * (3.0 if at >= args.burst_at else 1.0))
+        if at >= args.duration:
+            return arrivals
+        length = rng.randint(args.prompt_min, args.prompt_max)
+        arrivals.append(Arrival(at, [rng.randrange(1, 256) for _ in range(length)]))
+
+
+def emulated_speed(args: argparse.Namespace) -> str:
+    from replicas.loading.pieces import model_bytes
+    from replicas.model.tiny import TINY_CONFIG
+
+    weights_gb_per_s = model_bytes(TINY_CONFIG) / args.load_seconds / 1e9
+    return (
+        f"prefill_tokens_per_s={args.prefill_tokens_per_s:g},decode_steps_per_s={args.decode_steps_per_s:g},"
+        f"weights_gb_per_s={weights_gb_per_s:.6g}"
+    )
+
+
+def _ttft_rows(args: argparse.Namespace, directory: Path) -> Iterator[Row]:
+    trace = make_trace(args)
+    speed = emulated_speed(args)
+    cases = {"burst3x-emulated": speed, "burst3x-uncapped": None}
+    samples: dict[tuple[str, ScaleMode], list[Sample]] = {}
+    last_logs: dict[ScaleMode, Path] = {}
+    for repeat in range(args.repeats):
+        for case, emulated in cases.items():
+            for mode in MODES:
+                log_file = directory / f"{case}-{mode}-{repeat + 1}.jsonl"
+                log_file.unlink(missing_ok=True)
+                found = run_way(trace, Way(mode, emulated), log_file, args)
+                samples.setdefault((case, mode), []).extend(found)
+                if emulated is not None:
+                    last_logs[mode] = log_file
+    start, stop = args.burst_at, args.burst_at + args.window
+    for case, emulated in cases.items():
+        window = {
+            mode: [s for s in samples[(case, mode)] if start <= s.at < stop] for mode in (PROJECT, BASELINE)
+        }
+        mine, theirs = window[PROJECT], window[BASELINE]
+        failed = {mode: sum(s.ttft is None for s in window[mode]) for mode in window}
+        relayed = sum(s.relay_layer is not None for s in samples[(case, PROJECT)])
+        note = (
+            f"{'emulated (' + emulated + ')' if emulated else 'uncapped (no emulation)'}; tiny model, "
+            f"prefill=1,decode=1 scaled to prefill=2 (source host) at {args.burst_at:g} s as the rate goes "
+            f"{args.rate:g} -> {3 * args.rate:g} req/s; requests arriving in [{start:g}, {stop:g}) s: "
+            f"{len(mine) // max(1, args.repeats)} per run, {args.repeats} run(s) of each way; requests relayed "
+            f"in the zigzag runs: {relayed}; failed: zigzag {failed[PROJECT]}, stop_the_world {failed[BASELINE]}"
+        )
+        for quantile, goal in ((0.5, ""), (0.99, "; goal <= 0.5")):
+            project = _quantile([s.ttft for s in mine if s.ttft is not None], quantile)
+            baseline = _quantile([s.ttft for s in theirs if s.ttft is not None], quantile)
+            yield row(BENCH, case, f"ttft_p{int(quantile * 100)}_s", "lower", project, baseline, BASELINE,
+                      unit="s", note=note + (goal if emulated else ""))  # fmt: skip
+    if args.plot is not None and len(last_logs) == 2:
+        from engine.bench.zigzag_plot import draw_ttft
+
+        draw_ttft(
+            {"stop-the-world": last_logs[BASELINE], "ZigZag": last_logs[PROJECT]},
+            args.plot,
+            subtitle=f"emulated: {speed}; rate {args.rate:g} -> {3 * args.rate:g} req/s",
+        )
+
+
+def _quantile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else float("nan")
+
+
+# ---------------------------------------------------------------------------------------------- one run
+def run_way(trace: list[Arrival], way: Way, log_file: Path, args: argparse.Namespace) -> list[Sample]:
+    """One node process running `trace`, scaled up `way.mode` at the burst; the samples of every request."""
+    options = ["--replicas", "prefill=1,decode=1", "--max-batch-tokens", str(args.max_batch_tokens)]
+    if not args.old_prefill_serves_queue:
+        options.append("--no-old-prefill-serves-queue")
+    if way.emulated is not None:
+        options += ["--emulated-speed", way.emulated]
+    with node_process(log_file, options) as address:
+        return trio.run(_drive, address, trace, way.mode, args)
+
+
+async def _drive(
+    address: str, trace: list[Arrival], mode: ScaleMode, args: argparse.Namespace
+) -> list[Sample]:
+    from engine.client import ControlClient, ControlError
+
+    samples: list[Sample] = []
+    async with ControlClient.connect(address) as client:
+        with trio.fail_after(SERVE_SECONDS):
+            while not all(r.state in ("Prefill", "Decode") for r in (await client.status()).replicas):  # noqa: ASYNC110
+                await trio.sleep(0.05)
+        for arrival in trace[:2]:  # warm-up, unrecorded: first-call costs of the serving replicas
+            await client.generate_result(
+                input_ids=arrival.prompt, max_tokens=args.max_tokens, ignore_eos=True
+            )
+        started = trio.current_time() + 0.1
+
+        async def scale() -> None:
+            await trio.sleep_until(started + args.burst_at)
+            result = await client.scale("prefill", 2, mode=mode, source="host")
+            if [s.mode for s in result.started] != [mode]:
+                raise RuntimeError(f"scale {mode}: the node started {result.started}")
+
+        async def one(arrival: Arrival) -> None:
+            await trio.sleep_until(started + arrival.at)
+            try:
+                result = await client.generate_result(
+                    input_ids=arrival.prompt, max_tokens=args.max_tokens, ignore_eos=True
+                )
+            except ControlError as exc:
+                samples.append(Sample(arrival.at, None, None, exc.code))
+                return
+            layer = None if result.relay is None else result.relay.layer
+            samples.append(Sample(arrival.at, result.timings.ttft_s, layer, None))
+
+        with trio.fail_after(args.duration + 120):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(scale)
+                for arrival in trace:
+                    nursery.start_soon(one, arrival)
+        await client.shutdown()
+    return samples
