@@ -21,7 +21,7 @@ serve *ARGS:
 test *ARGS:
     {{py}} -m pytest {{ARGS}}
 
-# One benchmark (transfer, model, e2e, epd) as JSON rows.
+# One benchmark (transfer, model, e2e, epd, zigzag) as JSON rows.
 bench NAME *ARGS:
     {{py}} -m engine.bench {{NAME}} --json {{ARGS}}
 

@@ -1,7 +1,9 @@
 """The router: admission, first-come-first-served dispatch to prefill replicas, cancellation.
 
 Admitted requests wait in one FCFS queue until a replica in `Prefill` takes them; the replica with the
-fewest queued prompt tokens gets the next one. A request sent while replicas are still loading simply
+fewest queued prompt tokens gets the next one, and a replica's own queue holds at most its next batch
+(`max_batch_tokens` prompt tokens), so a backlog stays here, where a replica that starts serving later
+takes its share. A request sent while replicas are still loading simply
 waits here. A replica that stops taking work (role change) hands its unstarted requests back; they go
 to the front again. Admission refuses with `overloaded` when `max_queue` requests are live, and a
 request that no replica took within `queue_wait` seconds of joining the queue fails with `overloaded`,
@@ -141,13 +143,14 @@ class Router:
 
     def _choose_prefill(self, request: ServingRequest) -> Replica | None:
         images = request.needs_embeddings
-        old_serves = self.services.settings.old_prefill_serves_queue
+        budget = self.services.settings.max_batch_tokens
         candidates = [
             r
             for r in self.services.replicas.values()
-            if (
+            if _has_room(r, request, budget)
+            and (
                 r.state is S.PREFILL
-                or (r.state is S.OLD_PREFILL and old_serves)
+                or (r.state is S.OLD_PREFILL and r.work.old_prefill.takes_new_work())
                 or (r.state is S.NEW_PREFILL and r.work.new_prefill.accepts(request))
             )
             and (not images or r.pools.emb_endpoint is not None)
@@ -200,3 +203,11 @@ class Router:
     async def wait_idle(self) -> None:
         """Return once no request is live."""
         await self._idle.wait()
+
+
+def _has_room(replica: Replica, request: ServingRequest, budget: int) -> bool:
+    """A replica's queue holds at most its next batch (`max_batch_tokens` prompt tokens, or one longer
+    prompt): the rest waits here, so a replica that starts serving later (a scale-up) takes its share
+    of a backlog instead of finding it committed to the replicas that were there first."""
+    queue = replica.work.prefill.queue
+    return not queue or sum(r.prompt_tokens for r in queue) + request.prompt_tokens <= budget

@@ -115,6 +115,7 @@ class PrefillWork:
             tokens += request.prompt_tokens
         if not batch:
             return None
+        self._replica.services.readiness_changed()  # room in the queue: the router may hand more
         now = time.time()
         sequences = []
         eos = tuple(self.work.model.eos_token_ids) if self.work.model is not None else ()

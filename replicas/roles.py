@@ -64,9 +64,7 @@ class RoleWork:
     # ------------------------------------------------------------------ asked by others
     def submit(self, request: ServingRequest) -> bool:
         state = self.replica.state
-        if state is S.PREFILL or (
-            state is S.OLD_PREFILL and self.replica.services.settings.old_prefill_serves_queue
-        ):
+        if state is S.PREFILL or (state is S.OLD_PREFILL and self.old_prefill.takes_new_work()):
             self.prefill.enqueue(request)
             return True
         if state is S.NEW_PREFILL and self.new_prefill.accepts(request):
@@ -306,7 +304,7 @@ class RoleWork:
         if state in target:
             self.replica.move(target[state], "weights loaded")
         elif state is S.NEW_PREFILL:
-            self.replica.move(S.REFRACTORY_PREFILL, "weights loaded")
             self.new_prefill.loading_finished()
+            self.replica.move(S.REFRACTORY_PREFILL, "weights loaded")
         else:  # commanded elsewhere while loading (e.g. a crash and restart): keep nothing
             self.release_weights()

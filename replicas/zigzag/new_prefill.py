@@ -21,6 +21,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, final
 
+import torch
 import trio
 
 from messages.commands import Relay, RelayedRequest, RelayOffer, SendKVHalf
@@ -36,8 +37,6 @@ from replicas.zigzag.limits import batch_limit
 from transport.errors import TransferError
 
 if TYPE_CHECKING:
-    import torch
-
     from replicas.actor import Replica
     from replicas.roles import RoleWork
 
@@ -45,9 +44,10 @@ S = ReplicaState
 _batch_numbers = itertools.count(1)
 
 
-def hint(partner: Replica) -> None:
-    """Tell OldPrefill replica `partner` a batch is ready (its next ask will find one)."""
-    partner.post(Completed(lambda _: partner.work.old_prefill.hint()))
+def hint(partner: Replica, source: str, oldest: float | None) -> None:
+    """Tell OldPrefill replica `partner` when the oldest request of the batch `source` would hand over
+    now arrived (None: it holds none), so its next ask is not a blind one."""
+    partner.post(Completed(lambda _: partner.work.old_prefill.hint(source, oldest)))
 
 
 @final
@@ -111,28 +111,42 @@ class NewPrefillWork:
             return False
         if request.prompt_tokens > self.replica.services.settings.max_batch_tokens:
             return False  # a longer prompt runs alone on a serving replica (the relay pool holds a batch)
-        held = len(self.batches) + (1 if self.work.prefill.queue else 0)
-        return held < batch_limit(trio.current_time() - self.entered_at)
+        # Its queue counts as the batches it will make.
+        queued = sum(r.prompt_tokens for r in self.work.prefill.queue) + request.prompt_tokens
+        budget = self.replica.services.settings.max_batch_tokens
+        held = len(self.batches) + -(-queued // budget)
+        return held <= batch_limit(trio.current_time() - self.entered_at)
 
     # ------------------------------------------------------------------ compute
     def start_next(self) -> None:
-        """Advance the oldest batch that can go further, else start a new batch (main loop, not busy)."""
+        """The next compute (main loop, not busy): advance the oldest batch (the next one handed over),
+        else start a batch from the queue (so arrivals are not held behind older batches), else advance
+        the others, as far as the layers landed."""
         model, executor = self.work.model, self.work.executor
         if model is None or executor is None:
             return
         self._drop_cancelled_batches()
+        self._merge()
         loaded = model.loaded_layers
         whole = model.fully_loaded
-        for batch in self.batches:
-            if batch.computing:
-                continue
-            if batch.reached < loaded or (whole and batch.reached == loaded):
-                self._run(batch, batch.reached if batch.reached >= 0 else 0, loaded, head=whole)
-                return
+
+        def can_advance(batch: PartBatch) -> bool:
+            return not batch.computing and (batch.reached < loaded or (whole and batch.reached == loaded))
+
+        advancing = [batch for batch in self.batches if can_advance(batch)]
+        if advancing and advancing[0] is self.batches[0]:
+            self._advance(advancing[0], loaded, whole)
+            return
         if self.replica.state is S.NEW_PREFILL and not whole:
             formed = self._form_batch()
             if formed is not None:
                 self._run(formed, 0, loaded, head=False)
+                return
+        if advancing:
+            self._advance(advancing[0], loaded, whole)
+
+    def _advance(self, batch: PartBatch, loaded: int, whole: bool) -> None:
+        self._run(batch, max(batch.reached, 0), loaded, head=whole)
 
     def _form_batch(self) -> PartBatch | None:
         taken = self.work.prefill.take_batch()
@@ -180,11 +194,40 @@ class NewPrefillWork:
             if partner is not None:
                 partner.post()
 
+    def _merge(self) -> None:
+        """Neighbouring batches that reached the same layer (none computing) become one, oldest first,
+        within the batch budget: the sequences are independent, so their hidden states just stack. A
+        request that arrives while the replica is idle runs at once in a batch of its own; merged, such
+        batches make fuller relays, and the router's batch limit counts fuller batches."""
+        settings = self.replica.services.settings
+        merged: deque[PartBatch] = deque()
+        for batch in self.batches:
+            last = merged[-1] if merged else None
+            if (
+                last is not None
+                and not (last.computing or batch.computing)
+                and last.hidden is not None
+                and batch.hidden is not None
+                and last.reached == batch.reached
+                and last.tokens + batch.tokens <= settings.max_batch_tokens
+                and len(last.items) + len(batch.items) <= settings.max_batch_size
+            ):
+                last.items = [*last.items, *batch.items]
+                last.sequences = [*last.sequences, *batch.sequences]
+                last.hidden = torch.cat([last.hidden, batch.hidden])
+                continue
+            merged.append(batch)
+        self.batches = merged
+
     def _hint_partners(self) -> None:
+        ready = next((b for b in self.batches if not b.computing and b.hidden is not None), None)
+        oldest = None
+        if ready is not None:
+            oldest = min(item.request.stamps.arrived for item in ready.items)
         for name in self.partners:
             partner = self.replica.services.replicas.get(name)
             if partner is not None:
-                hint(partner)
+                hint(partner, self.replica.name, oldest)
 
     def _drop_cancelled_batches(self) -> None:
         kv = self.replica.pools.kv
@@ -200,8 +243,10 @@ class NewPrefillWork:
     def offer(self, command: Relay) -> RelayOffer:
         """Hand the oldest batch that is not computing to `command.old_prefill` (see the docstring)."""
         name = self.replica.name
+        # The oldest batch not computing: one running a layer now is handed over at its next boundary,
+        # and the partner would otherwise sit idle meanwhile.
         candidates = [b for b in self.batches if not b.computing and b.hidden is not None]
-        if not candidates or candidates[0] is not self.batches[0]:
+        if not candidates:
             raise CommandRefused("not_found", f"{name} has no batch to hand over now")
         batch = candidates[0]
         if batch.tokens > command.room_tokens:
@@ -251,6 +296,7 @@ class NewPrefillWork:
             )
         )
         self.work.spawn(self._send, transfer_id, staged, command.old_prefill)
+        self._hint_partners()  # the next batch in line, if any
         self.replica.services.readiness_changed()  # room for another batch: the router may hand one
         return offer
 
@@ -322,7 +368,8 @@ class NewPrefillWork:
 
     # ------------------------------------------------------------------ state changes
     def loading_finished(self) -> None:
-        """NewPrefill → RefractoryPrefill: requests not yet in a batch go back to the router."""
+        """NewPrefill → RefractoryPrefill: requests not yet in a batch go back to the router (before
+        the move, whose readiness change dispatches them)."""
         self.work.prefill.return_queued("the replica finished loading and takes no new ZigZag batches")
 
     def held_blocks(self) -> int:

@@ -62,6 +62,7 @@ class OldPrefillWork:
         self.receiving: IncomingRelay | None = None
         self.ready: deque[IncomingRelay] = deque()
         self.running: IncomingRelay | None = None
+        self.waiting: dict[str, float] = {}  # partner → arrival of the oldest request it would hand over
 
     @property
     def replica(self) -> Replica:
@@ -77,9 +78,32 @@ class OldPrefillWork:
             self.partners.append(partner)
         self.hinted = True
 
-    def hint(self) -> None:
-        self.hinted = True
+    def hint(self, partner: str, oldest: float | None) -> None:
+        """Partner `partner` holds a batch ready to hand over whose oldest request arrived at `oldest`
+        (wall clock; None: it holds none now)."""
+        if oldest is None:
+            self.waiting.pop(partner, None)
+        else:
+            self.waiting[partner] = oldest
+            self.hinted = True
         self.replica.post()
+
+    def takes_new_work(self) -> bool:
+        """Whether the router may queue new requests here: always with `old_prefill_serves_queue`;
+        otherwise once no partner takes new work any more (the episode is ending)."""
+        if self.replica.services.settings.old_prefill_serves_queue:
+            return True
+        replicas = self.replica.services.replicas
+        return not any(p in replicas and replicas[p].state is S.NEW_PREFILL for p in self.partners)
+
+    def relay_first(self) -> bool:
+        """First come, first served across the two queues: ask for a relay unless this replica's own
+        queue holds a ready request that arrived before every batch its partners hold (a partner that
+        always has a batch ready would otherwise starve the own queue for the whole episode)."""
+        own = next((r for r in self.work.prefill.queue if r.prompt_ready and not r.cancelled), None)
+        if own is None or not self.waiting:
+            return True
+        return min(self.waiting.values()) <= own.stamps.arrived
 
     def live_partners(self) -> list[str]:
         replicas = self.replica.services.replicas
@@ -91,7 +115,9 @@ class OldPrefillWork:
 
     # ------------------------------------------------------------------ asking
     def maybe_ask(self) -> None:
-        if self.in_hand or not self.hinted or not self.live_partners():
+        if self.work.busy:
+            return  # ask when free: the partner's batch has gone as far as it can by then
+        if self.in_hand or not self.hinted or not self.live_partners() or not self.relay_first():
             return
         kv = self.replica.pools.kv
         assert kv is not None
