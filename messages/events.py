@@ -23,8 +23,9 @@ from messages.scaling_events import (
     RelayHandedOver,
     RelayReceived,
     ReplicasPaired,
+    WeightsCopyFinished,
+    WeightsCopyStarted,
 )
-from messages.weight_events import WeightsCopyFinished, WeightsCopyStarted
 
 __all__ = ["Event", "Level", "ReplicaEvent", "RequestEvent", "Transfer"]
 

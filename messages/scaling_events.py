@@ -1,11 +1,64 @@
-"""Log events of live scaling (DESIGN §8): ZigZag pairing and relays (weight copies: `WeightsProgress`
-and the copy events in `messages.events`). Part of the `messages.events.LogEvent` union."""
+"""Log events of live scaling (DESIGN §8); part of the `messages.events.LogEvent` union.
+
+A replica's own weight copy (`replicas.loading`): its start and its end. Each landed piece in between is
+a `messages.events.WeightsProgress` (with `piece`, `layer`, `bytes`, `piece_seconds`, `weights_source`,
+`bytes_loaded`). `copy` numbers the node's weight copies from 1 (the `nth` of the `hold_weights` fault
+hook). The source fields are `weights_source`, not `source`: `source` names a replica in the log's other
+events (`python -m engine.logs` qualifies it when it merges nodes' logs).
+
+ZigZag (`replicas.zigzag`): pairing, and each relay as handed over and as received.
+"""
 
 from __future__ import annotations
 
-from messages.event_base import ReplicaEvent
+from typing import ClassVar, Literal
+
+import msgspec
+
+from messages.event_base import Level, ReplicaEvent
+
+WeightsSourceName = Literal["peer", "host", "disk"]
 
 
+class WeightsFallback(msgspec.Struct, frozen=True, kw_only=True):
+    """`weights_source` failed at `piece` (the label of the first piece it did not land: `layer 3`); the copy went
+    on from the next source, from that piece."""
+
+    weights_source: WeightsSourceName
+    piece: str
+    reason: str
+
+
+class WeightsCopyStarted(ReplicaEvent, frozen=True, kw_only=True, tag="weights_copy_started"):
+    """A replica starts loading its own copy of the weights: `requested` is the source it was asked for
+    (`auto`, `peer`, `host`, `disk`), `sources` the ones it will try in order, `peer` the replica a peer
+    copy reads from (null: none)."""
+
+    copy: int
+    requested: Literal["auto", "peer", "host", "disk"]
+    sources: list[WeightsSourceName]
+    peer: str | None
+    total_bytes: int
+    total_layers: int
+    device: str
+
+
+class WeightsCopyFinished(ReplicaEvent, frozen=True, kw_only=True, tag="weights_copy_finished"):
+    """The copy ended: `status` `success` (every piece landed; `weights_source` loaded the last one), `failed`
+    (`reason` says why) or `aborted` (the replica stopped). `fallbacks`: the sources given up on the way."""
+
+    level: ClassVar[Level] = "info"
+
+    copy: int
+    status: Literal["success", "failed", "aborted"]
+    weights_source: WeightsSourceName | None
+    fallbacks: list[WeightsFallback]
+    reason: str | None
+    bytes: int
+    seconds: float
+
+
+# ------------------------------------------------------------------------------------------- zigzag
 class ReplicasPaired(ReplicaEvent, frozen=True, kw_only=True, tag="replicas_paired"):
     """A scale paired NewPrefill replica `new_prefill` with OldPrefill replica `old_prefill`."""
 

@@ -22,9 +22,9 @@ from replicas.encode import EncodeWork
 from replicas.inbox import Completed
 from replicas.loading.copy import copy_weights
 from replicas.loading.progress import PieceLoaded, WeightsStatus
-from replicas.migration import Migrator
 from replicas.model import Executor, Model, ModelInputError
 from replicas.prefill import PrefillWork
+from replicas.prefill.migration import Migrator
 from replicas.request import ServingRequest
 from replicas.states import LOADING_STATE, ReplicaState
 from replicas.zigzag.new_prefill import NewPrefillWork

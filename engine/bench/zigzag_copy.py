@@ -35,7 +35,7 @@ import trio
 
 from engine.bench.nodes import node_process, read_events
 from engine.bench.rows import Row, row
-from messages.weight_events import WeightsSourceName
+from messages.scaling_events import WeightsSourceName
 
 if TYPE_CHECKING:
     from engine.client import ControlClient

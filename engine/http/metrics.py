@@ -36,8 +36,7 @@ from messages.events import (
     TransferFinished,
     WeightsProgress,
 )
-from messages.scaling_events import RelayReceived
-from messages.weight_events import WeightsCopyFinished
+from messages.scaling_events import RelayReceived, WeightsCopyFinished
 from replicas.services import ReplicaServices
 from replicas.states import ReplicaState
 

@@ -60,8 +60,13 @@ from messages.events import (
     TransferStarted,
     WeightsProgress,
 )
-from messages.scaling_events import RelayHandedOver, RelayReceived, ReplicasPaired
-from messages.weight_events import WeightsCopyFinished, WeightsCopyStarted
+from messages.scaling_events import (
+    RelayHandedOver,
+    RelayReceived,
+    ReplicasPaired,
+    WeightsCopyFinished,
+    WeightsCopyStarted,
+)
 
 RECENT_IDS: Final = 65536
 FlowKey = tuple[str, str, Transfer]  # source, destination, kind

@@ -22,7 +22,7 @@ ZigZag runs them); `on_piece(PieceLoaded)` after every piece. Both are called in
 thread. With `weights_gb_per_s` (the node's `--emulated-speed weights_gb_per_s=X`) each piece is padded
 with a sleep to `bytes / (X·1e9)` seconds from its start; the real copy still happens. The `hold_weights`
 fault hook (`messages.faults.HoldWeights`) holds a copy before a chosen layer. Events: `WeightsCopyStarted`,
-one `WeightsProgress` per piece, `WeightsCopyFinished` (`messages.weight_events`).
+one `WeightsProgress` per piece, `WeightsCopyFinished` (`messages.scaling_events`).
 
 Raises `WeightCopyFailed` with a message a person can act on: the source is unavailable or failed, or
 the copy does not fit. Cancellation: the piece in flight is abandoned (a transfer aborts; a worker thread
@@ -42,7 +42,12 @@ import trio
 from messages.control import SourceChoice
 from messages.events import FaultInjected, WeightsProgress
 from messages.faults import HoldWeights
-from messages.weight_events import WeightsCopyFinished, WeightsCopyStarted, WeightsFallback, WeightsSourceName
+from messages.scaling_events import (
+    WeightsCopyFinished,
+    WeightsCopyStarted,
+    WeightsFallback,
+    WeightsSourceName,
+)
 from messages.weights import WeightPiece
 from replicas.loading.builder import ModelBuilder
 from replicas.loading.memory import MemoryProbe, available_memory, refusal

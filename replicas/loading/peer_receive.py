@@ -27,7 +27,7 @@ import trio
 
 from messages.commands import SendWeights
 from messages.peer_codec import PeerCodecError, decode_header
-from messages.weight_events import WeightsSourceName
+from messages.scaling_events import WeightsSourceName
 from messages.weights import WeightPiece, WeightsHeader, WeightTensor
 from replicas.fabric import UnknownEndpoint
 from replicas.inbox import CommandRefused, new_command_id

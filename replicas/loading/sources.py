@@ -16,7 +16,7 @@ import torch
 import trio
 from safetensors import SafetensorError
 
-from messages.weight_events import WeightsSourceName
+from messages.scaling_events import WeightsSourceName
 from messages.weights import WeightPiece
 from replicas.loading.disk import DiskReader
 from replicas.loading.host_copy import HostCopy

@@ -29,7 +29,7 @@ from messages.control_replies import RelayInfo
 from messages.events import RelayHandedOver
 from replicas.inbox import CommandRefused, Completed
 from replicas.model import ModelInputError, PrefillResult, PrefillSequence
-from replicas.prefill import Prefilled
+from replicas.prefill.work import Prefilled
 from replicas.request import ServingRequest
 from replicas.states import ReplicaState
 from replicas.zigzag import wire

@@ -5,7 +5,7 @@ in turn for work (`Relay`, with the KV room it has). On an offer it reserves blo
 prompts in its own KV pool, receives the hidden states (`wire.receive`) and — before any batch of its
 own — runs layers `[n, L)`, the final norm and the head, and samples each first token; the requests then
 migrate as usual, except that their KV travels in two halves (layers `[n, L)` from here, `[0, n)` from
-the partner) into one reservation on one decode replica (`replicas.migration`). A partner that computed
+the partner) into one reservation on one decode replica (`replicas.prefill.migration`). A partner that computed
 a batch hints (`hint`) so the next ask is not a blind one. The replica returns to `Prefill` by itself
 when no partner is still `NewPrefill` or `RefractoryPrefill` and no relay is in hand.
 
@@ -26,7 +26,7 @@ from messages.events import RelayReceived
 from replicas.fabric import UnknownEndpoint
 from replicas.inbox import CommandRefused, Completed, new_command_id
 from replicas.model import ModelInputError, PrefillResult, PrefillSequence
-from replicas.prefill import Prefilled
+from replicas.prefill.work import Prefilled
 from replicas.states import ReplicaState
 from replicas.zigzag import wire
 from transport.errors import HandshakeRefused, LinkError, TransferError

@@ -15,7 +15,7 @@ from messages.commands import Transition
 from messages.control import SourceChoice
 from messages.events import FaultInjected
 from messages.faults import DropLink, HoldWeights
-from messages.weight_events import WeightsCopyFinished
+from messages.scaling_events import WeightsCopyFinished
 from replicas.emulation import EmulatedSpeed
 from replicas.loading.copy import WeightCopyFailed, copy_weights
 from replicas.loading.memory import available_memory

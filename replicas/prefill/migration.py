@@ -23,7 +23,7 @@ import trio
 from messages.commands import KVHalf, ReserveKV, SendKVHalf
 from messages.events import RequestQueued
 from replicas.inbox import CommandRefused, Completed, new_command_id
-from replicas.prefill import Prefilled
+from replicas.prefill.work import Prefilled
 from replicas.states import ReplicaState
 from transport.errors import TransferError
 

@@ -20,10 +20,10 @@ from messages.commands import ReserveKV
 from messages.control_replies import TransferSummary
 from messages.events import FaultInjected
 from messages.faults import CorruptTransfer
+from replicas.decode.receive import KVPart, KVReceived, receive_kv_part
 from replicas.inbox import CommandRefused, Completed
-from replicas.kv_receive import KVPart, KVReceived, receive_kv_part
 from replicas.model import DecodeResult, DecodeSequence, ModelInputError, finish_reason
-from replicas.prefill import Prefilled
+from replicas.prefill.work import Prefilled
 from replicas.request import ServingRequest
 from replicas.states import ReplicaState
 from transport.errors import TransferError
