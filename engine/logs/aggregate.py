@@ -22,6 +22,7 @@ from collections import Counter, OrderedDict
 from typing import Final, assert_never, final
 
 from engine.logs.records import Outcome, ReplicaRecord, RequestRecord, TransferRecord
+from messages import scaling_events as scaling
 from messages.control import ErrorCode
 from messages.events import (
     BlocksReport,
@@ -59,13 +60,6 @@ from messages.events import (
     TransferRound,
     TransferStarted,
     WeightsProgress,
-)
-from messages.scaling_events import (
-    RelayHandedOver,
-    RelayReceived,
-    ReplicasPaired,
-    WeightsCopyFinished,
-    WeightsCopyStarted,
 )
 
 RECENT_IDS: Final = 65536
@@ -224,11 +218,11 @@ class Aggregator:
                     self.diagnostic_examples.setdefault(key, event.fields)
             case NodeConfigured() | WeightsProgress() | GpuReport():
                 pass
-            case WeightsCopyStarted() | WeightsCopyFinished():
+            case scaling.WeightsCopyStarted() | scaling.WeightsCopyFinished():
                 pass
-            case RelayReceived():
+            case scaling.RelayReceived():
                 self.relays.append((event.ts, event.new_prefill, event.old_prefill, event.layer))
-            case ReplicasPaired() | RelayHandedOver():
+            case scaling.ReplicasPaired() | scaling.RelayHandedOver():
                 pass
             case _:
                 assert_never(event)
