@@ -162,6 +162,9 @@ class ModelHost:
                 else:
                     tensors = self._host_copy.put(piece, reader.read(piece))
                 model = builder.add(piece, tensors)
+                fused = None if piece.layer is None else model.layers[piece.layer]
+                if piece.layer is not None and fused is not None:
+                    self._host_copy.put_fused(piece.layer, fused)
                 if progress is not None:
                     progress(
                         PieceLoaded(

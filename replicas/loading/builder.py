@@ -24,7 +24,7 @@ from messages.weights import WeightPiece
 from replicas.loading.pieces import checkpoint_pieces, piece_shapes, relative
 from replicas.model.config import ModelConfig
 from replicas.model.errors import WeightShapeError
-from replicas.model.layers import fuse_layer
+from replicas.model.layers import LayerWeights, fuse_layer
 from replicas.model.linear import Kernels
 from replicas.model.llama import Model
 from replicas.model.text.tokenizer import Tokenizer
@@ -66,12 +66,18 @@ class ModelBuilder:
     def done(self) -> bool:
         return self.landed == len(self.pieces)
 
-    def add(self, piece: WeightPiece, tensors: Mapping[str, torch.Tensor]) -> Model:
-        """Install `piece` (it must be the next one); returns the model. Raises `WeightShapeError` naming
-        a missing, extra or misshapen tensor."""
+    def add(self, piece: WeightPiece, tensors: Mapping[str, torch.Tensor] | LayerWeights) -> Model:
+        """Install `piece` (it must be the next one); returns the model. A layer may come already fused
+        (`LayerWeights` in this model's dtype, device and kernels' layout: installed as it is). Raises
+        `WeightShapeError` naming a missing, extra or misshapen tensor."""
         if piece != self.next_piece:
             expected = "nothing (the model is complete)" if self.done else self.pieces[self.landed].label
             raise ValueError(f"{self.frame.name}: {piece.label} landed, expected {expected}")
+        if isinstance(tensors, LayerWeights):
+            assert piece.kind == "layer" and piece.layer is not None
+            self._model().set_layer(piece.layer, tensors)
+            self.landed += 1
+            return self._model()
         self._check(piece, tensors)
         match piece.kind:
             case "embeddings":

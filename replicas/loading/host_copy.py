@@ -22,6 +22,7 @@ import torch
 from messages.weights import WeightPiece
 from replicas.loading.pieces import checkpoint_pieces
 from replicas.model.config import ModelConfig
+from replicas.model.layers import LayerWeights
 
 
 @final
@@ -33,6 +34,9 @@ class HostCopy:
         self.pin = pin
         self._pieces: dict[WeightPiece, dict[str, torch.Tensor]] = {}
         self._expected = checkpoint_pieces(config)
+        # CPU models: each layer as the node's resident copy fused (and packed) it — the same tensors,
+        # kept when that copy is released — so a host copy into a replica is a plain copy of them.
+        self._fused: dict[int, LayerWeights] = {}
 
     @property
     def complete(self) -> bool:
@@ -53,6 +57,14 @@ class HostCopy:
             kept[name] = tensor
         self._pieces[piece] = kept
         return kept
+
+    def put_fused(self, layer: int, weights: LayerWeights) -> None:
+        """Keep layer `layer` as a CPU model serves it (read-only; `LayerWeights.clone` to own it)."""
+        if not self.pin:
+            self._fused[layer] = weights
+
+    def fused(self, layer: int) -> LayerWeights | None:
+        return self._fused.get(layer)
 
     def read(self, piece: WeightPiece) -> dict[str, torch.Tensor]:
         """`piece`'s tensors (read-only: copy them to keep them). Raises `KeyError` when absent."""

@@ -2,7 +2,8 @@
 sources (the peer source is `replicas.loading.peer_receive`).
 
 A source's `fetch(piece)` returns the piece's checkpoint tensors (HF names) in memory of their own — the
-builder may keep them as they are — or raises `SourceFailed` naming the source, the piece and why.
+builder may keep them as they are — or a layer already fused in the replica's layout (the host copy of a
+CPU model), or raises `SourceFailed` naming the source, the piece and why.
 `aclose` releases what it holds. Fetches run in worker threads (file reads, host-to-device copies);
 a cancelled fetch waits for its thread (threads are never abandoned) and then raises `Cancelled`.
 """
@@ -22,6 +23,7 @@ from replicas.loading.disk import DiskReader
 from replicas.loading.host_copy import HostCopy
 from replicas.model.config import ModelConfig
 from replicas.model.errors import ModelLoadError
+from replicas.model.layers import LayerWeights
 
 
 @final
@@ -36,7 +38,7 @@ class SourceFailed(Exception):
 class Source(Protocol):
     name: WeightsSourceName
 
-    async def fetch(self, piece: WeightPiece) -> dict[str, torch.Tensor]: ...
+    async def fetch(self, piece: WeightPiece) -> dict[str, torch.Tensor] | LayerWeights: ...
 
     async def aclose(self) -> None: ...
 
@@ -51,10 +53,13 @@ class HostSource:
         self.host = host
         self.device = device
 
-    async def fetch(self, piece: WeightPiece) -> dict[str, torch.Tensor]:
+    async def fetch(self, piece: WeightPiece) -> dict[str, torch.Tensor] | LayerWeights:
         return await trio.to_thread.run_sync(self._copy, piece)
 
-    def _copy(self, piece: WeightPiece) -> dict[str, torch.Tensor]:
+    def _copy(self, piece: WeightPiece) -> dict[str, torch.Tensor] | LayerWeights:
+        fused = None if piece.layer is None or self.device.type != "cpu" else self.host.fused(piece.layer)
+        if fused is not None:  # already fused and packed as a CPU replica serves it: copy it as it is
+            return fused.clone()
         try:
             tensors = self.host.read(piece)
         except KeyError:

@@ -30,6 +30,17 @@ class LayerWeights:
     gate_up: Linear
     down: Linear
 
+    def clone(self) -> LayerWeights:
+        """A copy in memory of its own, in the same layout (see `Linear.clone`)."""
+        return LayerWeights(
+            input_norm=self.input_norm.clone(),
+            qkv=self.qkv.clone(),
+            o=self.o.clone(),
+            post_norm=self.post_norm.clone(),
+            gate_up=self.gate_up.clone(),
+            down=self.down.clone(),
+        )
+
     def nbytes(self) -> int:
         norms = (self.input_norm.numel() + self.post_norm.numel()) * self.input_norm.element_size()
         return norms + sum(p.nbytes for p in (self.qkv, self.o, self.gate_up, self.down))

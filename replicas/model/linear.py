@@ -101,6 +101,15 @@ class Linear:
             residual.add_(self.bias)
         return residual
 
+    def clone(self) -> Linear:
+        """A copy in memory of its own, in the same layout (a packed weight stays packed: copying the
+        reordered tensor is as fast as copying any other, reordering again is not)."""
+        copy = Linear.__new__(Linear)
+        copy.out_features, copy.in_features = self.out_features, self.in_features
+        copy.weight, copy.packed = self.weight.clone(), self.packed
+        copy.bias = None if self.bias is None else self.bias.clone()
+        return copy
+
     @property
     def nbytes(self) -> int:
         total = self.out_features * self.in_features * self.weight.element_size()

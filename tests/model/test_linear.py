@@ -36,3 +36,21 @@ def test_auto_packs_only_large_float32_cpu_weights() -> None:
     assert not Linear(torch.randn(PACK_MIN_ELEMENTS // 64, 64), None, kernels="plain").packed
     large = Linear(torch.randn(PACK_MIN_ELEMENTS // 64, 64), None)
     assert large.packed == torch.backends.mkldnn.is_available()
+
+
+@pytest.mark.parametrize("kernels", ["packed", "plain"])
+def test_a_clone_keeps_the_layout_and_owns_its_memory(kernels: str) -> None:
+    """A host copy of a CPU model is a clone of its fused (and packed) weights: same results, same
+    layout, none of the original's memory."""
+    weight, bias = torch.randn(64, 32), torch.randn(64)
+    original = Linear(weight, bias, kernels=kernels)  # type: ignore[arg-type]
+    copy = original.clone()
+    x = torch.randn(5, 32)
+    assert copy.packed == original.packed == (kernels == "packed" and original.packed)
+    assert torch.equal(copy(x), original(x))
+    assert copy.weight is not original.weight and copy.bias is not original.bias
+    assert copy.bias is not None and copy.bias.data_ptr() != bias.data_ptr()
+    if not copy.packed:
+        assert copy.weight.data_ptr() != original.weight.data_ptr()
+    residual = torch.randn(5, 64)
+    assert torch.equal(copy.add_to(residual.clone(), x), original.add_to(residual.clone(), x))
