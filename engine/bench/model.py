@@ -46,6 +46,17 @@ CONFIGS: dict[str, dict[str, Any]] = {
         num_key_value_heads=4,
         tie_word_embeddings=False,
     ),
+    # The tiny model's width with 16 layers (~10 MB): a copy lands layer by layer in 16 steps, as a real
+    # model's does (the ZigZag bench's `--ttft-model deep`).
+    "deep": dict(
+        vocab_size=512,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=16,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=False,
+    ),
     # A few MB, for smoke runs.
     "small": dict(
         vocab_size=4096,

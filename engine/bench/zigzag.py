@@ -1,6 +1,7 @@
 """zigzag: scaling prefill up at a 3× burst, ZigZag against stop-the-world; the weight copy's speed.
 
-TTFT at a burst (cases `burst3x-emulated`, `burst3x-uncapped`). One seeded trace: Poisson arrivals at
+TTFT at a burst (cases `burst3x-emulated`, `burst3x-uncapped`; `burst3x-deep-…` with `--ttft-model deep`,
+the tiny model's width with 16 layers, so a copy lands in 16 steps). One seeded trace: Poisson arrivals at
 `--rate` requests/s, tripled from `--burst-at` seconds to the end of `--duration`; prompts of
 `--prompt-min`–`--prompt-max` random tokens, `--max-tokens` generated (`ignore_eos`). Each way is its own
 node process (`python -m engine.node --replicas prefill=1,decode=1 --max-batch-tokens 512`, tiny model;
@@ -66,6 +67,7 @@ class Sample:
 class Way:
     mode: ScaleMode
     emulated: str | None  # the --emulated-speed value; None: uncapped
+    model: str = "tiny"  # the node's --model
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -93,6 +95,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--decode-steps-per-s", type=float, default=100.0, help="emulated (default 100)")
     parser.add_argument("--load-seconds", type=float, default=1.5, help="emulated weight copy (default 1.5)")
     parser.add_argument("--copy-repeats", type=int, default=9, help="weight copies per source (default 9)")
+    parser.add_argument(
+        "--ttft-model",
+        choices=["tiny", "deep"],
+        default="tiny",
+        help="the TTFT runs' model: tiny (4 layers, default) or deep (its width, 16 layers: a copy lands in 16 steps)",
+    )
     parser.add_argument(
         "--copy-model",
         choices=["tiny", "small", "100m"],
@@ -140,11 +148,13 @@ def make_trace(args: argparse.Namespace) -> list[Arrival]:
         arrivals.append(Arrival(at, [rng.randrange(1, 256) for _ in range(length)]))
 
 
-def emulated_speed(args: argparse.Namespace) -> str:
+def emulated_speed(args: argparse.Namespace, model: str = "tiny") -> str:
     from replicas.loading.pieces import model_bytes
+    from replicas.model import read_hf_config
     from replicas.model.tiny import TINY_CONFIG
 
-    weights_gb_per_s = model_bytes(TINY_CONFIG) / args.load_seconds / 1e9
+    config = TINY_CONFIG if model == "tiny" else read_hf_config(model)
+    weights_gb_per_s = model_bytes(config) / args.load_seconds / 1e9
     return (
         f"prefill_tokens_per_s={args.prefill_tokens_per_s:g},decode_steps_per_s={args.decode_steps_per_s:g},"
         f"weights_gb_per_s={weights_gb_per_s:.6g}"
@@ -152,9 +162,17 @@ def emulated_speed(args: argparse.Namespace) -> str:
 
 
 def _ttft_rows(args: argparse.Namespace, directory: Path) -> Iterator[Row]:
+    from engine.bench.e2e import _model_source
+
+    with _model_source(args.ttft_model) as model:
+        yield from _ttft_rows_of(args, directory, model)
+
+
+def _ttft_rows_of(args: argparse.Namespace, directory: Path, model: str) -> Iterator[Row]:
     trace = make_trace(args)
-    speed = emulated_speed(args)
-    cases = {"burst3x-emulated": speed, "burst3x-uncapped": None}
+    speed = emulated_speed(args, model)
+    name = "burst3x" if args.ttft_model == "tiny" else f"burst3x-{args.ttft_model}"
+    cases = {f"{name}-emulated": speed, f"{name}-uncapped": None}
     samples: dict[tuple[str, ScaleMode], list[Sample]] = {}
     last_logs: dict[ScaleMode, Path] = {}
     for repeat in range(args.repeats):
@@ -162,7 +180,7 @@ def _ttft_rows(args: argparse.Namespace, directory: Path) -> Iterator[Row]:
             for mode in MODES:
                 log_file = directory / f"{case}-{mode}-{repeat + 1}.jsonl"
                 log_file.unlink(missing_ok=True)
-                found = run_way(trace, Way(mode, emulated), log_file, args)
+                found = run_way(trace, Way(mode, emulated, model), log_file, args)
                 samples.setdefault((case, mode), []).extend(found)
                 if emulated is not None:
                     last_logs[mode] = log_file
@@ -175,7 +193,7 @@ def _ttft_rows(args: argparse.Namespace, directory: Path) -> Iterator[Row]:
         failed = {mode: sum(s.ttft is None for s in window[mode]) for mode in window}
         relayed = sum(s.relay_layer is not None for s in samples[(case, PROJECT)])
         note = (
-            f"{'emulated (' + emulated + ')' if emulated else 'uncapped (no emulation)'}; tiny model, "
+            f"{'emulated (' + emulated + ')' if emulated else 'uncapped (no emulation)'}; {args.ttft_model} model, "
             f"prefill=1,decode=1 scaled to prefill=2 (source host) at {args.burst_at:g} s as the rate goes "
             f"{args.rate:g} -> {3 * args.rate:g} req/s; requests arriving in [{start:g}, {stop:g}) s: "
             f"{len(mine) // max(1, args.repeats)} per run, {args.repeats} run(s) of each way; requests relayed "
@@ -205,6 +223,7 @@ def _quantile(values: list[float], q: float) -> float:
 def run_way(trace: list[Arrival], way: Way, log_file: Path, args: argparse.Namespace) -> list[Sample]:
     """One node process running `trace`, scaled up `way.mode` at the burst; the samples of every request."""
     options = ["--replicas", "prefill=1,decode=1", "--max-batch-tokens", str(args.max_batch_tokens)]
+    options += ["--model", way.model]
     if not args.old_prefill_serves_queue:
         options.append("--no-old-prefill-serves-queue")
     if way.emulated is not None:
