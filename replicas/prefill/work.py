@@ -166,6 +166,7 @@ class PrefillWork:
                 )
             )
             if request.cancelled:
+                self.work.old_prefill.release_half(item)
                 kv.pool.free(item.table, request.request_id)
                 request.finish("cancelled")
                 continue
@@ -178,6 +179,7 @@ class PrefillWork:
             if reason is None and request.context_tokens + 1 > self.work.context_length:
                 reason = "length"
             if reason is not None:
+                self.work.old_prefill.release_half(item)
                 kv.pool.free(item.table, request.request_id)
                 request.finish(reason)
                 continue

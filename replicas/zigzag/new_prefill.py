@@ -371,6 +371,3 @@ class NewPrefillWork:
         """NewPrefill → RefractoryPrefill: requests not yet in a batch go back to the router (before
         the move, whose readiness change dispatches them)."""
         self.work.prefill.return_queued("the replica finished loading and takes no new ZigZag batches")
-
-    def held_blocks(self) -> int:
-        return sum(len(h.item.table) for h in self.halves.values())

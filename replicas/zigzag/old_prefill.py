@@ -20,7 +20,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, final
 
-from messages.commands import Relay, RelayOffer
+from messages.commands import DropKVHalf, Relay, RelayOffer
 from messages.control_replies import RelayInfo, TransferSummary
 from messages.events import RelayReceived
 from replicas.fabric import UnknownEndpoint
@@ -220,10 +220,19 @@ class OldPrefillWork:
         )
         self.ready.append(incoming)
 
+    def release_half(self, item: Prefilled) -> None:
+        """`item`'s request will not decode: its partner frees the KV of layers `[0, n)` it keeps (the
+        request's end does too, where the partner sees it; this says so in a message)."""
+        relay = item.relay
+        partner = None if relay is None else self.replica.services.replicas.get(relay.new_prefill)
+        if relay is not None and relay.layer > 0 and partner is not None:
+            partner.tell(DropKVHalf(command_id=new_command_id(), request_id=item.request.request_id))
+
     def _fail(self, incoming: IncomingRelay, code: str, message: str) -> None:
         kv = self.replica.pools.kv
         assert kv is not None
         for item in incoming.items:
+            self.release_half(item)
             kv.pool.free(item.table, item.request.request_id)
             if item.request.cancelled:
                 item.request.finish("cancelled")
@@ -241,6 +250,7 @@ class OldPrefillWork:
         live = []
         for item in incoming.items:
             if item.request.ended or item.request.cancelled:
+                self.release_half(item)
                 kv.pool.free(item.table, item.request.request_id)
                 if not item.request.ended:
                     item.request.finish("cancelled")
