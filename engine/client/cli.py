@@ -20,7 +20,7 @@ import trio
 
 from engine.client.control_client import ControlClient, ControlClientError, ControlError
 from engine.control.address import parse_address
-from messages.control import ImageInput, ReplicaRole, ReplicaStateName
+from messages.control import ImageInput, ReplicaRole, ReplicaStateName, ScaleMode, SourceChoice
 from messages.control_replies import (
     ControlResult,
     GenerateResult,
@@ -103,11 +103,21 @@ def build_parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
     transition = ops.add_parser("transition", help="command a replica state change")
     transition.add_argument("replica")
     transition.add_argument("to", choices=get_args(ReplicaStateName), metavar="STATE")
+    transition.add_argument(
+        "--source", choices=get_args(SourceChoice), default="auto", help="Loading*: weights from"
+    )
+    transition.add_argument("--paired-with", help="NewPrefill / OldPrefill: the replica to relay with")
     ops.add_parser("lock", help="stop KV migrations to a replica").add_argument("replica")
     ops.add_parser("unlock", help="clear a manual lock").add_argument("replica")
     scale = ops.add_parser("scale", help="set the number of replicas of a role")
     scale.add_argument("role", choices=get_args(ReplicaRole))
     scale.add_argument("replicas", type=int)
+    scale.add_argument(
+        "--mode", choices=get_args(ScaleMode), help="zigzag or stop_the_world (default: the node's)"
+    )
+    scale.add_argument(
+        "--source", choices=get_args(SourceChoice), default="auto", help="where weights come from"
+    )
     ops.add_parser("metrics", help="counters and gauges")
     ops.add_parser("shutdown", help="drain and stop the node")
     return parser
@@ -134,13 +144,15 @@ async def run(args: argparse.Namespace, inputs: GenerateInputs | None, out: Text
                 case "cancel":
                     result = await client.cancel(args.request_id)
                 case "transition":
-                    result = await client.transition(args.replica, args.to)
+                    result = await client.transition(
+                        args.replica, args.to, source=args.source, paired_with=args.paired_with
+                    )
                 case "lock":
                     result = await client.lock(args.replica)
                 case "unlock":
                     result = await client.unlock(args.replica)
                 case "scale":
-                    result = await client.scale(args.role, args.replicas)
+                    result = await client.scale(args.role, args.replicas, mode=args.mode, source=args.source)
                 case "metrics":
                     result = await client.metrics()
                 case "shutdown":
@@ -226,16 +238,25 @@ def render(result: ControlResult) -> str:
                 parts.append(f"ttft {timing.ttft_s * 1000:.1f} ms")
             if timing.e2e_s is not None:
                 parts.append(f"e2e {timing.e2e_s * 1000:.1f} ms")
+            if result.relay is not None:
+                relay = result.relay
+                parts.append(f"relayed {relay.new_prefill}->{relay.old_prefill} after layer {relay.layer}")
             parts += [
-                f"{t.kind} {t.source}->{t.destination} {t.rounds} rounds {t.bytes} B"
+                f"{t.kind}{'' if t.layers is None else ' ' + str(t.layers)} {t.source}->{t.destination} "
+                f"{t.rounds} rounds {t.bytes} B"
                 for t in result.transfers
             ]
             return "[" + ", ".join(parts) + "]"
         case StatusResult():
-            header = f"{'replica':<12} {'state':<18} {'used':>6} {'cached':>6} {'total':>6} {'lock':<18} {'work':>5} {'migr':>5}  last_error"
+            header = (
+                f"{'replica':<12} {'state':<18} {'used':>6} {'cached':>6} {'total':>6} {'lock':<18} "
+                f"{'work':>5} {'migr':>5} {'layers':>7} {'weights':<8} {'paired':<10}  last_error"
+            )
             rows = [header] + [
                 f"{r.name:<12} {r.state:<18} {r.used_blocks:>6} {r.cached_blocks:>6} {r.total_blocks:>6} "
-                f"{_lock_cell(r):<18} {r.work_queue:>5} {r.migration_queue:>5}  {r.last_error or '-'}"
+                f"{_lock_cell(r):<18} {r.work_queue:>5} {r.migration_queue:>5} "
+                f"{f'{r.loaded_layers}/{r.total_layers}':>7} {r.weights_source or '-':<8} "
+                f"{','.join(r.paired_with) or '-':<10}  {r.last_error or '-'}"
                 for r in result.replicas
             ]
             return "\n".join(rows + ([] if result.accepting else ["(not accepting: shutting down)"]))
