@@ -107,6 +107,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="tiny",
         help="the weight copy's model: tiny (default) or a random Llama checkpoint (100m: 0.4 GB)",
     )
+    parser.add_argument(
+        "--copy-device",
+        choices=["cpu", "cuda"],
+        default="cpu",
+        help="where the node serves for the copy rows: cuda gives `_cuda` rows against a pinned host-to-device "
+        "copy (host) and a device-to-device copy (peer), the GPU named",
+    )
     parser.add_argument("--seed", type=int, default=7)
     parser.add_argument("--plot", type=Path, default=None, help="draw TTFT around the scale into this file")
     parser.add_argument("--logs", type=Path, default=None, help="keep the nodes' JSON logs in this folder")

@@ -15,6 +15,9 @@ again. Right after each copy the benchmark's process runs the raw copy:
 - `peer`: one transfer of the same bytes over the same transport (two inproc endpoints of the weight
   staging layout, length known, one round).
 
+`--copy-device cuda` serves the node on the GPU (float32) and names it; its `_cuda` rows compare `host`
+with a pinned host-to-device copy and `peer` with a device-to-device copy of the same tensors.
+
 GB/s per copy; each figure the median over the rounds. The raw copies run on one torch thread: with
 torch's default (one per core) a copy of a few hundred KB wakes the intra-op pool, which on a busy host
 costs more than the copy; the node keeps its default. Goal: ≥ 0.8 of the raw copy.
@@ -47,6 +50,11 @@ BASELINES: Final = {
     "host": "torch clone of the same tensors",
     "disk": "readinto of the safetensors file",
 }
+GPU_BASELINES: Final = {
+    "peer": "device-to-device copy of the same tensors",
+    "host": "pinned host-to-device copy of the same tensors",
+    "disk": "readinto of the safetensors file",
+}
 STATE_SECONDS: Final = 60.0
 
 
@@ -56,22 +64,27 @@ def copy_rows(args: argparse.Namespace, directory: Path) -> Iterator[Row]:
     node_threads = torch.get_num_threads()  # the node runs with torch's default, as this process does
     torch.set_num_threads(1)
     try:
+        gpu = args.copy_device == "cuda"
         with _checkpoint(args.copy_model, directory) as (model, checkpoint, options):
             log_file = directory / "weights-copy.jsonl"
             log_file.unlink(missing_ok=True)
+            if gpu:  # float32 as the checkpoint: the node's copy and the raw one move the same bytes
+                options = [*options, "--device", "cuda", "--dtype", "float32"]
             with node_process(log_file, ["--replicas", "prefill=1,decode=1", *options]) as address:
                 project, baseline, nbytes = trio.run(_measure, address, log_file, checkpoint, args)
+        where = f"on {torch.cuda.get_device_name()}, " if gpu else ""
     finally:
         torch.set_num_threads(node_threads)
     for source in SOURCES:
         note = (
-            f"uncapped; model {model}, {nbytes[source]} bytes per copy, measured through a node "
+            f"uncapped; {where}model {model}, {nbytes[source]} bytes per copy, measured through a node "
             f"(weights_copy_finished bytes / seconds; torch's default {node_threads} threads), the raw copy "
             f"on one torch thread; median of {len(project[source])}; goal >= 0.8"
         )
-        yield row(BENCH, f"weights_copy_{source}" + ("" if model == "tiny" else f"_{model}"), "GB/s", "higher",
-                  statistics.median(project[source]), statistics.median(baseline[source]), BASELINES[source],
-                  unit="GB/s", note=note)  # fmt: skip
+        case = f"weights_copy_{source}" + ("" if model == "tiny" else f"_{model}") + ("_cuda" if gpu else "")
+        yield row(BENCH, case, "GB/s", "higher",
+                  statistics.median(project[source]), statistics.median(baseline[source]),
+                  (GPU_BASELINES if gpu else BASELINES)[source], unit="GB/s", note=note)  # fmt: skip
 
 
 @contextmanager
@@ -99,7 +112,7 @@ async def _measure(
     project: dict[str, list[float]] = {source: [] for source in SOURCES}
     baseline: dict[str, list[float]] = {source: [] for source in SOURCES}
     nbytes: dict[str, int] = {}
-    raw = RawCopies(checkpoint)
+    raw = RawCopies(checkpoint, args.copy_device)
     async with ControlClient.connect(address) as client, raw.peer_endpoints():
         await _wait(client, lambda states: set(states.values()) == {"Prefill", "Decode"}, "serving")
         for attempt in range(args.copy_repeats + 1):  # the first round warms both sides up
@@ -158,11 +171,15 @@ async def _wait(
 class RawCopies:
     """The raw copies of the same bytes, in the benchmark's process."""
 
-    def __init__(self, checkpoint: Path) -> None:
+    def __init__(self, checkpoint: Path, device: str = "cpu") -> None:
         from safetensors.torch import load_file
 
         self.checkpoint = checkpoint
+        self.device = device
         self.tensors = load_file(str(checkpoint))
+        # On a GPU: host is a pinned host-to-device copy, peer a device-to-device copy.
+        self.pinned = [t.pin_memory() for t in self.tensors.values()] if device == "cuda" else []
+        self.on_device = [t.to(device) for t in self.tensors.values()] if device == "cuda" else []
         self.nbytes = sum(t.numel() * t.element_size() for t in self.tensors.values())
         self.file_bytes = checkpoint.stat().st_size
         self.buffer = bytearray(self.file_bytes)
@@ -171,6 +188,19 @@ class RawCopies:
 
     async def measure(self, source: str) -> float:
         """GB/s of one raw copy from `source`."""
+        if self.device == "cuda" and source in ("host", "peer"):
+            import torch
+
+            torch.cuda.synchronize()
+            started = time.perf_counter()
+            if source == "host":
+                copies = [tensor.to("cuda") for tensor in self.pinned]
+            else:
+                copies = [tensor.clone() for tensor in self.on_device]
+            torch.cuda.synchronize()
+            seconds = time.perf_counter() - started
+            del copies
+            return self.nbytes / seconds / 1e9
         if source == "host":
             started = time.perf_counter()
             copies = [tensor.to(tensor.device, copy=True) for tensor in self.tensors.values()]
