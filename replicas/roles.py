@@ -228,9 +228,9 @@ class RoleWork:
             await trio.sleep_until(started + emulated)
         self.replica.post(Completed(done, result))
 
-    def emulated_prefill(self, tokens: int, layers: int, *, head: bool = True) -> float | None:
-        """The emulated duration of `tokens` prompt tokens through `layers` layers (None: not emulated)."""
-        del head  # the head is counted with the last layer
+    def emulated_prefill(self, tokens: int, layers: int) -> float | None:
+        """The emulated duration of `tokens` prompt tokens through `layers` layers (None: not emulated);
+        the head is counted with the last layer."""
         config = self.replica.services.host.config
         return self.replica.services.settings.emulated.prefill_seconds(tokens, layers, config.num_layers)
 

@@ -29,8 +29,8 @@ if TYPE_CHECKING:
 class Prefilled:
     """A request whose prompt KV sits in this replica's blocks `table` (owner: the request id).
 
-    `layers`: the layers whose KV this replica computed (all, unless the prefill was relayed: then
-    `[relay.layer, L)` here and `[0, relay.layer)` on `relay.new_prefill`)."""
+    `relay`: set when the prefill was relayed to this replica (ZigZag): it computed the KV of layers
+    `[relay.layer, L)`, and `relay.new_prefill` holds `[0, relay.layer)`."""
 
     request: ServingRequest
     table: list[int]

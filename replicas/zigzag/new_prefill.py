@@ -70,10 +70,9 @@ class PartBatch:
 @final
 @dataclass(slots=True)
 class Half:
-    """A relayed request's KV of layers `[0, layer)` in this replica's blocks."""
+    """A relayed request's KV of layers `[0, request.relay.layer)` in this replica's blocks."""
 
     item: Prefilled
-    layer: int
     sending: bool = False
 
 
@@ -164,7 +163,7 @@ class NewPrefillWork:
         hidden = batch.hidden
         sequences = batch.sequences
         tokens = batch.tokens
-        emulated = self.work.emulated_prefill(tokens, stop - start, head=head)
+        emulated = self.work.emulated_prefill(tokens, stop - start)
 
         def run() -> PrefillResult:
             return executor.prefill(sequences, layers=range(start, stop), hidden=hidden, head=head)
@@ -314,7 +313,7 @@ class NewPrefillWork:
         if layer == 0:  # no KV computed here: nothing to keep
             kv.pool.free(item.table, request.request_id)
             return
-        self.halves[request.request_id] = Half(item, layer)
+        self.halves[request.request_id] = Half(item)
 
         def ended(_: ServingRequest) -> None:
             self.replica.post(Completed(lambda __: self._drop(request.request_id)))

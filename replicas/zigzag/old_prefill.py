@@ -283,7 +283,7 @@ class OldPrefillWork:
         tokens = len(rows)
         incoming.items = live
         self.running = incoming
-        emulated = self.work.emulated_prefill(tokens, len(layers), head=True)
+        emulated = self.work.emulated_prefill(tokens, len(layers))
 
         def run() -> PrefillResult:
             return executor.prefill(sequences, layers=layers, hidden=hidden)
