@@ -195,6 +195,44 @@ class ControllerConfig(Section, frozen=True, kw_only=True):
     ] = 1.0
 
 
+NodeName = Annotated[str, msgspec.Meta(max_length=32, pattern=r"^[a-z0-9][a-z0-9_-]*$")]
+
+
+class ClusterConfig(Section, frozen=True, kw_only=True):
+    cluster: Annotated[
+        str | None,
+        _doc("join the cluster whose etcd answers at this URL, http(s)://HOST:PORT (docs/cluster.md)"),
+    ] = None
+    node_id: Annotated[
+        NodeName | None,
+        _doc("this node's cluster-unique name (default: node-PID); its replicas are {node}/{role}-{n}"),
+    ] = None
+    cluster_name: Annotated[
+        str,
+        msgspec.Meta(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$"),
+        _doc("the cluster's name: its etcd keys live under /zigzag/{name}/"),
+    ] = "default"
+    lease_ttl: Annotated[
+        int, msgspec.Meta(ge=1, le=3600), _doc("seconds a node outlives its last lease renewal")
+    ] = 10
+    cluster_host: Annotated[
+        str, _doc("address this node listens on for other nodes (peer links, transfers) and announces")
+    ] = "127.0.0.1"
+    replica_slots: Annotated[
+        int, msgspec.Meta(ge=0, le=1024), _doc("replicas this node may run (what `scale` places here)")
+    ] = 16
+    etcd_ca_file: Annotated[str | None, _doc("TLS: the CA that signed etcd's certificate")] = None
+    etcd_cert_file: Annotated[str | None, _doc("TLS: this node's client certificate for etcd")] = None
+    etcd_key_file: Annotated[str | None, _doc("TLS: the key of --etcd-cert-file")] = None
+    etcd_username: Annotated[str | None, _doc("etcd auth: user name")] = None
+    etcd_password: Annotated[str | None, _doc("etcd auth: password (prefer ZIGZAG_ETCD_PASSWORD)")] = None
+    nodes: Annotated[
+        int,
+        msgspec.Meta(ge=1, le=16),
+        _doc("--demo: run the demo across this many node processes and a local etcd"),
+    ] = 1
+
+
 class NodeConfig(Section, frozen=True, kw_only=True):
     listen: Annotated[str, _doc("control socket: HOST:PORT or unix:PATH")] = "127.0.0.1:7340"
     http: Annotated[
@@ -247,6 +285,7 @@ class NodeConfig(Section, frozen=True, kw_only=True):
     control: ControlConfig = msgspec.field(default_factory=ControlConfig)
     shutdown: ShutdownConfig = msgspec.field(default_factory=ShutdownConfig)
     controller: ControllerConfig = msgspec.field(default_factory=ControllerConfig)
+    cluster: ClusterConfig = msgspec.field(default_factory=ClusterConfig)
 
     def __post_init__(self) -> None:
         parse_address(self.listen)
@@ -294,6 +333,7 @@ FLAG_PREFIXES: Final[dict[str, str]] = {
     "control": "",
     "shutdown": "shutdown-",
     "controller": "controller-",
+    "cluster": "",
 }
 
 

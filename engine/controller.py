@@ -10,35 +10,60 @@ moved between replicas, and — when NVML finds a GPU — GPU metrics.
 
 from __future__ import annotations
 
-from typing import Any, final
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Final, final
 
 import structlog
 import trio
 
 from engine.config import ControllerConfig
-from messages.commands import Lock, Unlock
+from messages.commands import Lock, ReplicaCommand, Unlock
 from messages.events import BlocksReport, Flow, FlowReport, GpuReport, GpuSample, ReplicaBlocks
-from replicas.actor import Replica
-from replicas.inbox import new_command_id
-from replicas.services import ReplicaServices
+from replicas.inbox import CommandRefused, new_command_id
+from replicas.services import PeerReplica, ReplicaServices
 from replicas.states import ReplicaState
 
 _log = structlog.get_logger("engine.controller")
+REMOTE_COMMAND_TIMEOUT: Final = 5.0
+
+
+@final
+@dataclass(frozen=True, slots=True)
+class _Decoder:
+    """A decode replica as the reject loop sees it (this node's, or another's last report)."""
+
+    name: str
+    used: int
+    capacity: int
+    lock_reasons: frozenset[str]
+    tell: Callable[[ReplicaCommand], None]
 
 
 @final
 class Controller:
     """Runs the loops of the module docstring until cancelled."""
 
-    def __init__(self, services: ReplicaServices, config: ControllerConfig) -> None:
+    def __init__(
+        self,
+        services: ReplicaServices,
+        config: ControllerConfig,
+        *,
+        decides: Callable[[], bool] = lambda: True,
+    ) -> None:
         self.services = services
         self.config = config
+        # False while another node of the cluster leads (or this one cannot reach etcd).
+        self.decides = decides
+        self._asking: set[str] = set()
+        self._nursery: trio.Nursery | None = None
         self._flow_seen: dict[tuple[str, str, str], int] = {}
         self.gpus = GpuProbe()
 
     async def run(self) -> None:
         try:
             async with trio.open_nursery() as nursery:
+                self._nursery = nursery
                 if self.config.reject_loop:
                     nursery.start_soon(self._every, self.config.reject_period, self.reject_pass)
                 nursery.start_soon(self._every, self.config.report_period, self.report)
@@ -53,35 +78,60 @@ class Controller:
             step()
 
     def reject_pass(self) -> None:
-        """One pass of the reject-KV loop."""
-        decoders = [r for r in self.services.replicas.values() if r.state is ReplicaState.DECODE]
-        if len(decoders) < 2:
-            for replica in decoders:
-                self._set(replica, False)
+        """One pass of the reject-KV loop (in a cluster: on the leader only, over every node's replicas,
+        the others' as they last reported them)."""
+        if not self.decides():
             return
-        used = {r.name: r.pools.kv_usage()[0] for r in decoders}
+        decoders = [
+            _Decoder(r.name, *r.pools.kv_usage(), frozenset(r.lock_reasons), r.tell)
+            for r in self.services.replicas.values()
+            if r.state is ReplicaState.DECODE
+        ]
+        for peer in self.services.peers():
+            if peer.state is ReplicaState.DECODE:
+                used, total = peer.kv_usage()
+                decoders.append(_Decoder(peer.name, used, total, peer.lock_reasons, self._remote_tell(peer)))
+        if len(decoders) < 2:
+            for decoder in decoders:
+                self._set(decoder, False)
+            return
         ratio, fraction = self.config.lock_ratio, self.config.lock_capacity_fraction
         keep = 1.0 - self.config.unlock_hysteresis
-        for replica in decoders:
-            others = [used[r.name] for r in decoders if r is not replica]
+        for decoder in decoders:
+            others = [d.used for d in decoders if d is not decoder]
             mean_others = sum(others) / len(others)
-            mine = used[replica.name]
-            capacity = replica.pools.kv_usage()[1]
-            locked = "controller" in replica.lock_reasons
-            if not locked:
-                self._set(replica, mine > ratio * mean_others and mine > fraction * capacity)
+            mine, capacity = decoder.used, decoder.capacity
+            if "controller" not in decoder.lock_reasons:
+                self._set(decoder, mine > ratio * mean_others and mine > fraction * capacity)
             else:
                 self._set(
-                    replica, not (mine < keep * ratio * mean_others or mine < keep * fraction * capacity)
+                    decoder, not (mine < keep * ratio * mean_others or mine < keep * fraction * capacity)
                 )
 
+    def _remote_tell(self, peer: PeerReplica) -> Callable[[ReplicaCommand], None]:
+        def tell(command: ReplicaCommand) -> None:
+            if peer.name in self._asking or self._nursery is None:
+                return  # the previous command to it is still on its way
+            self._asking.add(peer.name)
+            self._nursery.start_soon(self._ask_remote, peer, command)
+
+        return tell
+
+    async def _ask_remote(self, peer: PeerReplica, command: ReplicaCommand) -> None:
+        try:
+            await peer.ask(command, timeout=REMOTE_COMMAND_TIMEOUT)
+        except CommandRefused as exc:
+            _log.warning("controller.remote_command_refused", replica=peer.name, error=str(exc))
+        finally:
+            self._asking.discard(peer.name)
+
     @staticmethod
-    def _set(replica: Replica, lock: bool) -> None:
-        has = "controller" in replica.lock_reasons
+    def _set(decoder: _Decoder, lock: bool) -> None:
+        has = "controller" in decoder.lock_reasons
         if lock and not has:
-            replica.tell(Lock(command_id=new_command_id(), reason="controller"))
+            decoder.tell(Lock(command_id=new_command_id(), reason="controller"))
         elif has and not lock:
-            replica.tell(Unlock(command_id=new_command_id(), reason="controller"))
+            decoder.tell(Unlock(command_id=new_command_id(), reason="controller"))
 
     def report(self) -> None:
         log = self.services.log

@@ -25,6 +25,9 @@ from typing import final
 import msgspec
 import trio
 
+from engine.cluster.join import new_member
+from engine.cluster.member import ClusterMember
+from engine.cluster.membership import JoinRefused
 from engine.config import ConfigError, NodeConfig, ReplicaCounts, parse_node_config
 from engine.control.address import Address
 from engine.control.server import ControlServer, ControlServerError
@@ -37,6 +40,7 @@ from engine.logging import EventLog, LogFileError, configure_diagnostics, open_e
 from engine.logs import Aggregator
 from engine.router import Router
 from engine.service import NodeService
+from messages.cluster import ClusterIdentity
 from messages.commands import Transition
 from messages.events import NodeConfigured, NodeStarted, NodeStopped, NodeStopping, PoolLeak
 from replicas.actor import Replica
@@ -53,7 +57,7 @@ from transport.config import TransferConfig
 VERSION = "0.1.0"
 SETTLE_SECONDS = 5.0
 # What stops a node from coming up; `main` prints it in one line and exits 2.
-STARTUP_ERRORS = (ModelLoadError, LogFileError, ControlServerError, ReplicaStartFailed)
+STARTUP_ERRORS = (ModelLoadError, LogFileError, ControlServerError, ReplicaStartFailed, JoinRefused)
 
 
 def replica_settings(config: NodeConfig, host: ModelHost) -> ReplicaSettings:
@@ -108,10 +112,12 @@ class Node:
         dtype = config.dtype or ("float32" if config.device == "cpu" else "bfloat16")
         self.host = ModelHost(config.model, device=config.device, dtype=dtype, cache_dir=config.model_cache)
         self.counts = config.replicas or default_counts(self.host)
+        clustered = config.cluster.cluster is not None
+        self.node_id = config.cluster.node_id or f"node-{os.getpid()}"
         self.services = ReplicaServices(
             settings=replica_settings(config, self.host),
             host=self.host,
-            fabric=Fabric(config.transport),
+            fabric=Fabric(config.transport, clustered=clustered, host=config.cluster.cluster_host),
             log=log,
             faults=list(config.faults),
         )
@@ -119,10 +125,18 @@ class Node:
             self.services, max_queue=config.scheduler.max_queue, queue_wait=config.scheduler.queue_wait
         )
         self.service = NodeService(self, self.services, self.router, aggregator)
-        self.controller = Controller(self.services, config.controller)
+        # In a cluster (`--cluster URL`): this node's membership, peer links and cross-node requests.
+        self.member: ClusterMember | None = new_member(self) if clustered else None
+        member = self.member
+        self.controller = Controller(
+            self.services,
+            config.controller,
+            decides=lambda: member is None or member.membership.is_leader,
+        )
         self.metrics = metrics
         self.metrics.attach(self.services, lambda: len(self.router.pending))
         self.http_url: str | None = None  # set once the HTTP API listens
+        self.control_address: str | None = None  # set once the control socket listens
         self.drain_deadline = config.shutdown.drain_deadline
         self.started = time.monotonic()
         self._shutdown = trio.Event()
@@ -131,6 +145,15 @@ class Node:
         self._indices = {role: itertools.count(0) for role in ROLES}
         # Held by a `scale` op while it runs (`engine.scaling`): scales apply one after another.
         self.scale_lock = trio.Lock()
+
+    def identity(self) -> ClusterIdentity:
+        """What every node of this node's cluster must serve alike."""
+        return ClusterIdentity(
+            model=self.host.name,
+            dtype=str(self.host.dtype).removeprefix("torch."),
+            kv_block_size=self.config.kv.block_size,
+            embedding_block_size=self.config.embedding.block_size,
+        )
 
     def request_shutdown(self, detail: str, reason: str = "shutdown_op") -> None:
         if not self._shutdown.is_set():
@@ -146,10 +169,11 @@ class Node:
         was then refused. Listed after, with no checkpoint before the caller posts its command, the
         caller's command is the first the replica handles."""
         assert self._replica_nursery is not None
+        prefix = "" if self.member is None else f"{self.node_id}/"
         index = next(self._indices[role])
-        while f"{role}-{index}" in self.services.replicas:
+        while f"{prefix}{role}-{index}" in self.services.replicas:
             index = next(self._indices[role])
-        replica = Replica(f"{role}-{index}", role, self.services)
+        replica = Replica(f"{prefix}{role}-{index}", role, self.services)
         await self._replica_nursery.start(supervise, replica)
         self.services.replicas[replica.name] = replica
         return replica
@@ -159,6 +183,8 @@ class Node:
         config = self.config
         async with trio.open_nursery() as nursery:
             self._replica_nursery = nursery
+            if self.member is not None:
+                await nursery.start(self.member.run)  # joins (or raises JoinRefused) first
             for role in ROLES:
                 for _ in range(getattr(self.counts, role)):
                     await self.add_replica(role)
@@ -173,6 +199,7 @@ class Node:
             nursery.start_soon(self._watch_signals, nursery.cancel_scope)
             server = ControlServer(self.service, config.control, self.log)
             address = await nursery.start(server.serve, config.listen_address)
+            self.control_address = str(address)
             http = parse_http(config.http)
             if http is not None:
                 api = HttpApi(self, self.metrics, api_key=config.api_key)
@@ -243,6 +270,12 @@ class Node:
 
 
 async def run_node(config: NodeConfig, *, demo: bool = False) -> int:
+    if demo and config.cluster.nodes > 1 and config.cluster.cluster is None:
+        # The demo across node processes: a local etcd, child nodes, and this process as node-0 (which
+        # comes back here with `cluster` set).
+        from engine.cluster.demo import run_cluster_demo
+
+        return await run_cluster_demo(config, partial(run_node, demo=True))
     aggregator = Aggregator(keep_requests=False)
     metrics = NodeMetrics()
     log = open_event_log(

@@ -24,6 +24,7 @@ from typing import final
 
 import trio
 
+from engine.cluster.remote import RemoteReplica
 from engine.control.errors import RequestFailed
 from messages.events import RequestQueued
 from replicas.actor import Replica
@@ -65,7 +66,10 @@ class Router:
             raise RequestFailed(
                 "overloaded", f"{self.live} requests are in flight (max_queue {self.max_queue}); retry later"
             )
-        if request.needs_embeddings and not any(r.role == "encode" for r in self.services.replicas.values()):
+        if request.needs_embeddings and not (
+            any(r.role == "encode" for r in self.services.replicas.values())
+            or any(r.role == "encode" for r in self._remote())
+        ):
             raise RequestFailed(
                 "not_supported",
                 f"this node has no encode replica for the {len(request.images)} images of this request "
@@ -81,6 +85,20 @@ class Router:
             RequestQueued(queue="work", position=len(self.pending) - 1)
         )
         self.dispatch()
+
+    def hold(self, request: ServingRequest) -> None:
+        """Register a request another node admitted (a cluster mirror): live here until it ends or
+        `release`, queued nowhere (the node that sent it chose the replica)."""
+        self.services.requests[request.request_id] = request
+        if self._idle.is_set():
+            self._idle = trio.Event()
+        request.on_end.append(self._forget)
+
+    def release(self, request: ServingRequest) -> None:
+        """Stop holding a request that went back to its origin (see `hold`)."""
+        if request in self.pending:
+            self.pending.remove(request)
+        self._forget(request)
 
     def take_back(self, request: ServingRequest) -> None:
         """A replica returns a request it will not start; it goes to the front of the queue (and its
@@ -119,8 +137,9 @@ class Router:
                         self.pending.appendleft(request)
                         return
                 if not replica.submit(request):
-                    if encoder is not None:
+                    if isinstance(encoder, Replica):
                         encoder.work.encode.withdraw(request)
+                    if encoder is not None:
                         request.embedding_route = None
                     self.pending.appendleft(request)
                     return
@@ -141,7 +160,30 @@ class Router:
             replica.post()
         return True
 
-    def _choose_prefill(self, request: ServingRequest) -> Replica | None:
+    def _remote(self) -> list[RemoteReplica]:
+        """The other nodes' replicas (a cluster that this node reaches now; empty alone)."""
+        return [p for p in self.services.peers() if isinstance(p, RemoteReplica)]
+
+    def _choose_prefill(self, request: ServingRequest) -> Replica | RemoteReplica | None:
+        """The prefill replica with the fewest queued prompt tokens (this node's first on a tie)."""
+        local = self._choose_local_prefill(request)
+        budget = self.services.settings.max_batch_tokens
+        remote = [
+            r
+            for r in self._remote()
+            if r.report.takes_work
+            and r.report.serving_role == "prefill"
+            and (not r.queued_tokens or r.queued_tokens + request.prompt_tokens <= budget)
+            and (not request.needs_embeddings or r.report.embedding_pool)
+        ]
+        if not remote:
+            return local
+        best = min(remote, key=lambda r: r.queued_tokens)
+        if local is not None and sum(q.prompt_tokens for q in local.work.prefill.queue) <= best.queued_tokens:
+            return local
+        return best
+
+    def _choose_local_prefill(self, request: ServingRequest) -> Replica | None:
         images = request.needs_embeddings
         budget = self.services.settings.max_batch_tokens
         candidates = [
@@ -159,11 +201,14 @@ class Router:
             return None
         return min(candidates, key=lambda r: sum(q.prompt_tokens for q in r.work.prefill.queue))
 
-    def _choose_encoder(self) -> Replica | None:
-        candidates = [r for r in self.services.replicas.values() if r.state is S.ENCODE]
+    def _choose_encoder(self) -> Replica | RemoteReplica | None:
+        candidates: list[tuple[int, Replica | RemoteReplica]] = [
+            (r.work.encode.load, r) for r in self.services.replicas.values() if r.state is S.ENCODE
+        ]
+        candidates += [(r.report.encode_load, r) for r in self._remote() if r.state is S.ENCODE]
         if not candidates:
             return None
-        return min(candidates, key=lambda r: r.work.encode.load)
+        return min(candidates, key=lambda pair: pair[0])[1]
 
     async def expire_waiting(self) -> None:
         """Fail queued requests that waited `queue_wait` seconds; runs until cancelled (node shutdown)."""

@@ -10,6 +10,8 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING, Any, assert_never, final
 
+import msgspec
+
 from engine.control.errors import RequestFailed
 from engine.control.outbox import ReplySink
 from engine.generation import Generation
@@ -35,6 +37,7 @@ from messages.control_replies import (
     LockResult,
     ReplicaGauge,
     ReplicaStatus,
+    ScaleResult,
     ShutdownResult,
     StatusResult,
     TokenReply,
@@ -68,13 +71,28 @@ class NodeService:
             case GenerateRequest():
                 await self._generate(request, replies)
             case StatusRequest():
+                member = self.node.member
+                replicas = self.statuses() + ([] if member is None else member.ops.statuses())
                 replies.send(
-                    StatusResult(id=request.id, accepting=self.router.accepting, replicas=self.statuses())
+                    StatusResult(
+                        id=request.id,
+                        accepting=self.router.accepting,
+                        replicas=replicas,
+                        cluster=None if member is None else member.view(),
+                    )
                 )
             case CancelRequest(request_id=request_id):
                 if not self.router.cancel(request_id):
-                    raise RequestFailed("not_found", f"no live request {request_id!r}")
+                    member = self.node.member
+                    # Admitted by another node of the cluster? Only a client's own cancel asks them.
+                    found = None
+                    if member is not None and replies.connection.connection != "peer":
+                        found = await member.ops.cancel_elsewhere(request, CancelResult)
+                    if found is None:
+                        raise RequestFailed("not_found", f"no live request {request_id!r}")
                 replies.send(CancelResult(id=request.id, request_id=request_id))
+            case TransitionRequest() | LockRequest() | UnlockRequest() if self._elsewhere(request.replica):
+                await self._forward_replica_op(request, replies)
             case TransitionRequest(replica=name, to=to):
                 replica = self._replica(name)
                 previous = await self._transition(replica, request)
@@ -94,7 +112,15 @@ class NodeService:
                     LockResult(id=request.id, replica=name, locked=replica.locked, lock_reasons=reasons)
                 )
             case ScaleRequest():
-                replies.send(await scale(self.node, request))
+                member = self.node.member
+                where = None if member is None else member.ops.place(request.node)
+                if member is not None and where != member.node_id:
+                    assert where is not None
+                    forwarded = msgspec.structs.replace(request, node=where)
+                    result = await member.ops.forward(where, forwarded, ScaleResult)
+                    replies.send(msgspec.structs.replace(result, id=request.id))
+                else:
+                    replies.send(await scale(self.node, request))
             case MetricsRequest():
                 replies.send(
                     metrics_result(
@@ -105,6 +131,9 @@ class NodeService:
                     )
                 )
             case ShutdownRequest():
+                if request.cluster and self.node.member is not None:
+                    local = msgspec.structs.replace(request, cluster=False)
+                    await self.node.member.ops.shutdown_others(local, ShutdownResult)
                 in_flight = len(self.services.requests)
                 self.node.request_shutdown("shutdown op")
                 replies.send(
@@ -209,12 +238,39 @@ class NodeService:
             partner.work.new_prefill.add_partner(replica.name)  # so it hints this replica too
         return previous
 
+    def _elsewhere(self, name: str) -> bool:
+        """`name` is a replica of another node of the cluster (qualified, or a bare name only it has)."""
+        member = self.node.member
+        if member is None or name in self.services.replicas:
+            return False
+        return member.find_remote(name) is not None
+
+    async def _forward_replica_op(
+        self, request: TransitionRequest | LockRequest | UnlockRequest, replies: ReplySink
+    ) -> None:
+        member = self.node.member
+        assert member is not None
+        remote = member.find_remote(request.replica)
+        assert remote is not None
+        forwarded = msgspec.structs.replace(request, replica=remote.name)
+        if isinstance(request, TransitionRequest):
+            transition = await member.ops.forward(remote.node, forwarded, TransitionResult)
+            replies.send(msgspec.structs.replace(transition, id=request.id))
+        else:
+            lock = await member.ops.forward(remote.node, forwarded, LockResult)
+            replies.send(msgspec.structs.replace(lock, id=request.id))
+
     def _replica(self, name: str) -> Replica:
-        replica = self.services.replicas.get(name)
+        replica = self.services.replicas.get(name) or self._bare(name)
         if replica is None:
             known = ", ".join(self.services.replicas)
             raise RequestFailed("not_found", f"no replica {name!r}; replicas are {known}")
         return replica
+
+    def _bare(self, name: str) -> Replica | None:
+        """A bare `{role}-{n}` names this node's replica `{node}/{role}-{n}` in a cluster."""
+        member = self.node.member
+        return None if member is None else self.services.replicas.get(f"{member.node_id}/{name}")
 
     async def _ask(self, replica: Replica, command: Transition | Lock | Unlock) -> Any:
         try:
@@ -246,6 +302,8 @@ class NodeService:
                     weights_source=replica.work.weights_source,
                     weights_bytes_loaded=replica.work.weights_bytes_loaded,
                     paired_with=replica.work.paired_with(),
+                    node=None if self.node.member is None else self.node.member.node_id,
+                    pid=None if self.node.member is None else self.node.member.pid,
                 )
             )
         return statuses

@@ -30,7 +30,11 @@ MAX_STOP_CHARS = 256
 
 ClientId = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_ID_CHARS)]
 RequestId = Annotated[str, msgspec.Meta(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9._:-]+$")]
-ReplicaName = Annotated[str, msgspec.Meta(max_length=64, pattern=r"^[a-z]+-[0-9]+$")]
+# `{role}-{index}`; in a cluster `{node}/{role}-{index}` (the bare form names a replica of the node asked,
+# or the one replica of that name in the cluster).
+ReplicaName = Annotated[
+    str, msgspec.Meta(max_length=64, pattern=r"^(?:[a-z0-9][a-z0-9_-]{0,31}/)?[a-z]+-[0-9]+$")
+]
 TokenId = Annotated[int, msgspec.Meta(ge=0, le=MAX_TOKEN_ID)]
 StopString = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_STOP_CHARS)]
 Count = Annotated[int, msgspec.Meta(ge=0)]
@@ -51,6 +55,7 @@ ErrorCode = Literal[
     "replica_failed",
     "cancelled",
     "shutting_down",
+    "stale_lease",
     "internal",
 ]
 ERROR_CODES: tuple[ErrorCode, ...] = get_args(ErrorCode)
@@ -181,6 +186,8 @@ class ScaleRequest(ControlRequestBase, frozen=True, tag="scale"):
     # Default: `zigzag` for prefill when a prefill replica is serving, else `stop_the_world`.
     mode: ScaleMode | None = None
     source: SourceChoice = "auto"
+    # In a cluster: the node whose replicas to scale (default: this one while it has a free replica slot).
+    node: Annotated[str, msgspec.Meta(max_length=32, pattern=r"^[a-z0-9][a-z0-9_-]*$")] | None = None
 
 
 class MetricsRequest(ControlRequestBase, frozen=True, tag="metrics"):
@@ -188,7 +195,10 @@ class MetricsRequest(ControlRequestBase, frozen=True, tag="metrics"):
 
 
 class ShutdownRequest(ControlRequestBase, frozen=True, tag="shutdown"):
-    """Stop admitting, drain in-flight work within the configured deadline, check pools, exit."""
+    """Stop admitting, drain in-flight work within the configured deadline, check pools, exit.
+    `cluster`: every node of the cluster does (the others first)."""
+
+    cluster: bool = False
 
 
 ControlRequest = (

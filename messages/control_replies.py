@@ -7,6 +7,8 @@ three tags are distinct within each union although every op's final struct is ta
 
 from __future__ import annotations
 
+from typing import Literal
+
 import msgspec
 
 from messages.base import Message, Record
@@ -121,12 +123,27 @@ class ReplicaStatus(Record, frozen=True):
     weights_source: WeightsSource | None = None
     weights_bytes_loaded: Count = 0
     paired_with: list[str] = msgspec.field(default_factory=list)
+    # In a cluster: the node the replica runs on and that node's process id.
+    node: str | None = None
+    pid: int | None = None
+
+
+class ClusterView(Record, frozen=True):
+    """The cluster as the node asked sees it: `state` `ok`, or `degraded` while it cannot reach etcd
+    (it serves what it holds and starts no cross-node work), or `rejoining` after its lease expired."""
+
+    node: str
+    state: Literal["ok", "degraded", "rejoining"]
+    leader: str | None
+    nodes: list[str]
+    lease: int
 
 
 class StatusResult(Message, frozen=True, tag="result"):
     id: ClientId
     accepting: bool
     replicas: list[ReplicaStatus]
+    cluster: ClusterView | None = None
 
 
 class CancelResult(Message, frozen=True, tag="result"):

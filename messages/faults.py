@@ -65,11 +65,20 @@ class HoldWeights(FaultBase, frozen=True, tag="hold_weights"):
     nth: Annotated[int, msgspec.Meta(ge=1)] | None = None
 
 
-Fault = FailReplica | DropLink | StallSender | CorruptTransfer | HoldWeights
+class BlockKeepalive(FaultBase, frozen=True, tag="block_keepalive"):
+    """A cluster node (`engine.cluster`) sends no lease keepalives for `seconds` seconds, starting
+    `after_s` seconds after it joined: its lease expires while etcd is reachable, as when it stalls."""
+
+    seconds: Annotated[float, msgspec.Meta(gt=0.0, le=3600.0)]
+    after_s: Annotated[float, msgspec.Meta(ge=0.0, le=3600.0)] = 0.0
+
+
+Fault = FailReplica | DropLink | StallSender | CorruptTransfer | HoldWeights | BlockKeepalive
 FAULT_KINDS: dict[str, type[Fault]] = {
     "fail_replica": FailReplica,
     "drop_link": DropLink,
     "stall_sender": StallSender,
     "corrupt_transfer": CorruptTransfer,
     "hold_weights": HoldWeights,
+    "block_keepalive": BlockKeepalive,
 }

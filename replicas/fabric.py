@@ -11,6 +11,10 @@ then listen on tcp). `auto` chooses per link with
 `transport.kinds.choose`; every endpoint a fabric knows lives in the node's process, so each link
 resolves to inproc, and `kind` (each replica's `transport` in `status`) says so. The choice is logged
 (`transfer.transport_chosen`).
+
+In a cluster (`engine.cluster`, `clustered=True`) endpoints are reached from other processes and hosts:
+`inproc` and `auto` become `tcp`, every endpoint listens on `host`, and the addresses of the other
+nodes' endpoints arrive with their reports (`remote`).
 """
 
 from __future__ import annotations
@@ -38,10 +42,16 @@ class UnknownEndpoint(Exception):
 class Fabric:
     """Endpoint directory and link cache for one node. Single Trio thread; no locking beyond per-pair."""
 
-    def __init__(self, kind: TransportChoice) -> None:
+    def __init__(self, kind: TransportChoice, *, clustered: bool = False, host: str = "127.0.0.1") -> None:
         self.requested: TransportChoice = kind
         self.kind: TransportKind
-        if kind == "auto":
+        self.host = host
+        # Endpoints of the other nodes of a cluster: name -> address, from their reports.
+        self.remote: dict[str, str] = {}
+        if clustered and kind in ("auto", "inproc"):
+            self.kind = "tcp"
+            _log.info("transfer.transport_chosen", requested=kind, transport="tcp", reason="cluster node")
+        elif kind == "auto":
             # Every endpoint registers here from this process: each link is a same-process link.
             self.kind, reason = choose(LinkFacts(same_process=True, same_host=True, gpu_pools=False))
             _log.info("transfer.transport_chosen", requested=kind, transport=self.kind, reason=reason)
@@ -63,20 +73,24 @@ class Fabric:
         if kind == "inproc":
             address = endpoint.listen_inproc()
         elif kind == "tcp":
-            address = await endpoint.listen_tcp("127.0.0.1", 0)
+            address = await endpoint.listen_tcp(self.host, 0)
         else:
-            address = await endpoint.listen_on(kind)
+            address = await endpoint.listen_on(kind, self.host)
         self._addresses[endpoint.name] = address
         return address
 
     def forget(self, endpoint_name: str) -> None:
         self._addresses.pop(endpoint_name, None)
 
+    @property
+    def local_addresses(self) -> dict[str, str]:
+        return dict(self._addresses)
+
     def address(self, endpoint_name: str) -> str:
-        try:
-            return self._addresses[endpoint_name]
-        except KeyError:
-            raise UnknownEndpoint(f"transfer endpoint {endpoint_name!r} is not open") from None
+        address = self._addresses.get(endpoint_name) or self.remote.get(endpoint_name)
+        if address is None:
+            raise UnknownEndpoint(f"transfer endpoint {endpoint_name!r} is not open")
+        return address
 
     async def link(self, endpoint: TransferEndpoint, sender: str) -> Link:
         """An open, handshaken link from receiving `endpoint` to the sending endpoint `sender`.

@@ -7,17 +7,19 @@ each replica one `ReplicaServices`.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol, final
+from typing import TYPE_CHECKING, Any, Protocol, final
 
 import msgspec
 
+from messages.commands import ReplicaCommand
 from messages.events import LogEvent
 from messages.faults import Fault
 from replicas.emulation import EmulatedSpeed
 from replicas.fabric import Fabric
 from replicas.request import ServingRequest
+from replicas.states import ReplicaState
 from replicas.weights import ModelHost
 from transport.config import TransferConfig
 
@@ -31,6 +33,23 @@ class EventSink(Protocol):
     def emit(self, event: LogEvent) -> None: ...
 
     def bind(self, *, request_id: str | None = None, replica: str | None = None) -> EventSink: ...
+
+
+class PeerReplica(Protocol):
+    """A replica of another node of the cluster, as its node last reported it (`engine.cluster`)."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def state(self) -> ReplicaState: ...
+
+    @property
+    def lock_reasons(self) -> frozenset[str]: ...
+
+    def kv_usage(self) -> tuple[int, int]: ...
+
+    async def ask(self, command: ReplicaCommand, *, timeout: float = 30.0) -> Any: ...
 
 
 class ReplicaSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -77,3 +96,5 @@ class ReplicaServices:
     # The router's hooks: take back work a replica will not do; a replica's readiness changed.
     return_work: Callable[[ServingRequest], None] = lambda request: None
     readiness_changed: Callable[[], None] = lambda: None
+    # The replicas of the other nodes of a cluster that may take this node's work now (empty alone).
+    peers: Callable[[], Sequence[PeerReplica]] = lambda: ()

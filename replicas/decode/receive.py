@@ -51,7 +51,7 @@ async def receive_kv_part(
     kv = replica.pools.kv
     assert endpoint is not None and kv is not None
     log = replica.log.bind(request_id=request.request_id)
-    source = part.source_endpoint.split("/")[0]
+    source = part.source_endpoint.rpartition("/")[0]
     transport = replica.services.fabric.kind
     landing = list(table[: kv.blocks_for(command.prompt_tokens)])
     num_layers = replica.services.host.config.num_layers

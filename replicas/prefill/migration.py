@@ -30,6 +30,7 @@ from transport.errors import TransferError
 if TYPE_CHECKING:
     from replicas.actor import Replica
     from replicas.roles import RoleWork
+    from replicas.services import PeerReplica
 
 S = ReplicaState
 MIGRATING_STATES = frozenset(
@@ -153,7 +154,12 @@ class Migrator:
         """Ask decode replicas in turn; returns (replica name, transfer id) of the one that accepted."""
         request = item.request
         services = self.replica.services
-        decoders = [r for r in services.replicas.values() if r.state is S.DECODE and not r.lock_reasons]
+        decoders: list[Replica | PeerReplica] = [
+            r for r in services.replicas.values() if r.state is S.DECODE and not r.lock_reasons
+        ]
+        # The other nodes' decode replicas (a cluster); a ZigZag half stays within this node.
+        if item.relay is None:
+            decoders += [p for p in services.peers() if p.state is S.DECODE and not p.lock_reasons]
         if not decoders:
             return None
         start = self._next_decode % len(decoders)

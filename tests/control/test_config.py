@@ -139,7 +139,7 @@ def test_fault_flags_replace_the_files_faults(tmp_path: Path) -> None:
         (
             ["--fault", "explode:now=1"],
             {},
-            "--fault (faults): bad value ['explode:now=1'] from the command line: unknown fault kind 'explode'; kinds are fail_replica, drop_link, stall_sender, corrupt_transfer, hold_weights",
+            "--fault (faults): bad value ['explode:now=1'] from the command line: unknown fault kind 'explode'; kinds are fail_replica, drop_link, stall_sender, corrupt_transfer, hold_weights, block_keepalive",
         ),
         (
             ["--fault", "fail_replica:after_steps=2"],

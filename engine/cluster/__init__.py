@@ -1,0 +1,1 @@
+"""A cluster of nodes on etcd (docs/cluster.md)."""

@@ -1,0 +1,110 @@
+"""Replica commands between nodes: `RemoteReplica.ask` on one side, `RunCommand` served on the other.
+
+A `ReserveKV` carries the request it reserves for (`RequestSnapshot`): the decode node adopts it as a
+mirror, and once the reservation holds, the origin learns which replica holds the request (`Holding`,
+or directly when the origin asked). Commands that act on a reservation or a lock (`ReserveKV`, `Lock`,
+`Unlock`) from a node whose lease is not its current one are refused with `stale_lease`.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+
+from engine.cluster.peers import PeerUnreachable, new_correlation
+from engine.cluster.remote import RemoteReplica
+from engine.cluster.requests import snapshot
+from messages.cluster import CommandOutcome, Holding, PeerFrame, RunCommand
+from messages.commands import Lock, ReplicaCommand, ReserveKV, Unlock
+from replicas.actor import Replica
+from replicas.inbox import CommandRefused
+from replicas.states import ReplicaState
+
+if TYPE_CHECKING:
+    from engine.cluster.member import ClusterMember
+
+LEASED = (ReserveKV, Lock, Unlock)  # commands refused from a stale lease
+
+
+async def run_command(
+    member: ClusterMember, replica: RemoteReplica, command: ReplicaCommand, *, timeout: float
+) -> Any:
+    """`RemoteReplica.ask`: a `ReserveKV` carries the request (this node's object of it)."""
+    if not member.reachable:
+        raise replica.refused("this node cannot reach the cluster's etcd now (cluster degraded)")
+    snap = None
+    if isinstance(command, ReserveKV):
+        request = member.services.requests.get(command.request_id)
+        if request is None or request.ended:
+            raise CommandRefused("not_found", f"request {command.request_id} is not live here")
+        if request.request_id not in member.mirrors:
+            member.track(request)
+        if request.stamps.kv_started is None:  # the KV moves right after: the decode side keeps it
+            request.stamps.kv_started = time.time()
+        snap = snapshot(request, member.origin_of(request), images=False)
+    correlation = new_correlation(member.node_id)
+    message = RunCommand(correlation=correlation, replica=replica.name, command=command, request=snap)
+    try:
+        outcome = await member.peers.ask(replica.node, message, correlation, timeout=timeout)
+    except PeerUnreachable as exc:
+        raise replica.refused(str(exc)) from None
+    assert isinstance(outcome, CommandOutcome)
+    if outcome.error_code is not None:
+        raise CommandRefused(outcome.error_code, outcome.error_message or "refused")
+    if isinstance(command, ReserveKV):  # the remote decode replica holds the request now
+        request = member.services.requests.get(command.request_id)
+        if request is not None:
+            request.holder = replica.name
+        if request is not None and request.request_id not in member.mirrors:
+            member.holders[command.request_id] = replica.node
+    return outcome.result
+
+
+async def serve_command(member: ClusterMember, frame: PeerFrame, message: RunCommand) -> None:
+    """Run a `RunCommand` from `frame.sender` here and answer with its `CommandOutcome`."""
+    command = message.command
+    created = message.request is not None and message.request.request_id not in member.services.requests
+    try:
+        replica = _command_target(member, frame, message)
+        result = await replica.ask(command)
+        plain = msgspec.to_builtins(result.value if isinstance(result, ReplicaState) else result)
+        outcome = CommandOutcome(correlation=message.correlation, result=plain)
+        if isinstance(command, ReserveKV):
+            _now_holding(member, command.request_id, replica.name)
+    except CommandRefused as exc:
+        outcome = CommandOutcome(
+            correlation=message.correlation,
+            error_code=exc.code,  # type: ignore[arg-type]
+            error_message=str(exc),
+        )
+        request = member.mirrors.get(message.request.request_id) if message.request else None
+        if created and request is not None:
+            member.drop_mirror(request)
+    member.peers.send(frame.sender, outcome)
+
+
+def _command_target(member: ClusterMember, frame: PeerFrame, message: RunCommand) -> Replica:
+    """The replica a `RunCommand` names, its request adopted; raises `CommandRefused`."""
+    sender = member.membership.members.get(frame.sender)
+    if isinstance(message.command, LEASED) and (sender is None or sender.lease != frame.lease):
+        raise CommandRefused(
+            "stale_lease",
+            f"{type(message.command).__name__} from node {frame.sender} under lease {frame.lease:x}, "
+            "which is not its current one",
+        )
+    replica = member.services.replicas.get(message.replica)
+    if replica is None:
+        raise CommandRefused("not_found", f"no replica {message.replica!r} on node {member.node_id}")
+    if message.request is not None and member.adopt(message.request) is None:
+        raise CommandRefused("not_found", f"request {message.request.request_id} has ended")
+    return replica
+
+
+def _now_holding(member: ClusterMember, request_id: str, replica: str) -> None:
+    origin = member.origins.get(request_id)
+    if origin is not None:
+        member.peers.send(origin, Holding(request_id=request_id, replica=replica))
+    else:
+        member.holders.pop(request_id, None)  # the origin's own decode replica holds it

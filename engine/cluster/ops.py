@@ -1,0 +1,140 @@
+"""Control ops that reach past one node: served elsewhere and relayed (`ClientOp`), and the cluster's
+view in `status`.
+
+A node asked to `cancel` a request it did not admit asks every other node; a `scale` naming another
+node, or finding no free replica slot here, runs on that node; `shutdown {"cluster": true}` asks every
+other node to shut down, then this one. The op runs there as if a client had sent it to that node's
+control socket; its final reply comes back as JSON and is sent to this node's client under its own id.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Final, TypeVar, final
+
+import msgspec
+import structlog
+
+from engine.cluster.peers import PeerUnreachable, new_correlation
+from engine.control.errors import RequestFailed
+from engine.control.outbox import ConnectionInfo, Outbox, ReplySink
+from messages.cluster import ClientOp, ClientOpResult
+from messages.control import ControlRequest
+from messages.control_replies import ErrorReply, ReplicaStatus
+
+if TYPE_CHECKING:
+    from engine.cluster.member import ClusterMember
+
+_log = structlog.get_logger("engine.cluster")
+FORWARD_TIMEOUT: Final = 60.0
+R = TypeVar("R")
+
+
+@final
+class ClusterOps:
+    """See the module docstring."""
+
+    def __init__(self, member: ClusterMember) -> None:
+        self.member = member
+
+    async def serve_forwarded(self, sender: str, message: ClientOp) -> None:
+        """Run a forwarded op here and answer with its final reply (an error reply when it failed)."""
+        outbox = Outbox(max_replies=16)
+        sink = ReplySink(
+            message.request, outbox, ConnectionInfo(connection="peer", peer=sender), lambda: None
+        )
+        try:
+            await self.member.node.service.handle(message.request, sink)
+        except RequestFailed as exc:
+            outbox.put(ErrorReply(id=message.request.id, code=exc.code, message=exc.message), final=True)
+        outbox.finish()
+        lines: list[bytes] = []
+        while (chunk := await outbox.next_chunk()) is not None:
+            lines.extend(line for line in chunk.split(b"\n") if line)
+        reply = (
+            lines[-1]
+            if lines
+            else msgspec.json.encode(
+                ErrorReply(id=message.request.id, code="internal", message="the op sent no reply")
+            )
+        )
+        self.member.peers.send(sender, ClientOpResult(correlation=message.correlation, reply=reply))
+
+    async def forward(self, node: str, request: ControlRequest, result_type: type[R]) -> R:
+        """Run `request` on `node`; its result, or `RequestFailed` with the error it got there."""
+        member = self.member
+        correlation = new_correlation(member.node_id)
+        try:
+            answer = await member.peers.ask(
+                node, ClientOp(correlation=correlation, request=request), correlation, timeout=FORWARD_TIMEOUT
+            )
+        except PeerUnreachable as exc:
+            raise RequestFailed("replica_failed", str(exc)) from None
+        assert isinstance(answer, ClientOpResult)
+        reply = msgspec.json.decode(answer.reply, type=ErrorReply | result_type)
+        if isinstance(reply, ErrorReply):
+            raise RequestFailed(reply.code, f"node {node}: {reply.message}")
+        return reply
+
+    async def cancel_elsewhere(self, request: ControlRequest, result_type: type[R]) -> R | None:
+        """Ask every other node to cancel; the first that had the request answers."""
+        for node in self.member.other_nodes():
+            try:
+                return await self.forward(node, request, result_type)
+            except RequestFailed as exc:
+                if exc.code != "not_found":
+                    _log.info("cluster.cancel_forward_failed", node=node, error=exc.message)
+        return None
+
+    async def shutdown_others(self, request: ControlRequest, result_type: type[R]) -> list[str]:
+        stopped = []
+        for node in self.member.other_nodes():
+            try:
+                await self.forward(node, request, result_type)
+                stopped.append(node)
+            except RequestFailed as exc:
+                _log.warning("cluster.shutdown_forward_failed", node=node, error=exc.message)
+        return stopped
+
+    def place(self, wanted: str | None) -> str:
+        """The node a `scale` runs on: `wanted`, else this one while it has a free replica slot, else the
+        member with the most free slots."""
+        member = self.member
+        members = member.membership.members
+        if wanted is not None:
+            if wanted not in members:
+                known = ", ".join(sorted(members))
+                raise RequestFailed("not_found", f"no node {wanted!r} in the cluster; nodes are {known}")
+            return wanted
+        slots = member.node.config.cluster.replica_slots - len(member.services.replicas)
+        if slots > 0 or len(members) == 1:
+            return member.node_id
+        best = max(members.values(), key=lambda r: r.capacity.free_replica_slots)
+        return best.node_id if best.capacity.free_replica_slots > 0 else member.node_id
+
+    def statuses(self) -> list[ReplicaStatus]:
+        """The other nodes' replicas as they last reported them."""
+        member = self.member
+        statuses = []
+        for node, report in sorted(member.reports.items()):
+            for r in report.replicas:
+                statuses.append(
+                    ReplicaStatus(
+                        name=r.name,
+                        role=r.serving_role,
+                        state=r.state,
+                        used_blocks=r.used_blocks,
+                        cached_blocks=r.cached_blocks,
+                        total_blocks=r.total_blocks,
+                        locked=r.locked,
+                        lock_reasons=r.lock_reasons,
+                        work_queue=r.work_queue,
+                        migration_queue=r.migration_queue,
+                        last_error=r.last_error,
+                        transport=r.transport,
+                        loaded_layers=r.loaded_layers,
+                        total_layers=r.total_layers,
+                        node=node,
+                        pid=report.pid,
+                    )
+                )
+        return statuses

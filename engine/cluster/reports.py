@@ -1,0 +1,84 @@
+"""What a member tells the others: its etcd record and its replicas' reports (`messages.cluster`)."""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import TYPE_CHECKING
+
+from messages.cluster import NodeCapacity, NodeRecord, ReplicaEntry, ReplicaReport, Report
+from replicas.actor import Replica
+from replicas.states import SERVING_ROLE, ReplicaState
+
+if TYPE_CHECKING:
+    from engine.cluster.member import ClusterMember
+
+
+def replica_report(replica: Replica, transport: str) -> ReplicaReport:
+    work, migration = replica.work.queue_lengths()
+    kv_used, kv_total = replica.pools.kv_usage()
+    return ReplicaReport(
+        name=replica.name,
+        role=replica.role,
+        serving_role=SERVING_ROLE.get(replica.state) or replica.role,
+        state=replica.state.value,
+        locked=replica.locked,
+        lock_reasons=sorted(replica.lock_reasons),
+        used_blocks=replica.pools.used_blocks(),
+        cached_blocks=kv_used,
+        total_blocks=replica.pools.total_blocks(),
+        kv_used=kv_used,
+        kv_total=kv_total,
+        work_queue=work,
+        migration_queue=migration,
+        queued_prompt_tokens=sum(q.prompt_tokens for q in replica.work.prefill.queue),
+        encode_load=replica.work.encode.load,
+        embedding_pool=replica.pools.emb_endpoint is not None,
+        # Cross-node work goes to replicas serving plainly (ZigZag pairs stay within their node).
+        takes_work=replica.state in (ReplicaState.PREFILL, ReplicaState.ENCODE)
+        and replica.nursery is not None,
+        last_error=replica.last_error,
+        transport=replica.services.fabric.kind,
+        loaded_layers=replica.work.loaded_layers,
+        total_layers=replica.work.total_layers,
+    )
+
+
+def build_report(member: ClusterMember) -> Report:
+    services = member.services
+    return Report(
+        accepting=member.router.accepting,
+        replicas=[replica_report(r, services.fabric.kind) for r in services.replicas.values()],
+        endpoints=services.fabric.local_addresses,
+        pid=member.pid,
+    )
+
+
+def node_record(member: ClusterMember, peer_address: str) -> NodeRecord:
+    node = member.node
+    config = node.config
+    replicas = node.services.replicas.values()
+    return NodeRecord(
+        node_id=member.node_id,
+        pid=member.pid,
+        lease=member.membership.lease,
+        peer_address=peer_address,
+        control_address=node.control_address or "",
+        http_url=node.http_url,
+        identity=node.identity(),
+        capacity=NodeCapacity(
+            devices=[config.device],
+            memory_bytes=_memory_bytes(),
+            free_replica_slots=max(0, config.cluster.replica_slots - len(replicas)),
+        ),
+        replicas=[ReplicaEntry(name=r.name, role=r.role) for r in replicas],
+        weights=[node.host.name],
+        started=time.time() - (time.monotonic() - node.started),
+    )
+
+
+def _memory_bytes() -> int:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError):
+        return 0

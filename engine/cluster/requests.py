@@ -1,0 +1,162 @@
+"""Requests that cross nodes: snapshots, mirrors, and what the origin does with forwarded updates.
+
+The origin of a request (the node that admitted it) keeps the authoritative `ServingRequest`; a node
+that works on it holds a *mirror* built from a `RequestSnapshot`. A mirror's holder appends tokens and
+ends it exactly as it would a local request; the mirror's `on_tokens` and `on_end` hooks forward that to
+the origin, which applies it in index order (`apply_tokens`: a token the origin already has is skipped,
+one past a gap waits for the gap) and ends its request with the mirror's outcome (`apply_ended`).
+When the request already lives on the node a snapshot reaches (the origin itself, or a node that
+encoded it), the snapshot updates that object instead (`merge_snapshot`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import fields
+
+import numpy as np
+
+from messages.cluster import EndedForward, ImageData, RequestSnapshot, SamplingRecord, StampsRecord
+from replicas.model import SamplingParams
+from replicas.request import EmbeddingRoute, FailedUpdate, ServingRequest, Stamps
+
+_STAMPS = [f.name for f in fields(Stamps)]
+
+
+def snapshot(request: ServingRequest, origin: str, *, images: bool) -> RequestSnapshot:
+    """`request` as far as it got; with its images only for a node that encodes or prefills it."""
+    sampling = request.sampling
+    route = request.embedding_route
+    return RequestSnapshot(
+        request_id=request.request_id,
+        origin=origin,
+        prompt_ids=list(request.prompt_ids),
+        images=[_image(image) for image in request.images] if images else [],
+        sampling=SamplingRecord(
+            temperature=sampling.temperature,
+            top_p=sampling.top_p,
+            seed=sampling.seed,
+            ignore_eos=sampling.ignore_eos,
+            eos_banned_before=sampling.eos_banned_before,
+            eos_token_ids=list(sampling.eos_token_ids),
+        ),
+        max_tokens=request.max_tokens,
+        eos_token_ids=list(request.eos_token_ids),
+        token_ids=list(request.token_ids),
+        generated=list(request.generated),
+        next_position=request.next_position,
+        stop_at=request.stop_at,
+        cancelled=request.cancelled,
+        stamps=stamps_record(request.stamps),
+        transfers=list(request.transfers),
+        relay=request.relay,
+        embedding_encoder=None if route is None else route.encoder,
+        embedding_transfer_id=None if route is None else route.transfer_id,
+    )
+
+
+def mirror(snap: RequestSnapshot) -> ServingRequest:
+    """A new request object for this node, as `snap` describes it."""
+    s = snap.sampling
+    request = ServingRequest(
+        request_id=snap.request_id,
+        prompt_ids=snap.prompt_ids,
+        images=[np.frombuffer(i.data, dtype=i.dtype).reshape(i.shape).copy() for i in snap.images],
+        sampling=SamplingParams(
+            temperature=s.temperature,
+            top_p=s.top_p,
+            seed=s.seed,
+            ignore_eos=s.ignore_eos,
+            eos_banned_before=s.eos_banned_before,
+            eos_token_ids=tuple(s.eos_token_ids),
+        ),
+        max_tokens=snap.max_tokens,
+        eos_token_ids=snap.eos_token_ids,
+    )
+    merge_snapshot(request, snap)
+    return request
+
+
+def merge_snapshot(request: ServingRequest, snap: RequestSnapshot) -> None:
+    """Bring `request` up to `snap`: its laid-out prompt, tokens, stamps, transfers and route."""
+    if snap.token_ids:
+        request.token_ids = list(snap.token_ids)
+        request.next_position = snap.next_position
+    apply_tokens(request, 0, snap.generated, emit=False)
+    merge_stamps(request, snap.stamps)
+    merge_transfers(request, snap)
+    request.relay = request.relay or snap.relay
+    if snap.stop_at is not None and request.stop_at is None:
+        request.stop_at = snap.stop_at
+    if snap.embedding_encoder is not None and snap.embedding_transfer_id is not None:
+        request.embedding_route = EmbeddingRoute(snap.embedding_encoder, snap.embedding_transfer_id)
+    if snap.cancelled and not request.cancelled:
+        request.cancel()
+
+
+def apply_tokens(request: ServingRequest, start: int, token_ids: list[int], *, emit: bool = True) -> None:
+    """Append the tokens `[start, start + n)` this request does not have yet (see the module docstring)."""
+    have = len(request.generated)
+    if start > have or request.ended:
+        return  # a gap: the tokens before these arrive with the snapshot or the final update
+    new = token_ids[have - start :]
+    if new:
+        request.generated.extend(new)
+        if emit:
+            request.emit_tokens(new)
+
+
+def apply_ended(request: ServingRequest, ended: EndedForward) -> None:
+    """End the origin's `request` as its mirror ended (tokens not yet applied are applied first)."""
+    if ended.token_ids and not request.token_ids:
+        request.token_ids = list(ended.token_ids)  # the prompt as laid out there (images expanded)
+    apply_tokens(request, 0, ended.generated)
+    merge_stamps(request, ended.stamps)
+    for summary in ended.transfers:
+        if all(t.transfer_id != summary.transfer_id for t in request.transfers):
+            request.transfers.append(summary)
+    request.relay = request.relay or ended.relay
+    if ended.outcome == "failed":
+        assert ended.code is not None
+        request.fail(ended.code, ended.message or "failed on another node")
+    else:
+        request.finish(ended.finish_reason or "stop")
+
+
+def ended_forward(request: ServingRequest) -> EndedForward:
+    update = request.final_update
+    failed = isinstance(update, FailedUpdate)
+    return EndedForward(
+        request_id=request.request_id,
+        outcome="failed" if failed else "finished",
+        finish_reason=None if failed or update is None else update.finish_reason,  # type: ignore[union-attr]
+        code=update.code if isinstance(update, FailedUpdate) else None,
+        message=update.message if isinstance(update, FailedUpdate) else None,
+        token_ids=list(request.token_ids),
+        generated=list(request.generated),
+        stamps=stamps_record(request.stamps),
+        transfers=list(request.transfers),
+        relay=request.relay,
+    )
+
+
+def stamps_record(stamps: Stamps) -> StampsRecord:
+    return StampsRecord(**{name: getattr(stamps, name) for name in _STAMPS})
+
+
+def merge_stamps(request: ServingRequest, record: StampsRecord) -> None:
+    """Take the milestones this node has not seen (the origin keeps its own arrival and first token)."""
+    for name in _STAMPS:
+        value = getattr(record, name)
+        if value is not None and getattr(request.stamps, name) is None:
+            setattr(request.stamps, name, value)
+
+
+def merge_transfers(request: ServingRequest, snap: RequestSnapshot) -> None:
+    for summary in snap.transfers:
+        if all(t.transfer_id != summary.transfer_id for t in request.transfers):
+            request.transfers.append(summary)
+
+
+def _image(image: np.ndarray) -> ImageData:
+    array = np.ascontiguousarray(image)
+    return ImageData(shape=list(array.shape), dtype=str(array.dtype), data=array.tobytes())

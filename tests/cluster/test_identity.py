@@ -1,0 +1,90 @@
+"""Token identity across processes: encode, prefill and decode replicas in three node processes of one
+cluster, 32 mixed requests (text, token ids, images; greedy and seeded; streamed or not) sent to one
+node, each output equal to the model run in one piece, every transfer over tcp (or ucx), none inproc.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import trio
+
+from engine.client import ControlClient
+from engine.cluster.local_etcd import LocalEtcd
+from messages.control_replies import GenerateResult
+from replicas.model import tiny_model
+from tests.cluster.harness import cluster_nodes, cluster_transport
+from tests.epd.images import image_input, image_with_rows, reference
+from tests.node.harness import wait_idle
+from tests.node.workload import check_outcome, mixed_workload, send
+from tests.waiting import deadline
+
+LAYOUT = (
+    ("enc", "encode=1,prefill=0,decode=0"),
+    ("pre", "encode=0,prefill=1,decode=0"),
+    ("dec", "encode=0,prefill=0,decode=1"),
+)
+IMAGE_PROMPTS = ("<image> one", "two <image> and <image>", "<image>", "three <image> here")
+
+
+async def test_three_processes_give_the_tokens_of_the_model_in_one_piece(
+    tmp_path: Path, etcd: LocalEtcd
+) -> None:
+    model = tiny_model()
+    transport = cluster_transport()
+    asks = mixed_workload(model, 28, text=True)
+    images = [
+        [image_with_rows(rows, seed=index * 7 + n) for n, rows in enumerate((12, 40)[: p.count("<image>")])]
+        for index, p in enumerate(IMAGE_PROMPTS)
+    ]
+    async with cluster_nodes(tmp_path, etcd, LAYOUT) as nodes, nodes["enc"].client() as client:
+        status = await client.status()
+        pids = {r.node: r.pid for r in status.replicas}
+        assert set(pids) == {"enc", "pre", "dec"} and len(set(pids.values())) == 3, status.replicas
+        assert status.cluster is not None and status.cluster.nodes == ["dec", "enc", "pre"]
+        outcomes: dict[int, object] = {}
+        image_results: dict[int, GenerateResult] = {}
+
+        async def text(index: int) -> None:
+            outcomes[index] = await send(client, asks[index])
+
+        async def pictured(index: int) -> None:
+            image_results[index] = await _with_images(client, IMAGE_PROMPTS[index], images[index])
+
+        async with trio.open_nursery() as nursery:
+            for index in range(len(asks)):
+                nursery.start_soon(text, index)
+            for index in range(len(IMAGE_PROMPTS)):
+                nursery.start_soon(pictured, index)
+        problems = []
+        for outcome in outcomes.values():
+            problems += check_outcome(model, outcome, transport=transport)  # type: ignore[arg-type]
+        for index, result in image_results.items():
+            expected = reference(model, IMAGE_PROMPTS[index], images[index], 6)
+            if result.token_ids != expected:
+                problems.append(f"{IMAGE_PROMPTS[index]!r}: {result.token_ids} != {expected}")
+            kinds = sorted(t.kind for t in result.transfers)
+            if kinds != ["embedding", "kv"]:
+                problems.append(f"{IMAGE_PROMPTS[index]!r}: transfers {kinds}")
+        assert not problems, "\n".join(problems)
+        every = [t for o in outcomes.values() for t in o.result.transfers] + [  # type: ignore[attr-defined]
+            t for r in image_results.values() for t in r.transfers
+        ]
+        assert {t.transport for t in every} == {transport}
+        assert {(t.source, t.destination) for t in every if t.kind == "kv"} == {
+            ("pre/prefill-0", "dec/decode-0")
+        }
+        assert {(t.source, t.destination) for t in every if t.kind == "embedding"} == {
+            ("enc/encode-0", "pre/prefill-0")
+        }
+        for node in nodes.values():
+            async with node.client() as each:
+                await wait_idle(each)  # every block back in its pool, on every node
+
+
+async def _with_images(client: ControlClient, prompt: str, images: list[np.ndarray]) -> GenerateResult:
+    with deadline(f"the reply to {prompt!r}", 120):
+        return await client.generate_result(
+            prompt=prompt, images=[image_input(image) for image in images], max_tokens=6, ignore_eos=True
+        )
