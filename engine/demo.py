@@ -6,6 +6,9 @@ default 1024-token grant (a 512×640 image is 1280 rows: a REQUEST_MORE_CACHE ro
 concurrently by a real client over the node's control socket. Each output is compared with the model
 run in one piece (`engine.verify.compare`: same weights, one sequence, no disaggregation). Exit code 0
 only when every output matched, no request failed and no block leaked.
+
+With `--nodes N` (2 or more, no `--cluster`) the replicas run in N node processes of one cluster on a
+local etcd, this process as node-0 (`engine.cluster.demo`); the report adds one line per node.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import numpy as np
 import trio
 
 from engine.client import ControlClient, ControlError
+from engine.cluster.demo import node_lines, shutdown_cluster, wait_serving
 from engine.control.address import Address
 from engine.verify import compare
 from messages.control import ImageInput
@@ -144,14 +148,18 @@ async def run_demo(node: Node, *, requests: int = 24, out: TextIO | None = None)
         )
         reference_model = await node.host.acquire("demo-reference")
         async with ControlClient.connect(address) as client:
+            if node.member is not None:  # in a cluster: every node's replicas serve first
+                await wait_serving(client, node.config.cluster.nodes)
             with trio.fail_after(600):
                 async with trio.open_nursery() as clients:
                     for index, item in enumerate(workload):
                         clients.start_soon(_one, client, index, item, results)
                 status = await client.status()
-                await client.shutdown()
+                await (client.shutdown() if node.member is None else shutdown_cluster(client))
     states = ", ".join(f"{r.name} ({r.state})" for r in status.replicas)
     print(f"demo: replicas {states}", file=out)
+    if node.member is not None:
+        print(*node_lines(status), sep="\n", file=out)
     matched = await trio.to_thread.run_sync(_verify, reference_model, node, workload, results)
     node.host.release("demo-reference")
     failed = [r for r in results.values() if isinstance(r, ControlError)]

@@ -1,0 +1,319 @@
+"""`python -m engine.node --demo --nodes N`: the demo across N node processes of one cluster.
+
+`run_cluster_demo` starts etcd (`engine.cluster.local_etcd`) in a temporary directory and N−1 child
+nodes (`local_cluster`: `python -m engine.node --cluster URL --node-id node-K ...`, each read up to its
+`{"listening": ...}` stdout line within `START_SECONDS`), then runs this process as node-0 of the same
+cluster with the demo workload (`engine.demo.run_demo`). The demo waits until every node's replicas
+serve (`wait_serving`), sends its requests to node-0's socket — the cluster routes them across the
+processes — prints one line per node (`node_lines`) and ends with `shutdown {"cluster": true}`
+(`shutdown_cluster`): the children stop first, then node-0.
+
+Roles (`role_plan`): node-0 decodes; with a model that has a vision encoder node-1 encodes and node-2
+prefills (with two nodes node-1 does both); without one node-1 prefills. Every further node runs one
+decode or prefill replica, whichever role has fewer so far (decode on a tie). The children serve the
+parent's model, device, dtype, block sizes and transport (`tcp` unless the parent asked for `tcp` or
+`ucx`); the parent's `--replicas` is not used.
+
+Cleanup is shielded and bounded: children still running `STOP_SECONDS` after the cluster was asked to
+stop — or at once, when the run failed before asking — are ended (SIGTERM first when they were not
+asked, SIGKILL after), then etcd stops. The exit code is non-zero when the demo failed, or a child did
+not start or exited with a non-zero code. `local_cluster` also serves the benchmarks
+(`engine.bench.e2e_cluster`), where every node is a child.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import subprocess
+import sys
+import tempfile
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Final, TextIO, final
+
+import msgspec
+import trio
+
+from engine.client import ControlClient
+from engine.cluster.local_etcd import LocalEtcdError, start_local_etcd
+from engine.config import NodeConfig, ReplicaCounts
+from messages.control import ShutdownRequest
+from messages.control_replies import ShutdownResult, StatusResult
+
+START_SECONDS: Final = 60.0  # a child: interpreter, imports, joining the cluster, binding its socket
+READY_SECONDS: Final = 120.0  # every node's replicas loaded and serving
+STOP_SECONDS: Final = 30.0  # children asked to stop: drain, leak check, exit
+KILL_SECONDS: Final = 10.0  # a child sent SIGTERM or SIGKILL: until it is reaped
+POLL_SECONDS: Final = 0.1
+SERVING: Final = frozenset({"Encode", "Prefill", "Decode"})
+_TAIL_CHARS: Final = 3000
+
+
+@final
+class ClusterDemoFailed(Exception):
+    """A node did not start, serve or stop as it should; the message says which and why."""
+
+
+def role_plan(nodes: int, *, vision: bool) -> list[ReplicaCounts]:
+    """The replicas of node-0 … node-{nodes−1} (see the module docstring)."""
+    if nodes < 2:
+        raise ValueError(f"a cluster of node processes needs 2 nodes or more, not {nodes}")
+    plan: list[dict[str, int]] = [{"decode": 1}]
+    if nodes == 2 or not vision:
+        plan.append({"encode": int(vision), "prefill": 1})
+    else:
+        plan += [{"encode": 1}, {"prefill": 1}]
+    for _ in range(len(plan), nodes):
+        decode = sum(counts.get("decode", 0) for counts in plan)
+        prefill = sum(counts.get("prefill", 0) for counts in plan)
+        plan.append({"decode": 1} if decode <= prefill else {"prefill": 1})
+    return [ReplicaCounts(**counts) for counts in plan]
+
+
+@final
+class ChildNode:
+    """A node process of `local_cluster`: its `node_id`, `counts`, and control `address` once it listens."""
+
+    def __init__(self, node_id: str, counts: ReplicaCounts, process: trio.Process, stderr_path: Path) -> None:
+        self.node_id = node_id
+        self.counts = counts
+        self.process = process
+        self.stderr_path = stderr_path
+        self.address: str | None = None
+
+    def stderr_tail(self) -> str:
+        try:
+            return self.stderr_path.read_text(errors="replace")[-_TAIL_CHARS:]
+        except OSError as error:
+            return f"(cannot read {self.stderr_path}: {error})"
+
+    async def read_listening(self) -> str:
+        """The control address of the child's `{"listening": ...}` line; `ClusterDemoFailed` when the
+        child exits first or prints none within `START_SECONDS`."""
+        stdout = self.process.stdout
+        assert stdout is not None
+        pending = b""
+        with trio.move_on_after(START_SECONDS):
+            while True:
+                line, newline, rest = pending.partition(b"\n")
+                if not newline:
+                    chunk = await stdout.receive_some(65536)
+                    if not chunk:
+                        with trio.move_on_after(KILL_SECONDS):
+                            await self.process.wait()
+                        raise ClusterDemoFailed(
+                            f"node {self.node_id} exited (code {self.process.returncode}) before it "
+                            f"listened; its stderr ends:\n{self.stderr_tail()}"
+                        )
+                    pending += chunk
+                    continue
+                pending = rest
+                try:
+                    message = json.loads(line)
+                except json.JSONDecodeError:
+                    continue
+                if isinstance(message, dict) and "listening" in message:
+                    return str(message["listening"])
+        raise ClusterDemoFailed(
+            f"node {self.node_id} did not listen within {START_SECONDS:g} s; its stderr ends:\n"
+            f"{self.stderr_tail()}"
+        )
+
+
+@final
+class LocalCluster:
+    """What `local_cluster` yields: etcd's `url` and the `children`. Set `stopping` once the cluster was
+    asked to stop (`shutdown_cluster`); after the block, `failures` names each child that failed."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.children: list[ChildNode] = []
+        self.stopping = False
+        self.failures: list[str] = []
+
+
+@asynccontextmanager
+async def local_cluster(
+    directory: Path, children: Sequence[tuple[str, ReplicaCounts]], options: Sequence[str]
+) -> AsyncIterator[LocalCluster]:
+    """Start etcd (data in `directory/etcd`) and one child node per `(node_id, counts)`, with `options`
+    added to each command line; yield once every child listens. Raises `LocalEtcdError` when etcd does
+    not start, `ClusterDemoFailed` when a child does not listen."""
+    etcd = await start_local_etcd(str(directory / "etcd"))
+    cluster = LocalCluster(etcd.url)
+    try:
+        try:
+            for node_id, counts in children:
+                cluster.children.append(await _start_child(directory, etcd.url, node_id, counts, options))
+            for child in cluster.children:
+                child.address = await child.read_listening()
+            yield cluster
+        finally:
+            cluster.failures = await _stop_children(cluster.children, asked=cluster.stopping)
+    finally:
+        await etcd.stop()
+
+
+async def _start_child(
+    directory: Path, url: str, node_id: str, counts: ReplicaCounts, options: Sequence[str]
+) -> ChildNode:
+    command = [
+        *(sys.executable, "-m", "engine.node", "--cluster", url, "--node-id", node_id),
+        *("--listen", "127.0.0.1:0", "--http", "off", "--replicas", str(counts)),
+        *("--no-log-console", "--no-demo", *options),
+    ]
+    stderr_path = directory / f"{node_id}.stderr"
+    with stderr_path.open("wb") as stderr:  # a local file, handed to the child
+        process = await trio.lowlevel.open_process(
+            command, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=stderr
+        )
+    return ChildNode(node_id, counts, process, stderr_path)
+
+
+async def _stop_children(children: list[ChildNode], *, asked: bool) -> list[str]:
+    """Reap every child (shielded, bounded); what went wrong with each, in words."""
+    failures = []
+    with trio.CancelScope(shield=True):
+        if not asked:
+            for child in children:
+                if child.process.returncode is None:
+                    child.process.terminate()
+        with trio.move_on_after(STOP_SECONDS):
+            for child in children:
+                await child.process.wait()
+        for child in children:
+            process = child.process
+            if process.returncode is None:
+                process.kill()
+                with trio.move_on_after(KILL_SECONDS):
+                    await process.wait()
+                failures.append(f"node {child.node_id} did not exit within {STOP_SECONDS:g} s; killed")
+            elif process.returncode != 0:
+                failures.append(
+                    f"node {child.node_id} exited with code {process.returncode}; its stderr ends:\n"
+                    f"{child.stderr_tail()}"
+                )
+            if process.stdout is not None:
+                await process.stdout.aclose()
+    return failures
+
+
+# ---------------------------------------------------------------------------------------------- client
+def _serving(status: StatusResult, nodes: int) -> bool:
+    listed = {replica.node for replica in status.replicas}
+    return len(listed) >= nodes and all(replica.state in SERVING for replica in status.replicas)
+
+
+async def wait_serving(client: ControlClient, nodes: int, seconds: float = READY_SECONDS) -> StatusResult:
+    """Poll `status` until it lists replicas of at least `nodes` nodes and every one serves; raise
+    `ClusterDemoFailed` with what it saw last after `seconds`."""
+    status = await client.status()
+    with trio.move_on_after(seconds):
+        for _ in itertools.count():
+            if _serving(status, nodes):
+                return status
+            await trio.sleep(POLL_SECONDS)
+            status = await client.status()
+    listed = sorted({str(replica.node) for replica in status.replicas})
+    states = ", ".join(f"{replica.name} ({replica.state})" for replica in status.replicas)
+    raise ClusterDemoFailed(
+        f"the cluster did not serve within {seconds:g} s: {len(listed)} of {nodes} nodes listed "
+        f"({', '.join(listed)}); replicas {states or 'none'}"
+    )
+
+
+async def shutdown_cluster(client: ControlClient) -> ShutdownResult:
+    """`shutdown {"cluster": true}`: every other node of the cluster shuts down, then the one asked."""
+    async for reply in client.replies(ShutdownRequest(id="cluster-shutdown", cluster=True)):
+        if isinstance(reply, ShutdownResult):
+            return reply
+        raise ClusterDemoFailed(f"shutdown: unexpected reply {type(reply).__name__}")
+    raise ClusterDemoFailed("shutdown: no reply")
+
+
+def node_lines(status: StatusResult) -> list[str]:
+    """One line per node of `status`: its id, process id and replicas."""
+    nodes: dict[str, tuple[int | None, list[str]]] = {}
+    for replica in status.replicas:
+        nodes.setdefault(str(replica.node), (replica.pid, []))[1].append(replica.name)
+    return [
+        f"demo: node {node} pid {pid}: {', '.join(sorted(names))}"
+        for node, (pid, names) in sorted(nodes.items())
+    ]
+
+
+# ---------------------------------------------------------------------------------------------- demo
+def cluster_options(config: NodeConfig, transport: str) -> list[str]:
+    """What the children take from the parent's config: all that a cluster's nodes must share."""
+    options = [
+        *("--model", config.model, "--model-cache", config.model_cache, "--device", config.device),
+        *("--transport", transport, "--log-level", config.log.level),
+        *("--kv-block-size", str(config.kv.block_size)),
+        *("--embedding-block-size", str(config.embedding.block_size)),
+        *("--cluster-name", config.cluster.cluster_name, "--cluster-host", config.cluster.cluster_host),
+        *("--lease-ttl", str(config.cluster.lease_ttl)),
+    ]
+    if config.dtype is not None:
+        options += ["--dtype", config.dtype]
+    return options
+
+
+def _has_vision(config: NodeConfig) -> bool:
+    from replicas.weights import ModelHost
+
+    host = ModelHost(config.model, device=config.device, dtype=config.dtype, cache_dir=config.model_cache)
+    return host.config.image_token_id is not None
+
+
+async def run_cluster_demo(
+    config: NodeConfig, run_node: Callable[[NodeConfig], Awaitable[int]], *, out: TextIO | None = None
+) -> int:
+    """The demo across `config.cluster.nodes` processes (see the module docstring); `run_node` runs this
+    process's node-0 with the demo and returns its exit code."""
+    out = out or sys.stdout
+    transport = config.transport if config.transport in ("tcp", "ucx") else "tcp"
+    plan = role_plan(config.cluster.nodes, vision=_has_vision(config))
+    children = [(f"node-{index}", counts) for index, counts in enumerate(plan) if index > 0]
+    code = 1
+    cluster: LocalCluster | None = None
+    with tempfile.TemporaryDirectory(prefix="zigzag-demo-") as directory:
+        try:
+            async with local_cluster(
+                Path(directory), children, cluster_options(config, transport)
+            ) as cluster:
+                print(f"demo: local etcd at {cluster.url}", file=out)
+                for child in cluster.children:
+                    print(
+                        f"demo: started {child.node_id} (pid {child.process.pid}; {child.counts}), "
+                        f"listening on {child.address}",
+                        file=out,
+                    )
+                parent = msgspec.structs.replace(
+                    config,
+                    transport=transport,
+                    replicas=plan[0],
+                    cluster=msgspec.structs.replace(config.cluster, cluster=cluster.url, node_id="node-0"),
+                )
+                code = await run_node(parent)
+                cluster.stopping = True
+        except* (ClusterDemoFailed, LocalEtcdError) as group:
+            for error in _leaves(group):
+                print(f"demo: {error}", file=out)
+    if cluster is not None:
+        for failure in cluster.failures:
+            print(f"demo: {failure}", file=out)
+        if cluster.failures:
+            code = code or 1
+        elif cluster.stopping:
+            names = ", ".join(child.node_id for child in cluster.children)
+            print(f"demo: child nodes exited with code 0: {names}", file=out)
+    return code
+
+
+def _leaves(group: BaseExceptionGroup[BaseException]) -> list[BaseException]:
+    leaves: list[BaseException] = []
+    for error in group.exceptions:
+        leaves += _leaves(error) if isinstance(error, BaseExceptionGroup) else [error]
+    return leaves
