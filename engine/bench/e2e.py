@@ -7,7 +7,11 @@ continuous batching with the same batch limits, no replicas, no transfers, no so
 piece". Both generate exactly `--max-tokens` tokens per request (`ignore_eos`), greedy, from the same
 prompts and the same weights. Rows: requests/s (project over baseline, honestly: on 2 CPU cores
 disaggregation buys nothing, the point is that its overhead is small), TTFT and TPOT percentiles of both,
-and the p50 share of a request's TTFT that its KV transfer took (the goal: ≤ 10 %).
+and the share of a request's TTFT that its KV transfer took, p50 and mean (the goal: ≤ 10 %).
+
+With `--nodes N` (2 or more) the same requests also run through a cluster of N node processes on a local
+etcd (`engine.bench.e2e_cluster`), in the same run, and rows compare the cluster with the one-process
+node. Every row carries `nodes`: 1 for the one-process node's rows, N for the cluster's.
 """
 
 from __future__ import annotations
@@ -17,11 +21,12 @@ import random
 import statistics
 import tempfile
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, final
 
+import msgspec
 import trio
 
 from engine.bench.rows import Row, row
@@ -35,6 +40,37 @@ class Sample:
     ttft: float
     tpot: float | None
     kv_share: float | None
+
+
+@final
+@dataclass(slots=True)
+class Side:
+    """One side's recorded runs: the rate of each, and every request's sample."""
+
+    rates: list[float] = field(default_factory=list)
+    samples: list[Sample] = field(default_factory=list)
+
+    def add(self, figures: tuple[float, list[Sample]]) -> None:
+        self.rates.append(figures[0])
+        self.samples += figures[1]
+
+    def quantile(self, pick: Callable[[Sample], float | None], q: float) -> float:
+        return _quantile([value for s in self.samples if (value := pick(s)) is not None], q)
+
+    def kv_share_mean(self) -> float:
+        shares = [s.kv_share for s in self.samples if s.kv_share is not None]
+        return statistics.fmean(shares) if shares else float("nan")
+
+
+@final
+class E2eRow(Row, frozen=True, kw_only=True):
+    """A row of this benchmark: `nodes` is how many node processes served the project side."""
+
+    nodes: int
+
+
+def with_nodes(plain: Row, nodes: int) -> E2eRow:
+    return E2eRow(**msgspec.structs.asdict(plain), nodes=nodes)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -51,6 +87,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prompt-max", type=int, default=512)
     parser.add_argument("--repeats", type=int, default=3, help="alternating runs per side (default 3)")
     parser.add_argument("--quick", action="store_true", help="few requests, one repeat, tiny model only")
+    parser.add_argument(
+        "--nodes",
+        type=int,
+        default=1,
+        help="2 or more: also through a cluster of this many node processes on a local etcd (tcp)",
+    )
 
 
 def run(args: argparse.Namespace) -> Iterable[Row]:
@@ -91,44 +133,84 @@ def _bench_model(name: str, source: str, args: argparse.Namespace) -> Iterable[R
         [rng.randrange(1, min(vocab, 256)) for _ in range(rng.randint(args.prompt_min, args.prompt_max))]
         for _ in range(args.requests)
     ]
-    project_rates, baseline_rates = [], []
-    project_samples: list[Sample] = []
-    baseline_samples: list[Sample] = []
-    for attempt in range(args.repeats + 1):
-        rate, samples = trio.run(_project_run, source, prompts, args)
-        base_rate, base_samples = _baseline_run(host, prompts, args)
-        if attempt == 0:
-            continue  # warm-up: weights loaded, caches and allocator warm
-        project_rates.append(rate)
-        baseline_rates.append(base_rate)
-        project_samples += samples
-        baseline_samples += base_samples
+    vision = host.config.image_token_id is not None
+    project, baseline, cluster = trio.run(_runs, host, source, prompts, vision, args)
     note = (
         f"model {name}, {args.requests} requests, concurrency {args.concurrency}, prompts "
         f"{args.prompt_min}-{args.prompt_max} tokens, {args.max_tokens} new tokens, transport {args.transport}, "
         f"median of {args.repeats}"
     )
     case = f"{name}-c{args.concurrency}-{args.transport}"
-    yield row(BENCH, case, "requests_per_s", "higher", statistics.median(project_rates),
-              statistics.median(baseline_rates), BASELINE, unit="req/s", note=note)  # fmt: skip
+    rows = [row(BENCH, case, "requests_per_s", "higher", statistics.median(project.rates),
+                statistics.median(baseline.rates), BASELINE, unit="req/s", note=note)]  # fmt: skip
     for metric, pick in (("ttft", lambda s: s.ttft), ("tpot", lambda s: s.tpot)):
         for q in (0.5, 0.9, 0.99):
-            mine = _quantile([pick(s) for s in project_samples if pick(s) is not None], q)
-            theirs = _quantile([pick(s) for s in baseline_samples if pick(s) is not None], q)
-            yield row(
-                BENCH,
-                case,
-                f"{metric}_p{int(q * 100)}_s",
-                "lower",
-                mine,
-                theirs,
-                BASELINE,
-                unit="s",
-                note=note,
+            mine, theirs = project.quantile(pick, q), baseline.quantile(pick, q)
+            rows.append(
+                row(
+                    BENCH,
+                    case,
+                    f"{metric}_p{int(q * 100)}_s",
+                    "lower",
+                    mine,
+                    theirs,
+                    BASELINE,
+                    unit="s",
+                    note=note,
+                )
             )
-    shares = [s.kv_share for s in project_samples if s.kv_share is not None]
-    yield row(BENCH, case, "kv_transfer_share_of_ttft_p50", "lower", _quantile(shares, 0.5), unit="fraction",
-              note=note + "; goal <= 0.10")  # fmt: skip
+    shares = [s.kv_share for s in project.samples if s.kv_share is not None]
+    rows.append(
+        row(
+            BENCH,
+            case,
+            "kv_transfer_share_of_ttft_p50",
+            "lower",
+            _quantile(shares, 0.5),
+            unit="fraction",
+            note=note + "; goal <= 0.10",
+        )
+    )
+    rows.append(
+        row(
+            BENCH,
+            case,
+            "kv_transfer_share_of_ttft_mean",
+            "lower",
+            project.kv_share_mean(),
+            unit="fraction",
+            note=note + "; goal <= 0.10",
+        )
+    )
+    yield from (with_nodes(plain, 1) for plain in rows)
+    if cluster is not None:
+        from engine.bench.e2e_cluster import cluster_rows
+
+        yield from cluster_rows(name, args, project, cluster, vision=vision)
+
+
+async def _runs(
+    host: Any, source: str, prompts: list[list[int]], vision: bool, args: argparse.Namespace
+) -> tuple[Side, Side, Side | None]:
+    """Alternating runs of each side (the one-process node, the baseline, and the cluster when
+    `--nodes` asks for one, which stays up through them all); the first of each is a warm-up."""
+    from engine.bench.e2e_cluster import cluster_side
+
+    project, baseline = Side(), Side()
+    cluster = Side() if args.nodes >= 2 else None
+    async with cluster_side(source, args, vision=vision) as run_cluster:
+        for attempt in range(args.repeats + 1):
+            # The warm-up: weights loaded, caches and allocator warm.
+            project_run = await _project_run(source, prompts, args)
+            baseline_run = await trio.to_thread.run_sync(_baseline_run, host, prompts, args)
+            cluster_run = None if run_cluster is None else await run_cluster(prompts)
+            if attempt == 0:
+                continue
+            project.add(project_run)
+            baseline.add(baseline_run)
+            if cluster is not None and cluster_run is not None:
+                cluster.add(cluster_run)
+    return project, baseline, cluster
 
 
 def _quantile(values: list[float], q: float) -> float:
@@ -146,7 +228,6 @@ async def _project_run(
     from engine.logging import open_event_log
     from engine.logs import Aggregator
     from engine.node import Node
-    from messages.control_replies import GenerateResult
 
     config = NodeConfig(
         listen="127.0.0.1:0",
@@ -160,10 +241,30 @@ async def _project_run(
     metrics = NodeMetrics()
     log = open_event_log(file=None, console=None, observers=[aggregator.add, metrics.observe])
     node = Node(config, log, aggregator, metrics)
+    async with trio.open_nursery() as nursery:
+        address = await nursery.start(node.serve)
+        async with ControlClient.connect(address) as client:
+            with trio.fail_after(120):  # weights load in the background; requests would queue meanwhile
+                ready = ("Prefill", "Decode")
+                while not all(r.state in ready for r in (await client.status()).replicas):  # noqa: ASYNC110
+                    await trio.sleep(0.05)
+            figures = await drive(client, prompts, args)
+            await client.shutdown()
+    log.close()
+    return figures
+
+
+async def drive(
+    client: Any, prompts: list[list[int]], args: argparse.Namespace
+) -> tuple[float, list[Sample]]:
+    """Send `prompts` through `client` (an `engine.client.ControlClient`), `--concurrency` in flight:
+    requests per second from the first sent to the last finished, and each request's sample."""
+    from messages.control_replies import GenerateResult
+
     samples: list[Sample] = []
     limiter = trio.Semaphore(args.concurrency)
 
-    async def one(client: ControlClient, prompt: list[int]) -> None:
+    async def one(prompt: list[int]) -> None:
         async with limiter:
             result: Any = await client.generate_result(
                 input_ids=prompt, max_tokens=args.max_tokens, ignore_eos=True
@@ -175,21 +276,11 @@ async def _project_run(
             share = timings.kv_transfer_s / timings.ttft_s
         samples.append(Sample(ttft=timings.ttft_s or 0.0, tpot=timings.tpot_s, kv_share=share))
 
-    async with trio.open_nursery() as nursery:
-        address = await nursery.start(node.serve)
-        async with ControlClient.connect(address) as client:
-            with trio.fail_after(120):  # weights load in the background; requests would queue meanwhile
-                ready = ("Prefill", "Decode")
-                while not all(r.state in ready for r in (await client.status()).replicas):  # noqa: ASYNC110
-                    await trio.sleep(0.05)
-            started = time.perf_counter()
-            async with trio.open_nursery() as clients:
-                for prompt in prompts:
-                    clients.start_soon(one, client, prompt)
-            elapsed = time.perf_counter() - started
-            await client.shutdown()
-    log.close()
-    return len(prompts) / elapsed, samples
+    started = time.perf_counter()
+    async with trio.open_nursery() as clients:
+        for prompt in prompts:
+            clients.start_soon(one, prompt)
+    return len(prompts) / (time.perf_counter() - started), samples
 
 
 # ---------------------------------------------------------------------------------------------- baseline
