@@ -122,14 +122,21 @@ class NodeService:
                 else:
                     replies.send(await scale(self.node, request))
             case MetricsRequest():
-                replies.send(
-                    metrics_result(
-                        self.aggregator,
-                        id=request.id,
-                        uptime_s=time.monotonic() - self.started,
-                        replicas=self.gauges(),
-                    )
+                metrics = metrics_result(
+                    self.aggregator,
+                    id=request.id,
+                    uptime_s=time.monotonic() - self.started,
+                    replicas=self.gauges(),
                 )
+                member = self.node.member
+                # The leader adds the cluster's totals (for a client: a node asked by the leader does not).
+                if (
+                    member is not None
+                    and member.membership.is_leader
+                    and replies.connection.connection != "peer"
+                ):
+                    metrics = msgspec.structs.replace(metrics, cluster=await member.ops.totals(metrics))
+                replies.send(metrics)
             case ShutdownRequest():
                 if request.cluster and self.node.member is not None:
                     local = msgspec.structs.replace(request, cluster=False)

@@ -226,6 +226,17 @@ class ReplicaGauge(Record, frozen=True):
     locked: bool
 
 
+class ClusterTotals(Record, frozen=True):
+    """The leader's `metrics` in a cluster: the counters of `nodes` (itself and every member that
+    answered) summed; `missing` lists members that did not answer."""
+
+    nodes: list[str]
+    missing: list[str]
+    requests: RequestCounters
+    tokens: TokenCounters
+    errors: dict[ErrorCode, int]
+
+
 class MetricsResult(Message, frozen=True, tag="result"):
     id: ClientId
     uptime_s: Seconds
@@ -234,6 +245,7 @@ class MetricsResult(Message, frozen=True, tag="result"):
     transfers: list[TransferCounters]
     errors: dict[ErrorCode, int]
     replicas: list[ReplicaGauge]
+    cluster: ClusterTotals | None = None
 
 
 class ShutdownResult(Message, frozen=True, tag="result"):

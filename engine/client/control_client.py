@@ -255,15 +255,19 @@ class ControlClient:
         *,
         mode: ScaleMode | None = None,
         source: SourceChoice = "auto",
+        node: str | None = None,
     ) -> ScaleResult:
-        request = ScaleRequest(id=self._next_id(), role=role, replicas=replicas, mode=mode, source=source)
+        request = ScaleRequest(
+            id=self._next_id(), role=role, replicas=replicas, mode=mode, source=source, node=node
+        )
         return await self._call(request, ScaleResult)
 
     async def metrics(self) -> MetricsResult:
         return await self._call(MetricsRequest(id=self._next_id()), MetricsResult)
 
-    async def shutdown(self) -> ShutdownResult:
-        return await self._call(ShutdownRequest(id=self._next_id()), ShutdownResult)
+    async def shutdown(self, *, cluster: bool = False) -> ShutdownResult:
+        """Stop the node (`cluster`: every node of its cluster)."""
+        return await self._call(ShutdownRequest(id=self._next_id(), cluster=cluster), ShutdownResult)
 
     # ------------------------------------------------------------------ plumbing
     async def replies(self, request: ControlRequest) -> AsyncGenerator[TokenReply | ControlResult, None]:

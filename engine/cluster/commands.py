@@ -41,8 +41,6 @@ async def run_command(
             raise CommandRefused("not_found", f"request {command.request_id} is not live here")
         if request.request_id not in member.mirrors:
             member.track(request)
-        if request.stamps.kv_started is None:  # the KV moves right after: the decode side keeps it
-            request.stamps.kv_started = time.time()
         snap = snapshot(request, member.origin_of(request), images=False)
     correlation = new_correlation(member.node_id)
     message = RunCommand(correlation=correlation, replica=replica.name, command=command, request=snap)
@@ -72,6 +70,10 @@ async def serve_command(member: ClusterMember, frame: PeerFrame, message: RunCom
         plain = msgspec.to_builtins(result.value if isinstance(result, ReplicaState) else result)
         outcome = CommandOutcome(correlation=message.correlation, result=plain)
         if isinstance(command, ReserveKV):
+            # The KV starts to move now: stamped here, beside the landing's stamp (one clock).
+            request = member.services.requests.get(command.request_id)
+            if request is not None and request.stamps.kv_started is None:
+                request.stamps.kv_started = time.time()
             _now_holding(member, command.request_id, replica.name)
     except CommandRefused as exc:
         outcome = CommandOutcome(

@@ -9,6 +9,8 @@ control socket; its final reply comes back as JSON and is sent to this node's cl
 
 from __future__ import annotations
 
+from collections import Counter
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Final, TypeVar, final
 
 import msgspec
@@ -18,8 +20,15 @@ from engine.cluster.peers import PeerUnreachable, new_correlation
 from engine.control.errors import RequestFailed
 from engine.control.outbox import ConnectionInfo, Outbox, ReplySink
 from messages.cluster import ClientOp, ClientOpResult
-from messages.control import ControlRequest
-from messages.control_replies import ErrorReply, ReplicaStatus
+from messages.control import ControlRequest, MetricsRequest
+from messages.control_replies import (
+    ClusterTotals,
+    ErrorReply,
+    MetricsResult,
+    ReplicaStatus,
+    RequestCounters,
+    TokenCounters,
+)
 
 if TYPE_CHECKING:
     from engine.cluster.member import ClusterMember
@@ -27,6 +36,7 @@ if TYPE_CHECKING:
 _log = structlog.get_logger("engine.cluster")
 FORWARD_TIMEOUT: Final = 60.0
 R = TypeVar("R")
+S = TypeVar("S", RequestCounters, TokenCounters)
 
 
 @final
@@ -110,6 +120,30 @@ class ClusterOps:
             return member.node_id
         best = max(members.values(), key=lambda r: r.capacity.free_replica_slots)
         return best.node_id if best.capacity.free_replica_slots > 0 else member.node_id
+
+    async def totals(self, mine: MetricsResult) -> ClusterTotals:
+        """The leader's cluster totals: `mine` plus every other member's counters (asked now)."""
+        results, missing = [mine], []
+        for node in self.member.other_nodes():
+            try:
+                results.append(await self.forward(node, MetricsRequest(id=mine.id), MetricsResult))
+            except RequestFailed as exc:
+                _log.info("cluster.metrics_forward_failed", node=node, error=exc.message)
+                missing.append(node)
+        errors: Counter[str] = Counter()
+        for result in results:
+            errors.update(result.errors)
+
+        def total(kind: type[S], get: Callable[[MetricsResult], S]) -> S:
+            return kind(**{f: sum(getattr(get(r), f) for r in results) for f in kind.__struct_fields__})
+
+        return ClusterTotals(
+            nodes=[self.member.node_id, *[n for n in self.member.other_nodes() if n not in missing]],
+            missing=missing,
+            requests=total(RequestCounters, lambda r: r.requests),
+            tokens=total(TokenCounters, lambda r: r.tokens),
+            errors=dict(errors),  # type: ignore[arg-type]
+        )
 
     def statuses(self) -> list[ReplicaStatus]:
         """The other nodes' replicas as they last reported them."""

@@ -63,7 +63,8 @@ class PeerLinks:
         self._on_frame = on_frame
         self._addresses: dict[str, str] = {}
         self._queues: dict[str, tuple[trio.MemorySendChannel[bytes], trio.MemoryReceiveChannel[bytes]]] = {}
-        self._waiting: dict[str, tuple[trio.Event, list[Answer]]] = {}
+        # correlation -> (answered, the answer, the node asked)
+        self._waiting: dict[str, tuple[trio.Event, list[Answer], str]] = {}
         self._nursery: trio.Nursery | None = None
         self.address: str | None = None
 
@@ -73,8 +74,12 @@ class PeerLinks:
             self._drop_queue(node_id)  # a new process behind the name: dial it afresh
 
     def forget(self, node_id: str) -> None:
+        """`node_id` left the cluster: drop its queue, and end every `ask` waiting on it at once."""
         self._addresses.pop(node_id, None)
         self._drop_queue(node_id)
+        for done, _, asked in self._waiting.values():
+            if asked == node_id:
+                done.set()
 
     def _drop_queue(self, node_id: str) -> None:
         queue = self._queues.pop(node_id, None)
@@ -126,7 +131,7 @@ class PeerLinks:
     async def ask(self, node_id: str, message: PeerMessage, correlation: str, *, timeout: float) -> Answer:
         """Send `message` (carrying `correlation`) and wait for its answer; raises `PeerUnreachable`."""
         done, answers = trio.Event(), list[Answer]()
-        self._waiting[correlation] = (done, answers)
+        self._waiting[correlation] = (done, answers, node_id)
         try:
             self.send(node_id, message)
             with trio.move_on_after(timeout):

@@ -42,16 +42,17 @@ def cluster_options(etcd: LocalEtcd, node_id: str, replicas: str, *extra: str) -
 
 @asynccontextmanager
 async def cluster_nodes(
-    directory: Path, etcd: LocalEtcd, layout: Sequence[tuple[str, str]], *extra: str
+    directory: Path, etcd: LocalEtcd, layout: Sequence[tuple[str, str]], *extra: str, joining: int = 0
 ) -> AsyncIterator[dict[str, NodeProcess]]:
-    """Nodes `(node_id, replicas)` of one cluster, every replica serving when the block starts."""
+    """Nodes `(node_id, replicas)` of one cluster, every replica serving when the block starts
+    (`joining`: replicas the cluster already has, on nodes started before)."""
     nodes: dict[str, NodeProcess] = {}
     try:
         for node_id, replicas in layout:
             nodes[node_id] = launch_node(directory, *cluster_options(etcd, node_id, replicas, *extra))
         for node in nodes.values():
             node.await_listening()
-        expected = sum(_count(replicas) for _, replicas in layout)
+        expected = joining + sum(_count(replicas) for _, replicas in layout)
         for node in nodes.values():
             async with node.client() as client:
                 await wait_cluster_serving(client, expected)

@@ -25,13 +25,15 @@ from tests.waiting import deadline
 
 ENDS_WITHIN = LEASE_TTL + 10.0  # the TTL, a watch round trip, and a loaded machine
 SLOW_DECODE = "decode_steps_per_s=25"
+DECODED_TOKENS = 3
 
 
 async def _stream_until_killed(
     client: ControlClient, asks: list[Ask], kill: Callable[[], None], when_streaming: int
 ) -> tuple[list[GenerateResult], list[ControlError], float]:
-    """Send `asks`; once `when_streaming` of them streamed a token, call `kill()`. Returns the outcomes,
-    the errors, and the seconds from the kill until the last request ended."""
+    """Send `asks`; once `when_streaming` of them streamed tokens from their decode replica (the first
+    comes from the prefill replica: three tokens are two decode steps), call `kill()`. Returns the
+    outcomes, the errors, and the seconds from the kill until the last request ended."""
     outcomes: list[GenerateResult] = []
     errors: list[ControlError] = []
     streaming = trio.Event()
@@ -44,9 +46,12 @@ async def _stream_until_killed(
             stream = client.generate(
                 input_ids=ask.input_ids, max_tokens=ask.max_tokens, ignore_eos=True, stream=True
             )
+            tokens = 0
             async for reply in stream:
                 if isinstance(reply, TokenReply):
-                    started.add(index)
+                    tokens += len(reply.token_ids)
+                    if tokens >= DECODED_TOKENS:
+                        started.add(index)
                     if len(started) >= when_streaming:
                         streaming.set()
                 elif isinstance(reply, GenerateResult):
@@ -86,6 +91,52 @@ async def test_a_decode_node_killed_while_tokens_stream(tmp_path: Path, etcd: Lo
         assert {r.node for r in status.replicas} == {"front", "dec-b"}
         again = await send(client, Ask(input_ids=tuple(range(3, 40)), max_tokens=5, ignore_eos=True))
         assert not check_outcome(model, again, transport=cluster_transport())
+
+
+async def test_a_prefill_node_killed_mid_transfer(tmp_path: Path, etcd: LocalEtcd) -> None:
+    """`stalled`'s KV transfers stall before their first chunk (the `stall_sender` hook), so it is
+    killed while they are under way: those requests end with an error, the others give the model's
+    tokens, and the decode replica's reservations for the killed node's transfers return to its pool."""
+    model = tiny_model()
+    layout = (
+        ("front", "encode=0,prefill=0,decode=1"),
+        ("stalled", "encode=0,prefill=1,decode=0"),
+        ("steady", "encode=0,prefill=1,decode=0"),
+    )
+    stall = ("--fault", "stall_sender:replica=stalled/prefill-0,seconds=60")
+    asks = [Ask(input_ids=tuple(range(3, 23 + i)), max_tokens=4, ignore_eos=True) for i in range(6)]
+    results: list[GenerateResult] = []
+    errors: list[ControlError] = []
+    async with cluster_nodes(tmp_path, etcd, layout, *stall) as nodes, nodes["front"].client() as client:
+
+        async def one(ask: Ask) -> None:
+            try:
+                results.append((await send(client, ask)).result)
+            except ControlError as exc:
+                errors.append(exc)
+
+        with deadline("every request ended after the stalled node was killed", 60):
+            async with trio.open_nursery() as nursery:
+                for ask in asks:
+                    nursery.start_soon(one, ask)
+                await wait_status(
+                    client,
+                    lambda s: (
+                        _replica(s, "stalled/prefill-0").migration_queue == 0
+                        and _replica(s, "front/decode-0").used_blocks > 0
+                        and len(results) > 0
+                    ),
+                    "a transfer from stalled under way and a request served by steady",
+                )
+                nodes["stalled"].kill()
+        assert errors and results, f"errors {errors}, results {results}"
+        assert {e.code for e in errors} <= {"transfer_failed", "replica_failed"}, errors
+        for result in results:
+            ask = next(a for a in asks if len(a.input_ids or ()) == result.prompt_tokens)
+            assert not check_outcome(model, Outcome(ask, result), transport=cluster_transport())
+            assert {t.source for t in result.transfers} == {"steady/prefill-0"}
+        status = await wait_idle(client)  # the reservations for stalled's transfers are back
+        assert {r.node for r in status.replicas} == {"front", "steady"}
 
 
 async def test_a_new_leader_runs_the_reject_loop(tmp_path: Path, etcd: LocalEtcd) -> None:
