@@ -118,8 +118,10 @@ def build_parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
     scale.add_argument(
         "--source", choices=get_args(SourceChoice), default="auto", help="where weights come from"
     )
+    scale.add_argument("--node", help="in a cluster: the node whose replicas to scale")
     ops.add_parser("metrics", help="counters and gauges")
-    ops.add_parser("shutdown", help="drain and stop the node")
+    shutdown = ops.add_parser("shutdown", help="drain and stop the node")
+    shutdown.add_argument("--cluster", action="store_true", help="every node of its cluster")
     return parser
 
 
@@ -152,11 +154,13 @@ async def run(args: argparse.Namespace, inputs: GenerateInputs | None, out: Text
                 case "unlock":
                     result = await client.unlock(args.replica)
                 case "scale":
-                    result = await client.scale(args.role, args.replicas, mode=args.mode, source=args.source)
+                    result = await client.scale(
+                        args.role, args.replicas, mode=args.mode, source=args.source, node=args.node
+                    )
                 case "metrics":
                     result = await client.metrics()
                 case "shutdown":
-                    result = await client.shutdown()
+                    result = await client.shutdown(cluster=args.cluster)
                 case other:
                     raise AssertionError(f"unhandled op {other!r}")
             show(result)
@@ -249,16 +253,23 @@ def render(result: ControlResult) -> str:
             return "[" + ", ".join(parts) + "]"
         case StatusResult():
             header = (
-                f"{'replica':<12} {'state':<18} {'used':>6} {'cached':>6} {'total':>6} {'lock':<18} "
+                f"{'replica':<16} {'state':<18} {'used':>6} {'cached':>6} {'total':>6} {'lock':<18} "
                 f"{'work':>5} {'migr':>5} {'layers':>7} {'weights':<8} {'paired':<10}  last_error"
             )
             rows = [header] + [
-                f"{r.name:<12} {r.state:<18} {r.used_blocks:>6} {r.cached_blocks:>6} {r.total_blocks:>6} "
+                f"{r.name:<16} {r.state:<18} {r.used_blocks:>6} {r.cached_blocks:>6} {r.total_blocks:>6} "
                 f"{_lock_cell(r):<18} {r.work_queue:>5} {r.migration_queue:>5} "
                 f"{f'{r.loaded_layers}/{r.total_layers}':>7} {r.weights_source or '-':<8} "
                 f"{','.join(r.paired_with) or '-':<10}  {r.last_error or '-'}"
                 for r in result.replicas
             ]
+            if result.cluster is not None:
+                view = result.cluster
+                pids = {r.node: r.pid for r in result.replicas}
+                rows.append(
+                    f"cluster: node {view.node} ({view.state}), leader {view.leader or '-'}, nodes "
+                    + ", ".join(f"{n} (pid {pids.get(n) or '-'})" for n in view.nodes)
+                )
             return "\n".join(rows + ([] if result.accepting else ["(not accepting: shutting down)"]))
         case MetricsResult():
             fields = msgspec.to_builtins(result)
