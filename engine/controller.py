@@ -148,6 +148,8 @@ class Controller:
                     )
                     for r in self.services.replicas.values()
                 ]
+                # The leader of a cluster reports every node's replicas (the others' as last reported).
+                + ([peer.blocks() for peer in self.services.peers()] if self.decides() else [])
             )
         )
         flows = []

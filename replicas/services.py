@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, Protocol, final
 import msgspec
 
 from messages.commands import ReplicaCommand
-from messages.events import LogEvent
+from messages.events import LogEvent, ReplicaBlocks
 from messages.faults import Fault
 from replicas.emulation import EmulatedSpeed
 from replicas.fabric import Fabric
@@ -48,6 +48,8 @@ class PeerReplica(Protocol):
     def lock_reasons(self) -> frozenset[str]: ...
 
     def kv_usage(self) -> tuple[int, int]: ...
+
+    def blocks(self) -> ReplicaBlocks: ...
 
     async def ask(self, command: ReplicaCommand, *, timeout: float = 30.0) -> Any: ...
 

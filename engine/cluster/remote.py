@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any, final
 
 from messages.cluster import ReplicaReport
 from messages.commands import ReplicaCommand
+from messages.events import ReplicaBlocks
 from replicas.inbox import CommandRefused
 from replicas.states import ReplicaState, parse_state
 
@@ -52,6 +53,18 @@ class RemoteReplica:
 
     def kv_usage(self) -> tuple[int, int]:
         return self.report.kv_used, self.report.kv_total
+
+    def blocks(self) -> ReplicaBlocks:
+        """The replica's blocks as its node last reported them (the leader's block report)."""
+        r = self.report
+        return ReplicaBlocks(
+            replica=r.name,
+            state=r.state,
+            used_blocks=r.used_blocks,
+            cached_blocks=r.cached_blocks,
+            total_blocks=r.total_blocks,
+            locked=r.locked,
+        )
 
     @property
     def queued_tokens(self) -> int:

@@ -11,7 +11,7 @@ import trio
 
 from engine.cluster.local_etcd import LocalEtcd
 from messages.control_replies import GenerateResult, StatusResult, TokenReply
-from tests.cluster.harness import cluster_nodes
+from tests.cluster.harness import cluster_nodes, wait_cluster_serving
 from tests.node.harness import wait_status
 from tests.waiting import deadline
 
@@ -27,7 +27,7 @@ async def test_control_ops_reach_every_node(tmp_path: Path, etcd: LocalEtcd) -> 
         first["lead"].client() as lead,
         nodes["other"].client() as other,
     ):
-        status = await lead.status()
+        status = await wait_cluster_serving(lead, 3)  # lead has other's report too
         assert status.cluster is not None and status.cluster.leader == "lead"
         assert {r.name: r.node for r in status.replicas} == {
             "lead/prefill-0": "lead",
@@ -35,6 +35,15 @@ async def test_control_ops_reach_every_node(tmp_path: Path, etcd: LocalEtcd) -> 
             "other/decode-0": "other",
         }
         assert len({r.pid for r in status.replicas}) == 2
+        # the leader's block report covers every node's replicas
+        await first["lead"].wait_event(
+            "blocks_report",
+            lambda e: {r["replica"] for r in e["replicas"]} >= {"lead/decode-0", "other/decode-0"},
+        )
+        assert all(
+            {r["replica"] for r in e["replicas"]} == {"other/decode-0"}
+            for e in nodes["other"].events("blocks_report")
+        )
 
         # lock and unlock another node's replica, by its cluster name and by its bare name
         locked = await lead.lock("other/decode-0")
