@@ -14,6 +14,8 @@ from typing import Annotated, Final, Literal
 
 import msgspec
 
+from engine.config_base import Section, _doc
+from engine.config_scaling import AutoscaleConfig, ClusterConfig
 from engine.control.address import Address, parse_address
 from engine.http.address import parse_http
 from messages.faults import Fault
@@ -29,14 +31,6 @@ Blocks = Annotated[int, msgspec.Meta(ge=1, le=1 << 24)]
 
 class ConfigError(Exception):
     """A configuration value is wrong; the message names the option, its source and the value."""
-
-
-def _doc(text: str) -> msgspec.Meta:
-    return msgspec.Meta(description=text)
-
-
-class Section(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """Base of the config tree's structs."""
 
 
 class ReplicaCounts(Section, frozen=True, kw_only=True):
@@ -195,44 +189,6 @@ class ControllerConfig(Section, frozen=True, kw_only=True):
     ] = 1.0
 
 
-NodeName = Annotated[str, msgspec.Meta(max_length=32, pattern=r"^[a-z0-9][a-z0-9_-]*$")]
-
-
-class ClusterConfig(Section, frozen=True, kw_only=True):
-    cluster: Annotated[
-        str | None,
-        _doc("join the cluster whose etcd answers at this URL, http(s)://HOST:PORT (docs/cluster.md)"),
-    ] = None
-    node_id: Annotated[
-        NodeName | None,
-        _doc("this node's cluster-unique name (default: node-PID); its replicas are {node}/{role}-{n}"),
-    ] = None
-    cluster_name: Annotated[
-        str,
-        msgspec.Meta(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$"),
-        _doc("the cluster's name: its etcd keys live under /zigzag/{name}/"),
-    ] = "default"
-    lease_ttl: Annotated[
-        int, msgspec.Meta(ge=1, le=3600), _doc("seconds a node outlives its last lease renewal")
-    ] = 10
-    cluster_host: Annotated[
-        str, _doc("address this node listens on for other nodes (peer links, transfers) and announces")
-    ] = "127.0.0.1"
-    replica_slots: Annotated[
-        int, msgspec.Meta(ge=0, le=1024), _doc("replicas this node may run (what `scale` places here)")
-    ] = 16
-    etcd_ca_file: Annotated[str | None, _doc("TLS: the CA that signed etcd's certificate")] = None
-    etcd_cert_file: Annotated[str | None, _doc("TLS: this node's client certificate for etcd")] = None
-    etcd_key_file: Annotated[str | None, _doc("TLS: the key of --etcd-cert-file")] = None
-    etcd_username: Annotated[str | None, _doc("etcd auth: user name")] = None
-    etcd_password: Annotated[str | None, _doc("etcd auth: password (prefer ZIGZAG_ETCD_PASSWORD)")] = None
-    nodes: Annotated[
-        int,
-        msgspec.Meta(ge=1, le=16),
-        _doc("--demo: run the demo across this many node processes and a local etcd"),
-    ] = 1
-
-
 class NodeConfig(Section, frozen=True, kw_only=True):
     listen: Annotated[str, _doc("control socket: HOST:PORT or unix:PATH")] = "127.0.0.1:7340"
     http: Annotated[
@@ -269,7 +225,7 @@ class NodeConfig(Section, frozen=True, kw_only=True):
     demo: Annotated[bool, _doc("start, run the built-in workload through the socket, report, exit")] = False
     faults: Annotated[
         list[Fault], _doc("fault-injection hooks, KIND:key=value,... (repeatable; off by default)")
-    ] = []
+    ] = msgspec.field(default_factory=list)
     emulated_speed: Annotated[
         EmulatedSpeed | None,
         _doc(
@@ -286,6 +242,7 @@ class NodeConfig(Section, frozen=True, kw_only=True):
     shutdown: ShutdownConfig = msgspec.field(default_factory=ShutdownConfig)
     controller: ControllerConfig = msgspec.field(default_factory=ControllerConfig)
     cluster: ClusterConfig = msgspec.field(default_factory=ClusterConfig)
+    autoscale: AutoscaleConfig = msgspec.field(default_factory=AutoscaleConfig)
 
     def __post_init__(self) -> None:
         parse_address(self.listen)
@@ -334,6 +291,7 @@ FLAG_PREFIXES: Final[dict[str, str]] = {
     "shutdown": "shutdown-",
     "controller": "controller-",
     "cluster": "",
+    "autoscale": "",
 }
 
 

@@ -38,6 +38,7 @@ from engine.http.metrics import NodeMetrics
 from engine.http.server import serve_http
 from engine.logging import EventLog, LogFileError, configure_diagnostics, open_event_log, route_diagnostics
 from engine.logs import Aggregator
+from engine.planner.loop import Planner
 from engine.router import Router
 from engine.service import NodeService
 from messages.cluster import ClusterIdentity
@@ -134,6 +135,8 @@ class Node:
             decides=lambda: member is None or member.membership.is_leader,
         )
         self.metrics = metrics
+        # `--autoscale`: the planner (on the cluster's leader, or on this node alone).
+        self.planner: Planner | None = Planner(self) if config.autoscale.autoscale else None
         self.metrics.attach(self.services, lambda: len(self.router.pending))
         self.http_url: str | None = None  # set once the HTTP API listens
         self.control_address: str | None = None  # set once the control socket listens
@@ -195,6 +198,8 @@ class Node:
                     )
                 )
             nursery.start_soon(self.controller.run)
+            if self.planner is not None:
+                nursery.start_soon(self.planner.run)
             nursery.start_soon(self.router.expire_waiting)
             nursery.start_soon(self._watch_signals, nursery.cancel_scope)
             server = ControlServer(self.service, config.control, self.log)

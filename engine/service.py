@@ -112,6 +112,8 @@ class NodeService:
                     LockResult(id=request.id, replica=name, locked=replica.locked, lock_reasons=reasons)
                 )
             case ScaleRequest():
+                if self.node.planner is not None:
+                    self.node.planner.manual_scale()
                 member = self.node.member
                 where = None if member is None else member.ops.place(request.node)
                 if member is not None and where != member.node_id:

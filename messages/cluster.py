@@ -146,14 +146,28 @@ class RequestSnapshot(Record, frozen=True):
     embedding_transfer_id: str | None = None
 
 
+class LoadTotals(Record, frozen=True):
+    """A node's load since it started (`engine.planner.signals`): prompt tokens admitted, prompt tokens
+    prefilled and the seconds its prefill batches computed, KV bytes moved and the transfers' seconds."""
+
+    arrived_tokens: int = 0
+    prefilled_tokens: int = 0
+    prefill_busy_s: float = 0.0
+    kv_bytes: int = 0
+    kv_seconds: float = 0.0
+
+
 # ---------------------------------------------------------------------------------------------- peer messages
 class Report(Message, frozen=True, tag="report"):
-    """A node's replicas and the addresses of its transfer endpoints (sent on change and periodically)."""
+    """A node's replicas and the addresses of its transfer endpoints (sent on change and periodically),
+    the prompt tokens waiting in its router, and its load counters (for the planner)."""
 
     accepting: bool
     replicas: list[ReplicaReport]
     endpoints: dict[str, str]
     pid: int
+    pending_tokens: int = 0
+    load: LoadTotals = msgspec.field(default_factory=LoadTotals)
 
 
 class Submit(Message, frozen=True, tag="submit"):

@@ -20,6 +20,7 @@ import msgspec
 from messages.control import ErrorCode, FinishReason, LockReason, ReplicaStateName
 from messages.event_base import Event, Level, ReplicaEvent, RequestEvent, Transfer
 from messages.scaling_events import (
+    PlannerDecision,
     RelayHandedOver,
     RelayReceived,
     ReplicasPaired,
@@ -368,6 +369,7 @@ LogEvent = (
     | ReplicasPaired
     | RelayHandedOver
     | RelayReceived
+    | PlannerDecision
     | FaultInjected
     | PoolLeak
     | BlocksReport

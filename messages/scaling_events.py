@@ -6,7 +6,8 @@ a `messages.events.WeightsProgress` (with `piece`, `layer`, `bytes`, `piece_seco
 hook). The source fields are `weights_source`, not `source`: `source` names a replica in the log's other
 events (`python -m engine.logs` qualifies it when it merges nodes' logs).
 
-ZigZag (`replicas.zigzag`): pairing, and each relay as handed over and as received.
+ZigZag (`replicas.zigzag`): pairing, and each relay as handed over and as received. The planner
+(`engine.planner`): each decision, with what it read.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from typing import ClassVar, Literal
 
 import msgspec
 
-from messages.event_base import Level, ReplicaEvent
+from messages.event_base import Event, Level, ReplicaEvent
 
 WeightsSourceName = Literal["peer", "host", "disk"]
 
@@ -86,3 +87,31 @@ class RelayReceived(ReplicaEvent, frozen=True, kw_only=True, tag="relay_received
     layer: int
     bytes: int
     seconds: float
+
+
+# ------------------------------------------------------------------------------------------- planner
+class PlannerInputs(msgspec.Struct, frozen=True, kw_only=True):
+    """What the planner read in one pass (docs/planner.md): the load and the capacity measured."""
+
+    waiting_tokens: int
+    arriving_tokens_per_s: float
+    prefill_tokens_per_s: float
+    decode_used_blocks: int
+    decode_blocks_per_replica: int
+    migration_bytes_per_s: float
+    migration_bytes_per_s_per_replica: float
+
+
+class PlannerDecision(Event, frozen=True, kw_only=True, tag="planner_decision"):
+    """One planner pass for `role`: `current` replicas, the range `[low, high]` its signals ask for, and
+    the `target` it moves to (`action`), or why it made no decision (`skip`, with `reason`)."""
+
+    role: Literal["prefill", "decode"]
+    policy: Literal["blitz", "serverless"]
+    action: Literal["keep", "scale_up", "scale_down", "release", "skip"]
+    current: int
+    target: int
+    low: int
+    high: int
+    reason: str
+    inputs: PlannerInputs

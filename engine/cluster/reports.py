@@ -51,6 +51,8 @@ def build_report(member: ClusterMember) -> Report:
         replicas=[replica_report(r, services.fabric.kind) for r in services.replicas.values()],
         endpoints=services.fabric.local_addresses,
         pid=member.pid,
+        pending_tokens=sum(r.prompt_tokens for r in member.router.pending),
+        load=member.node.metrics.load.totals,
     )
 
 

@@ -24,6 +24,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from engine.planner.signals import LoadCounters
 from messages.events import (
     EncodeStarted,
     LogEvent,
@@ -73,6 +74,8 @@ class NodeMetrics:
 
     def __init__(self) -> None:
         self.registry = registry = CollectorRegistry(auto_describe=True)
+        # The planner's load counters (`engine.planner.signals`), fed by the same observer.
+        self.load = LoadCounters()
 
         def counter(name: str, doc: str, labels: tuple[str, ...] = ()) -> Counter:
             return Counter(f"zigzag:{name}", doc, labels, registry=registry)
@@ -123,6 +126,7 @@ class NodeMetrics:
 
     def observe(self, event: LogEvent) -> None:
         """An event-log observer: never blocks, never emits."""
+        self.load.observe(event)
         match event:
             case RequestArrived(request_id=request_id, ts=ts):
                 self.arrived.inc()

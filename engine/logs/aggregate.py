@@ -222,7 +222,7 @@ class Aggregator:
                 pass
             case scaling.RelayReceived():
                 self.relays.append((event.ts, event.new_prefill, event.old_prefill, event.layer))
-            case scaling.ReplicasPaired() | scaling.RelayHandedOver():
+            case scaling.ReplicasPaired() | scaling.RelayHandedOver() | scaling.PlannerDecision():
                 pass
             case _:
                 assert_never(event)

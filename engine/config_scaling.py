@@ -1,0 +1,122 @@
+"""The config sections of scaling out and by the load: `[cluster]` (docs/cluster.md) and `[autoscale]`
+(docs/planner.md). Part of the node's one config tree (`engine.config.NodeConfig`)."""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+import msgspec
+
+from engine.config_base import Section, _doc
+
+NodeName = Annotated[str, msgspec.Meta(max_length=32, pattern=r"^[a-z0-9][a-z0-9_-]*$")]
+
+
+class ClusterConfig(Section, frozen=True, kw_only=True):
+    cluster: Annotated[
+        str | None,
+        _doc("join the cluster whose etcd answers at this URL, http(s)://HOST:PORT (docs/cluster.md)"),
+    ] = None
+    node_id: Annotated[
+        NodeName | None,
+        _doc("this node's cluster-unique name (default: node-PID); its replicas are {node}/{role}-{n}"),
+    ] = None
+    cluster_name: Annotated[
+        str,
+        msgspec.Meta(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$"),
+        _doc("the cluster's name: its etcd keys live under /zigzag/{name}/"),
+    ] = "default"
+    lease_ttl: Annotated[
+        int, msgspec.Meta(ge=1, le=3600), _doc("seconds a node outlives its last lease renewal")
+    ] = 10
+    cluster_host: Annotated[
+        str, _doc("address this node listens on for other nodes (peer links, transfers) and announces")
+    ] = "127.0.0.1"
+    replica_slots: Annotated[
+        int, msgspec.Meta(ge=0, le=1024), _doc("replicas this node may run (what `scale` places here)")
+    ] = 16
+    etcd_ca_file: Annotated[str | None, _doc("TLS: the CA that signed etcd's certificate")] = None
+    etcd_cert_file: Annotated[str | None, _doc("TLS: this node's client certificate for etcd")] = None
+    etcd_key_file: Annotated[str | None, _doc("TLS: the key of --etcd-cert-file")] = None
+    etcd_username: Annotated[str | None, _doc("etcd auth: user name")] = None
+    etcd_password: Annotated[str | None, _doc("etcd auth: password (prefer ZIGZAG_ETCD_PASSWORD)")] = None
+    nodes: Annotated[
+        int,
+        msgspec.Meta(ge=1, le=16),
+        _doc("--demo: run the demo across this many node processes and a local etcd"),
+    ] = 1
+
+
+Utilisation = Annotated[float, msgspec.Meta(gt=0, le=1)]
+Replicas = Annotated[int, msgspec.Meta(ge=0, le=64)]
+
+
+class AutoscaleConfig(Section, frozen=True, kw_only=True):
+    """The planner (docs/planner.md): off unless `--autoscale`. Bounds are utilisations: the planner
+    scales a role up above `upper`, down below `lower` (BlitzScale's defaults)."""
+
+    autoscale: Annotated[
+        bool, _doc("scale prefill and decode replicas by the load (the cluster's leader)")
+    ] = False
+    autoscale_policy: Annotated[
+        Literal["blitz", "serverless"],
+        _doc(
+            "blitz: prefill scales up with ZigZag, weights from any source; serverless: stop-the-world from host or disk"
+        ),
+    ] = "blitz"
+    autoscale_period: Annotated[
+        float, msgspec.Meta(gt=0, le=3600), _doc("seconds between planner passes")
+    ] = 0.5
+    autoscale_window: Annotated[
+        float, msgspec.Meta(gt=0, le=3600), _doc("seconds of load the rates are measured over")
+    ] = 5.0
+    autoscale_drain: Annotated[
+        float,
+        msgspec.Meta(gt=0, le=3600),
+        _doc("seconds within which the waiting prompt tokens should be prefilled"),
+    ] = 2.0
+    autoscale_keep_alive: Annotated[
+        float,
+        msgspec.Meta(ge=0, le=86400),
+        _doc("seconds a scaled-down replica keeps its weights (ShuttingNull) before it is made Inactive"),
+    ] = 0.333
+    autoscale_pause_after_manual: Annotated[
+        float, msgspec.Meta(ge=0, le=86400), _doc("seconds the planner waits after a manual scale")
+    ] = 30.0
+    prefill_utilization_lower: Annotated[Utilisation, _doc("prefill: scale down below this")] = 0.5
+    prefill_utilization_upper: Annotated[Utilisation, _doc("prefill: scale up above this")] = 0.7
+    decode_utilization_lower: Annotated[Utilisation, _doc("decode KV memory: scale down below this")] = 0.75
+    decode_utilization_upper: Annotated[Utilisation, _doc("decode KV memory: scale up above this")] = 0.95
+    migration_utilization_lower: Annotated[Utilisation, _doc("KV migration bandwidth: scale down below")] = (
+        0.4
+    )
+    migration_utilization_upper: Annotated[Utilisation, _doc("KV migration bandwidth: scale up above")] = 0.8
+    migration_bytes_per_s: Annotated[
+        float,
+        msgspec.Meta(ge=0),
+        _doc("KV bytes/s one decode replica takes in (0: measured from the transfers)"),
+    ] = 0.0
+    prefill_tokens_per_s: Annotated[
+        float, msgspec.Meta(ge=0), _doc("prompt tokens/s one prefill replica computes (0: measured)")
+    ] = 0.0
+    min_prefill_replicas: Annotated[
+        Replicas, _doc("the planner keeps at least this many prefill replicas")
+    ] = 1
+    max_prefill_replicas: Annotated[Replicas, _doc("... and at most this many")] = 4
+    min_decode_replicas: Annotated[Replicas, _doc("the planner keeps at least this many decode replicas")] = 1
+    max_decode_replicas: Annotated[Replicas, _doc("... and at most this many")] = 4
+
+    def __post_init__(self) -> None:
+        for role in ("prefill", "decode", "migration"):
+            lower, upper = (
+                getattr(self, f"{role}_utilization_lower"),
+                getattr(self, f"{role}_utilization_upper"),
+            )
+            if not lower < upper:
+                raise ValueError(
+                    f"{role}_utilization_lower ({lower}) must be below {role}_utilization_upper ({upper})"
+                )
+        for role in ("prefill", "decode"):
+            low, high = getattr(self, f"min_{role}_replicas"), getattr(self, f"max_{role}_replicas")
+            if low > high:
+                raise ValueError(f"min_{role}_replicas ({low}) exceeds max_{role}_replicas ({high})")

@@ -1,0 +1,302 @@
+"""The planner loop (`--autoscale`, docs/planner.md): scales prefill and decode by the load.
+
+Every `--autoscale-period` seconds — on the cluster's leader, or on a node alone — one pass reads the
+signals (`Signals`: waiting prompt tokens, rates over `--autoscale-window`, decode KV blocks, replica
+counts, this node's and every other member's as last reported), computes each role's range and target
+(`engine.planner.formulas`) and logs a `planner_decision` event with what it read. It moves at most one
+role per pass, through the `scale` op of the node it places the change on, and makes no decision while a
+scale runs, or for `--autoscale-pause-after-manual` seconds after a manual one. Scaling up with policy
+`blitz` runs prefill through ZigZag with weights from any source (`auto`); `serverless` is stop-the-world
+from the host copy or disk. A replica scaled down keeps its weights (`ShuttingNull`) for
+`--autoscale-keep-alive` seconds — a scale-up in that time revives it — then is made `Inactive`.
+
+`inject(signals)` replaces the measured load (tests drive the planner with a known load); the replica
+counts are always the measured ones.
+
+Cancellation: `run` sleeps between passes; a pass cancelled mid-scale leaves the scale's replicas in the
+states its commands reached (every command is answered by the replica's own loop).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Final, Literal, final
+
+import msgspec
+import trio
+
+from engine.control.errors import RequestFailed
+from engine.planner.formulas import (
+    Bounds,
+    Range,
+    decode_by_memory,
+    decode_by_migration,
+    prefill_by_tokens,
+    target,
+)
+from engine.planner.signals import Rates, RateWindow, add, with_capacity
+from engine.scaling import ACTIVE_STATES, scale
+from messages.commands import Transition
+from messages.control import ScaleMode, ScaleRequest, SourceChoice
+from messages.control_replies import ScaleResult
+from messages.scaling_events import PlannerDecision, PlannerInputs
+from replicas.actor import Replica
+from replicas.inbox import CommandRefused, new_command_id
+from replicas.services import PeerReplica
+from replicas.states import ReplicaState
+
+if TYPE_CHECKING:
+    from engine.node import Node
+
+Role = Literal["prefill", "decode"]
+ROLES: Final[tuple[Role, ...]] = ("prefill", "decode")
+PLANNER_ID: Final = "planner"
+
+
+@final
+@dataclass(frozen=True, slots=True)
+class Signals:
+    """One pass's inputs (see the module docstring); `counts` are the active replicas per role."""
+
+    waiting_tokens: int
+    rates: Rates
+    decode_used_blocks: int
+    decode_blocks_per_replica: int
+    counts: dict[str, int]
+
+    def inputs(self) -> PlannerInputs:
+        r = self.rates
+        return PlannerInputs(
+            waiting_tokens=self.waiting_tokens,
+            arriving_tokens_per_s=r.arriving_tokens_per_s,
+            prefill_tokens_per_s=r.prefill_tokens_per_s,
+            decode_used_blocks=self.decode_used_blocks,
+            decode_blocks_per_replica=self.decode_blocks_per_replica,
+            migration_bytes_per_s=r.migration_bytes_per_s,
+            migration_bytes_per_s_per_replica=r.migration_bytes_per_s_per_replica,
+        )
+
+
+@final
+class Planner:
+    """See the module docstring."""
+
+    def __init__(self, node: Node) -> None:
+        self.node = node
+        self.config = config = node.config.autoscale
+        self.window = RateWindow(config.autoscale_window)
+        self.injected: Signals | None = None
+        self.paused_until = 0.0
+        self._idle_since: dict[str, float] = {}  # ShuttingNull replicas of this node: since when
+        self.bounds = {
+            "prefill": Bounds(config.prefill_utilization_lower, config.prefill_utilization_upper),
+            "decode": Bounds(config.decode_utilization_lower, config.decode_utilization_upper),
+            "migration": Bounds(config.migration_utilization_lower, config.migration_utilization_upper),
+        }
+
+    def inject(self, signals: Signals | None) -> None:
+        self.injected = signals
+
+    def manual_scale(self) -> None:
+        """A person scaled: the planner waits `--autoscale-pause-after-manual` seconds."""
+        self.paused_until = trio.current_time() + self.config.autoscale_pause_after_manual
+
+    async def run(self) -> None:
+        while True:
+            await trio.sleep(self.config.autoscale_period)
+            member = self.node.member
+            if member is None or member.membership.is_leader:
+                await self.step()
+
+    # ------------------------------------------------------------------ one pass
+    async def step(self) -> None:
+        now = trio.current_time()
+        signals = self.measure(now)
+        if self.injected is not None:  # a known load; the replica counts stay the node's own
+            signals = replace(self.injected, counts=signals.counts)
+        await self._release_idle(now)
+        busy = self.node.scale_lock.locked()
+        if busy or now < self.paused_until:
+            why = "a scale is running" if busy else "paused after a manual scale"
+            for role in ROLES:
+                count = signals.counts.get(role, 0)
+                self._log(role, "skip", count, count, Range(count, count), why, signals)
+            return
+        for role in ROLES:
+            current = signals.counts.get(role, 0)
+            wanted = self.wanted(role, signals)
+            chosen = target(
+                current, wanted, minimum=self._limit(role, "min"), maximum=self._limit(role, "max")
+            )
+            if chosen == current:
+                self._log(role, "keep", current, chosen, wanted, "within range", signals)
+                continue
+            action: Literal["scale_up", "scale_down"] = "scale_up" if chosen > current else "scale_down"
+            self._log(role, action, current, chosen, wanted, "out of range", signals)
+            await self._apply(role, current, chosen)
+            return  # one role per pass: the next pass sees what this scale did
+
+    def wanted(self, role: Role, signals: Signals) -> Range:
+        rates = signals.rates
+        if role == "prefill":
+            return prefill_by_tokens(
+                rates.arriving_tokens_per_s,
+                signals.waiting_tokens,
+                rates.prefill_tokens_per_s,
+                self.bounds["prefill"],
+                drain_s=self.config.autoscale_drain,
+            )
+        memory = decode_by_memory(
+            signals.decode_used_blocks, max(1, signals.decode_blocks_per_replica), self.bounds["decode"]
+        )
+        migration = decode_by_migration(
+            rates.migration_bytes_per_s, rates.migration_bytes_per_s_per_replica, self.bounds["migration"]
+        )
+        return memory.widest(migration)
+
+    def _limit(self, role: Role, which: Literal["min", "max"]) -> int:
+        return int(getattr(self.config, f"{which}_{role}_replicas"))
+
+    # ------------------------------------------------------------------ signals
+    def measure(self, now: float) -> Signals:
+        """This node's signals plus every other member's last report."""
+        node = self.node
+        services = node.services
+        totals = node.metrics.load.totals
+        waiting = sum(r.prompt_tokens for r in node.router.pending)
+        counts: dict[str, int] = {role: 0 for role in ROLES}
+        used, per_replica = 0, []
+        for replica in services.replicas.values():
+            for role in ROLES:
+                if replica.state in ACTIVE_STATES[role]:
+                    counts[role] += 1
+            waiting += sum(q.prompt_tokens for q in replica.work.prefill.queue)
+            if replica.state is ReplicaState.DECODE:
+                kv_used, kv_total = replica.pools.kv_usage()
+                used += kv_used
+                per_replica.append(kv_total)
+        member = node.member
+        for report in [] if member is None else list(member.reports.values()):
+            totals = add(totals, report.load)
+            waiting += report.pending_tokens
+            for r in report.replicas:
+                state = ReplicaState(r.state)
+                for role in ROLES:
+                    if state in ACTIVE_STATES[role]:
+                        counts[role] += 1
+                waiting += r.queued_prompt_tokens
+                if state is ReplicaState.DECODE:
+                    used += r.kv_used
+                    per_replica.append(r.kv_total)
+        rates = with_capacity(
+            self.window.sample(now, totals),
+            prefill_tokens_per_s=self.config.prefill_tokens_per_s,
+            migration_bytes_per_s=self.config.migration_bytes_per_s,
+        )
+        blocks = sum(per_replica) // len(per_replica) if per_replica else 0
+        return Signals(waiting, rates, used, blocks, counts)
+
+    # ------------------------------------------------------------------ acting
+    async def _apply(self, role: Role, current: int, chosen: int) -> None:
+        """Scale `role` by `chosen - current` on one node: up where `scale` would place a replica (this
+        node while it has a free slot), down on the node with the most of them."""
+        node = self.node
+        blitz = self.config.autoscale_policy == "blitz"
+        up = chosen > current
+        mode: ScaleMode = "zigzag" if blitz and up and role == "prefill" else "stop_the_world"
+        source: SourceChoice = "auto" if blitz else ("host" if node.host.host_copy is not None else "disk")
+        counts = self._counts_per_node(role)
+        member = node.member
+        if member is None:
+            where = None
+        elif up:
+            where = member.ops.place(None)
+        else:
+            where = max(counts, key=lambda n: (counts[n], n == member.node_id))
+        here = counts.get(where or "", 0) if where is not None else counts.get("", 0)
+        request = ScaleRequest(
+            id=PLANNER_ID,
+            role=role,
+            replicas=max(0, here + chosen - current),
+            mode=mode if up else None,
+            source=source,
+        )
+        try:
+            if member is not None and where is not None and where != member.node_id:
+                await member.ops.forward(where, msgspec.structs.replace(request, node=where), ScaleResult)
+                return
+            if mode == "zigzag" and not any(
+                r.state is ReplicaState.PREFILL for r in node.services.replicas.values()
+            ):
+                request = msgspec.structs.replace(
+                    request, mode="stop_the_world"
+                )  # ZigZag needs a serving one
+            await scale(node, request)
+        except RequestFailed as exc:
+            self._log(
+                role, "skip", current, chosen, Range(chosen, chosen), f"the scale failed: {exc.message}", None
+            )
+
+    def _counts_per_node(self, role: Role) -> dict[str, int]:
+        """Active replicas of `role` per node id (this node under its id, or "" alone)."""
+        node = self.node
+        mine = sum(1 for r in node.services.replicas.values() if r.state in ACTIVE_STATES[role])
+        member = node.member
+        if member is None:
+            return {"": mine}
+        counts = {member.node_id: mine}
+        for other, report in member.reports.items():
+            counts[other] = sum(1 for r in report.replicas if ReplicaState(r.state) in ACTIVE_STATES[role])
+        return counts
+
+    async def _release_idle(self, now: float) -> None:
+        """`ShuttingNull` replicas idle past the keep-alive are made `Inactive` (their weights released),
+        this node's and, in a cluster, the others' (as last reported)."""
+        idle: dict[str, Replica | PeerReplica] = {
+            n: r for n, r in self.node.services.replicas.items() if r.state is ReplicaState.SHUTTING_NULL
+        }
+        idle |= {p.name: p for p in self.node.services.peers() if p.state is ReplicaState.SHUTTING_NULL}
+        self._idle_since = {n: self._idle_since.get(n, now) for n in idle}
+        for name, since in list(self._idle_since.items()):
+            if now - since < self.config.autoscale_keep_alive:
+                continue
+            command = Transition(
+                command_id=new_command_id(), to=ReplicaState.INACTIVE.value, origin="planner"
+            )
+            try:
+                await idle[name].ask(command)
+            except CommandRefused:
+                continue  # revived meanwhile (a scale-up took it back)
+            del self._idle_since[name]
+            role: Role = "decode" if "decode" in name.rpartition("/")[2] else "prefill"
+            self._log(
+                role, "release", 0, 0, Range(0, 0), f"{name} idle past the keep-alive: weights released", None
+            )
+
+    def _log(
+        self,
+        role: Role,
+        action: Literal["keep", "scale_up", "scale_down", "release", "skip"],
+        current: int,
+        chosen: int,
+        wanted: Range,
+        reason: str,
+        signals: Signals | None,
+    ) -> None:
+        inputs = (signals or self.injected or _EMPTY).inputs()
+        self.node.log.emit(
+            PlannerDecision(
+                role=role,
+                policy=self.config.autoscale_policy,
+                action=action,
+                current=current,
+                target=chosen,
+                low=wanted.low,
+                high=wanted.high,
+                reason=reason,
+                inputs=inputs,
+            )
+        )
+
+
+_EMPTY = Signals(0, Rates(), 0, 0, {})

@@ -1,0 +1,118 @@
+"""What the planner reads: cumulative load counters from the event log, and rates over a window.
+
+`LoadCounters` is an event-log observer of one node: prompt tokens admitted, prompt tokens prefilled and
+the busy seconds of the prefill batches that did it (a batch counted once: its requests share its start),
+and the bytes and seconds of finished KV transfers. Every node reports its counters to the others
+(`messages.cluster.Report.load`), so the cluster's leader sums them. `RateWindow` turns successive
+totals into per-second rates over the last `window` seconds.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, replace
+from typing import final
+
+from messages.cluster import LoadTotals
+from messages.events import LogEvent, PrefillFinished, RequestArrived, TransferFinished
+
+
+@final
+class LoadCounters:
+    """An event-log observer (called under the log's lock; never blocks, never emits)."""
+
+    def __init__(self) -> None:
+        self.totals = LoadTotals()
+        self._batches: deque[tuple[str | None, float]] = deque(maxlen=256)
+
+    def observe(self, event: LogEvent) -> None:
+        t = self.totals
+        match event:
+            case RequestArrived(prompt_tokens=tokens) if tokens:
+                self.totals = LoadTotals(
+                    arrived_tokens=t.arrived_tokens + tokens,
+                    prefilled_tokens=t.prefilled_tokens,
+                    prefill_busy_s=t.prefill_busy_s,
+                    kv_bytes=t.kv_bytes,
+                    kv_seconds=t.kv_seconds,
+                )
+            case PrefillFinished(tokens=tokens, seconds=seconds):
+                batch = (event.replica, round(event.ts - seconds, 3))
+                busy = t.prefill_busy_s
+                if batch not in self._batches:
+                    self._batches.append(batch)
+                    busy += seconds
+                self.totals = LoadTotals(
+                    arrived_tokens=t.arrived_tokens,
+                    prefilled_tokens=t.prefilled_tokens + tokens,
+                    prefill_busy_s=busy,
+                    kv_bytes=t.kv_bytes,
+                    kv_seconds=t.kv_seconds,
+                )
+            case TransferFinished(kind="kv", status="success", bytes=nbytes, seconds=seconds):
+                self.totals = LoadTotals(
+                    arrived_tokens=t.arrived_tokens,
+                    prefilled_tokens=t.prefilled_tokens,
+                    prefill_busy_s=t.prefill_busy_s,
+                    kv_bytes=t.kv_bytes + nbytes,
+                    kv_seconds=t.kv_seconds + seconds,
+                )
+            case _:
+                pass
+
+
+def add(a: LoadTotals, b: LoadTotals) -> LoadTotals:
+    return LoadTotals(
+        arrived_tokens=a.arrived_tokens + b.arrived_tokens,
+        prefilled_tokens=a.prefilled_tokens + b.prefilled_tokens,
+        prefill_busy_s=a.prefill_busy_s + b.prefill_busy_s,
+        kv_bytes=a.kv_bytes + b.kv_bytes,
+        kv_seconds=a.kv_seconds + b.kv_seconds,
+    )
+
+
+@final
+@dataclass(frozen=True, slots=True)
+class Rates:
+    """Per second over the window; the capacities are what one replica did while busy (0: unmeasured)."""
+
+    arriving_tokens_per_s: float = 0.0
+    prefill_tokens_per_s: float = 0.0  # of one prefill replica while it computes
+    migration_bytes_per_s: float = 0.0  # KV bytes moved per second, all replicas
+    migration_bytes_per_s_per_replica: float = 0.0  # of one transfer while it moves
+
+
+@final
+class RateWindow:
+    """Rates from totals sampled at each planner pass (see the module docstring)."""
+
+    def __init__(self, window: float) -> None:
+        self.window = window
+        self._samples: deque[tuple[float, LoadTotals]] = deque()
+
+    def sample(self, now: float, totals: LoadTotals) -> Rates:
+        self._samples.append((now, totals))
+        while len(self._samples) > 2 and now - self._samples[1][0] >= self.window:
+            self._samples.popleft()
+        then, old = self._samples[0]
+        span = now - then
+        if span <= 0:
+            return Rates()
+        busy = totals.prefill_busy_s - old.prefill_busy_s
+        moved = totals.kv_seconds - old.kv_seconds
+        kv = totals.kv_bytes - old.kv_bytes
+        return Rates(
+            arriving_tokens_per_s=(totals.arrived_tokens - old.arrived_tokens) / span,
+            prefill_tokens_per_s=(totals.prefilled_tokens - old.prefilled_tokens) / busy if busy > 0 else 0.0,
+            migration_bytes_per_s=kv / span,
+            migration_bytes_per_s_per_replica=kv / moved if moved > 0 else 0.0,
+        )
+
+
+def with_capacity(rates: Rates, *, prefill_tokens_per_s: float, migration_bytes_per_s: float) -> Rates:
+    """`rates` with a configured capacity in place of the measured one (0 in the config: measured)."""
+    if prefill_tokens_per_s > 0:
+        rates = replace(rates, prefill_tokens_per_s=prefill_tokens_per_s)
+    if migration_bytes_per_s > 0:
+        rates = replace(rates, migration_bytes_per_s_per_replica=migration_bytes_per_s)
+    return rates

@@ -1,0 +1,92 @@
+"""The planner on a real node, driven by an injected load (not timing luck): a burst adds a prefill
+replica — through ZigZag with `blitz`, stop-the-world with `serverless` — and when the load falls the
+replica goes through ShuttingPrefill and ShuttingNull to Inactive after the keep-alive. No decision while a
+scale runs. Requests served meanwhile give the model's tokens.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from engine.client import ControlClient
+from engine.planner.loop import Signals
+from engine.planner.signals import Rates
+from replicas.model import tiny_model
+from tests.epd.inprocess import ServedNode, served_node
+from tests.node.harness import wait_status
+from tests.node.workload import check_outcome, mixed_workload, send
+from tests.waiting import wait_until
+
+BURST = Signals(20_000, Rates(arriving_tokens_per_s=5_000.0, prefill_tokens_per_s=2_000.0), 0, 64, {})
+CALM = Signals(0, Rates(prefill_tokens_per_s=2_000.0), 0, 64, {})
+OPTIONS = (
+    "--replicas",
+    "prefill=1,decode=1",
+    "--autoscale",
+    "--autoscale-period",
+    "0.05",
+    "--autoscale-keep-alive",
+    "0.3",
+    "--max-prefill-replicas",
+    "2",
+)
+
+
+def _decisions(served: ServedNode, action: str) -> list[dict[str, Any]]:
+    return [e for e in served.events("planner_decision") if e["action"] == action]
+
+
+def _states(served: ServedNode, replica: str) -> list[str]:
+    return [e["to"] for e in served.events("replica_state") if e["replica"] == replica]
+
+
+@pytest.mark.parametrize("policy", ["blitz", "serverless"])
+async def test_a_burst_adds_a_prefill_replica_and_the_calm_removes_it(tmp_path: Path, policy: str) -> None:
+    model = tiny_model()
+    async with served_node(tmp_path, *OPTIONS, "--autoscale-policy", policy) as served:
+        planner = served.node.planner
+        assert planner is not None
+        async with ControlClient.connect(served.address) as client:
+            await wait_status(
+                client, lambda s: all(r.state in ("Prefill", "Decode") for r in s.replicas), "serving"
+            )
+            planner.inject(BURST)
+            await wait_status(
+                client,
+                lambda s: sum(r.role == "prefill" and r.state == "Prefill" for r in s.replicas) == 2,
+                "a second prefill replica serving",
+            )
+            up = _decisions(served, "scale_up")
+            assert up[0]["role"] == "prefill" and up[0]["current"] == 1 and up[0]["target"] == 2
+            assert up[0]["inputs"]["waiting_tokens"] == 20_000 and up[0]["low"] == 11 and up[0]["high"] == 15
+            paired = served.events("replicas_paired")
+            assert (len(paired) == 1) == (policy == "blitz"), paired  # ZigZag only with blitz
+            outcome = await send(client, mixed_workload(model, 1, text=False)[0])
+            assert not check_outcome(model, outcome, transport="inproc")
+
+            planner.inject(CALM)
+            released = await wait_until(
+                lambda: [n for n in ("prefill-0", "prefill-1") if "Inactive" in _states(served, n)],
+                "a prefill replica released after the keep-alive",
+                30,
+            )
+            assert _states(served, released[0])[-3:] == ["ShuttingPrefill", "ShuttingNull", "Inactive"]
+            down = _decisions(served, "scale_down")
+            assert down[0]["role"] == "prefill" and (down[0]["current"], down[0]["target"]) == (2, 1)
+            assert _decisions(served, "release")
+
+
+async def test_no_decision_while_a_scale_runs(tmp_path: Path) -> None:
+    async with served_node(tmp_path, *OPTIONS) as served:
+        planner = served.node.planner
+        assert planner is not None
+        async with served.node.scale_lock:  # as a scale holds it while it runs
+            planner.inject(BURST)
+            await wait_until(lambda: _decisions(served, "skip"), "a skipped pass", 30)
+            assert {d["reason"] for d in _decisions(served, "skip")} == {"a scale is running"}
+            assert not _decisions(served, "scale_up")
+            assert sum(r.role == "prefill" for r in served.node.services.replicas.values()) == 1
+        planner.inject(CALM)
