@@ -90,8 +90,9 @@ def draw_timeline(
     rows = max(timeline.rows, 1)
     lane_height = 0.45 * max(len(lanes), 1) + 0.6
     request_height = min(0.12 * rows, 6.0) + 0.6
-    figure = Figure(figsize=(width, lane_height + request_height + 1.2), layout="constrained")
-    top, bottom = figure.subplots(2, 1, sharex=True, height_ratios=[lane_height, request_height])
+    figure = Figure(figsize=(width, lane_height + request_height + 2.6), layout="constrained")
+    top, middle, bottom = figure.subplots(3, 1, sharex=True, height_ratios=[lane_height, 1.4, request_height])
+    _draw_counts(middle, timeline)
 
     states_used: set[str] = set()
     boxes = _Boxes()
@@ -163,3 +164,26 @@ def draw_timeline(
     if phase_handles:
         bottom.legend(handles=phase_handles, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize="small")
     figure.savefig(path, dpi=110)
+
+
+def _draw_counts(axes: Axes, timeline: Timeline) -> None:
+    """Replicas per role (not Inactive) and requests in flight, as steps over time."""
+    points = timeline.counts
+    if not points:
+        axes.set_visible(False)
+        return
+    xs = [p.at for p in points] + [timeline.end]
+    for role, colour in (("prefill", "#2a9d8f"), ("decode", "#264653"), ("encode", "#e9c46a")):
+        ys = [getattr(p, role) for p in points]
+        if any(ys):
+            axes.step(xs, [*ys, ys[-1]], where="post", color=colour, label=f"{role} replicas")
+    axes.set_ylabel("replicas")
+    load = axes.twinx()
+    flights = [p.in_flight for p in points]
+    load.step(xs, [*flights, flights[-1]], where="post", color="#bbbbbb", linewidth=0.8, label="in flight")
+    load.set_ylabel("requests in flight")
+    handles, labels = axes.get_legend_handles_labels()
+    more, more_labels = load.get_legend_handles_labels()
+    axes.legend(
+        handles + more, labels + more_labels, loc="upper left", bbox_to_anchor=(1.06, 1.0), fontsize="small"
+    )

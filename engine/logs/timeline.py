@@ -13,6 +13,7 @@ from typing import Final
 import msgspec
 
 from engine.logs.aggregate import Aggregator
+from engine.logs.counts import CountPoint, count_series
 from engine.logs.records import RequestRecord, replica_order
 
 DEFAULT_MAX_ROWS: Final = 48
@@ -84,6 +85,8 @@ class Timeline(Data, frozen=True, kw_only=True):
     requests: list[RequestSpan]
     rows: int
     relays: list[RelayMark] = msgspec.field(default_factory=list)
+    # Replicas per role (not Inactive) and requests in flight over time (`engine.logs.counts`).
+    counts: list[CountPoint] = msgspec.field(default_factory=list)
 
 
 def _phases(request: RequestRecord, end: float) -> list[tuple[str, float, float, str | None]]:
@@ -175,8 +178,21 @@ def build_timeline(aggregator: Aggregator, *, max_rows: int = DEFAULT_MAX_ROWS) 
         RelayMark(at=ts - origin, new_prefill=new, old_prefill=old, layer=layer)
         for ts, new, old, layer in aggregator.relays
     ]
+    counts = count_series(
+        [
+            (lane.replica, [(s.state, s.start, None if s.open else s.end) for s in lane.segments])
+            for lane in lanes
+        ],
+        [(span.start, None if span.outcome is None else span.end) for span in spans],
+    )
     return Timeline(
-        start_ts=origin, end=last - origin, lanes=lanes, requests=spans, rows=len(row_ends), relays=relays
+        start_ts=origin,
+        end=last - origin,
+        lanes=lanes,
+        requests=spans,
+        rows=len(row_ends),
+        relays=relays,
+        counts=counts,
     )
 
 

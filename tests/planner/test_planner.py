@@ -12,6 +12,9 @@ from typing import Any
 import pytest
 
 from engine.client import ControlClient
+from engine.logs.aggregate import Aggregator
+from engine.logs.reader import read_entries
+from engine.logs.timeline import Timeline, build_timeline
 from engine.planner.loop import Signals
 from engine.planner.signals import Rates
 from replicas.model import tiny_model
@@ -33,6 +36,14 @@ OPTIONS = (
     "--max-prefill-replicas",
     "2",
 )
+
+
+def _timeline(served: ServedNode) -> Timeline:
+    entries, _ = read_entries([served.log_file])
+    aggregator = Aggregator()
+    for entry in entries:
+        aggregator.add(entry.event)
+    return build_timeline(aggregator)
 
 
 def _decisions(served: ServedNode, action: str) -> list[dict[str, Any]]:
@@ -74,6 +85,9 @@ async def test_a_burst_adds_a_prefill_replica_and_the_calm_removes_it(tmp_path: 
                 30,
             )
             assert _states(served, released[0])[-3:] == ["ShuttingPrefill", "ShuttingNull", "Inactive"]
+            # `python -m engine.logs timeline` shows the replica count per role over time
+            prefill = [point.prefill for point in _timeline(served).counts]
+            assert max(prefill) == 2 and prefill[-1] == 1, prefill
             down = _decisions(served, "scale_down")
             assert down[0]["role"] == "prefill" and (down[0]["current"], down[0]["target"]) == (2, 1)
             assert _decisions(served, "release")
