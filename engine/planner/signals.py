@@ -13,6 +13,8 @@ from collections import deque
 from dataclasses import dataclass, replace
 from typing import final
 
+import msgspec
+
 from messages.cluster import LoadTotals
 from messages.events import LogEvent, PrefillFinished, RequestArrived, TransferFinished
 
@@ -29,33 +31,19 @@ class LoadCounters:
         t = self.totals
         match event:
             case RequestArrived(prompt_tokens=tokens) if tokens:
-                self.totals = LoadTotals(
-                    arrived_tokens=t.arrived_tokens + tokens,
-                    prefilled_tokens=t.prefilled_tokens,
-                    prefill_busy_s=t.prefill_busy_s,
-                    kv_bytes=t.kv_bytes,
-                    kv_seconds=t.kv_seconds,
-                )
+                self.totals = msgspec.structs.replace(t, arrived_tokens=t.arrived_tokens + tokens)
             case PrefillFinished(tokens=tokens, seconds=seconds):
                 batch = (event.replica, round(event.ts - seconds, 3))
                 busy = t.prefill_busy_s
                 if batch not in self._batches:
                     self._batches.append(batch)
                     busy += seconds
-                self.totals = LoadTotals(
-                    arrived_tokens=t.arrived_tokens,
-                    prefilled_tokens=t.prefilled_tokens + tokens,
-                    prefill_busy_s=busy,
-                    kv_bytes=t.kv_bytes,
-                    kv_seconds=t.kv_seconds,
+                self.totals = msgspec.structs.replace(
+                    t, prefilled_tokens=t.prefilled_tokens + tokens, prefill_busy_s=busy
                 )
             case TransferFinished(kind="kv", status="success", bytes=nbytes, seconds=seconds):
-                self.totals = LoadTotals(
-                    arrived_tokens=t.arrived_tokens,
-                    prefilled_tokens=t.prefilled_tokens,
-                    prefill_busy_s=t.prefill_busy_s,
-                    kv_bytes=t.kv_bytes + nbytes,
-                    kv_seconds=t.kv_seconds + seconds,
+                self.totals = msgspec.structs.replace(
+                    t, kv_bytes=t.kv_bytes + nbytes, kv_seconds=t.kv_seconds + seconds
                 )
             case _:
                 pass

@@ -15,8 +15,9 @@ from engine.planner.formulas import (
     prefill_by_tokens,
     target,
 )
-from engine.planner.signals import RateWindow
+from engine.planner.signals import LoadCounters, RateWindow
 from messages.cluster import LoadTotals
+from messages.events import PrefillFinished, RequestArrived, TransferFinished
 
 PREFILL = Bounds(0.5, 0.7)
 DECODE = Bounds(0.75, 0.95)
@@ -99,3 +100,38 @@ def test_rates_over_the_window() -> None:
     assert rates.prefill_tokens_per_s == 2000.0
     assert rates.migration_bytes_per_s == 2000.0
     assert rates.migration_bytes_per_s_per_replica == pytest.approx(400_000.0)
+
+
+def test_load_counters_count_a_batch_once() -> None:
+    counters = LoadCounters()
+    counters.observe(
+        RequestArrived(
+            request_id="a", connection=None, prompt_tokens=100, images=0, max_tokens=4, stream=False
+        )
+    )
+    # two requests of one batch: they share its start (ts - seconds), so its seconds count once
+    for request_id, tokens in (("a", 100), ("b", 60)):
+        counters.observe(
+            PrefillFinished(request_id=request_id, replica="prefill-0", ts=10.5, tokens=tokens, seconds=0.5)
+        )
+    counters.observe(PrefillFinished(request_id="c", replica="prefill-1", ts=10.5, tokens=40, seconds=0.5))
+    counters.observe(
+        TransferFinished(
+            request_id="a",
+            replica="decode-0",
+            kind="kv",
+            transfer_id="a/kv1",
+            status="success",
+            reason=None,
+            rounds=1,
+            tokens=100,
+            bytes=4096,
+            seconds=0.002,
+            source="prefill-0",
+            destination="decode-0",
+            transport="inproc",
+        )
+    )
+    assert counters.totals == LoadTotals(
+        arrived_tokens=100, prefilled_tokens=200, prefill_busy_s=1.0, kv_bytes=4096, kv_seconds=0.002
+    )
