@@ -17,6 +17,7 @@ BENCHMARKS = {
     "e2e": "engine.bench.e2e",
     "epd": "engine.bench.epd",
     "zigzag": "engine.bench.zigzag",
+    "trace": "engine.bench.trace",
 }
 
 

@@ -1,0 +1,157 @@
+"""The `trace` benchmark: its generator is deterministic for a seed, a CSV trace is read through its column
+mapping, the figures are computed as documented, and `python -m engine.bench trace --json --quick` runs its
+three ways end to end and prints rows of the shape every benchmark prints. No figure is compared with a
+speed."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from engine.bench.rows import Row
+from engine.bench.trace_gen import (
+    Lengths,
+    Shape,
+    TraceRequest,
+    gamma_shape,
+    generate,
+    parse_columns,
+    peak_window,
+    read_csv,
+    window,
+)
+from engine.bench.trace_slo import Outcome, ReplicaSample, Slo, attainment, quantile, replica_seconds
+
+SHAPE = Shape(
+    rate=5.0, duration=30.0, gamma_shape=gamma_shape(2.0), burst_factor=6.0, burst_at=10.0, burst_len=5.0
+)
+
+
+def test_the_generator_is_deterministic_for_a_seed() -> None:
+    lengths = Lengths(prompt_mean=200.0, prompt_min=8, prompt_max=600, output_mean=10.0, output_max=40)
+    first, again, other = (
+        generate(SHAPE, lengths, 3),
+        generate(SHAPE, lengths, 3),
+        generate(SHAPE, lengths, 4),
+    )
+    assert first == again and first != other
+    assert [r.at for r in first] == sorted(r.at for r in first)
+    assert all(0.0 <= r.at < SHAPE.duration for r in first)
+    assert all(8 <= r.prompt_tokens <= 600 and 1 <= r.output_tokens <= 40 for r in first)
+    inside = sum(10.0 <= r.at < 15.0 for r in first) / 5.0
+    outside = sum(not 10.0 <= r.at < 15.0 for r in first) / 25.0
+    assert inside > 2 * outside  # this seed's burst: the rate × 6 there
+
+
+def test_the_cumulative_rate_and_its_inverse_agree() -> None:
+    for t in (0.0, 4.0, 10.0, 12.5, 15.0, 29.0):
+        assert SHAPE.time_of(SHAPE.cumulative(t)) == pytest.approx(t)
+    assert SHAPE.cumulative(30.0) == pytest.approx(5.0 * 30.0 + 5.0 * 5.0 * 5.0)
+    assert gamma_shape(1.0) == 1.0 and gamma_shape(2.0) == 0.25
+
+
+def test_a_csv_is_read_through_its_column_mapping(tmp_path: Path) -> None:
+    path = tmp_path / "burst.csv"
+    path.write_text(
+        "Timestamp,Model,Request tokens,Response tokens\n"
+        "105.5,ChatGPT,300,40\n"
+        "100.0,ChatGPT,20,7\n"
+        "101.0,GPT-4,5000,0\n"
+        "130.0,GPT-4,64,8\n"
+    )
+    columns = parse_columns("arrival=Timestamp, prompt=Request tokens ,output=Response tokens")
+    assert columns == {"arrival": "Timestamp", "prompt": "Request tokens", "output": "Response tokens"}
+    lengths = Lengths(prompt_min=16, prompt_max=2048, output_max=32)
+    trace = read_csv(path, columns, lengths, time_scale=0.5, duration=10.0)
+    assert trace == [
+        TraceRequest(0.0, 20, 7),
+        TraceRequest(0.5, 2048, 1),  # clipped: the prompt to --prompt-max, a failed request's 0 to 1
+        TraceRequest(2.75, 300, 32),
+    ]  # 130.0 lies at 15 s: past the duration
+    assert read_csv(path, columns, lengths, offset=1.0, duration=10.0)[0] == TraceRequest(0.0, 2048, 1)
+
+
+def test_a_csv_with_date_times_and_bad_mappings(tmp_path: Path) -> None:
+    path = tmp_path / "azure.csv"
+    path.write_text(
+        "TIMESTAMP,ContextTokens,GeneratedTokens\n"
+        "2023-11-16 18:15:46.6805900,374,44\n"
+        "2023-11-16 18:15:48.1805900,396,109\n"
+    )
+    columns = parse_columns("arrival=TIMESTAMP,prompt=ContextTokens,output=GeneratedTokens")
+    trace = read_csv(path, columns, Lengths(output_max=128))
+    assert [(r.prompt_tokens, r.output_tokens) for r in trace] == [(374, 44), (396, 109)]
+    assert [r.at for r in trace] == pytest.approx([0.0, 1.5])
+    with pytest.raises(ValueError, match="no column 'Missing'"):
+        read_csv(path, {**columns, "prompt": "Missing"}, Lengths())
+    with pytest.raises(ValueError, match="no column for output"):
+        parse_columns("arrival=TIMESTAMP,prompt=ContextTokens")
+    with pytest.raises(ValueError, match="ROLE=COLUMN"):
+        parse_columns("arrival=TIMESTAMP,tokens=ContextTokens,output=GeneratedTokens")
+    path.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\nyesterday,1,1\n")
+    with pytest.raises(ValueError, match=r"azure\.csv:2"):
+        read_csv(path, columns, Lengths())
+
+
+def test_the_peak_window_holds_the_most_prompt_tokens() -> None:
+    trace = [TraceRequest(t, n, 1) for t, n in ((0.0, 100), (1.0, 50), (3.0, 400), (3.5, 400), (9.0, 10))]
+    assert peak_window(trace, 2.0) == (3.0, 5.0)
+    assert window(trace, 3.0, 5.0) == [TraceRequest(0.0, 400, 1), TraceRequest(0.5, 400, 1)]
+
+
+def test_slo_attainment_quantiles_and_replica_seconds() -> None:
+    slo = Slo(floor=0.3, per_token=0.001)
+    outcomes = [
+        Outcome(0.0, 100, 4, 0.29, 0.02, 1.0),  # limit 0.3: met
+        Outcome(0.0, 1000, 4, 0.9, 0.02, 1.0),  # limit 1.0: met
+        Outcome(0.0, 1000, 4, 1.1, 0.02, 1.0),  # missed
+        Outcome(0.0, 10, 4, None, None, 1.0, "overloaded"),  # failed: missed
+    ]
+    assert attainment(outcomes, slo) == 0.5
+    assert quantile([3.0, 1.0, 2.0], 0.5) == 2.0 and quantile([3.0, 1.0, 2.0], 0.99) == 3.0
+    assert math.isnan(quantile([], 0.5))
+    samples = [ReplicaSample(-0.5, 2, 1, 1), ReplicaSample(1.0, 4, 3, 1), ReplicaSample(3.0, 3, 2, 1)]
+    assert replica_seconds(samples, 0.0, 4.0) == pytest.approx(2 * 1.0 + 4 * 2.0 + 3 * 1.0)
+
+
+@pytest.mark.slow
+def test_quick_run_prints_the_rows(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    picture = tmp_path / "trace.svg"
+    command = [sys.executable, "-m", "engine.bench", "trace", "--json", "--quick"]
+    command += ["--logs", str(tmp_path / "logs"), "--plot", str(picture)]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=160)
+    assert done.returncode == 0, done.stderr[-4000:]
+    rows = [json.loads(line) for line in done.stdout.splitlines() if line.strip()]
+    assert {field for r in rows for field in r} == set(Row.__struct_fields__)
+    assert all(r["bench"] == "trace" for r in rows)
+    metrics = {"slo_attainment", "ttft_p50_s", "ttft_p99_s", "tpot_p50_s", "tpot_p99_s", "replica_seconds"}
+    by_case: dict[str, set[str]] = {}
+    for r in rows:
+        by_case.setdefault(r["case"], set()).add(r["metric"])
+    assert by_case == {
+        "static": {"prefill_replicas"},
+        "serverless": metrics,
+        "blitz": metrics,
+        "blitz-vs-serverless": {"ttft_p99_s"},
+    }
+    (static,) = (r for r in rows if r["case"] == "static")
+    assert (
+        static["project"] in (1.0, 2.0) and static["baseline"] is None and "attainment per" in static["note"]
+    )
+    for r in rows:
+        if r["case"] in ("serverless", "blitz"):
+            assert r["baseline_name"] == f"static prefill={int(static['project'])}"
+            assert math.isfinite(r["project"]) and math.isfinite(r["baseline"])
+    seconds = {r["case"]: r for r in rows if r["metric"] == "replica_seconds"}
+    assert all(r["project"] > 0 and "goal <= 0.7" in r["note"] for r in seconds.values())
+    (versus,) = (r for r in rows if r["case"] == "blitz-vs-serverless")
+    assert versus["baseline_name"] == "serverless" and "goal <= 0.5" in versus["note"]
+    assert picture.read_text().lstrip().startswith("<?xml")
+    logs = sorted(p.name for p in (tmp_path / "logs").glob("*.jsonl"))
+    assert {"static.jsonl", "serverless.jsonl", "blitz.jsonl", "static-probe-1.jsonl"} <= set(logs)
