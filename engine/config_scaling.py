@@ -80,6 +80,13 @@ class AutoscaleConfig(Section, frozen=True, kw_only=True):
         msgspec.Meta(ge=0, le=86400),
         _doc("seconds a scaled-down replica keeps its weights (ShuttingNull) before it is made Inactive"),
     ] = 0.333
+    autoscale_down_after: Annotated[
+        float,
+        msgspec.Meta(ge=0, le=3600),
+        _doc(
+            "seconds a role's range must stay below its count (and since its last scale-up) before a scale-down"
+        ),
+    ] = 3.0
     autoscale_pause_after_manual: Annotated[
         float, msgspec.Meta(ge=0, le=86400), _doc("seconds the planner waits after a manual scale")
     ] = 30.0

@@ -76,6 +76,7 @@ class Replica:
         self.services = services
         self.log = services.log.bind(replica=name)
         self.state = S.INACTIVE
+        self.state_since = trio.current_time()  # when it entered `state` (Trio's clock)
         self.lock_reasons: set[LockReason] = set()
         self.last_error: str | None = None
         self.pools = ReplicaPools(name, role, services)
@@ -279,6 +280,7 @@ class Replica:
 
     def _enter(self, target: ReplicaState, trigger: str, reason: str) -> None:
         previous, self.state = self.state, target
+        self.state_since = trio.current_time()
         self.log.emit(
             ReplicaStateChanged(
                 from_state=previous.value,
@@ -300,6 +302,7 @@ class Replica:
 
     def _enter_failed(self) -> None:
         previous, self.state = self.state, S.INACTIVE
+        self.state_since = trio.current_time()
         self.log.emit(
             ReplicaStateChanged(
                 from_state=previous.value,

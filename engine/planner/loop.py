@@ -19,7 +19,8 @@ states its commands reached (every command is answered by the replica's own loop
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+import math
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Final, Literal, final
 
 import msgspec
@@ -51,6 +52,7 @@ if TYPE_CHECKING:
 Role = Literal["prefill", "decode"]
 ROLES: Final[tuple[Role, ...]] = ("prefill", "decode")
 PLANNER_ID: Final = "planner"
+SERVING: Final = frozenset({ReplicaState.PREFILL, ReplicaState.DECODE})
 
 
 @final
@@ -63,6 +65,8 @@ class Signals:
     decode_used_blocks: int
     decode_blocks_per_replica: int
     counts: dict[str, int]
+    # Active replicas not yet serving plainly (loading, in a ZigZag episode, reviving) per role.
+    settling: dict[str, int] = field(default_factory=dict)
 
     def inputs(self) -> PlannerInputs:
         r = self.rates
@@ -87,7 +91,9 @@ class Planner:
         self.window = RateWindow(config.autoscale_window)
         self.injected: Signals | None = None
         self.paused_until = 0.0
-        self._idle_since: dict[str, float] = {}  # ShuttingNull replicas of this node: since when
+        self._idle_since: dict[str, float] = {}  # ShuttingNull replicas: since when
+        self._below_since: dict[str, float] = {}  # roles whose range lies below their count: since when
+        self._last_up: dict[str, float] = {}
         self.bounds = {
             "prefill": Bounds(config.prefill_utilization_lower, config.prefill_utilization_upper),
             "decode": Bounds(config.decode_utilization_lower, config.decode_utilization_upper),
@@ -102,10 +108,18 @@ class Planner:
         self.paused_until = trio.current_time() + self.config.autoscale_pause_after_manual
 
     async def run(self) -> None:
+        """A pass every period; in between it wakes when a keep-alive ends, to release at that time."""
+        next_pass = trio.current_time() + self.config.autoscale_period
         while True:
-            await trio.sleep(self.config.autoscale_period)
+            await trio.sleep_until(min(next_pass, self._next_release()))
             member = self.node.member
-            if member is None or member.membership.is_leader:
+            if member is not None and not member.membership.is_leader:
+                next_pass = max(next_pass, trio.current_time())
+                continue
+            now = trio.current_time()
+            await self._release_idle(now)
+            if now >= next_pass:
+                next_pass = now + self.config.autoscale_period
                 await self.step()
 
     # ------------------------------------------------------------------ one pass
@@ -113,14 +127,13 @@ class Planner:
         now = trio.current_time()
         signals = self.measure(now)
         if self.injected is not None:  # a known load; the replica counts stay the node's own
-            signals = replace(self.injected, counts=signals.counts)
-        await self._release_idle(now)
+            signals = replace(self.injected, counts=signals.counts, settling=signals.settling)
         busy = self.node.scale_lock.locked()
         if busy or now < self.paused_until:
-            why = "a scale is running" if busy else "paused after a manual scale"
+            skipped = "a scale is running" if busy else "paused after a manual scale"
             for role in ROLES:
                 count = signals.counts.get(role, 0)
-                self._log(role, "skip", count, count, Range(count, count), why, signals)
+                self._log(role, "skip", count, count, Range(count, count), skipped, signals)
             return
         for role in ROLES:
             current = signals.counts.get(role, 0)
@@ -128,13 +141,34 @@ class Planner:
             chosen = target(
                 current, wanted, minimum=self._limit(role, "min"), maximum=self._limit(role, "max")
             )
-            if chosen == current:
-                self._log(role, "keep", current, chosen, wanted, "within range", signals)
+            why = self._hold(role, current, chosen, now, signals)
+            if why is not None:
+                self._log(role, "keep", current, current, wanted, why, signals)
                 continue
             action: Literal["scale_up", "scale_down"] = "scale_up" if chosen > current else "scale_down"
             self._log(role, action, current, chosen, wanted, "out of range", signals)
+            if chosen > current:
+                self._last_up[role] = now
+            self._below_since.pop(role, None)
             await self._apply(role, current, chosen)
             return  # one role per pass: the next pass sees what this scale did
+
+    def _hold(self, role: Role, current: int, chosen: int, now: float, signals: Signals) -> str | None:
+        """Why the count stays (None: move to `chosen`). A scale-down waits until the range has stayed
+        below the count for `--autoscale-down-after` seconds since it fell there and since the last
+        scale-up, and until no replica of the role is still loading (it could not be shut down)."""
+        if chosen == current:
+            self._below_since.pop(role, None)
+            return "within range"
+        if chosen > current:
+            return None
+        since = self._below_since.setdefault(role, now)
+        wait = self.config.autoscale_down_after
+        if now - max(since, self._last_up.get(role, -wait)) < wait:
+            return f"below range for less than {wait:g} s"
+        if signals.settling.get(role, 0):
+            return "a replica of the role is still loading"
+        return None
 
     def wanted(self, role: Role, signals: Signals) -> Range:
         rates = signals.rates
@@ -165,11 +199,13 @@ class Planner:
         totals = node.metrics.load.totals
         waiting = sum(r.prompt_tokens for r in node.router.pending)
         counts: dict[str, int] = {role: 0 for role in ROLES}
+        settling: dict[str, int] = {role: 0 for role in ROLES}
         used, per_replica = 0, []
         for replica in services.replicas.values():
             for role in ROLES:
                 if replica.state in ACTIVE_STATES[role]:
                     counts[role] += 1
+                    settling[role] += replica.state not in SERVING
             waiting += sum(q.prompt_tokens for q in replica.work.prefill.queue)
             if replica.state is ReplicaState.DECODE:
                 kv_used, kv_total = replica.pools.kv_usage()
@@ -184,6 +220,7 @@ class Planner:
                 for role in ROLES:
                     if state in ACTIVE_STATES[role]:
                         counts[role] += 1
+                        settling[role] += state not in SERVING
                 waiting += r.queued_prompt_tokens
                 if state is ReplicaState.DECODE:
                     used += r.kv_used
@@ -194,7 +231,7 @@ class Planner:
             migration_bytes_per_s=self.config.migration_bytes_per_s,
         )
         blocks = sum(per_replica) // len(per_replica) if per_replica else 0
-        return Signals(waiting, rates, used, blocks, counts)
+        return Signals(waiting, rates, used, blocks, counts, settling)
 
     # ------------------------------------------------------------------ acting
     async def _apply(self, role: Role, current: int, chosen: int) -> None:
@@ -249,25 +286,39 @@ class Planner:
             counts[other] = sum(1 for r in report.replicas if ReplicaState(r.state) in ACTIVE_STATES[role])
         return counts
 
+    def _idle(self) -> dict[str, tuple[Replica | PeerReplica, float]]:
+        """`ShuttingNull` replicas and since when: this node's from their state change, the others'
+        from when a report first showed them there."""
+        now = trio.current_time()
+        idle: dict[str, tuple[Replica | PeerReplica, float]] = {
+            n: (r, r.state_since)
+            for n, r in self.node.services.replicas.items()
+            if r.state is ReplicaState.SHUTTING_NULL
+        }
+        for peer in self.node.services.peers():
+            if peer.state is ReplicaState.SHUTTING_NULL:
+                idle[peer.name] = (peer, self._idle_since.get(peer.name, now))
+        self._idle_since = {name: since for name, (_, since) in idle.items()}
+        return idle
+
+    def _next_release(self) -> float:
+        ends = [since + self.config.autoscale_keep_alive for _, since in self._idle().values()]
+        return min(ends, default=math.inf)
+
     async def _release_idle(self, now: float) -> None:
         """`ShuttingNull` replicas idle past the keep-alive are made `Inactive` (their weights released),
         this node's and, in a cluster, the others' (as last reported)."""
-        idle: dict[str, Replica | PeerReplica] = {
-            n: r for n, r in self.node.services.replicas.items() if r.state is ReplicaState.SHUTTING_NULL
-        }
-        idle |= {p.name: p for p in self.node.services.peers() if p.state is ReplicaState.SHUTTING_NULL}
-        self._idle_since = {n: self._idle_since.get(n, now) for n in idle}
-        for name, since in list(self._idle_since.items()):
+        for name, (replica, since) in self._idle().items():
             if now - since < self.config.autoscale_keep_alive:
                 continue
             command = Transition(
                 command_id=new_command_id(), to=ReplicaState.INACTIVE.value, origin="planner"
             )
             try:
-                await idle[name].ask(command)
+                await replica.ask(command)
             except CommandRefused:
                 continue  # revived meanwhile (a scale-up took it back)
-            del self._idle_since[name]
+            self._idle_since.pop(name, None)
             role: Role = "decode" if "decode" in name.rpartition("/")[2] else "prefill"
             self._log(
                 role, "release", 0, 0, Range(0, 0), f"{name} idle past the keep-alive: weights released", None

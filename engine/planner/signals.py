@@ -4,7 +4,8 @@
 the busy seconds of the prefill batches that did it (a batch counted once: its requests share its start),
 and the bytes and seconds of finished KV transfers. Every node reports its counters to the others
 (`messages.cluster.Report.load`), so the cluster's leader sums them. `RateWindow` turns successive
-totals into per-second rates over the last `window` seconds.
+totals into per-second rates over the last `window` seconds (arrivals: the higher of that and the rate
+over the window's last quarter, so a burst shows at once).
 """
 
 from __future__ import annotations
@@ -89,8 +90,16 @@ class RateWindow:
         busy = totals.prefill_busy_s - old.prefill_busy_s
         moved = totals.kv_seconds - old.kv_seconds
         kv = totals.kv_bytes - old.kv_bytes
+        # Arrivals also over the window's last quarter: a burst shows at once, a lull only after a window.
+        recent_at, recent = next(
+            ((t, x) for t, x in self._samples if now - t <= self.window / 4), (now, totals)
+        )
+        recent_span = now - recent_at
+        arriving = (totals.arrived_tokens - old.arrived_tokens) / span
+        if recent_span > 0:
+            arriving = max(arriving, (totals.arrived_tokens - recent.arrived_tokens) / recent_span)
         return Rates(
-            arriving_tokens_per_s=(totals.arrived_tokens - old.arrived_tokens) / span,
+            arriving_tokens_per_s=arriving,
             prefill_tokens_per_s=(totals.prefilled_tokens - old.prefilled_tokens) / busy if busy > 0 else 0.0,
             migration_bytes_per_s=kv / span,
             migration_bytes_per_s_per_replica=kv / moved if moved > 0 else 0.0,

@@ -35,6 +35,8 @@ OPTIONS = (
     "0.3",
     "--max-prefill-replicas",
     "2",
+    "--autoscale-down-after",
+    "0.5",
 )
 
 
@@ -89,6 +91,12 @@ async def test_a_burst_adds_a_prefill_replica_and_the_calm_removes_it(tmp_path: 
             prefill = [point.prefill for point in _timeline(served).counts]
             assert max(prefill) == 2 and prefill[-1] == 1, prefill
             down = _decisions(served, "scale_down")
+            waited = [
+                d for d in _decisions(served, "keep") if d["reason"] == "below range for less than 0.5 s"
+            ]
+            assert (
+                waited and waited[0]["ts"] < down[0]["ts"]
+            )  # the scale-down waited for the range to stay low
             assert down[0]["role"] == "prefill" and (down[0]["current"], down[0]["target"]) == (2, 1)
             assert _decisions(served, "release")
 
