@@ -90,6 +90,19 @@ class AutoscaleConfig(Section, frozen=True, kw_only=True):
     autoscale_pause_after_manual: Annotated[
         float, msgspec.Meta(ge=0, le=86400), _doc("seconds the planner waits after a manual scale")
     ] = 30.0
+    autoscale_slo_ttft: Annotated[
+        float,
+        msgspec.Meta(ge=0, le=3600),
+        _doc(
+            "TTFT SLO, seconds (0: off): past `--autoscale-slo-miss` of first tokens late, prefill scales up"
+        ),
+    ] = 0.0
+    autoscale_slo_ttft_per_token: Annotated[
+        float, msgspec.Meta(ge=0, le=1), _doc("... or this many seconds per prompt token, whichever is more")
+    ] = 0.000375
+    autoscale_slo_miss: Annotated[
+        float, msgspec.Meta(ge=0, le=1), _doc("the fraction of first tokens that may miss the TTFT SLO")
+    ] = 0.05
     prefill_utilization_lower: Annotated[Utilisation, _doc("prefill: scale down below this")] = 0.5
     prefill_utilization_upper: Annotated[Utilisation, _doc("prefill: scale up above this")] = 0.7
     decode_utilization_lower: Annotated[Utilisation, _doc("decode KV memory: scale down below this")] = 0.75

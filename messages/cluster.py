@@ -155,6 +155,9 @@ class LoadTotals(Record, frozen=True):
     prefill_busy_s: float = 0.0
     kv_bytes: int = 0
     kv_seconds: float = 0.0
+    # First tokens seen, and those later than the TTFT SLO (`--autoscale-slo-ttft`; 0 when it is off).
+    first_tokens: int = 0
+    slo_misses: int = 0
 
 
 # ---------------------------------------------------------------------------------------------- peer messages

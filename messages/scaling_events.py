@@ -100,6 +100,7 @@ class PlannerInputs(msgspec.Struct, frozen=True, kw_only=True):
     decode_blocks_per_replica: int
     migration_bytes_per_s: float
     migration_bytes_per_s_per_replica: float
+    slo_miss_fraction: float = 0.0
 
 
 class PlannerDecision(Event, frozen=True, kw_only=True, tag="planner_decision"):

@@ -64,6 +64,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--slo-ttft-floor", type=float, default=0.3, help="TTFT SLO floor, s (default 0.3)")
     group.add_argument("--slo-ttft-per-token", type=float, default=0.000375, help="TTFT SLO per prompt token")
     group.add_argument(
+        "--no-planner-slo",
+        dest="planner_slo",
+        action="store_false",
+        help="do not tell the planner the SLO (--autoscale-slo-ttft): it scales by its utilisation band alone",
+    )
+    group.add_argument(
         "--plot", type=Path, default=None, help="draw TTFT and replicas over time into this file"
     )
     group.add_argument("--logs", type=Path, default=None, help="keep the nodes' JSON logs in this folder")
@@ -100,6 +106,10 @@ def node_options(args: argparse.Namespace, speed: str, *, prefill: int, policy: 
         options += ["--autoscale", "--autoscale-policy", policy]
         options += ["--prefill-tokens-per-s", f"{args.prefill_tokens_per_s:g}"]
         options += ["--max-prefill-replicas", str(args.max_prefill_replicas)]
+        # The planner is told the SLO the trace is judged by (`--no-planner-slo`: the utilisation band only).
+        if args.planner_slo:
+            options += ["--autoscale-slo-ttft", f"{args.slo_ttft_floor:g}"]
+            options += ["--autoscale-slo-ttft-per-token", f"{args.slo_ttft_per_token:g}"]
         if args.keep_alive is not None:
             options += ["--autoscale-keep-alive", f"{args.keep_alive:g}"]
     return options

@@ -78,6 +78,7 @@ class Signals:
             decode_blocks_per_replica=self.decode_blocks_per_replica,
             migration_bytes_per_s=r.migration_bytes_per_s,
             migration_bytes_per_s_per_replica=r.migration_bytes_per_s_per_replica,
+            slo_miss_fraction=r.slo_miss_fraction,
         )
 
 
@@ -94,6 +95,8 @@ class Planner:
         self._idle_since: dict[str, float] = {}  # ShuttingNull replicas: since when
         self._below_since: dict[str, float] = {}  # roles whose range lies below their count: since when
         self._last_up: dict[str, float] = {}
+        self._now = 0.0
+        node.metrics.load.slo = (config.autoscale_slo_ttft, config.autoscale_slo_ttft_per_token)
         self.bounds = {
             "prefill": Bounds(config.prefill_utilization_lower, config.prefill_utilization_upper),
             "decode": Bounds(config.decode_utilization_lower, config.decode_utilization_upper),
@@ -124,7 +127,7 @@ class Planner:
 
     # ------------------------------------------------------------------ one pass
     async def step(self) -> None:
-        now = trio.current_time()
+        now = self._now = trio.current_time()
         signals = self.measure(now)
         if self.injected is not None:  # a known load; the replica counts stay the node's own
             signals = replace(self.injected, counts=signals.counts, settling=signals.settling)
@@ -168,18 +171,30 @@ class Planner:
             return f"below range for less than {wait:g} s"
         if signals.settling.get(role, 0):
             return "a replica of the role is still loading"
+        if role == "prefill" and signals.rates.slo_miss_fraction > 0:
+            return "first tokens missed the TTFT SLO in the window"
         return None
+
+    def _missing_slo(self, signals: Signals) -> bool:
+        return (
+            self.config.autoscale_slo_ttft > 0
+            and signals.rates.slo_miss_fraction > self.config.autoscale_slo_miss
+        )
 
     def wanted(self, role: Role, signals: Signals) -> Range:
         rates = signals.rates
         if role == "prefill":
-            return prefill_by_tokens(
+            wanted = prefill_by_tokens(
                 rates.arriving_tokens_per_s,
                 signals.waiting_tokens,
                 rates.prefill_tokens_per_s,
                 self.bounds["prefill"],
                 drain_s=self.config.autoscale_drain,
             )
+            if self._missing_slo(signals):  # the band does not hold the SLO: one more than now
+                current = signals.counts.get(role, 0)
+                wanted = Range(max(wanted.low, current + 1), max(wanted.high, current + 1))
+            return wanted
         memory = decode_by_memory(
             signals.decode_used_blocks, max(1, signals.decode_blocks_per_replica), self.bounds["decode"]
         )

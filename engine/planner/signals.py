@@ -2,7 +2,8 @@
 
 `LoadCounters` is an event-log observer of one node: prompt tokens admitted, prompt tokens prefilled and
 the busy seconds of the prefill batches that did it (a batch counted once: its requests share its start),
-and the bytes and seconds of finished KV transfers. Every node reports its counters to the others
+and the bytes and seconds of finished KV transfers, and — with a TTFT SLO — the first tokens and those
+that missed it. Every node reports its counters to the others
 (`messages.cluster.Report.load`), so the cluster's leader sums them. `RateWindow` turns successive
 totals into per-second rates over the last `window` seconds (arrivals: the higher of that and the rate
 over the window's last quarter, so a burst shows at once).
@@ -17,7 +18,7 @@ from typing import final
 import msgspec
 
 from messages.cluster import LoadTotals
-from messages.events import LogEvent, PrefillFinished, RequestArrived, TransferFinished
+from messages.events import FirstToken, LogEvent, PrefillFinished, RequestArrived, TransferFinished
 
 
 @final
@@ -27,12 +28,23 @@ class LoadCounters:
     def __init__(self) -> None:
         self.totals = LoadTotals()
         self._batches: deque[tuple[str | None, float]] = deque(maxlen=256)
+        # The TTFT SLO (seconds, and seconds per prompt token; 0: off), set by the planner.
+        self.slo: tuple[float, float] = (0.0, 0.0)
+        self._prompts: dict[str, int] = {}  # request id -> prompt tokens, until its first token
 
     def observe(self, event: LogEvent) -> None:
         t = self.totals
         match event:
             case RequestArrived(prompt_tokens=tokens) if tokens:
                 self.totals = msgspec.structs.replace(t, arrived_tokens=t.arrived_tokens + tokens)
+                if self.slo[0] > 0 and event.request_id is not None and len(self._prompts) < 100_000:
+                    self._prompts[event.request_id] = tokens
+            case FirstToken(ttft_s=ttft) if self.slo[0] > 0:
+                floor, per_token = self.slo
+                limit = max(floor, per_token * self._prompts.pop(event.request_id or "", 0))
+                self.totals = msgspec.structs.replace(
+                    t, first_tokens=t.first_tokens + 1, slo_misses=t.slo_misses + (ttft > limit)
+                )
             case PrefillFinished(tokens=tokens, seconds=seconds):
                 batch = (event.replica, round(event.ts - seconds, 3))
                 busy = t.prefill_busy_s
@@ -57,6 +69,8 @@ def add(a: LoadTotals, b: LoadTotals) -> LoadTotals:
         prefill_busy_s=a.prefill_busy_s + b.prefill_busy_s,
         kv_bytes=a.kv_bytes + b.kv_bytes,
         kv_seconds=a.kv_seconds + b.kv_seconds,
+        first_tokens=a.first_tokens + b.first_tokens,
+        slo_misses=a.slo_misses + b.slo_misses,
     )
 
 
@@ -69,6 +83,7 @@ class Rates:
     prefill_tokens_per_s: float = 0.0  # of one prefill replica while it computes
     migration_bytes_per_s: float = 0.0  # KV bytes moved per second, all replicas
     migration_bytes_per_s_per_replica: float = 0.0  # of one transfer while it moves
+    slo_miss_fraction: float = 0.0  # of the first tokens in the window, those past the TTFT SLO
 
 
 @final
@@ -90,6 +105,7 @@ class RateWindow:
         busy = totals.prefill_busy_s - old.prefill_busy_s
         moved = totals.kv_seconds - old.kv_seconds
         kv = totals.kv_bytes - old.kv_bytes
+        firsts = totals.first_tokens - old.first_tokens
         # Arrivals also over the window's last quarter: a burst shows at once, a lull only after a window.
         recent_at, recent = next(
             ((t, x) for t, x in self._samples if now - t <= self.window / 4), (now, totals)
@@ -103,6 +119,7 @@ class RateWindow:
             prefill_tokens_per_s=(totals.prefilled_tokens - old.prefilled_tokens) / busy if busy > 0 else 0.0,
             migration_bytes_per_s=kv / span,
             migration_bytes_per_s_per_replica=kv / moved if moved > 0 else 0.0,
+            slo_miss_fraction=(totals.slo_misses - old.slo_misses) / firsts if firsts > 0 else 0.0,
         )
 
 

@@ -17,7 +17,7 @@ from engine.planner.formulas import (
 )
 from engine.planner.signals import LoadCounters, RateWindow
 from messages.cluster import LoadTotals
-from messages.events import PrefillFinished, RequestArrived, TransferFinished
+from messages.events import FirstToken, PrefillFinished, RequestArrived, TransferFinished
 
 PREFILL = Bounds(0.5, 0.7)
 DECODE = Bounds(0.75, 0.95)
@@ -135,3 +135,22 @@ def test_load_counters_count_a_batch_once() -> None:
     assert counters.totals == LoadTotals(
         arrived_tokens=100, prefilled_tokens=200, prefill_busy_s=1.0, kv_bytes=4096, kv_seconds=0.002
     )
+
+
+def test_load_counters_count_first_tokens_past_the_ttft_slo() -> None:
+    counters = LoadCounters()
+    counters.slo = (0.3, 0.001)  # 0.3 s, or 1 ms per prompt token
+    for request_id, prompt in (("short", 100), ("long", 1000)):
+        counters.observe(
+            RequestArrived(
+                request_id=request_id,
+                connection=None,
+                prompt_tokens=prompt,
+                images=0,
+                max_tokens=4,
+                stream=False,
+            )
+        )
+    counters.observe(FirstToken(request_id="short", token_id=1, ttft_s=0.4))  # past max(0.3, 0.1)
+    counters.observe(FirstToken(request_id="long", token_id=1, ttft_s=0.9))  # within max(0.3, 1.0)
+    assert (counters.totals.first_tokens, counters.totals.slo_misses) == (2, 1)

@@ -112,3 +112,28 @@ async def test_no_decision_while_a_scale_runs(tmp_path: Path) -> None:
             assert not _decisions(served, "scale_up")
             assert sum(r.role == "prefill" for r in served.node.services.replicas.values()) == 1
         planner.inject(CALM)
+
+
+async def test_first_tokens_past_the_ttft_slo_add_a_prefill_replica(tmp_path: Path) -> None:
+    """The band alone asks for one replica; a window in which half the first tokens missed the SLO asks
+    for one more."""
+    within_band = Signals(0, Rates(prefill_tokens_per_s=2_000.0, slo_miss_fraction=0.5), 0, 64, {})
+    async with served_node(
+        tmp_path, *OPTIONS, "--autoscale-slo-ttft", "0.3", "--autoscale-window", "0.2"
+    ) as served:
+        planner = served.node.planner
+        assert planner is not None
+        async with ControlClient.connect(served.address) as client:
+            await wait_status(
+                client, lambda s: all(r.state in ("Prefill", "Decode") for r in s.replicas), "serving"
+            )
+            planner.inject(within_band)
+            await wait_status(
+                client,
+                lambda s: sum(r.role == "prefill" and r.state == "Prefill" for r in s.replicas) == 2,
+                "a second prefill replica serving",
+            )
+            up = _decisions(served, "scale_up")[0]
+            assert (up["current"], up["target"], up["low"]) == (1, 2, 2)
+            assert up["inputs"]["slo_miss_fraction"] == 0.5
+            planner.inject(CALM)
