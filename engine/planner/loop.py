@@ -171,9 +171,9 @@ class Planner:
             return f"below range for less than {wait:g} s"
         if signals.settling.get(role, 0):
             return "a replica of the role is still loading"
-        if role == "prefill" and self.config.autoscale_slo_ttft > 0:
-            if signals.rates.slo_miss_fraction > self.config.autoscale_slo_miss:
-                return "more first tokens than --autoscale-slo-miss missed the TTFT SLO in the window"
+        slo = self.config.autoscale_slo_ttft > 0 and role == "prefill"
+        if slo and signals.rates.slo_miss_fraction > self.config.autoscale_slo_miss:
+            return "more first tokens than --autoscale-slo-miss missed the TTFT SLO in the window"
         return None
 
     def _missing_slo(self, signals: Signals) -> bool:
