@@ -177,10 +177,15 @@ class Planner:
         return None
 
     def _missing_slo(self, signals: Signals) -> bool:
-        return (
-            self.config.autoscale_slo_ttft > 0
-            and signals.rates.slo_miss_fraction > self.config.autoscale_slo_miss
-        )
+        """More first tokens than `--autoscale-slo-miss` missed the TTFT SLO over the window — judged
+        only once no prefill replica is loading and a window has passed since the last scale-up, so the
+        misses counted are those of the replicas there are now."""
+        config = self.config
+        if config.autoscale_slo_ttft <= 0 or signals.settling.get("prefill", 0):
+            return False
+        if self._now - self._last_up.get("prefill", -math.inf) < config.autoscale_window:
+            return False
+        return signals.rates.slo_miss_fraction > config.autoscale_slo_miss
 
     def wanted(self, role: Role, signals: Signals) -> Range:
         rates = signals.rates
