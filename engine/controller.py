@@ -19,7 +19,7 @@ import trio
 
 from engine.config import ControllerConfig
 from messages.commands import Lock, ReplicaCommand, Unlock
-from messages.events import BlocksReport, Flow, FlowReport, GpuReport, GpuSample, ReplicaBlocks
+from messages.log.events import BlocksReport, Flow, FlowReport, GpuReport, GpuSample, ReplicaBlocks
 from replicas.inbox import CommandRefused, new_command_id
 from replicas.services import PeerReplica, ReplicaServices
 from replicas.states import ReplicaState

@@ -29,8 +29,8 @@ from engine.router import Router
 from engine.stops import StopText
 from messages.control import GenerateRequest
 from messages.control_replies import RelayInfo, Timings, TransferSummary
-from messages.events import RequestArrived
-from messages.events import RequestFailed as RequestFailedEvent
+from messages.log.events import RequestArrived
+from messages.log.events import RequestFailed as RequestFailedEvent
 from replicas.model import TextStream
 from replicas.request import (
     CancelReason,

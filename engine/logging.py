@@ -1,4 +1,4 @@
-"""Structured logging: typed events (`messages.events`) as JSON lines to a file, readable lines to stderr.
+"""Structured logging: typed events (`messages.log.events`) as JSON lines to a file, readable lines to stderr.
 
 `open_event_log(...)` builds an `EventLog`; the node calls `log.emit(event)`. `log.bind(request_id=...,
 replica=...)` returns a log that fills those fields of the events it emits (where the event has them and
@@ -27,7 +27,7 @@ from typing import Any, BinaryIO, Final, TextIO, final
 import msgspec
 import structlog
 
-from messages.events import Diagnostic, Event, Level, LogEvent, level_of
+from messages.log.events import Diagnostic, Event, Level, LogEvent, level_of
 
 LEVELS: Final[dict[Level, int]] = {"debug": 10, "info": 20, "warning": 30, "error": 40}
 CONTEXT_KEYS: Final = ("request_id", "replica")

@@ -43,7 +43,7 @@ from engine.router import Router
 from engine.service import NodeService
 from messages.cluster import ClusterIdentity
 from messages.commands import Transition
-from messages.events import NodeConfigured, NodeStarted, NodeStopped, NodeStopping, PoolLeak
+from messages.log.events import NodeConfigured, NodeStarted, NodeStopped, NodeStopping, PoolLeak
 from replicas.actor import Replica
 from replicas.emulation import EmulatedSpeed
 from replicas.fabric import Fabric

@@ -26,7 +26,7 @@ import trio
 
 from engine.cluster.remote import RemoteReplica
 from engine.control.errors import RequestFailed
-from messages.events import RequestQueued
+from messages.log.events import RequestQueued
 from replicas.actor import Replica
 from replicas.embedding_receive import new_embedding_transfer_id
 from replicas.request import EmbeddingRoute, ServingRequest

@@ -26,7 +26,7 @@ from engine.control.errors import RequestFailed
 from messages.commands import Transition
 from messages.control import ScaleMode, ScaleRequest, SourceChoice, WeightsSource
 from messages.control_replies import ScaleResult, StartedReplica
-from messages.scaling_events import ReplicasPaired
+from messages.log.scaling import ReplicasPaired
 from replicas.actor import Replica
 from replicas.inbox import CommandRefused, new_command_id
 from replicas.loading.copy import choose_peer

@@ -43,8 +43,8 @@ from messages.control_replies import (
     TokenReply,
     TransitionResult,
 )
-from messages.events import RequestCancelled, RequestFinished
-from messages.events import RequestFailed as RequestFailedEvent
+from messages.log.events import RequestCancelled, RequestFinished
+from messages.log.events import RequestFailed as RequestFailedEvent
 from replicas.actor import Replica
 from replicas.inbox import CommandRefused, new_command_id
 from replicas.request import FailedUpdate, FinishedUpdate, ServingRequest

@@ -34,8 +34,8 @@ from messages.commands import (
     Unlock,
 )
 from messages.control import LockReason
-from messages.events import FaultInjected, ReplicaLocked, ReplicaStateChanged, ReplicaUnlocked
 from messages.faults import FailReplica
+from messages.log.events import FaultInjected, ReplicaLocked, ReplicaStateChanged, ReplicaUnlocked
 from messages.transfer import Abort, Grant, RequestMoreCache, StatusUpdate
 from replicas.inbox import CommandRefused, Completed, Envelope, InboxItem, InjectedFault
 from replicas.loading.peer_send import send_weights

@@ -21,8 +21,8 @@ from typing import TYPE_CHECKING, final
 
 from messages.control import ErrorCode
 from messages.control_replies import TransferSummary
-from messages.events import FaultInjected, TransferFinished, TransferRound, TransferStarted
 from messages.faults import CorruptTransfer
+from messages.log.events import FaultInjected, TransferFinished, TransferRound, TransferStarted
 from replicas.embedding import EmbeddedPrompt, EmbeddingAssembler, EmbeddingMismatch, PromptTooLong
 from replicas.fabric import UnknownEndpoint
 from replicas.inbox import Completed

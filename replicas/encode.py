@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, final
 import structlog
 import trio
 
-from messages.events import EncodeFinished, EncodeStarted
+from messages.log.events import EncodeFinished, EncodeStarted
 from replicas.embedding import EncodePoolTooSmall, send_embeddings
 from replicas.embedding_receive import EmbeddingReceives, release_input
 from replicas.model import ImageEmbedding, ModelInputError

@@ -16,7 +16,7 @@ import trio
 
 from messages.commands import ReserveKV
 from messages.control import SourceChoice, WeightsSource
-from messages.events import WeightsProgress
+from messages.log.events import WeightsProgress
 from replicas.decode import DecodeWork
 from replicas.encode import EncodeWork
 from replicas.inbox import Completed

@@ -14,8 +14,8 @@ from typing import TYPE_CHECKING, Any, Protocol, final
 import msgspec
 
 from messages.commands import ReplicaCommand
-from messages.events import LogEvent, ReplicaBlocks
 from messages.faults import Fault
+from messages.log.events import LogEvent, ReplicaBlocks
 from replicas.emulation import EmulatedSpeed
 from replicas.fabric import Fabric
 from replicas.request import ServingRequest

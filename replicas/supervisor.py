@@ -18,7 +18,7 @@ from typing import Final, final
 
 import trio
 
-from messages.events import ReplicaFailed
+from messages.log.events import ReplicaFailed
 from replicas.actor import Replica
 
 RESTART_BACKOFF_FIRST: Final = 0.1

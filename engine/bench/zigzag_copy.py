@@ -38,7 +38,7 @@ import trio
 
 from engine.bench.nodes import node_process, read_events
 from engine.bench.rows import Row, row
-from messages.scaling_events import WeightsSourceName
+from messages.log.scaling import WeightsSourceName
 
 if TYPE_CHECKING:
     from engine.client import ControlClient

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any, final
 
 from messages.cluster import ReplicaReport
 from messages.commands import ReplicaCommand
-from messages.events import ReplicaBlocks
+from messages.log.events import ReplicaBlocks
 from replicas.inbox import CommandRefused
 from replicas.states import ReplicaState, parse_state
 

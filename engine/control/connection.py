@@ -35,7 +35,7 @@ from engine.control.parse import BadLine, parse_request
 from engine.logging import EventLog
 from messages.control import ControlRequest, ErrorCode, GenerateRequest
 from messages.control_replies import ErrorReply
-from messages.events import (
+from messages.log.events import (
     ClientCloseReason,
     ClientDisconnected,
     ControlBadLine,

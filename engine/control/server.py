@@ -32,7 +32,7 @@ from engine.control.connection import ControlConnection
 from engine.control.handler import ControlHandler
 from engine.control.outbox import ConnectionInfo
 from engine.logging import EventLog
-from messages.events import ClientConnected
+from messages.log.events import ClientConnected
 
 # Accept errors that mean "too many open files for now": wait a little instead of failing the server.
 _CAPACITY_ERRNOS: Final = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS})

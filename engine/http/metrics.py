@@ -25,7 +25,7 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from engine.planner.signals import LoadCounters
-from messages.events import (
+from messages.log.events import (
     EncodeStarted,
     LogEvent,
     PrefillStarted,
@@ -37,7 +37,7 @@ from messages.events import (
     TransferFinished,
     WeightsProgress,
 )
-from messages.scaling_events import RelayReceived, WeightsCopyFinished
+from messages.log.scaling import RelayReceived, WeightsCopyFinished
 from replicas.services import ReplicaServices
 from replicas.states import ReplicaState
 

@@ -22,9 +22,9 @@ from collections import Counter, OrderedDict
 from typing import Final, assert_never, final
 
 from engine.logs.records import Outcome, ReplicaRecord, RequestRecord, TransferRecord
-from messages import scaling_events as scaling
 from messages.control import ErrorCode
-from messages.events import (
+from messages.log import scaling
+from messages.log.events import (
     BlocksReport,
     ClientConnected,
     ClientDisconnected,

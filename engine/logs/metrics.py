@@ -20,7 +20,7 @@ from messages.control_replies import (
     TokenCounters,
     TransferCounters,
 )
-from messages.events import Transfer
+from messages.log.events import Transfer
 
 
 def transfer_counters(aggregator: Aggregator) -> list[TransferCounters]:

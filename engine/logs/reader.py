@@ -1,6 +1,6 @@
 """Reading node logs: typed events from one or many JSON-lines files, merged by time.
 
-Each file is read lazily, line by line (`LogFile.entries`), and decoded into the `messages.events.LogEvent`
+Each file is read lazily, line by line (`LogFile.entries`), and decoded into the `messages.log.events.LogEvent`
 union. A line that is not an event (not JSON, unknown event, missing field) is counted and skipped; the
 first few are kept as examples. A last line without its newline that does not decode is the mark of a
 writer that stopped mid-line (a crash): it is dropped with a warning and everything before it is used.
@@ -21,7 +21,7 @@ from typing import Any, Final, NamedTuple, final
 
 import msgspec
 
-from messages.events import LogEvent, NodeStarted, event_decoder
+from messages.log.events import LogEvent, NodeStarted, event_decoder
 
 BAD_LINE_EXAMPLES: Final = 3
 # Fields holding a name that `label_logs` qualifies, wherever they appear in an event (nested included).

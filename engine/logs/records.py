@@ -12,7 +12,7 @@ from typing import Literal, final
 
 from messages.control import ErrorCode, LockReason, ReplicaStateName
 from messages.control_replies import Timings
-from messages.events import RequestFinished, Transfer, TransferFinished
+from messages.log.events import RequestFinished, Transfer, TransferFinished
 
 Outcome = Literal["stop", "length", "cancelled", "failed"]
 

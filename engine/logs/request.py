@@ -15,7 +15,7 @@ import msgspec
 from engine.logs.aggregate import Aggregator
 from engine.logs.reader import Entry
 from messages.control_replies import Timings
-from messages.events import (
+from messages.log.events import (
     EncodeFinished,
     EncodeStarted,
     FirstToken,

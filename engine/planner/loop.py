@@ -40,7 +40,7 @@ from engine.scaling import ACTIVE_STATES, scale
 from messages.commands import Transition
 from messages.control import ScaleMode, ScaleRequest, SourceChoice
 from messages.control_replies import ScaleResult
-from messages.scaling_events import PlannerDecision, PlannerInputs
+from messages.log.scaling import PlannerDecision, PlannerInputs
 from replicas.actor import Replica
 from replicas.inbox import CommandRefused, new_command_id
 from replicas.services import PeerReplica

@@ -18,7 +18,7 @@ from typing import final
 import msgspec
 
 from messages.cluster import LoadTotals
-from messages.events import FirstToken, LogEvent, PrefillFinished, RequestArrived, TransferFinished
+from messages.log.events import FirstToken, LogEvent, PrefillFinished, RequestArrived, TransferFinished
 
 
 @final

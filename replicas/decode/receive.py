@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, final
 
 from messages.commands import ReserveKV
-from messages.events import TransferFinished, TransferStarted
+from messages.log.events import TransferFinished, TransferStarted
 from messages.transfer import FailureReason, TransferReport
 from replicas.fabric import UnknownEndpoint
 from replicas.model import layer_buffer_names

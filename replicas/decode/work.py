@@ -18,8 +18,8 @@ import trio
 
 from messages.commands import ReserveKV
 from messages.control_replies import TransferSummary
-from messages.events import FaultInjected
 from messages.faults import CorruptTransfer
+from messages.log.events import FaultInjected
 from replicas.decode.receive import KVPart, KVReceived, receive_kv_part
 from replicas.inbox import CommandRefused, Completed
 from replicas.model import DecodeResult, DecodeSequence, ModelInputError, finish_reason

@@ -22,7 +22,7 @@ ZigZag runs them); `on_piece(PieceLoaded)` after every piece. Both are called in
 thread. With `weights_gb_per_s` (the node's `--emulated-speed weights_gb_per_s=X`) each piece is padded
 with a sleep to `bytes / (X·1e9)` seconds from its start; the real copy still happens. The `hold_weights`
 fault hook (`messages.faults.HoldWeights`) holds a copy before a chosen layer. Events: `WeightsCopyStarted`,
-one `WeightsProgress` per piece, `WeightsCopyFinished` (`messages.scaling_events`).
+one `WeightsProgress` per piece, `WeightsCopyFinished` (`messages.log.scaling`).
 
 Raises `WeightCopyFailed` with a message a person can act on: the source is unavailable or failed, or
 the copy does not fit. Cancellation: the piece in flight is abandoned (a transfer aborts; a worker thread
@@ -40,9 +40,9 @@ import torch
 import trio
 
 from messages.control import SourceChoice
-from messages.events import FaultInjected, WeightsProgress
 from messages.faults import HoldWeights
-from messages.scaling_events import (
+from messages.log.events import FaultInjected, WeightsProgress
+from messages.log.scaling import (
     WeightsCopyFinished,
     WeightsCopyStarted,
     WeightsFallback,

@@ -26,8 +26,8 @@ import torch
 import trio
 
 from messages.commands import SendWeights
+from messages.log.scaling import WeightsSourceName
 from messages.peer_codec import PeerCodecError, decode_header
-from messages.scaling_events import WeightsSourceName
 from messages.weights import WeightPiece, WeightsHeader, WeightTensor
 from replicas.fabric import UnknownEndpoint
 from replicas.inbox import CommandRefused, new_command_id

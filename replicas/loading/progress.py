@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import final
 
 from messages.control import SourceChoice, WeightsSource
-from messages.scaling_events import WeightsFallback, WeightsSourceName
+from messages.log.scaling import WeightsFallback, WeightsSourceName
 from messages.weights import WeightPiece
 from replicas.model.llama import Model
 

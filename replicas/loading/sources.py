@@ -17,7 +17,7 @@ import torch
 import trio
 from safetensors import SafetensorError
 
-from messages.scaling_events import WeightsSourceName
+from messages.log.scaling import WeightsSourceName
 from messages.weights import WeightPiece
 from replicas.loading.disk import DiskReader
 from replicas.loading.host_copy import HostCopy

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, final
 import trio
 
 from messages.commands import KVHalf, ReserveKV, SendKVHalf
-from messages.events import RequestQueued
+from messages.log.events import RequestQueued
 from replicas.inbox import CommandRefused, Completed, new_command_id
 from replicas.prefill.work import Prefilled
 from replicas.states import ReplicaState

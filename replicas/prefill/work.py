@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, final
 
 from messages.control_replies import RelayInfo
-from messages.events import FirstToken, PrefillFinished, PrefillStarted
+from messages.log.events import FirstToken, PrefillFinished, PrefillStarted
 from replicas.model import ModelInputError, PrefillResult, PrefillSequence, finish_reason
 from replicas.request import ServingRequest
 

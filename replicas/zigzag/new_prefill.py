@@ -26,7 +26,7 @@ import trio
 
 from messages.commands import Relay, RelayedRequest, RelayOffer, SendKVHalf
 from messages.control_replies import RelayInfo
-from messages.events import RelayHandedOver
+from messages.log.events import RelayHandedOver
 from replicas.inbox import CommandRefused, Completed
 from replicas.model import ModelInputError, PrefillResult, PrefillSequence
 from replicas.prefill.work import Prefilled

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, final
 
 from messages.commands import DropKVHalf, Relay, RelayOffer
 from messages.control_replies import RelayInfo, TransferSummary
-from messages.events import RelayReceived
+from messages.log.events import RelayReceived
 from replicas.fabric import UnknownEndpoint
 from replicas.inbox import CommandRefused, Completed, new_command_id
 from replicas.model import ModelInputError, PrefillResult, PrefillSequence

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from engine.bench.rows import Row
-from engine.bench.trace_gen import (
+from engine.bench.trace.gen import (
     Lengths,
     Shape,
     TraceRequest,
@@ -25,7 +25,7 @@ from engine.bench.trace_gen import (
     read_csv,
     window,
 )
-from engine.bench.trace_slo import Outcome, ReplicaSample, Slo, attainment, quantile, replica_seconds
+from engine.bench.trace.slo import Outcome, ReplicaSample, Slo, attainment, quantile, replica_seconds
 
 SHAPE = Shape(
     rate=5.0, duration=30.0, gamma_shape=gamma_shape(2.0), burst_factor=6.0, burst_at=10.0, burst_len=5.0

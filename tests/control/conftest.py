@@ -41,7 +41,7 @@ from messages.control_replies import (
     Timings,
     TokenReply,
 )
-from messages.events import LogEvent, event_decoder
+from messages.log.events import LogEvent, event_decoder
 from tests.waiting import deadline
 
 BIG_TEXT = "z" * 65536

@@ -12,7 +12,7 @@ import msgspec.inspect as mi
 from engine.control.parse import BadLine, parse_request
 from messages.control import ERROR_CODES, OPS
 from messages.control_replies import ErrorReply, reply_decoder
-from messages.events import LogEvent, event_decoder
+from messages.log.events import LogEvent, event_decoder
 
 DOCS = Path(__file__).resolve().parents[2] / "docs"
 

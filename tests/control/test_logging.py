@@ -20,7 +20,7 @@ from engine.logging import (
 )
 from engine.logs.aggregate import Aggregator
 from engine.logs.summary import summarize
-from messages.events import (
+from messages.log.events import (
     ClientConnected,
     Diagnostic,
     FirstToken,

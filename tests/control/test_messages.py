@@ -7,11 +7,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from messages import control, control_replies, events
+from messages import control, control_replies
 from messages.control import GenerateRequest, ImageInput, request_decoder
 from messages.control_replies import RESULT_TYPES, ErrorReply, LockResult, TokenReply, reply_decoder
-from messages.events import event_decoder
 from messages.faults import Fault
+from messages.log import events
+from messages.log.events import event_decoder
 from replicas.states import ROLES, ReplicaState
 from tests.control.strategies import for_struct
 

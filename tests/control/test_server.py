@@ -14,7 +14,7 @@ import trio
 from engine.config import ControlConfig
 from engine.control.address import TcpAddress, UnixAddress
 from engine.control.server import ControlServer, ControlServerError
-from messages.events import (
+from messages.log.events import (
     ClientDisconnected,
     ControlBadLine,
     ControlHandlerError,

@@ -18,7 +18,7 @@ import msgspec
 from engine.config import NodeConfig
 from engine.logging import EventLog, open_event_log
 from messages.control import ReplicaStateName
-from messages.events import (
+from messages.log.events import (
     BlocksReport,
     ClientConnected,
     ClientDisconnected,

@@ -19,7 +19,7 @@ from engine.logs.metrics import metrics_result
 from engine.logs.reader import read_entries
 from messages.control import ControlRequest
 from messages.control_replies import MetricsResult, ReplicaGauge, reply_decoder
-from messages.events import (
+from messages.log.events import (
     FirstToken,
     PrefillStarted,
     RequestArrived,

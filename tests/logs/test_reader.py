@@ -8,7 +8,7 @@ import pytest
 
 from engine.logging import open_event_log
 from engine.logs.reader import LogError, LogSet, read_entries, relabel
-from messages.events import (
+from messages.log.events import (
     BlocksReport,
     ClientConnected,
     Flow,

@@ -11,7 +11,7 @@ import pynvml
 import structlog.testing
 
 from engine.controller import GpuProbe
-from messages.events import GpuReport, GpuSample, event_decoder
+from messages.log.events import GpuReport, GpuSample, event_decoder
 
 
 class StandInNvml:

@@ -17,7 +17,7 @@ from engine.planner.formulas import (
 )
 from engine.planner.signals import LoadCounters, RateWindow
 from messages.cluster import LoadTotals
-from messages.events import FirstToken, PrefillFinished, RequestArrived, TransferFinished
+from messages.log.events import FirstToken, PrefillFinished, RequestArrived, TransferFinished
 
 PREFILL = Bounds(0.5, 0.7)
 DECODE = Bounds(0.75, 0.95)

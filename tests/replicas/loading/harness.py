@@ -16,8 +16,8 @@ import trio
 
 from messages.commands import Transition
 from messages.control import SourceChoice
-from messages.events import LogEvent, WeightsProgress
 from messages.faults import Fault
+from messages.log.events import LogEvent, WeightsProgress
 from replicas.actor import Replica
 from replicas.fabric import Fabric
 from replicas.model.llama import Model

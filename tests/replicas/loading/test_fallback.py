@@ -13,9 +13,9 @@ import pytest
 from engine.config import parse_node_config
 from messages.commands import Transition
 from messages.control import SourceChoice
-from messages.events import FaultInjected
 from messages.faults import DropLink, HoldWeights
-from messages.scaling_events import WeightsCopyFinished
+from messages.log.events import FaultInjected
+from messages.log.scaling import WeightsCopyFinished
 from replicas.emulation import EmulatedSpeed
 from replicas.loading.copy import WeightCopyFailed, copy_weights
 from replicas.loading.memory import available_memory

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from messages.control import SourceChoice
-from messages.scaling_events import WeightsCopyFinished, WeightsCopyStarted
+from messages.log.scaling import WeightsCopyFinished, WeightsCopyStarted
 from replicas.loading.pieces import checkpoint_pieces, model_bytes, piece_bytes
 from replicas.model import tiny_model
 from replicas.model.llama import Model

@@ -7,7 +7,7 @@ from typing import Annotated, Literal
 
 import msgspec
 
-from engine.config_base import Section, _doc
+from engine.config.base import Section, _doc
 
 NodeName = Annotated[str, msgspec.Meta(max_length=32, pattern=r"^[a-z0-9][a-z0-9_-]*$")]
 

@@ -1,7 +1,7 @@
-"""Log events of live scaling (DESIGN §8); part of the `messages.events.LogEvent` union.
+"""Log events of live scaling (DESIGN §8); part of the `messages.log.events.LogEvent` union.
 
 A replica's own weight copy (`replicas.loading`): its start and its end. Each landed piece in between is
-a `messages.events.WeightsProgress` (with `piece`, `layer`, `bytes`, `piece_seconds`, `weights_source`,
+a `messages.log.events.WeightsProgress` (with `piece`, `layer`, `bytes`, `piece_seconds`, `weights_source`,
 `bytes_loaded`). `copy` numbers the node's weight copies from 1 (the `nth` of the `hold_weights` fault
 hook). The source fields are `weights_source`, not `source`: `source` names a replica in the log's other
 events (`python -m engine.logs` qualifies it when it merges nodes' logs).
@@ -16,7 +16,7 @@ from typing import ClassVar, Literal
 
 import msgspec
 
-from messages.event_base import Event, Level, ReplicaEvent
+from messages.log.base import Event, Level, ReplicaEvent
 
 WeightsSourceName = Literal["peer", "host", "disk"]
 

@@ -14,8 +14,8 @@ from typing import Annotated, Final, Literal
 
 import msgspec
 
-from engine.config_base import Section, _doc
-from engine.config_scaling import AutoscaleConfig, ClusterConfig
+from engine.config.base import Section, _doc
+from engine.config.scaling import AutoscaleConfig, ClusterConfig
 from engine.control.address import Address, parse_address
 from engine.http.address import parse_http
 from messages.faults import Fault

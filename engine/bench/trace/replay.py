@@ -21,8 +21,8 @@ from typing import Final, final
 import trio
 
 from engine.bench.nodes import node_process
-from engine.bench.trace_gen import TraceRequest
-from engine.bench.trace_slo import Outcome, ReplicaSample
+from engine.bench.trace.gen import TraceRequest
+from engine.bench.trace.slo import Outcome, ReplicaSample
 
 POLL_SECONDS: Final = 0.1
 SERVE_SECONDS: Final = 60.0  # the node's replicas load before the trace starts

@@ -1,4 +1,4 @@
-"""The base classes of the typed log events (`messages.events` documents the schema)."""
+"""The base classes of the typed log events (`messages.log.events` documents the schema)."""
 
 from __future__ import annotations
 

@@ -18,8 +18,8 @@ from typing import Any, ClassVar, Literal
 import msgspec
 
 from messages.control import ErrorCode, FinishReason, LockReason, ReplicaStateName
-from messages.event_base import Event, Level, ReplicaEvent, RequestEvent, Transfer
-from messages.scaling_events import (
+from messages.log.base import Event, Level, ReplicaEvent, RequestEvent, Transfer
+from messages.log.scaling import (
     PlannerDecision,
     RelayHandedOver,
     RelayReceived,

@@ -1,7 +1,7 @@
 """trace: the planner against static provisioning, on one bursty trace with emulated accelerators.
 
-The trace (engine/bench/trace_gen.py): seeded Gamma arrivals with a burst, or a CSV trace (`--trace-csv`,
-`--columns`, `--time-scale`). It is replayed (engine/bench/trace_replay.py) on one node process per way,
+The trace (engine/bench/trace/gen.py): seeded Gamma arrivals with a burst, or a CSV trace (`--trace-csv`,
+`--columns`, `--time-scale`). It is replayed (engine/bench/trace/replay.py) on one node process per way,
 tiny model, `--max-batch-tokens` (512), every replica emulating an accelerator (`--emulated-speed`:
 `--prefill-tokens-per-s` 5000, `--decode-steps-per-s` 50, a weight copy of `--load-seconds` 2):
 
@@ -14,13 +14,13 @@ tiny model, `--max-batch-tokens` (512), every replica emulating an accelerator (
   at `--max-prefill-replicas`.
 - **blitz**: the same with `--autoscale-policy blitz` (prefill scales up with ZigZag).
 
-Figures (engine/bench/trace_slo.py): SLO attainment (TTFT ≤ max(`--slo-ttft-floor`, `--slo-ttft-per-token`
+Figures (engine/bench/trace/slo.py): SLO attainment (TTFT ≤ max(`--slo-ttft-floor`, `--slo-ttft-per-token`
 × prompt tokens)), TTFT and TPOT p50/p99, and replica-seconds (replicas not `Inactive`, polled from
 `status` every 0.1 s, integrated from the trace's start to the last request's end). Rows: each autoscale
 way against static, and blitz's p99 TTFT against serverless's. Goals: blitz p99 TTFT ≤ 0.5 × serverless;
 replica-seconds ≤ 0.7 × static with attainment within 5 points of static's.
 
-`--plot FILE` draws TTFT and the replica count over time, three ways (engine/bench/trace_plot.py);
+`--plot FILE` draws TTFT and the replica count over time, three ways (engine/bench/trace/plot.py);
 `--logs DIR` keeps the nodes' logs.
 """
 
@@ -36,10 +36,10 @@ from pathlib import Path
 from typing import Final
 
 from engine.bench.rows import Row, row
-from engine.bench.trace_gen import TraceRequest, peak_window, prompt_tokens_per_s, trace_from, window
-from engine.bench.trace_gen import add_arguments as add_trace_arguments
-from engine.bench.trace_replay import Run, replay_on_node
-from engine.bench.trace_slo import Slo, Summary, attainment, summarize
+from engine.bench.trace.gen import TraceRequest, peak_window, prompt_tokens_per_s, trace_from, window
+from engine.bench.trace.gen import add_arguments as add_trace_arguments
+from engine.bench.trace.replay import Run, replay_on_node
+from engine.bench.trace.slo import Slo, Summary, attainment, summarize
 
 BENCH: Final = "trace"
 BASELINE: Final = "static"
@@ -176,7 +176,7 @@ def _rows(
         )
     yield from _way_rows(args, trace, speed, summaries, static)
     if args.plot is not None and runs:
-        from engine.bench.trace_plot import draw
+        from engine.bench.trace.plot import draw
 
         burst = None if args.trace_csv is not None else (args.burst_at, args.burst_at + args.burst_len)
         labels = {w: (f"static (prefill={static})" if w == BASELINE else f"autoscale {w}") for w in runs}

@@ -13,8 +13,8 @@ import sys
 from collections.abc import Mapping
 from pathlib import Path
 
-from engine.bench.trace_replay import Run
-from engine.bench.trace_slo import Slo
+from engine.bench.trace.replay import Run
+from engine.bench.trace.slo import Slo
 from engine.bench.zigzag_plot import COLOURS, MARKERS, _without_logs, cpu_name
 
 
