@@ -172,7 +172,7 @@ class Router:
             r
             for r in self._remote()
             if r.report.takes_work
-            and r.report.serving_role == "prefill"
+            and r.report.status.role == "prefill"
             and (not r.queued_tokens or r.queued_tokens + request.prompt_tokens <= budget)
             and (not request.needs_embeddings or r.report.embedding_pool)
         ]

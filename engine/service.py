@@ -288,34 +288,9 @@ class NodeService:
             raise RequestFailed(exc.code, str(exc)) from None  # type: ignore[arg-type]
 
     def statuses(self) -> list[ReplicaStatus]:
-        statuses = []
-        for replica in self.services.replicas.values():
-            work, migration = replica.work.queue_lengths()
-            used_kv, _ = replica.pools.kv_usage()
-            statuses.append(
-                ReplicaStatus(
-                    name=replica.name,
-                    role=SERVING_ROLE.get(replica.state) or replica.role,
-                    state=replica.state.value,
-                    used_blocks=replica.pools.used_blocks(),
-                    cached_blocks=used_kv,
-                    total_blocks=replica.pools.total_blocks(),
-                    locked=replica.locked,
-                    lock_reasons=sorted(replica.lock_reasons),
-                    work_queue=work,
-                    migration_queue=migration,
-                    last_error=replica.last_error,
-                    transport=self.services.fabric.kind,
-                    loaded_layers=replica.work.loaded_layers,
-                    total_layers=replica.work.total_layers,
-                    weights_source=replica.work.weights_source,
-                    weights_bytes_loaded=replica.work.weights_bytes_loaded,
-                    paired_with=replica.work.paired_with(),
-                    node=None if self.node.member is None else self.node.member.node_id,
-                    pid=None if self.node.member is None else self.node.member.pid,
-                )
-            )
-        return statuses
+        member = self.node.member
+        node, pid = (None, None) if member is None else (member.node_id, member.pid)
+        return [replica_status(replica, node=node, pid=pid) for replica in self.services.replicas.values()]
 
     def gauges(self) -> list[ReplicaGauge]:
         return [
@@ -328,3 +303,30 @@ class NodeService:
             )
             for replica in self.services.replicas.values()
         ]
+
+
+def replica_status(replica: Replica, *, node: str | None = None, pid: int | None = None) -> ReplicaStatus:
+    """`replica` as `status` shows it (in a cluster, with its `node` and that node's `pid`)."""
+    work, migration = replica.work.queue_lengths()
+    used_kv, _ = replica.pools.kv_usage()
+    return ReplicaStatus(
+        name=replica.name,
+        role=SERVING_ROLE.get(replica.state) or replica.role,
+        state=replica.state.value,
+        used_blocks=replica.pools.used_blocks(),
+        cached_blocks=used_kv,
+        total_blocks=replica.pools.total_blocks(),
+        locked=replica.locked,
+        lock_reasons=sorted(replica.lock_reasons),
+        work_queue=work,
+        migration_queue=migration,
+        last_error=replica.last_error,
+        transport=replica.services.fabric.kind,
+        loaded_layers=replica.work.loaded_layers,
+        total_layers=replica.work.total_layers,
+        weights_source=replica.work.weights_source,
+        weights_bytes_loaded=replica.work.weights_bytes_loaded,
+        paired_with=replica.work.paired_with(),
+        node=node,
+        pid=pid,
+    )

@@ -20,8 +20,8 @@ import msgspec
 
 from messages.base import Message, Record
 from messages.commands import ReplicaCommand
-from messages.control import ControlRequest, ErrorCode, LockReason, ReplicaRole, ReplicaStateName
-from messages.control_replies import RelayInfo, TransferSummary
+from messages.control import ControlRequest, ErrorCode, ReplicaRole
+from messages.control_replies import RelayInfo, ReplicaStatus, TransferSummary
 
 PROTOCOL_VERSION = 1
 NodeId = Annotated[str, msgspec.Meta(min_length=1, max_length=32, pattern=r"^[a-z0-9][a-z0-9_-]*$")]
@@ -67,29 +67,16 @@ class NodeRecord(Record, frozen=True):
 
 # ---------------------------------------------------------------------------------------------- reports
 class ReplicaReport(Record, frozen=True):
-    """One replica as its node reports it to the others: what `status` shows and what routing reads."""
+    """One replica as its node reports it to the others: its `status` (as that node's `status` shows
+    it, with `node` and `pid`), its configured `role`, and what routing and the planner read."""
 
-    name: str
+    status: ReplicaStatus
     role: ReplicaRole
-    serving_role: ReplicaRole
-    state: ReplicaStateName
-    locked: bool
-    lock_reasons: list[LockReason]
-    used_blocks: int
-    cached_blocks: int
-    total_blocks: int
-    kv_used: int
     kv_total: int
-    work_queue: int
-    migration_queue: int
     queued_prompt_tokens: int
     encode_load: int
     embedding_pool: bool
     takes_work: bool
-    last_error: str | None
-    transport: str
-    loaded_layers: int = 0
-    total_layers: int = 0
 
 
 class StampsRecord(Record, frozen=True):

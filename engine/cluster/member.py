@@ -159,10 +159,10 @@ class ClusterMember:
         self.services.fabric.remote.update(report.endpoints)
         names = set()
         for entry in report.replicas:
-            names.add(entry.name)
-            existing = self.remote.get(entry.name)
+            names.add(entry.status.name)
+            existing = self.remote.get(entry.status.name)
             if existing is None:
-                self.remote[entry.name] = RemoteReplica(self, node, entry)
+                self.remote[entry.status.name] = RemoteReplica(self, node, entry)
             else:
                 existing.update(entry)
         for name in [n for n, r in self.remote.items() if r.node == node and n not in names]:
@@ -224,7 +224,7 @@ class ClusterMember:
             Submit(replica=replica.name, request=snapshot(request, self.node_id, images=True)),
         )
         replica.submitted_tokens += request.prompt_tokens
-        if replica.report.serving_role != "encode":
+        if replica.report.status.role != "encode":
             self.holders[request.request_id] = replica.node
         return True
 

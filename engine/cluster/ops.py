@@ -147,28 +147,4 @@ class ClusterOps:
 
     def statuses(self) -> list[ReplicaStatus]:
         """The other nodes' replicas as they last reported them."""
-        member = self.member
-        statuses = []
-        for node, report in sorted(member.reports.items()):
-            for r in report.replicas:
-                statuses.append(
-                    ReplicaStatus(
-                        name=r.name,
-                        role=r.serving_role,
-                        state=r.state,
-                        used_blocks=r.used_blocks,
-                        cached_blocks=r.cached_blocks,
-                        total_blocks=r.total_blocks,
-                        locked=r.locked,
-                        lock_reasons=r.lock_reasons,
-                        work_queue=r.work_queue,
-                        migration_queue=r.migration_queue,
-                        last_error=r.last_error,
-                        transport=r.transport,
-                        loaded_layers=r.loaded_layers,
-                        total_layers=r.total_layers,
-                        node=node,
-                        pid=report.pid,
-                    )
-                )
-        return statuses
+        return [r.status for _, report in sorted(self.member.reports.items()) for r in report.replicas]

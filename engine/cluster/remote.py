@@ -37,7 +37,7 @@ class RemoteReplica:
 
     @property
     def name(self) -> str:
-        return self.report.name
+        return self.report.status.name
 
     @property
     def role(self) -> str:
@@ -45,18 +45,18 @@ class RemoteReplica:
 
     @property
     def state(self) -> ReplicaState:
-        return parse_state(self.report.state)
+        return parse_state(self.report.status.state)
 
     @property
     def lock_reasons(self) -> frozenset[str]:
-        return frozenset(self.report.lock_reasons)
+        return frozenset(self.report.status.lock_reasons)
 
     def kv_usage(self) -> tuple[int, int]:
-        return self.report.kv_used, self.report.kv_total
+        return self.report.status.cached_blocks, self.report.kv_total
 
     def blocks(self) -> ReplicaBlocks:
         """The replica's blocks as its node last reported them (the leader's block report)."""
-        r = self.report
+        r = self.report.status
         return ReplicaBlocks(
             replica=r.name,
             state=r.state,

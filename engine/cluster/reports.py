@@ -6,41 +6,26 @@ import os
 import time
 from typing import TYPE_CHECKING
 
+from engine.service import replica_status
 from messages.cluster import NodeCapacity, NodeRecord, ReplicaEntry, ReplicaReport, Report
 from replicas.actor import Replica
-from replicas.states import SERVING_ROLE, ReplicaState
+from replicas.states import ReplicaState
 
 if TYPE_CHECKING:
     from engine.cluster.member import ClusterMember
 
 
-def replica_report(replica: Replica, transport: str) -> ReplicaReport:
-    work, migration = replica.work.queue_lengths()
-    kv_used, kv_total = replica.pools.kv_usage()
+def replica_report(replica: Replica, member: ClusterMember) -> ReplicaReport:
     return ReplicaReport(
-        name=replica.name,
+        status=replica_status(replica, node=member.node_id, pid=member.pid),
         role=replica.role,
-        serving_role=SERVING_ROLE.get(replica.state) or replica.role,
-        state=replica.state.value,
-        locked=replica.locked,
-        lock_reasons=sorted(replica.lock_reasons),
-        used_blocks=replica.pools.used_blocks(),
-        cached_blocks=kv_used,
-        total_blocks=replica.pools.total_blocks(),
-        kv_used=kv_used,
-        kv_total=kv_total,
-        work_queue=work,
-        migration_queue=migration,
+        kv_total=replica.pools.kv_usage()[1],
         queued_prompt_tokens=sum(q.prompt_tokens for q in replica.work.prefill.queue),
         encode_load=replica.work.encode.load,
         embedding_pool=replica.pools.emb_endpoint is not None,
         # Cross-node work goes to replicas serving plainly (ZigZag pairs stay within their node).
         takes_work=replica.state in (ReplicaState.PREFILL, ReplicaState.ENCODE)
         and replica.nursery is not None,
-        last_error=replica.last_error,
-        transport=replica.services.fabric.kind,
-        loaded_layers=replica.work.loaded_layers,
-        total_layers=replica.work.total_layers,
     )
 
 
@@ -48,7 +33,7 @@ def build_report(member: ClusterMember) -> Report:
     services = member.services
     return Report(
         accepting=member.router.accepting,
-        replicas=[replica_report(r, services.fabric.kind) for r in services.replicas.values()],
+        replicas=[replica_report(r, member) for r in services.replicas.values()],
         endpoints=services.fabric.local_addresses,
         pid=member.pid,
         pending_tokens=sum(r.prompt_tokens for r in member.router.pending),

@@ -16,6 +16,7 @@ from dataclasses import fields
 import numpy as np
 
 from messages.cluster import EndedForward, ImageData, RequestSnapshot, SamplingRecord, StampsRecord
+from messages.control_replies import TransferSummary
 from replicas.model import SamplingParams
 from replicas.request import EmbeddingRoute, FailedUpdate, ServingRequest, Stamps
 
@@ -83,7 +84,7 @@ def merge_snapshot(request: ServingRequest, snap: RequestSnapshot) -> None:
         request.next_position = snap.next_position
     apply_tokens(request, 0, snap.generated, emit=False)
     merge_stamps(request, snap.stamps)
-    merge_transfers(request, snap)
+    merge_transfers(request, snap.transfers)
     request.relay = request.relay or snap.relay
     if snap.stop_at is not None and request.stop_at is None:
         request.stop_at = snap.stop_at
@@ -111,9 +112,7 @@ def apply_ended(request: ServingRequest, ended: EndedForward) -> None:
         request.token_ids = list(ended.token_ids)  # the prompt as laid out there (images expanded)
     apply_tokens(request, 0, ended.generated)
     merge_stamps(request, ended.stamps)
-    for summary in ended.transfers:
-        if all(t.transfer_id != summary.transfer_id for t in request.transfers):
-            request.transfers.append(summary)
+    merge_transfers(request, ended.transfers)
     request.relay = request.relay or ended.relay
     if ended.outcome == "failed":
         assert ended.code is not None
@@ -151,8 +150,9 @@ def merge_stamps(request: ServingRequest, record: StampsRecord) -> None:
             setattr(request.stamps, name, value)
 
 
-def merge_transfers(request: ServingRequest, snap: RequestSnapshot) -> None:
-    for summary in snap.transfers:
+def merge_transfers(request: ServingRequest, transfers: list[TransferSummary]) -> None:
+    """Add the transfers `request` does not list yet (by transfer id)."""
+    for summary in transfers:
         if all(t.transfer_id != summary.transfer_id for t in request.transfers):
             request.transfers.append(summary)
 

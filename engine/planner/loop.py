@@ -237,14 +237,14 @@ class Planner:
             totals = add(totals, report.load)
             waiting += report.pending_tokens
             for r in report.replicas:
-                state = ReplicaState(r.state)
+                state = ReplicaState(r.status.state)
                 for role in ROLES:
                     if state in ACTIVE_STATES[role]:
                         counts[role] += 1
                         settling[role] += state not in SERVING
                 waiting += r.queued_prompt_tokens
                 if state is ReplicaState.DECODE:
-                    used += r.kv_used
+                    used += r.status.cached_blocks
                     per_replica.append(r.kv_total)
         rates = with_capacity(
             self.window.sample(now, totals),
@@ -271,7 +271,7 @@ class Planner:
             where = member.ops.place(None)
         else:
             where = max(counts, key=lambda n: (counts[n], n == member.node_id))
-        here = counts.get(where or "", 0) if where is not None else counts.get("", 0)
+        here = counts.get(where or "", 0)
         request = ScaleRequest(
             id=PLANNER_ID,
             role=role,
@@ -304,7 +304,9 @@ class Planner:
             return {"": mine}
         counts = {member.node_id: mine}
         for other, report in member.reports.items():
-            counts[other] = sum(1 for r in report.replicas if ReplicaState(r.state) in ACTIVE_STATES[role])
+            counts[other] = sum(
+                1 for r in report.replicas if ReplicaState(r.status.state) in ACTIVE_STATES[role]
+            )
         return counts
 
     def _idle(self) -> dict[str, tuple[Replica | PeerReplica, float]]:
