@@ -18,7 +18,15 @@ from typing import final
 import msgspec
 
 from messages.cluster import LoadTotals
-from messages.log.events import FirstToken, LogEvent, PrefillFinished, RequestArrived, TransferFinished
+from messages.log.events import (
+    FirstToken,
+    LogEvent,
+    PrefillFinished,
+    RequestArrived,
+    RequestCancelled,
+    RequestFailed,
+    TransferFinished,
+)
 
 
 @final
@@ -30,14 +38,14 @@ class LoadCounters:
         self._batches: deque[tuple[str | None, float]] = deque(maxlen=256)
         # The TTFT SLO (seconds, and seconds per prompt token; 0: off), set by the planner.
         self.slo: tuple[float, float] = (0.0, 0.0)
-        self._prompts: dict[str, int] = {}  # request id -> prompt tokens, until its first token
+        self._prompts: dict[str, int] = {}  # request id -> prompt tokens, until its first token or end
 
     def observe(self, event: LogEvent) -> None:
         t = self.totals
         match event:
             case RequestArrived(prompt_tokens=tokens) if tokens:
                 self.totals = msgspec.structs.replace(t, arrived_tokens=t.arrived_tokens + tokens)
-                if self.slo[0] > 0 and event.request_id is not None and len(self._prompts) < 100_000:
+                if self.slo[0] > 0 and event.request_id is not None:
                     self._prompts[event.request_id] = tokens
             case FirstToken(ttft_s=ttft) if self.slo[0] > 0:
                 floor, per_token = self.slo
@@ -58,6 +66,8 @@ class LoadCounters:
                 self.totals = msgspec.structs.replace(
                     t, kv_bytes=t.kv_bytes + nbytes, kv_seconds=t.kv_seconds + seconds
                 )
+            case RequestFailed() | RequestCancelled():  # ended before its first token: forget it
+                self._prompts.pop(event.request_id or "", None)
             case _:
                 pass
 
