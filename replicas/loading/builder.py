@@ -36,7 +36,8 @@ from transport.memory.storage import torch_dtype
 @dataclass(frozen=True, slots=True)
 class ModelFrame:
     """What a `Model` is besides its weights: config (its dtype is the serving dtype), device, name,
-    tokenizer, end-of-sequence ids, the seed of its vision encoder (None: it has none), kernels."""
+    tokenizer, end-of-sequence ids, the seed of its vision encoder (None: it has none), kernels, and
+    whether it runs the batch-invariant kernels (then its weights are plain: `kernels` is ignored)."""
 
     config: ModelConfig
     device: torch.device
@@ -45,6 +46,11 @@ class ModelFrame:
     eos_token_ids: tuple[int, ...] = ()
     vision_seed: int | None = None
     kernels: Kernels = "auto"
+    batch_invariant: bool = False
+
+    @property
+    def weight_kernels(self) -> Kernels:
+        return "plain" if self.batch_invariant else self.kernels
 
 
 @final
@@ -85,7 +91,7 @@ class ModelBuilder:
             case "layer":
                 assert piece.layer is not None
                 layer = {relative(piece, name): tensor for name, tensor in tensors.items()}
-                weights = fuse_layer(layer, self.dtype, self.frame.device, kernels=self.frame.kernels)
+                weights = fuse_layer(layer, self.dtype, self.frame.device, kernels=self.frame.weight_kernels)
                 self._model().set_layer(piece.layer, weights)
             case "norm":
                 model = self._model()
@@ -139,5 +145,6 @@ class ModelBuilder:
             vision=vision,
             eos_token_ids=frame.eos_token_ids,
             name=frame.name,
-            kernels=frame.kernels,
+            kernels=frame.weight_kernels,
+            batch_invariant=frame.batch_invariant,
         )

@@ -33,6 +33,12 @@ class WeightShapeError(ModelLoadError):
     """A tensor's shape disagrees with what `config.json` implies (names tensor, file and both shapes)."""
 
 
+@final
+class KernelsUnavailableError(ModelLoadError):
+    """A batch-invariant model on a device where its kernels do not run or fail their check (the
+    message says why); without them its output would depend on the batch."""
+
+
 class ModelInputError(ModelError):
     """A request the model cannot run as given."""
 

@@ -7,6 +7,12 @@ called from two threads at once. A call that raises has validated its inputs fir
 to the cache when a `ModelInputError` is raised. Block allocation is the caller's job: before each call,
 every sequence's block table must hold `cached_tokens + new tokens` tokens (`KVCache.blocks_for`).
 
+Paths (`path`, shown by `status`): `graphs` — the Triton kernels read K/V in place through the block
+tables, decode steps replay CUDA graphs captured per batch-size bucket (`prepare`); `kernels` — the same
+kernels launched eagerly; `eager` — torch's SDPA over the gathered context (the CPU path). The choice
+is made at construction from the device and the options; a path that fails its check falls back with the
+reason in `fallbacks` (and a log line), never to wrong tokens. See replicas/model/gpu/.
+
 Cancellation: a call cannot be interrupted. Run it with `trio.to_thread.run_sync` without abandoning
 it on cancel, so a cancelled replica waits for the call to return before it frees the request's blocks —
 the executor never writes into a block after the allocator gave it to someone else.
@@ -18,6 +24,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import final
 
+import structlog
 import torch
 
 from replicas.model.attention import (
@@ -28,10 +35,17 @@ from replicas.model.attention import (
     plan_prefill,
     prefill_attention,
 )
-from replicas.model.errors import ContextLengthError, InvalidBatchError
+from replicas.model.device_sampling import sample_tokens_on_device
+from replicas.model.errors import ContextLengthError, InvalidBatchError, KernelsUnavailableError
+from replicas.model.gpu.check import kernels_problem
+from replicas.model.gpu.decode import KernelDecoder
+from replicas.model.gpu.options import AttentionChoice, ExecutorPath, GraphsChoice
+from replicas.model.gpu.prefill import kernel_prefill_attention, plan_kernel_prefill
 from replicas.model.kv_cache import KVCache
-from replicas.model.llama import Model
+from replicas.model.llama import Attend, Model
 from replicas.model.sampling import GREEDY, SamplingParams, sample_tokens
+
+_log = structlog.get_logger("replicas.model.executor")
 
 
 @final
@@ -90,16 +104,87 @@ class DecodeResult:
 
 @final
 class Executor:
-    """Runs a model against one KV cache."""
+    """Runs a model against one KV cache.
 
-    def __init__(self, model: Model, cache: KVCache) -> None:
+    `attention` and `cuda_graphs`: see `replicas.model.gpu.options`. A batch-invariant model
+    (`Model.batch_invariant`) runs the kernels whatever `attention` says. `max_batch`: the decode batch
+    the step buffers (and the largest graph) are sized for; larger batches run in chunks.
+    """
+
+    def __init__(
+        self,
+        model: Model,
+        cache: KVCache,
+        *,
+        attention: AttentionChoice = "auto",
+        cuda_graphs: GraphsChoice = "off",
+        max_batch: int = 64,
+    ) -> None:
         if cache.config != model.config:
             raise InvalidBatchError(f"KV cache was built for another model config than {model.name!r}")
         if cache.device != model.device:
             raise InvalidBatchError(f"KV cache is on {cache.device}, model {model.name!r} on {model.device}")
         self.model = model
         self.cache = cache
+        self.fallbacks: list[str] = []
+        self._want_graphs = cuda_graphs == "auto" and cache.device.type == "cuda"
+        self._decoder: KernelDecoder | None = None
         avoid_cudnn_attention(model.device)
+        wanted = (
+            model.batch_invariant
+            or attention == "kernels"
+            or (attention == "auto" and cache.device.type == "cuda")
+        )
+        if wanted:
+            config = model.config
+            problem = kernels_problem(
+                cache.device,
+                model.dtype,
+                config.num_heads,
+                config.num_kv_heads,
+                config.head_dim,
+                invariant=model.batch_invariant,
+            )
+            if problem is None:
+                self._decoder = KernelDecoder(model, cache, max_batch=max_batch)
+            elif model.batch_invariant:
+                raise KernelsUnavailableError(f"{model.name!r} is batch-invariant, but {problem}")
+            else:
+                self._fall_back(problem, "eager")
+
+    @property
+    def path(self) -> ExecutorPath:
+        if self._decoder is None:
+            return "eager"
+        return "graphs" if self._decoder.graphs_on else "kernels"
+
+    @property
+    def needs_prepare(self) -> bool:
+        """Whether `prepare` has graphs to capture (call it in a worker thread before serving)."""
+        return self._want_graphs and self._decoder is not None and not self._decoder.graphs_on
+
+    def prepare(self) -> ExecutorPath:
+        """Capture the decode graphs when they are wanted (seconds on a GPU: off the event loop); on a
+        failed capture or check the kernels run eagerly and the reason is in `fallbacks`. Idempotent.
+        Needs the whole model loaded. Returns the path."""
+        if self.needs_prepare:
+            assert self._decoder is not None
+            self.model.check_layer_range(range(self.model.config.num_layers))
+            problem = self._decoder.capture()
+            if problem is not None:
+                self._want_graphs = False
+                self._fall_back(problem, "kernels")
+        return self.path
+
+    def release(self) -> None:
+        """Drop the graphs (the weights are being released); the executor must not be used after."""
+        if self._decoder is not None:
+            self._decoder.release()
+            self._want_graphs = False
+
+    def _fall_back(self, reason: str, to: ExecutorPath) -> None:
+        self.fallbacks.append(reason)
+        _log.warning("executor.fallback", model=self.model.name, to=to, reason=reason)
 
     def prefill(
         self,
@@ -139,20 +224,38 @@ class Executor:
             else:
                 cos, sin = model.rotary.cos_sin(self._prefill_positions(sequences), model.dtype)
                 spans = [SequenceSpan(s.block_table, s.cached_tokens, s.num_tokens) for s in sequences]
-                plan = plan_prefill(self.cache, spans)
-
-                def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int) -> torch.Tensor:
-                    return prefill_attention(q, k, v, self.cache, layer, plan)
-
-                out = model.run_layers(hidden, layer_range, cos, sin, attend)
+                out = model.run_layers(hidden, layer_range, cos, sin, self._prefill_attend(spans))
             if layer_range.stop < num_layers or not head:
                 return PrefillResult(hidden=out, logits=None, tokens=None)
             last = torch.tensor([s.num_tokens for s in sequences], dtype=torch.int64).cumsum(0) - 1
             logits = model.logits(out.index_select(0, last.to(out.device)))
-            tokens = sample_tokens(
-                logits, [s.sampling for s in sequences], [s.cached_tokens + s.num_tokens for s in sequences]
-            )
+            params = [s.sampling for s in sequences]
+            indices = [s.cached_tokens + s.num_tokens for s in sequences]
+            if self._decoder is None:
+                tokens = sample_tokens(logits, params, indices)
+            else:
+                tokens = sample_tokens_on_device(logits, params, indices)
             return PrefillResult(hidden=None, logits=logits, tokens=tokens)
+
+    def _prefill_attend(self, spans: Sequence[SequenceSpan]) -> Attend:
+        """The attention of one prefill call: the kernels (one launch per layer for the whole batch)
+        unless the batch is fresh prompts of one length on a model that need not be batch-invariant,
+        where SDPA's causal kernel is the fastest; torch's path on `eager`."""
+        cache = self.cache
+        uniform = all(s.cached_tokens == 0 for s in spans) and len({s.new_tokens for s in spans}) == 1
+        if self._decoder is not None and (self.model.batch_invariant or not uniform):
+            kernel_plan = plan_kernel_prefill(cache, spans)
+
+            def attend_kernels(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int) -> torch.Tensor:
+                return kernel_prefill_attention(q, k, v, cache, layer, kernel_plan)
+
+            return attend_kernels
+        plan = plan_prefill(cache, spans)
+
+        def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int) -> torch.Tensor:
+            return prefill_attention(q, k, v, cache, layer, plan)
+
+        return attend
 
     def decode(self, sequences: Sequence[DecodeSequence]) -> DecodeResult:
         """One step for every sequence: writes each fed token's KV, returns logits and sampled tokens."""
@@ -164,6 +267,11 @@ class Executor:
         for index, seq in enumerate(sequences):
             self._check_length(seq.cached_tokens, 1, f"decode sequence {index}")
             self.cache.check_block_table(seq.block_table, seq.cached_tokens + 1, f"decode sequence {index}")
+        if self._decoder is not None:
+            model.check_token_ids(torch.tensor(token_ids), "decode")
+            with torch.inference_mode():
+                logits, tokens = self._decoder.step(sequences)
+            return DecodeResult(logits=logits, tokens=tokens)
         with torch.inference_mode():
             ids = torch.tensor(token_ids, dtype=torch.int64)
             model.check_token_ids(ids, "decode")

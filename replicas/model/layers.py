@@ -12,7 +12,6 @@ from dataclasses import dataclass
 from typing import final
 
 import torch
-import torch.nn.functional as F
 
 from replicas.model.config import ModelConfig
 from replicas.model.linear import Kernels, Linear
@@ -115,9 +114,3 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
     x32 = x.to(torch.float32)
     return weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
-
-
-def swiglu(x: torch.Tensor, layer: LayerWeights) -> torch.Tensor:
-    """`silu(gate(x)) * up(x)` with gate and up as one matrix product, activated in place."""
-    gate, up = layer.gate_up(x).chunk(2, dim=-1)
-    return F.silu(gate, inplace=True).mul_(up)

@@ -20,8 +20,9 @@ import torch.nn.functional as F
 from replicas.model.config import ModelConfig
 from replicas.model.errors import InvalidBatchError, TokenIdError
 from replicas.model.kv_cache import DEFAULT_KV_BLOCK_SIZE, kv_layout
-from replicas.model.layers import LayerWeights, rms_norm, swiglu
+from replicas.model.layers import LayerWeights
 from replicas.model.linear import Kernels, Linear
+from replicas.model.ops import TORCH_OPS, LayerOps, invariant_ops
 from replicas.model.rope import Rotary, apply_rotary
 from transport.memory.storage import torch_dtype
 
@@ -49,13 +50,18 @@ class Model:
         eos_token_ids: Collection[int] = (),
         name: str = "model",
         kernels: Kernels = "auto",
+        batch_invariant: bool = False,
     ) -> None:
+        """`batch_invariant`: run the batch-invariant Triton kernels (`replicas.model.ops`); the weights
+        must then be plain (`kernels="plain"`), which the loaders do when asked for it."""
         self.config = config
         self.name = name
         self.device = torch.device(device)
         self.dtype = torch_dtype(config.dtype)
         self.embed_tokens = embed_tokens
-        self.kernels = kernels
+        self.kernels = "plain" if batch_invariant else kernels
+        self.batch_invariant = batch_invariant
+        self.ops: LayerOps = invariant_ops() if batch_invariant else TORCH_OPS
         self.final_norm: torch.Tensor | None = None
         self.lm_head: Linear | None = None
         self.layers: list[LayerWeights | None] = [None] * config.num_layers
@@ -145,19 +151,23 @@ class Model:
         heads, kv_heads, head_dim = config.num_heads, config.num_kv_heads, config.head_dim
         sizes = [config.q_size, config.kv_size, config.kv_size]
         eps = config.rms_norm_eps
+        ops = self.ops
         for index in layers:
             layer = self.layers[index]
             assert layer is not None
-            x = rms_norm(hidden, layer.input_norm, eps)
-            q, k, v = layer.qkv(x).split(sizes, dim=-1)
+            x = ops.rms_norm(hidden, layer.input_norm, eps)
+            q, k, v = ops.linear(layer.qkv, x).split(sizes, dim=-1)
             q = apply_rotary(q.view(n_tokens, heads, head_dim), cos, sin)
             k = apply_rotary(k.view(n_tokens, kv_heads, head_dim), cos, sin)
             attended = attend(q, k, v.view(n_tokens, kv_heads, head_dim), index)
-            hidden = layer.o.add_to(hidden, attended)
-            hidden = layer.down.add_to(hidden, swiglu(rms_norm(hidden, layer.post_norm, eps), layer))
+            hidden = ops.add_linear(layer.o, hidden, attended)
+            # SwiGLU: silu(gate(x)) * up(x), gate and up as one matrix product, activated in place
+            gate, up = ops.linear(layer.gate_up, ops.rms_norm(hidden, layer.post_norm, eps)).chunk(2, dim=-1)
+            hidden = ops.add_linear(layer.down, hidden, F.silu(gate, inplace=True).mul_(up))
         return hidden
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final norm and output head on `[B, hidden]` rows → float32 `[B, vocab]`."""
         assert self.final_norm is not None and self.lm_head is not None
-        return self.lm_head(rms_norm(hidden, self.final_norm, self.config.rms_norm_eps)).float()
+        normed = self.ops.rms_norm(hidden, self.final_norm, self.config.rms_norm_eps)
+        return self.ops.linear(self.lm_head, normed).float()

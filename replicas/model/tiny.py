@@ -86,8 +86,12 @@ def tiny_model(
     dtype: ModelDType = "float32",
     device: str | torch.device = "cpu",
     kernels: Kernels = "auto",
+    batch_invariant: bool = False,
 ) -> Model:
-    """Build the tiny model (a few milliseconds; no files); `kernels` as in `replicas.model.linear`."""
+    """Build the tiny model (a few milliseconds; no files); `kernels` as in `replicas.model.linear`,
+    `batch_invariant` as in `Model`."""
+    if batch_invariant:
+        kernels = "plain"
     config = msgspec.structs.replace(TINY_CONFIG, dtype=dtype)
     target = torch.device(device)
     model_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
@@ -110,6 +114,7 @@ def tiny_model(
         vision=vision,
         name="tiny",
         kernels=kernels,
+        batch_invariant=batch_invariant,
     )
     for index in range(config.num_layers):
         prefix = f"model.layers.{index}."

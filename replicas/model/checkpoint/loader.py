@@ -123,7 +123,10 @@ class ModelLoader:
         device: str | torch.device = "cpu",
         kernels: Kernels = "auto",
         name: str | None = None,
+        batch_invariant: bool = False,
     ) -> None:
+        if batch_invariant:
+            kernels = "plain"
         self.directory = Path(directory)
         if not self.directory.is_dir():
             raise CheckpointError(f"{self.directory}: not a checkpoint directory (does not exist)")
@@ -145,6 +148,7 @@ class ModelLoader:
             eos_token_ids=generation_eos_ids(self.directory),
             name=name or self.directory.name,
             kernels=kernels,
+            batch_invariant=batch_invariant,
         )
         self.kernels = kernels
 
@@ -227,12 +231,16 @@ def load_model(
     device: str | torch.device = "cpu",
     progress: Callable[[LoadProgress], None] | None = None,
     kernels: Kernels = "auto",
+    batch_invariant: bool = False,
 ) -> Model:
     """Load a whole checkpoint (see `ModelLoader` to interleave serving with loading).
 
-    `kernels` picks the projection kernels (see `replicas.model.linear.Kernels`).
+    `kernels` picks the projection kernels (see `replicas.model.linear.Kernels`); `batch_invariant` as in
+    `Model`.
     """
-    loader = ModelLoader(directory, dtype=dtype, device=device, kernels=kernels)
+    loader = ModelLoader(
+        directory, dtype=dtype, device=device, kernels=kernels, batch_invariant=batch_invariant
+    )
     for step in loader.steps():
         if progress is not None:
             progress(step)
