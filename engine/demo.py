@@ -156,8 +156,13 @@ async def run_demo(node: Node, *, requests: int = 24, out: TextIO | None = None)
                         clients.start_soon(_one, client, index, item, results)
                 status = await client.status()
                 await (client.shutdown() if node.member is None else shutdown_cluster(client))
-    states = ", ".join(f"{r.name} ({r.state})" for r in status.replicas)
+    states = ", ".join(
+        f"{r.name} ({r.state}{'' if r.executor is None else ', ' + r.executor})" for r in status.replicas
+    )
     print(f"demo: replicas {states}", file=out)
+    fallbacks = [f"{r.name}: {reason}" for r in status.replicas for reason in r.executor_fallbacks]
+    for line in fallbacks:
+        print(f"demo: an executor fell back: {line}", file=out)
     if node.member is not None:
         print(*node_lines(status), sep="\n", file=out)
     matched = await trio.to_thread.run_sync(_verify, reference_model, node, workload, results)
@@ -168,7 +173,7 @@ async def run_demo(node: Node, *, requests: int = 24, out: TextIO | None = None)
     _report(out, workload, done, failed)
     print(f"demo: outputs identical to the model run in one piece: {matched}/{len(workload)}", file=out)
     print(f"demo: failed requests: {len(failed)}; node exit code {node_code} (1 = leaked blocks)", file=out)
-    return 0 if matched == len(workload) and not failed and node_code == 0 else 1
+    return 0 if matched == len(workload) and not failed and node_code == 0 and not fallbacks else 1
 
 
 async def _one(

@@ -86,6 +86,8 @@ def replica_settings(config: NodeConfig, host: ModelHost) -> ReplicaSettings:
         migration_wait=config.scheduler.migration_wait,
         emulated=config.emulated_speed or EmulatedSpeed(),
         old_prefill_serves_queue=config.scheduler.old_prefill_serves_queue,
+        attention=config.executor.attention,
+        cuda_graphs=config.executor.cuda_graphs,
         kv_transfer=TransferConfig(**common),  # type: ignore[arg-type]
         embedding_transfer=TransferConfig(
             default_grant_blocks=config.embedding.default_blocks,
@@ -111,7 +113,13 @@ class Node:
         self.config = config
         self.log = log
         dtype = config.dtype or ("float32" if config.device == "cpu" else "bfloat16")
-        self.host = ModelHost(config.model, device=config.device, dtype=dtype, cache_dir=config.model_cache)
+        self.host = ModelHost(
+            config.model,
+            device=config.device,
+            dtype=dtype,
+            cache_dir=config.model_cache,
+            batch_invariant=config.executor.batch_invariant,
+        )
         self.counts = config.replicas or default_counts(self.host)
         clustered = config.cluster.cluster is not None
         self.node_id = config.cluster.node_id or f"node-{os.getpid()}"

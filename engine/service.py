@@ -329,4 +329,6 @@ def replica_status(replica: Replica, *, node: str | None = None, pid: int | None
         paired_with=replica.work.paired_with(),
         node=node,
         pid=pid,
+        executor=replica.work.executor_path,
+        executor_fallbacks=replica.work.executor_fallbacks,
     )

@@ -126,6 +126,10 @@ class ReplicaStatus(Record, frozen=True):
     # In a cluster: the node the replica runs on and that node's process id.
     node: str | None = None
     pid: int | None = None
+    # How it runs the model: decode from CUDA graphs, the kernels launched eagerly, or torch's path
+    # (None without an executor: not loaded, or an encode replica); why a faster path was given up.
+    executor: Literal["graphs", "kernels", "eager"] | None = None
+    executor_fallbacks: list[str] = msgspec.field(default_factory=list)
 
 
 class ClusterView(Record, frozen=True):

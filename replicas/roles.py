@@ -23,6 +23,7 @@ from replicas.inbox import Completed
 from replicas.loading.copy import copy_weights
 from replicas.loading.progress import PieceLoaded, WeightsStatus
 from replicas.model import Executor, Model, ModelInputError
+from replicas.model.gpu.options import ExecutorPath
 from replicas.prefill import PrefillWork
 from replicas.prefill.migration import Migrator
 from replicas.request import ServingRequest
@@ -32,6 +33,7 @@ from replicas.zigzag.old_prefill import OldPrefillWork
 
 if TYPE_CHECKING:
     from replicas.actor import Replica
+    from replicas.model import KVCache
 
 S = ReplicaState
 PREFILL_SERVING = frozenset({S.PREFILL, S.SHUTTING_PREFILL, S.OLD_PREFILL})
@@ -125,10 +127,21 @@ class RoleWork:
         """Drop the weights: the hold on the node's resident copy, or the replica's own copy."""
         self.replica.services.host.release(self.replica.name)
         self.model = None
+        if self.executor is not None:
+            self.executor.release()  # its CUDA graphs go with the weights
         self.executor = None
         self.weights.released()
 
     # ------------------------------------------------------------------ weights, as `status` shows them
+    @property
+    def executor_path(self) -> ExecutorPath | None:
+        """How the replica runs the model (graphs, kernels, eager); None without an executor."""
+        return None if self.executor is None else self.executor.path
+
+    @property
+    def executor_fallbacks(self) -> list[str]:
+        return [] if self.executor is None else list(self.executor.fallbacks)
+
     @property
     def weights_source(self) -> WeightsSource | None:
         return self.weights.source
@@ -254,7 +267,7 @@ class RoleWork:
             def hand_over(model: Model) -> None:  # main loop: the loaded leading layers may serve (ZigZag)
                 if self.model is None:
                     kv = replica.pools.kv
-                    self.model, self.executor = model, None if kv is None else Executor(model, kv)
+                    self.model, self.executor = model, None if kv is None else self.new_executor(model, kv)
 
             def own_piece(piece: PieceLoaded) -> None:  # main loop
                 self.weights.landed(piece, shared=False)
@@ -266,7 +279,8 @@ class RoleWork:
                 on_piece=lambda piece: replica.post(Completed(own_piece, piece)),
                 weights_gb_per_s=replica.services.settings.emulated.weights_gb_per_s,
             )
-            replica.post(Completed(self._loaded, (outcome.model, outcome.source)))
+            executor = await self._prepared(outcome.model)
+            replica.post(Completed(self._loaded, (outcome.model, outcome.source, executor)))
             return
         started = time.monotonic()
 
@@ -290,14 +304,37 @@ class RoleWork:
             trio.from_thread.run_sync(landed, piece)
 
         model = await replica.services.host.acquire(replica.name, progress)
-        replica.post(Completed(self._loaded, (model, "resident")))
+        executor = await self._prepared(model)
+        replica.post(Completed(self._loaded, (model, "resident", executor)))
 
-    def _loaded(self, loaded: tuple[Model, WeightsSource]) -> None:
-        model, source = loaded
-        self.weights.loaded(model, source)
+    def new_executor(self, model: Model, kv: KVCache) -> Executor:
+        """An executor of `model` on the replica's KV cache, run as the node's `[executor]` says."""
+        settings = self.replica.services.settings
+        return Executor(
+            model,
+            kv,
+            attention=settings.attention,
+            cuda_graphs=settings.cuda_graphs,
+            max_batch=settings.max_batch_size,
+        )
+
+    async def _prepared(self, model: Model) -> Executor | None:
+        """A new executor of the whole `model`, its decode graphs captured in a worker thread (seconds on
+        a GPU; the replica serves nothing new meanwhile, its state is still a loading one). None without
+        a KV cache (encode). Cancellation: the capture runs to its end (threads are never abandoned)."""
         kv = self.replica.pools.kv
-        if self.model is not model or (kv is not None and self.executor is None):
-            self.executor = None if kv is None else Executor(model, kv)
+        if kv is None:
+            return None
+        executor = self.new_executor(model, kv)
+        if executor.needs_prepare:
+            await trio.to_thread.run_sync(executor.prepare)
+        return executor
+
+    def _loaded(self, loaded: tuple[Model, WeightsSource, Executor | None]) -> None:
+        model, source, executor = loaded
+        self.weights.loaded(model, source)
+        if executor is not None:
+            self.executor = executor
         self.model = model
         target = {S.LOADING_PREFILL: S.PREFILL, S.LOADING_DECODE: S.DECODE, S.LOADING_ENCODE: S.ENCODE}
         state = self.replica.state

@@ -18,6 +18,7 @@ from messages.faults import Fault
 from messages.log.events import LogEvent, ReplicaBlocks
 from replicas.emulation import EmulatedSpeed
 from replicas.fabric import Fabric
+from replicas.model.gpu.options import AttentionChoice, GraphsChoice
 from replicas.request import ServingRequest
 from replicas.states import ReplicaState
 from replicas.weights import ModelHost
@@ -76,6 +77,9 @@ class ReplicaSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     emulated: EmulatedSpeed = msgspec.field(default_factory=EmulatedSpeed)
     # ZigZag: an OldPrefill replica also serves its own queue between relays (relays first).
     old_prefill_serves_queue: bool = True
+    # How executors run the model (`[executor]`, replicas/model/gpu/options.py).
+    attention: AttentionChoice = "auto"
+    cuda_graphs: GraphsChoice = "auto"
 
 
 @final

@@ -49,7 +49,13 @@ class ModelHost:
     """
 
     def __init__(
-        self, source: str, *, device: str, dtype: ModelDType | None, cache_dir: str = DEFAULT_CACHE_DIR
+        self,
+        source: str,
+        *,
+        device: str,
+        dtype: ModelDType | None,
+        cache_dir: str = DEFAULT_CACHE_DIR,
+        batch_invariant: bool = False,
     ) -> None:
         resolved = resolve_model(source, cache_dir=cache_dir)
         self._name = resolved.name
@@ -57,6 +63,7 @@ class ModelHost:
         self.device = device
         self.dtype = dtype
         self.cache_dir = cache_dir
+        self.batch_invariant = batch_invariant
         self.config: ModelConfig = self._read_config()
         self._vision_seed: int | None = None
         if resolved.directory is None:
@@ -106,6 +113,7 @@ class ModelHost:
             tokenizer=self.tokenizer,
             eos_token_ids=self._eos,
             vision_seed=self._vision_seed,
+            batch_invariant=self.batch_invariant,
         )
 
     async def acquire(self, holder: str, progress: Progress | None = None) -> Model:

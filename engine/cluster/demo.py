@@ -254,7 +254,10 @@ def cluster_options(config: NodeConfig, transport: str) -> list[str]:
         *("--embedding-block-size", str(config.embedding.block_size)),
         *("--cluster-name", config.cluster.cluster_name, "--cluster-host", config.cluster.cluster_host),
         *("--lease-ttl", str(config.cluster.lease_ttl)),
+        *("--attention", config.executor.attention, "--cuda-graphs", config.executor.cuda_graphs),
     ]
+    if config.executor.batch_invariant:
+        options.append("--batch-invariant")
     if config.dtype is not None:
         options += ["--dtype", config.dtype]
     return options

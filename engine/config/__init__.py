@@ -15,6 +15,7 @@ from typing import Annotated, Final, Literal
 import msgspec
 
 from engine.config.base import Section, _doc
+from engine.config.executor import ExecutorConfig
 from engine.config.scaling import AutoscaleConfig, ClusterConfig
 from engine.control.address import Address, parse_address
 from engine.http.address import parse_http
@@ -243,6 +244,7 @@ class NodeConfig(Section, frozen=True, kw_only=True):
     controller: ControllerConfig = msgspec.field(default_factory=ControllerConfig)
     cluster: ClusterConfig = msgspec.field(default_factory=ClusterConfig)
     autoscale: AutoscaleConfig = msgspec.field(default_factory=AutoscaleConfig)
+    executor: ExecutorConfig = msgspec.field(default_factory=ExecutorConfig)
 
     def __post_init__(self) -> None:
         parse_address(self.listen)
@@ -250,6 +252,8 @@ class NodeConfig(Section, frozen=True, kw_only=True):
         problem = device_unavailable(self.device) or transport_unavailable(self.transport, device=self.device)
         if problem is not None:
             raise ValueError(problem)
+        if self.executor.batch_invariant and self.device == "cpu":
+            raise ValueError("--batch-invariant runs Triton GPU kernels: it needs --device cuda")
 
     @property
     def listen_address(self) -> Address:
@@ -292,6 +296,7 @@ FLAG_PREFIXES: Final[dict[str, str]] = {
     "controller": "controller-",
     "cluster": "",
     "autoscale": "",
+    "executor": "",
 }
 
 

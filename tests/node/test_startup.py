@@ -183,3 +183,36 @@ async def test_a_replica_whose_task_is_not_running_takes_no_request(tmp_path: Pa
             node.node.services.readiness_changed()
         (result,) = results
         assert result.finish_reason == "length"
+
+
+@pytest.mark.parametrize(("options", "path"), [((), "eager"), (("--attention", "kernels"), "kernels")])
+async def test_status_shows_how_each_replica_runs_the_model(
+    tmp_path: Path, options: tuple[str, ...], path: str
+) -> None:
+    """On CPU the default is torch's path; `--attention kernels` runs the Triton kernels (here in Triton's
+    interpreter) — and the output still equals the model run in one piece."""
+    from engine.verify import compare
+    from replicas.model import SamplingParams
+
+    async with (
+        served_node(tmp_path, "--replicas", "prefill=1,decode=1", *options) as node,
+        ControlClient.connect(node.address) as client,
+    ):
+        await wait_states(client, {"prefill-0": "Prefill", "decode-0": "Decode"})
+        replicas = by_name(await client.status())
+        assert {name: (r.executor, r.executor_fallbacks) for name, r in replicas.items()} == {
+            "prefill-0": (path, []),
+            "decode-0": (path, []),
+        }
+        prompt = [(11 * j) % 240 + 5 for j in range(37)]
+        result = await client.generate_result(input_ids=prompt, max_tokens=5, ignore_eos=True)
+        model = await node.node.host.acquire("test-reference")
+        verdict = compare(
+            model,
+            prompt,
+            result.token_ids,
+            sampling=SamplingParams(ignore_eos=True),
+            max_tokens=5,
+        )
+        node.node.host.release("test-reference")
+        assert verdict.identical, verdict
