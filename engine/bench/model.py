@@ -9,7 +9,14 @@ per token). zigzag runs the executor the way a replica does: allocate blocks, on
 samples the first token, then one batched decode call per token. Every figure is the median over
 `--repeats` alternating runs (after one warm-up run each). Besides tokens per wall-clock second, rows
 ending in `-cpu` give tokens per second of process CPU time, which other load on a shared machine
-disturbs much less.
+disturbs much less, and `decode-batchN-cpu-ms` the process CPU time of one decode step (the host work a
+GPU step costs; lower is better).
+
+`--mixed`: prompt lengths drawn from [prompt/2, 3·prompt/2) instead of all equal; HF gets them
+left-padded with an attention mask, as a user batches them, and both are credited the real tokens.
+`--modes default batch-invariant`: zigzag rows per executor mode (a row's name ends in `-invariant` for
+the batch-invariant kernels; they need a GPU). The note names the executor's path (graphs, kernels,
+eager): on a GPU the decode graphs are captured before the first timed run.
 """
 
 from __future__ import annotations
@@ -85,13 +92,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--quick", action="store_true", help="small prompt, few tokens, one repeat")
+    parser.add_argument("--mixed", action="store_true", help="mixed prompt lengths (HF: left-padded)")
+    parser.add_argument(
+        "--modes",
+        nargs="+",
+        choices=["default", "batch-invariant"],
+        default=["default"],
+        help="zigzag executor modes to measure (default: default)",
+    )
 
 
 def run(args: argparse.Namespace) -> Iterable[Row]:
     import torch
     import transformers
 
-    from replicas.model import Executor, KVCache, load_model
+    from replicas.model import load_model
 
     if args.quick:
         args.prompt_tokens, args.new_tokens, args.repeats = (
@@ -124,43 +139,83 @@ def run(args: argparse.Namespace) -> Iterable[Row]:
         hf_model = (
             hf_class.from_pretrained(directory, attn_implementation="sdpa", dtype=dtype).to(device).eval()
         )
-        model = load_model(directory, dtype=args.dtype, device=device)
+        models = {
+            mode: load_model(
+                directory, dtype=args.dtype, device=device, batch_invariant=mode == "batch-invariant"
+            )
+            for mode in args.modes
+        }
     params = sum(p.numel() for p in hf_model.parameters())
+    shape = "mixed prompts around" if args.mixed else "prompt"
     note = (
         f"{args.config} ({params / 1e6:.0f}M params) {args.dtype} on {device}, {threads} threads, "
-        f"prompt {args.prompt_tokens}, {args.new_tokens} new tokens, median of {args.repeats}"
+        f"{shape} {args.prompt_tokens}, {args.new_tokens} new tokens, median of {args.repeats}"
     )
-    for batch in args.batch:
-        generator = torch.Generator().manual_seed(args.seed + batch)
-        prompts = torch.randint(1, hf_config.vocab_size, (batch, args.prompt_tokens), generator=generator)
-        blocks_per_sequence = -(-(args.prompt_tokens + args.new_tokens) // 16)
-        executor = Executor(model, KVCache.create(model.config, batch * blocks_per_sequence, device=device))
-        zz_runs: list[_Timing] = []
-        hf_runs: list[_Timing] = []
-        agreement = ""
-        for attempt in range(args.repeats + 1):
-            zz = _zigzag_run(executor, prompts, args.new_tokens)
-            hf = _hf_run(hf_model, prompts.to(device), args.new_tokens)
-            if attempt == 0:
-                same = sum(a == b for a, b in zip(zz.tokens, hf.tokens))
-                agreement = f"; greedy outputs identical to HF for {same}/{batch} sequences (random weights: ties possible)"
-                continue
-            zz_runs.append(zz)
-            hf_runs.append(hf)
-        counts = {"prefill": batch * args.prompt_tokens, "decode": batch * (args.new_tokens - 1)}
-        for phase, tokens in counts.items():
-            for clock, suffix, unit in (("wall", "", "tokens/s"), ("cpu", "-cpu", "tokens/cpu-s")):
-                yield row(
-                    BENCH,
-                    f"{phase}-batch{batch}{suffix}",
-                    f"{phase}_tokens_per_{'s' if clock == 'wall' else 'cpu_s'}",
-                    "higher",
-                    tokens / statistics.median(r.seconds(phase, clock) for r in zz_runs),
-                    tokens / statistics.median(r.seconds(phase, clock) for r in hf_runs),
-                    BASELINE,
-                    unit=unit,
-                    note=note + agreement,
-                )
+    for mode, model in models.items():
+        for batch in args.batch:
+            yield from _batch_rows(args, mode, model, hf_model, batch, hf_config.vocab_size, note)
+
+
+def _batch_rows(
+    args: argparse.Namespace, mode: str, model: Any, hf_model: Any, batch: int, vocab: int, note: str
+) -> Iterable[Row]:
+    import torch
+
+    from replicas.model import Executor, KVCache
+
+    device = model.device
+    generator = torch.Generator().manual_seed(args.seed + batch)
+    if args.mixed:
+        low, high = max(1, args.prompt_tokens // 2), max(2, 3 * args.prompt_tokens // 2)
+        lengths = torch.randint(low, high, (batch,), generator=generator).tolist()
+    else:
+        lengths = [args.prompt_tokens] * batch
+    prompts = [torch.randint(1, vocab, (n,), generator=generator).tolist() for n in lengths]
+    blocks_per_sequence = -(-(max(lengths) + args.new_tokens) // 16)
+    cache = KVCache.create(model.config, batch * blocks_per_sequence, device=device)
+    executor = Executor(model, cache, cuda_graphs="auto", max_batch=batch)
+    path = executor.prepare()
+    fallbacks = "".join(f"; fell back: {reason}" for reason in executor.fallbacks)
+    suffix_mode = "-invariant" if mode == "batch-invariant" else ""
+    zz_runs: list[_Timing] = []
+    hf_runs: list[_Timing] = []
+    agreement = ""
+    for attempt in range(args.repeats + 1):
+        zz = _zigzag_run(executor, prompts, args.new_tokens)
+        hf = _hf_run(hf_model, prompts, args.new_tokens, device)
+        if attempt == 0:
+            same = sum(a == b for a, b in zip(zz.tokens, hf.tokens))
+            agreement = f"; greedy outputs identical to HF for {same}/{batch} sequences (random weights: ties possible)"
+            continue
+        zz_runs.append(zz)
+        hf_runs.append(hf)
+    row_note = f"{note}; zigzag {mode}, path {path}{fallbacks}{agreement}"
+    counts = {"prefill": sum(lengths), "decode": batch * (args.new_tokens - 1)}
+    for phase, tokens in counts.items():
+        for clock, suffix, unit in (("wall", "", "tokens/s"), ("cpu", "-cpu", "tokens/cpu-s")):
+            yield row(
+                BENCH,
+                f"{phase}-{'mixed-' if args.mixed else ''}batch{batch}{suffix}{suffix_mode}",
+                f"{phase}_tokens_per_{'s' if clock == 'wall' else 'cpu_s'}",
+                "higher",
+                tokens / statistics.median(r.seconds(phase, clock) for r in zz_runs),
+                tokens / statistics.median(r.seconds(phase, clock) for r in hf_runs),
+                BASELINE,
+                unit=unit,
+                note=row_note,
+            )
+    steps = args.new_tokens - 1
+    yield row(
+        BENCH,
+        f"decode-{'mixed-' if args.mixed else ''}batch{batch}-cpu-ms{suffix_mode}",
+        "decode_step_cpu_ms",
+        "lower",
+        1e3 * statistics.median(r.seconds("decode", "cpu") for r in zz_runs) / steps,
+        1e3 * statistics.median(r.seconds("decode", "cpu") for r in hf_runs) / steps,
+        BASELINE,
+        unit="ms",
+        note=row_note,
+    )
 
 
 @final
@@ -189,25 +244,23 @@ def _zigzag_run(executor: Any, prompts: Any, new_tokens: int) -> _Timing:
     from replicas.model import DecodeSequence, PrefillSequence
 
     cache = executor.cache
-    batch, prompt_len = prompts.shape
-    rows = prompts.tolist()
-    owners = [f"bench-{i}" for i in range(batch)]
+    rows = [list(p) for p in prompts]
+    owners = [f"bench-{i}" for i in range(len(rows))]
     _sync(cache.device)
     start = _now()
-    tables = [cache.pool.allocate(cache.blocks_for(prompt_len), owner) for owner in owners]
+    tables = [cache.pool.allocate(cache.blocks_for(len(r)), owner) for r, owner in zip(rows, owners)]
     result = executor.prefill([PrefillSequence(block_table=t, token_ids=r) for t, r in zip(tables, rows)])
     generated = [[token] for token in result.tokens]
     _sync(cache.device)
     prefill_done = _now()
     for step in range(1, new_tokens):
-        cached = prompt_len + step - 1
-        if cached + 1 > len(tables[0]) * cache.block_size:
-            for table, owner in zip(tables, owners):
+        for table, owner, r in zip(tables, owners, rows):
+            if len(r) + step > len(table) * cache.block_size:
                 table.extend(cache.pool.allocate(1, owner))
         out = executor.decode(
             [
-                DecodeSequence(block_table=t, cached_tokens=cached, token_id=g[-1])
-                for t, g in zip(tables, generated)
+                DecodeSequence(block_table=t, cached_tokens=len(r) + step - 1, token_id=g[-1])
+                for t, r, g in zip(tables, rows, generated)
             ]
         )
         for g, token in zip(generated, out.tokens):
@@ -233,22 +286,29 @@ class _Stamps:
         self.times.append(_now())
 
 
-def _hf_run(hf_model: Any, prompts: Any, new_tokens: int) -> _Timing:
+def _hf_run(hf_model: Any, prompts: list[list[int]], new_tokens: int, device: Any) -> _Timing:
     """HF's own `generate` (greedy, default cache); prefill and decode times from the streamer's puts:
-    the prompt is put before prefill, then each generated token as soon as it is chosen."""
+    the prompt is put before prefill, then each generated token as soon as it is chosen. Prompts of
+    different lengths are left-padded (pad id 0) with an attention mask."""
     import torch
 
+    width = max(len(p) for p in prompts)
+    ids = torch.zeros((len(prompts), width), dtype=torch.int64)
+    mask = torch.zeros_like(ids)
+    for index, prompt in enumerate(prompts):
+        ids[index, width - len(prompt) :] = torch.tensor(prompt)
+        mask[index, width - len(prompt) :] = 1
     stamps = _Stamps()
     with torch.inference_mode():
         out = hf_model.generate(
-            prompts,
-            attention_mask=torch.ones_like(prompts),
+            ids.to(device),
+            attention_mask=mask.to(device),
             max_new_tokens=new_tokens,
             do_sample=False,
             streamer=stamps,
         )
     times = stamps.times
-    return _Timing([times[0], times[1], times[new_tokens]], out[:, prompts.shape[1] :].tolist())
+    return _Timing([times[0], times[1], times[new_tokens]], out[:, width:].tolist())
 
 
 def _sync(device: Any) -> None:

@@ -213,21 +213,25 @@ def test_the_one_pass_gpu_copy_moves_exactly_the_runs_bytes(
 async def test_a_cuda_ipc_link_the_receiver_closes_keeps_its_blocks_until_the_senders_copy_ran(
     cuda: torch.device,
 ) -> None:
-    """The sender's copy waits behind a second of work on its current stream when the receiver closes
-    the link: the round's blocks stay quarantined until that copy has run — the sender ends the
-    connection only then (`transport.links.cuda_ipc.socket_fence`) — and come back after. The work is queued as the
-    sender's owner hands it the grant, so the copy is launched behind it whatever the timing."""
+    """The sender's copy waits behind a gate on its current stream when the receiver closes the link:
+    the round's blocks stay quarantined until that copy has run — the sender ends the connection only
+    then (`transport.links.cuda_ipc.socket_fence`) — and come back after. The gate is queued as the
+    sender's owner hands it the grant, so the copy is launched behind it, and it opens only after the
+    test saw the blocks quarantined: the copy cannot have run before (`tests/transport/gpu_gate.py`)."""
+    from tests.transport.gpu_gate import GpuGate
+
     layout = embedding_layout(hidden=1024)
     source = Source(layout, 2048, seed=3, device="cuda")
     storage, pool = on_device(random_storage(layout, 40, seed=4), "cuda"), shuffled_pool(40, 128, seed=5)
     control_send, control = trio.open_memory_channel[SenderDelivery](math.inf)
+    gate = GpuGate(cuda)
     behind = torch.cuda.Event()
     async with endpoint_pair("cuda-ipc", source, storage, pool, sender_control=control_send) as pair:
 
         async def owner() -> None:
             async for delivery in control:
                 if isinstance(delivery.message, Grant):
-                    torch.cuda._sleep(2_000_000_000)  # about a second of GPU time ahead of the copy
+                    gate.close_on(torch.cuda.current_stream(cuda))
                     behind.record()
                 pair.sender.deliver(delivery)
                 if isinstance(delivery.message, Grant):
@@ -244,8 +248,11 @@ async def test_a_cuda_ipc_link_the_receiver_closes_keeps_its_blocks_until_the_se
             with pytest.raises(TransferFailed) as raised:
                 await pair.receiver.receive("t", peer=pair.link, consume=Collector())
             assert raised.value.reason is FailureReason.LINK_LOST
+            await trio.sleep(0.2)  # the fence would have released the blocks by now had the copy run
             assert not behind.query() and pool.quarantined_blocks > 0
+            gate.open()
             await wait_until(lambda: not pool.quarantined_blocks, "the fenced blocks leaving quarantine", 30)
-            assert behind.query()  # released only after the copy that waited behind the work
+            assert behind.query()  # released only after the copy that waited behind the gate
+            assert gate.spins() < 1 << 26  # opened by the test, not ended by its safety cap
             nursery.cancel_scope.cancel()
     assert pool.used_blocks == 0
