@@ -23,6 +23,7 @@ from functools import partial
 from typing import final
 
 import msgspec
+import torch
 import trio
 
 from engine.cluster.join import new_member
@@ -189,6 +190,25 @@ class Node:
         self.services.replicas[replica.name] = replica
         return replica
 
+    def _check_kernels(self) -> None:
+        executor = self.config.executor
+        if self.config.device == "cpu" or (executor.attention == "torch" and not executor.batch_invariant):
+            return
+        from replicas.model.gpu.check import kernels_problem
+        from transport.memory.storage import torch_dtype
+
+        config = self.host.config
+        device = torch.device(self.config.device)
+        with torch.cuda.device(device):
+            kernels_problem(
+                device,
+                torch_dtype(config.dtype),
+                config.num_heads,
+                config.num_kv_heads,
+                config.head_dim,
+                invariant=executor.batch_invariant,
+            )
+
     async def serve(self, *, task_status: trio.TaskStatus[Address] = trio.TASK_STATUS_IGNORED) -> int:
         """Run until shutdown; returns the exit code (0, or 1 when blocks leaked)."""
         config = self.config
@@ -196,6 +216,9 @@ class Node:
             self._replica_nursery = nursery
             if self.member is not None:
                 await nursery.start(self.member.run)  # joins (or raises JoinRefused) first
+            # The kernels' start-up check compiles them (seconds on a GPU): once, in a worker thread, before
+            # any replica builds an executor on the event loop (they then find its cached verdict).
+            await trio.to_thread.run_sync(self._check_kernels)
             for role in ROLES:
                 for _ in range(getattr(self.counts, role)):
                     await self.add_replica(role)

@@ -325,7 +325,7 @@ class RoleWork:
         kv = self.replica.pools.kv
         if kv is None:
             return None
-        executor = self.new_executor(model, kv)
+        executor = await trio.to_thread.run_sync(self.new_executor, model, kv)
         if executor.needs_prepare:
             await trio.to_thread.run_sync(executor.prepare)
         return executor

@@ -20,6 +20,7 @@ the executor never writes into a block after the allocator gave it to someone el
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import final
@@ -137,14 +138,15 @@ class Executor:
         )
         if wanted:
             config = model.config
-            problem = kernels_problem(
-                cache.device,
-                model.dtype,
-                config.num_heads,
-                config.num_kv_heads,
-                config.head_dim,
-                invariant=model.batch_invariant,
-            )
+            with self._on_device():
+                problem = kernels_problem(
+                    cache.device,
+                    model.dtype,
+                    config.num_heads,
+                    config.num_kv_heads,
+                    config.head_dim,
+                    invariant=model.batch_invariant,
+                )
             if problem is None:
                 self._decoder = KernelDecoder(model, cache, max_batch=max_batch)
             elif model.batch_invariant:
@@ -170,7 +172,8 @@ class Executor:
         if self.needs_prepare:
             assert self._decoder is not None
             self.model.check_layer_range(range(self.model.config.num_layers))
-            problem = self._decoder.capture()
+            with self._on_device():
+                problem = self._decoder.capture()
             if problem is not None:
                 self._want_graphs = False
                 self._fall_back(problem, "kernels")
@@ -181,6 +184,13 @@ class Executor:
         if self._decoder is not None:
             self._decoder.release()
             self._want_graphs = False
+
+    def _on_device(self) -> contextlib.AbstractContextManager[object]:
+        """The cache's CUDA device made current (Triton launches on the current device; a worker thread
+        starts on device 0)."""
+        if self.cache.device.type != "cuda":
+            return contextlib.nullcontext()
+        return torch.cuda.device(self.cache.device)
 
     def _fall_back(self, reason: str, to: ExecutorPath) -> None:
         self.fallbacks.append(reason)
@@ -213,7 +223,7 @@ class Executor:
         else:
             model.check_layer_range(layer_range, head=head)
         self._check_prefill(sequences, layer_range, hidden)
-        with torch.inference_mode():
+        with torch.inference_mode(), self._on_device():
             if layer_range.start == 0 and hidden is None:
                 hidden = self._input_embeddings(sequences)
             else:
@@ -269,7 +279,7 @@ class Executor:
             self.cache.check_block_table(seq.block_table, seq.cached_tokens + 1, f"decode sequence {index}")
         if self._decoder is not None:
             model.check_token_ids(torch.tensor(token_ids), "decode")
-            with torch.inference_mode():
+            with torch.inference_mode(), self._on_device():
                 logits, tokens = self._decoder.step(sequences)
             return DecodeResult(logits=logits, tokens=tokens)
         with torch.inference_mode():
