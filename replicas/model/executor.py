@@ -36,12 +36,12 @@ from replicas.model.attention import (
     plan_prefill,
     prefill_attention,
 )
-from replicas.model.device_sampling import sample_tokens_on_device
 from replicas.model.errors import ContextLengthError, InvalidBatchError, KernelsUnavailableError
 from replicas.model.gpu.check import kernels_problem
 from replicas.model.gpu.decode import KernelDecoder
 from replicas.model.gpu.options import AttentionChoice, ExecutorPath, GraphsChoice
 from replicas.model.gpu.prefill import kernel_prefill_attention, plan_kernel_prefill
+from replicas.model.gpu.sampling import sample_tokens_on_device
 from replicas.model.kv_cache import KVCache
 from replicas.model.llama import Attend, Model
 from replicas.model.sampling import GREEDY, SamplingParams, sample_tokens

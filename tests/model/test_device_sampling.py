@@ -13,8 +13,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from replicas.model import device_sampling, sampling
-from replicas.model.device_sampling import SamplingInputs, sample_on_device, sample_tokens_on_device
+from replicas.model import sampling
+from replicas.model.gpu import sampling as device_sampling
+from replicas.model.gpu.sampling import SamplingInputs, sample_on_device, sample_tokens_on_device
 from replicas.model.sampling import GREEDY, SamplingParams, sample_tokens, uniform_draw
 
 INF = float("inf")

@@ -21,9 +21,9 @@ from typing import TYPE_CHECKING, final
 
 import torch
 
-from replicas.model.device_sampling import SamplingInputs, sample_on_device
 from replicas.model.gpu.inputs import DecodeInputs
 from replicas.model.gpu.options import bucket_for, graph_buckets
+from replicas.model.gpu.sampling import SamplingInputs, sample_on_device
 
 if TYPE_CHECKING:
     from replicas.model.executor import DecodeSequence
