@@ -12,6 +12,7 @@ exit 0 — or 1 when blocks leaked. A second signal exits at once (code 130).
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import math
 import os
@@ -192,14 +193,17 @@ class Node:
 
     def _check_kernels(self) -> None:
         executor = self.config.executor
-        if self.config.device == "cpu" or (executor.attention == "torch" and not executor.batch_invariant):
+        cpu = self.config.device == "cpu"
+        if (
+            executor.attention == "torch" or (cpu and executor.attention == "auto")
+        ) and not executor.batch_invariant:
             return
         from replicas.model.gpu.check import kernels_problem
         from transport.memory.storage import torch_dtype
 
         config = self.host.config
         device = torch.device(self.config.device)
-        with torch.cuda.device(device):
+        with contextlib.nullcontext() if cpu else torch.cuda.device(device):
             kernels_problem(
                 device,
                 torch_dtype(config.dtype),

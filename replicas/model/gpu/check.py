@@ -68,6 +68,13 @@ def _attention(
         return torch.randn(*shape, generator=generator).to(device=device, dtype=dtype)
 
     key_cache, value_cache = rand(rows, kv_heads, head_dim), rand(rows, kv_heads, head_dim)
+    new_keys, new_values = rand(3, kv_heads, head_dim), rand(3, kv_heads, head_dim)
+    slots = torch.tensor([17, -1, 100], dtype=torch.int64, device=device)
+    kernels.write_kv(new_keys, new_values, key_cache, value_cache, slots)  # type: ignore[attr-defined]
+    if not (
+        torch.equal(key_cache[[17, 100]], new_keys[[0, 2]]) and torch.equal(value_cache[100], new_values[2])
+    ):
+        return f"the KV write kernel wrote the wrong rows on {device} ({dtype})"
     tables = torch.tensor([[5, 2, 7], [1, 6, 3]], dtype=torch.int32, device=device)
     context = torch.tensor(lengths, dtype=torch.int32, device=device)
     q = rand(len(lengths), heads, head_dim)

@@ -32,6 +32,8 @@ import torch
 import triton
 import triton.language as tl
 
+from replicas.model.kernels.launch import LAUNCH_LOCK
+
 __all__ = ["invariant_linear", "invariant_rms_norm"]
 
 # The one tile configuration of `invariant_linear`, for every M, N, K and dtype. 64 x 64 output tiles
@@ -174,33 +176,34 @@ def invariant_linear(
     b_arg = bias if bias is not None else out
     r_arg = residual if residual is not None else out
     grid = (triton.cdiv(m, BLOCK_M), triton.cdiv(n, BLOCK_N))
-    _linear_kernel[grid](
-        x,
-        weight,
-        b_arg,
-        r_arg,
-        out,
-        m,
-        n,
-        k,
-        x.stride(0),
-        x.stride(1),
-        weight.stride(0),
-        weight.stride(1),
-        r_arg.stride(0),
-        r_arg.stride(1),
-        out.stride(0),
-        out.stride(1),
-        HAS_BIAS=bias is not None,
-        HAS_RESIDUAL=residual is not None,
-        IEEE=x.dtype == torch.float32,
-        UPCAST=_INTERPRETED and x.dtype == torch.bfloat16,
-        BM=BLOCK_M,
-        BN=BLOCK_N,
-        BK=BLOCK_K,
-        num_warps=NUM_WARPS,
-        num_stages=NUM_STAGES,
-    )
+    with LAUNCH_LOCK:
+        _linear_kernel[grid](
+            x,
+            weight,
+            b_arg,
+            r_arg,
+            out,
+            m,
+            n,
+            k,
+            x.stride(0),
+            x.stride(1),
+            weight.stride(0),
+            weight.stride(1),
+            r_arg.stride(0),
+            r_arg.stride(1),
+            out.stride(0),
+            out.stride(1),
+            HAS_BIAS=bias is not None,
+            HAS_RESIDUAL=residual is not None,
+            IEEE=x.dtype == torch.float32,
+            UPCAST=_INTERPRETED and x.dtype == torch.bfloat16,
+            BM=BLOCK_M,
+            BN=BLOCK_N,
+            BK=BLOCK_K,
+            num_warps=NUM_WARPS,
+            num_stages=NUM_STAGES,
+        )
     return out
 
 
@@ -279,16 +282,17 @@ def invariant_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tor
     if weight.stride(0) != 1:
         weight = weight.contiguous()
     block = min(triton.next_power_of_2(h), RMS_MAX_BLOCK)
-    _rms_norm_kernel[(m,)](
-        x,
-        weight,
-        out,
-        h,
-        x.stride(0),
-        out.stride(0),
-        float(eps),
-        CAST_BEFORE_WEIGHT=x.dtype != torch.float32,
-        BLOCK=block,
-        num_warps=4 if block <= 1024 else 8,
-    )
+    with LAUNCH_LOCK:
+        _rms_norm_kernel[(m,)](
+            x,
+            weight,
+            out,
+            h,
+            x.stride(0),
+            out.stride(0),
+            float(eps),
+            CAST_BEFORE_WEIGHT=x.dtype != torch.float32,
+            BLOCK=block,
+            num_warps=4 if block <= 1024 else 8,
+        )
     return out

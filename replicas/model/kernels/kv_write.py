@@ -11,6 +11,8 @@ import torch
 import triton
 import triton.language as tl
 
+from replicas.model.kernels.launch import LAUNCH_LOCK
+
 
 @triton.jit
 def _write_kv_kernel(
@@ -79,25 +81,26 @@ def write_kv(
     if n_tokens == 0:
         return
     kv_heads, head_dim = key.shape[1], key.shape[2]
-    _write_kv_kernel[(n_tokens,)](
-        key,
-        value,
-        key_cache,
-        value_cache,
-        slots,
-        key.stride(0),
-        key.stride(1),
-        value.stride(0),
-        value.stride(1),
-        key_cache.stride(0),
-        key_cache.stride(1),
-        value_cache.stride(0),
-        value_cache.stride(1),
-        kv_heads,
-        head_dim,
-        BLOCK_H=triton.next_power_of_2(kv_heads),
-        BLOCK_D=triton.next_power_of_2(head_dim),
-    )
+    with LAUNCH_LOCK:
+        _write_kv_kernel[(n_tokens,)](
+            key,
+            value,
+            key_cache,
+            value_cache,
+            slots,
+            key.stride(0),
+            key.stride(1),
+            value.stride(0),
+            value.stride(1),
+            key_cache.stride(0),
+            key_cache.stride(1),
+            value_cache.stride(0),
+            value_cache.stride(1),
+            kv_heads,
+            head_dim,
+            BLOCK_H=triton.next_power_of_2(kv_heads),
+            BLOCK_D=triton.next_power_of_2(head_dim),
+        )
 
 
 def check_cache(key_cache: torch.Tensor, value_cache: torch.Tensor, what: str) -> None:

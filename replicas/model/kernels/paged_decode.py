@@ -20,6 +20,7 @@ import triton
 import triton.language as tl
 
 from replicas.model.kernels.kv_write import check_cache
+from replicas.model.kernels.launch import LAUNCH_LOCK
 
 MIN_DOT = 16  # tl.dot needs at least 16 rows and columns
 NUM_STAGES = 2  # software pipelining depth of the context loop (shared memory stays small for float32)
@@ -174,32 +175,33 @@ def paged_decode_attention(
         return out
     group = heads // kv_heads
     block_d = head_tile(head_dim)
-    _decode_kernel[(batch, kv_heads)](
-        q,
-        key_cache,
-        value_cache,
-        block_tables,
-        context_lens,
-        out,
-        attention_scale(scale, head_dim),
-        q.stride(0),
-        q.stride(1),
-        key_cache.stride(0),
-        key_cache.stride(1),
-        value_cache.stride(0),
-        value_cache.stride(1),
-        block_tables.stride(0),
-        out.stride(0),
-        head_dim,
-        group,
-        BLOCK_SIZE=block_size,
-        BLOCK_G=max(MIN_DOT, triton.next_power_of_2(group)),
-        BLOCK_N=context_tile(block_d),
-        BLOCK_D=block_d,
-        IEEE=q.dtype == torch.float32,
-        num_warps=DECODE_WARPS,
-        num_stages=NUM_STAGES,
-    )
+    with LAUNCH_LOCK:
+        _decode_kernel[(batch, kv_heads)](
+            q,
+            key_cache,
+            value_cache,
+            block_tables,
+            context_lens,
+            out,
+            attention_scale(scale, head_dim),
+            q.stride(0),
+            q.stride(1),
+            key_cache.stride(0),
+            key_cache.stride(1),
+            value_cache.stride(0),
+            value_cache.stride(1),
+            block_tables.stride(0),
+            out.stride(0),
+            head_dim,
+            group,
+            BLOCK_SIZE=block_size,
+            BLOCK_G=max(MIN_DOT, triton.next_power_of_2(group)),
+            BLOCK_N=context_tile(block_d),
+            BLOCK_D=block_d,
+            IEEE=q.dtype == torch.float32,
+            num_warps=DECODE_WARPS,
+            num_stages=NUM_STAGES,
+        )
     return out
 
 

@@ -19,6 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
+from replicas.model.kernels.launch import LAUNCH_LOCK
 from replicas.model.kernels.paged_decode import (
     NUM_STAGES,
     attention_scale,
@@ -143,31 +144,32 @@ def paged_prefill_attention(
         return out
     block_d = head_tile(head_dim)
     grid = (triton.cdiv(max_query_len, PREFILL_BLOCK_M), batch, heads)
-    _prefill_kernel[grid](
-        q,
-        key_cache,
-        value_cache,
-        block_tables,
-        query_starts,
-        cached_lens,
-        out,
-        attention_scale(scale, head_dim),
-        q.stride(0),
-        q.stride(1),
-        key_cache.stride(0),
-        key_cache.stride(1),
-        value_cache.stride(0),
-        value_cache.stride(1),
-        block_tables.stride(0),
-        out.stride(0),
-        head_dim,
-        heads // kv_heads,
-        BLOCK_SIZE=block_size,
-        BLOCK_M=PREFILL_BLOCK_M,
-        BLOCK_N=context_tile(block_d),
-        BLOCK_D=block_d,
-        IEEE=q.dtype == torch.float32,
-        num_warps=PREFILL_WARPS,
-        num_stages=NUM_STAGES,
-    )
+    with LAUNCH_LOCK:
+        _prefill_kernel[grid](
+            q,
+            key_cache,
+            value_cache,
+            block_tables,
+            query_starts,
+            cached_lens,
+            out,
+            attention_scale(scale, head_dim),
+            q.stride(0),
+            q.stride(1),
+            key_cache.stride(0),
+            key_cache.stride(1),
+            value_cache.stride(0),
+            value_cache.stride(1),
+            block_tables.stride(0),
+            out.stride(0),
+            head_dim,
+            heads // kv_heads,
+            BLOCK_SIZE=block_size,
+            BLOCK_M=PREFILL_BLOCK_M,
+            BLOCK_N=context_tile(block_d),
+            BLOCK_D=block_d,
+            IEEE=q.dtype == torch.float32,
+            num_warps=PREFILL_WARPS,
+            num_stages=NUM_STAGES,
+        )
     return out
