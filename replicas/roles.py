@@ -17,6 +17,7 @@ import trio
 from messages.commands import ReserveKV
 from messages.control import SourceChoice, WeightsSource
 from messages.log.events import WeightsProgress
+from messages.log.scaling import ExecutorReady
 from replicas.decode import DecodeWork
 from replicas.encode import EncodeWork
 from replicas.inbox import Completed
@@ -325,9 +326,18 @@ class RoleWork:
         kv = self.replica.pools.kv
         if kv is None:
             return None
+        started = time.monotonic()
         executor = await trio.to_thread.run_sync(self.new_executor, model, kv)
         if executor.needs_prepare:
             await trio.to_thread.run_sync(executor.prepare)
+        self.replica.log.emit(
+            ExecutorReady(
+                path=executor.path,
+                graph_batches=executor.graph_batches,
+                seconds=time.monotonic() - started,
+                fallbacks=list(executor.fallbacks),
+            )
+        )
         return executor
 
     def _loaded(self, loaded: tuple[Model, WeightsSource, Executor | None]) -> None:

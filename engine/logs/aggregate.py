@@ -218,7 +218,7 @@ class Aggregator:
                     self.diagnostic_examples.setdefault(key, event.fields)
             case NodeConfigured() | WeightsProgress() | GpuReport():
                 pass
-            case scaling.WeightsCopyStarted() | scaling.WeightsCopyFinished():
+            case scaling.WeightsCopyStarted() | scaling.WeightsCopyFinished() | scaling.ExecutorReady():
                 pass
             case scaling.RelayReceived():
                 self.relays.append((event.ts, event.new_prefill, event.old_prefill, event.layer))

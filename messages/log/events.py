@@ -20,6 +20,7 @@ import msgspec
 from messages.control import ErrorCode, FinishReason, LockReason, ReplicaStateName
 from messages.log.base import Event, Level, ReplicaEvent, RequestEvent, Transfer
 from messages.log.scaling import (
+    ExecutorReady,
     PlannerDecision,
     RelayHandedOver,
     RelayReceived,
@@ -364,6 +365,7 @@ LogEvent = (
     | ReplicaUnlocked
     | ReplicaFailed
     | WeightsProgress
+    | ExecutorReady
     | WeightsCopyStarted
     | WeightsCopyFinished
     | ReplicasPaired

@@ -21,6 +21,17 @@ from messages.log.base import Event, Level, ReplicaEvent
 WeightsSourceName = Literal["peer", "host", "disk"]
 
 
+class ExecutorReady(ReplicaEvent, frozen=True, kw_only=True, tag="executor_ready"):
+    """A replica's whole model is loaded and its executor built (docs/gpu.md): `path` (`graphs`, `kernels`,
+    `eager`), the batch sizes it captured decode graphs for, `seconds` spent building it (the kernels'
+    check and the graph captures), and why a faster path was given up (`fallbacks`; empty normally)."""
+
+    path: Literal["graphs", "kernels", "eager"]
+    graph_batches: list[int]
+    seconds: float
+    fallbacks: list[str]
+
+
 class WeightsFallback(msgspec.Struct, frozen=True, kw_only=True):
     """`weights_source` failed at `piece` (the label of the first piece it did not land: `layer 3`); the copy went
     on from the next source, from that piece."""

@@ -161,6 +161,11 @@ class Executor:
         return "graphs" if self._decoder.graphs_on else "kernels"
 
     @property
+    def graph_batches(self) -> list[int]:
+        """The batch sizes decode graphs are captured for (empty off the `graphs` path)."""
+        return [] if self._decoder is None else self._decoder.graph_batches
+
+    @property
     def needs_prepare(self) -> bool:
         """Whether `prepare` has graphs to capture (call it in a worker thread before serving)."""
         return self._want_graphs and self._decoder is not None and not self._decoder.graphs_on

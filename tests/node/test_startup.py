@@ -22,10 +22,12 @@ import sys
 from itertools import pairwise
 from pathlib import Path
 
+import msgspec
 import pytest
 import trio
 
 from engine.client import ControlClient, ControlError
+from messages.log.scaling import ExecutorReady
 from replicas.fabric import Fabric
 from replicas.supervisor import RESTART_BACKOFF_FIRST
 from tests.epd.inprocess import served_node
@@ -216,3 +218,9 @@ async def test_status_shows_how_each_replica_runs_the_model(
         )
         node.node.host.release("test-reference")
         assert verdict.identical, verdict
+    ready = [line for line in node.log_file.read_text().splitlines() if '"executor_ready"' in line]
+    events = [msgspec.json.decode(line, type=ExecutorReady) for line in ready]
+    assert sorted((e.replica, e.path, e.graph_batches, e.fallbacks) for e in events) == [
+        ("decode-0", path, [], []),
+        ("prefill-0", path, [], []),
+    ]

@@ -54,6 +54,11 @@ class KernelDecoder:
     def graphs_on(self) -> bool:
         return bool(self._graphs)
 
+    @property
+    def graph_batches(self) -> list[int]:
+        """The buckets with a captured graph, ascending."""
+        return sorted(self._graphs)
+
     # ------------------------------------------------------------------ the step
     def forward(self, batch: int) -> torch.Tensor:
         """Logits `[batch, vocab]` float32 of rows `[0, batch)` of the filled inputs (static shapes: what a
