@@ -320,15 +320,18 @@ class RoleWork:
         )
 
     async def _prepared(self, model: Model) -> Executor | None:
-        """A new executor of the whole `model`, its decode graphs captured in a worker thread (seconds on
-        a GPU; the replica serves nothing new meanwhile, its state is still a loading one). None without
-        a KV cache (encode). Cancellation: the capture runs to its end (threads are never abandoned)."""
+        """A new executor of the whole `model` — for a decode replica with its decode graphs captured, in a
+        worker thread (seconds on a GPU; the replica serves nothing new meanwhile, its state is still a
+        loading one). A prefill replica does not wait for graphs it may never use (a ZigZag replica's
+        load ends its relay episode): if it becomes a decode replica, its first decode step captures them.
+        None without a KV cache (encode). Cancellation: the capture runs to its end (threads are never
+        abandoned)."""
         kv = self.replica.pools.kv
         if kv is None:
             return None
         started = time.monotonic()
         executor = await trio.to_thread.run_sync(self.new_executor, model, kv)
-        if executor.needs_prepare:
+        if executor.needs_prepare and self.replica.state is S.LOADING_DECODE:
             await trio.to_thread.run_sync(executor.prepare)
         self.replica.log.emit(
             ExecutorReady(

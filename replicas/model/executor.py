@@ -284,6 +284,8 @@ class Executor:
             self.cache.check_block_table(seq.block_table, seq.cached_tokens + 1, f"decode sequence {index}")
         if self._decoder is not None:
             model.check_token_ids(torch.tensor(token_ids), "decode")
+            if self.needs_prepare:  # graphs wanted but not captured yet (a prefill replica turned decode)
+                self.prepare()
             with torch.inference_mode(), self._on_device():
                 logits, tokens = self._decoder.step(sequences)
             return DecodeResult(logits=logits, tokens=tokens)
