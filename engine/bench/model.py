@@ -116,6 +116,8 @@ def run(args: argparse.Namespace) -> Iterable[Row]:
         )
     if args.new_tokens < 2:
         raise SystemExit("--new-tokens must be >= 2 (decode is timed from the second token on)")
+    if "batch-invariant" in args.modes and not args.device.startswith("cuda"):
+        raise SystemExit("--modes batch-invariant runs Triton GPU kernels: it needs --device cuda")
     if args.threads:
         torch.set_num_threads(args.threads)
     transformers.utils.logging.set_verbosity_error()
