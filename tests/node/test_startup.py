@@ -31,7 +31,7 @@ from messages.log.scaling import ExecutorReady
 from replicas.fabric import Fabric
 from replicas.supervisor import RESTART_BACKOFF_FIRST
 from tests.epd.inprocess import served_node
-from tests.node.harness import REPO_ROOT, START_TIMEOUT, by_name, wait_states
+from tests.node.harness import REPO_ROOT, START_TIMEOUT, by_name, node_process, wait_states
 from tests.waiting import wait_until
 from transport.endpoint import TransferEndpoint
 from transport.links.ucx.library import ucx_installed
@@ -224,3 +224,24 @@ async def test_status_shows_how_each_replica_runs_the_model(
         ("decode-0", path, [], []),
         ("prefill-0", path, [], []),
     ]
+
+
+async def test_kernels_that_cannot_run_here_leave_torch_serving_and_say_why(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A node process without Triton's interpreter cannot run the kernels on CPU: its executors run
+    torch's path, `status` says why, and requests are served."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    reason = (
+        "the Triton kernels run on CPU tensors only in Triton's interpreter (TRITON_INTERPRET=1, for tests); "
+        "on cpu use --attention auto or torch"
+    )
+    with node_process(tmp_path, "--replicas", "prefill=1,decode=1", "--attention", "kernels") as node:
+        async with ControlClient.connect(node.address) as client:
+            await wait_states(client, {"prefill-0": "Prefill", "decode-0": "Decode"})
+            replicas = by_name(await client.status())
+            assert [(r.executor, r.executor_fallbacks) for r in replicas.values()] == [
+                ("eager", [reason])
+            ] * 2
+            result = await client.generate_result(input_ids=[5, 6, 7, 8], max_tokens=3, ignore_eos=True)
+            assert len(result.token_ids) == 3

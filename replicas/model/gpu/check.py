@@ -38,8 +38,14 @@ def _check(
 ) -> str | None:
     try:
         from replicas.model.kernels import paged_attention
+        from replicas.model.kernels.launch import interpreting
     except ImportError as exc:
         return f"the attention kernels need Triton, which does not import here: {exc}"
+    if device.type == "cpu" and not interpreting():
+        return (
+            "the Triton kernels run on CPU tensors only in Triton's interpreter (TRITON_INTERPRET=1, for "
+            "tests); on cpu use --attention auto or torch"
+        )
     try:
         problem = _attention(paged_attention, device, dtype, heads, kv_heads, head_dim)
         if problem is None and invariant:

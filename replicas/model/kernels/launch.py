@@ -14,3 +14,11 @@ from __future__ import annotations
 import threading
 
 LAUNCH_LOCK = threading.Lock()
+
+
+def interpreting() -> bool:
+    """Whether Triton runs kernels in its interpreter (`TRITON_INTERPRET=1`): the only way they run on
+    CPU tensors."""
+    from replicas.model.kernels.kv_write import _write_kv_kernel  # decorated when TRITON_INTERPRET was read
+
+    return type(_write_kv_kernel).__name__ == "InterpretedFunction"
