@@ -2,7 +2,7 @@
 
 `plan_kernel_prefill` builds, once per executor call, the device tensors every layer reuses (the new
 tokens' cache rows, the block tables, where each sequence's tokens start in the packed batch, how many
-tokens each had cached); `kernel_prefill_attention` writes a layer's new K/V and runs
+tokens each had cached); `kernel_prefill_attention` writes a layer's new K/V (`write_kv`) and runs
 `paged_prefill_attention` over the whole batch in one launch — no loop over sequences, no gathered
 context, whatever the mix of lengths and prefixes.
 """
@@ -54,11 +54,10 @@ def kernel_prefill_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache, layer: int, plan: KernelPrefillPlan
 ) -> torch.Tensor:
     """`q` `[N, heads, d]`, `k`/`v` `[N, kv_heads, d]` (the packed new tokens) → `[N, heads * d]`."""
-    from replicas.model.kernels.paged_attention import paged_prefill_attention
+    from replicas.model.kernels.paged_attention import paged_prefill_attention, write_kv
 
     keys, values = cache.keys(layer), cache.values(layer)
-    keys.index_copy_(0, plan.slots, k)
-    values.index_copy_(0, plan.slots, v)
+    write_kv(k, v, keys, values, plan.slots)
     return paged_prefill_attention(
         q,
         keys,

@@ -62,6 +62,21 @@ def context_rows(bt_row_ptr, pos, valid, BLOCK_SIZE: tl.constexpr):
 
 
 @triton.jit
+def load_kv_tile(
+    kc_ptr, vc_ptr, rows, valid, dd, d_mask, kvh, stride_kcr, stride_kch, stride_vcr, stride_vch
+):
+    """KV head `kvh`'s keys (transposed, `[D, N]`) and values (`[N, D]`) at cache `rows`, as float32;
+    zeros where `valid` or `d_mask` is false."""
+    k_mask = valid[None, :] & d_mask[:, None]
+    v_mask = valid[:, None] & d_mask[None, :]
+    k_t = tl.load(
+        kc_ptr + rows[None, :] * stride_kcr + kvh * stride_kch + dd[:, None], mask=k_mask, other=0.0
+    )
+    v = tl.load(vc_ptr + rows[:, None] * stride_vcr + kvh * stride_vch + dd[None, :], mask=v_mask, other=0.0)
+    return k_t.to(tl.float32), v.to(tl.float32)
+
+
+@triton.jit
 def softmax_step(q, k_t, v, scale, visible, m_i, l_i, acc, IEEE: tl.constexpr):
     """Fold one context tile (`k_t` `[D, N]`, `v` `[N, D]`, float32) into the running maximum `m_i`, sum
     `l_i` and output `acc` of the query rows `q` `[M, D]`; `visible` `[M, N]` masks scores out.
@@ -122,17 +137,10 @@ def _decode_kernel(
         pos = start + n
         valid = pos < context
         rows = context_rows(bt_row, pos, valid, BLOCK_SIZE)
-        k_mask = valid[None, :] & d_mask[:, None]
-        v_mask = valid[:, None] & d_mask[None, :]
-        k_t = tl.load(
-            kc_ptr + rows[None, :] * stride_kcr + kvh * stride_kch + dd[:, None], mask=k_mask, other=0.0
+        k_t, v = load_kv_tile(
+            kc_ptr, vc_ptr, rows, valid, dd, d_mask, kvh, stride_kcr, stride_kch, stride_vcr, stride_vch
         )
-        v = tl.load(
-            vc_ptr + rows[:, None] * stride_vcr + kvh * stride_vch + dd[None, :], mask=v_mask, other=0.0
-        )
-        m_i, l_i, acc = softmax_step(
-            q, k_t.to(tl.float32), v.to(tl.float32), scale, valid[None, :], m_i, l_i, acc, IEEE
-        )
+        m_i, l_i, acc = softmax_step(q, k_t, v, scale, valid[None, :], m_i, l_i, acc, IEEE)
     out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]  # no context (a padded row): zeros
     out_offsets = b * stride_ob + head[:, None] * HEAD_DIM + dd[None, :]
     tl.store(out_ptr + out_offsets, out.to(out_ptr.dtype.element_ty), mask=q_mask)

@@ -27,6 +27,7 @@ from replicas.model.kernels.paged_decode import (
     context_rows,
     context_tile,
     head_tile,
+    load_kv_tile,
     softmax_step,
 )
 
@@ -88,18 +89,11 @@ def _prefill_kernel(
         pos = start + n
         valid = pos < end
         rows = context_rows(bt_row, pos, valid, BLOCK_SIZE)
-        k_mask = valid[None, :] & d_mask[:, None]
-        v_mask = valid[:, None] & d_mask[None, :]
-        k_t = tl.load(
-            kc_ptr + rows[None, :] * stride_kcr + kvh * stride_kch + dd[:, None], mask=k_mask, other=0.0
-        )
-        v = tl.load(
-            vc_ptr + rows[:, None] * stride_vcr + kvh * stride_vch + dd[None, :], mask=v_mask, other=0.0
+        k_t, v = load_kv_tile(
+            kc_ptr, vc_ptr, rows, valid, dd, d_mask, kvh, stride_kcr, stride_kch, stride_vcr, stride_vch
         )
         visible = valid[None, :] & (pos[None, :] <= query_pos[:, None])
-        m_i, l_i, acc = softmax_step(
-            q, k_t.to(tl.float32), v.to(tl.float32), scale, visible, m_i, l_i, acc, IEEE
-        )
+        m_i, l_i, acc = softmax_step(q, k_t, v, scale, visible, m_i, l_i, acc, IEEE)
     out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
     out_offsets = token[:, None] * stride_on + head * HEAD_DIM + dd[None, :]
     tl.store(out_ptr + out_offsets, out.to(out_ptr.dtype.element_ty), mask=q_mask)
