@@ -23,7 +23,6 @@ from replicas.model.linear import Linear
 @final
 @dataclass(frozen=True, slots=True)
 class LayerOps:
-    name: str
     rms_norm: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]
     linear: Callable[[Linear, torch.Tensor], torch.Tensor]
     # (projection, residual, x) -> residual + projection(x), in place in the residual where it can
@@ -31,7 +30,6 @@ class LayerOps:
 
 
 TORCH_OPS = LayerOps(
-    name="torch",
     rms_norm=rms_norm,
     linear=lambda projection, x: projection(x),
     add_linear=lambda projection, residual, x: projection.add_to(residual, x),
@@ -50,4 +48,4 @@ def invariant_ops() -> LayerOps:
         assert not projection.packed, "batch-invariant kernels need plain weights (kernels='plain')"
         return invariant_linear(x, projection.weight, projection.bias, residual=residual)
 
-    return LayerOps(name="invariant", rms_norm=invariant_rms_norm, linear=linear, add_linear=add_linear)
+    return LayerOps(rms_norm=invariant_rms_norm, linear=linear, add_linear=add_linear)
