@@ -44,6 +44,7 @@ from replicas.model.gpu.prefill import kernel_prefill_attention, plan_kernel_pre
 from replicas.model.gpu.sampling import sample_tokens_on_device
 from replicas.model.kv_cache import KVCache
 from replicas.model.llama import Attend, Model
+from replicas.model.ops import LayerOps, kernel_ops
 from replicas.model.sampling import GREEDY, SamplingParams, sample_tokens
 
 _log = structlog.get_logger("replicas.model.executor")
@@ -128,6 +129,7 @@ class Executor:
         self.model = model
         self.cache = cache
         self.fallbacks: list[str] = []
+        self.ops: LayerOps = model.ops  # the kernel path's own set replaces it below
         self._want_graphs = cuda_graphs == "auto" and cache.device.type == "cuda"
         self._decoder: KernelDecoder | None = None
         avoid_cudnn_attention(model.device)
@@ -148,7 +150,8 @@ class Executor:
                     invariant=model.batch_invariant,
                 )
             if problem is None:
-                self._decoder = KernelDecoder(model, cache, max_batch=max_batch)
+                self.ops = model.ops if model.batch_invariant else kernel_ops()
+                self._decoder = KernelDecoder(model, cache, max_batch=max_batch, ops=self.ops)
             elif model.batch_invariant:
                 raise KernelsUnavailableError(f"{model.name!r} is batch-invariant, but {problem}")
             else:
@@ -239,11 +242,11 @@ class Executor:
             else:
                 cos, sin = model.rotary.cos_sin(self._prefill_positions(sequences), model.dtype)
                 spans = [SequenceSpan(s.block_table, s.cached_tokens, s.num_tokens) for s in sequences]
-                out = model.run_layers(hidden, layer_range, cos, sin, self._prefill_attend(spans))
+                out = model.run_layers(hidden, layer_range, cos, sin, self._prefill_attend(spans), self.ops)
             if layer_range.stop < num_layers or not head:
                 return PrefillResult(hidden=out, logits=None, tokens=None)
             last = torch.tensor([s.num_tokens for s in sequences], dtype=torch.int64).cumsum(0) - 1
-            logits = model.logits(out.index_select(0, last.to(out.device)))
+            logits = model.logits(out.index_select(0, last.to(out.device)), self.ops)
             params = [s.sampling for s in sequences]
             indices = [s.cached_tokens + s.num_tokens for s in sequences]
             if self._decoder is None:

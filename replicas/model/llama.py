@@ -23,7 +23,7 @@ from replicas.model.kv_cache import DEFAULT_KV_BLOCK_SIZE, kv_layout
 from replicas.model.layers import LayerWeights
 from replicas.model.linear import Kernels, Linear
 from replicas.model.ops import TORCH_OPS, LayerOps, invariant_ops
-from replicas.model.rope import Rotary, apply_rotary
+from replicas.model.rope import Rotary
 from transport.memory.storage import torch_dtype
 
 if TYPE_CHECKING:
@@ -139,9 +139,17 @@ class Model:
             raise InvalidBatchError(f"the output head of {self.name!r} is not loaded yet")
 
     def run_layers(
-        self, hidden: torch.Tensor, layers: range, cos: torch.Tensor, sin: torch.Tensor, attend: Attend
+        self,
+        hidden: torch.Tensor,
+        layers: range,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        attend: Attend,
+        ops: LayerOps | None = None,
     ) -> torch.Tensor:
         """Run `hidden` `[N, hidden]` through `layers`; `attend` reads and writes the paged KV cache.
+        `ops`: whose kernels run the layer's pieces (default `self.ops`; the executor's kernel path
+        passes its own, `replicas.model.ops`).
 
         Takes ownership of `hidden`: the residual stream is updated in place where the kernel allows
         (fewer large temporaries, which on CPU cost page faults); the result is returned.
@@ -151,14 +159,14 @@ class Model:
         heads, kv_heads, head_dim = config.num_heads, config.num_kv_heads, config.head_dim
         sizes = [config.q_size, config.kv_size, config.kv_size]
         eps = config.rms_norm_eps
-        ops = self.ops
+        ops = ops or self.ops
         for index in layers:
             layer = self.layers[index]
             assert layer is not None
             x = ops.rms_norm(hidden, layer.input_norm, eps)
             q, k, v = ops.linear(layer.qkv, x).split(sizes, dim=-1)
-            q = apply_rotary(q.view(n_tokens, heads, head_dim), cos, sin)
-            k = apply_rotary(k.view(n_tokens, kv_heads, head_dim), cos, sin)
+            q = ops.rotary(q.view(n_tokens, heads, head_dim), cos, sin)
+            k = ops.rotary(k.view(n_tokens, kv_heads, head_dim), cos, sin)
             attended = attend(q, k, v.view(n_tokens, kv_heads, head_dim), index)
             hidden = ops.add_linear(layer.o, hidden, attended)
             # SwiGLU: silu(gate(x)) * up(x), gate and up as one matrix product, activated in place
@@ -166,8 +174,9 @@ class Model:
             hidden = ops.add_linear(layer.down, hidden, F.silu(gate, inplace=True).mul_(up))
         return hidden
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def logits(self, hidden: torch.Tensor, ops: LayerOps | None = None) -> torch.Tensor:
         """Final norm and output head on `[B, hidden]` rows → float32 `[B, vocab]`."""
         assert self.final_norm is not None and self.lm_head is not None
-        normed = self.ops.rms_norm(hidden, self.final_norm, self.config.rms_norm_eps)
-        return self.ops.linear(self.lm_head, normed).float()
+        ops = ops or self.ops
+        normed = ops.rms_norm(hidden, self.final_norm, self.config.rms_norm_eps)
+        return ops.linear(self.lm_head, normed).float()

@@ -133,7 +133,7 @@ def test_a_prefill_over_cached_prefixes_matches_the_torch_path(plain: Model) -> 
 def test_padded_bucket_rows_write_no_cache_row_and_leave_real_rows_bitwise_alone(invariant: Model) -> None:
     """What a CUDA graph replays: 3 sequences in the bucket of 8. Padded rows have slot -1 and no context."""
     cache = _fragmented(invariant, 16)
-    decoder = KernelDecoder(invariant, cache, max_batch=8)
+    decoder = KernelDecoder(invariant, cache, max_batch=8, ops=invariant.ops)
     prompts = _prompts()[:3]
     tables = [allocate(cache, f"r{i}", len(p) + 1) for i, p in enumerate(prompts)]
     executor = Executor(invariant, cache)

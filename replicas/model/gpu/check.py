@@ -1,10 +1,10 @@
 """The kernels' check at start-up: do they run here, and do they agree with torch on this model's shapes?
 
-`kernels_problem` runs the decode and prefill attention kernels (and, for a batch-invariant model, the
-invariant matmul and RMSNorm) once on small random inputs with the model's head shape and dtype,
-against torch computed in float32 from the same inputs. It returns None when they agree, else a
-sentence saying why they cannot serve (Triton missing, a compile error, a wrong result) — the executor
-then runs torch's path and logs the sentence. Results are cached per (device, dtype, shape): a node with
+`kernels_problem` runs the KV write, decode and prefill attention, RMSNorm and rotary kernels (and, for
+a batch-invariant model, the invariant matmul) once on small random inputs with the model's head shape
+and dtype, against torch computed in float32 from the same inputs. It returns None when they agree,
+else a sentence saying why they cannot serve (Triton missing, a compile error, a wrong result) — the
+executor then runs torch's path and logs the sentence. Results are cached per (device, dtype, shape): a node with
 several replicas checks once.
 
 Thread safety: may run in several worker threads at once; the cache is a dict written with whole values
@@ -48,8 +48,8 @@ def _check(
         )
     try:
         problem = _attention(paged_attention, device, dtype, heads, kv_heads, head_dim)
-        if problem is None and invariant:
-            problem = _invariant(device, dtype)
+        if problem is None:
+            problem = _layer_ops(device, dtype, heads, head_dim, invariant=invariant)
     except Exception as exc:  # noqa: BLE001 - any failure of a kernel here means "do not use it"; it is reported
         return f"the kernels failed their check on {device} ({dtype}): {type(exc).__name__}: {exc}"
     return problem
@@ -140,20 +140,29 @@ def _reference(
     return torch.einsum("hqk,khd->qhd", scores.softmax(-1), values).reshape(n, heads * head_dim)
 
 
-def _invariant(device: torch.device, dtype: torch.dtype) -> str | None:
+def _layer_ops(
+    device: torch.device, dtype: torch.dtype, heads: int, head_dim: int, *, invariant: bool
+) -> str | None:
+    """RMSNorm and rotary (every kernel path), the matmul (batch-invariant models)."""
     from replicas.model.kernels.invariant import invariant_linear, invariant_rms_norm
+    from replicas.model.kernels.rotary import rotary
     from replicas.model.layers import rms_norm
+    from replicas.model.rope import apply_rotary
 
     generator = torch.Generator(device="cpu").manual_seed(11)
     x = torch.randn(5, 96, generator=generator).to(device=device, dtype=dtype)
-    weight = torch.randn(40, 96, generator=generator).to(device=device, dtype=dtype)
-    bias = torch.randn(40, generator=generator).to(device=device, dtype=dtype)
-    problem = _close(
-        invariant_linear(x, weight, bias), F.linear(x.float(), weight.float(), bias.float()), "matmul", dtype
-    )
+    norm = torch.rand(96, generator=generator).to(device=device, dtype=dtype)
+    got = invariant_rms_norm(x, norm, 1e-6)
+    problem = _close(got, rms_norm(x.float(), norm.float(), 1e-6), "RMSNorm", dtype)
     if problem is not None:
         return problem
-    norm = torch.rand(96, generator=generator).to(device=device, dtype=dtype)
-    return _close(
-        invariant_rms_norm(x, norm, 1e-6), rms_norm(x.float(), norm.float(), 1e-6), "RMSNorm", dtype
-    )
+    angles = torch.rand(5, head_dim // 2, generator=generator) * 6.0
+    cos, sin = angles.cos().to(device, dtype), angles.sin().to(device, dtype)
+    q = torch.randn(5, heads, head_dim, generator=generator).to(device=device, dtype=dtype)
+    problem = _close(rotary(q, cos, sin), apply_rotary(q.float(), cos.float(), sin.float()), "rotary", dtype)
+    if problem is not None or not invariant:
+        return problem
+    weight = torch.randn(40, 96, generator=generator).to(device=device, dtype=dtype)
+    bias = torch.randn(40, generator=generator).to(device=device, dtype=dtype)
+    want = F.linear(x.float(), weight.float(), bias.float())
+    return _close(invariant_linear(x, weight, bias), want, "matmul", dtype)

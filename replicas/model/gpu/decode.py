@@ -29,19 +29,21 @@ if TYPE_CHECKING:
     from replicas.model.executor import DecodeSequence
     from replicas.model.kv_cache import KVCache
     from replicas.model.llama import Model
+    from replicas.model.ops import LayerOps
 
 
 @final
 class KernelDecoder:
     """Decode steps of one executor (one model, one KV cache) on the kernels."""
 
-    def __init__(self, model: Model, cache: KVCache, *, max_batch: int) -> None:
+    def __init__(self, model: Model, cache: KVCache, *, max_batch: int, ops: LayerOps) -> None:
         from replicas.model.kernels.paged_attention import paged_decode_attention, write_kv
 
         self._write_kv = write_kv
         self._attention = paged_decode_attention
         self.model = model
         self.cache = cache
+        self.ops = ops
         self.max_batch = max_batch
         max_blocks = min(-(-model.context_length // cache.block_size), cache.num_blocks)
         self.inputs = DecodeInputs(
@@ -75,8 +77,8 @@ class KernelDecoder:
             return self._attention(q, keys, values, tables, lengths, block_size=cache.block_size)
 
         layers = range(model.config.num_layers)
-        hidden = model.run_layers(model.embed(inputs.token_ids[:batch]), layers, cos, sin, attend)
-        return model.logits(hidden)
+        hidden = model.run_layers(model.embed(inputs.token_ids[:batch]), layers, cos, sin, attend, self.ops)
+        return model.logits(hidden, self.ops)
 
     def step(self, sequences: Sequence[DecodeSequence]) -> tuple[torch.Tensor, list[int]]:
         """One decode step (the caller checked the sequences): logits `[n, vocab]` and sampled tokens.
