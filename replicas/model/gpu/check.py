@@ -37,7 +37,7 @@ def _check(
     device: torch.device, dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int, invariant: bool
 ) -> str | None:
     try:
-        from replicas.model.kernels import paged_attention
+        import replicas.model.kernels.paged_attention  # noqa: F401 - imports Triton
         from replicas.model.kernels.launch import interpreting
     except ImportError as exc:
         return f"the attention kernels need Triton, which does not import here: {exc}"
@@ -47,7 +47,7 @@ def _check(
             "tests); on cpu use --attention auto or torch"
         )
     try:
-        problem = _attention(paged_attention, device, dtype, heads, kv_heads, head_dim)
+        problem = _attention(device, dtype, heads, kv_heads, head_dim)
         if problem is None:
             problem = _layer_ops(device, dtype, heads, head_dim, invariant=invariant)
     except Exception as exc:  # noqa: BLE001 - any failure of a kernel here means "do not use it"; it is reported
@@ -64,8 +64,14 @@ def _close(got: torch.Tensor, want: torch.Tensor, what: str, dtype: torch.dtype)
 
 
 def _attention(
-    kernels: object, device: torch.device, dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int
+    device: torch.device, dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int
 ) -> str | None:
+    from replicas.model.kernels.paged_attention import (
+        paged_decode_attention,
+        paged_prefill_attention,
+        write_kv,
+    )
+
     generator = torch.Generator(device="cpu").manual_seed(7)
     block_size, blocks, lengths = 16, 8, [5, 37]
     rows = blocks * block_size
@@ -76,7 +82,7 @@ def _attention(
     key_cache, value_cache = rand(rows, kv_heads, head_dim), rand(rows, kv_heads, head_dim)
     new_keys, new_values = rand(3, kv_heads, head_dim), rand(3, kv_heads, head_dim)
     slots = torch.tensor([17, -1, 100], dtype=torch.int64, device=device)
-    kernels.write_kv(new_keys, new_values, key_cache, value_cache, slots)  # type: ignore[attr-defined]
+    write_kv(new_keys, new_values, key_cache, value_cache, slots)
     if not (
         torch.equal(key_cache[[17, 100]], new_keys[[0, 2]]) and torch.equal(value_cache[100], new_values[2])
     ):
@@ -84,9 +90,7 @@ def _attention(
     tables = torch.tensor([[5, 2, 7], [1, 6, 3]], dtype=torch.int32, device=device)
     context = torch.tensor(lengths, dtype=torch.int32, device=device)
     q = rand(len(lengths), heads, head_dim)
-    got = kernels.paged_decode_attention(  # type: ignore[attr-defined]
-        q, key_cache, value_cache, tables, context, block_size=block_size
-    )
+    got = paged_decode_attention(q, key_cache, value_cache, tables, context, block_size=block_size)
     want = torch.cat(
         [
             _reference(q[b : b + 1], key_cache, value_cache, tables[b], length, block_size)
@@ -99,7 +103,7 @@ def _attention(
     cached, new = [3, 20], [4, 17]
     starts = torch.tensor([0, new[0], sum(new)], dtype=torch.int32, device=device)
     q = rand(sum(new), heads, head_dim)
-    got = kernels.paged_prefill_attention(  # type: ignore[attr-defined]
+    got = paged_prefill_attention(
         q,
         key_cache,
         value_cache,

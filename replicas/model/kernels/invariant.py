@@ -32,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-from replicas.model.kernels.launch import LAUNCH_LOCK
+from replicas.model.kernels.launch import LAUNCH_LOCK, interpreting
 
 __all__ = ["invariant_linear", "invariant_rms_norm"]
 
@@ -115,7 +115,7 @@ def _linear_kernel(
 # Under `TRITON_INTERPRET=1` `triton.jit` makes an `InterpretedFunction`. The interpreter's `tl.dot` (Triton
 # 3.9) multiplies bfloat16 tiles as the raw 16-bit integers it stores them in, so there the tiles are widened
 # to float32 first (a product of two bfloat16 values is exact in float32, as on tensor cores).
-_INTERPRETED = type(_linear_kernel).__name__ == "InterpretedFunction"
+_INTERPRETED = interpreting()
 
 
 def invariant_linear(
