@@ -6,13 +6,20 @@ absent key leaves that part real) every replica behaves like a separate accelera
 real compute and each weight copy runs for real — outputs stay token-exact — and is then padded with a
 sleep to the duration the emulated speed gives. A compute that is already slower than its emulated
 duration is not shortened. This is an emulation, documented as such; bench rows that use it say so.
+
+Weight copies may run at a speed per source, as on real hardware, where a peer GPU's weights come over
+NVLink or RDMA far faster than host memory comes over PCIe or a checkpoint off an SSD:
+`peer_gb_per_s`, `host_gb_per_s`, `disk_gb_per_s`; a source without its own key copies at
+`weights_gb_per_s` (or unpadded when that is absent too).
 """
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, assert_never
 
 import msgspec
+
+from messages.log.scaling import WeightsSourceName
 
 Speed = Annotated[float, msgspec.Meta(gt=0.0)]
 
@@ -21,6 +28,9 @@ class EmulatedSpeed(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     prefill_tokens_per_s: Speed | None = None
     decode_steps_per_s: Speed | None = None
     weights_gb_per_s: Speed | None = None
+    peer_gb_per_s: Speed | None = None
+    host_gb_per_s: Speed | None = None
+    disk_gb_per_s: Speed | None = None
 
     def prefill_seconds(self, tokens: int, layers: int, num_layers: int) -> float | None:
         """Emulated time of `tokens` prompt tokens through `layers` of the model's `num_layers` layers."""
@@ -31,8 +41,22 @@ class EmulatedSpeed(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     def decode_seconds(self) -> float | None:
         return None if self.decode_steps_per_s is None else 1.0 / self.decode_steps_per_s
 
-    def copy_seconds(self, nbytes: int) -> float | None:
-        return None if self.weights_gb_per_s is None else nbytes / (self.weights_gb_per_s * 1e9)
+    def copy_gb_per_s(self, source: WeightsSourceName) -> float | None:
+        """The emulated copy speed from `source`: its own key, else `weights_gb_per_s`, else None (real)."""
+        match source:
+            case "peer":
+                own = self.peer_gb_per_s
+            case "host":
+                own = self.host_gb_per_s
+            case "disk":
+                own = self.disk_gb_per_s
+            case _:
+                assert_never(source)
+        return self.weights_gb_per_s if own is None else own
+
+    def copy_seconds(self, nbytes: int, source: WeightsSourceName) -> float | None:
+        speed = self.copy_gb_per_s(source)
+        return None if speed is None else nbytes / (speed * 1e9)
 
 
 def parse_emulated_speed(text: str) -> EmulatedSpeed:

@@ -278,7 +278,7 @@ class RoleWork:
                 source,
                 on_model=lambda model: replica.post(Completed(hand_over, model)),
                 on_piece=lambda piece: replica.post(Completed(own_piece, piece)),
-                weights_gb_per_s=replica.services.settings.emulated.weights_gb_per_s,
+                emulated=replica.services.settings.emulated,
             )
             executor = await self._prepared(outcome.model)
             replica.post(Completed(self._loaded, (outcome.model, outcome.source, executor)))

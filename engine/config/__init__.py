@@ -231,7 +231,8 @@ class NodeConfig(Section, frozen=True, kw_only=True):
         EmulatedSpeed | None,
         _doc(
             "emulate accelerators for scaling benches: prefill_tokens_per_s=N,decode_steps_per_s=N,"
-            "weights_gb_per_s=N (each optional; computes and copies are padded to it; docs/zigzag.md)"
+            "weights_gb_per_s=N, and per weight source peer_gb_per_s=N,host_gb_per_s=N,disk_gb_per_s=N "
+            "(each optional; computes and copies are padded to it; docs/zigzag.md)"
         ),
     ] = None
     log: LogConfig = msgspec.field(default_factory=LogConfig)

@@ -2,7 +2,7 @@
 
     outcome = await copy_weights(replica, "auto", on_model=..., on_piece=...)   # raises WeightCopyFailed
 
-`copy_weights(replica, source, *, on_model, on_piece, weights_gb_per_s=None, memory_probe=available_memory)
+`copy_weights(replica, source, *, on_model, on_piece, emulated=None, memory_probe=available_memory)
 -> CopyOutcome` loads the node's model (`replica.services.host`) into storage of the replica's own, in
 checkpoint order (`replicas.loading.pieces`): embeddings, layers 0 … L−1, final norm, head (untied only).
 `source` is one of:
@@ -19,8 +19,9 @@ Before anything moves, a copy that would not fit in the device's available memor
 (`replicas.loading.memory`; `memory_probe` is injectable). `on_model(model)` is called once the
 embeddings landed: the `Model` is usable from then on for its leading loaded layers (`Model.loaded_layers`;
 ZigZag runs them); `on_piece(PieceLoaded)` after every piece. Both are called in the caller's Trio
-thread. With `weights_gb_per_s` (the node's `--emulated-speed weights_gb_per_s=X`) each piece is padded
-with a sleep to `bytes / (X·1e9)` seconds from its start; the real copy still happens. The `hold_weights`
+thread. With `emulated` (the node's `--emulated-speed`, `replicas.emulation`) each piece is padded with a
+sleep to `bytes / (X·1e9)` seconds from its start, X being the emulated speed of the source it came from
+(`peer_gb_per_s`, `host_gb_per_s`, `disk_gb_per_s`, else `weights_gb_per_s`); the real copy still happens. The `hold_weights`
 fault hook (`messages.faults.HoldWeights`) holds a copy before a chosen layer. Events: `WeightsCopyStarted`,
 one `WeightsProgress` per piece, `WeightsCopyFinished` (`messages.log.scaling`).
 
@@ -49,6 +50,7 @@ from messages.log.scaling import (
     WeightsSourceName,
 )
 from messages.weights import WeightPiece
+from replicas.emulation import EmulatedSpeed
 from replicas.loading.builder import ModelBuilder
 from replicas.loading.memory import MemoryProbe, available_memory, refusal
 from replicas.loading.peer_receive import PeerSource
@@ -92,13 +94,13 @@ async def copy_weights(
     *,
     on_model: Callable[[Model], None],
     on_piece: Callable[[PieceLoaded], None],
-    weights_gb_per_s: float | None = None,
+    emulated: EmulatedSpeed | None = None,
     memory_probe: MemoryProbe = available_memory,
 ) -> CopyOutcome:
     """See the module docstring."""
     services = replica.services
     services.weight_copies += 1
-    copy = _Copy(replica, source, services.weight_copies, weights_gb_per_s, on_model, on_piece)
+    copy = _Copy(replica, source, services.weight_copies, emulated, on_model, on_piece)
     replica.log.emit(
         WeightsCopyStarted(
             copy=copy.number,
@@ -130,7 +132,7 @@ class _Copy:
         replica: Replica,
         requested: SourceChoice,
         number: int,
-        weights_gb_per_s: float | None,
+        emulated: EmulatedSpeed | None,
         on_model: Callable[[Model], None],
         on_piece: Callable[[PieceLoaded], None],
     ) -> None:
@@ -138,7 +140,7 @@ class _Copy:
         self.replica, self.requested, self.number = replica, requested, number
         self.host, self.config, self.model_name = host, host.config, host.name
         self.device = torch.device(host.device)
-        self.speed, self.on_model, self.on_piece = weights_gb_per_s, on_model, on_piece
+        self.emulated, self.on_model, self.on_piece = emulated, on_model, on_piece
         self.total = model_bytes(self.config)
         self.peer = choose_peer(replica)
         self.order = self._plan()
@@ -215,8 +217,9 @@ class _Copy:
             model = await trio.to_thread.run_sync(self.builder.add, piece, tensors)
             del tensors
             nbytes = piece_bytes(self.config, piece)
-            if self.speed is not None:
-                await trio.sleep_until(started + nbytes / (self.speed * 1e9))
+            pad = None if self.emulated is None else self.emulated.copy_seconds(nbytes, source.name)
+            if pad is not None:
+                await trio.sleep_until(started + pad)
             self._landed(piece, source.name, nbytes, trio.current_time() - started, model)
         return True
 

@@ -13,8 +13,15 @@ def test_parse_each_key_optional() -> None:
     assert speed == EmulatedSpeed(prefill_tokens_per_s=2000.0, weights_gb_per_s=0.5)
     assert speed.decode_seconds() is None
     assert speed.prefill_seconds(1000, 2, 4) == pytest.approx(0.25)
-    assert speed.copy_seconds(10**9) == pytest.approx(2.0)
+    assert [speed.copy_seconds(10**9, source) for source in ("peer", "host", "disk")] == [2.0, 2.0, 2.0]
     assert parse_emulated_speed("") == EmulatedSpeed()
+
+
+def test_each_weight_source_may_copy_at_its_own_speed() -> None:
+    speed = parse_emulated_speed("weights_gb_per_s=1,peer_gb_per_s=8,disk_gb_per_s=0.25")
+    assert [speed.copy_gb_per_s(source) for source in ("peer", "host", "disk")] == [8.0, 1.0, 0.25]
+    assert speed.copy_seconds(2 * 10**9, "disk") == pytest.approx(8.0)
+    assert EmulatedSpeed(host_gb_per_s=2.0).copy_seconds(10**9, "peer") is None
 
 
 @pytest.mark.parametrize(

@@ -149,11 +149,19 @@ async def test_a_source_the_node_lacks_is_refused(tmp_path: Path, source: Source
             await copy_weights(harness["decode-0"], source, on_model=print, on_piece=print)
 
 
-async def test_emulated_speed_pads_every_piece(tmp_path: Path) -> None:
-    speed = 0.05  # GB/s: tiny's 2.6 MB take about 50 ms
+@pytest.mark.parametrize(
+    "emulated",
+    [
+        EmulatedSpeed(weights_gb_per_s=0.05),
+        # the disk's own speed wins over the default for every source
+        EmulatedSpeed(weights_gb_per_s=1000.0, peer_gb_per_s=1000.0, disk_gb_per_s=0.05),
+    ],
+)
+async def test_emulated_speed_pads_every_piece(tmp_path: Path, emulated: EmulatedSpeed) -> None:
+    speed = 0.05  # GB/s from disk: tiny's 2.6 MB take about 50 ms
     settings = SETTINGS.__class__(
         **{name: getattr(SETTINGS, name) for name in SETTINGS.__struct_fields__ if name != "emulated"},
-        emulated=EmulatedSpeed(weights_gb_per_s=speed),
+        emulated=emulated,
     )
     async with running(str(tmp_path), PAIR, settings=settings) as harness:
         await start_copy(harness, "disk")
