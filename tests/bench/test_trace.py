@@ -5,6 +5,7 @@ speed."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import subprocess
@@ -14,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from engine.bench.rows import Row
+from engine.bench.trace import add_arguments, trace_speed
 from engine.bench.trace.gen import (
     Lengths,
     Shape,
@@ -26,6 +28,9 @@ from engine.bench.trace.gen import (
     window,
 )
 from engine.bench.trace.slo import Outcome, ReplicaSample, Slo, attainment, quantile, replica_seconds
+from replicas.emulation import parse_emulated_speed
+from replicas.loading.pieces import model_bytes
+from replicas.model.tiny import TINY_CONFIG
 
 SHAPE = Shape(
     rate=5.0, duration=30.0, gamma_shape=gamma_shape(2.0), burst_factor=6.0, burst_at=10.0, burst_len=5.0
@@ -120,6 +125,20 @@ def test_slo_attainment_quantiles_and_replica_seconds() -> None:
 
 
 @pytest.mark.slow
+def test_each_weight_source_copies_at_its_emulated_speed() -> None:
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    speed = parse_emulated_speed(
+        trace_speed(parser.parse_args(["--load-seconds", "2", "--peer-speedup", "4"]))
+    )
+    host = model_bytes(TINY_CONFIG) / 2.0 / 1e9
+    assert speed.copy_gb_per_s("host") == pytest.approx(host, rel=1e-5)
+    assert speed.copy_gb_per_s("peer") == pytest.approx(4 * host, rel=1e-5)
+    assert speed.copy_gb_per_s("disk") == pytest.approx(host / 8, rel=1e-5)
+    with pytest.raises(SystemExit, match="--peer-speedup and --disk-slowdown must be > 0"):
+        trace_speed(parser.parse_args(["--disk-slowdown", "0"]))
+
+
 def test_quick_run_prints_the_rows(tmp_path: Path) -> None:
     pytest.importorskip("matplotlib")
     picture = tmp_path / "trace.svg"

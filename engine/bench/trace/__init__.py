@@ -3,7 +3,9 @@
 The trace (engine/bench/trace/gen.py): seeded Gamma arrivals with a burst, or a CSV trace (`--trace-csv`,
 `--columns`, `--time-scale`). It is replayed (engine/bench/trace/replay.py) on one node process per way,
 tiny model, `--max-batch-tokens` (512), every replica emulating an accelerator (`--emulated-speed`:
-`--prefill-tokens-per-s` 5000, `--decode-steps-per-s` 50, a weight copy of `--load-seconds` 2):
+`--prefill-tokens-per-s` 5000, `--decode-steps-per-s` 50, a weight copy from host memory of `--load-seconds`
+2, from a peer replica `--peer-speedup` (8) times faster, from disk `--disk-slowdown` (8) times slower — the
+ratios of NVLink, PCIe host-to-device and NVMe on an H100 SXM host, about 450, 55 and 7 GB/s):
 
 - **static**: `--replicas prefill=N,decode=1`, no planner. N is the smallest count, from 1 up to
   `--max-prefill-replicas` (4), whose SLO attainment on the trace's peak (the `--peak-window`-second
@@ -28,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import shlex
 import shutil
 import sys
 import tempfile
@@ -52,12 +55,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--ways", default=",".join(WAYS), help="comma-separated: static, serverless, blitz")
     group.add_argument("--prefill-tokens-per-s", type=float, default=5000.0, help="emulated (default 5000)")
     group.add_argument("--decode-steps-per-s", type=float, default=50.0, help="emulated (default 50)")
-    group.add_argument("--load-seconds", type=float, default=2.0, help="emulated weight copy (default 2)")
+    group.add_argument(
+        "--load-seconds", type=float, default=2.0, help="emulated weight copy from host memory (default 2)"
+    )
+    group.add_argument(
+        "--peer-speedup", type=float, default=8.0, help="a copy from a peer is this much faster (default 8)"
+    )
+    group.add_argument(
+        "--disk-slowdown", type=float, default=8.0, help="a copy from disk is this much slower (default 8)"
+    )
     group.add_argument("--max-batch-tokens", type=int, default=512, help="prompt tokens per batch (512)")
     group.add_argument(
         "--max-prefill-replicas", type=int, default=4, help="static search's and planner's cap"
     )
     group.add_argument("--keep-alive", type=float, default=None, help="the planner's --autoscale-keep-alive")
+    group.add_argument(
+        "--planner-options",
+        default="",
+        help='more node options for the autoscale ways, e.g. "--autoscale-down-after 1 --autoscale-drain 0.5"',
+    )
     group.add_argument("--static-replicas", type=int, default=None, help="static's prefill count (no search)")
     group.add_argument("--peak-window", type=float, default=10.0, help="seconds of the static search's peak")
     group.add_argument("--slo-target", type=float, default=0.9, help="attainment static must reach (0.9)")
@@ -112,7 +128,23 @@ def node_options(args: argparse.Namespace, speed: str, *, prefill: int, policy: 
             options += ["--autoscale-slo-ttft-per-token", f"{args.slo_ttft_per_token:g}"]
         if args.keep_alive is not None:
             options += ["--autoscale-keep-alive", f"{args.keep_alive:g}"]
+        options += shlex.split(args.planner_options)
     return options
+
+
+def trace_speed(args: argparse.Namespace) -> str:
+    """`--emulated-speed` of every way: `emulated_speed`'s, host at `--load-seconds`, peer and disk scaled."""
+    from engine.bench.zigzag import emulated_speed
+    from replicas.loading.pieces import model_bytes
+    from replicas.model.tiny import TINY_CONFIG
+
+    if not (args.peer_speedup > 0 and args.disk_slowdown > 0):
+        raise SystemExit("trace: --peer-speedup and --disk-slowdown must be > 0")
+    host = model_bytes(TINY_CONFIG) / args.load_seconds / 1e9
+    return (
+        f"{emulated_speed(args)},peer_gb_per_s={host * args.peer_speedup:.6g},"
+        f"disk_gb_per_s={host / args.disk_slowdown:.6g}"
+    )
 
 
 def _say(text: str) -> None:
@@ -149,9 +181,7 @@ def find_static(
 def _rows(
     args: argparse.Namespace, ways: list[str], trace: Sequence[TraceRequest], directory: Path
 ) -> Iterator[Row]:
-    from engine.bench.zigzag import emulated_speed
-
-    speed = emulated_speed(args)
+    speed = trace_speed(args)
     slo = Slo(args.slo_ttft_floor, args.slo_ttft_per_token)
     runs: dict[str, Run] = {}
     summaries: dict[str, Summary] = {}
