@@ -66,7 +66,7 @@ class AutoscaleConfig(Section, frozen=True, kw_only=True):
     ] = "blitz"
     autoscale_period: Annotated[
         float, msgspec.Meta(gt=0, le=3600), _doc("seconds between planner passes")
-    ] = 0.5
+    ] = 0.1
     autoscale_window: Annotated[
         float, msgspec.Meta(gt=0, le=3600), _doc("seconds of load the rates are measured over")
     ] = 5.0

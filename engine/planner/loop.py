@@ -3,7 +3,8 @@
 Every `--autoscale-period` seconds — on the cluster's leader, or on a node alone — one pass reads the
 signals (`Signals`: waiting prompt tokens, rates over `--autoscale-window`, decode KV blocks, replica
 counts, this node's and every other member's as last reported), computes each role's range and target
-(`engine.planner.formulas`) and logs a `planner_decision` event with what it read. It moves at most one
+(`engine.planner.formulas`) and logs a `planner_decision` event with what it read (a `keep` or `skip` that
+repeats the role's last one word for word, at most once a second). It moves at most one
 role per pass, through the `scale` op of the node it places the change on, and makes no decision while a
 scale runs, or for `--autoscale-pause-after-manual` seconds after a manual one. Scaling up with policy
 `blitz` runs prefill through ZigZag with weights from any source (`auto`); `serverless` is stop-the-world
@@ -53,6 +54,7 @@ Role = Literal["prefill", "decode"]
 ROLES: Final[tuple[Role, ...]] = ("prefill", "decode")
 PLANNER_ID: Final = "planner"
 SERVING: Final = frozenset({ReplicaState.PREFILL, ReplicaState.DECODE})
+QUIET_LOG_S: Final = 1.0  # a `keep` or `skip` the same as the role's last one is logged at most this often
 
 
 @final
@@ -95,6 +97,7 @@ class Planner:
         self._idle_since: dict[str, float] = {}  # ShuttingNull replicas: since when
         self._below_since: dict[str, float] = {}  # roles whose range lies below their count: since when
         self._last_up: dict[str, float] = {}
+        self._logged: dict[str, tuple[float, tuple[object, ...]]] = {}  # role → last `keep`/`skip` logged
         self._now = 0.0
         node.metrics.load.slo = (config.autoscale_slo_ttft, config.autoscale_slo_ttft_per_token)
         self.bounds = {
@@ -357,6 +360,13 @@ class Planner:
         reason: str,
         signals: Signals | None,
     ) -> None:
+        if action in ("keep", "skip"):  # a pass that changes nothing is logged when it says something new
+            said = (action, current, chosen, wanted, reason)
+            now = trio.current_time()
+            last = self._logged.get(role)
+            if last is not None and last[1] == said and now - last[0] < QUIET_LOG_S:
+                return
+            self._logged[role] = (now, said)
         inputs = (signals or self.injected or _EMPTY).inputs()
         self.node.log.emit(
             PlannerDecision(

@@ -6,6 +6,7 @@ scale runs. Requests served meanwhile give the model's tokens.
 
 from __future__ import annotations
 
+from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
@@ -137,3 +138,21 @@ async def test_first_tokens_past_the_ttft_slo_add_a_prefill_replica(tmp_path: Pa
             assert (up["current"], up["target"], up["low"]) == (1, 2, 2)
             assert up["inputs"]["slo_miss_fraction"] == 0.5
             planner.inject(CALM)
+
+
+async def test_a_pass_that_changes_nothing_is_logged_once_a_second(tmp_path: Path) -> None:
+    """Passes run every 0.05 s; a `keep` repeating the role's last one word for word waits a second."""
+    async with served_node(tmp_path, *OPTIONS) as served:
+        planner = served.node.planner
+        assert planner is not None
+        planner.inject(CALM)
+
+        def repeated() -> list[dict[str, Any]]:
+            keeps = [d for d in _decisions(served, "keep") if d["role"] == "decode"]
+            return [d for d in keeps if d["reason"] == keeps[-1]["reason"]] if keeps else []
+
+        same = await wait_until(lambda: len(repeated()) >= 3 and repeated(), "three equal keeps", 30)
+        said = {(d["current"], d["target"], d["low"], d["high"], d["reason"]) for d in same}
+        assert len(said) == 1, said
+        gaps = [b["ts"] - a["ts"] for a, b in pairwise(same)]
+        assert all(gap > 0.9 for gap in gaps), gaps  # 20 passes a second, one line
