@@ -21,8 +21,8 @@ embeddings landed: the `Model` is usable from then on for its leading loaded lay
 ZigZag runs them); `on_piece(PieceLoaded)` after every piece. Both are called in the caller's Trio
 thread. With `emulated` (the node's `--emulated-speed`, `replicas.emulation`) each piece is padded with a
 sleep to `bytes / (X·1e9)` seconds from its start, X being the emulated speed of the source it came from
-(`peer_gb_per_s`, `host_gb_per_s`, `disk_gb_per_s`, else `weights_gb_per_s`); the real copy still happens. The `hold_weights`
-fault hook (`messages.faults.HoldWeights`) holds a copy before a chosen layer. Events: `WeightsCopyStarted`,
+(`peer_gb_per_s`, `host_gb_per_s`, `disk_gb_per_s`, else `weights_gb_per_s`); the real copy still
+happens. The `hold_weights` fault hook (`messages.faults.HoldWeights`) holds a copy before a chosen layer. Events: `WeightsCopyStarted`,
 one `WeightsProgress` per piece, `WeightsCopyFinished` (`messages.log.scaling`).
 
 Raises `WeightCopyFailed` with a message a person can act on: the source is unavailable or failed, or

@@ -135,15 +135,15 @@ def node_options(args: argparse.Namespace, speed: str, *, prefill: int, policy: 
 def trace_speed(args: argparse.Namespace) -> str:
     """`--emulated-speed` of every way: `emulated_speed`'s, host at `--load-seconds`, peer and disk scaled."""
     from engine.bench.zigzag import emulated_speed
-    from replicas.loading.pieces import model_bytes
-    from replicas.model.tiny import TINY_CONFIG
+    from replicas.emulation import parse_emulated_speed
 
     if not (args.peer_speedup > 0 and args.disk_slowdown > 0):
         raise SystemExit("trace: --peer-speedup and --disk-slowdown must be > 0")
-    host = model_bytes(TINY_CONFIG) / args.load_seconds / 1e9
+    speed = emulated_speed(args)
+    host = parse_emulated_speed(speed).weights_gb_per_s
+    assert host is not None
     return (
-        f"{emulated_speed(args)},peer_gb_per_s={host * args.peer_speedup:.6g},"
-        f"disk_gb_per_s={host / args.disk_slowdown:.6g}"
+        f"{speed},peer_gb_per_s={host * args.peer_speedup:.6g},disk_gb_per_s={host / args.disk_slowdown:.6g}"
     )
 
 
