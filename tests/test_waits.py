@@ -135,7 +135,7 @@ BAD = {
     "checkpoint loop": """
         async def f(session):
             while not session.ready:  # found
-                await trio.lowlevel.checkpoint()
+                await checkpoint()
     """,
     "sleep loop in a deadline": """
         async def f(pool):
