@@ -27,7 +27,7 @@ class ClusterConfig(Section, frozen=True, kw_only=True):
         _doc("the cluster's name: its etcd keys live under /zigzag/{name}/"),
     ] = "default"
     lease_ttl: Annotated[
-        int, msgspec.Meta(ge=1, le=3600), _doc("seconds a node outlives its last lease renewal")
+        int, msgspec.Meta(ge=1, le=3600), _doc("seconds a node outlives the latest renewal of its lease")
     ] = 10
     cluster_host: Annotated[
         str, _doc("address this node listens on for other nodes (peer links, transfers) and announces")
