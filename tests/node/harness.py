@@ -355,13 +355,22 @@ async def wait_serving(client: ControlClient) -> StatusResult:
     )
 
 
-async def wait_idle(client: ControlClient) -> StatusResult:
-    """Until no replica holds a block or has queued work (every request's blocks are back)."""
+def is_idle(status: StatusResult) -> bool:
+    """No replica holds a block or has queued work (every request's blocks are back)."""
+    return all(
+        replica.used_blocks == 0 and replica.work_queue == 0 and replica.migration_queue == 0
+        for replica in status.replicas
+    )
+
+
+async def wait_idle(client: ControlClient, *, nodes: set[str] | None = None) -> StatusResult:
+    """Until no replica holds a block or has queued work (every request's blocks are back) and, when
+    `nodes` is given, the status lists the replicas of exactly those nodes (a killed node's leave only
+    once its lease has ended)."""
+    if nodes is None:
+        return await wait_status(client, is_idle, "every replica idle with used_blocks 0")
     return await wait_status(
         client,
-        lambda status: all(
-            replica.used_blocks == 0 and replica.work_queue == 0 and replica.migration_queue == 0
-            for replica in status.replicas
-        ),
-        "every replica idle with used_blocks 0",
+        lambda status: is_idle(status) and {replica.node for replica in status.replicas} == nodes,
+        f"every replica idle with used_blocks 0, on nodes {sorted(nodes)} only",
     )

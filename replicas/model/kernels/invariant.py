@@ -70,7 +70,7 @@ def _linear_kernel(
     HAS_BIAS: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
     IEEE: tl.constexpr,
-    UPCAST: tl.constexpr,
+    FIXED_ORDER: tl.constexpr,
     BM: tl.constexpr,
     BN: tl.constexpr,
     BK: tl.constexpr,
@@ -92,10 +92,10 @@ def _linear_kernel(
         mask_k = offs_k < K - k0
         a = tl.load(x_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
         b = tl.load(w_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
-        if IEEE:  # float32 inputs: full-precision products (a GPU would use TF32 by default)
+        if FIXED_ORDER:  # the interpreter: each product summed over this K step in k's order (see below)
+            acc += tl.sum(a.to(tl.float32)[:, :, None] * b.to(tl.float32)[None, :, :], axis=1)
+        elif IEEE:  # float32 inputs: full-precision products (a GPU would use TF32 by default)
             acc = tl.dot(a, b, acc, input_precision="ieee")
-        elif UPCAST:  # the interpreter's dot cannot read bfloat16: the same exact products, in float32
-            acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
         else:  # 16-bit inputs: exact products, float32 accumulation
             acc = tl.dot(a, b, acc)
         x_ptrs += BK * stride_xk
@@ -112,10 +112,15 @@ def _linear_kernel(
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-# Under `TRITON_INTERPRET=1` `triton.jit` makes an `InterpretedFunction`. The interpreter's `tl.dot` (Triton
-# 3.9) multiplies bfloat16 tiles as the raw 16-bit integers it stores them in, so there the tiles are widened
-# to float32 first (a product of two bfloat16 values is exact in float32, as on tensor cores).
-_INTERPRETED = interpreting()
+# Under `TRITON_INTERPRET=1` `triton.jit` makes an `InterpretedFunction`, whose `tl.dot` is numpy's matmul:
+# the BLAS behind it picks its kernel by the tile's shape and by the CPU (AVX2, AVX-512, its core type), and
+# a row's sum over K may be ordered by where the row sits in the tile. So under the interpreter the kernel
+# sums each K step itself: the products of a [BM, BK] and a [BK, BN] tile, widened to float32 (a product of
+# two bfloat16 values is exact in float32, as on tensor cores; the interpreter's `tl.dot` would multiply
+# bfloat16 tiles as the raw 16-bit integers it stores them in), reduced over K by numpy's `sum(axis=1)`,
+# whose order for an output element depends on BK alone — never on the row, the batch, the BLAS or the
+# machine. On a GPU the compiled `tl.dot` runs, and its invariance is the GPU test's to show.
+_FIXED_ORDER = interpreting()
 
 
 def invariant_linear(
@@ -197,7 +202,7 @@ def invariant_linear(
             HAS_BIAS=bias is not None,
             HAS_RESIDUAL=residual is not None,
             IEEE=x.dtype == torch.float32,
-            UPCAST=_INTERPRETED and x.dtype == torch.bfloat16,
+            FIXED_ORDER=_FIXED_ORDER,
             BM=BLOCK_M,
             BN=BLOCK_N,
             BK=BLOCK_K,

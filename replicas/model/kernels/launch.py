@@ -13,12 +13,18 @@ from __future__ import annotations
 
 import threading
 
+import triton
+
 LAUNCH_LOCK = threading.Lock()
+
+
+@triton.jit
+def _probe() -> None:
+    """Never launched: `triton.jit` decorates it as it decorates every kernel of this package, reading
+    `TRITON_INTERPRET` when this module is imported."""
 
 
 def interpreting() -> bool:
     """Whether Triton runs kernels in its interpreter (`TRITON_INTERPRET=1`): the only way they run on
     CPU tensors."""
-    from replicas.model.kernels.kv_write import _write_kv_kernel  # decorated when TRITON_INTERPRET was read
-
-    return type(_write_kv_kernel).__name__ == "InterpretedFunction"
+    return type(_probe).__name__ == "InterpretedFunction"
