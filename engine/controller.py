@@ -1,6 +1,6 @@
 """The controller's loops (seed 004): the reject-KV lock loop and the periodic reporters.
 
-Reject loop (DESIGN §6): every `reject_period` it looks at the `Decode` replicas' used KV blocks and
+Reject loop (architecture §6): every `reject_period` it looks at the `Decode` replicas' used KV blocks and
 locks (reason `controller`) a replica whose used blocks exceed `lock_ratio` × the mean of the other
 decode replicas' *and* `lock_capacity_fraction` of its own capacity; it unlocks it when either falls
 below `(1 − unlock_hysteresis)` of its threshold. It never touches the `manual` reason, so a manual lock

@@ -64,7 +64,7 @@ STARTUP_ERRORS = (ModelLoadError, LogFileError, ControlServerError, ReplicaStart
 
 
 def replica_settings(config: NodeConfig, host: ModelHost) -> ReplicaSettings:
-    """The replicas' sizes and limits; pool defaults hold one maximum-context request (DESIGN §4)."""
+    """The replicas' sizes and limits; pool defaults hold one maximum-context request (architecture §4)."""
     context = host.config.max_position_embeddings
     transfer = config.transfer
     common = {

@@ -4,7 +4,7 @@ Scaling up revives idle replicas first (`ShuttingNull` → `AusPrefill` / `AusDe
 resident; those configured for the role before others whose pools can serve it), then starts `Inactive`
 replicas configured for the role (`Loading*`), then adds new replicas named `{role}-{n}`. Scaling down
 commands the least loaded serving replicas into `Shutting*`: they finish what they hold, admit nothing
-new, and end `ShuttingNull`. Every move is a commanded transition of DESIGN §6, logged like any other.
+new, and end `ShuttingNull`. Every move is a commanded transition of architecture §6, logged like any other.
 
 Scale ops run one at a time (`Node.scale_lock`, first come first served): each counts the replicas from
 the state the one before it left, so two concurrent `scale decode 2` both answer the same two replicas.

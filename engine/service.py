@@ -1,4 +1,4 @@
-"""The node's `ControlHandler`: every control op of DESIGN §7, served against the live replicas.
+"""The node's `ControlHandler`: every control op of architecture §7, served against the live replicas.
 
 `generate` admits the request, then relays its updates (streamed tokens, the final result or error).
 If the handler is cancelled first — the client disconnected or stopped reading, or the node is shutting
@@ -220,7 +220,7 @@ class NodeService:
 
     # ------------------------------------------------------------------ helpers
     async def _transition(self, replica: Replica, request: TransitionRequest) -> ReplicaState:
-        """A commanded move; NewPrefill / OldPrefill pair the replica with a partner (DESIGN §8)."""
+        """A commanded move; NewPrefill / OldPrefill pair the replica with a partner (architecture §8)."""
         partner = None if request.paired_with is None else self._replica(request.paired_with)
         previous = replica.state
         if request.to == ReplicaState.NEW_PREFILL.value and replica.state is ReplicaState.LOADING_PREFILL:

@@ -1,4 +1,4 @@
-"""Checking the node's output against the model run in one piece (DESIGN: token-identical output).
+"""Checking the node's output against the model run in one piece (docs/architecture.md: token-identical output).
 
 `compare` runs `generate_in_one_piece` for the same prompt, images and sampling, and reports whether
 the node's tokens are identical. A divergence is forgiven only when it is a genuine greedy tie: at the

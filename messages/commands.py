@@ -1,4 +1,4 @@
-"""Commands a replica reads from its command channel, ahead of its work and migration queues (DESIGN §6).
+"""Commands a replica reads from its command channel, ahead of its work and migration queues (architecture §6).
 
 `ReplicaCommand` is the design card's command set. The transfer protocol's sender-bound messages
 (`RequestMoreCache`, `Grant`, `Abort`, `StatusUpdate` — defined in `messages.transfer`) reach a sending
@@ -20,12 +20,12 @@ Origin = Literal["manual", "controller", "planner", "node"]
 
 
 class Transition(Message, frozen=True, tag="transition"):
-    """Move to state `to` (a commanded move of the DESIGN §6 table)."""
+    """Move to state `to` (a commanded move of the architecture §6 table)."""
 
     command_id: str
     to: ReplicaStateName
     origin: Origin = "manual"
-    # NewPrefill / OldPrefill: the replica it relays with (DESIGN §8).
+    # NewPrefill / OldPrefill: the replica it relays with (architecture §8).
     paired_with: str | None = None
     # Loading*: load the replica's own copy of the weights from this source (`replicas.loading`);
     # None: share the node's resident copy.
@@ -53,7 +53,7 @@ class Flush(Message, frozen=True, tag="flush"):
 
 
 class Relay(Message, frozen=True, tag="relay"):
-    """ZigZag (DESIGN §8): OldPrefill replica `old_prefill` asks its paired NewPrefill replica for its
+    """ZigZag (architecture §8): OldPrefill replica `old_prefill` asks its paired NewPrefill replica for its
     oldest unfinished batch. Answered with a `RelayOffer` — the batch then streams its hidden states as
     transfer `offer.transfer_id` from the NewPrefill's relay endpoint — or refused with `not_found`
     when the NewPrefill holds no batch it can hand over whose prompts fit in `room_tokens` tokens."""

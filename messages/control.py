@@ -1,4 +1,4 @@
-"""Control-socket requests (DESIGN §7): one JSON object per line, tagged by ``op``.
+"""Control-socket requests (architecture §7): one JSON object per line, tagged by ``op``.
 
 Every request carries ``id``, the client's correlation id, echoed on every reply (the replies live in
 `messages.control_replies`). Numeric bounds are part of the protocol (docs/control-protocol.md lists
@@ -61,7 +61,7 @@ ErrorCode = Literal[
 ERROR_CODES: tuple[ErrorCode, ...] = get_args(ErrorCode)
 
 ReplicaRole = Literal["encode", "prefill", "decode"]
-# The names of DESIGN §6, as written there; `replicas.states.ReplicaState` holds the same values.
+# The names of architecture §6, as written there; `replicas.states.ReplicaState` holds the same values.
 ReplicaStateName = Literal[
     "Inactive",
     "LoadingPrefill",
@@ -83,7 +83,7 @@ ReplicaStateName = Literal[
 ]
 LockReason = Literal["manual", "controller"]
 FinishReason = Literal["stop", "length", "cancelled"]
-# Where a replica's weights come from (DESIGN §8); `resident`: a copy already on the device.
+# Where a replica's weights come from (architecture §8); `resident`: a copy already on the device.
 WeightsSource = Literal["resident", "peer", "host", "disk"]
 SourceChoice = Literal["auto", "peer", "host", "disk"]
 ScaleMode = Literal["zigzag", "stop_the_world"]
@@ -156,7 +156,7 @@ class CancelRequest(ControlRequestBase, frozen=True, tag="cancel"):
 
 
 class TransitionRequest(ControlRequestBase, frozen=True, tag="transition"):
-    """Command `replica` into state `to` (a commanded move of the DESIGN §6 table)."""
+    """Command `replica` into state `to` (a commanded move of the architecture §6 table)."""
 
     replica: ReplicaName
     to: ReplicaStateName

@@ -1,4 +1,4 @@
-"""Control-socket replies (DESIGN §7): ``token`` (streamed), ``result`` (final, one struct per op) and
+"""Control-socket replies (architecture §7): ``token`` (streamed), ``result`` (final, one struct per op) and
 ``error`` (final, a `code` from `messages.control.ErrorCode`).
 
 Every reply carries the request's `id`. Each op has its own reply decoder (`reply_decoder(op)`), so the

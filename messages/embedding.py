@@ -1,4 +1,4 @@
-"""The per-request header of an embedding transfer (encode replica → language replica, DESIGN §4-§5).
+"""The per-request header of an embedding transfer (encode replica → language replica, architecture §4-§5).
 
 It rides, opaque to the transport (`messages.peer_codec.encode_header`), on every `ChunkDone` and
 `TotalAnnounce` of the transfer: the facts about a request's image embeddings that are not per-token.

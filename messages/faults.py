@@ -1,4 +1,4 @@
-"""Fault-injection hooks (DESIGN §7): typed descriptions the node hands to its replicas and transports.
+"""Fault-injection hooks (architecture §7): typed descriptions the node hands to its replicas and transports.
 
 Off by default: a node configured with no faults injects nothing. Each fault names the replica (or the
 link) it hits, so one configuration can target one replica of many. The node logs a `fault_injected`

@@ -1,4 +1,4 @@
-"""Pool layouts: named per-token buffers, as exchanged in the transfer handshake (DESIGN §4)."""
+"""Pool layouts: named per-token buffers, as exchanged in the transfer handshake (architecture §4)."""
 
 from __future__ import annotations
 

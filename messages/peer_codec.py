@@ -1,4 +1,4 @@
-"""The codec of peer links: msgpack control frames, each prefixed by its length (DESIGN §3).
+"""The codec of peer links: msgpack control frames, each prefixed by its length (architecture §3).
 
 On TCP the length prefix is part of the link's fixed frame header (`transport.links.tcp.frames`), which also
 sub-frames bulk bytes; this module turns one control message into its msgpack body and back, with a size

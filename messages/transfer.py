@@ -1,4 +1,4 @@
-"""The resumable transfer protocol's messages (DESIGN §5), one tagged union per direction.
+"""The resumable transfer protocol's messages (architecture §5), one tagged union per direction.
 
 A *link* joins a receiver endpoint to a sender endpoint; the receiver opened it with `Hello`. Every
 transfer message carries `transfer_id`, and those that belong to a round carry `round`. Round 0 is the
@@ -29,7 +29,7 @@ NonNegative = Annotated[int, msgspec.Meta(ge=0)]
 
 
 class TransferStatus(enum.Enum):
-    """Per-transfer status (DESIGN §5.6); the transition table lives in `transport.protocol.status`."""
+    """Per-transfer status (architecture §5.6); the transition table lives in `transport.protocol.status`."""
 
     BOOTSTRAPPING = "bootstrapping"
     WAITING_FOR_INPUT = "waiting_for_input"

@@ -1,4 +1,4 @@
-"""Weights that move (DESIGN §8): a checkpoint's pieces, and the header of a peer weight transfer.
+"""Weights that move (architecture §8): a checkpoint's pieces, and the header of a peer weight transfer.
 
 A model's weights are copied in checkpoint order, one *piece* at a time: the embeddings, each decoder
 layer, the final norm, the output head (only when it is not tied to the embeddings). A piece crosses a

@@ -1,4 +1,4 @@
-"""The replica actor (DESIGN §6): one Trio task that owns all of a replica's state.
+"""The replica actor (architecture §6): one Trio task that owns all of a replica's state.
 
 Everything that reaches a replica goes through its *inbox*: commands (`messages.commands`), the
 transfer protocol's sender-bound messages, and the completions of its own compute. The main loop drains

@@ -1,4 +1,4 @@
-"""The language side of the embedding transfer, inside a prefill replica (DESIGN §5, docs/epd.md).
+"""The language side of the embedding transfer, inside a prefill replica (architecture §5, docs/epd.md).
 
 As soon as a prefill replica takes an image request (`start`), a helper task connects to the encode
 replica the router chose and receives the transfer in the transport's owned, consumed mode: the

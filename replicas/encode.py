@@ -1,4 +1,4 @@
-"""Encode behaviour: run the vision encoder on a request's images and send the rows (DESIGN §1, §5).
+"""Encode behaviour: run the vision encoder on a request's images and send the rows (architecture §1, §5).
 
 An encode replica (`Encode`, `ShuttingEncode`) takes image requests from the router, each with the
 transfer id the router gave both sides (`ServingRequest.embedding_route`). For each one a helper task

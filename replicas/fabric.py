@@ -3,7 +3,7 @@
 Every replica pool that sends or receives blocks has a `TransferEndpoint` named `{replica}/{pool}`
 (`prefill-0/kv`, `encode-0/emb`). Endpoints register their address here when they open. A receiver asks
 `link(endpoint, sender_name)` for a handshaken link to a sender; links are made once per pair and
-reused by every later transfer (receivers connect to senders, DESIGN §5.1).
+reused by every later transfer (receivers connect to senders, architecture §5.1).
 
 The transport (`--transport`, `transport.kinds`): `inproc`, `tcp` (loopback), `ucx` (ucxx; even between
 replicas of one process, over UCX's shared memory) or `cuda-ipc` (pools on the CPU — embedding pools —

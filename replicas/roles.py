@@ -1,4 +1,4 @@
-"""What a replica does in each state (DESIGN §6), driven from the actor's main loop.
+"""What a replica does in each state (architecture §6), driven from the actor's main loop.
 
 `RoleWork.advance()` runs after every inbox batch: it applies automatic transitions (loading finished,
 shutting drained, flush done) and, when no compute is in flight, starts the next one the state calls

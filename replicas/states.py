@@ -1,4 +1,4 @@
-"""The replica state machine of DESIGN §6 (seed 004): states, roles, and the transition table.
+"""The replica state machine of architecture §6 (seed 004): states, roles, and the transition table.
 
 A transition is either *commanded* (the `transition` op, the planner, the controller) or *automatic* (the
 replica moves itself when a condition holds: weights loaded, nothing left to finish). `check_command`
@@ -71,7 +71,7 @@ TRANSITIONS: dict[tuple[ReplicaState, ReplicaState], Trigger] = {
     (S.SHUTTING_NULL, S.INACTIVE): Trigger.COMMAND,
 }
 
-# Commands that start ZigZag states (DESIGN §8): they pair a NewPrefill with an OldPrefill replica.
+# Commands that start ZigZag states (architecture §8): they pair a NewPrefill with an OldPrefill replica.
 ZIGZAG_STARTS = frozenset({(S.LOADING_PREFILL, S.NEW_PREFILL), (S.PREFILL, S.OLD_PREFILL)})
 
 # The role a replica serves in each state (None: serves nothing).
@@ -114,7 +114,7 @@ class TransitionNotSupported(TransitionError):
 
 
 def parse_state(name: str) -> ReplicaState:
-    """The state called `name` (as written in DESIGN §6), or ValueError listing the valid names."""
+    """The state called `name` (as written in architecture §6), or ValueError listing the valid names."""
     try:
         return ReplicaState(name)
     except ValueError:

@@ -1,4 +1,4 @@
-"""The replica supervisor (DESIGN §6): a replica task that raises does not take the node down.
+"""The replica supervisor (architecture §6): a replica task that raises does not take the node down.
 
 `supervise` runs the replica; when its task raises, every request the replica held gets
 `replica_failed`, its blocks go back to their pools (its transfer endpoints are closed by then, so no

@@ -1,6 +1,6 @@
 """The node's model: its resident shared copy, its host-memory copy, and what every replica loads from.
 
-Replicas of one model in one process may share one resident copy of its weights (DESIGN §6).
+Replicas of one model in one process may share one resident copy of its weights (architecture §6).
 `ModelHost.acquire` returns it, loading it piece by piece (off the event loop, progress reported per
 piece) if no replica holds it; `release` drops a holder, and the resident copy is freed when the last one
 goes (a replica moving to `Inactive`). Two replicas acquiring at once share one load.

@@ -16,7 +16,7 @@ UcxCopies = Literal["receiver", "mixed", "sender", "cma"]
 
 
 class TransferConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """Knobs of one endpoint (DESIGN §4-§5).
+    """Knobs of one endpoint (architecture §4-§5).
 
     - `default_grant_blocks`: round 0's grant when the receiver does not know the length (seeds: 8 blocks
       of 128 tokens = 1024 tokens).

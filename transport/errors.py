@@ -28,7 +28,7 @@ ERROR_CODES: Final[dict[FailureReason, str]] = {
 
 
 def error_code(reason: FailureReason) -> str:
-    """The node's error code (DESIGN §7) for a failure reason."""
+    """The node's error code (architecture §7) for a failure reason."""
     return ERROR_CODES[reason]
 
 

@@ -1,4 +1,4 @@
-"""Fault injection for tests and the node's fault hooks (DESIGN §7). Off by default.
+"""Fault injection for tests and the node's fault hooks (architecture §7). Off by default.
 
 An endpoint consults its `FaultPlan` at fixed points; with the default plan every check is a cheap
 `None` comparison. `transfer_id` narrows a fault to one transfer (None: every transfer of the endpoint).

@@ -72,7 +72,7 @@ PAYLOAD_BYTES: Final = {
     "kv_long": 16 * MiB,
 }
 RAW_BYTES: Final = 64 * MiB
-# Layouts whose receiver knows the length, as a decode replica knows its prompt's (DESIGN §5.5: KV grants
+# Layouts whose receiver knows the length, as a decode replica knows its prompt's (architecture §5.5: KV grants
 # are all-or-nothing): one round. The others start with the default grant, as an embedding transfer does
 # (`kv` too: its rows were first recorded that way).
 KNOWN_LENGTH: Final = frozenset({"kv_small", "kv_long"})
@@ -144,7 +144,7 @@ async def serve_grants(
     ids: list[int],
     tokens: int,
 ) -> None:
-    """A replica-like owner: sender-bound messages come through its channel (DESIGN §3); a grant for a
+    """A replica-like owner: sender-bound messages come through its channel (architecture §3); a grant for a
     new transfer id opens a session that sends the `tokens` in blocks `ids`."""
     async with trio.open_nursery() as sends:
         async for delivery in deliveries:

@@ -1,4 +1,4 @@
-"""An async client of the node's control socket: one method per op (DESIGN §7).
+"""An async client of the node's control socket: one method per op (architecture §7).
 
     async with ControlClient.connect("127.0.0.1:7340") as client:
         async for reply in client.generate(prompt="Hello", max_tokens=8, stream=True):

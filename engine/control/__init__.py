@@ -1,4 +1,4 @@
-"""The JSON-lines control server of DESIGN §7.
+"""The JSON-lines control server of architecture §7.
 
 Modules: `address` (HOST:PORT / unix:PATH), `lines` (line splitting), `parse` (request lines),
 `outbox` (bounded reply queue, `ReplySink`), `handler` (the `ControlHandler` seam the node implements),

@@ -1,4 +1,4 @@
-"""One client connection of the control server (DESIGN §7).
+"""One client connection of the control server (architecture §7).
 
 Three kinds of task share the connection's nursery: the reader (this task: lines in, one request task
 per request), the writer (replies out, from the `Outbox`), and the request tasks, each in its own

@@ -9,7 +9,7 @@ from messages.control import ErrorCode
 
 @final
 class RequestFailed(Exception):
-    """Raised by a handler to end its request with an ``error`` reply of `code` (DESIGN §7's closed set).
+    """Raised by a handler to end its request with an ``error`` reply of `code` (architecture §7's closed set).
 
     Raise it outside the handler's own nurseries (or unwrap it): an `ExceptionGroup` that reaches the
     connection is reported as `internal`. `request_id` names the generate it ends (the reply's

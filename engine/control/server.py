@@ -1,4 +1,4 @@
-"""The control server: JSON lines over TCP or a unix socket (DESIGN §7), one `ControlConnection` per client.
+"""The control server: JSON lines over TCP or a unix socket (architecture §7), one `ControlConnection` per client.
 
 Usage (the node)::
 

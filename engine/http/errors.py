@@ -1,6 +1,6 @@
 """Errors of the HTTP API in the shape vLLM uses: `{"error": {"message", "type", "param", "code"}}`.
 
-The node's error codes (DESIGN §7) map to HTTP statuses: a request the node refuses is a 4xx naming
+The node's error codes (architecture §7) map to HTTP statuses: a request the node refuses is a 4xx naming
 what to change, a node that cannot serve now is a 503, a failure inside the node a 500. A bad body is
 always a 400 naming the field (msgspec's validation path, `$.messages[0].role` → `messages[0].role`).
 """

@@ -1,4 +1,4 @@
-"""Typed log events (DESIGN §3): one JSON object per line of the node's log file.
+"""Typed log events (architecture §3): one JSON object per line of the node's log file.
 
 The line *is* the msgspec JSON encoding of one `LogEvent`: the tag field ``event`` names it, ``ts`` is the
 wall-clock time in float seconds (Unix epoch), and the other keys are the fields below, always present
@@ -213,7 +213,7 @@ class RequestFailed(RequestEvent, frozen=True, kw_only=True, tag="request_failed
 
 # ---------------------------------------------------------------------------------------------- replicas
 class ReplicaStateChanged(ReplicaEvent, frozen=True, kw_only=True, tag="replica_state"):
-    """`from`/`to` are the DESIGN §6 state names (Python attributes `from_state` / `to_state`)."""
+    """`from`/`to` are the architecture §6 state names (Python attributes `from_state` / `to_state`)."""
 
     from_state: ReplicaStateName = msgspec.field(name="from")
     to_state: ReplicaStateName = msgspec.field(name="to")

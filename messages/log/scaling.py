@@ -1,4 +1,4 @@
-"""Log events of live scaling (DESIGN §8); part of the `messages.log.events.LogEvent` union.
+"""Log events of live scaling (architecture §8); part of the `messages.log.events.LogEvent` union.
 
 A replica's own weight copy (`replicas.loading`): its start and its end. Each landed piece in between is
 a `messages.log.events.WeightsProgress` (with `piece`, `layer`, `bytes`, `piece_seconds`, `weights_source`,

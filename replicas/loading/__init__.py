@@ -1,4 +1,4 @@
-"""Weights that move, layer by layer (DESIGN §8): a replica's own copy of the model, from a source.
+"""Weights that move, layer by layer (architecture §8): a replica's own copy of the model, from a source.
 
 The public entry point is `replicas.loading.copy.copy_weights` (its module docstring is the guide).
 Rooms: `pieces` (the checkpoint-order piece list), `split` (a loaded model's pieces as checkpoint

@@ -1,4 +1,4 @@
-"""A replica's own copy of the weights, from a source, piece by piece (DESIGN §8). The public entry point:
+"""A replica's own copy of the weights, from a source, piece by piece (architecture §8). The public entry point:
 
     outcome = await copy_weights(replica, "auto", on_model=..., on_piece=...)   # raises WeightCopyFailed
 

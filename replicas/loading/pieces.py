@@ -1,4 +1,4 @@
-"""A checkpoint's pieces in load order, and each piece's tensor table (DESIGN §8).
+"""A checkpoint's pieces in load order, and each piece's tensor table (architecture §8).
 
 Order: the embeddings, decoder layers 0 … L−1, the final norm, the output head — the head only when it
 is not tied to the embeddings. A piece's tensors are the checkpoint's own (HF names, unfused), in a fixed

@@ -1,6 +1,6 @@
 """The paged KV cache: a `BlockPool` (who owns which block) plus a `PoolStorage` with the KV layout.
 
-Layout (DESIGN §4): buffers `k0, v0, k1, v1, …` — one pair per layer, in layer order — each with a
+Layout (architecture §4): buffers `k0, v0, k1, v1, …` — one pair per layer, in layer order — each with a
 per-token shape `[num_kv_heads, head_dim]` in the model's dtype. Token `t` of a sequence with block table
 `ids` lives in block `ids[t // block_size]`, row `t % block_size`. Keys are stored after rotary embedding,
 so a block's bytes mean the same thing in every replica of the model: migration copies them as they are.

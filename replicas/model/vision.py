@@ -33,7 +33,7 @@ DEFAULT_EMBEDDING_BLOCK_SIZE = 128
 
 
 def embedding_layout(hidden_size: int, block_size: int = DEFAULT_EMBEDDING_BLOCK_SIZE) -> PoolLayout:
-    """The node's embedding pool layout (DESIGN §4): per row `embeds [hidden] float32`, `token_ids [] int64`,
+    """The node's embedding pool layout (architecture §4): per row `embeds [hidden] float32`, `token_ids [] int64`,
     `positions [3] int64` — exactly the fields of `ImageEmbedding`."""
     return PoolLayout(
         block_size=block_size,

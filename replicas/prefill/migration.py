@@ -1,4 +1,4 @@
-"""KV migration, prefill side: the migration queue and the task that empties it (DESIGN §6, seed 004).
+"""KV migration, prefill side: the migration queue and the task that empties it (architecture §6, seed 004).
 
 Prefilled requests wait in `outbound` (the replica's migration queue) for a decode replica. The
 migrator takes the head entry, asks the unlocked `Decode` replicas in turn (round robin) to reserve its

@@ -1,4 +1,4 @@
-"""ZigZag live scaling (DESIGN §8, seed 004): a prefill replica still receiving its weights serves.
+"""ZigZag live scaling (architecture §8, seed 004): a prefill replica still receiving its weights serves.
 
 - `wire`: the relay pool layout and the transfer of a batch's hidden states between two replicas.
 - `new_prefill`: a `NewPrefill` / `RefractoryPrefill` replica — batches its queue, runs the layers it

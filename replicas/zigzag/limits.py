@@ -1,4 +1,4 @@
-"""How much work the router offers a NewPrefill replica (DESIGN §8).
+"""How much work the router offers a NewPrefill replica (architecture §8).
 
 A NewPrefill replica runs only the layers it has, so every batch it takes is finished by its OldPrefill
 partner. It takes a few batches at a time, fewer as the episode goes on — the anchor system's schedule:

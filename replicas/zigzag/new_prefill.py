@@ -1,4 +1,4 @@
-"""The NewPrefill side of ZigZag (DESIGN §8): serve with the layers that have landed, hand the rest over.
+"""The NewPrefill side of ZigZag (architecture §8): serve with the layers that have landed, hand the rest over.
 
 While its weights arrive, a `NewPrefill` replica takes a few batches from the router (`limits`), runs
 each through the layers it has (KV of those layers lands in its own blocks) and, as more layers land,

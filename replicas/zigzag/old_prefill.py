@@ -1,4 +1,4 @@
-"""The OldPrefill side of ZigZag (DESIGN §8): finish the batches a NewPrefill partner began.
+"""The OldPrefill side of ZigZag (architecture §8): finish the batches a NewPrefill partner began.
 
 An `OldPrefill` replica keeps serving its own queue and, whenever it holds no relay, asks its partners
 in turn for work (`Relay`, with the KV room it has). On an offer it reserves blocks for the batch's

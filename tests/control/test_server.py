@@ -1,4 +1,4 @@
-"""The control server over real TCP and unix sockets (DESIGN §7): bad input, limits, slow and vanishing
+"""The control server over real TCP and unix sockets (architecture §7): bad input, limits, slow and vanishing
 clients, handler failures, shutdown. The handler is the small one in conftest.py."""
 
 from __future__ import annotations

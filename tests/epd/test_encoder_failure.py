@@ -1,7 +1,7 @@
 """An encode replica that dies or raises mid-transfer (real node processes, one per test).
 
 The request whose embeddings were in flight fails with `transfer_failed` or `replica_failed`; the
-language replica's blocks come back (quarantined ones after their fence: the link's end, DESIGN §5.7);
+language replica's blocks come back (quarantined ones after their fence: the link's end, architecture §5.7);
 requests that do not depend on that encode replica are unaffected; and the node still exits 0 (no leak).
 """
 

@@ -5,7 +5,7 @@ One module per concern; the controller's ops (transitions, flush, scale, lock) i
 | module | shows | node |
 |---|---|---|
 | `test_identity.py` | token identity (tiny, Llama, Qwen2; inproc, tcp; 32 concurrent mixed requests), the KV moving (bytes, prompts only on prefill replicas), `corrupt_transfer` changing the output | `tiny_inproc_node`, `tiny_tcp_node`, one per checkpoint |
-| `control/test_states.py` | every implemented commanded transition of DESIGN §6 with work in flight, illegal and ZigZag moves, `scale` to 0 and back | `tiny_tcp_node` |
+| `control/test_states.py` | every implemented commanded transition of architecture §6 with work in flight, illegal and ZigZag moves, `scale` to 0 and back | `tiny_tcp_node` |
 | `control/test_flush.py` | Flush (MutatingToDecode adopts the queued migrations: no KV transfer), `scale` adding a replica, a draining `shutdown` | its own |
 | `control/test_concurrent_scale.py` | two concurrent `scale` ops answering the same replicas (one at a time, each new replica commanded once), a scale held up past its wait answering `overloaded` | its own, in-process |
 | `control/test_lock.py` | the reject-KV loop locking and unlocking, migrations avoiding a locked replica, a manual lock surviving | `tiny_tcp_node` |

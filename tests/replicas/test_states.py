@@ -1,4 +1,4 @@
-"""The transition table of DESIGN §6."""
+"""The transition table of architecture §6."""
 
 import pytest
 

@@ -1,4 +1,4 @@
-"""ZigZag live scale-up through a real node (DESIGN §8): a new prefill replica serves while its weights
+"""ZigZag live scale-up through a real node (architecture §8): a new prefill replica serves while its weights
 arrive, hands its batches to an OldPrefill partner at the layer it reached, and both KV halves land in
 one decode replica; every output equals the model run in one piece.
 

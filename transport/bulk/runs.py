@@ -226,7 +226,7 @@ def launch_copy_runs(
     src: PoolStorage, dst: PoolStorage, runs: Sequence[Run], buffers: Sequence[str]
 ) -> tuple[int, torch.cuda.Event | None]:
     """Copy `runs` of each buffer from `src` to `dst` storage, no temporary; returns the bytes and, when
-    a pool is on a GPU, the event that completes with the copies (the caller's write fence, DESIGN §5.7:
+    a pool is on a GPU, the event that completes with the copies (the caller's write fence, architecture §5.7:
     `gpu_copy.copies_done` in Trio, `synchronize` in a thread) — None when they are done on return.
 
     CPU: a run of at least `TORCH_COPY_BYTES` is one `copy_`; smaller runs are one `memcpy` each through

@@ -1,4 +1,4 @@
-"""Block storage: one preallocated tensor per named buffer of a pool layout (DESIGN §4).
+"""Block storage: one preallocated tensor per named buffer of a pool layout (architecture §4).
 
 The allocator (`transport.memory.blocks.BlockPool`) knows which block ids belong to whom; this module holds
 the bytes. Buffer `name` is a tensor of shape `[num_blocks, block_size, *spec.shape]`, so block `b` of a

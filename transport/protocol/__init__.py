@@ -1,4 +1,4 @@
-"""The resumable transfer protocol (DESIGN §5), independent of any backend: the `Link` interface every
+"""The resumable transfer protocol (architecture §5), independent of any backend: the `Link` interface every
 backend implements (`link`), the handshake, the status machine, progress deadlines (`liveness`),
 quarantine fences, the receiver's rules (`receiver`, `landing`), the sender (`sender`, `sender_desk`).
 

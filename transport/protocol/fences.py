@@ -1,4 +1,4 @@
-"""Quarantine until the fence (DESIGN §5.7): a failed transfer's blocks are not reused while a write
+"""Quarantine until the fence (architecture §5.7): a failed transfer's blocks are not reused while a write
 into them may still be in flight.
 
 A fence falls when the sender acknowledges the abort (`AbortAck`, sent after its last write on the

@@ -1,4 +1,4 @@
-"""The once-per-link handshake (DESIGN §5.1): the receiver says what its blocks look like; the sender
+"""The once-per-link handshake (architecture §5.1): the receiver says what its blocks look like; the sender
 accepts or refuses with a reason a person can act on (`block_size mismatch: sender 128, receiver 64`)."""
 
 from __future__ import annotations

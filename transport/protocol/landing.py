@@ -5,7 +5,7 @@ A `GrantedRound` is one grant: stream tokens `[offset, offset + tokens)` landing
 checked against it before a byte is written (two rounds may share a block when a borrowed landing starts
 mid-block). `Landings` keeps a transfer's rounds and the blocks behind them: *owned* (allocated per
 round from the pool, `min(want, free)`, waiting bounded by `pressure_timeout` only when none are free)
-or *borrowed* (slices of the caller's allocation). `grant_size` is the sizing rule (DESIGN §5.2-5.4).
+or *borrowed* (slices of the caller's allocation). `grant_size` is the sizing rule (architecture §5.2-5.4).
 """
 
 from __future__ import annotations

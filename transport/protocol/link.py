@@ -10,7 +10,7 @@ Completion and fences:
   returns, no later control message can overtake them.
 - `quiesce()` returns once no write through this link can still land in the receiver's memory (tcp: the
   reader has stopped; inproc: copies running in worker threads have finished). A closed link that has
-  quiesced is a fence (DESIGN §5.7).
+  quiesced is a fence (architecture §5.7).
 
 The receiving side's bytes go through a `LinkHandler` (the endpoint): it names the memory a bulk frame
 lands in, or None to discard it (an aborted round), so bytes are never written where no grant stands.
@@ -156,7 +156,7 @@ async def keep_alive(
     last_sent: Callable[[], float],
     may_send: Callable[[], bool] = lambda: True,
 ) -> None:
-    """A network link's liveness (DESIGN §5): a `Heartbeat` after `heartbeat_interval` without sending
+    """A network link's liveness (architecture §5): a `Heartbeat` after `heartbeat_interval` without sending
     (when `may_send`: not while a write holds the link), and the link closed as broken after
     `link_timeout` without receiving anything. Returns once it closed the link or a send failed; the
     link's reader cancels it otherwise."""

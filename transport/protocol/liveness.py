@@ -1,4 +1,4 @@
-"""Progress deadlines of one side of one transfer (DESIGN §5.7).
+"""Progress deadlines of one side of one transfer (architecture §5.7).
 
 The deadline measures lack of progress, not age: every message or byte for the transfer `touch`es it.
 While this side itself holds things up (waiting for blocks, for its consumer, for its owner's data) it

@@ -1,4 +1,4 @@
-"""The receiving side of one transfer (DESIGN §5): grants, landing checks, consumption, failure.
+"""The receiving side of one transfer (architecture §5): grants, landing checks, consumption, failure.
 
 Landing space comes from one of two places:
 - *owned* (`blocks=None`): the session allocates each round's blocks from the pool under its own owner

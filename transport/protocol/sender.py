@@ -1,11 +1,11 @@
-"""The sending side of one transfer (DESIGN §5): wait for grants, write rounds, say `ChunkDone`.
+"""The sending side of one transfer (architecture §5): wait for grants, write rounds, say `ChunkDone`.
 
 Lifetime: `TransferEndpoint.open_send(transfer_id)` opens the session (an async context manager); the
 owner may `announce_total` as soon as it knows the length, and calls `send(...)` once the data sits in
 its pool. Grants that arrived before the session opened are replayed into it.
 
 Control messages from the receiver reach the session through `handle(link, message)`: called by the
-endpoint directly, or by the owner after they went through the owner's command channel (DESIGN §3).
+endpoint directly, or by the owner after they went through the owner's command channel (architecture §3).
 
 Rounds are written strictly in order; a grant for a round already written is a duplicate and ignored. Each
 round: bytes first, then `ChunkDone` with the header and total as the write's trailer, on the same ordered

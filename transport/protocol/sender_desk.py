@@ -1,4 +1,4 @@
-"""Where sender-bound control messages go on a sending endpoint (DESIGN §3, §5.4).
+"""Where sender-bound control messages go on a sending endpoint (architecture §3, §5.4).
 
 A message for an open sending session goes to it. A grant for a transfer no session has opened yet (the
 encoder is still busy) waits, up to `orphan_timeout`, for `open_send` to claim it; then the receiver is

@@ -1,4 +1,4 @@
-"""The transfer status machine of DESIGN §5.6, with an explicit transition table.
+"""The transfer status machine of architecture §5.6, with an explicit transition table.
 
 `Bootstrapping → WaitingForInput → Transferring → Success`, and any non-terminal state → `Failed`.
 Between rounds a transfer goes back from `Transferring` to `WaitingForInput` (the seeds' "status may

@@ -1,1 +1,1 @@
-"""The controller's ops on a real node: lock, flush, scale and state transitions (DESIGN §6)."""
+"""The controller's ops on a real node: lock, flush, scale and state transitions (architecture §6)."""

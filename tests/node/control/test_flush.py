@@ -1,6 +1,6 @@
 """Flush for real, then `scale` and a `shutdown` that drains, on one node of its own (prefill=1, decode=1).
 
-1. Flush (DESIGN §6): with decode-0 locked, prefilled requests fill prefill-0's migration queue; the
+1. Flush (architecture §6): with decode-0 locked, prefilled requests fill prefill-0's migration queue; the
    `transition` to MutatingToDecode makes prefill-0 adopt them — their KV is already in its blocks — and
    become a Decode replica. They finish on it, token-identical, with zero KV transfers.
 2. Scale: the node now has no prefill replica; `scale prefill 1` adds a new one (prefill-1), which serves;

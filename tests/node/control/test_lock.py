@@ -1,4 +1,4 @@
-"""Lock (DESIGN §6) on a real node with three decode replicas (`tiny_tcp_node`): the controller's reject-KV
+"""Lock (architecture §6) on a real node with three decode replicas (`tiny_tcp_node`): the controller's reject-KV
 loop locks the overloaded one, new migrations avoid it, the loop unlocks it when the skew is gone, and it
 never clears a manual lock.
 

@@ -1,4 +1,4 @@
-"""The replica state machine of DESIGN §6, driven through the `transition` op of a real node with work in flight.
+"""The replica state machine of architecture §6, driven through the `transition` op of a real node with work in flight.
 
 Every commanded transition the node implements is driven here on the `tiny_tcp_node` (prefill=2,
 decode=3), with the state's behaviour checked through `status`, the results and the log:

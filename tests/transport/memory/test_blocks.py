@@ -1,4 +1,4 @@
-"""BlockPool: the pure-Python allocator of DESIGN §4."""
+"""BlockPool: the pure-Python allocator of architecture §4."""
 
 import pytest
 import trio

@@ -1,4 +1,4 @@
-"""The write fence when the sender never acknowledges an abort (DESIGN §5.7): the receiver gave up on a
+"""The write fence when the sender never acknowledges an abort (architecture §5.7): the receiver gave up on a
 transfer, its `Abort` is never answered, so its blocks wait in quarantine — until the link closes, which
 is a fence too. Either the endpoints close (the node stops), or `fence_timeout` passes and the receiver
 closes the link itself, naming it in the error the link's other transfers then fail with."""

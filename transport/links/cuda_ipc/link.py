@@ -6,11 +6,11 @@ straight into the receiver's pool, device to device.
 - Connecting: before the first TCP frame the receiver shares its pool (`transport.links.cuda_ipc.share`: one
   CUDA IPC handle per buffer, the host's boot id) and the sender answers with a verdict — it maps the
   pool, or refuses naming why (another host, its own pool not on a GPU, a handle that will not open):
-  `HandshakeRefused` on the receiver's side. Then the handshake of DESIGN §5.1 runs as on any link.
+  `HandshakeRefused` on the receiver's side. Then the handshake of architecture §5.1 runs as on any link.
 - Bulk writes (sender): per buffer, the round's runs are copied from the sender's pool into the mapped
   receiver pool on the link's own CUDA stream (`copy_rows`), a CUDA event is recorded after them, and
   `write` waits for it in a worker thread — never abandoned, so cancellation waits for the copy — before
-  the round's `ChunkDone` goes out. The event is the write fence of DESIGN §5.7: `ChunkDone` and
+  the round's `ChunkDone` goes out. The event is the write fence of architecture §5.7: `ChunkDone` and
   `AbortAck` follow completed copies only, and `quiesce` waits for copies in flight. Once the link is
   closed, the fence is the end of its TCP connection, which the sender ends only after its copies
   (`transport.links.cuda_ipc.socket_fence`).

@@ -1,4 +1,4 @@
-"""The cuda-ipc write fence for a closed link (DESIGN §5.7), carried by its control connection.
+"""The cuda-ipc write fence for a closed link (architecture §5.7), carried by its control connection.
 
 A cuda-ipc sender writes into the receiver's pool from its own process, on its own stream, queued behind
 its model steps; closing the link does not stop a copy already queued. So the receiver must not reuse a

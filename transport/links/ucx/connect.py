@@ -11,7 +11,7 @@ listener makes the sending link and an endpoint back, and answers `accept{its li
 cross-memory probe address and host key}` (the receiver's fence for writes the sender makes into its
 memory: `transport.links.ucx.peer_process`). A receiver that will read the sender's rows itself (`ucx_copies =
 "cma"`, `transport.links.ucx.reads`) then says `reads`.
-Then the handshake of DESIGN §5.1 (`Hello` / `HelloAck`) runs over the link as on any transport.
+Then the handshake of architecture §5.1 (`Hello` / `HelloAck`) runs over the link as on any transport.
 """
 
 from __future__ import annotations
