@@ -28,6 +28,7 @@ STATUS: Final[dict[ErrorCode, int]] = {
     "replica_failed": 500,
     "cancelled": 499,
     "shutting_down": 503,
+    "stale_lease": 409,
     "internal": 500,
 }
 TYPES: Final[dict[int, str]] = {
