@@ -145,6 +145,9 @@ class LoadTotals(Record, frozen=True):
     # First tokens seen, and those later than the TTFT SLO (`--autoscale-slo-ttft`; 0 when it is off).
     first_tokens: int = 0
     slo_misses: int = 0
+    # Requests admitted and the output tokens they asked for (`max_tokens`): the planner's forecast.
+    arrived_requests: int = 0
+    arrived_output_tokens: int = 0
 
 
 # ---------------------------------------------------------------------------------------------- peer messages

@@ -103,6 +103,36 @@ class AutoscaleConfig(Section, frozen=True, kw_only=True):
     autoscale_slo_miss: Annotated[
         float, msgspec.Meta(ge=0, le=1), _doc("the fraction of first tokens that may miss the TTFT SLO")
     ] = 0.05
+    autoscale_predictor: Annotated[
+        Literal["none", "constant", "ewma", "kalman", "periodic"],
+        _doc(
+            "the forecast that sets each role's floor: constant, ewma, kalman (local linear trend on "
+            "log(1 + rate)), periodic (a profile over --autoscale-forecast-season); none: reactive only"
+        ),
+    ] = "kalman"
+    autoscale_advisory: Annotated[
+        bool, _doc("decide and log every decision (planner_decision, advisory), but never scale")
+    ] = False
+    autoscale_forecast_interval: Annotated[
+        float, msgspec.Meta(gt=0, le=3600), _doc("seconds of arrivals per forecast interval")
+    ] = 1.0
+    autoscale_forecast_season: Annotated[
+        float,
+        msgspec.Meta(gt=0, le=86400),
+        _doc("seconds of one period of the `periodic` predictor's profile"),
+    ] = 60.0
+    autoscale_forecast_clamp: Annotated[
+        float,
+        msgspec.Meta(ge=1, le=100),
+        _doc("a forecast is at most this many times the largest interval's load seen"),
+    ] = 2.0
+    autoscale_lead_time: Annotated[
+        float,
+        msgspec.Meta(ge=0, le=3600),
+        _doc(
+            "the forecast's horizon, seconds, until a weight copy from the source a scale-up uses was measured"
+        ),
+    ] = 1.0
     prefill_utilization_lower: Annotated[Utilisation, _doc("prefill: scale down below this")] = 0.5
     prefill_utilization_upper: Annotated[Utilisation, _doc("prefill: scale up above this")] = 0.7
     decode_utilization_lower: Annotated[Utilisation, _doc("decode KV memory: scale down below this")] = 0.75

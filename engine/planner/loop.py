@@ -3,12 +3,15 @@
 Every `--autoscale-period` seconds — on the cluster's leader, or on a node alone — one pass reads the
 signals (`Signals`: waiting prompt tokens, rates over `--autoscale-window`, decode KV blocks, replica
 counts, this node's and every other member's as last reported), computes each role's range and target
-(`engine.planner.formulas`) and logs a `planner_decision` event with what it read (a `keep` or `skip` that
-repeats the role's last one word for word, at most once a second). It moves at most one
-role per pass, through the `scale` op of the node it places the change on, and makes no decision while a
+(`engine.planner.formulas`), raised to the floor the forecast of the next provisioning lead time sets
+(`--autoscale-predictor`, `engine.planner.forecast`, `engine.planner.floor`; a scale-down stays
+reactive and never passes below it), and logs a `planner_decision` event with what it read and the
+forecast (a `keep` or `skip` that repeats the role's last one word for word, at most once a second). It
+moves at most one role per pass, through the `scale` op of the node it places the change on, and makes no decision while a
 scale runs, or for `--autoscale-pause-after-manual` seconds after a manual one. Scaling up with policy
 `blitz` runs prefill through ZigZag with weights from any source (`auto`); `serverless` is stop-the-world
-from the host copy or disk. A replica scaled down keeps its weights (`ShuttingNull`) for
+from the host copy or disk. With `--autoscale-advisory` it decides and logs, and changes nothing (no
+scale, no release). A replica scaled down keeps its weights (`ShuttingNull`) for
 `--autoscale-keep-alive` seconds — a scale-up in that time revives it — then is made `Inactive`.
 
 `inject(signals)` replaces the measured load (tests drive the planner with a known load); the replica
@@ -28,6 +31,8 @@ import msgspec
 import trio
 
 from engine.control.errors import RequestFailed
+from engine.planner.floor import decode_floor, lead_source, planner_forecast, prefill_floor, with_floor
+from engine.planner.forecast import Forecast, Forecaster
 from engine.planner.formulas import (
     Bounds,
     Range,
@@ -38,10 +43,11 @@ from engine.planner.formulas import (
 )
 from engine.planner.signals import Rates, RateWindow, add, with_capacity
 from engine.scaling import ACTIVE_STATES, scale
+from messages.cluster import LoadTotals
 from messages.commands import Transition
 from messages.control import ScaleMode, ScaleRequest, SourceChoice
 from messages.control_replies import ScaleResult
-from messages.log.scaling import PlannerDecision, PlannerInputs
+from messages.log.scaling import PlannerDecision, PlannerForecast, PlannerInputs
 from replicas.actor import Replica
 from replicas.inbox import CommandRefused, new_command_id
 from replicas.services import PeerReplica
@@ -69,6 +75,7 @@ class Signals:
     counts: dict[str, int]
     # Active replicas not yet serving plainly (loading, in a ZigZag episode, reviving) per role.
     settling: dict[str, int] = field(default_factory=dict)
+    totals: LoadTotals = field(default_factory=LoadTotals)  # the cumulative counters read (the forecast's)
 
     def inputs(self) -> PlannerInputs:
         r = self.rates
@@ -99,6 +106,18 @@ class Planner:
         self._last_up: dict[str, float] = {}
         self._logged: dict[str, tuple[float, tuple[object, ...]]] = {}  # role → last `keep`/`skip` logged
         self._now = 0.0
+        predictor = config.autoscale_predictor
+        self.forecaster = (
+            None
+            if predictor == "none"
+            else Forecaster(
+                predictor,
+                interval=config.autoscale_forecast_interval,
+                season_s=config.autoscale_forecast_season,
+                clamp=config.autoscale_forecast_clamp,
+            )
+        )
+        self._forecasts: dict[str, PlannerForecast | None] = {}  # role → this pass's forecast and floor
         node.metrics.load.slo = (config.autoscale_slo_ttft, config.autoscale_slo_ttft_per_token)
         self.bounds = {
             "prefill": Bounds(config.prefill_utilization_lower, config.prefill_utilization_upper),
@@ -123,7 +142,8 @@ class Planner:
                 next_pass = max(next_pass, trio.current_time())
                 continue
             now = trio.current_time()
-            await self._release_idle(now)
+            if not self.config.autoscale_advisory:
+                await self._release_idle(now)
             if now >= next_pass:
                 next_pass = now + self.config.autoscale_period
                 await self.step()
@@ -133,7 +153,10 @@ class Planner:
         now = self._now = trio.current_time()
         signals = self.measure(now)
         if self.injected is not None:  # a known load; the replica counts stay the node's own
-            signals = replace(self.injected, counts=signals.counts, settling=signals.settling)
+            signals = replace(
+                self.injected, counts=signals.counts, settling=signals.settling, totals=signals.totals
+            )
+        self._floors(now, signals)
         busy = self.node.scale_lock.locked()
         if busy or now < self.paused_until:
             skipped = "a scale is running" if busy else "paused after a manual scale"
@@ -144,20 +167,53 @@ class Planner:
         for role in ROLES:
             current = signals.counts.get(role, 0)
             wanted = self.wanted(role, signals)
-            chosen = target(
-                current, wanted, minimum=self._limit(role, "min"), maximum=self._limit(role, "max")
-            )
-            why = self._hold(role, current, chosen, now, signals)
+            maximum = self._limit(role, "max")
+            reactive = target(current, wanted, minimum=self._limit(role, "min"), maximum=maximum)
+            forecast = self._forecasts.get(role)
+            floor = 0 if forecast is None else forecast.floor
+            chosen = with_floor(current, reactive, floor, maximum=maximum)
+            why = self._hold(role, current, reactive, now, signals)
+            if chosen > reactive:  # the floor raises the count, or holds it against a scale-down
+                why = None if chosen > current else f"the forecast's floor ({floor}) holds the count"
             if why is not None:
                 self._log(role, "keep", current, current, wanted, why, signals)
                 continue
             action: Literal["scale_up", "scale_down"] = "scale_up" if chosen > current else "scale_down"
-            self._log(role, action, current, chosen, wanted, "out of range", signals)
+            because = "out of range" if chosen == reactive else f"below the forecast's floor ({floor})"
+            self._log(role, action, current, chosen, wanted, because, signals)
+            if self.config.autoscale_advisory:
+                continue  # decided and logged; nothing changes
             if chosen > current:
                 self._last_up[role] = now
             self._below_since.pop(role, None)
             await self._apply(role, current, chosen)
             return  # one role per pass: the next pass sees what this scale did
+
+    def _floors(self, now: float, signals: Signals) -> None:
+        """Feed the forecast this pass's counters and set each role's floor for the lead time of the
+        source a scale-up would copy from (`engine.planner.floor`)."""
+        if self.forecaster is None:
+            return
+        self.forecaster.sample(now, signals.totals)
+        serving = sum(signals.counts.values()) > sum(signals.settling.values())
+        source = lead_source(
+            blitz=self.config.autoscale_policy == "blitz",
+            serving=serving,
+            host_copy=self.node.host.host_copy is not None,
+        )
+        measured = self.node.metrics.load.lead.seconds(source)
+        horizon = self.config.autoscale_lead_time if measured is None else measured
+        forecast: Forecast = self.forecaster.forecast(horizon)
+        floors = {
+            "prefill": prefill_floor(forecast, signals.rates.prefill_tokens_per_s, self.bounds["prefill"]),
+            "decode": decode_floor(
+                forecast, signals.decode_used_blocks, signals.decode_blocks_per_replica, self.bounds["decode"]
+            ),
+        }
+        self._forecasts = {
+            role: planner_forecast(forecast, None if measured is None else source, floor)
+            for role, floor in floors.items()
+        }
 
     def _hold(self, role: Role, current: int, chosen: int, now: float, signals: Signals) -> str | None:
         """Why the count stays (None: move to `chosen`). A scale-down waits until the range has stayed
@@ -255,7 +311,7 @@ class Planner:
             migration_bytes_per_s=self.config.migration_bytes_per_s,
         )
         blocks = sum(per_replica) // len(per_replica) if per_replica else 0
-        return Signals(waiting, rates, used, blocks, counts, settling)
+        return Signals(waiting, rates, used, blocks, counts, settling, totals)
 
     # ------------------------------------------------------------------ acting
     async def _apply(self, role: Role, current: int, chosen: int) -> None:
@@ -360,7 +416,10 @@ class Planner:
         reason: str,
         signals: Signals | None,
     ) -> None:
-        if action in ("keep", "skip"):  # a pass that changes nothing is logged when it says something new
+        advisory = self.config.autoscale_advisory and action in ("scale_up", "scale_down")
+        if (
+            action in ("keep", "skip") or advisory
+        ):  # a pass that changes nothing: logged when it says something new
             said = (action, current, chosen, wanted, reason)
             now = trio.current_time()
             last = self._logged.get(role)
@@ -379,6 +438,8 @@ class Planner:
                 high=wanted.high,
                 reason=reason,
                 inputs=inputs,
+                forecast=self._forecasts.get(role) if signals is not None else None,
+                advisory=advisory,
             )
         )
 

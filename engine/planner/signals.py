@@ -1,9 +1,10 @@
 """What the planner reads: cumulative load counters from the event log, and rates over a window.
 
-`LoadCounters` is an event-log observer of one node: prompt tokens admitted, prompt tokens prefilled and
-the busy seconds of the prefill batches that did it (a batch counted once: its requests share its start),
-and the bytes and seconds of finished KV transfers, and — with a TTFT SLO — the first tokens and those
-that missed it. Every node reports its counters to the others
+`LoadCounters` is an event-log observer of one node: requests and prompt tokens admitted (and the output
+tokens they asked for), prompt tokens prefilled and the busy seconds of the prefill batches that did it
+(a batch counted once: its requests share its start), and the bytes and seconds of finished KV
+transfers, and — with a TTFT SLO — the first tokens and those that missed it; it also feeds the
+provisioning lead times (`engine.planner.lead`). Every node reports its counters to the others
 (`messages.cluster.Report.load`), so the cluster's leader sums them. `RateWindow` turns successive
 totals into per-second rates over the last `window` seconds (arrivals: the higher of that and the rate
 over the window's last quarter, so a burst shows at once).
@@ -17,6 +18,7 @@ from typing import final
 
 import msgspec
 
+from engine.planner.lead import LeadTimes
 from messages.cluster import LoadTotals
 from messages.log.events import (
     FirstToken,
@@ -39,12 +41,19 @@ class LoadCounters:
         # The TTFT SLO (seconds, and seconds per prompt token; 0: off), set by the planner.
         self.slo: tuple[float, float] = (0.0, 0.0)
         self._prompts: dict[str, int] = {}  # request id -> prompt tokens, until its first token or end
+        self.lead = LeadTimes()  # the provisioning lead time per weight source (`engine.planner.lead`)
 
     def observe(self, event: LogEvent) -> None:
+        self.lead.observe(event)
         t = self.totals
         match event:
-            case RequestArrived(prompt_tokens=tokens) if tokens:
-                self.totals = msgspec.structs.replace(t, arrived_tokens=t.arrived_tokens + tokens)
+            case RequestArrived(prompt_tokens=tokens, max_tokens=asked) if tokens:
+                self.totals = msgspec.structs.replace(
+                    t,
+                    arrived_tokens=t.arrived_tokens + tokens,
+                    arrived_requests=t.arrived_requests + 1,
+                    arrived_output_tokens=t.arrived_output_tokens + asked,
+                )
                 if self.slo[0] > 0 and event.request_id is not None:
                     self._prompts[event.request_id] = tokens
             case FirstToken(ttft_s=ttft) if self.slo[0] > 0:
@@ -81,6 +90,8 @@ def add(a: LoadTotals, b: LoadTotals) -> LoadTotals:
         kv_seconds=a.kv_seconds + b.kv_seconds,
         first_tokens=a.first_tokens + b.first_tokens,
         slo_misses=a.slo_misses + b.slo_misses,
+        arrived_requests=a.arrived_requests + b.arrived_requests,
+        arrived_output_tokens=a.arrived_output_tokens + b.arrived_output_tokens,
     )
 
 

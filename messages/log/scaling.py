@@ -114,9 +114,26 @@ class PlannerInputs(msgspec.Struct, frozen=True, kw_only=True):
     slo_miss_fraction: float = 0.0
 
 
+class PlannerForecast(msgspec.Struct, frozen=True, kw_only=True):
+    """The forecast a decision took as its floor (docs/planner.md): `predictor`'s load over the next
+    `horizon_s` seconds — the provisioning lead time measured for a copy from `lead_source` (null: not
+    measured yet, `--autoscale-lead-time`) — and the replicas of the role it needs (`floor`)."""
+
+    predictor: Literal["constant", "ewma", "kalman", "periodic"]
+    horizon_s: float
+    lead_source: WeightsSourceName | None
+    arriving_tokens_per_s: float
+    requests_per_s: float
+    mean_prompt_tokens: float
+    mean_output_tokens: float
+    floor: int
+
+
 class PlannerDecision(Event, frozen=True, kw_only=True, tag="planner_decision"):
     """One planner pass for `role`: `current` replicas, the range `[low, high]` its signals ask for, and
-    the `target` it moves to (`action`), or why it made no decision (`skip`, with `reason`)."""
+    the `target` it moves to (`action`), or why it made no decision (`skip`, with `reason`). `forecast`:
+    the floor the predictor set (null: `--autoscale-predictor none`); `advisory`: decided only, not acted
+    on (`--autoscale-advisory`)."""
 
     role: Literal["prefill", "decode"]
     policy: Literal["blitz", "serverless"]
@@ -127,3 +144,5 @@ class PlannerDecision(Event, frozen=True, kw_only=True, tag="planner_decision"):
     high: int
     reason: str
     inputs: PlannerInputs
+    forecast: PlannerForecast | None = None
+    advisory: bool = False

@@ -133,7 +133,13 @@ def test_load_counters_count_a_batch_once() -> None:
         )
     )
     assert counters.totals == LoadTotals(
-        arrived_tokens=100, prefilled_tokens=200, prefill_busy_s=1.0, kv_bytes=4096, kv_seconds=0.002
+        arrived_tokens=100,
+        arrived_requests=1,
+        arrived_output_tokens=4,  # the request's max_tokens
+        prefilled_tokens=200,
+        prefill_busy_s=1.0,
+        kv_bytes=4096,
+        kv_seconds=0.002,
     )
 
 
