@@ -1,34 +1,47 @@
-"""trace: the planner against static provisioning, on one bursty trace with emulated accelerators.
+"""trace: the planner — reactive and with each predictor's floor — against static provisioning and an
+oracle, on a production trace with emulated accelerators.
 
-The trace (engine/bench/trace/gen.py): seeded Gamma arrivals with a burst, or a CSV trace (`--trace-csv`,
-`--columns`, `--time-scale`). It is replayed (engine/bench/trace/replay.py) on one node process per way,
-tiny model, `--max-batch-tokens` (512), every replica emulating an accelerator (`--emulated-speed`:
-`--prefill-tokens-per-s` 5000, `--decode-steps-per-s` 50, a weight copy from host memory of `--load-seconds`
-2, from a peer replica `--peer-speedup` (8) times faster, from disk `--disk-slowdown` (8) times slower — the
-ratios of NVLink, PCIe host-to-device and NVMe on an H100 SXM host, about 450, 55 and 7 GB/s):
+The trace (engine/bench/trace/gen.py): by default a 4-minute window of the vendored Azure LLM inference
+trace 2023 (conversations; `--trace-offset` 1920 s, `--duration` 240 s, replayed at `--time-scale` 0.5
+with `--length-scale` 0.5), or `--trace synthetic` (seeded Gamma arrivals with a burst), or
+`--trace-csv FILE` (`--columns`). It is replayed open-loop (engine/bench/trace/replay.py: each request
+sent at its arrival time, never waiting for replies) on one node process per way, tiny model,
+`--max-batch-tokens` (512), every replica emulating an accelerator (`--emulated-speed`:
+`--prefill-tokens-per-s` 5000, `--decode-steps-per-s` 50, a weight copy from host memory of
+`--load-seconds` 2, from a peer replica `--peer-speedup` (8) times faster, from disk `--disk-slowdown` (8)
+times slower — the ratios of NVLink, PCIe host-to-device and NVMe on an H100 SXM host, about 450, 55
+and 7 GB/s). The ways (`--ways`, all by default):
 
 - **static**: `--replicas prefill=N,decode=1`, no planner. N is the smallest count, from 1 up to
-  `--max-prefill-replicas` (4), whose SLO attainment on the trace's peak (the `--peak-window`-second
+  `--max-prefill-replicas` (6), whose SLO attainment on the trace's peak (the `--peak-window`-second
   window with the most prompt tokens, replayed alone) reaches `--slo-target` (0.9); `--static-replicas N`
   skips that search.
-- **serverless**: `--replicas prefill=1,decode=1 --autoscale --autoscale-policy serverless` (stop-the-world,
-  weights from the host copy), the planner told one replica's speed (`--prefill-tokens-per-s`) and capped
-  at `--max-prefill-replicas`.
-- **blitz**: the same with `--autoscale-policy blitz` (prefill scales up with ZigZag).
+- **reactive**: `--replicas prefill=1,decode=1 --autoscale --autoscale-policy blitz
+  --autoscale-predictor none`: BlitzScale's band alone (prefill scales up with ZigZag, from a peer).
+- **constant**, **ewma**, **kalman**, **periodic**: the same with that predictor's forecast as the floor.
+- **serverless**: `--autoscale-policy serverless` (stop-the-world from the host copy) with the predictor
+  of `--blitz-way` (kalman), against which that way's p99 TTFT is compared.
+- **oracle**: no planner; a schedule of prefill counts made from the trace's known arrivals
+  (engine/bench/trace/oracle.py), played through `scale` commands.
 
-Figures (engine/bench/trace/slo.py): SLO attainment (TTFT ≤ max(`--slo-ttft-floor`, `--slo-ttft-per-token`
-× prompt tokens)), TTFT and TPOT p50/p99, and replica-seconds (replicas not `Inactive`, polled from
-`status` every 0.1 s, integrated from the trace's start to the last request's end). Rows: each autoscale
-way against static, and blitz's p99 TTFT against serverless's. Goals: blitz p99 TTFT ≤ 0.5 × serverless;
-replica-seconds ≤ 0.7 × static with attainment within 5 points of static's.
+Every autoscaling way is told one replica's speed (`--prefill-tokens-per-s`) and the SLO, capped at
+`--max-prefill-replicas`; `--planner-options` adds node options. Figures (engine/bench/trace/slo.py): SLO
+attainment (TTFT ≤ max(`--slo-ttft-floor`, `--slo-ttft-per-token` × prompt tokens)), TTFT p50/p99,
+replica-seconds (replicas not `Inactive` — loading, serving, draining — polled from `status` every 0.1
+s, integrated from the trace's start to the last request's end) and scale events (the planner's
+`scale_up`/`scale_down` decisions; the oracle's commands). Rows: each way against static, and the
+`--blitz-way`'s p99 TTFT against serverless's. Goals: replica-seconds ≤ 0.55 × static with attainment
+within 1 point of static's; blitz p99 TTFT ≤ 0.5 × serverless. A missed goal's note says where the
+replica-seconds went (per role, loading, draining) and the oracle's figures.
 
-`--plot FILE` draws TTFT and the replica count over time, three ways (engine/bench/trace/plot.py);
-`--logs DIR` keeps the nodes' logs.
+`--plot FILE` draws the arrivals and each predictor's forecast, and the replicas of each way, over time
+(engine/bench/trace/plot.py); `--logs DIR` keeps the nodes' logs.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import shlex
 import shutil
@@ -39,20 +52,45 @@ from pathlib import Path
 from typing import Final
 
 from engine.bench.rows import Row, row
-from engine.bench.trace.gen import TraceRequest, peak_window, prompt_tokens_per_s, trace_from, window
+from engine.bench.trace.gen import (
+    TraceRequest,
+    peak_window,
+    prompt_tokens_per_s,
+    source,
+    trace_from,
+    window,
+)
 from engine.bench.trace.gen import add_arguments as add_trace_arguments
+from engine.bench.trace.oracle import player, schedule
 from engine.bench.trace.replay import Run, replay_on_node
 from engine.bench.trace.slo import Slo, Summary, attainment, summarize
 
 BENCH: Final = "trace"
 BASELINE: Final = "static"
-WAYS: Final = ("static", "serverless", "blitz")
+PREDICTORS: Final = ("constant", "ewma", "kalman", "periodic")
+WAYS: Final = ("static", "reactive", *PREDICTORS, "serverless", "oracle")
+UPPER: Final = 0.7  # the prefill band's upper utilisation (the planner's default), for the oracle
+ORACLE_WINDOW_S: Final = 2.0
+ATTAINMENT_POINTS: Final = 1.0  # the goal: attainment within this many points of static's
+SECONDS_GOAL: Final = 0.55  # ... at no more than this share of its replica-seconds
+P99_GOAL: Final = 0.5  # blitz's p99 TTFT against serverless's
+QUICK_WAYS: Final = "static,kalman,serverless,oracle"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_trace_arguments(parser)
     group = parser.add_argument_group("the nodes and the SLO")
-    group.add_argument("--ways", default=",".join(WAYS), help="comma-separated: static, serverless, blitz")
+    group.add_argument(
+        "--ways",
+        default=None,
+        help=f"comma-separated: {', '.join(WAYS)} (default: all; --quick: {QUICK_WAYS})",
+    )
+    group.add_argument(
+        "--blitz-way",
+        choices=("reactive", *PREDICTORS),
+        default="kalman",
+        help="the blitz way compared with serverless (and serverless's predictor; default kalman)",
+    )
     group.add_argument("--prefill-tokens-per-s", type=float, default=5000.0, help="emulated (default 5000)")
     group.add_argument("--decode-steps-per-s", type=float, default=50.0, help="emulated (default 50)")
     group.add_argument(
@@ -66,7 +104,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument("--max-batch-tokens", type=int, default=512, help="prompt tokens per batch (512)")
     group.add_argument(
-        "--max-prefill-replicas", type=int, default=4, help="static search's and planner's cap"
+        "--max-prefill-replicas", type=int, default=6, help="static search's, planner's and oracle's cap (6)"
     )
     group.add_argument("--keep-alive", type=float, default=None, help="the planner's --autoscale-keep-alive")
     group.add_argument(
@@ -86,17 +124,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="do not tell the planner the SLO (--autoscale-slo-ttft): it scales by its utilisation band alone",
     )
     group.add_argument(
-        "--plot", type=Path, default=None, help="draw TTFT and replicas over time into this file"
+        "--plot",
+        type=Path,
+        default=None,
+        help="draw arrivals, forecasts and replicas over time into this file",
     )
     group.add_argument("--logs", type=Path, default=None, help="keep the nodes' JSON logs in this folder")
-    group.add_argument("--quick", action="store_true", help="a 4 s trace, a 1.5 s burst, at most 2 replicas")
+    group.add_argument(
+        "--quick", action="store_true", help="a 4 s synthetic trace, a 1.5 s burst, at most 2 replicas"
+    )
 
 
 def run(args: argparse.Namespace) -> Iterable[Row]:
     if args.quick:
-        args.duration, args.burst_at, args.burst_len, args.peak_window = 4.0, 1.0, 1.5, 1.5
-        args.rate, args.max_prefill_replicas, args.load_seconds = 3.0, 2, 0.5
-    ways = [w.strip() for w in args.ways.split(",") if w.strip()]
+        args.trace, args.duration, args.burst_at, args.burst_len = "synthetic", 4.0, 1.0, 1.5
+        args.rate, args.max_prefill_replicas, args.load_seconds, args.peak_window = 3.0, 2, 0.5, 1.5
+    chosen = args.ways if args.ways is not None else (QUICK_WAYS if args.quick else ",".join(WAYS))
+    ways = [w.strip() for w in chosen.split(",") if w.strip()]
     unknown = set(ways) - set(WAYS)
     if unknown or not ways:
         raise SystemExit(f"--ways: unknown ways {sorted(unknown)} (ways: {', '.join(WAYS)})")
@@ -115,11 +159,18 @@ def run(args: argparse.Namespace) -> Iterable[Row]:
             shutil.rmtree(directory, ignore_errors=True)
 
 
-def node_options(args: argparse.Namespace, speed: str, *, prefill: int, policy: str | None) -> list[str]:
+def node_options(
+    args: argparse.Namespace,
+    speed: str,
+    *,
+    prefill: int,
+    policy: str | None,
+    predictor: str = "none",
+) -> list[str]:
     options = ["--replicas", f"prefill={prefill},decode=1", "--max-batch-tokens", str(args.max_batch_tokens)]
     options += ["--emulated-speed", speed]
     if policy is not None:
-        options += ["--autoscale", "--autoscale-policy", policy]
+        options += ["--autoscale", "--autoscale-policy", policy, "--autoscale-predictor", predictor]
         options += ["--prefill-tokens-per-s", f"{args.prefill_tokens_per_s:g}"]
         options += ["--max-prefill-replicas", str(args.max_prefill_replicas)]
         # The planner is told the SLO the trace is judged by (`--no-planner-slo`: the utilisation band only).
@@ -130,6 +181,17 @@ def node_options(args: argparse.Namespace, speed: str, *, prefill: int, policy: 
             options += ["--autoscale-keep-alive", f"{args.keep_alive:g}"]
         options += shlex.split(args.planner_options)
     return options
+
+
+def way_options(args: argparse.Namespace, way: str, speed: str) -> list[str]:
+    """The node options of an autoscaling way (or the oracle's: one prefill replica, no planner)."""
+    if way == "oracle":
+        return node_options(args, speed, prefill=1, policy=None)
+    if way == "serverless":
+        predictor = "none" if args.blitz_way == "reactive" else args.blitz_way
+        return node_options(args, speed, prefill=1, policy="serverless", predictor=predictor)
+    predictor = "none" if way == "reactive" else way
+    return node_options(args, speed, prefill=1, policy="blitz", predictor=predictor)
 
 
 def trace_speed(args: argparse.Namespace) -> str:
@@ -178,6 +240,38 @@ def find_static(
     return count, note
 
 
+def oracle_plan(args: argparse.Namespace, trace: Sequence[TraceRequest]) -> list[tuple[float, int]]:
+    """The oracle's schedule: lead = a copy from a peer (`--load-seconds` / `--peer-speedup`) + 0.1 s."""
+    return schedule(
+        trace,
+        capacity=args.prefill_tokens_per_s,
+        upper=UPPER,
+        window=ORACLE_WINDOW_S,
+        lead=args.load_seconds / args.peer_speedup + 0.1,
+        minimum=1,
+        maximum=args.max_prefill_replicas,
+    )
+
+
+def decisions(log_file: Path) -> list[dict[str, object]]:
+    """The `planner_decision` events of a node's log."""
+    if not log_file.exists():
+        return []
+    found = []
+    for line in log_file.read_bytes().splitlines():
+        if b'"planner_decision"' in line:
+            event = json.loads(line)
+            if event.get("event") == "planner_decision":
+                found.append(event)
+    return found
+
+
+def scale_events(log_file: Path) -> int:
+    return sum(
+        d["action"] in ("scale_up", "scale_down") and not d.get("advisory") for d in decisions(log_file)
+    )
+
+
 def _rows(
     args: argparse.Namespace, ways: list[str], trace: Sequence[TraceRequest], directory: Path
 ) -> Iterator[Row]:
@@ -185,8 +279,11 @@ def _rows(
     slo = Slo(args.slo_ttft_floor, args.slo_ttft_per_token)
     runs: dict[str, Run] = {}
     summaries: dict[str, Summary] = {}
+    events: dict[str, int] = {}
     static = args.static_replicas
+    plan: list[tuple[float, int]] = []
     for way in ways:
+        control = None
         if way == BASELINE:
             if static is None:
                 static, note = find_static(args, trace, speed, directory, slo)
@@ -196,25 +293,31 @@ def _rows(
             yield row(BENCH, BASELINE, "prefill_replicas", "lower", float(static), note=note)
             options = node_options(args, speed, prefill=static, policy=None)
         else:
-            options = node_options(args, speed, prefill=1, policy=way)
-        runs[way] = replay_on_node(trace, options, directory / f"{way}.jsonl", args.seed)
+            options = way_options(args, way, speed)
+            if way == "oracle":
+                plan = oracle_plan(args, trace)
+                control = player(plan, args.keep_alive if args.keep_alive is not None else 0.333)
+        log_file = directory / f"{way}.jsonl"
+        runs[way] = replay_on_node(trace, options, log_file, args.seed, control)
         summaries[way] = summary = summarize(runs[way].outcomes, runs[way].samples, slo)
+        events[way] = max(0, len(plan) - 1) if way == "oracle" else scale_events(log_file)
         _say(
             f"{way}: attainment {summary.attainment:.1%}, TTFT p50/p99 {summary.ttft_p50:.3f}/"
             f"{summary.ttft_p99:.3f} s, {summary.replica_seconds:.1f} replica-s over {summary.span:.1f} s, "
-            f"{summary.failed} failed"
+            f"{events[way]} scale events, {summary.failed} failed"
         )
-    yield from _way_rows(args, trace, speed, summaries, static)
+    yield from _way_rows(args, trace, speed, summaries, events, static)
     if args.plot is not None and runs:
         from engine.bench.trace.plot import draw
 
-        burst = None if args.trace_csv is not None else (args.burst_at, args.burst_at + args.burst_len)
-        labels = {w: (f"static (prefill={static})" if w == BASELINE else f"autoscale {w}") for w in runs}
+        labels = {w: (f"static (prefill={static})" if w == BASELINE else w) for w in runs}
+        forecasts = {w: decisions(directory / f"{w}.jsonl") for w in runs if w in PREDICTORS}
         draw(
+            trace,
             {labels[w]: r for w, r in runs.items()},
+            {w: (runs[w].started_wall, d) for w, d in forecasts.items()},
             args.plot,
-            slo,
-            burst=burst,
+            title=_title(args),
             subtitle=f"emulated: {speed}",
         )
 
@@ -223,26 +326,53 @@ def _goal(met: bool) -> str:
     return "met" if met else "missed"
 
 
+def _title(args: argparse.Namespace) -> str:
+    kind = source(args)
+    if kind == "synthetic":
+        return "A synthetic bursty trace: the planner's ways against static provisioning"
+    name = "Azure LLM inference trace 2023, conversations" if kind == "azure-conv" else args.trace_csv.name
+    end = args.trace_offset + args.duration
+    return f"{name} [{args.trace_offset:g}, {end:g}) s, x{args.time_scale:g} time: the planner's ways"
+
+
 def _describe(args: argparse.Namespace, trace: Sequence[TraceRequest], speed: str) -> str:
-    if args.trace_csv is not None:
-        what = f"CSV {args.trace_csv.name} x{args.time_scale:g}"
-    else:
+    kind = source(args)
+    if kind == "synthetic":
         what = (
-            f"Gamma cv {args.cv:g} at {args.rate:g} req/s, x{args.burst_factor:g} in "
+            f"synthetic: Gamma cv {args.cv:g} at {args.rate:g} req/s, x{args.burst_factor:g} in "
             f"[{args.burst_at:g}, {args.burst_at + args.burst_len:g}) s"
         )
+    else:
+        name = "azure-conv" if kind == "azure-conv" else f"CSV {args.trace_csv.name}"
+        what = (
+            f"{name} [{args.trace_offset:g}, {args.trace_offset + args.duration:g}) s of the trace, time "
+            f"x{args.time_scale:g}, lengths x{args.length_scale:g}"
+        )
+    last = max((r.at for r in trace), default=0.0)
     return (
-        f"{len(trace)} requests over {args.duration:g} s ({what}); emulated ({speed}); SLO TTFT <= "
+        f"{len(trace)} requests over {last:.0f} s ({what}); emulated ({speed}); SLO TTFT <= "
         f"max({args.slo_ttft_floor:g} s, {args.slo_ttft_per_token:g} s x prompt tokens)"
     )
 
 
-METRICS: Final = (
-    ("ttft_p50_s", "ttft_p50"),
-    ("ttft_p99_s", "ttft_p99"),
-    ("tpot_p50_s", "tpot_p50"),
-    ("tpot_p99_s", "tpot_p99"),
-)
+def _where(mine: Summary, oracle: Summary | None, base: Summary | None) -> str:
+    """Where the replica-seconds went, and the oracle's figures beside them."""
+    spent = mine.spent
+    text = (
+        f"replica-s: prefill {spent.prefill:.0f}, decode {spent.decode:.0f}; of both, loading "
+        f"{spent.loading:.0f}, draining {spent.draining:.0f}"
+    )
+    if oracle is not None:
+        ratio = (
+            oracle.replica_seconds / base.replica_seconds
+            if base is not None and base.replica_seconds
+            else math.nan
+        )
+        text += (
+            f"; oracle {oracle.replica_seconds:.0f} replica-s ({ratio:.2f} x static), attainment "
+            f"{oracle.attainment:.1%}, prefill {oracle.spent.prefill:.0f}"
+        )
+    return text
 
 
 def _way_rows(
@@ -250,24 +380,35 @@ def _way_rows(
     trace: Sequence[TraceRequest],
     speed: str,
     summaries: dict[str, Summary],
+    events: dict[str, int],
     static: int | None,
 ) -> Iterator[Row]:
-    """Each autoscale way against static (when it ran), then blitz's p99 TTFT against serverless's."""
+    """Each way against static (when it ran), then the blitz way's p99 TTFT against serverless's."""
     common = _describe(args, trace, speed)
     base = summaries.get(BASELINE)
+    oracle = summaries.get("oracle")
     name = f"static prefill={static}" if base is not None else None
-    for way in ("serverless", "blitz"):
+    if base is not None:
+        yield row(BENCH, BASELINE, "replica_seconds", "lower", base.replica_seconds, unit="replica-s",
+                  note=f"{common}; attainment {base.attainment:.1%}, TTFT p50/p99 {base.ttft_p50:.3f}/"
+                  f"{base.ttft_p99:.3f} s")  # fmt: skip
+    for way in WAYS:
         mine = summaries.get(way)
-        if mine is None:
+        if mine is None or way == BASELINE:
             continue
-        note = f"{common}; autoscale {way}, prefill 1..{args.max_prefill_replicas}; failed {mine.failed}"
-        note += f" of {mine.requests}" + (f" (static {base.failed})" if base is not None else "")
+        what = {
+            "oracle": "oracle: a schedule from the known arrivals, played through scale",
+            "reactive": "blitz, reactive only",
+            "serverless": f"serverless, predictor {'none' if args.blitz_way == 'reactive' else args.blitz_way}",
+        }.get(way, f"blitz, predictor {way} as the floor")
+        note = f"{common}; {what}, prefill 1..{args.max_prefill_replicas}; failed {mine.failed} of {mine.requests}"
         points = math.nan if base is None else (mine.attainment - base.attainment) * 100
-        close = points >= -5.0
+        close = points >= -ATTAINMENT_POINTS
         yield row(BENCH, way, "slo_attainment", "higher", mine.attainment,
                   None if base is None else base.attainment, name,
-                  note=f"{note}; goal within 5 points of static: {points:+.1f} points, {_goal(close)}")  # fmt: skip
-        for metric, field in METRICS:
+                  note=f"{note}; goal within {ATTAINMENT_POINTS:g} point of static: {points:+.1f} points, "
+                  f"{_goal(close)}")  # fmt: skip
+        for metric, field in (("ttft_p50_s", "ttft_p50"), ("ttft_p99_s", "ttft_p99")):
             yield row(BENCH, way, metric, "lower", getattr(mine, field),
                       None if base is None else getattr(base, field), name, unit="s", note=note)  # fmt: skip
         ratio = (
@@ -275,12 +416,16 @@ def _way_rows(
             if base is None or not base.replica_seconds
             else mine.replica_seconds / base.replica_seconds
         )
-        goal = f"goal <= 0.7 x static with attainment within 5 points: {_goal(ratio <= 0.7 and close)}"
+        met = ratio <= SECONDS_GOAL and close
+        goal = f"goal <= {SECONDS_GOAL:g} x static with attainment within {ATTAINMENT_POINTS:g} point: {_goal(met)}"
+        where = "" if met else f"; {_where(mine, None if way == 'oracle' else oracle, base)}"
         yield row(BENCH, way, "replica_seconds", "lower", mine.replica_seconds,
                   None if base is None else base.replica_seconds, name, unit="replica-s",
-                  note=f"{note}; mean replicas {mine.mean_replicas:.2f} over {mine.span:.1f} s; {goal}")  # fmt: skip
-    blitz, serverless = summaries.get("blitz"), summaries.get("serverless")
+                  note=f"{note}; mean replicas {mine.mean_replicas:.2f} over {mine.span:.1f} s; {goal}{where}")  # fmt: skip
+        yield row(BENCH, way, "scale_events", "lower", float(events.get(way, 0)), unit="events", note=note)
+    blitz, serverless = summaries.get(args.blitz_way), summaries.get("serverless")
     if blitz is not None and serverless is not None:
-        met = blitz.ttft_p99 <= 0.5 * serverless.ttft_p99
+        met = blitz.ttft_p99 <= P99_GOAL * serverless.ttft_p99
         yield row(BENCH, "blitz-vs-serverless", "ttft_p99_s", "lower", blitz.ttft_p99, serverless.ttft_p99,
-                  "serverless", unit="s", note=f"{common}; goal <= 0.5: {_goal(met)}")  # fmt: skip
+                  "serverless", unit="s",
+                  note=f"{common}; blitz: {args.blitz_way}; goal <= {P99_GOAL:g}: {_goal(met)}")  # fmt: skip

@@ -1,20 +1,28 @@
-"""The `trace` benchmark's workload: a seeded generator, or a CSV trace replayed as it is.
+"""The `trace` benchmark's workload: a production trace (the default), a seeded generator, or a CSV file.
 
-Generated (the default): Gamma-distributed inter-arrival times at `--rate` requests/s, their coefficient of
+`--trace azure-conv` (the default): the Azure LLM inference trace 2023's conversation CSV, vendored in
+engine/bench/trace/data/ with its attribution and citation (CC BY 4.0), read as a CSV trace below with
+its own columns; unless given, `--trace-offset` 1920, `--duration` 240, `--time-scale` 0.5 and
+`--length-scale` 0.5 (a 4-minute window of the hour, replayed in 2 minutes with prompts half as long:
+the prompt tokens per second of the original, twice the request rate).
+
+`--trace synthetic`: Gamma-distributed inter-arrival times at `--rate` requests/s, their coefficient of
 variation `--cv` (shape 1 / cv²; `--gamma-shape` sets the shape itself; cv 1 is Poisson), the rate
 multiplied by `--burst-factor` from `--burst-at` for `--burst-len` seconds, over `--duration` seconds. The
 arrivals are a unit-rate Gamma renewal process mapped through the cumulative rate (so the burst changes
 the rate, not the shape). Prompt and output lengths are log-normal around `--prompt-mean` and
 `--output-mean` (σ `--length-sigma` of the logarithm), clipped to `[--prompt-min, --prompt-max]` and
-`[1, --output-max]`. One `--seed` gives one trace.
+`[1, --output-max]`. One `--seed` gives one trace; `--duration` 60 unless given.
 
-CSV (`--trace-csv FILE`): one request per row; `--columns arrival=COL,prompt=COL,output=COL` names the
+CSV (`--trace-csv FILE`, in place of `--trace`): one request per row; `--columns arrival=COL,prompt=COL,output=COL` names the
 columns (the default fits Azure's LLM inference traces; BurstGPT:
 `arrival=Timestamp,prompt=Request tokens,output=Response tokens`). Arrivals are seconds (relative or
-absolute) or ISO-8601 date-times; they are taken relative to the earliest, sorted, multiplied by
-`--time-scale` (0.5 replays twice as fast), and the requests arriving in `[--trace-offset,
---trace-offset + --duration)` seconds of that are kept, shifted to start at 0. Lengths are clipped as
-above (an output of 0, a failed request in BurstGPT, becomes 1).
+absolute) or ISO-8601 date-times; they are taken relative to the earliest and sorted; the requests
+arriving in the window `[--trace-offset, --trace-offset + --duration)` seconds of the trace's own time
+are kept, shifted to start at 0 and multiplied by `--time-scale` (0.5 replays the window twice as fast).
+Prompt and output lengths are multiplied by `--length-scale` (rounded, at least 1), then clipped as above
+(an output of 0, a failed request in BurstGPT, becomes 1). A CSV file's defaults: `--duration` 60,
+`--time-scale` and `--length-scale` 1.
 """
 
 from __future__ import annotations
@@ -32,6 +40,28 @@ from typing import Final, final
 
 ROLES: Final = ("arrival", "prompt", "output")
 AZURE_COLUMNS: Final = "arrival=TIMESTAMP,prompt=ContextTokens,output=GeneratedTokens"
+DATA: Final = Path(__file__).resolve().parent / "data"
+AZURE_CONV: Final = DATA / "AzureLLMInferenceTrace_conv.csv"
+TRACES: Final = ("azure-conv", "synthetic")
+
+
+@final
+@dataclass(frozen=True, slots=True)
+class Window:
+    """Which part of a CSV trace is replayed, and how it is scaled (the module docstring)."""
+
+    offset: float = 0.0
+    duration: float = math.inf
+    time_scale: float = 1.0
+    length_scale: float = 1.0
+
+
+# The defaults of each source: (offset, duration, time scale, length scale).
+PRESETS: Final = {
+    "azure-conv": Window(1920.0, 240.0, 0.5, 0.5),
+    "synthetic": Window(0.0, 60.0, 1.0, 1.0),
+    "csv": Window(0.0, 60.0, 1.0, 1.0),
+}
 
 
 @final
@@ -153,10 +183,13 @@ def read_csv(
     time_scale: float = 1.0,
     offset: float = 0.0,
     duration: float = math.inf,
+    length_scale: float = 1.0,
 ) -> list[TraceRequest]:
     """The CSV trace at `path` (module docstring); ValueError naming the file and line of a bad row."""
-    if time_scale <= 0:
-        raise ValueError(f"--time-scale must be positive, got {time_scale}")
+    if time_scale <= 0 or length_scale <= 0:
+        raise ValueError(
+            f"--time-scale and --length-scale must be positive, got {time_scale}, {length_scale}"
+        )
     rows: list[tuple[float, int, int]] = []
     with path.open(newline="", encoding="utf-8-sig") as handle:
         reader = csv.DictReader(handle)
@@ -174,11 +207,19 @@ def read_csv(
     if not rows:
         return []
     first = min(at for at, _, _ in rows)
-    trace = [
-        TraceRequest((at - first) * time_scale - offset, lengths.clip_prompt(p), lengths.clip_output(o))
+
+    def scaled(tokens: int) -> int:
+        return max(1, round(tokens * length_scale)) if tokens > 0 else tokens
+
+    return [
+        TraceRequest(
+            (at - first - offset) * time_scale,
+            lengths.clip_prompt(scaled(p)),
+            lengths.clip_output(scaled(o)),
+        )
         for at, p, o in sorted(rows, key=lambda r: r[0])
+        if 0.0 <= at - first - offset < duration
     ]
-    return [r for r in trace if 0.0 <= r.at < duration]
 
 
 # ---------------------------------------------------------------------------------------------- windows
@@ -211,9 +252,17 @@ def prompt_tokens_per_s(trace: Sequence[TraceRequest], seconds: float) -> float:
 # ---------------------------------------------------------------------------------------------- options
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("the trace")
+    group.add_argument(
+        "--trace",
+        choices=TRACES,
+        default="azure-conv",
+        help="azure-conv (default: the vendored Azure LLM inference trace 2023, conversations) or synthetic",
+    )
     group.add_argument("--seed", type=int, default=7)
     group.add_argument("--rate", type=float, default=6.0, help="requests/s outside the burst (default 6)")
-    group.add_argument("--duration", type=float, default=60.0, help="seconds of trace (default 60)")
+    group.add_argument(
+        "--duration", type=float, default=None, help="seconds of trace (azure-conv 240, else 60)"
+    )
     group.add_argument("--cv", type=float, default=2.0, help="inter-arrival coefficient of variation (2)")
     group.add_argument("--gamma-shape", type=float, default=None, help="the Gamma shape (default 1/cv²)")
     group.add_argument("--burst-factor", type=float, default=4.0, help="the rate's factor in the burst (4)")
@@ -227,8 +276,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--length-sigma", type=float, default=0.8, help="σ of the lengths' logarithm")
     group.add_argument("--trace-csv", type=Path, default=None, help="replay this CSV trace instead")
     group.add_argument("--columns", default=AZURE_COLUMNS, help=f"CSV columns (default {AZURE_COLUMNS})")
-    group.add_argument("--time-scale", type=float, default=1.0, help="CSV arrival gaps × this (default 1)")
-    group.add_argument("--trace-offset", type=float, default=0.0, help="CSV: skip this many seconds first")
+    group.add_argument(
+        "--time-scale", type=float, default=None, help="CSV arrival gaps × this (azure-conv 0.5, else 1)"
+    )
+    group.add_argument(
+        "--length-scale",
+        type=float,
+        default=None,
+        help="CSV prompt and output lengths × this (azure-conv 0.5, else 1)",
+    )
+    group.add_argument(
+        "--trace-offset",
+        type=float,
+        default=None,
+        help="CSV: the window's start, s of the trace (azure-conv 1920)",
+    )
 
 
 def lengths_from(args: argparse.Namespace) -> Lengths:
@@ -242,17 +304,41 @@ def lengths_from(args: argparse.Namespace) -> Lengths:
     )
 
 
+def source(args: argparse.Namespace) -> str:
+    """`csv`, `azure-conv` or `synthetic`: what the options replay."""
+    return "csv" if args.trace_csv is not None else str(args.trace)
+
+
+def window_from(args: argparse.Namespace) -> Window:
+    """The options' window, each unset one at its source's default (`PRESETS`); sets them on `args`."""
+    preset = PRESETS[source(args)]
+    chosen = Window(
+        offset=preset.offset if args.trace_offset is None else args.trace_offset,
+        duration=preset.duration if args.duration is None else args.duration,
+        time_scale=preset.time_scale if args.time_scale is None else args.time_scale,
+        length_scale=preset.length_scale if args.length_scale is None else args.length_scale,
+    )
+    args.trace_offset, args.duration = chosen.offset, chosen.duration
+    args.time_scale, args.length_scale = chosen.time_scale, chosen.length_scale
+    return chosen
+
+
 def trace_from(args: argparse.Namespace) -> list[TraceRequest]:
     """The trace the options describe (ValueError on bad options or a bad CSV)."""
     lengths = lengths_from(args)
-    if args.trace_csv is not None:
+    chosen = window_from(args)
+    if source(args) != "synthetic":
+        path, columns = (
+            (args.trace_csv, args.columns) if args.trace_csv is not None else (AZURE_CONV, AZURE_COLUMNS)
+        )
         return read_csv(
-            args.trace_csv,
-            parse_columns(args.columns),
+            path,
+            parse_columns(columns),
             lengths,
-            time_scale=args.time_scale,
-            offset=args.trace_offset,
-            duration=args.duration,
+            time_scale=chosen.time_scale,
+            offset=chosen.offset,
+            duration=chosen.duration,
+            length_scale=chosen.length_scale,
         )
     shape = Shape(
         rate=args.rate,

@@ -1,66 +1,83 @@
-"""The `trace` benchmark's picture: TTFT over time and the replica count over time, one series per way.
+"""The `trace` benchmark's picture: arrivals and forecasts over time, and the replicas of each way.
 
-Top: each request's TTFT at its arrival (failed requests as crosses at the top edge), the SLO's floor as a
-dashed line. Bottom: the replicas not `Inactive` (prefill and decode), as polled from `status`. The burst of
-a generated trace is shaded in both. Needs matplotlib (the extra `plot`); draws on a `Figure` (no pyplot)
-and writes the format the suffix names. The caption names the CPU and the command (less `--logs`).
+Top: the trace's prompt tokens per second (1-second bins, as replayed) and each predictor's forecast of
+them — the `arriving_tokens_per_s` its planner logged with each prefill decision (`planner_decision`
+events' `forecast`), at the time of the decision. Bottom: the replicas not `Inactive` (prefill and
+decode; loading, serving, draining) of every way, as polled from `status`. Needs matplotlib (the extra
+`plot`); draws on a `Figure` (no pyplot) and writes the format the suffix names. The caption names the
+CPU and the command (less `--logs`).
 """
 
 from __future__ import annotations
 
+import math
 import shlex
 import sys
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Final
 
+from engine.bench.trace.gen import TraceRequest
 from engine.bench.trace.replay import Run
-from engine.bench.trace.slo import Slo
-from engine.bench.zigzag_plot import COLOURS, MARKERS, _without_logs, cpu_name
+from engine.bench.zigzag_plot import _without_logs, cpu_name
+
+COLOURS: Final = ("#222222", "#d1495b", "#2f6db5", "#2e9e4f", "#7b4fa0", "#e08a1e", "#17becf", "#8c564b")
+BIN_S: Final = 1.0
+
+
+def arrivals(trace: Sequence[TraceRequest]) -> tuple[list[float], list[float]]:
+    """(bin starts, prompt tokens/s) of the trace in `BIN_S` bins."""
+    if not trace:
+        return [], []
+    bins = [0.0] * (math.floor(max(r.at for r in trace) / BIN_S) + 1)
+    for r in trace:
+        bins[math.floor(r.at / BIN_S)] += r.prompt_tokens / BIN_S
+    return [k * BIN_S for k in range(len(bins))], bins
 
 
 def draw(
+    trace: Sequence[TraceRequest],
     runs: Mapping[str, Run],
+    forecasts: Mapping[str, tuple[float, list[dict[str, object]]]],
     path: Path,
-    slo: Slo,
     *,
-    burst: tuple[float, float] | None = None,
+    title: str,
     subtitle: str = "",
 ) -> None:
-    """Draw the runs (label → run) into `path`."""
+    """Draw the trace, the forecasts (way → (its run's start on the wall clock, its decisions)) and the
+    runs (label → run) into `path`."""
     import matplotlib
     from matplotlib.figure import Figure
 
-    figure = Figure(figsize=(10.0, 7.0), layout="constrained")
-    ttft_axes, count_axes = figure.subplots(2, 1, sharex=True, height_ratios=(3, 2))
-    top = max((o.ttft for r in runs.values() for o in r.outcomes if o.ttft is not None), default=1.0)
+    figure = Figure(figsize=(11.0, 7.5), layout="constrained")
+    load_axes, count_axes = figure.subplots(2, 1, sharex=True, height_ratios=(3, 2))
+    starts, rates = arrivals(trace)
+    load_axes.step(starts, rates, where="post", color="#999999", linewidth=1.0, label="arrivals (1 s bins)")
+    for index, (way, (origin, events)) in enumerate(forecasts.items()):
+        points = [
+            (float(str(e["ts"])) - origin, float(str(f["arriving_tokens_per_s"])))
+            for e in events
+            if e.get("role") == "prefill" and isinstance(f := e.get("forecast"), dict)
+        ]
+        points = [(t, y) for t, y in points if t >= 0.0]
+        if points:
+            load_axes.step([t for t, _ in points], [y for _, y in points], where="post", linewidth=1.3,
+                           color=COLOURS[(index + 3) % len(COLOURS)], label=f"{way}: forecast")  # fmt: skip
+    load_axes.set_ylabel("prompt tokens / s")
+    load_axes.set_ylim(bottom=0)
+    load_axes.legend(loc="upper left", fontsize="small", ncol=2)
+    load_axes.set_title(title)
     for index, (label, run) in enumerate(runs.items()):
-        colour = COLOURS[index % len(COLOURS)]
-        marker = MARKERS[(index + 1) % len(MARKERS)]
-        served = [o for o in run.outcomes if o.ttft is not None]
-        ttft_axes.plot([o.at for o in served], [o.ttft for o in served], marker=marker, linestyle="none",
-                       markersize=3.2, color=colour, markerfacecolor="none", alpha=0.7, label=label)  # fmt: skip
-        failed = [o.at for o in run.outcomes if o.ttft is None]
-        if failed:
-            ttft_axes.plot(failed, [top * 1.05] * len(failed), marker="x", linestyle="none", color=colour)
         span = max((o.end for o in run.outcomes), default=0.0)
         samples = [s for s in run.samples if 0.0 <= s.at <= span]
-        count_axes.step([s.at for s in samples], [s.active for s in samples], where="post", color=colour,
-                        linewidth=1.6, label=label)  # fmt: skip
-    for axes in (ttft_axes, count_axes):
-        if burst is not None:
-            axes.axvspan(*burst, color="#888888", alpha=0.12, linewidth=0)
-        axes.grid(True, alpha=0.3)
-    ttft_axes.axhline(slo.floor, color="black", linestyle="--", linewidth=1.0)
-    ttft_axes.annotate(f"SLO floor {slo.floor:g} s", (0.0, slo.floor), xytext=(4, 3), textcoords="offset points",
-                       fontsize="small", xycoords=("axes fraction", "data"))  # fmt: skip
-    ttft_axes.set_yscale("log")
-    ttft_axes.set_ylabel("time to first token (s)")
-    ttft_axes.legend(loc="upper left", fontsize="small")
-    ttft_axes.set_title("A bursty trace: static provisioning against the planner (serverless, blitz)")
+        count_axes.step([s.at for s in samples], [s.active for s in samples], where="post", linewidth=1.4,
+                        color=COLOURS[index % len(COLOURS)], label=label, alpha=0.85)  # fmt: skip
     count_axes.set_ylabel("replicas not Inactive")
-    count_axes.set_xlabel("seconds from the trace's start" + (" (burst shaded)" if burst else ""))
+    count_axes.set_xlabel("seconds from the trace's start (as replayed)")
     count_axes.set_ylim(bottom=0)
-    count_axes.legend(loc="upper left", fontsize="small")
+    count_axes.legend(loc="upper left", fontsize="small", ncol=4)
+    for axes in (load_axes, count_axes):
+        axes.grid(True, alpha=0.3)
     command = "python -m engine.bench " + " ".join(shlex.quote(a) for a in _without_logs(sys.argv[1:]))
     caption = f"{cpu_name()}, {command}"
     if subtitle:

@@ -5,24 +5,33 @@ nodes.py), waits until every replica serves (`Prefill` or `Decode`), sends two u
 requests, then sends each request at its arrival time, concurrently: `generate` with `input_ids` of its
 prompt length (seeded random tokens, the same for every way), `max_tokens` its output length,
 `ignore_eos`. Meanwhile a task polls `status` every `POLL_SECONDS` and records how many replicas are not
-`Inactive`. A request the node refuses is recorded with the error's code. The run ends when every
-request has its result; then the node is shut down.
+`Inactive`, per role and how many of them load (`Loading*`, `NewPrefill`) or drain (`Shutting*`), and
+`control(client, started)`, when given, drives the node alongside (the oracle's schedule of `scale`
+commands; cancelled when the run ends). A request the node refuses is recorded with the error's code.
+The run ends when every request has its result; then the node is shut down. `Run.started_wall` is the
+trace's start on the wall clock (the log's `ts`).
 """
 
 from __future__ import annotations
 
 import itertools
 import random
-from collections.abc import Sequence
+import time
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Final, final
+from typing import TYPE_CHECKING, Final, final
 
 import trio
 
 from engine.bench.nodes import node_process
 from engine.bench.trace.gen import TraceRequest
 from engine.bench.trace.slo import Outcome, ReplicaSample
+
+if TYPE_CHECKING:
+    from engine.client import ControlClient
+
+Control = Callable[["ControlClient", float], Awaitable[None]]
 
 POLL_SECONDS: Final = 0.1
 SERVE_SECONDS: Final = 60.0  # the node's replicas load before the trace starts
@@ -36,6 +45,7 @@ VOCABULARY: Final = 256  # prompt token ids are drawn from [1, VOCABULARY)
 class Run:
     outcomes: list[Outcome]
     samples: list[ReplicaSample]
+    started_wall: float = 0.0
 
 
 def prompts(trace: Sequence[TraceRequest], seed: int) -> list[list[int]]:
@@ -44,19 +54,30 @@ def prompts(trace: Sequence[TraceRequest], seed: int) -> list[list[int]]:
     return [[rng.randrange(1, VOCABULARY) for _ in range(r.prompt_tokens)] for r in trace]
 
 
-def replay_on_node(trace: Sequence[TraceRequest], options: Sequence[str], log_file: Path, seed: int) -> Run:
+def replay_on_node(
+    trace: Sequence[TraceRequest],
+    options: Sequence[str],
+    log_file: Path,
+    seed: int,
+    control: Control | None = None,
+) -> Run:
     """See the module docstring."""
     log_file.unlink(missing_ok=True)
     inputs = prompts(trace, seed)
     with node_process(log_file, options) as address:
-        return trio.run(_replay, address, trace, inputs)
+        return trio.run(_replay, address, trace, inputs, control)
 
 
 def _active(states: Sequence[tuple[str, str]], role: str | None = None) -> int:
     return sum(state != "Inactive" and (role is None or r == role) for r, state in states)
 
 
-async def _replay(address: str, trace: Sequence[TraceRequest], inputs: list[list[int]]) -> Run:
+LOADING: Final = ("Loading", "NewPrefill")
+
+
+async def _replay(
+    address: str, trace: Sequence[TraceRequest], inputs: list[list[int]], control: Control | None
+) -> Run:
     from engine.client import ControlClient, ControlError
 
     outcomes: list[Outcome] = []
@@ -68,6 +89,7 @@ async def _replay(address: str, trace: Sequence[TraceRequest], inputs: list[list
         for ids in inputs[:WARMUP]:  # unrecorded: first-call costs of the serving replicas
             await client.generate_result(input_ids=ids, max_tokens=2, ignore_eos=True)
         started = trio.current_time() + 0.1
+        started_wall = time.time() + 0.1
 
         async def sample() -> None:
             replicas = (await client.status()).replicas
@@ -78,6 +100,8 @@ async def _replay(address: str, trace: Sequence[TraceRequest], inputs: list[list
                     _active(states),
                     _active(states, "prefill"),
                     _active(states, "decode"),
+                    loading=sum(state.startswith(LOADING) for _, state in states),
+                    draining=sum(state.startswith("Shutting") for _, state in states),
                 )
             )
 
@@ -117,6 +141,8 @@ async def _replay(address: str, trace: Sequence[TraceRequest], inputs: list[list
         with trio.fail_after(last + DRAIN_SECONDS):
             async with trio.open_nursery() as outer:
                 outer.start_soon(poll)
+                if control is not None:
+                    outer.start_soon(control, client, started)
                 async with trio.open_nursery() as nursery:
                     for request, ids in zip(trace, inputs, strict=True):
                         nursery.start_soon(one, request, ids)
@@ -124,4 +150,4 @@ async def _replay(address: str, trace: Sequence[TraceRequest], inputs: list[list
         await sample()
         await client.shutdown()
     outcomes.sort(key=lambda o: o.at)
-    return Run(outcomes, samples)
+    return Run(outcomes, samples, started_wall)

@@ -5,13 +5,14 @@ A request meets its SLO when it succeeded and its TTFT (the node's `timings.ttft
 failed request misses it. Attainment is the fraction that meet it. Quantiles are of the requests that
 succeeded. Replica-seconds are the integral, from the trace's start to the last request's end, of the
 number of replicas in any state but `Inactive` (loading and `ShuttingNull` replicas count), read as a step
-function from `status` replies polled during the run (`ReplicaSample`s).
+function from `status` replies polled during the run (`ReplicaSample`s); `spent` splits them by role and
+into those loading and draining.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import final
 
@@ -39,6 +40,8 @@ class ReplicaSample:
     active: int
     prefill: int
     decode: int
+    loading: int = 0  # of the active: copying weights (`Loading*`, `NewPrefill`)
+    draining: int = 0  # of the active: `Shutting*` (finishing their work, or idle keeping weights)
 
 
 @final
@@ -66,6 +69,7 @@ class Summary:
     tpot_p99: float
     replica_seconds: float
     span: float  # seconds from the trace's start to the last request's end
+    spent: Spent
 
     @property
     def mean_replicas(self) -> float:
@@ -84,16 +88,41 @@ def attainment(outcomes: Sequence[Outcome], slo: Slo) -> float:
     return sum(slo.met(o) for o in outcomes) / len(outcomes) if outcomes else math.nan
 
 
-def replica_seconds(samples: Sequence[ReplicaSample], start: float, end: float) -> float:
-    """The integral over [start, end] of the active replicas, each sample holding until the next one."""
+def replica_seconds(
+    samples: Sequence[ReplicaSample],
+    start: float,
+    end: float,
+    count: Callable[[ReplicaSample], int] = lambda s: s.active,
+) -> float:
+    """The integral over [start, end] of `count` (the active replicas), each sample holding until the next."""
     ordered = sorted(samples, key=lambda s: s.at)
     total = 0.0
     for index, sample in enumerate(ordered):
         following = ordered[index + 1].at if index + 1 < len(ordered) else end
         lo, hi = max(sample.at, start), min(following, end)
         if hi > lo:
-            total += sample.active * (hi - lo)
+            total += count(sample) * (hi - lo)
     return total
+
+
+@final
+@dataclass(frozen=True, slots=True)
+class Spent:
+    """Where the replica-seconds went: per role, and those of replicas loading or draining (of both)."""
+
+    prefill: float
+    decode: float
+    loading: float
+    draining: float
+
+
+def spent(samples: Sequence[ReplicaSample], start: float, end: float) -> Spent:
+    return Spent(
+        prefill=replica_seconds(samples, start, end, lambda s: s.prefill),
+        decode=replica_seconds(samples, start, end, lambda s: s.decode),
+        loading=replica_seconds(samples, start, end, lambda s: s.loading),
+        draining=replica_seconds(samples, start, end, lambda s: s.draining),
+    )
 
 
 def summarize(outcomes: Sequence[Outcome], samples: Sequence[ReplicaSample], slo: Slo) -> Summary:
@@ -109,4 +138,5 @@ def summarize(outcomes: Sequence[Outcome], samples: Sequence[ReplicaSample], slo
         tpot_p99=quantile([o.tpot for o in served if o.tpot is not None], 0.99),
         replica_seconds=replica_seconds(samples, 0.0, span),
         span=span,
+        spent=spent(samples, 0.0, span),
     )
