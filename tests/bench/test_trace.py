@@ -1,7 +1,8 @@
 """The `trace` benchmark: its generator is deterministic for a seed, a CSV trace is read through its column
-mapping, the figures are computed as documented, and `python -m engine.bench trace --json --quick` runs its
-three ways end to end and prints rows of the shape every benchmark prints. No figure is compared with a
-speed."""
+mapping and window, the vendored Azure trace is its default, the oracle's schedule is computed as
+documented, the figures are computed as documented, and `python -m engine.bench trace --json --quick`
+runs its ways end to end and prints rows of the shape every benchmark prints. No figure is compared with
+a speed."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import pytest
 from engine.bench.rows import Row
 from engine.bench.trace import add_arguments, trace_speed
 from engine.bench.trace.gen import (
+    AZURE_CONV,
     Lengths,
     Shape,
     TraceRequest,
@@ -25,9 +27,20 @@ from engine.bench.trace.gen import (
     parse_columns,
     peak_window,
     read_csv,
+    trace_from,
     window,
 )
-from engine.bench.trace.slo import Outcome, ReplicaSample, Slo, attainment, quantile, replica_seconds
+from engine.bench.trace.oracle import schedule
+from engine.bench.trace.slo import (
+    Outcome,
+    ReplicaSample,
+    Slo,
+    Spent,
+    attainment,
+    quantile,
+    replica_seconds,
+    spent,
+)
 from replicas.emulation import parse_emulated_speed
 from replicas.loading.pieces import model_bytes
 from replicas.model.tiny import TINY_CONFIG
@@ -79,6 +92,9 @@ def test_a_csv_is_read_through_its_column_mapping(tmp_path: Path) -> None:
         TraceRequest(2.75, 300, 32),
     ]  # 130.0 lies at 15 s: past the duration
     assert read_csv(path, columns, lengths, offset=1.0, duration=10.0)[0] == TraceRequest(0.0, 2048, 1)
+    # the window is in the trace's own seconds; then time and lengths are scaled
+    scaled = read_csv(path, columns, lengths, offset=5.0, duration=30.0, time_scale=0.5, length_scale=0.5)
+    assert scaled == [TraceRequest(0.25, 150, 20), TraceRequest(12.5, 32, 4)]
 
 
 def test_a_csv_with_date_times_and_bad_mappings(tmp_path: Path) -> None:
@@ -103,6 +119,43 @@ def test_a_csv_with_date_times_and_bad_mappings(tmp_path: Path) -> None:
         read_csv(path, columns, Lengths())
 
 
+def test_the_default_trace_is_the_vendored_azure_conversation_trace() -> None:
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args([])
+    trace = trace_from(args)
+    assert (args.trace, args.trace_offset, args.duration, args.time_scale, args.length_scale) == (
+        "azure-conv",
+        1920.0,
+        240.0,
+        0.5,
+        0.5,
+    )
+    assert AZURE_CONV.read_text(encoding="utf-8-sig").startswith("TIMESTAMP,ContextTokens,GeneratedTokens\n")
+    assert (AZURE_CONV.parent / "README.md").read_text().count("CC BY 4.0") >= 1  # its attribution beside it
+    assert 1000 < len(trace) < 3000 and all(0.0 <= r.at < 120.0 for r in trace)  # 240 s replayed in 120
+    other = trace_from(parser.parse_args(["--trace-offset", "2400", "--duration", "60", "--time-scale", "1"]))
+    assert other != trace[: len(other)] and all(0.0 <= r.at < 60.0 for r in other)
+    synthetic = parser.parse_args(["--trace", "synthetic"])
+    assert trace_from(synthetic) and synthetic.duration == 60.0
+
+
+def test_the_oracle_schedules_replicas_ahead_of_the_load() -> None:
+    """2 s windows, 1000 tokens/s per replica at 0.5: 1000 tokens/s need 2 replicas, 3000 need 6. The
+    clump at 10.5 s lies in the windows from 8.75 s (on the 0.25 s grid) to 10.5 s; with a 1 s lead the
+    command for 6 comes at 7.75 s, and the count falls back to 2 at 10.75 s."""
+    trace = [TraceRequest(float(t), 2000, 1) for t in range(0, 20, 2)]  # 1000 tokens/s
+    trace.append(TraceRequest(10.5, 4000, 1))
+    trace.sort(key=lambda r: r.at)
+    plan = schedule(trace, capacity=1000.0, upper=0.5, window=2.0, lead=1.0, minimum=1, maximum=8)
+    assert plan[:3] == [(0.0, 2), (7.75, 6), (10.75, 2)]
+    assert plan[-1][1] == 1  # past the last arrival's window: the minimum
+    assert schedule(trace, capacity=1000.0, upper=0.5, window=2.0, lead=1.0, minimum=1, maximum=4)[1] == (
+        7.75,
+        4,
+    )  # capped
+
+
 def test_the_peak_window_holds_the_most_prompt_tokens() -> None:
     trace = [TraceRequest(t, n, 1) for t, n in ((0.0, 100), (1.0, 50), (3.0, 400), (3.5, 400), (9.0, 10))]
     assert peak_window(trace, 2.0) == (3.0, 5.0)
@@ -122,6 +175,8 @@ def test_slo_attainment_quantiles_and_replica_seconds() -> None:
     assert math.isnan(quantile([], 0.5))
     samples = [ReplicaSample(-0.5, 2, 1, 1), ReplicaSample(1.0, 4, 3, 1), ReplicaSample(3.0, 3, 2, 1)]
     assert replica_seconds(samples, 0.0, 4.0) == pytest.approx(2 * 1.0 + 4 * 2.0 + 3 * 1.0)
+    loading = [ReplicaSample(0.0, 3, 2, 1, loading=1), ReplicaSample(1.0, 3, 2, 1, draining=1)]
+    assert spent(loading, 0.0, 2.0) == Spent(prefill=4.0, decode=2.0, loading=1.0, draining=1.0)
 
 
 @pytest.mark.slow

@@ -2,12 +2,11 @@
 played on a node without a planner through `scale` commands — what a planner that knew the future could
 do with the same replicas, copies and rules.
 
-`schedule(trace, …)`: on a grid of `STEP_S` seconds, the load at `t` is the most prompt tokens per second
-arriving in any `window`-second span starting in `[t, t + window)`; it needs the fewest replicas that
-carry it at the band's `upper` utilisation of one replica's `capacity` tokens/s, within `[minimum,
-maximum]`. A command at `c` asks for the most that the load needs over `[c, c + lead + window]`: a
-replica asked for then serves `lead` seconds later (a weight copy from a peer and its start-up), and
-stays through a dip shorter than a window. The schedule is the list of changes, each `(c, count)`.
+`schedule(trace, …)`: on a grid of `STEP_S` seconds, the load at `t` is the prompt tokens per second
+arriving in `[t, t + window)`; it needs the fewest replicas that carry it at the band's `upper`
+utilisation of one replica's `capacity` tokens/s, within `[minimum, maximum]`. A command at `c` asks for
+the most that the load needs over `[c, c + lead]`: a replica asked for then serves `lead` seconds later
+(a weight copy from a peer and its start-up). The schedule is the list of changes, each `(c, count)`.
 
 `player(plan, keep_alive)` is the replay's `control`: at each change it sends `scale prefill COUNT` (up:
 ZigZag, weights from any source; down: the replicas drain as a planner's do), and a poller makes
@@ -58,11 +57,8 @@ def schedule(
         lo, hi = bisect.bisect_left(starts, at), bisect.bisect_left(starts, at + window)
         return (sums[hi] - sums[lo]) / window
 
-    per_step = max(1, round(window / STEP_S))
-    rates = [rate(t) for t in grid]
-    load = [max(rates[i : i + per_step]) for i in range(len(grid))]
-    need = [min(max(math.ceil(x / (upper * capacity) - 1e-9), minimum), maximum) for x in load]
-    ahead = max(1, math.ceil((lead + window) / STEP_S))
+    need = [min(max(math.ceil(rate(t) / (upper * capacity) - 1e-9), minimum), maximum) for t in grid]
+    ahead = max(1, math.ceil(lead / STEP_S))
     plan: list[tuple[float, int]] = []
     current = None
     for i, t in enumerate(grid):
