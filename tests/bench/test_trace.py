@@ -129,7 +129,7 @@ def test_the_default_trace_is_the_vendored_azure_conversation_trace() -> None:
         1920.0,
         240.0,
         0.5,
-        0.5,
+        0.25,
     )
     assert AZURE_CONV.read_text(encoding="utf-8-sig").startswith("TIMESTAMP,ContextTokens,GeneratedTokens\n")
     assert (AZURE_CONV.parent / "README.md").read_text().count("CC BY 4.0") >= 1  # its attribution beside it

@@ -3,11 +3,11 @@ oracle, on a production trace with emulated accelerators.
 
 The trace (engine/bench/trace/gen.py): by default a 4-minute window of the vendored Azure LLM inference
 trace 2023 (conversations; `--trace-offset` 1920 s, `--duration` 240 s, replayed at `--time-scale` 0.5
-with `--length-scale` 0.5), or `--trace synthetic` (seeded Gamma arrivals with a burst), or
+with `--length-scale` 0.25), or `--trace synthetic` (seeded Gamma arrivals with a burst), or
 `--trace-csv FILE` (`--columns`). It is replayed open-loop (engine/bench/trace/replay.py: each request
 sent at its arrival time, never waiting for replies) on one node process per way, tiny model,
 `--max-batch-tokens` (512), every replica emulating an accelerator (`--emulated-speed`:
-`--prefill-tokens-per-s` 5000, `--decode-steps-per-s` 50, a weight copy from host memory of
+`--prefill-tokens-per-s` 2500 on azure-conv and 5000 otherwise, `--decode-steps-per-s` 50, a weight copy from host memory of
 `--load-seconds` 2, from a peer replica `--peer-speedup` (8) times faster, from disk `--disk-slowdown` (8)
 times slower — the ratios of NVLink, PCIe host-to-device and NVMe on an H100 SXM host, about 450, 55
 and 7 GB/s). The ways (`--ways`, all by default):
@@ -91,7 +91,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="kalman",
         help="the blitz way compared with serverless (and serverless's predictor; default kalman)",
     )
-    group.add_argument("--prefill-tokens-per-s", type=float, default=5000.0, help="emulated (default 5000)")
+    group.add_argument(
+        "--prefill-tokens-per-s", type=float, default=None, help="emulated (azure-conv 2500, else 5000)"
+    )
     group.add_argument("--decode-steps-per-s", type=float, default=50.0, help="emulated (default 50)")
     group.add_argument(
         "--load-seconds", type=float, default=2.0, help="emulated weight copy from host memory (default 2)"
@@ -201,6 +203,8 @@ def trace_speed(args: argparse.Namespace) -> str:
 
     if not (args.peer_speedup > 0 and args.disk_slowdown > 0):
         raise SystemExit("trace: --peer-speedup and --disk-slowdown must be > 0")
+    if args.prefill_tokens_per_s is None:  # the trace's default
+        args.prefill_tokens_per_s = 2500.0 if source(args) == "azure-conv" else 5000.0
     speed = emulated_speed(args)
     host = parse_emulated_speed(speed).weights_gb_per_s
     assert host is not None

@@ -3,8 +3,9 @@
 `--trace azure-conv` (the default): the Azure LLM inference trace 2023's conversation CSV, vendored in
 engine/bench/trace/data/ with its attribution and citation (CC BY 4.0), read as a CSV trace below with
 its own columns; unless given, `--trace-offset` 1920, `--duration` 240, `--time-scale` 0.5 and
-`--length-scale` 0.5 (a 4-minute window of the hour, replayed in 2 minutes with prompts half as long:
-the prompt tokens per second of the original, twice the request rate).
+`--length-scale` 0.25 (a 4-minute window of the hour, replayed in 2 minutes — twice the request rate —
+with prompts and outputs a quarter as long: half the prompt tokens per second of the original, which a
+few CPU cores compute for real under the emulation's padding).
 
 `--trace synthetic`: Gamma-distributed inter-arrival times at `--rate` requests/s, their coefficient of
 variation `--cv` (shape 1 / cv²; `--gamma-shape` sets the shape itself; cv 1 is Poisson), the rate
@@ -58,7 +59,7 @@ class Window:
 
 # The defaults of each source: (offset, duration, time scale, length scale).
 PRESETS: Final = {
-    "azure-conv": Window(1920.0, 240.0, 0.5, 0.5),
+    "azure-conv": Window(1920.0, 240.0, 0.5, 0.25),
     "synthetic": Window(0.0, 60.0, 1.0, 1.0),
     "csv": Window(0.0, 60.0, 1.0, 1.0),
 }
@@ -283,7 +284,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--length-scale",
         type=float,
         default=None,
-        help="CSV prompt and output lengths × this (azure-conv 0.5, else 1)",
+        help="CSV prompt and output lengths × this (azure-conv 0.25, else 1)",
     )
     group.add_argument(
         "--trace-offset",
