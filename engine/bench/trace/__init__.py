@@ -26,7 +26,8 @@ and 7 GB/s). The ways (`--ways`, all by default):
 
 Every autoscaling way is told one replica's speed (`--prefill-tokens-per-s`) and the SLO, capped at
 `--max-prefill-replicas`; `--planner-options` adds node options. Figures (engine/bench/trace/slo.py): SLO
-attainment (TTFT ≤ max(`--slo-ttft-floor`, `--slo-ttft-per-token` × prompt tokens)), TTFT p50/p99,
+attainment (TTFT ≤ max(`--slo-ttft-floor` 0.3 s, `--slo-ttft-per-token` × prompt tokens; by default
+1.875 × one replica's emulated prefill time per token)), TTFT p50/p99,
 replica-seconds (replicas not `Inactive` — loading, serving, draining — polled from `status` every 0.1
 s, integrated from the trace's start to the last request's end) and scale events (the planner's
 `scale_up`/`scale_down` decisions; the oracle's commands). Rows: each way against static, and the
@@ -74,6 +75,7 @@ ORACLE_WINDOW_S: Final = 2.0
 ATTAINMENT_POINTS: Final = 1.0  # the goal: attainment within this many points of static's
 SECONDS_GOAL: Final = 0.55  # ... at no more than this share of its replica-seconds
 P99_GOAL: Final = 0.5  # blitz's p99 TTFT against serverless's
+SLO_PREFILL_TIMES: Final = 1.875  # the TTFT SLO per prompt token, in one replica's prefill time per token
 QUICK_WAYS: Final = "static,kalman,serverless,oracle"
 
 
@@ -118,7 +120,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--peak-window", type=float, default=10.0, help="seconds of the static search's peak")
     group.add_argument("--slo-target", type=float, default=0.9, help="attainment static must reach (0.9)")
     group.add_argument("--slo-ttft-floor", type=float, default=0.3, help="TTFT SLO floor, s (default 0.3)")
-    group.add_argument("--slo-ttft-per-token", type=float, default=0.000375, help="TTFT SLO per prompt token")
+    group.add_argument(
+        "--slo-ttft-per-token",
+        type=float,
+        default=None,
+        help="TTFT SLO per prompt token (default 1.875 / --prefill-tokens-per-s: 0.000375 at 5000)",
+    )
     group.add_argument(
         "--no-planner-slo",
         dest="planner_slo",
@@ -205,6 +212,8 @@ def trace_speed(args: argparse.Namespace) -> str:
         raise SystemExit("trace: --peer-speedup and --disk-slowdown must be > 0")
     if args.prefill_tokens_per_s is None:  # the trace's default
         args.prefill_tokens_per_s = 2500.0 if source(args) == "azure-conv" else 5000.0
+    if args.slo_ttft_per_token is None:  # 1.875 × one replica's prefill time per token
+        args.slo_ttft_per_token = SLO_PREFILL_TIMES / args.prefill_tokens_per_s
     speed = emulated_speed(args)
     host = parse_emulated_speed(speed).weights_gb_per_s
     assert host is not None
