@@ -30,7 +30,16 @@ from messages.log.scaling import ReplicasPaired
 from replicas.actor import Replica
 from replicas.inbox import CommandRefused, new_command_id
 from replicas.loading.copy import choose_peer
-from replicas.states import LOADING_STATE, SHUTTING_STATE, ReplicaState, Role
+from replicas.states import (
+    ACTIVE_STATES,
+    LOADING_STATE,
+    REVIVING_STATE,
+    SETTLED,
+    SHUTTING_STATE,
+    ZIGZAG,
+    ReplicaState,
+    Role,
+)
 from replicas.supervisor import ReplicaStartFailed
 
 if TYPE_CHECKING:
@@ -42,16 +51,7 @@ S = ReplicaState
 # the scale within that time; one that takes longer is starting many replicas, or a slow transfer endpoint.
 SCALE_WAIT = 30.0
 
-ACTIVE_STATES: dict[Role, frozenset[ReplicaState]] = {
-    "prefill": frozenset(
-        {S.LOADING_PREFILL, S.PREFILL, S.AUS_PREFILL, S.NEW_PREFILL, S.OLD_PREFILL, S.REFRACTORY_PREFILL}
-    ),
-    "decode": frozenset({S.LOADING_DECODE, S.DECODE, S.AUS_DECODE, S.MUTATING_TO_DECODE}),
-    "encode": frozenset({S.LOADING_ENCODE, S.ENCODE}),
-}
-AUS_STATE: dict[Role, ReplicaState] = {"prefill": S.AUS_PREFILL, "decode": S.AUS_DECODE}
 EPISODE_POLL = 0.05
-ZIGZAG_STATES = frozenset({S.NEW_PREFILL, S.OLD_PREFILL, S.REFRACTORY_PREFILL})
 
 
 def active(node: Node, role: Role) -> list[Replica]:
@@ -113,7 +113,7 @@ async def _scale(node: Node, request: ScaleRequest) -> ScaleResult:
         elif len(serving) > target:
             await _wait_for_episode(node, role)
             for replica in sorted(active(node, role), key=_load)[: len(serving) - target]:
-                if replica.state in (S.PREFILL, S.DECODE, S.ENCODE):
+                if replica.state in SETTLED:
                     await replica.ask(
                         Transition(
                             command_id=new_command_id(), to=SHUTTING_STATE[role].value, origin="planner"
@@ -136,7 +136,7 @@ def episode(node: Node, role: Role) -> list[Replica]:
     """Replicas of `role` in a ZigZag episode (NewPrefill, RefractoryPrefill, OldPrefill)."""
     if role != "prefill":
         return []
-    return [r for r in node.services.replicas.values() if r.state in ZIGZAG_STATES]
+    return [r for r in node.services.replicas.values() if r.state in ZIGZAG]
 
 
 async def _wait_for_episode(node: Node, role: Role) -> None:
@@ -160,18 +160,18 @@ async def _scale_up(
 ) -> None:
     # Replicas configured for the role first: reviving another role's replica changes its role.
     replicas = sorted(node.services.replicas.values(), key=lambda r: r.role != role)
-    if role in AUS_STATE:
+    if role in REVIVING_STATE:
         for replica in replicas:
             if needed and replica.state is S.SHUTTING_NULL and _fits(replica, role):
                 await replica.ask(
-                    Transition(command_id=new_command_id(), to=AUS_STATE[role].value, origin="planner")
+                    Transition(command_id=new_command_id(), to=REVIVING_STATE[role].value, origin="planner")
                 )
                 started.append(StartedReplica(replica=replica.name, mode=mode, source="resident"))
                 needed -= 1
     for replica in replicas:
         if not needed or replica.role != role:
             continue
-        if replica.state is S.SHUTTING_NULL and role not in AUS_STATE:
+        if replica.state is S.SHUTTING_NULL and role not in REVIVING_STATE:
             # A role without an Aus state (encode) comes back through Inactive, loading its weights again;
             # adding a new replica instead left the idle one holding its pools for good.
             await replica.ask(Transition(command_id=new_command_id(), to=S.INACTIVE.value, origin="planner"))

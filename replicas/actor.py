@@ -44,6 +44,7 @@ from replicas.request import ServingRequest
 from replicas.roles import RoleWork
 from replicas.services import ReplicaServices
 from replicas.states import (
+    STATE_ROLE,
     InvalidTransition,
     ReplicaState,
     Role,
@@ -55,15 +56,6 @@ from replicas.states import (
 from transport.endpoint import SenderDelivery
 
 S = ReplicaState
-# The role each commanded state serves or leads to (for the pool check of a role change).
-TARGET_ROLE: dict[ReplicaState, Role] = {
-    S.LOADING_PREFILL: "prefill",
-    S.AUS_PREFILL: "prefill",
-    S.LOADING_DECODE: "decode",
-    S.AUS_DECODE: "decode",
-    S.MUTATING_TO_DECODE: "decode",
-    S.LOADING_ENCODE: "encode",
-}
 
 
 @final
@@ -262,7 +254,7 @@ class Replica:
         A role change keeps the pools the replica was built with: prefill needs a KV cache and, for a
         model with a vision encoder, an embedding landing pool; decode a KV cache; encode an encoder's
         embedding pool. (Image requests would otherwise wait for a prefill replica that can take them.)"""
-        role = TARGET_ROLE.get(target)
+        role = STATE_ROLE.get(target)
         pools = self.pools
         if role == "encode" and self.role != "encode":
             return "it has no encoder output pool to serve encode"

@@ -27,7 +27,7 @@ from replicas.embedding import EmbeddedPrompt, EmbeddingAssembler, EmbeddingMism
 from replicas.fabric import UnknownEndpoint
 from replicas.inbox import Completed
 from replicas.request import EmbeddingRoute, ServingRequest
-from replicas.states import ReplicaState
+from replicas.states import KEEPS_IMAGE_REQUESTS
 from transport.errors import HandshakeRefused, LinkError, TransferError
 from transport.protocol.landing import LandedRound
 
@@ -38,7 +38,6 @@ ReceiveFailure = (
     TransferError | LinkError | HandshakeRefused | UnknownEndpoint | EmbeddingMismatch | PromptTooLong
 )
 _transfer_numbers = itertools.count(1)
-PREFILLING = frozenset({ReplicaState.PREFILL, ReplicaState.SHUTTING_PREFILL})
 
 
 def new_embedding_transfer_id(request_id: str) -> str:
@@ -214,7 +213,7 @@ class EmbeddingReceives:
             return
         self._maybe_corrupt(request, prompt)
         self._give(request, prompt, summary, ended)
-        if self.work.replica.state not in PREFILLING:  # e.g. becoming a decode replica meanwhile
+        if self.work.replica.state not in KEEPS_IMAGE_REQUESTS:  # e.g. becoming a decode replica meanwhile
             self._drop(request, keep_input=True)
             request.holder = None
             self.work.replica.services.return_work(request)

@@ -28,7 +28,15 @@ from replicas.model.gpu.options import ExecutorPath
 from replicas.prefill import PrefillWork
 from replicas.prefill.migration import Migrator
 from replicas.request import ServingRequest
-from replicas.states import LOADING_STATE, ReplicaState
+from replicas.states import (
+    DECODE_STEPS,
+    ENCODE_JOBS,
+    LOADING_STATE,
+    PREFILL_BATCHES,
+    STATES,
+    ZIGZAG_NEW,
+    ReplicaState,
+)
 from replicas.zigzag.new_prefill import NewPrefillWork
 from replicas.zigzag.old_prefill import OldPrefillWork
 
@@ -37,9 +45,6 @@ if TYPE_CHECKING:
     from replicas.model import KVCache
 
 S = ReplicaState
-PREFILL_SERVING = frozenset({S.PREFILL, S.SHUTTING_PREFILL, S.OLD_PREFILL})
-ZIGZAG_NEW = frozenset({S.NEW_PREFILL, S.REFRACTORY_PREFILL})
-DECODE_SERVING = frozenset({S.DECODE, S.SHUTTING_DECODE, S.MUTATING_TO_DECODE})
 
 
 @final
@@ -177,11 +182,11 @@ class RoleWork:
             replica.move(S.PREFILL, "no relays left")
         state = replica.state
         self.migrator.wake()
-        if state in PREFILL_SERVING or state is S.NEW_PREFILL:
+        if state in PREFILL_BATCHES or state is S.NEW_PREFILL:
             self.prefill.cancel_sweep()
         if state is S.OLD_PREFILL:
             self.old_prefill.maybe_ask()
-        if state in DECODE_SERVING or state in PREFILL_SERVING:
+        if state in DECODE_STEPS or state in PREFILL_BATCHES:
             self.decode.adopt_arrivals()
         if not self.busy:
             self._start_next(state)
@@ -196,11 +201,11 @@ class RoleWork:
                 self.prefill.start_batch()  # relays first; no own batch while asking (its room was offered)
         elif state in ZIGZAG_NEW:
             self.new_prefill.start_next()
-        elif state in PREFILL_SERVING:
+        elif state in PREFILL_BATCHES:
             self.prefill.start_batch()
-        elif state in DECODE_SERVING:
+        elif state in DECODE_STEPS:
             self.decode.start_step()
-        elif state in (S.ENCODE, S.SHUTTING_ENCODE):
+        elif state in ENCODE_JOBS:
             self.encode.start_job()
 
     def _check_drained(self, state: ReplicaState) -> None:
@@ -349,10 +354,10 @@ class RoleWork:
         if executor is not None:
             self.executor = executor
         self.model = model
-        target = {S.LOADING_PREFILL: S.PREFILL, S.LOADING_DECODE: S.DECODE, S.LOADING_ENCODE: S.ENCODE}
         state = self.replica.state
-        if state in target:
-            self.replica.move(target[state], "weights loaded")
+        settles_to = STATES[state].settles_to
+        if state in LOADING_STATE.values() and settles_to is not None:
+            self.replica.move(settles_to, "weights loaded")
         elif state is S.NEW_PREFILL:
             self.new_prefill.loading_finished()
             self.replica.move(S.REFRACTORY_PREFILL, "weights loaded")

@@ -1,13 +1,21 @@
-"""The replica state machine of architecture §6 (seed 004): states, roles, and the transition table.
+"""The replica state machine of architecture §6 (seed 004): states, roles, one table, the transitions.
+
+`STATES` holds a row per state — the role it is for, its phase, whether it serves, counts as active,
+which ZigZag side it is, what it settles to, what its main loop runs — and every set the node's parts ask
+about is derived from it here (`SERVING_ROLE`, `ACTIVE_STATES`, `ZIGZAG_NEW`, `PREFILL_BATCHES`, ...);
+no other module keeps a list of states.
 
 A transition is either *commanded* (the `transition` op, the planner, the controller) or *automatic* (the
-replica moves itself when a condition holds: weights loaded, nothing left to finish). `check_command`
-refuses every commanded move that the table does not list, naming both states.
+replica moves itself when a condition holds: weights loaded, nothing left to finish — the table's
+`settles_to`). `check_command` refuses every commanded move that the table does not list, naming both
+states.
 """
 
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Literal, final
 
 Role = Literal["encode", "prefill", "decode"]
@@ -37,6 +45,56 @@ class ReplicaState(enum.Enum):
 
 
 S = ReplicaState
+Phase = Literal["inactive", "loading", "serving", "mutating", "reviving", "shutting", "parked"]
+Work = Literal["prefill", "decode", "encode"]
+ZigZagSide = Literal["new", "old"]
+
+
+@final
+@dataclass(frozen=True, slots=True)
+class StateRow:
+    """One state of the machine, in the columns every part of the node asks about.
+
+    `role`: the role the state serves, loads, revives or leaves (None: none). `phase`: where in a
+    replica's life it is. `serving`: it serves `role` now (`status` shows that role). `active`: it
+    counts as one of `role`'s replicas for the `scale` op and the planner (serving, or on its way to).
+    `zigzag`: its side of a ZigZag episode (architecture §8). `settles_to`: the state it moves to by
+    itself once its condition holds (weights loaded, drained, flushed, no relays left) — the automatic
+    rows of the transition table. `runs`: the compute its main loop starts (prefill batches, decode
+    steps, encode jobs; None: none)."""
+
+    role: Role | None
+    phase: Phase
+    serving: bool
+    active: bool
+    zigzag: ZigZagSide | None
+    settles_to: ReplicaState | None
+    runs: Work | None
+
+
+# The one table: every set and predicate below (and those the node's parts use) is read from it.
+# fmt: off
+STATES: dict[ReplicaState, StateRow] = {
+    #                              role       phase       serving active zigzag settles_to            runs
+    S.INACTIVE:           StateRow(None,      "inactive", False,  False, None,  None,                 None),
+    S.LOADING_PREFILL:    StateRow("prefill", "loading",  False,  True,  None,  S.PREFILL,            None),
+    S.LOADING_DECODE:     StateRow("decode",  "loading",  False,  True,  None,  S.DECODE,             None),
+    S.LOADING_ENCODE:     StateRow("encode",  "loading",  False,  True,  None,  S.ENCODE,             None),
+    S.PREFILL:            StateRow("prefill", "serving",  True,   True,  None,  None,                 "prefill"),
+    S.DECODE:             StateRow("decode",  "serving",  True,   True,  None,  None,                 "decode"),
+    S.ENCODE:             StateRow("encode",  "serving",  True,   True,  None,  None,                 "encode"),
+    S.NEW_PREFILL:        StateRow("prefill", "serving",  True,   True,  "new", S.REFRACTORY_PREFILL, "prefill"),
+    S.OLD_PREFILL:        StateRow("prefill", "serving",  True,   True,  "old", S.PREFILL,            "prefill"),
+    S.REFRACTORY_PREFILL: StateRow("prefill", "serving",  True,   True,  "new", S.PREFILL,            "prefill"),
+    S.MUTATING_TO_DECODE: StateRow("decode",  "mutating", False,  True,  None,  S.DECODE,             "decode"),
+    S.AUS_PREFILL:        StateRow("prefill", "reviving", False,  True,  None,  S.PREFILL,            None),
+    S.AUS_DECODE:         StateRow("decode",  "reviving", False,  True,  None,  S.DECODE,             None),
+    S.SHUTTING_PREFILL:   StateRow("prefill", "shutting", False,  False, None,  S.SHUTTING_NULL,      "prefill"),
+    S.SHUTTING_DECODE:    StateRow("decode",  "shutting", False,  False, None,  S.SHUTTING_NULL,      "decode"),
+    S.SHUTTING_ENCODE:    StateRow("encode",  "shutting", False,  False, None,  S.SHUTTING_NULL,      "encode"),
+    S.SHUTTING_NULL:      StateRow(None,      "parked",   False,  False, None,  None,                 None),
+}
+# fmt: on
 
 
 class Trigger(enum.Enum):
@@ -44,57 +102,62 @@ class Trigger(enum.Enum):
     AUTOMATIC = "automatic"
 
 
+# The commanded moves; the automatic ones are the table's `settles_to`.
+COMMANDED: tuple[tuple[ReplicaState, ReplicaState], ...] = (
+    (S.INACTIVE, S.LOADING_PREFILL),
+    (S.INACTIVE, S.LOADING_DECODE),
+    (S.INACTIVE, S.LOADING_ENCODE),
+    (S.LOADING_PREFILL, S.NEW_PREFILL),
+    (S.PREFILL, S.OLD_PREFILL),
+    (S.PREFILL, S.MUTATING_TO_DECODE),
+    (S.PREFILL, S.SHUTTING_PREFILL),
+    (S.DECODE, S.SHUTTING_DECODE),
+    (S.ENCODE, S.SHUTTING_ENCODE),
+    (S.SHUTTING_NULL, S.AUS_PREFILL),
+    (S.SHUTTING_NULL, S.AUS_DECODE),
+    (S.SHUTTING_NULL, S.INACTIVE),
+)
 TRANSITIONS: dict[tuple[ReplicaState, ReplicaState], Trigger] = {
-    (S.INACTIVE, S.LOADING_PREFILL): Trigger.COMMAND,
-    (S.INACTIVE, S.LOADING_DECODE): Trigger.COMMAND,
-    (S.INACTIVE, S.LOADING_ENCODE): Trigger.COMMAND,
-    (S.LOADING_PREFILL, S.PREFILL): Trigger.AUTOMATIC,
-    (S.LOADING_DECODE, S.DECODE): Trigger.AUTOMATIC,
-    (S.LOADING_ENCODE, S.ENCODE): Trigger.AUTOMATIC,
-    (S.LOADING_PREFILL, S.NEW_PREFILL): Trigger.COMMAND,
-    (S.NEW_PREFILL, S.REFRACTORY_PREFILL): Trigger.AUTOMATIC,
-    (S.REFRACTORY_PREFILL, S.PREFILL): Trigger.AUTOMATIC,
-    (S.PREFILL, S.OLD_PREFILL): Trigger.COMMAND,
-    (S.OLD_PREFILL, S.PREFILL): Trigger.AUTOMATIC,
-    (S.PREFILL, S.MUTATING_TO_DECODE): Trigger.COMMAND,
-    (S.MUTATING_TO_DECODE, S.DECODE): Trigger.AUTOMATIC,
-    (S.PREFILL, S.SHUTTING_PREFILL): Trigger.COMMAND,
-    (S.DECODE, S.SHUTTING_DECODE): Trigger.COMMAND,
-    (S.ENCODE, S.SHUTTING_ENCODE): Trigger.COMMAND,
-    (S.SHUTTING_PREFILL, S.SHUTTING_NULL): Trigger.AUTOMATIC,
-    (S.SHUTTING_DECODE, S.SHUTTING_NULL): Trigger.AUTOMATIC,
-    (S.SHUTTING_ENCODE, S.SHUTTING_NULL): Trigger.AUTOMATIC,
-    (S.SHUTTING_NULL, S.AUS_PREFILL): Trigger.COMMAND,
-    (S.SHUTTING_NULL, S.AUS_DECODE): Trigger.COMMAND,
-    (S.AUS_PREFILL, S.PREFILL): Trigger.AUTOMATIC,
-    (S.AUS_DECODE, S.DECODE): Trigger.AUTOMATIC,
-    (S.SHUTTING_NULL, S.INACTIVE): Trigger.COMMAND,
+    **{move: Trigger.COMMAND for move in COMMANDED},
+    **{(state, row.settles_to): Trigger.AUTOMATIC for state, row in STATES.items() if row.settles_to},
 }
 
 # Commands that start ZigZag states (architecture §8): they pair a NewPrefill with an OldPrefill replica.
-ZIGZAG_STARTS = frozenset({(S.LOADING_PREFILL, S.NEW_PREFILL), (S.PREFILL, S.OLD_PREFILL)})
+ZIGZAG_STARTS = frozenset(move for move in COMMANDED if STATES[move[1]].zigzag is not None)
 
-# The role a replica serves in each state (None: serves nothing).
-SERVING_ROLE: dict[ReplicaState, Role | None] = {
-    S.PREFILL: "prefill",
-    S.NEW_PREFILL: "prefill",
-    S.OLD_PREFILL: "prefill",
-    S.REFRACTORY_PREFILL: "prefill",
-    S.DECODE: "decode",
-    S.ENCODE: "encode",
-}
 
-# Where a commanded start of each role leads from Inactive, and where it settles.
-LOADING_STATE: dict[Role, ReplicaState] = {
-    "prefill": S.LOADING_PREFILL,
-    "decode": S.LOADING_DECODE,
-    "encode": S.LOADING_ENCODE,
+def _states(keep: Callable[[StateRow], bool]) -> frozenset[ReplicaState]:
+    return frozenset(state for state, row in STATES.items() if keep(row))
+
+
+def _by_role(phase: Phase) -> dict[Role, ReplicaState]:
+    return {row.role: state for state, row in STATES.items() if row.phase == phase and row.role is not None}
+
+
+# The role a replica serves in each state (absent: it serves nothing), and the role each state is for.
+SERVING_ROLE: dict[ReplicaState, Role] = {s: r.role for s, r in STATES.items() if r.serving and r.role}
+STATE_ROLE: dict[ReplicaState, Role] = {s: r.role for s, r in STATES.items() if r.role is not None}
+# Where a commanded start, stop and revival of each role lead.
+LOADING_STATE: dict[Role, ReplicaState] = _by_role("loading")
+SHUTTING_STATE: dict[Role, ReplicaState] = _by_role("shutting")
+REVIVING_STATE: dict[Role, ReplicaState] = _by_role("reviving")
+# The replicas of each role for `scale` and the planner: serving it, or on their way to.
+ACTIVE_STATES: dict[Role, frozenset[ReplicaState]] = {
+    role: frozenset(s for s, row in STATES.items() if row.active and row.role == role) for role in ROLES
 }
-SHUTTING_STATE: dict[Role, ReplicaState] = {
-    "prefill": S.SHUTTING_PREFILL,
-    "decode": S.SHUTTING_DECODE,
-    "encode": S.SHUTTING_ENCODE,
-}
+# Serving plainly: no episode, nothing to settle (the states a scale-down stops, a cluster sends work to).
+SETTLED = _states(lambda row: row.serving and row.settles_to is None)
+ZIGZAG = _states(lambda row: row.zigzag is not None)
+ZIGZAG_NEW = _states(lambda row: row.zigzag == "new")
+ZIGZAG_OLD = _states(lambda row: row.zigzag == "old")
+# What the main loop runs: prefill batches from the own queue (the new side runs its part batches),
+# decode steps, encode jobs; a prefill-side state also migrates its prompts' KV.
+PREFILL_BATCHES = _states(lambda row: row.runs == "prefill" and row.zigzag != "new")
+DECODE_STEPS = _states(lambda row: row.runs == "decode")
+ENCODE_JOBS = _states(lambda row: row.runs == "encode")
+MIGRATES_KV = _states(lambda row: row.runs == "prefill")
+# Keeps an image request whose embeddings landed (outside an episode; else it goes back to the router).
+KEEPS_IMAGE_REQUESTS = _states(lambda row: row.runs == "prefill" and row.zigzag is None)
 
 
 class TransitionError(Exception):

@@ -41,13 +41,14 @@ from engine.cluster.local_etcd import LocalEtcdError, start_local_etcd
 from engine.config import NodeConfig, ReplicaCounts
 from messages.control import ShutdownRequest
 from messages.control_replies import ShutdownResult, StatusResult
+from replicas.states import SETTLED
 
 START_SECONDS: Final = 60.0  # a child: interpreter, imports, joining the cluster, binding its socket
 READY_SECONDS: Final = 120.0  # every node's replicas loaded and serving
 STOP_SECONDS: Final = 30.0  # children asked to stop: drain, leak check, exit
 KILL_SECONDS: Final = 10.0  # a child sent SIGTERM or SIGKILL: until it is reaped
 POLL_SECONDS: Final = 0.1
-SERVING: Final = frozenset({"Encode", "Prefill", "Decode"})
+SERVING: Final = frozenset(state.value for state in SETTLED)
 _TAIL_CHARS: Final = 3000
 
 

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 from engine.service import replica_status
 from messages.cluster import NodeCapacity, NodeRecord, ReplicaEntry, ReplicaReport, Report
 from replicas.actor import Replica
-from replicas.states import ReplicaState
+from replicas.states import SETTLED, STATES
 
 if TYPE_CHECKING:
     from engine.cluster.member import ClusterMember
@@ -24,7 +24,8 @@ def replica_report(replica: Replica, member: ClusterMember) -> ReplicaReport:
         encode_load=replica.work.encode.load,
         embedding_pool=replica.pools.emb_endpoint is not None,
         # Cross-node work goes to replicas serving plainly (ZigZag pairs stay within their node).
-        takes_work=replica.state in (ReplicaState.PREFILL, ReplicaState.ENCODE)
+        takes_work=replica.state in SETTLED
+        and STATES[replica.state].role != "decode"
         and replica.nursery is not None,
     )
 

@@ -42,7 +42,7 @@ from engine.planner.formulas import (
     target,
 )
 from engine.planner.signals import Rates, RateWindow, add, with_capacity
-from engine.scaling import ACTIVE_STATES, scale
+from engine.scaling import scale
 from messages.cluster import LoadTotals
 from messages.commands import Transition
 from messages.control import ScaleMode, ScaleRequest, SourceChoice
@@ -51,7 +51,7 @@ from messages.log.scaling import PlannerDecision, PlannerForecast, PlannerInputs
 from replicas.actor import Replica
 from replicas.inbox import CommandRefused, new_command_id
 from replicas.services import PeerReplica
-from replicas.states import ReplicaState
+from replicas.states import ACTIVE_STATES, SETTLED, ReplicaState
 
 if TYPE_CHECKING:
     from engine.node import Node
@@ -59,7 +59,6 @@ if TYPE_CHECKING:
 Role = Literal["prefill", "decode"]
 ROLES: Final[tuple[Role, ...]] = ("prefill", "decode")
 PLANNER_ID: Final = "planner"
-SERVING: Final = frozenset({ReplicaState.PREFILL, ReplicaState.DECODE})
 QUIET_LOG_S: Final = 1.0  # a `keep` or `skip` the same as the role's last one is logged at most this often
 
 
@@ -285,7 +284,7 @@ class Planner:
             for role in ROLES:
                 if replica.state in ACTIVE_STATES[role]:
                     counts[role] += 1
-                    settling[role] += replica.state not in SERVING
+                    settling[role] += replica.state not in SETTLED
             waiting += sum(q.prompt_tokens for q in replica.work.prefill.queue)
             if replica.state is ReplicaState.DECODE:
                 kv_used, kv_total = replica.pools.kv_usage()
@@ -300,7 +299,7 @@ class Planner:
                 for role in ROLES:
                     if state in ACTIVE_STATES[role]:
                         counts[role] += 1
-                        settling[role] += state not in SERVING
+                        settling[role] += state not in SETTLED
                 waiting += r.queued_prompt_tokens
                 if state is ReplicaState.DECODE:
                     used += r.status.cached_blocks

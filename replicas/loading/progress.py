@@ -15,8 +15,9 @@ from messages.control import SourceChoice, WeightsSource
 from messages.log.scaling import WeightsFallback, WeightsSourceName
 from messages.weights import WeightPiece
 from replicas.model.llama import Model
+from replicas.states import REVIVING_STATE
 
-AUS_STATES = frozenset({"AusPrefill", "AusDecode"})
+AUS_STATES = frozenset(state.value for state in REVIVING_STATE.values())
 
 
 @final

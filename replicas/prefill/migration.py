@@ -24,7 +24,7 @@ from messages.commands import KVHalf, ReserveKV, SendKVHalf
 from messages.log.events import RequestQueued
 from replicas.inbox import CommandRefused, Completed, new_command_id
 from replicas.prefill.work import Prefilled
-from replicas.states import ReplicaState
+from replicas.states import MIGRATES_KV, ReplicaState
 from transport.errors import TransferError
 
 if TYPE_CHECKING:
@@ -33,16 +33,6 @@ if TYPE_CHECKING:
     from replicas.services import PeerReplica
 
 S = ReplicaState
-MIGRATING_STATES = frozenset(
-    {
-        S.PREFILL,
-        S.SHUTTING_PREFILL,
-        S.MUTATING_TO_DECODE,
-        S.OLD_PREFILL,
-        S.NEW_PREFILL,
-        S.REFRACTORY_PREFILL,
-    }
-)
 _transfer_numbers = itertools.count(1)
 
 
@@ -129,7 +119,7 @@ class Migrator:
             self.work.spawn(self._send, head, destination)
 
     def _head(self) -> Prefilled | None:
-        if self.replica.state not in MIGRATING_STATES or self.replica.state is S.MUTATING_TO_DECODE:
+        if self.replica.state not in MIGRATES_KV:
             return None
         return self.outbound[0] if self.outbound else None
 

@@ -27,7 +27,7 @@ from replicas.fabric import UnknownEndpoint
 from replicas.inbox import CommandRefused, Completed, new_command_id
 from replicas.model import ModelInputError, PrefillResult, PrefillSequence
 from replicas.prefill.work import Prefilled
-from replicas.states import ReplicaState
+from replicas.states import ZIGZAG_NEW, ReplicaState
 from replicas.zigzag import wire
 from transport.errors import HandshakeRefused, LinkError, TransferError
 
@@ -38,7 +38,6 @@ if TYPE_CHECKING:
     from replicas.roles import RoleWork
 
 S = ReplicaState
-RELAYING = frozenset({S.NEW_PREFILL, S.REFRACTORY_PREFILL})
 
 
 @final
@@ -107,7 +106,7 @@ class OldPrefillWork:
 
     def live_partners(self) -> list[str]:
         replicas = self.replica.services.replicas
-        self.partners = [p for p in self.partners if p in replicas and replicas[p].state in RELAYING]
+        self.partners = [p for p in self.partners if p in replicas and replicas[p].state in ZIGZAG_NEW]
         return self.partners
 
     def episode_over(self) -> bool:
