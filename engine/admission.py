@@ -17,7 +17,7 @@ from engine.control.errors import RequestFailed
 from messages.control import GenerateRequest, ImageInput
 from replicas.model import ImageSizeError, InvalidBatchError, SamplingParams, check_image, encode_prompt
 from replicas.request import ServingRequest
-from replicas.services import ReplicaSettings
+from replicas.settings import ReplicaSettings
 from replicas.weights import ModelHost
 
 

@@ -19,9 +19,10 @@ import trio
 
 from engine.config import ControllerConfig
 from messages.commands import Lock, ReplicaCommand, Unlock
-from messages.log.events import BlocksReport, Flow, FlowReport, GpuReport, GpuSample, ReplicaBlocks
+from messages.log.events import BlocksReport, Flow, FlowReport, GpuReport, GpuSample
+from replicas.fabric import Fabric
 from replicas.inbox import CommandRefused, new_command_id
-from replicas.services import PeerReplica, ReplicaServices
+from replicas.ports import Directory, EventSink, PeerReplica
 from replicas.states import ReplicaState
 
 _log = structlog.get_logger("engine.controller")
@@ -42,16 +43,21 @@ class _Decoder:
 
 @final
 class Controller:
-    """Runs the loops of the module docstring until cancelled."""
+    """Runs the loops of the module docstring until cancelled, over the replicas of `directory` (read
+    through their snapshots, commanded with `Lock` / `Unlock`) and the bytes `fabric` counted."""
 
     def __init__(
         self,
-        services: ReplicaServices,
+        directory: Directory,
+        fabric: Fabric,
+        log: EventSink,
         config: ControllerConfig,
         *,
         decides: Callable[[], bool] = lambda: True,
     ) -> None:
-        self.services = services
+        self._directory = directory
+        self._fabric = fabric
+        self._log = log
         self.config = config
         # False while another node of the cluster leads (or this one cannot reach etcd).
         self.decides = decides
@@ -82,15 +88,19 @@ class Controller:
         the others' as they last reported them)."""
         if not self.decides():
             return
-        decoders = [
-            _Decoder(r.name, *r.pools.kv_usage(), frozenset(r.lock_reasons), r.tell)
-            for r in self.services.replicas.values()
-            if r.state is ReplicaState.DECODE
-        ]
-        for peer in self.services.peers():
-            if peer.state is ReplicaState.DECODE:
-                used, total = peer.kv_usage()
-                decoders.append(_Decoder(peer.name, used, total, peer.lock_reasons, self._remote_tell(peer)))
+        decoders = []
+        for replica in self._directory.local():
+            snap = replica.snapshot()
+            if snap.state is ReplicaState.DECODE:
+                lock = frozenset(snap.lock_reasons)
+                decoders.append(_Decoder(snap.name, snap.cached_blocks, snap.kv_blocks, lock, replica.tell))
+        for peer in self._directory.remote():
+            snap = peer.snapshot()
+            if snap.state is ReplicaState.DECODE:
+                lock = frozenset(snap.lock_reasons)
+                decoders.append(
+                    _Decoder(snap.name, snap.cached_blocks, snap.kv_blocks, lock, self._remote_tell(peer))
+                )
         if len(decoders) < 2:
             for decoder in decoders:
                 self._set(decoder, False)
@@ -134,26 +144,16 @@ class Controller:
             decoder.tell(Unlock(command_id=new_command_id(), reason="controller"))
 
     def report(self) -> None:
-        log = self.services.log
+        log = self._log
         log.emit(
             BlocksReport(
-                replicas=[
-                    ReplicaBlocks(
-                        replica=r.name,
-                        state=r.state.value,
-                        used_blocks=r.pools.used_blocks(),
-                        cached_blocks=r.pools.kv_usage()[0],
-                        total_blocks=r.pools.total_blocks(),
-                        locked=r.locked,
-                    )
-                    for r in self.services.replicas.values()
-                ]
+                replicas=[r.snapshot().blocks() for r in self._directory.local()]
                 # The leader of a cluster reports every node's replicas (the others' as last reported).
-                + ([peer.blocks() for peer in self.services.peers()] if self.decides() else [])
+                + ([peer.snapshot().blocks() for peer in self._directory.remote()] if self.decides() else [])
             )
         )
         flows = []
-        for key, total in self.services.fabric.bytes_between.items():
+        for key, total in self._fabric.bytes_between.items():
             delta = total - self._flow_seen.get(key, 0)
             if delta:
                 source, destination, kind = key

@@ -17,21 +17,37 @@ import random
 import statistics
 from collections import Counter
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, TextIO
+from typing import Protocol, TextIO
 
 import numpy as np
 import trio
 
 from engine.client import ControlClient, ControlError
 from engine.cluster.demo import node_lines, shutdown_cluster, wait_serving
+from engine.config import NodeConfig
 from engine.control.address import Address
 from engine.verify import compare
 from messages.control import ImageInput
 from messages.control_replies import GenerateResult, TokenReply
 from replicas.model import Model, SamplingParams, encode_prompt
+from replicas.weights import ModelHost
 
-if TYPE_CHECKING:
-    from engine.node import Node
+
+class Node(Protocol):
+    """The node the demo runs (`engine.node.Node`): its config and model host, whether it is one of a
+    cluster, and `serve` (until shut down; returns the exit code)."""
+
+    @property
+    def config(self) -> NodeConfig: ...
+
+    @property
+    def host(self) -> ModelHost: ...
+
+    @property
+    def clustered(self) -> bool: ...
+
+    async def serve(self, *, task_status: trio.TaskStatus[Address] = ...) -> int: ...
+
 
 WORDS = [
     "the",
@@ -148,14 +164,14 @@ async def run_demo(node: Node, *, requests: int = 24, out: TextIO | None = None)
         )
         reference_model = await node.host.acquire("demo-reference")
         async with ControlClient.connect(address) as client:
-            if node.member is not None:  # in a cluster: every node's replicas serve first
+            if node.clustered:  # in a cluster: every node's replicas serve first
                 await wait_serving(client, node.config.cluster.nodes)
             with trio.fail_after(600):
                 async with trio.open_nursery() as clients:
                     for index, item in enumerate(workload):
                         clients.start_soon(_one, client, index, item, results)
                 status = await client.status()
-                await (client.shutdown() if node.member is None else shutdown_cluster(client))
+                await (client.shutdown() if not node.clustered else shutdown_cluster(client))
     states = ", ".join(
         f"{r.name} ({r.state}{'' if r.executor is None else ', ' + r.executor})" for r in status.replicas
     )
@@ -163,7 +179,7 @@ async def run_demo(node: Node, *, requests: int = 24, out: TextIO | None = None)
     fallbacks = [f"{r.name}: {reason}" for r in status.replicas for reason in r.executor_fallbacks]
     for line in fallbacks:
         print(f"demo: an executor fell back: {line}", file=out)
-    if node.member is not None:
+    if node.clustered:
         print(*node_lines(status), sep="\n", file=out)
     matched = await trio.to_thread.run_sync(_verify, reference_model, node, workload, results)
     node.host.release("demo-reference")

@@ -1,6 +1,6 @@
 """One `generate`, admitted and relayed: what the control socket and the HTTP API both serve.
 
-    generation = Generation.start(services, router, request, connection="http-3")   # RequestFailed
+    generation = Generation.start(host, settings, router, log, request, connection="http-3")   # RequestFailed
     try:
         async for piece in generation.pieces():      # Piece(index, token_ids, text) as they come
             ...
@@ -32,6 +32,7 @@ from messages.control_replies import RelayInfo, Timings, TransferSummary
 from messages.log.events import RequestArrived
 from messages.log.events import RequestFailed as RequestFailedEvent
 from replicas.model import TextStream
+from replicas.ports import EventSink
 from replicas.request import (
     CancelReason,
     FailedUpdate,
@@ -40,7 +41,8 @@ from replicas.request import (
     ServingRequest,
     TokensUpdate,
 )
-from replicas.services import ReplicaServices
+from replicas.settings import ReplicaSettings
+from replicas.weights import ModelHost
 
 
 @final
@@ -77,13 +79,13 @@ class Generation:
         serving: ServingRequest,
         request: GenerateRequest,
         router: Router,
-        services: ReplicaServices,
+        host: ModelHost,
         token_gap: Callable[[float, int], None] | None = None,
     ):
         self.serving = serving
         self.request = request
         self._router = router
-        tokenizer = services.host.tokenizer
+        tokenizer = host.tokenizer
         self._tokenizer = tokenizer
         wants_text = request.stream or bool(request.stop)
         self._stream = TextStream(tokenizer) if tokenizer is not None and wants_text else None
@@ -105,8 +107,10 @@ class Generation:
     @classmethod
     def start(
         cls,
-        services: ReplicaServices,
+        host: ModelHost,
+        settings: ReplicaSettings,
         router: Router,
+        log: EventSink,
         request: GenerateRequest,
         *,
         connection: str,
@@ -116,10 +120,10 @@ class Generation:
         """Admit `request` (a node-chosen id when it has none) and log its arrival. Raises `RequestFailed`
         (with the request id) when it is refused: a refused request has still arrived, and failed."""
         request_id = request.request_id or new_request_id()
-        if request_id in services.requests:  # before any event: the log of the live one stays its own
+        if request_id in router.requests:  # before any event: the log of the live one stays its own
             raise RequestFailed("bad_request", f"request_id {request_id!r} is already in use", request_id)
         request = msgspec.structs.replace(request, request_id=request_id)
-        log = services.log.bind(request_id=request_id)
+        log = log.bind(request_id=request_id)
 
         def arrived(prompt_tokens: int | None) -> RequestArrived:
             return RequestArrived(
@@ -131,7 +135,7 @@ class Generation:
             )
 
         try:
-            serving = build_request(request, services.host, services.settings)
+            serving = build_request(request, host, settings)
         except RequestFailed as exc:
             log.emit(arrived(None))
             log.emit(RequestFailedEvent(code=exc.code, message=exc.message))
@@ -143,7 +147,7 @@ class Generation:
         except RequestFailed as exc:
             serving.fail(exc.code, exc.message)
             raise RequestFailed(exc.code, exc.message, request_id) from None
-        return cls(serving, request, router, services, token_gap)
+        return cls(serving, request, router, host, token_gap)
 
     async def pieces(self) -> AsyncIterator[Piece]:
         """The generated tokens as they come, then returns once the request ended normally; raises

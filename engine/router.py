@@ -14,23 +14,33 @@ An image request also needs an encode replica (EPD, docs/epd.md): it goes to the
 in `Encode` and to a prefill replica with an embedding pool, with one transfer id both use. While no
 encode replica is in `Encode`, image requests keep their place in the queue and text requests behind
 them go ahead. A node with no encode replica at all refuses image requests (`not_supported`).
+
+The router reads replicas — this node's and, in a cluster, the others' — only through their snapshots
+(`replicas.snapshot`: what each accepts, its queued prompt tokens, its image load) and reaches them only
+by `submit` and commands (`WithdrawEncode`). It is told of readiness changes by the node-wide signal,
+and of requests a replica gives back by the replicas' `returned` event; a request another node admitted
+and this node only holds (`hold`) goes to `held_returned` instead, for the cluster to send back. Queued
+requests expire at their deadline, not on a polling tick.
 """
 
 from __future__ import annotations
 
+import math
 import time
 from collections import deque
 from typing import final
 
 import trio
 
-from engine.cluster.remote import RemoteReplica
 from engine.control.errors import RequestFailed
+from messages.commands import WithdrawEncode
 from messages.log.events import RequestQueued
-from replicas.actor import Replica
-from replicas.embedding_receive import new_embedding_transfer_id
+from replicas.inbox import new_command_id
+from replicas.ports import Directory, EventSink, PeerReplica
+from replicas.prefill.embeddings import new_embedding_transfer_id
 from replicas.request import EmbeddingRoute, ServingRequest
-from replicas.services import ReplicaServices
+from replicas.settings import ReplicaSettings
+from replicas.signals import Subscribers
 from replicas.states import ReplicaState
 
 S = ReplicaState
@@ -38,58 +48,74 @@ S = ReplicaState
 
 @final
 class Router:
-    """See the module docstring. Single Trio thread: no locking."""
+    """See the module docstring. Single Trio thread: no locking. `requests` holds the node's live
+    requests (what replicas look up by id); replicas read, only the router registers and forgets them.
+    Replicas and other nodes are chosen by their snapshots (`replicas.snapshot`)."""
 
-    def __init__(self, services: ReplicaServices, *, max_queue: int, queue_wait: float = 60.0) -> None:
-        self.services = services
+    def __init__(
+        self,
+        directory: Directory,
+        log: EventSink,
+        *,
+        settings: ReplicaSettings,
+        max_queue: int,
+        queue_wait: float = 60.0,
+    ) -> None:
+        self._directory = directory
+        self._log = log
+        self._budget = settings.max_batch_tokens
         self.max_queue = max_queue
         self.queue_wait = queue_wait
+        self.requests: dict[str, ServingRequest] = {}
         self.pending: deque[ServingRequest] = deque()
         self._queued_at: dict[str, float] = {}  # request id -> when it (last) joined `pending`
+        self._joined = trio.Event()  # set when a request joins `pending` (the expiry loop's wake-up)
+        self._held: set[str] = set()  # requests another node admitted, held here (`hold`)
+        # A held request a replica gave back (the cluster sends it back to its origin).
+        self.held_returned: Subscribers[ServingRequest] = Subscribers()
         self.accepting = True
         self._idle = trio.Event()
         self._idle.set()
-        services.return_work = self.take_back
-        services.readiness_changed = self.dispatch
 
     @property
     def live(self) -> int:
-        return len(self.services.requests)
+        return len(self.requests)
 
     def admit(self, request: ServingRequest) -> None:
         """Register and queue `request`; raises `RequestFailed` (`shutting_down`, `overloaded`, ...)."""
         if not self.accepting:
             raise RequestFailed("shutting_down", "the node is shutting down and admits no new requests")
-        if request.request_id in self.services.requests:
+        if request.request_id in self.requests:
             raise RequestFailed("bad_request", f"request_id {request.request_id!r} is already in use")
         if self.live >= self.max_queue:
             raise RequestFailed(
                 "overloaded", f"{self.live} requests are in flight (max_queue {self.max_queue}); retry later"
             )
-        if request.needs_embeddings and not (
-            any(r.role == "encode" for r in self.services.replicas.values())
-            or any(r.role == "encode" for r in self._remote())
+        if request.needs_embeddings and not any(
+            peer.snapshot().role == "encode" for peer in self._everyone()
         ):
             raise RequestFailed(
                 "not_supported",
                 f"this node has no encode replica for the {len(request.images)} images of this request "
                 "(add one: --replicas encode=1,... or the scale op with role encode)",
             )
-        self.services.requests[request.request_id] = request
+        self.requests[request.request_id] = request
         if self._idle.is_set():
             self._idle = trio.Event()
         request.on_end.append(self._forget)
+        self._join(request)
         self.pending.append(request)
-        self._queued_at[request.request_id] = trio.current_time()
-        self.services.log.bind(request_id=request.request_id).emit(
+        self._log.bind(request_id=request.request_id).emit(
             RequestQueued(queue="work", position=len(self.pending) - 1)
         )
         self.dispatch()
 
     def hold(self, request: ServingRequest) -> None:
         """Register a request another node admitted (a cluster mirror): live here until it ends or
-        `release`, queued nowhere (the node that sent it chose the replica)."""
-        self.services.requests[request.request_id] = request
+        `release`, queued nowhere (the node that sent it chose the replica); a replica that gives it back
+        tells `held_returned`."""
+        self.requests[request.request_id] = request
+        self._held.add(request.request_id)
         if self._idle.is_set():
             self._idle = trio.Event()
         request.on_end.append(self._forget)
@@ -100,11 +126,26 @@ class Router:
             self.pending.remove(request)
         self._forget(request)
 
+    def returned(self, request: ServingRequest) -> None:
+        """A replica gives back a request it will not start: a held one goes to `held_returned`, one
+        admitted here to the front of the queue (`take_back`)."""
+        if request.request_id in self._held:
+            self.held_returned(request)
+        else:
+            self.take_back(request)
+
     def take_back(self, request: ServingRequest) -> None:
-        """A replica returns a request it will not start; it goes to the front of the queue (and its
-        `queue_wait` starts again)."""
+        """Queue `request` at the front again (and its `queue_wait` starts again)."""
+        self._join(request)
         self.pending.appendleft(request)
+
+    def _join(self, request: ServingRequest) -> None:
         self._queued_at[request.request_id] = trio.current_time()
+        self._joined.set()
+
+    def _everyone(self) -> list[PeerReplica]:
+        """This node's replicas, then the other nodes' that take work now (none alone)."""
+        return [*self._directory.local(), *self._directory.remote()]
 
     def dispatch(self) -> None:
         """Hand pending requests to prefill replicas (called on arrivals and readiness changes)."""
@@ -129,17 +170,15 @@ class Router:
                 self.pending.popleft()
                 request.stamps.dispatched = request.stamps.dispatched or time.time()
                 if encoder is not None:
-                    request.embedding_route = EmbeddingRoute(
-                        encoder=encoder.name, transfer_id=new_embedding_transfer_id(request.request_id)
-                    )
+                    route = EmbeddingRoute(encoder.name, new_embedding_transfer_id(request.request_id))
+                    request.embedding_route = route
                     if not encoder.submit(request):
                         request.embedding_route = None
                         self.pending.appendleft(request)
                         return
                 if not replica.submit(request):
-                    if isinstance(encoder, Replica):
-                        encoder.work.encode.withdraw(request)
                     if encoder is not None:
+                        self._withdraw(encoder, request)
                         request.embedding_route = None
                     self.pending.appendleft(request)
                     return
@@ -147,77 +186,61 @@ class Router:
         finally:
             self.pending.extendleft(reversed(waiting_for_encoder))
 
+    def _withdraw(self, encoder: PeerReplica, request: ServingRequest) -> None:
+        """The language side could not be placed after all: a local encoder drops the job."""
+        local = self._directory.get(encoder.name)
+        route = request.embedding_route
+        if local is not None and route is not None:
+            local.tell(WithdrawEncode(command_id=new_command_id(), transfer_id=route.transfer_id))
+
     def cancel(self, request_id: str) -> bool:
         """Cancel a live request (its holder frees its blocks and ends it `cancelled`)."""
-        request = self.services.requests.get(request_id)
+        request = self.requests.get(request_id)
         if request is None or request.ended:
             return False
         request.cancel()
         if request in self.pending:
             self.pending.remove(request)
             request.finish("cancelled")
-        for replica in self.services.replicas.values():
+        for replica in self._directory.local():
             replica.post()
         return True
 
-    def _remote(self) -> list[RemoteReplica]:
-        """The other nodes' replicas (a cluster that this node reaches now; empty alone)."""
-        return [p for p in self.services.peers() if isinstance(p, RemoteReplica)]
+    def _choose_prefill(self, request: ServingRequest) -> PeerReplica | None:
+        """The prefill replica with the fewest queued prompt tokens that takes `request` and has room
+        (this node's first on a tie)."""
+        tokens, images = request.prompt_tokens, request.needs_embeddings
+        best: tuple[int, bool, PeerReplica] | None = None
+        local = len(self._directory.local())
+        for index, peer in enumerate(self._everyone()):
+            snap = peer.snapshot()
+            if snap.has_room(tokens, self._budget) and snap.takes(tokens, images=images):
+                key = (snap.queued_prompt_tokens, index >= local, peer)
+                if best is None or key[:2] < best[:2]:
+                    best = key
+        return None if best is None else best[2]
 
-    def _choose_prefill(self, request: ServingRequest) -> Replica | RemoteReplica | None:
-        """The prefill replica with the fewest queued prompt tokens (this node's first on a tie)."""
-        local = self._choose_local_prefill(request)
-        budget = self.services.settings.max_batch_tokens
-        remote = [
-            r
-            for r in self._remote()
-            if r.report.takes_work
-            and r.report.status.role == "prefill"
-            and (not r.queued_tokens or r.queued_tokens + request.prompt_tokens <= budget)
-            and (not request.needs_embeddings or r.report.embedding_pool)
-        ]
-        if not remote:
-            return local
-        best = min(remote, key=lambda r: r.queued_tokens)
-        if local is not None and sum(q.prompt_tokens for q in local.work.prefill.queue) <= best.queued_tokens:
-            return local
-        return best
-
-    def _choose_local_prefill(self, request: ServingRequest) -> Replica | None:
-        images = request.needs_embeddings
-        budget = self.services.settings.max_batch_tokens
-        candidates = [
-            r
-            for r in self.services.replicas.values()
-            if _has_room(r, request, budget)
-            and (
-                r.state is S.PREFILL
-                or (r.state is S.OLD_PREFILL and r.work.old_prefill.takes_new_work())
-                or (r.state is S.NEW_PREFILL and r.work.new_prefill.accepts(request))
-            )
-            and (not images or r.pools.emb_endpoint is not None)
-        ]
-        if not candidates:
-            return None
-        return min(candidates, key=lambda r: sum(q.prompt_tokens for q in r.work.prefill.queue))
-
-    def _choose_encoder(self) -> Replica | RemoteReplica | None:
-        candidates: list[tuple[int, Replica | RemoteReplica]] = [
-            (r.work.encode.load, r) for r in self.services.replicas.values() if r.state is S.ENCODE
-        ]
-        candidates += [(r.report.encode_load, r) for r in self._remote() if r.state is S.ENCODE]
-        if not candidates:
-            return None
-        return min(candidates, key=lambda pair: pair[0])[1]
+    def _choose_encoder(self) -> PeerReplica | None:
+        """The encode replica with the least image load (this node's first on a tie)."""
+        best: tuple[int, PeerReplica] | None = None
+        for peer in self._everyone():
+            snap = peer.snapshot()
+            if snap.state is S.ENCODE and (best is None or snap.encode_load < best[0]):
+                best = (snap.encode_load, peer)
+        return None if best is None else best[1]
 
     async def expire_waiting(self) -> None:
-        """Fail queued requests that waited `queue_wait` seconds; runs until cancelled (node shutdown)."""
+        """Fail queued requests that waited `queue_wait` seconds, each when its time is up; runs until
+        cancelled (node shutdown). Sleeps until the earliest deadline, or until a request joins an empty
+        queue."""
         while True:
-            await trio.sleep(min(1.0, self.queue_wait / 4))
+            deadlines = [self._deadline(r) for r in self.pending if r.request_id in self._queued_at]
+            wake = min(deadlines) if deadlines else math.inf
+            self._joined = trio.Event()
+            with trio.move_on_at(wake):
+                await self._joined.wait()
             now = trio.current_time()
-            waited = [
-                r for r in self.pending if now - self._queued_at.get(r.request_id, now) >= self.queue_wait
-            ]
+            waited = [r for r in self.pending if r.request_id in self._queued_at and self._deadline(r) <= now]
             for request in waited:
                 self.pending.remove(request)
                 if request.cancelled:
@@ -225,12 +248,16 @@ class Router:
                 else:
                     request.fail("overloaded", self._why_waiting(request))
 
+    def _deadline(self, request: ServingRequest) -> float:
+        return self._queued_at[request.request_id] + self.queue_wait
+
     def _why_waiting(self, request: ServingRequest) -> str:
         role = "encode" if request.needs_embeddings and self._choose_encoder() is None else "prefill"
+        snaps = [r.snapshot() for r in self._directory.local()]
         states = "; ".join(
             f"{r.name} {r.state.value}"
             + (f" (last error: {r.last_error})" if r.state is S.INACTIVE and r.last_error else "")
-            for r in self.services.replicas.values()
+            for r in snaps
             if r.role == role
         )
         article = "an" if role == "encode" else "a"
@@ -241,18 +268,11 @@ class Router:
 
     def _forget(self, request: ServingRequest) -> None:
         self._queued_at.pop(request.request_id, None)
-        self.services.requests.pop(request.request_id, None)
-        if not self.services.requests:
+        self._held.discard(request.request_id)
+        self.requests.pop(request.request_id, None)
+        if not self.requests:
             self._idle.set()
 
     async def wait_idle(self) -> None:
         """Return once no request is live."""
         await self._idle.wait()
-
-
-def _has_room(replica: Replica, request: ServingRequest, budget: int) -> bool:
-    """A replica's queue holds at most its next batch (`max_batch_tokens` prompt tokens, or one longer
-    prompt): the rest waits here, so a replica that starts serving later (a scale-up) takes its share
-    of a backlog instead of finding it committed to the replicas that were there first."""
-    queue = replica.work.prefill.queue
-    return not queue or sum(r.prompt_tokens for r in queue) + request.prompt_tokens <= budget

@@ -6,28 +6,28 @@ replicas configured for the role (`Loading*`), then adds new replicas named `{ro
 commands the least loaded serving replicas into `Shutting*`: they finish what they hold, admit nothing
 new, and end `ShuttingNull`. Every move is a commanded transition of architecture §6, logged like any other.
 
-Scale ops run one at a time (`Node.scale_lock`, first come first served): each counts the replicas from
+Scale ops run one at a time (`NodeCore.scale_lock`, first come first served): each counts the replicas from
 the state the one before it left, so two concurrent `scale decode 2` both answer the same two replicas.
 Run side by side, both counted the same serving replicas and the second commanded the first's new
 replica (still `Inactive`, the first's command not yet handled) into `Loading*` itself; the first's own
 command was then refused (`invalid_transition`) and a larger scale was left half-applied. A scale waits
 at most `SCALE_WAIT` seconds for the one before it, then answers `overloaded`. A new replica is listed
-only once started (`Node.add_replica`), so the scale's own command is the first it handles; a
+only once started (`NodeCore.add_replica`), so the scale's own command is the first it handles; a
 `transition` sent to it later is judged from the state that command entered.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import trio
 
 from engine.control.errors import RequestFailed
+from engine.core import NodeCore
 from messages.commands import Transition
 from messages.control import ScaleMode, ScaleRequest, SourceChoice, WeightsSource
 from messages.control_replies import ScaleResult, StartedReplica
 from messages.log.scaling import ReplicasPaired
 from replicas.actor import Replica
+from replicas.actor.supervisor import ReplicaStartFailed
 from replicas.inbox import CommandRefused, new_command_id
 from replicas.loading.copy import choose_peer
 from replicas.states import (
@@ -40,10 +40,6 @@ from replicas.states import (
     ReplicaState,
     Role,
 )
-from replicas.supervisor import ReplicaStartFailed
-
-if TYPE_CHECKING:
-    from engine.node import Node
 
 S = ReplicaState
 # How long a scale waits for the one before it to finish: as long as a replica gets to answer a command
@@ -51,32 +47,26 @@ S = ReplicaState
 # the scale within that time; one that takes longer is starting many replicas, or a slow transfer endpoint.
 SCALE_WAIT = 30.0
 
-EPISODE_POLL = 0.05
 
-
-def active(node: Node, role: Role) -> list[Replica]:
-    return [r for r in node.services.replicas.values() if r.state in ACTIVE_STATES[role]]
+def active(node: NodeCore, role: Role) -> list[Replica]:
+    return [r for r in node.directory.local() if r.state in ACTIVE_STATES[role]]
 
 
 def _load(replica: Replica) -> int:
-    work, migration = replica.work.queue_lengths()
-    return replica.pools.used_blocks() + work + migration
+    return replica.snapshot().load
 
 
-def _fits(replica: Replica, role: Role) -> bool:
+def _fits(node: NodeCore, replica: Replica, role: Role) -> bool:
     """Whether `replica`'s pools can serve `role` (encode needs an embedding pool, the others KV)."""
+    snap = replica.snapshot()
     if role == "encode":
-        return replica.role == "encode"
-    if role == "prefill" and node_has_vision(replica):
-        return replica.pools.emb_pool is not None
-    return replica.pools.kv is not None
+        return snap.role == "encode"
+    if role == "prefill" and node.host.config.image_token_id is not None:
+        return snap.embedding_pool
+    return snap.kv_blocks > 0
 
 
-def node_has_vision(replica: Replica) -> bool:
-    return replica.services.host.config.image_token_id is not None
-
-
-async def scale(node: Node, request: ScaleRequest) -> ScaleResult:
+async def scale(node: NodeCore, request: ScaleRequest) -> ScaleResult:
     try:
         with trio.fail_after(SCALE_WAIT):
             await node.scale_lock.acquire()
@@ -92,7 +82,7 @@ async def scale(node: Node, request: ScaleRequest) -> ScaleResult:
         node.scale_lock.release()
 
 
-async def _scale(node: Node, request: ScaleRequest) -> ScaleResult:
+async def _scale(node: NodeCore, request: ScaleRequest) -> ScaleResult:
     role: Role = request.role
     target = request.replicas
     serving = active(node, role)
@@ -132,20 +122,17 @@ async def _scale(node: Node, request: ScaleRequest) -> ScaleResult:
     )
 
 
-def episode(node: Node, role: Role) -> list[Replica]:
+def episode(node: NodeCore, role: Role) -> list[Replica]:
     """Replicas of `role` in a ZigZag episode (NewPrefill, RefractoryPrefill, OldPrefill)."""
     if role != "prefill":
         return []
-    return [r for r in node.services.replicas.values() if r.state in ZIGZAG]
+    return [r for r in node.directory.local() if r.state in ZIGZAG]
 
 
-async def _wait_for_episode(node: Node, role: Role) -> None:
-    """A scale-down waits (bounded) for a ZigZag episode to end: its replicas are not serving plainly."""
-    # Replica states change in their own tasks with no node-wide signal: look every 50 ms, bounded.
-    for _ in range(int(SCALE_WAIT / EPISODE_POLL)):
-        if not episode(node, role):
-            break
-        await trio.sleep(EPISODE_POLL)
+async def _wait_for_episode(node: NodeCore, role: Role) -> None:
+    """A scale-down waits (bounded) for a ZigZag episode to end: its replicas are not serving plainly.
+    Every replica's state change is a node-wide change (`NodeCore.changes`), so it looks again at each."""
+    await node.changes.wait_until(lambda: not episode(node, role), timeout=SCALE_WAIT)
     busy = episode(node, role)
     if busy:
         states = ", ".join(f"{r.name} {r.state.value}" for r in busy)
@@ -156,13 +143,18 @@ async def _wait_for_episode(node: Node, role: Role) -> None:
 
 
 async def _scale_up(
-    node: Node, role: Role, needed: int, mode: ScaleMode, source: SourceChoice, started: list[StartedReplica]
+    node: NodeCore,
+    role: Role,
+    needed: int,
+    mode: ScaleMode,
+    source: SourceChoice,
+    started: list[StartedReplica],
 ) -> None:
     # Replicas configured for the role first: reviving another role's replica changes its role.
-    replicas = sorted(node.services.replicas.values(), key=lambda r: r.role != role)
+    replicas = sorted(node.directory.local(), key=lambda r: r.role != role)
     if role in REVIVING_STATE:
         for replica in replicas:
-            if needed and replica.state is S.SHUTTING_NULL and _fits(replica, role):
+            if needed and replica.state is S.SHUTTING_NULL and _fits(node, replica, role):
                 await replica.ask(
                     Transition(command_id=new_command_id(), to=REVIVING_STATE[role].value, origin="planner")
                 )
@@ -185,7 +177,7 @@ async def _scale_up(
 
 
 async def _start(
-    node: Node,
+    node: NodeCore,
     replica: Replica,
     role: Role,
     mode: ScaleMode,
@@ -193,7 +185,7 @@ async def _start(
     started: list[StartedReplica],
 ) -> None:
     """Command `replica` into Loading*; with ZigZag, straight on into NewPrefill, paired."""
-    planned = planned_source(replica, source)
+    planned = planned_source(node, replica, source)
     await replica.ask(
         Transition(command_id=new_command_id(), to=LOADING_STATE[role].value, origin="planner", source=source)
     )
@@ -202,20 +194,20 @@ async def _start(
     started.append(StartedReplica(replica=replica.name, mode=mode, source=planned))
 
 
-def planned_source(replica: Replica, source: SourceChoice) -> WeightsSource:
+def planned_source(node: NodeCore, replica: Replica, source: SourceChoice) -> WeightsSource:
     """The source a copy starts from: `auto` is a peer holding the model, else the host copy, else disk
     (the copy may still fall back mid-way: its events and `status` say where the weights came from)."""
     if source != "auto":
         return source
-    if choose_peer(replica) is not None:
+    if choose_peer(node.directory, replica.name) is not None:
         return "peer"
-    return "host" if replica.services.host.host_copy is not None else "disk"
+    return "host" if node.host.host_copy is not None else "disk"
 
 
-def choose_old_prefill(node: Node) -> Replica | None:
+def choose_old_prefill(node: NodeCore) -> Replica | None:
     """The partner for a new NewPrefill: the least-loaded `Prefill` replica not yet paired, else the
     least-loaded `OldPrefill` (partners are shared when there are not enough)."""
-    replicas = node.services.replicas.values()
+    replicas = node.directory.local()
     free = [r for r in replicas if r.state is S.PREFILL]
     if free:
         return min(free, key=_load)
@@ -223,7 +215,7 @@ def choose_old_prefill(node: Node) -> Replica | None:
     return min(paired, key=_load) if paired else None
 
 
-async def pair(node: Node, new: Replica, old: Replica | None) -> Replica | None:
+async def pair(node: NodeCore, new: Replica, old: Replica | None) -> Replica | None:
     """Move `new` (LoadingPrefill) into NewPrefill and `old` (Prefill, or an OldPrefill that takes one
     more partner) into OldPrefill, each naming the other. Returns the partner, or None when `new`
     finished loading before it could be paired (it then serves as a plain Prefill replica). Raises

@@ -3,20 +3,27 @@
 `generate` admits the request, then relays its updates (streamed tokens, the final result or error).
 If the handler is cancelled first — the client disconnected or stopped reading, or the node is shutting
 down — the request is cancelled in shielded cleanup: its holder frees its blocks at the next step.
+
+Replicas are read through their snapshots and reached by commands. In a cluster the ops that reach
+past this node (another node's replica, a cancel of a request admitted elsewhere, a scale placed
+elsewhere, the cluster's totals, a cluster shutdown) go through `Cluster`, a small protocol the cluster
+member implements (`engine.cluster`); the handler imports nothing of it. A manual `scale` is told to
+`scaled_manually` (the planner pauses).
 """
 
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Any, assert_never, final
+from collections.abc import Callable
+from typing import Any, Protocol, TypeVar, assert_never, final
 
 import msgspec
 
 from engine.control.errors import RequestFailed
 from engine.control.outbox import ReplySink
+from engine.core import NodeCore
 from engine.generation import Generation
 from engine.logs import Aggregator, metrics_result
-from engine.router import Router
 from engine.scaling import pair, scale
 from messages.commands import Lock, Transition, Unlock
 from messages.control import (
@@ -33,8 +40,11 @@ from messages.control import (
 )
 from messages.control_replies import (
     CancelResult,
+    ClusterTotals,
+    ClusterView,
     GenerateResult,
     LockResult,
+    MetricsResult,
     ReplicaGauge,
     ReplicaStatus,
     ScaleResult,
@@ -48,22 +58,69 @@ from messages.log.events import RequestFailed as RequestFailedEvent
 from replicas.actor import Replica
 from replicas.inbox import CommandRefused, new_command_id
 from replicas.request import FailedUpdate, FinishedUpdate, ServingRequest
-from replicas.services import ReplicaServices
-from replicas.states import SERVING_ROLE, ReplicaState
+from replicas.signals import Subscribers
+from replicas.snapshot import ReplicaSnapshot
+from replicas.states import ReplicaState
 
-if TYPE_CHECKING:
-    from engine.node import Node
+R = TypeVar("R")
+
+
+class Cluster(Protocol):
+    """What the handler asks of the cluster this node is a member of (`engine.cluster`)."""
+
+    @property
+    def node_id(self) -> str: ...
+
+    @property
+    def pid(self) -> int: ...
+
+    @property
+    def is_leader(self) -> bool: ...
+
+    def view(self) -> ClusterView: ...
+
+    def remote_statuses(self) -> list[ReplicaStatus]:
+        """The other nodes' replicas as they last reported them."""
+        ...
+
+    def locate(self, name: str) -> tuple[str, str] | None:
+        """Another node's replica called `name` (its cluster name, or a bare `{role}-{n}` only one node
+        has): (its cluster name, its node); None when there is none."""
+        ...
+
+    def place(self, wanted: str | None) -> str:
+        """The node a `scale` runs on."""
+        ...
+
+    async def forward(self, node: str, request: ControlRequest, result_type: type[R]) -> R: ...
+
+    async def cancel_elsewhere(self, request: ControlRequest, result_type: type[R]) -> R | None: ...
+
+    async def shutdown_others(self, request: ControlRequest, result_type: type[R]) -> list[str]: ...
+
+    async def totals(self, mine: MetricsResult) -> ClusterTotals: ...
 
 
 @final
 class NodeService:
-    """Implements `engine.control.handler.ControlHandler` for one node."""
+    """Implements `engine.control.handler.ControlHandler` for one node (`core`); `cluster`: its cluster
+    (None alone); `token_gap(seconds, tokens)` observes the gaps between relayed tokens."""
 
-    def __init__(self, node: Node, services: ReplicaServices, router: Router, aggregator: Aggregator) -> None:
-        self.node = node
-        self.services = services
-        self.router = router
+    def __init__(
+        self,
+        core: NodeCore,
+        aggregator: Aggregator,
+        *,
+        cluster: Cluster | None = None,
+        token_gap: Callable[[float, int], None] | None = None,
+    ) -> None:
+        self.core = core
+        self.router = core.router
         self.aggregator = aggregator
+        self.cluster = cluster
+        self.token_gap = token_gap
+        # Told of every `scale` op this handler serves (the planner waits a while after one).
+        self.scaled_manually: Subscribers[None] = Subscribers()
         self.started = time.monotonic()
 
     async def handle(self, request: ControlRequest, replies: ReplySink) -> None:
@@ -71,23 +128,23 @@ class NodeService:
             case GenerateRequest():
                 await self._generate(request, replies)
             case StatusRequest():
-                member = self.node.member
-                replicas = self.statuses() + ([] if member is None else member.ops.statuses())
+                cluster = self.cluster
+                replicas = self.statuses() + ([] if cluster is None else cluster.remote_statuses())
                 replies.send(
                     StatusResult(
                         id=request.id,
                         accepting=self.router.accepting,
                         replicas=replicas,
-                        cluster=None if member is None else member.view(),
+                        cluster=None if cluster is None else cluster.view(),
                     )
                 )
             case CancelRequest(request_id=request_id):
                 if not self.router.cancel(request_id):
-                    member = self.node.member
+                    cluster = self.cluster
                     # Admitted by another node of the cluster? Only a client's own cancel asks them.
                     found = None
-                    if member is not None and replies.connection.connection != "peer":
-                        found = await member.ops.cancel_elsewhere(request, CancelResult)
+                    if cluster is not None and replies.connection.connection != "peer":
+                        found = await cluster.cancel_elsewhere(request, CancelResult)
                     if found is None:
                         raise RequestFailed("not_found", f"no live request {request_id!r}")
                 replies.send(CancelResult(id=request.id, request_id=request_id))
@@ -102,27 +159,24 @@ class NodeService:
             case LockRequest(replica=name):
                 replica = self._replica(name)
                 reasons = await self._ask(replica, Lock(command_id=new_command_id(), reason="manual"))
-                replies.send(
-                    LockResult(id=request.id, replica=name, locked=replica.locked, lock_reasons=reasons)
-                )
+                locked = replica.snapshot().locked
+                replies.send(LockResult(id=request.id, replica=name, locked=locked, lock_reasons=reasons))
             case UnlockRequest(replica=name):
                 replica = self._replica(name)
                 reasons = await self._ask(replica, Unlock(command_id=new_command_id(), reason="manual"))
-                replies.send(
-                    LockResult(id=request.id, replica=name, locked=replica.locked, lock_reasons=reasons)
-                )
+                locked = replica.snapshot().locked
+                replies.send(LockResult(id=request.id, replica=name, locked=locked, lock_reasons=reasons))
             case ScaleRequest():
-                if self.node.planner is not None:
-                    self.node.planner.manual_scale()
-                member = self.node.member
-                where = None if member is None else member.ops.place(request.node)
-                if member is not None and where != member.node_id:
+                self.scaled_manually(None)
+                cluster = self.cluster
+                where = None if cluster is None else cluster.place(request.node)
+                if cluster is not None and where != cluster.node_id:
                     assert where is not None
                     forwarded = msgspec.structs.replace(request, node=where)
-                    result = await member.ops.forward(where, forwarded, ScaleResult)
+                    result = await cluster.forward(where, forwarded, ScaleResult)
                     replies.send(msgspec.structs.replace(result, id=request.id))
                 else:
-                    replies.send(await scale(self.node, request))
+                    replies.send(await scale(self.core, request))
             case MetricsRequest():
                 metrics = metrics_result(
                     self.aggregator,
@@ -130,24 +184,20 @@ class NodeService:
                     uptime_s=time.monotonic() - self.started,
                     replicas=self.gauges(),
                 )
-                member = self.node.member
+                cluster = self.cluster
                 # The leader adds the cluster's totals (for a client: a node asked by the leader does not).
-                if (
-                    member is not None
-                    and member.membership.is_leader
-                    and replies.connection.connection != "peer"
-                ):
-                    metrics = msgspec.structs.replace(metrics, cluster=await member.ops.totals(metrics))
+                if cluster is not None and cluster.is_leader and replies.connection.connection != "peer":
+                    metrics = msgspec.structs.replace(metrics, cluster=await cluster.totals(metrics))
                 replies.send(metrics)
             case ShutdownRequest():
-                if request.cluster and self.node.member is not None:
+                if request.cluster and self.cluster is not None:
                     local = msgspec.structs.replace(request, cluster=False)
-                    await self.node.member.ops.shutdown_others(local, ShutdownResult)
-                in_flight = len(self.services.requests)
-                self.node.request_shutdown("shutdown op")
+                    await self.cluster.shutdown_others(local, ShutdownResult)
+                in_flight = len(self.router.requests)
+                self.core.request_shutdown("shutdown op")
                 replies.send(
                     ShutdownResult(
-                        id=request.id, drain_deadline_s=self.node.drain_deadline, in_flight=in_flight
+                        id=request.id, drain_deadline_s=self.core.drain_deadline, in_flight=in_flight
                     )
                 )
             case _:
@@ -158,12 +208,14 @@ class NodeService:
         if request.request_id is not None:
             replies.request_id = request.request_id
         generation = Generation.start(
-            self.services,
+            self.core.host,
+            self.core.settings,
             self.router,
+            self.core.log,
             request,
             connection=replies.connection.connection,
             on_end=self.log_end,
-            token_gap=self.node.metrics.token_gap,
+            token_gap=self.token_gap,
         )
         replies.request_id = generation.request_id
         generation.cancel_reason = lambda: (
@@ -199,7 +251,7 @@ class NodeService:
             generation.close()
 
     def log_end(self, serving: ServingRequest) -> None:
-        log = self.services.log.bind(request_id=serving.request_id)
+        log = self.core.log.bind(request_id=serving.request_id)
         update = serving.final_update
         timings = serving.timings()
         if isinstance(update, FailedUpdate):
@@ -224,13 +276,13 @@ class NodeService:
         partner = None if request.paired_with is None else self._replica(request.paired_with)
         previous = replica.state
         if request.to == ReplicaState.NEW_PREFILL.value and replica.state is ReplicaState.LOADING_PREFILL:
-            if await pair(self.node, replica, partner) is None:
+            if await pair(self.core, replica, partner) is None:
                 raise RequestFailed(
                     "invalid_transition", f"{replica.name} finished loading first; it serves as Prefill"
                 )
             return previous
         if request.to == ReplicaState.OLD_PREFILL.value and partner is None:
-            new = [r for r in self.services.replicas.values() if r.state is ReplicaState.NEW_PREFILL]
+            new = [r for r in self.core.directory.local() if r.state is ReplicaState.NEW_PREFILL]
             if not new:
                 raise RequestFailed(
                     "invalid_transition", f"{replica.name}: no NewPrefill replica to pair with as OldPrefill"
@@ -242,44 +294,44 @@ class NodeService:
             source=request.source,
             paired_with=None if partner is None else partner.name,
         )
-        previous = await self._ask(replica, command)
-        if request.to == ReplicaState.OLD_PREFILL.value and partner is not None:
-            partner.work.new_prefill.add_partner(replica.name)  # so it hints this replica too
-        return previous
+        # An OldPrefill replica tells its NewPrefill partner of the pairing itself (`AddRelayPartner`).
+        return await self._ask(replica, command)
 
     def _elsewhere(self, name: str) -> bool:
         """`name` is a replica of another node of the cluster (qualified, or a bare name only it has)."""
-        member = self.node.member
-        if member is None or name in self.services.replicas:
+        cluster = self.cluster
+        if cluster is None or name in self.core.directory:
             return False
-        return member.find_remote(name) is not None
+        return cluster.locate(name) is not None
 
     async def _forward_replica_op(
         self, request: TransitionRequest | LockRequest | UnlockRequest, replies: ReplySink
     ) -> None:
-        member = self.node.member
-        assert member is not None
-        remote = member.find_remote(request.replica)
-        assert remote is not None
-        forwarded = msgspec.structs.replace(request, replica=remote.name)
+        cluster = self.cluster
+        assert cluster is not None
+        located = cluster.locate(request.replica)
+        assert located is not None
+        name, node = located
+        forwarded = msgspec.structs.replace(request, replica=name)
         if isinstance(request, TransitionRequest):
-            transition = await member.ops.forward(remote.node, forwarded, TransitionResult)
+            transition = await cluster.forward(node, forwarded, TransitionResult)
             replies.send(msgspec.structs.replace(transition, id=request.id))
         else:
-            lock = await member.ops.forward(remote.node, forwarded, LockResult)
+            lock = await cluster.forward(node, forwarded, LockResult)
             replies.send(msgspec.structs.replace(lock, id=request.id))
 
     def _replica(self, name: str) -> Replica:
-        replica = self.services.replicas.get(name) or self._bare(name)
+        directory = self.core.directory
+        replica = directory.get(name) or self._bare(name)
         if replica is None:
-            known = ", ".join(self.services.replicas)
+            known = ", ".join(directory)
             raise RequestFailed("not_found", f"no replica {name!r}; replicas are {known}")
         return replica
 
     def _bare(self, name: str) -> Replica | None:
         """A bare `{role}-{n}` names this node's replica `{node}/{role}-{n}` in a cluster."""
-        member = self.node.member
-        return None if member is None else self.services.replicas.get(f"{member.node_id}/{name}")
+        cluster = self.cluster
+        return None if cluster is None else self.core.directory.get(f"{cluster.node_id}/{name}")
 
     async def _ask(self, replica: Replica, command: Transition | Lock | Unlock) -> Any:
         try:
@@ -288,47 +340,52 @@ class NodeService:
             raise RequestFailed(exc.code, str(exc)) from None  # type: ignore[arg-type]
 
     def statuses(self) -> list[ReplicaStatus]:
-        member = self.node.member
-        node, pid = (None, None) if member is None else (member.node_id, member.pid)
-        return [replica_status(replica, node=node, pid=pid) for replica in self.services.replicas.values()]
+        cluster = self.cluster
+        node, pid = (None, None) if cluster is None else (cluster.node_id, cluster.pid)
+        transport = self.core.fabric.kind
+        return [
+            replica_status(r.snapshot(), transport=transport, node=node, pid=pid)
+            for r in self.core.directory.local()
+        ]
 
     def gauges(self) -> list[ReplicaGauge]:
         return [
             ReplicaGauge(
-                name=replica.name,
-                state=replica.state.value,
-                used_blocks=replica.pools.used_blocks(),
-                total_blocks=replica.pools.total_blocks(),
-                locked=replica.locked,
+                name=snap.name,
+                state=snap.state.value,
+                used_blocks=snap.used_blocks,
+                total_blocks=snap.total_blocks,
+                locked=snap.locked,
             )
-            for replica in self.services.replicas.values()
+            for snap in (r.snapshot() for r in self.core.directory.local())
         ]
 
 
-def replica_status(replica: Replica, *, node: str | None = None, pid: int | None = None) -> ReplicaStatus:
-    """`replica` as `status` shows it (in a cluster, with its `node` and that node's `pid`)."""
-    work, migration = replica.work.queue_lengths()
-    used_kv, _ = replica.pools.kv_usage()
+def replica_status(
+    snap: ReplicaSnapshot, *, transport: str, node: str | None = None, pid: int | None = None
+) -> ReplicaStatus:
+    """A replica's snapshot as `status` shows it (in a cluster, with its `node` and that node's `pid`);
+    `transport`: the node's fabric's."""
     return ReplicaStatus(
-        name=replica.name,
-        role=SERVING_ROLE.get(replica.state) or replica.role,
-        state=replica.state.value,
-        used_blocks=replica.pools.used_blocks(),
-        cached_blocks=used_kv,
-        total_blocks=replica.pools.total_blocks(),
-        locked=replica.locked,
-        lock_reasons=sorted(replica.lock_reasons),
-        work_queue=work,
-        migration_queue=migration,
-        last_error=replica.last_error,
-        transport=replica.services.fabric.kind,
-        loaded_layers=replica.work.loaded_layers,
-        total_layers=replica.work.total_layers,
-        weights_source=replica.work.weights_source,
-        weights_bytes_loaded=replica.work.weights_bytes_loaded,
-        paired_with=replica.work.paired_with(),
+        name=snap.name,
+        role=snap.serving_role,
+        state=snap.state.value,
+        used_blocks=snap.used_blocks,
+        cached_blocks=snap.cached_blocks,
+        total_blocks=snap.total_blocks,
+        locked=snap.locked,
+        lock_reasons=list(snap.lock_reasons),
+        work_queue=snap.work_queue,
+        migration_queue=snap.migration_queue,
+        last_error=snap.last_error,
+        transport=transport,
+        loaded_layers=snap.loaded_layers,
+        total_layers=snap.total_layers,
+        weights_source=snap.weights_source,
+        weights_bytes_loaded=snap.weights_bytes_loaded,
+        paired_with=list(snap.paired_with),
         node=node,
         pid=pid,
-        executor=replica.work.executor_path,
-        executor_fallbacks=replica.work.executor_fallbacks,
+        executor=snap.executor,
+        executor_fallbacks=list(snap.executor_fallbacks),
     )

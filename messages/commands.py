@@ -102,6 +102,23 @@ class DropKVHalf(Message, frozen=True, tag="drop_kv_half"):
     request_id: str
 
 
+class AddRelayPartner(Message, frozen=True, tag="add_relay_partner"):
+    """To a NewPrefill (or RefractoryPrefill): OldPrefill replica `old_prefill` relays its batches too;
+    hint it when a batch is ready (`RelayHint`). Sent by the OldPrefill replica when it is paired."""
+
+    command_id: str
+    old_prefill: str
+
+
+class RelayHint(Message, frozen=True, tag="relay_hint"):
+    """To an OldPrefill: its partner `new_prefill` holds a batch ready to hand over whose oldest request
+    arrived at `oldest` (wall clock), or none (`oldest` null), so its next `Relay` is not a blind one."""
+
+    command_id: str
+    new_prefill: str
+    oldest: float | None = None
+
+
 class KVHalf(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """The other half of a ZigZag migration: layers `[start, stop)` sent as `transfer_id` from
     endpoint `source_endpoint`."""
@@ -142,15 +159,26 @@ class SendWeights(Message, frozen=True, tag="send_weights"):
     byte_offset: Annotated[int, msgspec.Meta(ge=0)] = 0
 
 
+class WithdrawEncode(Message, frozen=True, tag="withdraw_encode"):
+    """To an encode replica: drop the job of embedding transfer `transfer_id` (the router could not place
+    the request's language side after all); its transfer aborts."""
+
+    command_id: str
+    transfer_id: str
+
+
 ReplicaCommand = (
     Transition
     | Lock
     | Unlock
     | Flush
     | Relay
+    | AddRelayPartner
+    | RelayHint
     | SendKVHalf
     | DropKVHalf
     | ReserveKV
     | SendWeights
+    | WithdrawEncode
     | SenderBound
 )

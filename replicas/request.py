@@ -131,11 +131,11 @@ class ServingRequest:
         self._update_send, self.updates = trio.open_memory_channel[RequestUpdate](max_tokens + 4)
         self.cancel_hooks: list[trio.CancelScope] = []
         self.on_end: list[Callable[[ServingRequest], None]] = []
-        # A mirror of a request admitted on another node (engine.cluster): told of every token emitted
-        # here, with its index in `generated`, so the request's origin hears of it.
-        self.on_tokens: Callable[[int, Sequence[int]], None] | None = None
-        # A request other nodes work on (engine.cluster): told of a cancel, so they hear of it.
-        self.on_cancel: Callable[[ServingRequest], None] | None = None
+        # Subscribers (engine.cluster): told of every token emitted here, with its index in `generated` —
+        # a mirror of a request admitted on another node, so the request's origin hears of it; and told
+        # of a cancel — a request other nodes work on, so they hear of it.
+        self.on_tokens: list[Callable[[int, Sequence[int]], None]] = []
+        self.on_cancel: list[Callable[[ServingRequest], None]] = []
 
     # ------------------------------------------------------------------ facts
     @property
@@ -175,8 +175,8 @@ class ServingRequest:
             if self.stamps.first_token is None:
                 self.stamps.first_token = time.time()
             self._update_send.send_nowait(TokensUpdate(tuple(token_ids)))
-            if self.on_tokens is not None:
-                self.on_tokens(len(self.generated) - len(token_ids), token_ids)
+            for callback in list(self.on_tokens):
+                callback(len(self.generated) - len(token_ids), token_ids)
 
     def finish(self, reason: FinishReason) -> None:
         """End normally. Idempotent with `fail`: the first final update wins. After `stop_early` the
@@ -226,8 +226,8 @@ class ServingRequest:
         self.cancelled = True
         for scope in self.cancel_hooks:
             scope.cancel()
-        if self.on_cancel is not None:
-            self.on_cancel(self)
+        for callback in list(self.on_cancel):
+            callback(self)
 
     def stop_early(self, kept_tokens: int) -> None:
         """A stop string ended the text within the first `kept_tokens` generated tokens: stop generating

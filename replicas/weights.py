@@ -82,6 +82,12 @@ class ModelHost:
         self._lock = trio.Lock()
         self._host_copy = HostCopy(self.config, pin=torch.device(device).type == "cuda")
         self.loads = 0
+        self.copies = 0  # own weight copies started on this node (`replicas.loading`), from 1
+
+    def next_copy(self) -> int:
+        """Number the next own weight copy of a replica of this node (the `nth` of `hold_weights`)."""
+        self.copies += 1
+        return self.copies
 
     @property
     def name(self) -> str:

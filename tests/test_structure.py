@@ -166,20 +166,10 @@ def upward(edges: dict[str, dict[str, int]]) -> list[str]:
 KNOWN_CIRCLES = {
     "engine.bench.e2e",
     "engine.cli",
-    "engine.cluster.commands",
-    "replicas.actor",
     "replicas.model.executor",
 }
 KNOWN_UPWARD = {
-    "engine.cluster.join -> engine.node",
-    "engine.cluster.member -> engine.node",
     "engine.config -> engine.http.address",
-    "engine.demo -> engine.node",
-    "engine.http.app -> engine.node",
-    "engine.planner.loop -> engine.node",
-    "engine.router -> engine.cluster.remote",
-    "engine.scaling -> engine.node",
-    "engine.service -> engine.node",
 }
 
 

@@ -9,21 +9,49 @@ or directly when the origin asked). Commands that act on a reservation or a lock
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import msgspec
 
-from engine.cluster.peers import PeerUnreachable, new_correlation
+from engine.cluster.membership import Membership
+from engine.cluster.peers import PeerLinks, PeerUnreachable, new_correlation
 from engine.cluster.remote import RemoteReplica
 from engine.cluster.requests import snapshot
-from messages.cluster import CommandOutcome, Holding, PeerFrame, RunCommand
+from engine.router import Router
+from messages.cluster import CommandOutcome, Holding, PeerFrame, RequestSnapshot, RunCommand
 from messages.commands import Lock, ReplicaCommand, ReserveKV, Unlock
 from replicas.actor import Replica
+from replicas.directory import ReplicaDirectory
 from replicas.inbox import CommandRefused
+from replicas.request import ServingRequest
 from replicas.states import ReplicaState
 
-if TYPE_CHECKING:
-    from engine.cluster.member import ClusterMember
+
+class ClusterMember(Protocol):
+    """What the commands between nodes use of this node's cluster member (`engine.cluster.member`):
+    its links and membership, the node's router and replicas, and the books of the requests that
+    cross nodes (mirrors held here, and where this node's own requests are held)."""
+
+    node_id: str
+    router: Router
+    directory: ReplicaDirectory
+    peers: PeerLinks
+    membership: Membership
+    mirrors: dict[str, ServingRequest]
+    origins: dict[str, str]
+    holders: dict[str, str]
+
+    @property
+    def reachable(self) -> bool: ...
+
+    def track(self, request: ServingRequest) -> None: ...
+
+    def origin_of(self, request: ServingRequest) -> str: ...
+
+    def adopt(self, snap: RequestSnapshot) -> ServingRequest | None: ...
+
+    def drop_mirror(self, request: ServingRequest) -> None: ...
+
 
 LEASED = (ReserveKV, Lock, Unlock)  # commands refused from a stale lease
 
@@ -36,7 +64,7 @@ async def run_command(
         raise replica.refused("this node cannot reach the cluster's etcd now (cluster degraded)")
     snap = None
     if isinstance(command, ReserveKV):
-        request = member.services.requests.get(command.request_id)
+        request = member.router.requests.get(command.request_id)
         if request is None or request.ended:
             raise CommandRefused("not_found", f"request {command.request_id} is not live here")
         if request.request_id not in member.mirrors:
@@ -52,7 +80,7 @@ async def run_command(
     if outcome.error_code is not None:
         raise CommandRefused(outcome.error_code, outcome.error_message or "refused")
     if isinstance(command, ReserveKV):  # the remote decode replica holds the request now
-        request = member.services.requests.get(command.request_id)
+        request = member.router.requests.get(command.request_id)
         if request is not None:
             request.holder = replica.name
         if request is not None and request.request_id not in member.mirrors:
@@ -63,7 +91,7 @@ async def run_command(
 async def serve_command(member: ClusterMember, frame: PeerFrame, message: RunCommand) -> None:
     """Run a `RunCommand` from `frame.sender` here and answer with its `CommandOutcome`."""
     command = message.command
-    created = message.request is not None and message.request.request_id not in member.services.requests
+    created = message.request is not None and message.request.request_id not in member.router.requests
     try:
         replica = _command_target(member, frame, message)
         result = await replica.ask(command)
@@ -71,7 +99,7 @@ async def serve_command(member: ClusterMember, frame: PeerFrame, message: RunCom
         outcome = CommandOutcome(correlation=message.correlation, result=plain)
         if isinstance(command, ReserveKV):
             # The KV starts to move now: stamped here, beside the landing's stamp (one clock).
-            request = member.services.requests.get(command.request_id)
+            request = member.router.requests.get(command.request_id)
             if request is not None and request.stamps.kv_started is None:
                 request.stamps.kv_started = time.time()
             _now_holding(member, command.request_id, replica.name)
@@ -96,7 +124,7 @@ def _command_target(member: ClusterMember, frame: PeerFrame, message: RunCommand
             f"{type(message.command).__name__} from node {frame.sender} under lease {frame.lease:x}, "
             "which is not its current one",
         )
-    replica = member.services.replicas.get(message.replica)
+    replica = member.directory.get(message.replica)
     if replica is None:
         raise CommandRefused("not_found", f"no replica {message.replica!r} on node {member.node_id}")
     if message.request is not None and member.adopt(message.request) is None:

@@ -2,20 +2,19 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Callable
 
 from engine.cluster.etcd import Etcd, EtcdTls
-from engine.cluster.member import ClusterMember
+from engine.cluster.member import ClusterMember, Handle
 from engine.cluster.membership import Membership
-from messages.faults import BlockKeepalive
-
-if TYPE_CHECKING:
-    from engine.node import Node
+from engine.core import NodeCore
+from messages.cluster import LoadTotals
 
 
-def new_member(node: Node) -> ClusterMember:
-    """The member of `node` for its `--cluster` config (nothing is contacted until `run`)."""
-    config = node.config.cluster
+def new_member(core: NodeCore, *, handle: Handle, load: Callable[[], LoadTotals]) -> ClusterMember:
+    """The member of node `core` for its `--cluster` config (nothing is contacted until `run`);
+    `handle` serves a control op another node forwards, `load` is the node's load counters."""
+    config = core.config.cluster
     assert config.cluster is not None
     tls = None
     if config.etcd_ca_file or config.etcd_cert_file:
@@ -23,13 +22,12 @@ def new_member(node: Node) -> ClusterMember:
             ca_file=config.etcd_ca_file, cert_file=config.etcd_cert_file, key_file=config.etcd_key_file
         )
     etcd = Etcd(config.cluster, tls=tls, username=config.etcd_username, password=config.etcd_password)
-    block = next((f for f in node.config.faults if isinstance(f, BlockKeepalive)), None)
     membership = Membership(
         etcd,
         cluster_name=config.cluster_name,
-        node_id=node.node_id,
+        node_id=core.node_id,
         ttl=config.lease_ttl,
         on_change=lambda: None,
-        block=block,
+        block=core.faults.keepalive_block,
     )
-    return ClusterMember(node, membership)
+    return ClusterMember(core, membership, handle=handle, load=load)

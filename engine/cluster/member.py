@@ -15,20 +15,23 @@ Cancellation: `run` owns the peer links, the membership tasks and the report loo
 
 from __future__ import annotations
 
+import math
 import os
 from collections import deque
-from typing import TYPE_CHECKING, Any, Final, assert_never, final
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Final, TypeVar, assert_never, final
 
 import structlog
 import trio
 
 from engine.cluster.commands import run_command, serve_command
 from engine.cluster.membership import Membership
-from engine.cluster.ops import ClusterOps
+from engine.cluster.ops import ClusterOps, Handle
 from engine.cluster.peers import PeerLinks
 from engine.cluster.remote import RemoteReplica
 from engine.cluster.reports import build_report, node_record
 from engine.cluster.requests import apply_ended, apply_tokens, ended_forward, merge_snapshot, mirror, snapshot
+from engine.core import NodeCore
 from messages.cluster import (
     CancelForward,
     ClientOp,
@@ -37,6 +40,8 @@ from messages.cluster import (
     EndedForward,
     ForgetRequest,
     Holding,
+    LoadTotals,
+    NodeRecord,
     PeerFrame,
     Report,
     RequestSnapshot,
@@ -46,11 +51,11 @@ from messages.cluster import (
     TokensForward,
 )
 from messages.commands import Lock, ReplicaCommand, ReserveKV, Unlock
-from messages.control_replies import ClusterView
+from messages.control import ControlRequest
+from messages.control_replies import ClusterTotals, ClusterView, MetricsResult, ReplicaStatus
 from replicas.request import ServingRequest
 
-if TYPE_CHECKING:
-    from engine.node import Node
+R = TypeVar("R")
 
 _log = structlog.get_logger("engine.cluster")
 REPORT_PERIOD: Final = 0.05
@@ -61,19 +66,27 @@ LEASED = (ReserveKV, Lock, Unlock)  # commands refused from a stale lease
 
 @final
 class ClusterMember:
-    """See the module docstring."""
+    """See the module docstring: node `core` as a member (`membership`) of its cluster. `handle` serves
+    the control ops other nodes forward here, `load` gives the node's load counters for its reports.
+    It gives the node the other nodes' replicas (`ReplicaDirectory.serve_remote`) and takes back the
+    mirrors a replica gives back (`Router.held_returned`); to the node's control handler and planner it
+    is their `Cluster`."""
 
-    def __init__(self, node: Node, membership: Membership) -> None:
-        self.node = node
-        self.services = node.services
-        self.router = node.router
+    def __init__(
+        self, core: NodeCore, membership: Membership, *, handle: Handle, load: Callable[[], LoadTotals]
+    ) -> None:
+        self.core = core
+        self.router = core.router
+        self.directory = core.directory
+        self.fabric = core.fabric
+        self.load = load
         self.node_id = membership.node_id
         self.membership = membership
         membership.on_change = self._members_changed
         self.peers = PeerLinks(self.node_id, lambda: membership.lease, self._on_frame)
-        self.ops = ClusterOps(self)
+        self.ops = ClusterOps(self, handle)
         self.remote: dict[str, RemoteReplica] = {}
-        self.reports: dict[str, Report] = {}
+        self.reported: dict[str, Report] = {}
         self.holders: dict[str, str] = {}  # origin side: request id -> the node holding it
         self.mirrors: dict[str, ServingRequest] = {}
         self.origins: dict[str, str] = {}  # mirror request id -> its origin node
@@ -81,21 +94,21 @@ class ClusterMember:
         self._forgotten: set[str] = set()
         self._forgotten_order: deque[str] = deque()
         self._nursery: trio.Nursery | None = None
+        self._token_hooks: dict[str, Callable[[int, Sequence[int]], None]] = {}  # mirror → its token relay
         self.pid = os.getpid()
-        self.services.peers = self.peer_replicas
-        self._return_work = self.services.return_work
-        self.services.return_work = self._take_back
+        core.directory.serve_remote(self.peer_replicas)
+        core.router.held_returned.subscribe(self._take_back)
 
     # ------------------------------------------------------------------ life
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Listen for peers, join, and serve the cluster until cancelled; raises `JoinRefused` before
         `task_status.started` when this node cannot join."""
-        config = self.node.config.cluster
+        config = self.core.config.cluster
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
             peer_address = await nursery.start(self.peers.run, config.cluster_host)
-            await self.membership.check_identity(self.node.identity())
-            await self.membership.join(node_record(self, peer_address))
+            await self.membership.check_identity(self.core.identity())
+            await self.membership.join(self._record(peer_address))
             try:
                 nursery.start_soon(self.membership.run)
                 nursery.start_soon(self._report_loop)
@@ -121,6 +134,41 @@ class ClusterMember:
         matches = [r for r in self.remote.values() if r.name.rpartition("/")[2] == name]
         return matches[0] if len(matches) == 1 else None
 
+    @property
+    def replica_slots(self) -> int:
+        """Replica slots still free on this node (`--replica-slots` minus its replicas)."""
+        return self.core.config.cluster.replica_slots - len(self.core.directory)
+
+    # ------------------------------------------------------------------ the node's `Cluster`
+    @property
+    def is_leader(self) -> bool:
+        return self.membership.is_leader
+
+    def locate(self, name: str) -> tuple[str, str] | None:
+        remote = self.find_remote(name)
+        return None if remote is None else (remote.name, remote.node)
+
+    def remote_statuses(self) -> list[ReplicaStatus]:
+        return self.ops.statuses()
+
+    def reports(self) -> Mapping[str, Report]:
+        return self.reported
+
+    def place(self, wanted: str | None) -> str:
+        return self.ops.place(wanted)
+
+    async def forward(self, node: str, request: ControlRequest, result_type: type[R]) -> R:
+        return await self.ops.forward(node, request, result_type)
+
+    async def cancel_elsewhere(self, request: ControlRequest, result_type: type[R]) -> R | None:
+        return await self.ops.cancel_elsewhere(request, result_type)
+
+    async def shutdown_others(self, request: ControlRequest, result_type: type[R]) -> list[str]:
+        return await self.ops.shutdown_others(request, result_type)
+
+    async def totals(self, mine: MetricsResult) -> ClusterTotals:
+        return await self.ops.totals(mine)
+
     def view(self) -> ClusterView:
         membership = self.membership
         return ClusterView(
@@ -136,27 +184,45 @@ class ClusterMember:
 
     # ------------------------------------------------------------------ reports
     async def _report_loop(self) -> None:
+        """Tell the others this node's report when it changed, at most every `REPORT_PERIOD`, and at
+        least every `REPORT_HEARTBEAT` (their liveness and load figures). While it holds no request it
+        sleeps until a node-wide change (a replica's state, lock or room) or the heartbeat is due;
+        while it serves, it looks every period (queues and load counters move with every step)."""
+        core = self.core
         last: Report | None = None
-        sent_at = 0.0
+        sent_at = checked_at = -math.inf
+        seen = core.changes.count
         registered: tuple[object, ...] = ()
         while True:
-            await trio.sleep(REPORT_PERIOD)
-            report = build_report(self)
-            now = trio.current_time()
-            if report != last or now - sent_at >= REPORT_HEARTBEAT:
+            await trio.sleep_until(checked_at + REPORT_PERIOD)
+            if not core.router.requests and core.changes.count == seen:
+                with trio.move_on_at(sent_at + REPORT_HEARTBEAT):
+                    await core.changes.wait()
+            seen, checked_at = core.changes.count, trio.current_time()
+            report = build_report(core, pid=self.pid, load=self.load())
+            if report != last or checked_at - sent_at >= REPORT_HEARTBEAT:
                 self.peers.broadcast(self.other_nodes(), report)
-                last, sent_at = report, now
+                last, sent_at = report, checked_at
             # The etcd record holds the replicas and addresses: re-written when they change.
-            facts = (sorted(self.services.replicas), self.node.control_address, self.node.http_url)
+            facts = (sorted(core.directory), core.control_address, core.http_url)
             if facts != registered and self.membership.state == "ok":
                 registered = facts
-                await self.membership.update(node_record(self, self.peers.address or ""))
+                await self.membership.update(self._record(self.peers.address or ""))
+
+    def _record(self, peer_address: str) -> NodeRecord:
+        return node_record(
+            self.core,
+            node_id=self.node_id,
+            pid=self.pid,
+            lease=self.membership.lease,
+            peer_address=peer_address,
+        )
 
     def _reported(self, node: str, report: Report) -> None:
         if node not in self.membership.members:
             return  # a node that left (or not yet seen in etcd): its replicas are not ours to use
-        self.reports[node] = report
-        self.services.fabric.remote.update(report.endpoints)
+        self.reported[node] = report
+        self.fabric.remote.update(report.endpoints)
         names = set()
         for entry in report.replicas:
             names.add(entry.status.name)
@@ -167,7 +233,7 @@ class ClusterMember:
                 existing.update(entry)
         for name in [n for n, r in self.remote.items() if r.node == node and n not in names]:
             del self.remote[name]
-        self.router.dispatch()
+        self.core.changes.notify()  # the router dispatches, waits for a decode replica look again
 
     # ------------------------------------------------------------------ membership
     def _members_changed(self) -> None:
@@ -175,21 +241,21 @@ class ClusterMember:
         for node, record in members.items():
             if node != self.node_id:
                 self.peers.set_address(node, record.peer_address)
-        for node in [n for n in self.reports if n not in members]:
+        for node in [n for n in self.reported if n not in members]:
             self._node_gone(node)
-        self.router.dispatch()
+        self.core.changes.notify()
 
     def _node_gone(self, node: str) -> None:
-        report = self.reports.pop(node, None)
+        report = self.reported.pop(node, None)
         _log.warning("cluster.node_gone", node=node)
         self.peers.forget(node)
         for name in [n for n, r in self.remote.items() if r.node == node]:
             del self.remote[name]
         if report is not None:
             for endpoint in report.endpoints:
-                self.services.fabric.remote.pop(endpoint, None)
+                self.fabric.remote.pop(endpoint, None)
         for request_id, holder in list(self.holders.items()):
-            request = self.services.requests.get(request_id)
+            request = self.router.requests.get(request_id)
             if holder == node and request is not None and not request.ended:
                 request.fail(
                     "replica_failed",
@@ -209,7 +275,7 @@ class ClusterMember:
                 continue
             _log.warning("cluster.lease_lost", node=self.node_id)
             self.router.accepting = False
-            with trio.move_on_after(self.node.drain_deadline):
+            with trio.move_on_after(self.core.drain_deadline):
                 await self.router.wait_idle()
             await self.membership.rejoin()
             self.router.accepting = True
@@ -233,7 +299,7 @@ class ClusterMember:
         if request.request_id in self._tracked or request.request_id in self.mirrors:
             return
         self._tracked.add(request.request_id)
-        request.on_cancel = self._cancelled
+        request.on_cancel.append(self._cancelled)
         request.on_end.append(self._origin_ended)
 
     def _cancelled(self, request: ServingRequest) -> None:
@@ -252,7 +318,7 @@ class ClusterMember:
     def adopt(self, snap: RequestSnapshot) -> ServingRequest | None:
         """The request object `snap` describes on this node: the one it already has (brought up to the
         snapshot), or a new mirror; None when the request already ended here or was forgotten."""
-        existing = self.services.requests.get(snap.request_id)
+        existing = self.router.requests.get(snap.request_id)
         if existing is not None:
             merge_snapshot(existing, snap)
             return None if existing.ended else existing
@@ -262,13 +328,18 @@ class ClusterMember:
         self.mirrors[snap.request_id] = request
         self.origins[snap.request_id] = snap.origin
         self.router.hold(request)
-        request.on_tokens = lambda start, ids: self.peers.send(
-            snap.origin, TokensForward(request_id=snap.request_id, start=start, token_ids=list(ids))
-        )
+
+        def forward_tokens(start: int, ids: Sequence[int]) -> None:
+            message = TokensForward(request_id=snap.request_id, start=start, token_ids=list(ids))
+            self.peers.send(snap.origin, message)
+
+        self._token_hooks[snap.request_id] = forward_tokens
+        request.on_tokens.append(forward_tokens)
         request.on_end.append(self._mirror_ended)
         return request
 
     def _mirror_ended(self, request: ServingRequest) -> None:
+        self._token_hooks.pop(request.request_id, None)
         origin = self.origins.pop(request.request_id, None)
         if self.mirrors.pop(request.request_id, None) is not None and origin is not None:
             self.peers.send(origin, ended_forward(request))
@@ -276,20 +347,22 @@ class ClusterMember:
     def _end_mirror(self, request: ServingRequest) -> None:
         """Stop a mirror: its holder frees what it holds; one nobody holds ends at once."""
         request.cancel()
-        if request.holder is None or request.holder not in self.services.replicas:
+        if request.holder is None or request.holder not in self.core.directory:
             request.finish("cancelled")
 
     def drop_mirror(self, request: ServingRequest) -> None:
         """Forget a mirror without ending it (its work went back to the origin)."""
         self.mirrors.pop(request.request_id, None)
         self.origins.pop(request.request_id, None)
-        request.on_tokens = None
+        hook = self._token_hooks.pop(request.request_id, None)
+        if hook is not None and hook in request.on_tokens:
+            request.on_tokens.remove(hook)
         self.router.release(request)
 
     def _take_back(self, request: ServingRequest) -> None:
+        """A replica gave back a mirror (`Router.held_returned`): it goes back to its origin."""
         origin = self.origins.get(request.request_id)
         if origin is None:
-            self._return_work(request)
             return
         self.peers.send(origin, Returned(request_id=request.request_id, replica=request.holder or ""))
         self.drop_mirror(request)
@@ -309,13 +382,13 @@ class ClusterMember:
     # ------------------------------------------------------------------ dispatch
     def _on_frame(self, frame: PeerFrame) -> None:
         message = frame.message
-        requests = self.services.requests
+        requests = self.router.requests
         match message:
             case Report():
                 self._reported(frame.sender, message)
             case Submit():
                 request = self.adopt(message.request)
-                replica = self.services.replicas.get(message.replica)
+                replica = self.core.directory.get(message.replica)
                 if request is not None and (replica is None or not replica.submit(request)):
                     self.peers.send(
                         frame.sender, Returned(request_id=request.request_id, replica=message.replica)
@@ -359,12 +432,12 @@ class ClusterMember:
                 assert_never(message)
 
     def _ended_elsewhere(self, message: EndedForward) -> None:
-        request = self.services.requests.get(message.request_id)
+        request = self.router.requests.get(message.request_id)
         if request is None or message.request_id in self.mirrors:
             return
         # A failure anywhere ends it; a normal end counts unless a replica of this node holds it now
         # (then the mirror that ended was an earlier stage's, ended by a cancel or a forget).
-        if message.outcome == "failed" or request.holder not in self.services.replicas:
+        if message.outcome == "failed" or request.holder not in self.core.directory:
             apply_ended(request, message)
 
     def _cancel_forwarded(self, message: CancelForward) -> None:
@@ -376,5 +449,5 @@ class ClusterMember:
             request.stop_early(message.stop_at)
         else:
             request.cancel()
-        for replica in self.services.replicas.values():
+        for replica in self.core.directory.local():
             replica.post()

@@ -10,16 +10,17 @@ control socket; its final reply comes back as JSON and is sent to this node's cl
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Final, TypeVar, final
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Final, Protocol, TypeVar, final
 
 import msgspec
 import structlog
 
-from engine.cluster.peers import PeerUnreachable, new_correlation
+from engine.cluster.membership import Membership
+from engine.cluster.peers import PeerLinks, PeerUnreachable, new_correlation
 from engine.control.errors import RequestFailed
 from engine.control.outbox import ConnectionInfo, Outbox, ReplySink
-from messages.cluster import ClientOp, ClientOpResult
+from messages.cluster import ClientOp, ClientOpResult, Report
 from messages.control import ControlRequest, MetricsRequest
 from messages.control_replies import (
     ClusterTotals,
@@ -30,21 +31,38 @@ from messages.control_replies import (
     TokenCounters,
 )
 
-if TYPE_CHECKING:
-    from engine.cluster.member import ClusterMember
-
 _log = structlog.get_logger("engine.cluster")
 FORWARD_TIMEOUT: Final = 60.0
 R = TypeVar("R")
 S = TypeVar("S", RequestCounters, TokenCounters)
+Handle = Callable[[ControlRequest, ReplySink], Awaitable[None]]  # a node's control handler
+
+
+class ClusterMember(Protocol):
+    """What the forwarded ops use of this node's cluster member (`engine.cluster.member`)."""
+
+    node_id: str
+    peers: PeerLinks
+    membership: Membership
+
+    @property
+    def replica_slots(self) -> int:
+        """Replica slots still free on this node."""
+        ...
+
+    @property
+    def reported(self) -> Mapping[str, Report]: ...
+
+    def other_nodes(self) -> list[str]: ...
 
 
 @final
 class ClusterOps:
     """See the module docstring."""
 
-    def __init__(self, member: ClusterMember) -> None:
+    def __init__(self, member: ClusterMember, handle: Handle) -> None:
         self.member = member
+        self._handle = handle  # the node's control handler
 
     async def serve_forwarded(self, sender: str, message: ClientOp) -> None:
         """Run a forwarded op here and answer with its final reply (an error reply when it failed)."""
@@ -53,7 +71,7 @@ class ClusterOps:
             message.request, outbox, ConnectionInfo(connection="peer", peer=sender), lambda: None
         )
         try:
-            await self.member.node.service.handle(message.request, sink)
+            await self._handle(message.request, sink)
         except RequestFailed as exc:
             outbox.put(ErrorReply(id=message.request.id, code=exc.code, message=exc.message), final=True)
         outbox.finish()
@@ -115,7 +133,7 @@ class ClusterOps:
                 known = ", ".join(sorted(members))
                 raise RequestFailed("not_found", f"no node {wanted!r} in the cluster; nodes are {known}")
             return wanted
-        slots = member.node.config.cluster.replica_slots - len(member.services.replicas)
+        slots = member.replica_slots
         if slots > 0 or len(members) == 1:
             return member.node_id
         best = max(members.values(), key=lambda r: r.capacity.free_replica_slots)
@@ -147,4 +165,4 @@ class ClusterOps:
 
     def statuses(self) -> list[ReplicaStatus]:
         """The other nodes' replicas as they last reported them."""
-        return [r.status for _, report in sorted(self.member.reports.items()) for r in report.replicas]
+        return [r.status for _, report in sorted(self.member.reported.items()) for r in report.replicas]

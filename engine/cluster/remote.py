@@ -1,30 +1,40 @@
 """A replica of another node, as this node sees it: its last report, and commands sent over a peer link.
 
 `RemoteReplica` is what the router, the migrator and the controller use for a replica that lives in
-another process. Its state is the one its node last reported (`messages.cluster.Report`, on every change
-and at least every `REPORT_HEARTBEAT` seconds); `ask` runs a command there and waits for the outcome,
-as `Replica.ask` does locally, raising the same `CommandRefused`.
+another process (a `replicas.ports.PeerReplica`, as a local replica is). Its snapshot is built from what
+its node last reported (`messages.cluster.Report`, on every change and at least every `REPORT_HEARTBEAT`
+seconds) and the prompt tokens this node sent it since; `ask` runs a command there and waits for the
+outcome, as `Replica.ask` does locally, raising the same `CommandRefused`. It reaches its node through
+its `Courier` (the member).
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, final
+from typing import Any, Protocol, final
 
 from messages.cluster import ReplicaReport
 from messages.commands import ReplicaCommand
-from messages.log.events import ReplicaBlocks
 from replicas.inbox import CommandRefused
-from replicas.states import ReplicaState, parse_state
+from replicas.request import ServingRequest
+from replicas.snapshot import ReplicaSnapshot
+from replicas.states import ReplicaState, Role, parse_state
 
-if TYPE_CHECKING:
-    from engine.cluster.member import ClusterMember
+
+class Courier(Protocol):
+    """How a remote replica reaches its node (the cluster member)."""
+
+    async def run_command(
+        self, replica: RemoteReplica, command: ReplicaCommand, *, timeout: float
+    ) -> Any: ...
+
+    def submit(self, replica: RemoteReplica, request: ServingRequest) -> bool: ...
 
 
 @final
 class RemoteReplica:
     """See the module docstring. `name` is cluster-unique (`{node}/{role}-{index}`)."""
 
-    def __init__(self, member: ClusterMember, node: str, report: ReplicaReport) -> None:
+    def __init__(self, member: Courier, node: str, report: ReplicaReport) -> None:
         self.member = member
         self.node = node
         self.report = report
@@ -51,33 +61,52 @@ class RemoteReplica:
     def lock_reasons(self) -> frozenset[str]:
         return frozenset(self.report.status.lock_reasons)
 
-    def kv_usage(self) -> tuple[int, int]:
-        return self.report.status.cached_blocks, self.report.kv_total
-
-    def blocks(self) -> ReplicaBlocks:
-        """The replica's blocks as its node last reported them (the leader's block report)."""
-        r = self.report.status
-        return ReplicaBlocks(
-            replica=r.name,
-            state=r.state,
-            used_blocks=r.used_blocks,
-            cached_blocks=r.cached_blocks,
-            total_blocks=r.total_blocks,
-            locked=r.locked,
+    def snapshot(self) -> ReplicaSnapshot:
+        """The replica as its node last reported it. It takes prefill work while its node says so (a
+        replica serving plainly, `takes_work`); its queue counts as holding prompts while it holds tokens
+        (the report carries tokens, not prompts)."""
+        report, status = self.report, self.report.status
+        role: Role = report.role
+        queued = report.queued_prompt_tokens + self.submitted_tokens
+        return ReplicaSnapshot(
+            name=status.name,
+            role=role,
+            state=parse_state(status.state),
+            serving_role=status.role,
+            locked=status.locked,
+            lock_reasons=tuple(status.lock_reasons),
+            last_error=status.last_error,
+            running=True,
+            work_queue=status.work_queue,
+            migration_queue=status.migration_queue,
+            queued_prompts=1 if queued else 0,
+            queued_prompt_tokens=queued,
+            decoding=0,
+            encode_load=report.encode_load,
+            embedding_pool=report.embedding_pool,
+            takes_prefill=report.takes_work and status.role == "prefill",
+            prefill_limit=None,
+            used_blocks=status.used_blocks,
+            cached_blocks=status.cached_blocks,
+            kv_blocks=report.kv_total,
+            total_blocks=status.total_blocks,
+            loaded_layers=status.loaded_layers,
+            total_layers=status.total_layers,
+            weights_source=status.weights_source,
+            weights_bytes_loaded=status.weights_bytes_loaded,
+            paired_with=tuple(status.paired_with),
+            executor=status.executor,
+            executor_fallbacks=tuple(status.executor_fallbacks),
         )
-
-    @property
-    def queued_tokens(self) -> int:
-        return self.report.queued_prompt_tokens + self.submitted_tokens
 
     async def ask(self, command: ReplicaCommand, *, timeout: float = 30.0) -> Any:
         """Run `command` on the replica's node; raises `CommandRefused` (`replica_failed` when its node
         does not answer within `timeout`)."""
         return await self.member.run_command(self, command, timeout=timeout)
 
-    def submit(self, request: Any) -> bool:
-        """Send `request` (a `ServingRequest`) to this replica's queue; the node answers `Returned`
-        when the replica does not take it. False when this node cannot reach the cluster now."""
+    def submit(self, request: ServingRequest) -> bool:
+        """Send `request` to this replica's queue; the node answers `Returned` when the replica does not
+        take it. False when this node cannot reach the cluster now."""
         return self.member.submit(self, request)
 
     def refused(self, why: str) -> CommandRefused:

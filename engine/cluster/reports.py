@@ -1,67 +1,66 @@
-"""What a member tells the others: its etcd record and its replicas' reports (`messages.cluster`)."""
+"""What a member tells the others: its etcd record and its replicas' reports (`messages.cluster`), built
+from the node's core and its replicas' snapshots."""
 
 from __future__ import annotations
 
 import os
 import time
-from typing import TYPE_CHECKING
 
+from engine.core import NodeCore
 from engine.service import replica_status
-from messages.cluster import NodeCapacity, NodeRecord, ReplicaEntry, ReplicaReport, Report
-from replicas.actor import Replica
+from messages.cluster import LoadTotals, NodeCapacity, NodeRecord, ReplicaEntry, ReplicaReport, Report
+from replicas.snapshot import ReplicaSnapshot
 from replicas.states import SETTLED, STATES
 
-if TYPE_CHECKING:
-    from engine.cluster.member import ClusterMember
 
-
-def replica_report(replica: Replica, member: ClusterMember) -> ReplicaReport:
+def replica_report(snap: ReplicaSnapshot, *, transport: str, node: str, pid: int) -> ReplicaReport:
     return ReplicaReport(
-        status=replica_status(replica, node=member.node_id, pid=member.pid),
-        role=replica.role,
-        kv_total=replica.pools.kv_usage()[1],
-        queued_prompt_tokens=sum(q.prompt_tokens for q in replica.work.prefill.queue),
-        encode_load=replica.work.encode.load,
-        embedding_pool=replica.pools.emb_endpoint is not None,
+        status=replica_status(snap, transport=transport, node=node, pid=pid),
+        role=snap.role,
+        kv_total=snap.kv_blocks,
+        queued_prompt_tokens=snap.queued_prompt_tokens,
+        encode_load=snap.encode_load,
+        embedding_pool=snap.embedding_pool,
         # Cross-node work goes to replicas serving plainly (ZigZag pairs stay within their node).
-        takes_work=replica.state in SETTLED
-        and STATES[replica.state].role != "decode"
-        and replica.nursery is not None,
+        takes_work=snap.state in SETTLED and STATES[snap.state].role != "decode" and snap.running,
     )
 
 
-def build_report(member: ClusterMember) -> Report:
-    services = member.services
+def build_report(core: NodeCore, *, pid: int, load: LoadTotals) -> Report:
+    """Node `core`'s report (its process `pid`, its `load` counters)."""
+    router, transport = core.router, core.fabric.kind
     return Report(
-        accepting=member.router.accepting,
-        replicas=[replica_report(r, member) for r in services.replicas.values()],
-        endpoints=services.fabric.local_addresses,
-        pid=member.pid,
-        pending_tokens=sum(r.prompt_tokens for r in member.router.pending),
-        load=member.node.metrics.load.totals,
+        accepting=router.accepting,
+        replicas=[
+            replica_report(r.snapshot(), transport=transport, node=core.node_id, pid=pid)
+            for r in core.directory.local()
+        ],
+        endpoints=core.fabric.local_addresses,
+        pid=pid,
+        pending_tokens=sum(r.prompt_tokens for r in router.pending),
+        load=load,
     )
 
 
-def node_record(member: ClusterMember, peer_address: str) -> NodeRecord:
-    node = member.node
-    config = node.config
-    replicas = node.services.replicas.values()
+def node_record(core: NodeCore, *, node_id: str, pid: int, lease: int, peer_address: str) -> NodeRecord:
+    config = core.config
+    replicas = core.directory.local()
     return NodeRecord(
-        node_id=member.node_id,
-        pid=member.pid,
-        lease=member.membership.lease,
+        node_id=node_id,
+        pid=pid,
+        lease=lease,
         peer_address=peer_address,
-        control_address=node.control_address or "",
-        http_url=node.http_url,
-        identity=node.identity(),
+        control_address=core.control_address or "",
+        http_url=core.http_url,
+        identity=core.identity(),
         capacity=NodeCapacity(
             devices=[config.device],
             memory_bytes=_memory_bytes(),
             free_replica_slots=max(0, config.cluster.replica_slots - len(replicas)),
         ),
         replicas=[ReplicaEntry(name=r.name, role=r.role) for r in replicas],
-        weights=[node.host.name],
-        started=time.time() - (time.monotonic() - node.started),
+        weights=[core.host.name],
+        started=time.time() - (time.monotonic() - core.started),
     )
 
 

@@ -15,8 +15,8 @@ from __future__ import annotations
 import itertools
 import time
 import uuid
-from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING, final
+from collections.abc import AsyncIterator, Callable
+from typing import final
 
 import msgspec
 import trio
@@ -26,6 +26,7 @@ from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
 from engine.control.errors import RequestFailed
+from engine.core import NodeCore
 from engine.generation import Generation, Outcome
 from engine.http.chat import renderer
 from engine.http.errors import error_response, failed_response, sse_error, validation_response
@@ -34,10 +35,9 @@ from engine.http.requests import BadBody, chat_request, completion_request
 from engine.http.responses import SseStream, chat_completion, completion
 from messages.control import GenerateRequest
 from messages.openai import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+from replicas.ports import EventSink
+from replicas.request import ServingRequest
 from replicas.states import ReplicaState
-
-if TYPE_CHECKING:
-    from engine.node import Node
 
 JSON = "application/json"
 MAX_BODY_BYTES = 256 * 1024 * 1024
@@ -45,15 +45,25 @@ MAX_BODY_BYTES = 256 * 1024 * 1024
 
 @final
 class HttpApi:
-    """The routes of one node; `app` is the ASGI application hypercorn serves."""
+    """The routes of one node (its `core`); `app` is the ASGI application hypercorn serves. `log_end`
+    logs how each request ended (the control handler's, so both front doors log alike)."""
 
-    def __init__(self, node: Node, metrics: NodeMetrics, *, api_key: str | None) -> None:
-        self.node = node
+    def __init__(
+        self,
+        core: NodeCore,
+        log_end: Callable[[ServingRequest], None],
+        metrics: NodeMetrics,
+        *,
+        api_key: str | None,
+    ) -> None:
+        self.node = core
+        self._log_end = log_end
+        self._log: EventSink = core.log
         self.metrics = metrics
         self.api_key = api_key
         self.created = int(time.time())
         self._connections = itertools.count(1)
-        self._render = renderer(node.host.chat_template, node.host.name)
+        self._render = renderer(core.host.chat_template, core.host.name)
         self.app = Starlette(
             routes=[
                 Route("/v1/completions", self.completions, methods=["POST"]),
@@ -80,7 +90,7 @@ class HttpApi:
         return Response(msgspec.json.encode(ModelList(data=[card])), media_type=JSON)
 
     async def health(self, request: Request) -> Response:
-        states = {replica.state for replica in self.node.services.replicas.values()}
+        states = {replica.state for replica in self.node.directory.local()}
         ready = ReplicaState.PREFILL in states and ReplicaState.DECODE in states
         if not ready or not self.node.router.accepting:
             why = (
@@ -126,11 +136,13 @@ class HttpApi:
         connection = f"http-{next(self._connections)}"
         try:
             generation = Generation.start(
-                self.node.services,
+                self.node.host,
+                self.node.settings,
                 self.node.router,
+                self._log,
                 generate,
                 connection=connection,
-                on_end=self.node.service.log_end,
+                on_end=self._log_end,
                 token_gap=self.metrics.token_gap,
             )
         except RequestFailed as exc:

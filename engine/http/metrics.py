@@ -38,7 +38,7 @@ from messages.log.events import (
     WeightsProgress,
 )
 from messages.log.scaling import RelayReceived, WeightsCopyFinished
-from replicas.services import ReplicaServices
+from replicas.ports import Directory
 from replicas.states import ReplicaState
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -119,10 +119,10 @@ class NodeMetrics:
         )
         self._arrivals: dict[str, float] = {}
 
-    def attach(self, services: ReplicaServices, waiting: Callable[[], int]) -> None:
-        """Read the gauges from these replicas (once the node made them: the log, and so this
-        observer, exists before the replicas do)."""
-        self.registry.register(NodeGauges(services, waiting))
+    def attach(self, directory: Directory, live: Callable[[], int], waiting: Callable[[], int]) -> None:
+        """Read the gauges from the replicas of `directory` (once the node made it: the log, and so this
+        observer, exists before the replicas do); `live` and `waiting` count the node's requests."""
+        self.registry.register(NodeGauges(directory, live, waiting))
 
     def observe(self, event: LogEvent) -> None:
         """An event-log observer: never blocks, never emits."""
@@ -192,16 +192,15 @@ class NodeMetrics:
 class NodeGauges(Collector):
     """Gauges read from the replicas at scrape time (the allocators, never a separate counter)."""
 
-    def __init__(self, services: ReplicaServices, waiting: Callable[[], int]) -> None:
-        self._services = services
+    def __init__(self, directory: Directory, live: Callable[[], int], waiting: Callable[[], int]) -> None:
+        self._directory = directory
+        self._live = live
         self._waiting = waiting
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
-        services = self._services
-        requests = services.requests
         waiting = self._waiting()
         yield GaugeMetricFamily(
-            "zigzag:num_requests_running", "Requests admitted and not ended.", value=len(requests) - waiting
+            "zigzag:num_requests_running", "Requests admitted and not ended.", value=self._live() - waiting
         )
         yield GaugeMetricFamily(
             "zigzag:num_requests_waiting", "Requests waiting for a replica.", value=waiting
@@ -221,12 +220,12 @@ class NodeGauges(Collector):
         locked = GaugeMetricFamily(
             "zigzag:replica_locked", "1 while a replica is locked.", labels=["replica"]
         )
-        for replica in services.replicas.values():
-            kv_used, kv_total = replica.pools.kv_usage()
-            usage.add_metric([replica.name], kv_used / kv_total if kv_total else 0.0)
-            used.add_metric([replica.name], replica.pools.used_blocks())
-            total.add_metric([replica.name], replica.pools.total_blocks())
+        for snap in (replica.snapshot() for replica in self._directory.local()):
+            kv_used, kv_total = snap.cached_blocks, snap.kv_blocks
+            usage.add_metric([snap.name], kv_used / kv_total if kv_total else 0.0)
+            used.add_metric([snap.name], snap.used_blocks)
+            total.add_metric([snap.name], snap.total_blocks)
             for name in ReplicaState:
-                state.add_metric([replica.name, name.value], 1.0 if replica.state is name else 0.0)
-            locked.add_metric([replica.name], 1.0 if replica.locked else 0.0)
+                state.add_metric([snap.name, name.value], 1.0 if snap.state is name else 0.0)
+            locked.add_metric([snap.name], 1.0 if snap.locked else 0.0)
         yield from (usage, used, total, state, locked)

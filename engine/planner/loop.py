@@ -24,13 +24,15 @@ states its commands reached (every command is answered by the replica's own loop
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Final, Literal, final
+from typing import Final, Literal, Protocol, TypeVar, final
 
 import msgspec
 import trio
 
 from engine.control.errors import RequestFailed
+from engine.core import NodeCore
 from engine.planner.floor import decode_floor, lead_source, planner_forecast, prefill_floor, with_floor
 from engine.planner.forecast import Forecast, Forecaster
 from engine.planner.formulas import (
@@ -41,20 +43,38 @@ from engine.planner.formulas import (
     prefill_by_tokens,
     target,
 )
-from engine.planner.signals import Rates, RateWindow, add, with_capacity
+from engine.planner.signals import LoadCounters, Rates, RateWindow, add, with_capacity
 from engine.scaling import scale
-from messages.cluster import LoadTotals
+from messages.cluster import LoadTotals, Report
 from messages.commands import Transition
-from messages.control import ScaleMode, ScaleRequest, SourceChoice
+from messages.control import ControlRequest, ScaleMode, ScaleRequest, SourceChoice
 from messages.control_replies import ScaleResult
 from messages.log.scaling import PlannerDecision, PlannerForecast, PlannerInputs
 from replicas.actor import Replica
 from replicas.inbox import CommandRefused, new_command_id
-from replicas.services import PeerReplica
+from replicas.ports import PeerReplica
 from replicas.states import ACTIVE_STATES, SETTLED, ReplicaState
 
-if TYPE_CHECKING:
-    from engine.node import Node
+R = TypeVar("R")
+
+
+class Cluster(Protocol):
+    """What the planner asks of the cluster its node is a member of (`engine.cluster`)."""
+
+    @property
+    def node_id(self) -> str: ...
+
+    @property
+    def is_leader(self) -> bool: ...
+
+    def reports(self) -> Mapping[str, Report]:
+        """Every other member's last report, by node."""
+        ...
+
+    def place(self, wanted: str | None) -> str: ...
+
+    async def forward(self, node: str, request: ControlRequest, result_type: type[R]) -> R: ...
+
 
 Role = Literal["prefill", "decode"]
 ROLES: Final[tuple[Role, ...]] = ("prefill", "decode")
@@ -92,11 +112,14 @@ class Signals:
 
 @final
 class Planner:
-    """See the module docstring."""
+    """See the module docstring: the planner of node `core`, reading its `load` counters and, in a
+    cluster, the other members' reports (`cluster`)."""
 
-    def __init__(self, node: Node) -> None:
-        self.node = node
-        self.config = config = node.config.autoscale
+    def __init__(self, core: NodeCore, load: LoadCounters, *, cluster: Cluster | None = None) -> None:
+        self.node = core
+        self.load = load
+        self.cluster = cluster
+        self.config = config = core.config.autoscale
         self.window = RateWindow(config.autoscale_window)
         self.injected: Signals | None = None
         self.paused_until = 0.0
@@ -117,7 +140,7 @@ class Planner:
             )
         )
         self._forecasts: dict[str, PlannerForecast | None] = {}  # role → this pass's forecast and floor
-        node.metrics.load.slo = (config.autoscale_slo_ttft, config.autoscale_slo_ttft_per_token)
+        load.slo = (config.autoscale_slo_ttft, config.autoscale_slo_ttft_per_token)
         self.bounds = {
             "prefill": Bounds(config.prefill_utilization_lower, config.prefill_utilization_upper),
             "decode": Bounds(config.decode_utilization_lower, config.decode_utilization_upper),
@@ -136,8 +159,8 @@ class Planner:
         next_pass = trio.current_time() + self.config.autoscale_period
         while True:
             await trio.sleep_until(min(next_pass, self._next_release()))
-            member = self.node.member
-            if member is not None and not member.membership.is_leader:
+            cluster = self.cluster
+            if cluster is not None and not cluster.is_leader:
                 next_pass = max(next_pass, trio.current_time())
                 continue
             now = trio.current_time()
@@ -200,7 +223,7 @@ class Planner:
             serving=serving,
             host_copy=self.node.host.host_copy is not None,
         )
-        measured = self.node.metrics.load.lead.seconds(source)
+        measured = self.load.lead.seconds(source)
         horizon = self.config.autoscale_lead_time if measured is None else measured
         forecast: Forecast = self.forecaster.forecast(horizon)
         floors = {
@@ -274,24 +297,22 @@ class Planner:
     def measure(self, now: float) -> Signals:
         """This node's signals plus every other member's last report."""
         node = self.node
-        services = node.services
-        totals = node.metrics.load.totals
+        totals = self.load.totals
         waiting = sum(r.prompt_tokens for r in node.router.pending)
         counts: dict[str, int] = {role: 0 for role in ROLES}
         settling: dict[str, int] = {role: 0 for role in ROLES}
         used, per_replica = 0, []
-        for replica in services.replicas.values():
+        for snap in (replica.snapshot() for replica in node.directory.local()):
             for role in ROLES:
-                if replica.state in ACTIVE_STATES[role]:
+                if snap.state in ACTIVE_STATES[role]:
                     counts[role] += 1
-                    settling[role] += replica.state not in SETTLED
-            waiting += sum(q.prompt_tokens for q in replica.work.prefill.queue)
-            if replica.state is ReplicaState.DECODE:
-                kv_used, kv_total = replica.pools.kv_usage()
-                used += kv_used
-                per_replica.append(kv_total)
-        member = node.member
-        for report in [] if member is None else list(member.reports.values()):
+                    settling[role] += snap.state not in SETTLED
+            waiting += snap.queued_prompt_tokens
+            if snap.state is ReplicaState.DECODE:
+                used += snap.cached_blocks
+                per_replica.append(snap.kv_blocks)
+        cluster = self.cluster
+        for report in [] if cluster is None else list(cluster.reports().values()):
             totals = add(totals, report.load)
             waiting += report.pending_tokens
             for r in report.replicas:
@@ -322,13 +343,14 @@ class Planner:
         mode: ScaleMode = "zigzag" if blitz and up and role == "prefill" else "stop_the_world"
         source: SourceChoice = "auto" if blitz else ("host" if node.host.host_copy is not None else "disk")
         counts = self._counts_per_node(role)
-        member = node.member
-        if member is None:
+        cluster = self.cluster
+        if cluster is None:
             where = None
         elif up:
-            where = member.ops.place(None)
+            where = cluster.place(None)
         else:
-            where = max(counts, key=lambda n: (counts[n], n == member.node_id))
+            this = cluster.node_id
+            where = max(counts, key=lambda n: (counts[n], n == this))
         here = counts.get(where or "", 0)
         request = ScaleRequest(
             id=PLANNER_ID,
@@ -338,12 +360,10 @@ class Planner:
             source=source,
         )
         try:
-            if member is not None and where is not None and where != member.node_id:
-                await member.ops.forward(where, msgspec.structs.replace(request, node=where), ScaleResult)
+            if cluster is not None and where is not None and where != cluster.node_id:
+                await cluster.forward(where, msgspec.structs.replace(request, node=where), ScaleResult)
                 return
-            if mode == "zigzag" and not any(
-                r.state is ReplicaState.PREFILL for r in node.services.replicas.values()
-            ):
+            if mode == "zigzag" and not any(r.state is ReplicaState.PREFILL for r in node.directory.local()):
                 request = msgspec.structs.replace(
                     request, mode="stop_the_world"
                 )  # ZigZag needs a serving one
@@ -355,13 +375,12 @@ class Planner:
 
     def _counts_per_node(self, role: Role) -> dict[str, int]:
         """Active replicas of `role` per node id (this node under its id, or "" alone)."""
-        node = self.node
-        mine = sum(1 for r in node.services.replicas.values() if r.state in ACTIVE_STATES[role])
-        member = node.member
-        if member is None:
+        mine = sum(1 for r in self.node.directory.local() if r.state in ACTIVE_STATES[role])
+        cluster = self.cluster
+        if cluster is None:
             return {"": mine}
-        counts = {member.node_id: mine}
-        for other, report in member.reports.items():
+        counts = {cluster.node_id: mine}
+        for other, report in cluster.reports().items():
             counts[other] = sum(
                 1 for r in report.replicas if ReplicaState(r.status.state) in ACTIVE_STATES[role]
             )
@@ -372,11 +391,11 @@ class Planner:
         from when a report first showed them there."""
         now = trio.current_time()
         idle: dict[str, tuple[Replica | PeerReplica, float]] = {
-            n: (r, r.state_since)
-            for n, r in self.node.services.replicas.items()
+            r.name: (r, r.state_since)
+            for r in self.node.directory.local()
             if r.state is ReplicaState.SHUTTING_NULL
         }
-        for peer in self.node.services.peers():
+        for peer in self.node.directory.remote():
             if peer.state is ReplicaState.SHUTTING_NULL:
                 idle[peer.name] = (peer, self._idle_since.get(peer.name, now))
         self._idle_since = {name: since for name, (_, since) in idle.items()}

@@ -13,18 +13,17 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, final
+from typing import final
 
 from messages.commands import ReserveKV
 from messages.log.events import TransferFinished, TransferStarted
 from messages.transfer import FailureReason, TransferReport
-from replicas.fabric import UnknownEndpoint
-from replicas.model import layer_buffer_names
+from replicas.fabric import Fabric, UnknownEndpoint
+from replicas.model import KVCache, layer_buffer_names
+from replicas.ports import EventSink
 from replicas.request import ServingRequest
+from transport.endpoint import TransferEndpoint
 from transport.errors import HandshakeRefused, LinkError, TransferError
-
-if TYPE_CHECKING:
-    from replicas.actor import Replica
 
 
 @final
@@ -44,17 +43,30 @@ class KVReceived:
     error: BaseException | None
 
 
+@final
+@dataclass(frozen=True, slots=True)
+class KVLanding:
+    """Where a decode replica lands KV: its name and log, its KV cache and the endpoint receiving into
+    it, the node's fabric, the model's layer count."""
+
+    name: str
+    log: EventSink
+    kv: KVCache
+    endpoint: TransferEndpoint
+    fabric: Fabric
+    num_layers: int
+
+
 async def receive_kv_part(
-    replica: Replica, request: ServingRequest, table: Sequence[int], command: ReserveKV, part: KVPart
+    landing_at: KVLanding, request: ServingRequest, table: Sequence[int], command: ReserveKV, part: KVPart
 ) -> KVReceived:
-    endpoint = replica.pools.kv_endpoint
-    kv = replica.pools.kv
-    assert endpoint is not None and kv is not None
-    log = replica.log.bind(request_id=request.request_id)
+    endpoint, kv, fabric = landing_at.endpoint, landing_at.kv, landing_at.fabric
+    destination = landing_at.name
+    log = landing_at.log.bind(request_id=request.request_id)
     source = part.source_endpoint.rpartition("/")[0]
-    transport = replica.services.fabric.kind
+    transport = fabric.kind
     landing = list(table[: kv.blocks_for(command.prompt_tokens)])
-    num_layers = replica.services.host.config.num_layers
+    num_layers = landing_at.num_layers
     start, stop = part.layers
     buffers = None if (start, stop) == (0, num_layers) else layer_buffer_names(range(start, stop))
     log.emit(
@@ -62,7 +74,7 @@ async def receive_kv_part(
             kind="kv",
             transfer_id=part.transfer_id,
             source=source,
-            destination=replica.name,
+            destination=destination,
             transport=transport,
             total_tokens=command.prompt_tokens,
             granted_blocks=len(landing),
@@ -84,7 +96,7 @@ async def receive_kv_part(
                 bytes=0,
                 seconds=time.monotonic() - started,
                 source=source,
-                destination=replica.name,
+                destination=destination,
                 transport=transport,
             )
         )
@@ -92,7 +104,7 @@ async def receive_kv_part(
     try:
         with request.work_scope() as scope:  # also when the prefill side failed the request
             try:
-                link = await replica.services.fabric.link(endpoint, part.source_endpoint)
+                link = await fabric.link(endpoint, part.source_endpoint)
                 result = await endpoint.receive(
                     part.transfer_id,
                     peer=link,
@@ -120,11 +132,11 @@ async def receive_kv_part(
                 bytes=report.bytes,
                 seconds=report.seconds,
                 source=source,
-                destination=replica.name,
+                destination=destination,
                 transport=transport,
             )
         )
-        replica.services.fabric.count_bytes(source, replica.name, "kv", report.bytes)
+        fabric.count_bytes(source, destination, "kv", report.bytes)
     else:  # cancelled (the request was), or no link to the sender: the transfer ends all the same
         ended_without_report(FailureReason.ABORTED if scope.cancelled_caught else FailureReason.LINK_LOST)
     return KVReceived(part, source, report, outcome)

@@ -1,9 +1,9 @@
 """A replica's own copy of the weights, from a source, piece by piece (architecture §8). The public entry point:
 
-    outcome = await copy_weights(replica, "auto", on_model=..., on_piece=...)   # raises WeightCopyFailed
+    outcome = await copy_weights(target, "auto", on_model=..., on_piece=...)   # raises WeightCopyFailed
 
-`copy_weights(replica, source, *, on_model, on_piece, emulated=None, memory_probe=available_memory)
--> CopyOutcome` loads the node's model (`replica.services.host`) into storage of the replica's own, in
+`copy_weights(target, source, *, on_model, on_piece, emulated=None, memory_probe=available_memory)
+-> CopyOutcome` loads the node's model (`target.host`) into storage of the replica's own, in
 checkpoint order (`replicas.loading.pieces`): embeddings, layers 0 … L−1, final norm, head (untied only).
 `source` is one of:
 
@@ -35,14 +35,14 @@ logged and `Cancelled` propagates; nothing half-loaded is handed over beyond the
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Literal, final
+from dataclasses import dataclass
+from typing import Literal, final
 
 import torch
 import trio
 
 from messages.control import SourceChoice
-from messages.faults import HoldWeights
-from messages.log.events import FaultInjected, WeightsProgress
+from messages.log.events import WeightsProgress
 from messages.log.scaling import (
     WeightsCopyFinished,
     WeightsCopyStarted,
@@ -51,6 +51,8 @@ from messages.log.scaling import (
 )
 from messages.weights import WeightPiece
 from replicas.emulation import EmulatedSpeed
+from replicas.fabric import Fabric
+from replicas.faults import FaultHooks
 from replicas.loading.builder import ModelBuilder
 from replicas.loading.memory import MemoryProbe, available_memory, refusal
 from replicas.loading.peer_receive import PeerSource
@@ -58,9 +60,9 @@ from replicas.loading.pieces import model_bytes, piece_bytes
 from replicas.loading.progress import CopyOutcome, PieceLoaded
 from replicas.loading.sources import DiskSource, HostSource, Source, SourceFailed
 from replicas.model.llama import Model
-
-if TYPE_CHECKING:
-    from replicas.actor import Replica
+from replicas.ports import Directory, EventSink, PeerReplica
+from replicas.weights import ModelHost
+from transport.endpoint import TransferEndpoint
 
 ORDER: tuple[WeightsSourceName, ...] = ("peer", "host", "disk")
 
@@ -71,25 +73,34 @@ class WeightCopyFailed(Exception):
     why, and what to try instead."""
 
 
-def choose_peer(replica: Replica) -> Replica | None:
-    """Another running replica of the node holding a fully loaded model (by name: the first)."""
-    services = replica.services
-    for name in sorted(services.replicas):
-        other = services.replicas[name]
-        model = other.work.model
-        if (
-            other is not replica
-            and model is not None
-            and model.fully_loaded
-            and other.nursery is not None
-            and other.pools.weights.endpoint is not None
-        ):
+@final
+@dataclass(frozen=True, slots=True)
+class CopyTarget:
+    """The replica a copy lands in: its name and log, its weights `endpoint`, the node's model `host`,
+    fabric and fault hooks, the replicas it may copy from (`directory`), and how long a peer may take
+    to start a part (`timeout`)."""
+
+    name: str
+    log: EventSink
+    endpoint: TransferEndpoint
+    host: ModelHost
+    fabric: Fabric
+    faults: FaultHooks
+    directory: Directory
+    timeout: float
+
+
+def choose_peer(directory: Directory, name: str) -> PeerReplica | None:
+    """Another running replica of the node holding a fully loaded model, by its snapshot (by name: the
+    first); `name` is the replica that would copy."""
+    for other in sorted(directory.local(), key=lambda r: r.name):
+        if other.name != name and other.snapshot().serves_weights:
             return other
     return None
 
 
 async def copy_weights(
-    replica: Replica,
+    replica: CopyTarget,
     source: SourceChoice,
     *,
     on_model: Callable[[Model], None],
@@ -98,9 +109,7 @@ async def copy_weights(
     memory_probe: MemoryProbe = available_memory,
 ) -> CopyOutcome:
     """See the module docstring."""
-    services = replica.services
-    services.weight_copies += 1
-    copy = _Copy(replica, source, services.weight_copies, emulated, on_model, on_piece)
+    copy = _Copy(replica, source, replica.host.next_copy(), emulated, on_model, on_piece)
     replica.log.emit(
         WeightsCopyStarted(
             copy=copy.number,
@@ -129,20 +138,20 @@ class _Copy:
 
     def __init__(
         self,
-        replica: Replica,
+        replica: CopyTarget,
         requested: SourceChoice,
         number: int,
         emulated: EmulatedSpeed | None,
         on_model: Callable[[Model], None],
         on_piece: Callable[[PieceLoaded], None],
     ) -> None:
-        host = replica.services.host
+        host = replica.host
         self.replica, self.requested, self.number = replica, requested, number
         self.host, self.config, self.model_name = host, host.config, host.name
         self.device = torch.device(host.device)
         self.emulated, self.on_model, self.on_piece = emulated, on_model, on_piece
         self.total = model_bytes(self.config)
-        self.peer = choose_peer(replica)
+        self.peer = choose_peer(replica.directory, replica.name)
         self.order = self._plan()
         self.builder = ModelBuilder(host.frame())
         self.fallbacks: list[WeightsFallback] = []
@@ -193,7 +202,17 @@ class _Copy:
     def _open(self, name: WeightsSourceName) -> Source:
         if name == "peer":
             assert self.peer is not None
-            return PeerSource(self.replica, self.peer)
+            target = self.replica
+            return PeerSource(
+                target.name,
+                self.peer,
+                endpoint=target.endpoint,
+                fabric=target.fabric,
+                config=self.config,
+                device=self.device,
+                model_name=self.model_name,
+                timeout=target.timeout,
+            )
         if name == "host":
             host_copy = self.host.host_copy
             assert host_copy is not None
@@ -261,23 +280,8 @@ class _Copy:
         position = piece.layer if piece.kind == "layer" else layers if piece.kind == "norm" else None
         if self.held or position is None:
             return
-        for fault in self.replica.services.faults:
-            if (
-                isinstance(fault, HoldWeights)
-                and fault.before_layer == position
-                and fault.replica in (None, self.replica.name)
-                and fault.nth in (None, self.number)
-            ):
-                self.held = True
-                where = f"layer {position}" if position < layers else "the final norm and head"
-                self.replica.log.emit(
-                    FaultInjected(
-                        fault="hold_weights",
-                        detail=f"weight copy {self.number} held {fault.seconds:g} s before {where}",
-                    )
-                )
-                await trio.sleep(fault.seconds)
-                return
+        target = self.replica
+        self.held = await target.faults.before_layer(target.name, self.number, position, layers, target.log)
 
     def _unavailable(self) -> str:
         name, model = self.replica.name, self.model_name

@@ -20,7 +20,7 @@ quarantines its blocks) and `Cancelled` propagates.
 from __future__ import annotations
 
 import itertools
-from typing import TYPE_CHECKING, Final, final
+from typing import Final, final
 
 import torch
 import trio
@@ -29,17 +29,17 @@ from messages.commands import SendWeights
 from messages.log.scaling import WeightsSourceName
 from messages.peer_codec import PeerCodecError, decode_header
 from messages.weights import WeightPiece, WeightsHeader, WeightTensor
-from replicas.fabric import UnknownEndpoint
+from replicas.fabric import Fabric, UnknownEndpoint
 from replicas.inbox import CommandRefused, new_command_id
 from replicas.loading.pieces import tensor_table
 from replicas.loading.sources import SourceFailed
-from replicas.loading.staging import ROW_BYTES, WeightStaging, copy_out, rows_for, weights_endpoint_name
+from replicas.loading.staging import ROW_BYTES, copy_out, rows_for, weights_endpoint_name
+from replicas.model.config import ModelConfig
+from replicas.ports import PeerReplica
+from transport.endpoint import TransferEndpoint
 from transport.errors import HandshakeRefused, LinkError, TransferError
 from transport.memory.storage import torch_dtype
 from transport.protocol.landing import LandedRound
-
-if TYPE_CHECKING:
-    from replicas.actor import Replica
 
 THREAD_BYTES: Final = 1 << 20  # rounds at least this large are copied out in a worker thread
 _transfer_numbers = itertools.count(1)
@@ -144,17 +144,31 @@ PEER_FAILURES = (
 
 @final
 class PeerSource:
-    """Pieces from replica `peer` into replica `replica` (see the module docstring)."""
+    """Pieces from replica `peer` into replica `replica`, landing at its weights `endpoint` (see the
+    module docstring); `timeout`: how long the peer may take to start a part."""
 
     name: WeightsSourceName = "peer"
 
-    def __init__(self, replica: Replica, peer: Replica) -> None:
+    def __init__(
+        self,
+        replica: str,
+        peer: PeerReplica,
+        *,
+        endpoint: TransferEndpoint,
+        fabric: Fabric,
+        config: ModelConfig,
+        device: torch.device,
+        model_name: str,
+        timeout: float,
+    ) -> None:
         self.replica = replica
         self.peer = peer
-        self.staging: WeightStaging = replica.pools.weights
-        self.config = replica.services.host.config
-        self.device = torch.device(replica.services.host.device)
-        self.model_name = replica.services.host.name
+        self._endpoint = endpoint
+        self._fabric = fabric
+        self.config = config
+        self.device = device
+        self.model_name = model_name
+        self._timeout = timeout
         self.bytes = 0  # landed and counted on the fabric
 
     async def fetch(self, piece: WeightPiece) -> dict[str, torch.Tensor]:
@@ -164,19 +178,16 @@ class PeerSource:
             raise SourceFailed("peer", piece, str(exc)) from exc
 
     async def _fetch(self, piece: WeightPiece) -> dict[str, torch.Tensor]:
-        endpoint = self.staging.endpoint
-        if endpoint is None:
-            raise PeerGone(f"{self.replica.name} has no open weights endpoint")
-        services = self.replica.services
+        endpoint = self._endpoint
         table = tensor_table(self.config, piece)
         total = table[-1].offset + table[-1].nbytes
         buffer = torch.empty(total, dtype=torch.uint8, device=self.device)
         offset = 0
         while offset < total:
-            if self.peer.nursery is None:
+            if not self.peer.snapshot().running:
                 raise PeerGone(f"{self.peer.name} is not running (state {self.peer.state.value})")
-            link = await services.fabric.link(endpoint, weights_endpoint_name(self.peer.name))
-            transfer_id = f"{self.replica.name}/weights/{next(_transfer_numbers)}"
+            link = await self._fabric.link(endpoint, weights_endpoint_name(self.peer.name))
+            transfer_id = f"{self.replica}/weights/{next(_transfer_numbers)}"
             command = SendWeights(
                 command_id=new_command_id(),
                 transfer_id=transfer_id,
@@ -184,11 +195,11 @@ class PeerSource:
                 destination_endpoint=endpoint.name,
                 byte_offset=offset,
             )
-            await self.peer.ask(command, timeout=services.settings.weights_transfer.progress_timeout)
+            await self.peer.ask(command, timeout=self._timeout)
             landing = PartLanding(buffer, self.model_name, piece, table, offset)
             await endpoint.receive(transfer_id, peer=link, consume=landing.consume)
             nbytes = landing.finish()
-            services.fabric.count_bytes(self.peer.name, self.replica.name, "weights", nbytes)
+            self._fabric.count_bytes(self.peer.name, self.replica, "weights", nbytes)
             self.bytes += nbytes
             offset += nbytes
         return await trio.to_thread.run_sync(_cut, buffer, table)

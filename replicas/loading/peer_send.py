@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import weakref
 from collections import OrderedDict
-from typing import TYPE_CHECKING, Final
+from typing import Final
 
 import structlog
 import torch
@@ -37,11 +37,11 @@ from replicas.loading.pieces import tensor_table
 from replicas.loading.split import model_piece
 from replicas.loading.staging import WeightStaging, rows_for, stage
 from replicas.model.llama import Model
+from replicas.ports import Actor
+from transport.config import TransferConfig
+from transport.endpoint import TransferEndpoint
 from transport.errors import TransferError
 from transport.memory.blocks import AllocationTimeout
-
-if TYPE_CHECKING:
-    from replicas.actor import Replica
 
 _log = structlog.get_logger("replicas.loading")
 THREAD_BYTES: Final = 1 << 20  # staging copies at least this large run in a worker thread
@@ -52,12 +52,18 @@ _split_cache: weakref.WeakKeyDictionary[Model, OrderedDict[WeightPiece, Tensors]
 )
 
 
-def send_weights(replica: Replica, command: SendWeights) -> None:
-    """Serve `command` (called by the actor's dispatch, in the main loop). Raises `CommandRefused`
-    (`not_found`: no fully loaded weights here; `bad_request`: a piece or offset the model lacks)."""
-    model = replica.work.model
-    staging = replica.pools.weights
-    if model is None or not model.fully_loaded or staging.endpoint is None:
+def send_weights(
+    replica: Actor,
+    model: Model | None,
+    staging: WeightStaging,
+    endpoint: TransferEndpoint,
+    transfer: TransferConfig,
+    command: SendWeights,
+) -> None:
+    """Serve `command` from `model` through the staging pool behind `endpoint` (called by the actor's
+    dispatch, in the main loop). Raises `CommandRefused` (`not_found`: no fully loaded weights here;
+    `bad_request`: a piece or offset the model lacks)."""
+    if model is None or not model.fully_loaded:
         raise CommandRefused(
             "not_found",
             f"{replica.name} ({replica.state.value}) holds no fully loaded weights to send",
@@ -72,20 +78,19 @@ def send_weights(replica: Replica, command: SendWeights) -> None:
             "bad_request",
             f"{replica.name}: {command.piece.label} has {total} bytes; asked from byte {command.byte_offset}",
         )
-    replica.work.spawn(_send, replica, model, staging, command, table)
+    replica.spawn(_send, replica.name, model, staging, endpoint, transfer, command, table)
 
 
 async def _send(
-    replica: Replica,
+    replica: str,
     model: Model,
     staging: WeightStaging,
+    endpoint: TransferEndpoint,
+    config: TransferConfig,
     command: SendWeights,
     table: tuple[WeightTensor, ...],
 ) -> None:
     """One part of one piece (see the module docstring)."""
-    endpoint = staging.endpoint
-    assert endpoint is not None
-    config = replica.services.settings.weights_transfer
     total = table[-1].offset + table[-1].nbytes
     nbytes = min(total - command.byte_offset, staging.capacity_bytes)
     rows = rows_for(nbytes)
@@ -120,7 +125,7 @@ async def _send(
     except (TransferError, AllocationTimeout) as exc:
         _log.info(
             "weights.send_failed",
-            replica=replica.name,
+            replica=replica,
             transfer_id=command.transfer_id,
             piece=command.piece.label,
             error=str(exc),

@@ -1,6 +1,6 @@
 """KV migration, prefill side: the migration queue and the task that empties it (architecture §6, seed 004).
 
-Prefilled requests wait in `outbound` (the replica's migration queue) for a decode replica. The
+Held requests wait in `outbound` (the replica's migration queue) for a decode replica. The
 migrator takes the head entry, asks the unlocked `Decode` replicas in turn (round robin) to reserve its
 KV all-or-nothing (`ReserveKV`; the decode replica may refuse), and on acceptance streams the prompt's
 KV blocks with the resumable transfer while the decode replica receives them straight into the blocks
@@ -16,21 +16,20 @@ from __future__ import annotations
 import itertools
 import time
 from collections import deque
-from typing import TYPE_CHECKING, final
+from typing import final
 
 import trio
 
 from messages.commands import KVHalf, ReserveKV, SendKVHalf
 from messages.log.events import RequestQueued
-from replicas.inbox import CommandRefused, Completed, new_command_id
-from replicas.prefill.work import Prefilled
+from replicas.inbox import CommandRefused, new_command_id
+from replicas.model import KVCache
+from replicas.ports import Actor, Directory, PeerReplica
+from replicas.settings import ReplicaSettings
 from replicas.states import MIGRATES_KV, ReplicaState
+from replicas.step.plan import Held
+from transport.endpoint import TransferEndpoint
 from transport.errors import TransferError
-
-if TYPE_CHECKING:
-    from replicas.actor import Replica
-    from replicas.roles import RoleWork
-    from replicas.services import PeerReplica
 
 S = ReplicaState
 _transfer_numbers = itertools.count(1)
@@ -38,20 +37,33 @@ _transfer_numbers = itertools.count(1)
 
 @final
 class Migrator:
-    """The migration queue of one prefill replica and its sending task."""
+    """The migration queue of one prefill replica and its sending task, over its KV cache `kv` and the
+    `endpoint` that sends from it; `directory` names the decode replicas it may offer KV to."""
 
-    def __init__(self, work: RoleWork) -> None:
-        self.work = work
-        self.outbound: deque[Prefilled] = deque()
+    def __init__(
+        self,
+        actor: Actor,
+        *,
+        kv: KVCache,
+        endpoint: TransferEndpoint,
+        settings: ReplicaSettings,
+        directory: Directory,
+        context_length: int,
+        num_layers: int,
+    ) -> None:
+        self._actor = actor
+        self._kv = kv
+        self._endpoint = endpoint
+        self._settings = settings
+        self._directory = directory
+        self._context_length = context_length
+        self._num_layers = num_layers
+        self.outbound: deque[Held] = deque()
         self.claimed: set[str] = set()
-        self.in_flight: dict[str, Prefilled] = {}
+        self.in_flight: dict[str, Held] = {}
         self._wake = trio.Event()
         self._next_decode = 0
         self._queued_at: dict[str, float] = {}
-
-    @property
-    def replica(self) -> Replica:
-        return self.work.replica
 
     @property
     def queued(self) -> int:
@@ -64,15 +76,15 @@ class Migrator:
     def wake(self) -> None:
         self._wake.set()
 
-    def enqueue(self, item: Prefilled) -> None:
+    def enqueue(self, item: Held) -> None:
         self.outbound.append(item)
         self._queued_at[item.request.request_id] = trio.current_time()
-        self.replica.log.bind(request_id=item.request.request_id).emit(
+        self._actor.log.bind(request_id=item.request.request_id).emit(
             RequestQueued(queue="migration", position=len(self.outbound) - 1)
         )
         self.wake()
 
-    def take_unclaimed(self) -> list[Prefilled]:
+    def take_unclaimed(self) -> list[Held]:
         """Remove and return the queued entries no decode replica is being asked about (for Flush)."""
         taken = [item for item in self.outbound if item.request.request_id not in self.claimed]
         self.outbound = deque(item for item in self.outbound if item.request.request_id in self.claimed)
@@ -83,7 +95,7 @@ class Migrator:
     # ------------------------------------------------------------------ the task
     async def run(self) -> None:
         """Offer queued entries to decode replicas until cancelled."""
-        settings = self.replica.services.settings
+        settings = self._settings
         while True:
             self._drop_cancelled()
             head = self._head()
@@ -116,10 +128,10 @@ class Migrator:
                 continue  # see its transfer never start and give the reservation back (orphan timeout)
             self.outbound.remove(head)
             self.in_flight[request_id] = head
-            self.work.spawn(self._send, head, destination)
+            self._actor.spawn(self._send, head, destination)
 
-    def _head(self) -> Prefilled | None:
-        if self.replica.state not in MIGRATES_KV:
+    def _head(self) -> Held | None:
+        if self._actor.state not in MIGRATES_KV:
             return None
         return self.outbound[0] if self.outbound else None
 
@@ -134,33 +146,31 @@ class Migrator:
             self._release(item)
             item.request.finish("cancelled")
 
-    def _release(self, item: Prefilled) -> None:
-        kv = self.replica.pools.kv
-        assert kv is not None
-        kv.pool.free(item.table, item.request.request_id)
+    def _release(self, item: Held) -> None:
+        self._kv.pool.free(item.table, item.request.request_id)
         self._queued_at.pop(item.request.request_id, None)
 
-    async def _find_destination(self, item: Prefilled) -> tuple[str, str] | None:
+    async def _find_destination(self, item: Held) -> tuple[str, str] | None:
         """Ask decode replicas in turn; returns (replica name, transfer id) of the one that accepted."""
         request = item.request
-        services = self.replica.services
-        decoders: list[Replica | PeerReplica] = [
-            r for r in services.replicas.values() if r.state is S.DECODE and not r.lock_reasons
+        directory = self._directory
+        decoders: list[PeerReplica] = [
+            r for r in directory.local() if r.state is S.DECODE and not r.lock_reasons
         ]
         # The other nodes' decode replicas (a cluster); a ZigZag half stays within this node.
         if item.relay is None:
-            decoders += [p for p in services.peers() if p.state is S.DECODE and not p.lock_reasons]
+            decoders += [p for p in directory.remote() if p.state is S.DECODE and not p.lock_reasons]
         if not decoders:
             return None
         start = self._next_decode % len(decoders)
-        context = self.work.context_length
+        context = self._context_length
         for offset in range(len(decoders)):
             decoder = decoders[(start + offset) % len(decoders)]
-            if decoder is self.replica:
+            if decoder.name == self._actor.name:
                 continue
             transfer_id = f"{request.request_id}/kv{next(_transfer_numbers)}"
             layers, other_half = None, None
-            source = self.replica.pools.kv_endpoint_name
+            source = self._endpoint.name
             split, total = self._split(item)
             if split == total:  # relayed after every layer: all of its KV is on the NewPrefill replica
                 assert item.relay is not None
@@ -185,18 +195,17 @@ class Migrator:
                 other_half=other_half,
             )
             try:
-                await decoder.ask(command, timeout=services.settings.kv_transfer.handshake_timeout)
+                await decoder.ask(command, timeout=self._settings.kv_transfer.handshake_timeout)
             except CommandRefused:  # refused, or no answer within the handshake timeout
                 continue
             self._next_decode = start + offset + 1
             return decoder.name, transfer_id
         return None
 
-    async def _send(self, item: Prefilled, destination: tuple[str, str]) -> None:
+    async def _send(self, item: Held, destination: tuple[str, str]) -> None:
         """Stream the prompt's KV; the decode replica is receiving it (see `DecodeWork.reserve`)."""
         request = item.request
-        endpoint = self.replica.pools.kv_endpoint
-        assert endpoint is not None
+        endpoint = self._endpoint
         _, transfer_id = destination
         if request.stamps.kv_started is None:
             request.stamps.kv_started = time.time()
@@ -206,7 +215,7 @@ class Migrator:
             half = transfer_id if split == total else f"{transfer_id}a"
             sent = await self._other_half_sent(item, half)
             if split == total or not sent:  # nothing of its own to send, or the request failed
-                self.replica.post(Completed(lambda _: self._sent(item, None)))
+                self._actor.later(lambda: self._sent(item, None))
                 return
         with request.work_scope():  # also when the decode side failed the request: no grant will come
             try:
@@ -214,28 +223,25 @@ class Migrator:
                     await session.send(item.table, total_tokens=request.prompt_tokens)
             except TransferError as exc:
                 error = exc
-        self.replica.post(Completed(lambda _: self._sent(item, error)))
+        self._actor.later(lambda: self._sent(item, error))
 
-    def _split(self, item: Prefilled) -> tuple[int, int]:
+    def _split(self, item: Held) -> tuple[int, int]:
         """(n, L): this replica computed the KV of layers `[n, L)` (n = 0 unless relayed)."""
-        total = self.replica.services.host.config.num_layers
-        return (0 if item.relay is None else item.relay.layer), total
+        return (0 if item.relay is None else item.relay.layer), self._num_layers
 
-    async def _other_half_sent(self, item: Prefilled, transfer_id: str) -> bool:
+    async def _other_half_sent(self, item: Held, transfer_id: str) -> bool:
         """Tell the NewPrefill partner to send its half (layers `[0, n)`); False (the request failed)
         when it cannot — it failed, or no longer holds the half."""
         assert item.relay is not None
         request = item.request
-        partner = self.replica.services.replicas.get(item.relay.new_prefill)
+        partner = self._directory.get(item.relay.new_prefill)
         command = SendKVHalf(
             command_id=new_command_id(), request_id=request.request_id, transfer_id=transfer_id
         )
         problem: str | None = f"{item.relay.new_prefill} is gone"
         if partner is not None:
             try:
-                await partner.ask(
-                    command, timeout=self.replica.services.settings.kv_transfer.handshake_timeout
-                )
+                await partner.ask(command, timeout=self._settings.kv_transfer.handshake_timeout)
                 problem = None
             except CommandRefused as exc:
                 problem = str(exc)
@@ -247,7 +253,7 @@ class Migrator:
             )
         return problem is None
 
-    def _sent(self, item: Prefilled, error: BaseException | None) -> None:
+    def _sent(self, item: Held, error: BaseException | None) -> None:
         request = item.request
         self.in_flight.pop(request.request_id, None)
         self._release(item)

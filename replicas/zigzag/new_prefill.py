@@ -18,36 +18,34 @@ from __future__ import annotations
 
 import itertools
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, final
+from typing import final
 
 import torch
 import trio
 
-from messages.commands import Relay, RelayedRequest, RelayOffer, SendKVHalf
+from messages.commands import Relay, RelayedRequest, RelayHint, RelayOffer, SendKVHalf
 from messages.control_replies import RelayInfo
 from messages.log.events import RelayHandedOver
-from replicas.inbox import CommandRefused, Completed
-from replicas.model import ModelInputError, PrefillResult, PrefillSequence
-from replicas.prefill.work import Prefilled
+from replicas.fabric import Fabric
+from replicas.inbox import CommandRefused, new_command_id
+from replicas.model import KVCache, ModelInputError, PrefillResult, PrefillSequence
+from replicas.ports import Actor, Directory
+from replicas.prefill.work import PrefillWork
 from replicas.request import ServingRequest
+from replicas.settings import ReplicaSettings
 from replicas.states import ReplicaState
+from replicas.step.apply import refuse
+from replicas.step.compute import Compute
+from replicas.step.plan import Held, PrefillCall
 from replicas.zigzag import wire
 from replicas.zigzag.limits import batch_limit
+from transport.endpoint import TransferEndpoint
 from transport.errors import TransferError
-
-if TYPE_CHECKING:
-    from replicas.actor import Replica
-    from replicas.roles import RoleWork
 
 S = ReplicaState
 _batch_numbers = itertools.count(1)
-
-
-def hint(partner: Replica, source: str, oldest: float | None) -> None:
-    """Tell OldPrefill replica `partner` when the oldest request of the batch `source` would hand over
-    now arrived (None: it holds none), so its next ask is not a blind one."""
-    partner.post(Completed(lambda _: partner.work.old_prefill.hint(source, oldest)))
 
 
 @final
@@ -56,7 +54,7 @@ class PartBatch:
     """A batch part-way through the model: `hidden` is the output of layers `[0, reached)`."""
 
     batch_id: str
-    items: list[Prefilled]
+    items: list[Held]
     sequences: list[PrefillSequence]
     hidden: torch.Tensor | None = None
     reached: int = -1  # -1: not even embedded yet
@@ -72,24 +70,43 @@ class PartBatch:
 class Half:
     """A relayed request's KV of layers `[0, request.relay.layer)` in this replica's blocks."""
 
-    item: Prefilled
+    item: Held
     sending: bool = False
 
 
 @final
 class NewPrefillWork:
-    """See the module docstring."""
+    """See the module docstring. Its batches come from the replica's `prefill` queue and finish through
+    it; halves live in `kv`, sent from `kv_endpoint`; relays leave from `relay_endpoint`."""
 
-    def __init__(self, work: RoleWork) -> None:
-        self.work = work
+    def __init__(
+        self,
+        actor: Actor,
+        *,
+        prefill: PrefillWork,
+        kv: KVCache,
+        kv_endpoint: TransferEndpoint,
+        relay_endpoint: TransferEndpoint,
+        fabric: Fabric,
+        settings: ReplicaSettings,
+        compute: Compute,
+        directory: Directory,
+        changed: Callable[[], None],
+    ) -> None:
+        self._actor = actor
+        self._prefill = prefill
+        self._kv = kv
+        self._kv_endpoint = kv_endpoint
+        self._relay_endpoint = relay_endpoint
+        self._fabric = fabric
+        self._settings = settings
+        self._compute = compute
+        self._directory = directory
+        self._changed = changed
         self.batches: deque[PartBatch] = deque()
         self.halves: dict[str, Half] = {}
         self.partners: list[str] = []
         self.entered_at = 0.0
-
-    @property
-    def replica(self) -> Replica:
-        return self.work.replica
 
     @property
     def idle(self) -> bool:
@@ -104,24 +121,22 @@ class NewPrefillWork:
         if name not in self.partners:
             self.partners.append(name)
 
-    def accepts(self, request: ServingRequest) -> bool:
-        """Whether the router may hand this NewPrefill `request` now (see `limits`)."""
-        if self.replica.state is not S.NEW_PREFILL or self.work.executor is None:
-            return False
-        if request.prompt_tokens > self.replica.services.settings.max_batch_tokens:
-            return False  # a longer prompt runs alone on a serving replica (the relay pool holds a batch)
-        # Its queue counts as the batches it will make.
-        queued = sum(r.prompt_tokens for r in self.work.prefill.queue) + request.prompt_tokens
-        budget = self.replica.services.settings.max_batch_tokens
-        held = len(self.batches) + -(-queued // budget)
-        return held <= batch_limit(trio.current_time() - self.entered_at)
+    def prompt_limit(self) -> int:
+        """The longest prompt the router may hand this NewPrefill now; negative: it takes none (see
+        `limits`: its queue counts as the batches it will make; a prompt longer than a batch runs alone
+        on a serving replica — the relay pool holds a batch)."""
+        if self._actor.state is not S.NEW_PREFILL or self._compute.executor is None:
+            return -1
+        budget = self._settings.max_batch_tokens
+        batches = batch_limit(trio.current_time() - self.entered_at) - len(self.batches)
+        return min(budget, batches * budget - self._prefill.queue.tokens)
 
     # ------------------------------------------------------------------ compute
     def start_next(self) -> None:
         """The next compute (main loop, not busy): advance the oldest batch (the next one handed over),
         else start a batch from the queue (so arrivals are not held behind older batches), else advance
         the others, as far as the layers landed."""
-        model, executor = self.work.model, self.work.executor
+        model, executor = self._compute.model, self._compute.executor
         if model is None or executor is None:
             return
         self._drop_cancelled_batches()
@@ -136,7 +151,7 @@ class NewPrefillWork:
         if advancing and advancing[0] is self.batches[0]:
             self._advance(advancing[0], loaded, whole)
             return
-        if self.replica.state is S.NEW_PREFILL and not whole:
+        if self._actor.state is S.NEW_PREFILL and not whole:
             formed = self._form_batch()
             if formed is not None:
                 self._run(formed, 0, loaded, head=False)
@@ -148,48 +163,47 @@ class NewPrefillWork:
         self._run(batch, max(batch.reached, 0), loaded, head=whole)
 
     def _form_batch(self) -> PartBatch | None:
-        taken = self.work.prefill.take_batch()
+        taken = self._prefill.take_batch()
         if taken is None:
             return None
         items, sequences = taken
-        batch = PartBatch(f"{self.replica.name}/b{next(_batch_numbers)}", items, sequences)
+        batch = PartBatch(f"{self._actor.name}/b{next(_batch_numbers)}", items, sequences)
         self.batches.append(batch)
         return batch
 
     def _run(self, batch: PartBatch, start: int, stop: int, *, head: bool) -> None:
-        executor = self.work.executor
-        assert executor is not None
+        """Plan layers `[start, stop)` of `batch` (and the head when `head`), execute, apply (`_ran`)."""
+        executor = self._compute.executor
+        assert executor is not None  # `start_next` checked it
         batch.computing = True
-        hidden = batch.hidden
-        sequences = batch.sequences
-        tokens = batch.tokens
-        emulated = self.work.emulated_prefill(tokens, stop - start)
+        call = PrefillCall(batch.sequences, layers=range(start, stop), hidden=batch.hidden, head=head)
+        self._compute.run(
+            lambda: call.run(executor),
+            lambda result: self._ran(batch, stop, result),
+            lambda error: self._refused(batch, error),
+            emulated=self._compute.emulated_prefill(batch.tokens, stop - start),
+        )
 
-        def run() -> PrefillResult:
-            return executor.prefill(sequences, layers=range(start, stop), hidden=hidden, head=head)
-
-        self.work.compute(run, lambda result: self._ran(batch, stop, result), emulated=emulated)
-
-    def _ran(self, batch: PartBatch, stop: int, result: PrefillResult | ModelInputError) -> None:
+    def _ran(self, batch: PartBatch, stop: int, result: PrefillResult) -> None:
         batch.computing = False
-        kv = self.replica.pools.kv
-        assert kv is not None
-        if isinstance(result, ModelInputError):
-            self.batches.remove(batch)
-            for item in batch.items:
-                kv.pool.free(item.table, item.request.request_id)
-                item.request.fail("bad_request", str(result))
-            return
         if result.tokens is not None:  # every layer and the head: finished here
             self.batches.remove(batch)
-            self.work.prefill.complete(batch.items, result.tokens)
+            self._prefill.complete(batch.items, result.tokens)
             return
         batch.hidden, batch.reached = result.hidden, stop
         self._hint_partners()
 
+    def _refused(self, batch: PartBatch, error: ModelInputError) -> None:
+        batch.computing = False
+        self.batches.remove(batch)
+        refuse(batch.items, code="bad_request", message=str(error), release=self._free)
+
+    def _free(self, item: Held) -> None:
+        self._kv.pool.free(item.table, item.request.request_id)
+
     def wake_partners(self) -> None:
         for name in self.partners:
-            partner = self.replica.services.replicas.get(name)
+            partner = self._directory.get(name)
             if partner is not None:
                 partner.post()
 
@@ -198,7 +212,7 @@ class NewPrefillWork:
         within the batch budget: the sequences are independent, so their hidden states just stack. A
         request that arrives while the replica is idle runs at once in a batch of its own; merged, such
         batches make fuller relays, and the router's batch limit counts fuller batches."""
-        settings = self.replica.services.settings
+        settings = self._settings
         merged: deque[PartBatch] = deque()
         for batch in self.batches:
             last = merged[-1] if merged else None
@@ -224,24 +238,24 @@ class NewPrefillWork:
         if ready is not None:
             oldest = min(item.request.stamps.arrived for item in ready.items)
         for name in self.partners:
-            partner = self.replica.services.replicas.get(name)
+            partner = self._directory.get(name)
             if partner is not None:
-                hint(partner, self.replica.name, oldest)
+                partner.tell(
+                    RelayHint(command_id=new_command_id(), new_prefill=self._actor.name, oldest=oldest)
+                )
 
     def _drop_cancelled_batches(self) -> None:
-        kv = self.replica.pools.kv
-        assert kv is not None
         for batch in [b for b in self.batches if not b.computing]:
             if all(item.request.cancelled for item in batch.items):
                 self.batches.remove(batch)
                 for item in batch.items:
-                    kv.pool.free(item.table, item.request.request_id)
+                    self._free(item)
                     item.request.finish("cancelled")
 
     # ------------------------------------------------------------------ handing over
     def offer(self, command: Relay) -> RelayOffer:
         """Hand the oldest batch that is not computing to `command.old_prefill` (see the docstring)."""
-        name = self.replica.name
+        name = self._actor.name
         # The oldest batch not computing: one running a layer now is handed over at its next boundary,
         # and the partner would otherwise sit idle meanwhile.
         candidates = [b for b in self.batches if not b.computing and b.hidden is not None]
@@ -255,7 +269,9 @@ class NewPrefillWork:
             )
         assert batch.hidden is not None
         transfer_id = f"{batch.batch_id}/relay"
-        staged = wire.stage(self.replica, transfer_id, batch.hidden, wire.batch_positions(batch.sequences))
+        staged = wire.stage(
+            self._relay_endpoint, transfer_id, batch.hidden, wire.batch_positions(batch.sequences)
+        )
         if staged is None:
             raise CommandRefused(
                 "overloaded", f"{name}: no room in its relay pool for batch {batch.batch_id}"
@@ -278,13 +294,13 @@ class NewPrefillWork:
         offer = RelayOffer(
             batch_id=batch.batch_id,
             transfer_id=transfer_id,
-            source_endpoint=self.replica.pools.relay_endpoint_name,
+            source_endpoint=self._relay_endpoint.name,
             new_prefill=name,
             layer=layer,
             total_tokens=staged.tokens,
             requests=requests,
         )
-        self.replica.log.emit(
+        self._actor.log.emit(
             RelayHandedOver(
                 batch_id=batch.batch_id,
                 new_prefill=name,
@@ -294,29 +310,27 @@ class NewPrefillWork:
                 tokens=staged.tokens,
             )
         )
-        self.work.spawn(self._send, transfer_id, staged, command.old_prefill)
+        self._actor.spawn(self._send, transfer_id, staged, command.old_prefill)
         self._hint_partners()  # the next batch in line, if any
-        self.replica.services.readiness_changed()  # room for another batch: the router may hand one
+        self._changed()  # room for another batch: the router may hand one
         return offer
 
     async def _send(self, transfer_id: str, staged: wire.Staged, destination: str) -> None:
         try:
-            report = await wire.send_staged(self.replica, transfer_id, staged)
+            report = await wire.send_staged(self._relay_endpoint, transfer_id, staged)
         except TransferError:
             return  # the OldPrefill side fails the requests; the blocks are back in the pool
-        self.replica.services.fabric.count_bytes(self.replica.name, destination, "relay", report.bytes)
+        self._fabric.count_bytes(self._actor.name, destination, "relay", report.bytes)
 
-    def _keep_half(self, item: Prefilled, layer: int) -> None:
-        kv = self.replica.pools.kv
-        assert kv is not None
+    def _keep_half(self, item: Held, layer: int) -> None:
         request = item.request
         if layer == 0:  # no KV computed here: nothing to keep
-            kv.pool.free(item.table, request.request_id)
+            self._free(item)
             return
         self.halves[request.request_id] = Half(item)
 
         def ended(_: ServingRequest) -> None:
-            self.replica.post(Completed(lambda __: self._drop(request.request_id)))
+            self._actor.later(lambda: self._drop(request.request_id))
 
         request.on_end.append(ended)
 
@@ -324,34 +338,33 @@ class NewPrefillWork:
         self.drop_half(request_id)
 
     def drop_half(self, request_id: str) -> int:
-        """Free a request's half unless it is being sent (then `_sent` frees it). Returns blocks freed."""
+        """Free a request's half unless it is being sent (then `_sent` frees it). Returns blocks freed.
+        (A part of an earlier run — the replica failed and restarted, its pools emptied — hears of
+        nothing: the actor drops what it posts.)"""
         half = self.halves.get(request_id)
-        if half is None or half.sending or self.replica.work is not self.work:
-            return 0  # (after a failure and restart the pool was emptied; this object is stale)
+        if half is None or half.sending:
+            return 0
         del self.halves[request_id]
-        kv = self.replica.pools.kv
-        assert kv is not None
-        kv.pool.free(half.item.table, request_id)
+        self._free(half.item)
         return len(half.item.table)
 
     def send_half(self, command: SendKVHalf) -> str:
         half = self.halves.get(command.request_id)
         if half is None:
             raise CommandRefused(
-                "not_found", f"{self.replica.name} holds no KV half of request {command.request_id}"
+                "not_found", f"{self._actor.name} holds no KV half of request {command.request_id}"
             )
         if half.sending:
             raise CommandRefused(
                 "bad_request",
-                f"{self.replica.name}: the KV half of {command.request_id} is already being sent",
+                f"{self._actor.name}: the KV half of {command.request_id} is already being sent",
             )
         half.sending = True
-        self.work.spawn(self._send_half, half, command.transfer_id)
+        self._actor.spawn(self._send_half, half, command.transfer_id)
         return "sending"
 
     async def _send_half(self, half: Half, transfer_id: str) -> None:
-        endpoint = self.replica.pools.kv_endpoint
-        assert endpoint is not None
+        endpoint = self._kv_endpoint
         request = half.item.request
         with request.work_scope():
             try:
@@ -359,7 +372,7 @@ class NewPrefillWork:
                     await session.send(half.item.table, total_tokens=request.prompt_tokens)
             except TransferError:
                 pass  # the decode side fails the request with the transfer's reason
-        self.replica.post(Completed(lambda _: self._sent(half)))
+        self._actor.later(lambda: self._sent(half))
 
     def _sent(self, half: Half) -> None:
         half.sending = False
@@ -369,4 +382,4 @@ class NewPrefillWork:
     def loading_finished(self) -> None:
         """NewPrefill → RefractoryPrefill: requests not yet in a batch go back to the router (before
         the move, whose readiness change dispatches them)."""
-        self.work.prefill.return_queued("the replica finished loading and takes no new ZigZag batches")
+        self._prefill.return_queued("the replica finished loading and takes no new ZigZag batches")

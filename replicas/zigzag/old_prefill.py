@@ -16,26 +16,31 @@ by the requests' end hooks.
 
 from __future__ import annotations
 
+import functools
 from collections import deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, final
 
-from messages.commands import DropKVHalf, Relay, RelayOffer
+from messages.commands import AddRelayPartner, Relay, RelayOffer
+from messages.control import ErrorCode
 from messages.control_replies import RelayInfo, TransferSummary
 from messages.log.events import RelayReceived
-from replicas.fabric import UnknownEndpoint
-from replicas.inbox import CommandRefused, Completed, new_command_id
-from replicas.model import ModelInputError, PrefillResult, PrefillSequence
-from replicas.prefill.work import Prefilled
+from replicas.fabric import Fabric, UnknownEndpoint
+from replicas.inbox import CommandRefused, new_command_id
+from replicas.model import KVCache, ModelInputError, PrefillResult, PrefillSequence
+from replicas.ports import Actor, Directory, LiveRequests
+from replicas.prefill.work import PrefillWork
+from replicas.settings import ReplicaSettings
 from replicas.states import ZIGZAG_NEW, ReplicaState
+from replicas.step.apply import refuse
+from replicas.step.compute import Compute
+from replicas.step.plan import Held, PrefillCall
 from replicas.zigzag import wire
+from transport.endpoint import TransferEndpoint
 from transport.errors import HandshakeRefused, LinkError, TransferError
 
 if TYPE_CHECKING:
     import torch
-
-    from replicas.actor import Replica
-    from replicas.roles import RoleWork
 
 S = ReplicaState
 
@@ -44,17 +49,38 @@ S = ReplicaState
 @dataclass(slots=True)
 class IncomingRelay:
     offer: RelayOffer
-    items: list[Prefilled]
+    items: list[Held]
     hidden: torch.Tensor | None = None
     positions: torch.Tensor | None = None
 
 
 @final
 class OldPrefillWork:
-    """See the module docstring."""
+    """See the module docstring. Relayed batches land at `relay_endpoint`, their KV in `kv`; they finish
+    through the replica's `prefill` role, whose queue it weighs against its partners' batches."""
 
-    def __init__(self, work: RoleWork) -> None:
-        self.work = work
+    def __init__(
+        self,
+        actor: Actor,
+        *,
+        prefill: PrefillWork,
+        kv: KVCache,
+        relay_endpoint: TransferEndpoint,
+        fabric: Fabric,
+        settings: ReplicaSettings,
+        compute: Compute,
+        directory: Directory,
+        requests: LiveRequests,
+    ) -> None:
+        self._actor = actor
+        self._prefill = prefill
+        self._kv = kv
+        self._relay_endpoint = relay_endpoint
+        self._fabric = fabric
+        self._settings = settings
+        self._compute = compute
+        self._directory = directory
+        self._requests = requests
         self.partners: list[str] = []
         self.asking = False
         self.hinted = True
@@ -64,17 +90,18 @@ class OldPrefillWork:
         self.waiting: dict[str, float] = {}  # partner → arrival of the oldest request it would hand over
 
     @property
-    def replica(self) -> Replica:
-        return self.work.replica
-
-    @property
     def in_hand(self) -> bool:
         """A relay is being asked for, received, waiting to run or running."""
         return self.asking or self.receiving is not None or bool(self.ready) or self.running is not None
 
     def pair(self, partner: str | None) -> None:
+        """Relay with `partner` too (a NewPrefill replica), which hears of it (`AddRelayPartner`)."""
         if partner is not None and partner not in self.partners:
             self.partners.append(partner)
+        if partner is not None:
+            new = self._directory.get(partner)
+            if new is not None:
+                new.tell(AddRelayPartner(command_id=new_command_id(), old_prefill=self._actor.name))
         self.hinted = True
 
     def hint(self, partner: str, oldest: float | None) -> None:
@@ -85,28 +112,30 @@ class OldPrefillWork:
         else:
             self.waiting[partner] = oldest
             self.hinted = True
-        self.replica.post()
+        self._actor.post()
 
     def takes_new_work(self) -> bool:
         """Whether the router may queue new requests here: always with `old_prefill_serves_queue`;
         otherwise once no partner takes new work any more (the episode is ending)."""
-        if self.replica.services.settings.old_prefill_serves_queue:
+        if self._settings.old_prefill_serves_queue:
             return True
-        replicas = self.replica.services.replicas
-        return not any(p in replicas and replicas[p].state is S.NEW_PREFILL for p in self.partners)
+        return not any(self._state_of(p) is S.NEW_PREFILL for p in self.partners)
+
+    def _state_of(self, name: str) -> ReplicaState | None:
+        partner = self._directory.get(name)
+        return None if partner is None else partner.state
 
     def relay_first(self) -> bool:
         """First come, first served across the two queues: ask for a relay unless this replica's own
         queue holds a ready request that arrived before every batch its partners hold (a partner that
         always has a batch ready would otherwise starve the own queue for the whole episode)."""
-        own = next((r for r in self.work.prefill.queue if r.prompt_ready and not r.cancelled), None)
+        own = self._prefill.queue.first_ready()
         if own is None or not self.waiting:
             return True
         return min(self.waiting.values()) <= own.stamps.arrived
 
     def live_partners(self) -> list[str]:
-        replicas = self.replica.services.replicas
-        self.partners = [p for p in self.partners if p in replicas and replicas[p].state in ZIGZAG_NEW]
+        self.partners = [p for p in self.partners if self._state_of(p) in ZIGZAG_NEW]
         return self.partners
 
     def episode_over(self) -> bool:
@@ -114,69 +143,62 @@ class OldPrefillWork:
 
     # ------------------------------------------------------------------ asking
     def maybe_ask(self) -> None:
-        if self.work.busy:
+        if self._compute.busy:
             return  # ask when free: the partner's batch has gone as far as it can by then
         if self.in_hand or not self.hinted or not self.live_partners() or not self.relay_first():
             return
-        kv = self.replica.pools.kv
-        assert kv is not None
+        kv = self._kv
         self.asking, self.hinted = True, False
-        self.work.spawn(self._ask, list(self.partners), kv.pool.free_blocks * kv.block_size)
+        self._actor.spawn(self._ask, list(self.partners), kv.pool.free_blocks * kv.block_size)
 
     async def _ask(self, partners: list[str], room_tokens: int) -> None:
-        replicas = self.replica.services.replicas
-        timeout = self.replica.services.settings.kv_transfer.handshake_timeout
+        timeout = self._settings.kv_transfer.handshake_timeout
         for name in partners:
-            partner = replicas.get(name)
+            partner = self._directory.get(name)
             if partner is None:
                 continue
             command = Relay(
-                command_id=new_command_id(), old_prefill=self.replica.name, room_tokens=room_tokens
+                command_id=new_command_id(), old_prefill=self._actor.name, room_tokens=room_tokens
             )
             try:
                 offer = await partner.ask(command, timeout=timeout)
             except CommandRefused:
                 continue
-            self._post_accept(offer)
+            self._actor.later(functools.partial(self._accept, offer))
             return
-        self.replica.post(Completed(lambda _: self._nothing()))
-
-    def _post_accept(self, offer: RelayOffer) -> None:
-        self.replica.post(Completed(lambda _: self._accept(offer)))
+        self._actor.later(self._nothing)
 
     def _nothing(self) -> None:
         self.asking = False
 
     def _accept(self, offer: RelayOffer) -> None:
         self.asking = False
-        kv = self.replica.pools.kv
-        assert kv is not None
-        services = self.replica.services
-        info = RelayInfo(new_prefill=offer.new_prefill, old_prefill=self.replica.name, layer=offer.layer)
-        items: list[Prefilled] = []
+        kv = self._kv
+        info = RelayInfo(new_prefill=offer.new_prefill, old_prefill=self._actor.name, layer=offer.layer)
+        items: list[Held] = []
         for relayed in offer.requests:
-            request = services.requests.get(relayed.request_id)
+            request = self._requests.get(relayed.request_id)
             if request is None:
                 continue  # ended meanwhile: its half on the partner went with it
             table = kv.pool.try_allocate(kv.blocks_for(relayed.prompt_tokens), relayed.request_id)
             if table is None:  # the room was announced in the ask; only a bug gets here
                 request.fail(
-                    "overloaded", f"{self.replica.name}: no KV room for relayed request {relayed.request_id}"
+                    "overloaded", f"{self._actor.name}: no KV room for relayed request {relayed.request_id}"
                 )
                 continue
-            items.append(Prefilled(request, table, relay=info))
+            items.append(Held(request, table, relay=info))
         incoming = IncomingRelay(offer, items)
         self.receiving = incoming
-        self.work.spawn(self._receive, incoming)
+        self._actor.spawn(self._receive, incoming)
 
     async def _receive(self, incoming: IncomingRelay) -> None:
         error: BaseException | None = None
         received: wire.Received | None = None
         try:
-            received = await wire.receive(self.replica, incoming.offer)
+            received = await wire.receive(self._relay_endpoint, self._fabric, incoming.offer)
         except (TransferError, LinkError, HandshakeRefused, UnknownEndpoint) as exc:
             error = exc
-        self.replica.post(Completed(lambda _: self._received(incoming, received, error)))
+        self._actor.later(lambda: self._received(incoming, received, error))
 
     def _received(
         self, incoming: IncomingRelay, received: wire.Received | None, error: BaseException | None
@@ -187,31 +209,31 @@ class OldPrefillWork:
             code = error.code if isinstance(error, TransferError) else "transfer_failed"
             self._fail(
                 incoming,
-                code,
+                code,  # type: ignore[arg-type]
                 f"the relay of batch {offer.batch_id} from {offer.new_prefill} failed: {error}",
             )
             return
         incoming.hidden, incoming.positions = received.hidden, received.positions
         report = received.report
-        self.replica.services.fabric.count_bytes(offer.new_prefill, self.replica.name, "relay", report.bytes)
+        self._fabric.count_bytes(offer.new_prefill, self._actor.name, "relay", report.bytes)
         for item in incoming.items:
             item.request.transfers.append(
                 TransferSummary(
                     kind="relay",
                     transfer_id=offer.transfer_id,
                     source=offer.new_prefill,
-                    destination=self.replica.name,
+                    destination=self._actor.name,
                     rounds=report.rounds,
                     bytes=report.bytes,
                     seconds=report.seconds,
-                    transport=self.replica.services.fabric.kind,
+                    transport=self._fabric.kind,
                 )
             )
-        self.replica.log.emit(
+        self._actor.log.emit(
             RelayReceived(
                 batch_id=offer.batch_id,
                 new_prefill=offer.new_prefill,
-                old_prefill=self.replica.name,
+                old_prefill=self._actor.name,
                 layer=offer.layer,
                 bytes=received.report.bytes,
                 seconds=received.report.seconds,
@@ -219,38 +241,20 @@ class OldPrefillWork:
         )
         self.ready.append(incoming)
 
-    def release_half(self, item: Prefilled) -> None:
-        """`item`'s request will not decode: its partner frees the KV of layers `[0, n)` it keeps (the
-        request's end does too, where the partner sees it; this says so in a message)."""
-        relay = item.relay
-        partner = None if relay is None else self.replica.services.replicas.get(relay.new_prefill)
-        if relay is not None and relay.layer > 0 and partner is not None:
-            partner.tell(DropKVHalf(command_id=new_command_id(), request_id=item.request.request_id))
-
-    def _fail(self, incoming: IncomingRelay, code: str, message: str) -> None:
-        kv = self.replica.pools.kv
-        assert kv is not None
-        for item in incoming.items:
-            self.release_half(item)
-            kv.pool.free(item.table, item.request.request_id)
-            if item.request.cancelled:
-                item.request.finish("cancelled")
-            else:
-                item.request.fail(code, message)  # type: ignore[arg-type]
+    def _fail(self, incoming: IncomingRelay, code: ErrorCode, message: str) -> None:
+        refuse(incoming.items, code=code, message=message, release=self._prefill.release, cancel_wins=True)
 
     # ------------------------------------------------------------------ compute
     def start_next(self) -> bool:
         """Run the oldest received relay (main loop, not busy); False when there is none."""
-        if not self.ready or self.work.executor is None:
+        executor = self._compute.executor
+        if not self.ready or executor is None:
             return False
         incoming = self.ready.popleft()
-        kv = self.replica.pools.kv
-        assert kv is not None
         live = []
         for item in incoming.items:
             if item.request.ended or item.request.cancelled:
-                self.release_half(item)
-                kv.pool.free(item.table, item.request.request_id)
+                self._prefill.release(item)
                 if not item.request.ended:
                     item.request.finish("cancelled")
             else:
@@ -259,7 +263,7 @@ class OldPrefillWork:
         assert incoming.hidden is not None and incoming.positions is not None
         if not live:
             return False
-        three_d = self.replica.services.host.config.position_axes == 3
+        three_d = self._compute.config.position_axes == 3
         rows: list[int] = []
         sequences: list[PrefillSequence] = []
         for item in live:
@@ -276,26 +280,23 @@ class OldPrefillWork:
                 )
             )
         hidden = incoming.hidden if len(rows) == incoming.hidden.shape[0] else incoming.hidden[rows]
-        executor = self.work.executor
-        num_layers = self.replica.services.host.config.num_layers
-        layers = range(incoming.offer.layer, num_layers)
-        tokens = len(rows)
+        layers = range(incoming.offer.layer, self._compute.num_layers)
         incoming.items = live
         self.running = incoming
-        emulated = self.work.emulated_prefill(tokens, len(layers))
-
-        def run() -> PrefillResult:
-            return executor.prefill(sequences, layers=layers, hidden=hidden)
-
-        self.work.compute(run, lambda result: self._ran(incoming, result), emulated=emulated)
+        call = PrefillCall(sequences, layers=layers, hidden=hidden)
+        self._compute.run(
+            lambda: call.run(executor),
+            lambda result: self._ran(incoming, result),
+            lambda error: self._refused(incoming, error),
+            emulated=self._compute.emulated_prefill(len(rows), len(layers)),
+        )
         return True
 
-    def _ran(self, incoming: IncomingRelay, result: PrefillResult | ModelInputError) -> None:
+    def _ran(self, incoming: IncomingRelay, result: PrefillResult) -> None:
         self.running = None
-        if isinstance(result, ModelInputError):
-            self._fail(
-                incoming, "internal", f"the relayed batch {incoming.offer.batch_id} was refused: {result}"
-            )
-            return
-        assert result.tokens is not None
-        self.work.prefill.complete(incoming.items, result.tokens)
+        assert result.tokens is not None  # the layers ran to the end, and the head
+        self._prefill.complete(incoming.items, result.tokens)
+
+    def _refused(self, incoming: IncomingRelay, error: ModelInputError) -> None:
+        self.running = None
+        self._fail(incoming, "internal", f"the relayed batch {incoming.offer.batch_id} was refused: {error}")

@@ -16,19 +16,18 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, final
+from typing import final
 
 import torch
 
 from messages.commands import RelayOffer
 from messages.layout import BufferSpec, PoolLayout
 from messages.transfer import TransferReport
+from replicas.fabric import Fabric
 from replicas.model import PrefillSequence
 from replicas.model.config import ModelConfig
+from transport.endpoint import TransferEndpoint
 from transport.protocol.landing import LandedRound
-
-if TYPE_CHECKING:
-    from replicas.actor import Replica
 
 RELAY_BLOCK_SIZE = 16
 
@@ -70,10 +69,10 @@ class Staged:
     tokens: int
 
 
-def stage(replica: Replica, owner: str, hidden: torch.Tensor, positions: torch.Tensor) -> Staged | None:
-    """Copy a batch into the relay pool; None when the pool has no room for it now."""
-    endpoint = replica.pools.relay_endpoint
-    assert endpoint is not None
+def stage(
+    endpoint: TransferEndpoint, owner: str, hidden: torch.Tensor, positions: torch.Tensor
+) -> Staged | None:
+    """Copy a batch into the relay pool behind `endpoint`; None when the pool has no room for it now."""
     tokens = int(hidden.shape[0])
     blocks = endpoint.pool.try_allocate(math.ceil(tokens / endpoint.pool.block_size), owner)
     if blocks is None:
@@ -82,10 +81,8 @@ def stage(replica: Replica, owner: str, hidden: torch.Tensor, positions: torch.T
     return Staged(blocks, owner, tokens)
 
 
-async def send_staged(replica: Replica, transfer_id: str, staged: Staged) -> TransferReport:
+async def send_staged(endpoint: TransferEndpoint, transfer_id: str, staged: Staged) -> TransferReport:
     """Stream a staged batch as `transfer_id`; raises the transport's `TransferError` on failure."""
-    endpoint = replica.pools.relay_endpoint
-    assert endpoint is not None
     try:
         async with endpoint.open_send(transfer_id) as session:
             return await session.send(staged.blocks, total_tokens=staged.tokens)
@@ -101,11 +98,9 @@ class Received:
     report: TransferReport
 
 
-async def receive(replica: Replica, offer: RelayOffer) -> Received:
-    """Receive an offered batch into fresh tensors. Raises `TransferError`, `LinkError`,
+async def receive(endpoint: TransferEndpoint, fabric: Fabric, offer: RelayOffer) -> Received:
+    """Receive an offered batch into fresh tensors at `endpoint`. Raises `TransferError`, `LinkError`,
     `HandshakeRefused` or `UnknownEndpoint` (the NewPrefill replica is gone)."""
-    endpoint = replica.pools.relay_endpoint
-    assert endpoint is not None
     spec = endpoint.storage.layout.buffer("hidden")
     hidden = torch.empty(
         offer.total_tokens, *spec.shape, dtype=endpoint.storage.tensors["hidden"].dtype, device="cpu"
@@ -118,7 +113,7 @@ async def receive(replica: Replica, offer: RelayOffer) -> Received:
         hidden[rows] = data["hidden"].cpu()
         positions[rows] = data["positions"].cpu()
 
-    link = await replica.services.fabric.link(endpoint, offer.source_endpoint)
+    link = await fabric.link(endpoint, offer.source_endpoint)
     result = await endpoint.receive(
         offer.transfer_id, peer=link, consume=consume, expected_tokens=offer.total_tokens
     )

@@ -25,7 +25,7 @@ from tests.waiting import deadline, wait_until
 async def test_a_command_posted_as_the_replica_fails_is_refused_with_its_failure(tmp_path: Path) -> None:
     async with served_node(tmp_path) as served, ControlClient.connect(served.address) as client:
         await wait_serving(client)
-        decode = served.node.services.replicas["decode-0"]
+        decode = served.node.directory["decode-0"]
         waiting = Envelope(Lock(command_id=new_command_id(), reason="manual"))
 
         def fail(_: Any) -> None:
@@ -55,7 +55,7 @@ async def test_a_kv_transfer_cut_short_by_its_replica_failing_is_logged_as_ended
         ControlClient.connect(served.address) as client,
     ):
         await wait_serving(client)
-        decode = served.node.services.replicas["decode-0"]
+        decode = served.node.directory["decode-0"]
         outcome: list[str] = []
 
         async def generate() -> None:

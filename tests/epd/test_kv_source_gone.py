@@ -27,8 +27,10 @@ async def test_a_kv_source_that_is_gone_fails_its_request_and_the_decode_replica
 ) -> None:
     async with served_node(tmp_path) as served, ControlClient.connect(served.address) as client:
         await wait_serving(client)
-        services = served.node.services
-        decode = next(replica for name, replica in services.replicas.items() if name.startswith("decode"))
+        router = served.node.router
+        decode = next(
+            replica for replica in served.node.directory.local() if replica.name.startswith("decode")
+        )
         lived: list[int] = []
 
         async def generate() -> None:
@@ -39,7 +41,7 @@ async def test_a_kv_source_that_is_gone_fails_its_request_and_the_decode_replica
         async with trio.open_nursery() as nursery:
             nursery.start_soon(generate)
             await wait_until(
-                lambda: decode.work.decode.running, "the long request decoding", 60, interval=0.005
+                lambda: decode.snapshot().decoding, "the long request decoding", 60, interval=0.005
             )
             victim = ServingRequest(
                 request_id="orphan",
@@ -49,7 +51,7 @@ async def test_a_kv_source_that_is_gone_fails_its_request_and_the_decode_replica
                 max_tokens=4,
                 eos_token_ids=[],
             )
-            services.requests[victim.request_id] = victim
+            router.requests[victim.request_id] = victim
             reserve = ReserveKV(
                 command_id=new_command_id(),
                 request_id=victim.request_id,
@@ -66,7 +68,7 @@ async def test_a_kv_source_that_is_gone_fails_its_request_and_the_decode_replica
                 interval=0.005,
             )
             assert not lived  # still decoding when the orphan failed beside it
-            del services.requests[victim.request_id]  # what the router does for the requests it admits
+            del router.requests[victim.request_id]  # what the router does for the requests it admits
         assert isinstance(victim.final_update, FailedUpdate)
         assert victim.final_update.code == "transfer_failed"
         assert victim.final_update.message == (

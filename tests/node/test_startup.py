@@ -28,8 +28,8 @@ import trio
 
 from engine.client import ControlClient, ControlError
 from messages.log.scaling import ExecutorReady
+from replicas.actor.supervisor import RESTART_BACKOFF_FIRST
 from replicas.fabric import Fabric
-from replicas.supervisor import RESTART_BACKOFF_FIRST
 from tests.epd.inprocess import served_node
 from tests.node.harness import REPO_ROOT, START_TIMEOUT, by_name, node_process, wait_states
 from tests.waiting import wait_until
@@ -169,8 +169,10 @@ async def test_a_replica_whose_task_is_not_running_takes_no_request(tmp_path: Pa
         ControlClient.connect(node.address) as client,
     ):
         await wait_states(client, {"prefill-0": "Prefill", "decode-0": "Decode"})
-        prefill = node.node.services.replicas["prefill-0"]
-        running, prefill.nursery = prefill.nursery, None  # the window: its task ended, not yet Inactive
+        prefill = node.node.directory["prefill-0"]
+        # The window: its task ended, not yet Inactive (reached inside the actor: nothing else can open it).
+        mailbox = prefill._mailbox
+        running, mailbox.nursery = mailbox.nursery, None
         results = []
 
         async def generate() -> None:
@@ -181,8 +183,8 @@ async def test_a_replica_whose_task_is_not_running_takes_no_request(tmp_path: Pa
             await wait_until(lambda: node.node.router.pending, "the request arriving and kept by the router")
             await trio.sleep(0.2)  # dispatches that would hand it over have had their chance
             assert [request.request_id for request in node.node.router.pending] and not results
-            prefill.nursery = running
-            node.node.services.readiness_changed()
+            mailbox.nursery = running
+            node.node.core.changes.notify()
         (result,) = results
         assert result.finish_reason == "length"
 

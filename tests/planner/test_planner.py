@@ -106,12 +106,12 @@ async def test_no_decision_while_a_scale_runs(tmp_path: Path) -> None:
     async with served_node(tmp_path, *OPTIONS) as served:
         planner = served.node.planner
         assert planner is not None
-        async with served.node.scale_lock:  # as a scale holds it while it runs
+        async with served.node.core.scale_lock:  # as a scale holds it while it runs
             planner.inject(BURST)
             await wait_until(lambda: _decisions(served, "skip"), "a skipped pass", 30)
             assert {d["reason"] for d in _decisions(served, "skip")} == {"a scale is running"}
             assert not _decisions(served, "scale_up")
-            assert sum(r.role == "prefill" for r in served.node.services.replicas.values()) == 1
+            assert sum(r.role == "prefill" for r in served.node.directory.local()) == 1
         planner.inject(CALM)
 
 

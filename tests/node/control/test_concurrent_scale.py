@@ -67,7 +67,7 @@ async def test_a_scale_held_up_past_its_wait_answers_overloaded(
         ControlClient.connect(node.address) as client,
     ):
         await wait_states(client, {"prefill-0": "Prefill", "decode-0": "Decode"})
-        async with node.node.scale_lock:  # an earlier scale that does not finish
+        async with node.node.core.scale_lock:  # an earlier scale that does not finish
             with pytest.raises(ControlError) as refused:
                 await client.scale("decode", 2)
         assert (refused.value.code, refused.value.message) == (

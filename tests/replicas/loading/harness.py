@@ -19,11 +19,15 @@ from messages.control import SourceChoice
 from messages.faults import Fault
 from messages.log.events import LogEvent, WeightsProgress
 from replicas.actor import Replica
+from replicas.actor.supervisor import supervise
+from replicas.directory import ReplicaDirectory
 from replicas.fabric import Fabric
+from replicas.faults import FaultHooks
+from replicas.loading.copy import CopyTarget
 from replicas.model.llama import Model
-from replicas.services import ReplicaServices, ReplicaSettings
+from replicas.request import ServingRequest
+from replicas.settings import ReplicaSettings
 from replicas.states import LOADING_STATE, ReplicaState, Role
-from replicas.supervisor import supervise
 from replicas.weights import ModelHost
 from tests.waiting import wait_until
 from transport.kinds import TransportChoice
@@ -61,19 +65,57 @@ class EventRecorder:
 
 @final
 class Harness:
-    def __init__(self, services: ReplicaServices, log: EventRecorder, nursery: trio.Nursery) -> None:
-        self.services, self.log, self._nursery = services, log, nursery
+    """The replicas (`directory`), their `fabric` and model `host`, and the log."""
+
+    def __init__(
+        self,
+        settings: ReplicaSettings,
+        host: ModelHost,
+        fabric: Fabric,
+        faults: FaultHooks,
+        log: EventRecorder,
+        nursery: trio.Nursery,
+    ) -> None:
+        self.settings, self.host, self.fabric, self.faults = settings, host, fabric, faults
+        self.log, self._nursery = log, nursery
+        self.directory = ReplicaDirectory()
+        self.requests: dict[str, ServingRequest] = {}
         self._scopes: dict[str, trio.CancelScope] = {}
 
-    @property
-    def host(self) -> ModelHost:
-        return self.services.host
-
     def __getitem__(self, name: str) -> Replica:
-        return self.services.replicas[name]
+        return self.directory[name]
+
+    def target(self, name: str) -> CopyTarget:
+        """Replica `name` as a weight copy's target (its weights endpoint, reached inside the actor: a
+        test that runs `copy_weights` by itself)."""
+        replica = self[name]
+        endpoint = replica._pools.weights.endpoint
+        assert endpoint is not None, f"{name} is not running"
+        return CopyTarget(
+            name=name,
+            log=replica.log,
+            endpoint=endpoint,
+            host=self.host,
+            fabric=self.fabric,
+            faults=self.faults,
+            directory=self.directory,
+            timeout=self.settings.weights_transfer.progress_timeout,
+        )
 
     async def start(self, name: str, role: Role) -> Replica:
-        replica = Replica(name, role, self.services)
+        replica = Replica(
+            name,
+            role,
+            settings=self.settings,
+            host=self.host,
+            fabric=self.fabric,
+            log=self.log,
+            requests=self.requests,
+            directory=self.directory,
+            returned=lambda request: None,
+            changed=lambda: None,
+            faults=self.faults,
+        )
         scope = trio.CancelScope()
         self._scopes[name] = scope
 
@@ -82,7 +124,7 @@ class Harness:
                 await supervise(replica, task_status=task_status)
 
         await self._nursery.start(run)
-        self.services.replicas[name] = replica
+        self.directory.add(replica)
         return replica
 
     async def load(self, name: str, source: SourceChoice | None = None, *, origin: str = "node") -> None:
@@ -121,9 +163,7 @@ class Harness:
 
     def leaks(self) -> dict[str, dict[str, int]]:
         return {
-            pool: owners
-            for replica in self.services.replicas.values()
-            for pool, owners in replica.pools.leaks().items()
+            pool: owners for replica in self.directory.local() for pool, owners in replica.leaks().items()
         }
 
 
@@ -140,11 +180,8 @@ async def running(
 ) -> AsyncIterator[Harness]:
     host = ModelHost(model, device="cpu", dtype=dtype, cache_dir=cache_dir)  # type: ignore[arg-type]
     log = EventRecorder()
-    services = ReplicaServices(
-        settings=settings, host=host, fabric=Fabric(transport), log=log, faults=list(faults)
-    )
     async with trio.open_nursery() as nursery:
-        harness = Harness(services, log, nursery)
+        harness = Harness(settings, host, Fabric(transport), FaultHooks(list(faults)), log, nursery)
         for name, role in replicas:
             await harness.start(name, role)
         try:

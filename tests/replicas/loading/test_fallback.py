@@ -44,7 +44,7 @@ async def test_auto_goes_on_from_the_host_copy_when_the_peer_link_drops(
     async with running(str(tmp_path), PAIR, transport=transport, faults=[DROP]) as harness:
         await start_copy(harness, "auto")
         await harness.serving("decode-0")
-        model = harness["decode-0"].work.model
+        model = harness["decode-0"].model
         assert model is not None
         assert_same_weights(model, tiny_model())
         (finished,) = harness.log.of("decode-0", WeightsCopyFinished)
@@ -55,10 +55,10 @@ async def test_auto_goes_on_from_the_host_copy_when_the_peer_link_drops(
         assert {source for _, source in sources[1:]} == {"host"}
         # Only the piece that landed whole counts as moved over the link.
         config = harness.host.config
-        assert harness.services.fabric.bytes_between == {
+        assert harness.fabric.bytes_between == {
             ("prefill-0", "decode-0", "weights"): piece_bytes(config, EMBEDDINGS)
         }
-        assert harness["decode-0"].work.weights_source == "host"
+        assert harness["decode-0"].snapshot().weights_source == "host"
 
 
 async def test_an_explicit_source_that_fails_fails_the_copy_with_the_reason(tmp_path: Path) -> None:
@@ -66,7 +66,7 @@ async def test_an_explicit_source_that_fails_fails_the_copy_with_the_reason(tmp_
         await start_copy(harness, "peer")
         decode = harness["decode-0"]
         await wait_until(lambda: decode.last_error is not None, "decode-0 to fail its copy", 30)
-        assert decode.state is ReplicaState.INACTIVE and decode.work.model is None
+        assert decode.state is ReplicaState.INACTIVE and decode.model is None
         assert decode.last_error is not None
         assert decode.last_error.startswith(
             "WeightCopyFailed: decode-0: copying the weights of tiny from peer replica prefill-0 failed at "
@@ -86,19 +86,19 @@ async def test_a_peer_that_stops_mid_copy_and_the_partly_loaded_model(tmp_path: 
         await start_copy(harness, "auto")
         decode = harness["decode-0"]
         await wait_until(
-            lambda: harness.log.of("decode-0", FaultInjected) and decode.work.loaded_layers == 2,
+            lambda: harness.log.of("decode-0", FaultInjected) and decode.snapshot().loaded_layers == 2,
             "decode-0 to be held before layer 2",
             30,
         )
-        partial = decode.work.model
+        partial = decode.model
         assert partial is not None and partial.loaded_layers == 2 and not partial.fully_loaded
-        assert decode.state is ReplicaState.LOADING_DECODE and decode.work.executor is not None
+        assert decode.state is ReplicaState.LOADING_DECODE and decode.snapshot().executor is not None
         config = harness.host.config
         two_layers = piece_bytes(config, EMBEDDINGS) + 2 * piece_bytes(config, layer_piece(0))
-        assert decode.work.weights_bytes_loaded == partial.parameter_bytes() == two_layers
+        assert decode.snapshot().weights_bytes_loaded == partial.parameter_bytes() == two_layers
         harness.stop("prefill-0")
         await harness.serving("decode-0")
-        assert decode.work.model is partial and partial.fully_loaded
+        assert decode.model is partial and partial.fully_loaded
         assert_same_weights(partial, tiny_model())
         (finished,) = harness.log.of("decode-0", WeightsCopyFinished)
         assert [(f.weights_source, f.piece) for f in finished.fallbacks] == [("peer", "layer 2")]
@@ -111,7 +111,7 @@ async def test_a_copy_that_does_not_fit_is_refused_naming_the_bytes(tmp_path: Pa
         pieces: list[object] = []
         with pytest.raises(WeightCopyFailed) as refused:
             await copy_weights(
-                harness["decode-0"],
+                harness.target("decode-0"),
                 "disk",
                 on_model=pieces.append,
                 on_piece=pieces.append,
@@ -146,7 +146,7 @@ async def test_a_copy_that_does_not_fit_is_refused_naming_the_bytes(tmp_path: Pa
 async def test_a_source_the_node_lacks_is_refused(tmp_path: Path, source: SourceChoice, message: str) -> None:
     async with running(str(tmp_path), PAIR) as harness:  # nothing loaded yet: no peer, no host copy
         with pytest.raises(WeightCopyFailed, match=f"^{message}$".replace("(", r"\(").replace(")", r"\)")):
-            await copy_weights(harness["decode-0"], source, on_model=print, on_piece=print)
+            await copy_weights(harness.target("decode-0"), source, on_model=print, on_piece=print)
 
 
 @pytest.mark.parametrize(

@@ -15,6 +15,7 @@ import pytest
 import trio
 
 from replicas.loading.pieces import EMBEDDINGS, layer_piece, model_bytes, piece_bytes
+from replicas.loading.staging import BLOCK_BYTES
 from replicas.model import DEFAULT_CACHE_DIR, PACKAGED_MODELS, load_model
 from tests.replicas.loading.harness import SETTINGS, assert_same_weights, running
 from transport.config import TransferConfig
@@ -33,17 +34,17 @@ async def test_smollm2_from_a_peer_in_parts_and_rounds() -> None:
         await harness.load("prefill-0")
         await harness.load("prefill-1", "peer", origin="planner")
         config = harness.host.config
-        staging = harness["prefill-0"].pools.weights.capacity_bytes
+        staging = settings.weights_pool_blocks * BLOCK_BYTES
         assert (
             piece_bytes(config, layer_piece(0)) > staging and piece_bytes(config, EMBEDDINGS) > 10 * staging
         )
-        model = harness["prefill-1"].work.model
-        assert model is not None and harness["prefill-1"].work.weights_source == "peer"
+        model = harness["prefill-1"].model
+        assert model is not None and harness["prefill-1"].snapshot().weights_source == "peer"
         reference = await trio.to_thread.run_sync(
             lambda: load_model(harness.host.checkpoint, dtype="float32")
         )
         assert_same_weights(model, reference)
-        moved = harness.services.fabric.bytes_between[("prefill-0", "prefill-1", "weights")]
+        moved = harness.fabric.bytes_between[("prefill-0", "prefill-1", "weights")]
         assert moved == model_bytes(config)
         # The tied head is sent once (as the embeddings); a packed head is a copy of its own on top.
         assert model.lm_head is not None and model.lm_head.packed == reference.lm_head.packed  # type: ignore[union-attr]

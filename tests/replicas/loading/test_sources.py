@@ -36,9 +36,9 @@ def check_progress(harness: Harness, name: str, source: str) -> None:
 
 async def copy_into_decode(harness: Harness, source: SourceChoice) -> Model:
     await harness.load("prefill-0")  # the node's initial replica: the shared resident copy
-    assert harness["prefill-0"].work.weights_source == "resident"
+    assert harness["prefill-0"].snapshot().weights_source == "resident"
     await harness.load("decode-0", source, origin="planner")
-    model = harness["decode-0"].work.model
+    model = harness["decode-0"].model
     assert model is not None and model.fully_loaded
     return model
 
@@ -51,14 +51,14 @@ async def test_each_source_loads_the_same_weights(
     async with running(str(tmp_path), PAIR, transport=transport) as harness:
         model = await copy_into_decode(harness, source)
         assert_same_weights(model, tiny_model())
-        resident = harness["prefill-0"].work.model
+        resident = harness["prefill-0"].model
         assert resident is not None and resident is harness.host.loaded
         assert shares_storage(model, resident) == []
-        work = harness["decode-0"].work
-        assert (work.weights_source, work.loaded_layers, work.total_layers) == (source, 4, 4)
-        assert work.weights_bytes_loaded == model.parameter_bytes() == model_bytes(harness.host.config)
+        snap = harness["decode-0"].snapshot()
+        assert (snap.weights_source, snap.loaded_layers, snap.total_layers) == (source, 4, 4)
+        assert snap.weights_bytes_loaded == model.parameter_bytes() == model_bytes(harness.host.config)
         check_progress(harness, "decode-0", source)
-        flows = harness.services.fabric.bytes_between
+        flows = harness.fabric.bytes_between
         if source == "peer":
             assert flows == {("prefill-0", "decode-0", "weights"): model.parameter_bytes()}
         else:
@@ -74,9 +74,7 @@ async def test_peer_over_ucx(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) ->
     async with running(str(tmp_path), PAIR, transport="ucx") as harness:
         model = await copy_into_decode(harness, "peer")
         assert_same_weights(model, tiny_model())
-        assert harness.services.fabric.bytes_between == {
-            ("prefill-0", "decode-0", "weights"): model.parameter_bytes()
-        }
+        assert harness.fabric.bytes_between == {("prefill-0", "decode-0", "weights"): model.parameter_bytes()}
         check_progress(harness, "decode-0", "peer")
 
 
@@ -84,21 +82,21 @@ async def test_auto_prefers_a_peer_then_the_host_copy(tmp_path: Path) -> None:
     replicas = [*PAIR, ("decode-1", "decode")]
     async with running(str(tmp_path), replicas) as harness:
         await copy_into_decode(harness, "auto")
-        assert harness["decode-0"].work.weights_source == "peer"
+        assert harness["decode-0"].snapshot().weights_source == "peer"
         # Scaled down to Inactive, decode-0 drops its own copy; the node's host copy stays.
         prefill = harness["prefill-0"]
         for to in ("ShuttingPrefill", "Inactive"):
             await harness.transition("prefill-0", to)
-        assert prefill.work.model is None and harness.host.loaded is None
+        assert prefill.model is None and harness.host.loaded is None
         await harness.transition("decode-0", "ShuttingDecode")
         await harness.transition("decode-0", "Inactive")
-        assert harness["decode-0"].work.model is None and harness["decode-0"].work.weights_source is None
+        assert harness["decode-0"].model is None and harness["decode-0"].snapshot().weights_source is None
         assert harness.host.host_copy is not None
         await harness.load("decode-1", "auto", origin="planner")
         started = harness.log.of("decode-1", WeightsCopyStarted)
         assert [(s.requested, s.sources, s.peer) for s in started] == [("auto", ["host", "disk"], None)]
-        assert harness["decode-1"].work.weights_source == "host"
-        model = harness["decode-1"].work.model
+        assert harness["decode-1"].snapshot().weights_source == "host"
+        model = harness["decode-1"].model
         assert model is not None
         assert_same_weights(model, tiny_model())
 
@@ -110,10 +108,10 @@ async def test_a_first_load_from_disk_by_a_replica_fills_the_host_copy(tmp_path:
         await harness.load("decode-0", "disk", origin="planner")
         host_copy = harness.host.host_copy
         assert host_copy is not None and harness.host.loaded is None  # no resident copy was loaded
-        first = harness["decode-0"].work.model
+        first = harness["decode-0"].model
         assert first is not None
         await harness.load("decode-1", "host", origin="planner")
-        second = harness["decode-1"].work.model
+        second = harness["decode-1"].model
         assert second is not None
         assert_same_weights(second, tiny_model())
         assert shares_storage(first, second) == [] and shares_storage(second, first) == []

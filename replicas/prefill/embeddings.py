@@ -6,7 +6,9 @@ default grant goes out at once, before anyone here knows the length; REQUEST_MOR
 as the sender's total requires, within the per-round cap; each landed round is copied into the
 request's input by an `EmbeddingAssembler` and its blocks go back to the pool. When the transfer
 ends, the main loop (`_landed`) lays out the prompt with the header's grids — the request becomes
-ready for prefill — or fails the request with the transfer's error code.
+ready for prefill — or fails the request with the transfer's error code. A replica that left the
+states that keep image requests meanwhile (`replicas.states.KEEPS_IMAGE_REQUESTS`) gives the ready
+request back to the router.
 
 Cancellation: `ServingRequest.cancel` cancels the receive (the transport aborts and returns or
 quarantines the blocks); the request is then finished `cancelled` by `_landed`. When the replica
@@ -17,22 +19,23 @@ from __future__ import annotations
 
 import itertools
 import time
-from typing import TYPE_CHECKING, final
+from collections.abc import Callable
+from typing import final
 
 from messages.control import ErrorCode
 from messages.control_replies import TransferSummary
-from messages.faults import CorruptTransfer
-from messages.log.events import FaultInjected, TransferFinished, TransferRound, TransferStarted
+from messages.log.events import TransferFinished, TransferRound, TransferStarted
 from replicas.embedding import EmbeddedPrompt, EmbeddingAssembler, EmbeddingMismatch, PromptTooLong
-from replicas.fabric import UnknownEndpoint
-from replicas.inbox import Completed
+from replicas.fabric import Fabric, UnknownEndpoint
+from replicas.faults import FaultHooks
+from replicas.ports import Actor
+from replicas.prefill.queue import PromptQueue
 from replicas.request import EmbeddingRoute, ServingRequest
+from replicas.settings import ReplicaSettings
 from replicas.states import KEEPS_IMAGE_REQUESTS
+from transport.endpoint import TransferEndpoint
 from transport.errors import HandshakeRefused, LinkError, TransferError
 from transport.protocol.landing import LandedRound
-
-if TYPE_CHECKING:
-    from replicas.roles import RoleWork
 
 ReceiveFailure = (
     TransferError | LinkError | HandshakeRefused | UnknownEndpoint | EmbeddingMismatch | PromptTooLong
@@ -51,10 +54,34 @@ def encode_endpoint_name(encoder: str) -> str:
 
 @final
 class EmbeddingReceives:
-    """The embedding receives of one prefill replica (see the module docstring)."""
+    """The embedding receives of one prefill replica (see the module docstring), landing in its
+    `endpoint`'s pool; the requests wait in its `queue`. `returned` gives a request back to the router,
+    `changed` tells the node the replica's readiness changed."""
 
-    def __init__(self, work: RoleWork) -> None:
-        self.work = work
+    def __init__(
+        self,
+        actor: Actor,
+        *,
+        endpoint: TransferEndpoint,
+        fabric: Fabric,
+        image_token_id: int,
+        context_length: int,
+        settings: ReplicaSettings,
+        faults: FaultHooks,
+        queue: PromptQueue,
+        returned: Callable[[ServingRequest], None],
+        changed: Callable[[], None],
+    ) -> None:
+        self._actor = actor
+        self._endpoint = endpoint
+        self._fabric = fabric
+        self._image_token_id = image_token_id
+        self._context_length = context_length
+        self._settings = settings
+        self._faults = faults
+        self._queue = queue
+        self._returned = returned
+        self._changed = changed
         self.active: dict[str, ServingRequest] = {}
 
     def receiving(self, request: ServingRequest) -> bool:
@@ -62,29 +89,24 @@ class EmbeddingReceives:
 
     def start(self, request: ServingRequest) -> None:
         """Begin receiving `request`'s embeddings (called when the replica enqueues it)."""
-        replica = self.work.replica
         route = request.embedding_route
-        if route is None or replica.pools.emb_endpoint is None:
-            why = (
-                "no encode replica was assigned" if route is None else f"{replica.name} has no embedding pool"
-            )
+        if route is None:
             self._drop(request)
             request.fail(
-                "internal", f"request {request.request_id} cannot receive its image embeddings: {why}"
+                "internal",
+                f"request {request.request_id} cannot receive its image embeddings: "
+                "no encode replica was assigned",
             )
             return
         self.active[request.request_id] = request
-        self.work.spawn(self._receive, request, route)
+        self._actor.spawn(self._receive, request, route)
 
     async def _receive(self, request: ServingRequest, route: EmbeddingRoute) -> None:
-        replica = self.work.replica
-        services = replica.services
-        endpoint = replica.pools.emb_endpoint
-        assert endpoint is not None
-        image_token_id = services.host.config.image_token_id
-        assert image_token_id is not None
+        replica = self._actor
+        endpoint = self._endpoint
+        image_token_id = self._image_token_id
         log = replica.log.bind(request_id=request.request_id)
-        transport = services.fabric.kind
+        transport = self._fabric.kind
         bytes_per_token = endpoint.storage.layout.bytes_per_token
         log.emit(
             TransferStarted(
@@ -119,7 +141,7 @@ class EmbeddingReceives:
             request.request_id,
             request.prompt_ids,
             image_token_id,
-            max_tokens=self.work.context_length,
+            max_tokens=self._context_length,
             on_round=on_round,
         )
         started = time.time()
@@ -150,7 +172,7 @@ class EmbeddingReceives:
         try:
             with request.work_scope() as scope:  # also when its encode side failed the request
                 try:
-                    link = await services.fabric.link(endpoint, encode_endpoint_name(route.encoder))
+                    link = await self._fabric.link(endpoint, encode_endpoint_name(route.encoder))
                     await endpoint.receive(route.transfer_id, peer=link, consume=assembler.consume)
                 except (
                     TransferError,
@@ -168,9 +190,7 @@ class EmbeddingReceives:
         ended = time.time()
         succeeded = failure is None and not scope.cancelled_caught
         seconds = finished(ended, None if succeeded else (_reason(failure) or "aborted"))
-        services.fabric.count_bytes(
-            route.encoder, replica.name, "embedding", assembler.filled * bytes_per_token
-        )
+        self._fabric.count_bytes(route.encoder, replica.name, "embedding", assembler.filled * bytes_per_token)
         summary = TransferSummary(
             kind="embedding",
             transfer_id=route.transfer_id,
@@ -181,7 +201,7 @@ class EmbeddingReceives:
             seconds=seconds,
             transport=transport,
         )
-        replica.post(Completed(lambda _: self._landed(request, assembler, summary, failure, ended)))
+        replica.later(lambda: self._landed(request, assembler, summary, failure, ended))
 
     def _landed(
         self,
@@ -213,11 +233,11 @@ class EmbeddingReceives:
             return
         self._maybe_corrupt(request, prompt)
         self._give(request, prompt, summary, ended)
-        if self.work.replica.state not in KEEPS_IMAGE_REQUESTS:  # e.g. becoming a decode replica meanwhile
+        if self._actor.state not in KEEPS_IMAGE_REQUESTS:  # e.g. becoming a decode replica meanwhile
             self._drop(request, keep_input=True)
             request.holder = None
-            self.work.replica.services.return_work(request)
-            self.work.replica.services.readiness_changed()
+            self._returned(request)
+            self._changed()
 
     def _give(
         self, request: ServingRequest, prompt: EmbeddedPrompt, summary: TransferSummary, ended: float
@@ -235,14 +255,14 @@ class EmbeddingReceives:
 
     def _refusal(self, request: ServingRequest, prompt: EmbeddedPrompt) -> str | None:
         """Why the laid-out prompt cannot be served (its length was unknown at admission)."""
-        context = self.work.context_length
+        context = self._context_length
         tokens = len(prompt.token_ids)
         if tokens >= context:
             return (
                 f"prompt of {tokens} tokens with its image rows does not fit the context of {context} "
                 "tokens (it must leave room for one generated token)"
             )
-        settings = self.work.replica.services.settings
+        settings = self._settings
         capacity = min(tokens + request.max_tokens - 1, context)
         blocks = -(-capacity // settings.kv_block_size)
         if blocks > settings.kv_pool_blocks:
@@ -256,32 +276,24 @@ class EmbeddingReceives:
         """The `corrupt_transfer` fault hook for embeddings: alter the landed rows (the output must change).
 
         `nth` counts the embedding transfers that landed on this node, from 0, in the order they finished."""
-        landed = self.work.replica.services.transfers_landed
-        index = landed["embedding"]
-        landed["embedding"] += 1
-        hits = [
-            fault
-            for fault in self.work.replica.services.faults
-            if isinstance(fault, CorruptTransfer)
-            and fault.transfer == "embedding"
-            and fault.nth in (None, index)
-        ]
-        if hits:
-            prompt.embeds.mul_(-3.0).add_(1.0)
-            self.work.replica.log.bind(request_id=request.request_id).emit(
-                FaultInjected(
-                    fault="corrupt_transfer",
-                    detail=f"embedding transfer {index} of the node (on {self.work.replica.name}) altered",
-                )
-            )
+        name = self._actor.name
+        self._faults.landed(
+            "embedding",
+            self._actor.log.bind(request_id=request.request_id),
+            lambda index: f"embedding transfer {index} of the node (on {name}) altered",
+            lambda: _corrupt(prompt),
+        )
 
     def _drop(self, request: ServingRequest, *, keep_input: bool = False) -> None:
         """Take `request` out of the prefill queue (and forget its input unless kept)."""
-        queue = self.work.prefill.queue
-        if request in queue:
-            queue.remove(request)
+        if request in self._queue:
+            self._queue.remove(request)
         if not keep_input:
             release_input(request)
+
+
+def _corrupt(prompt: EmbeddedPrompt) -> None:
+    prompt.embeds.mul_(-3.0).add_(1.0)
 
 
 def release_input(request: ServingRequest) -> None:

@@ -4,7 +4,7 @@ An encode replica (`Encode`, `ShuttingEncode`) takes image requests from the rou
 transfer id the router gave both sides (`ServingRequest.embedding_route`). For each one a helper task
 (`_serve`) opens the sending session at once, so the language replica's round-0 grant is claimed and
 the receiver hears "sender preparing data" while the request waits here; the encoder runs off the
-event loop, one request at a time (`RoleWork.compute`); then `send_embeddings` announces the true
+event loop, one request at a time (`replicas.step.compute`: the plan is an `EncodeCall`); then `send_embeddings` announces the true
 length with the header (the image grids), writes the rows into this replica's own embedding pool
 (exactly the blocks they need, a bounded wait under memory pressure) and sends them as grants and
 REQUEST_MORE_CACHE rounds arrive through the replica's command channel. The blocks are freed when the
@@ -15,8 +15,7 @@ the request; this side fails it only for what the language side cannot know — 
 images (`bad_request`), this pool can never hold them (`bad_request`) or stayed full past the deadline
 (`transfer_timeout`), or this replica stopped while the request depended on it (`replica_failed`).
 
-The same object carries the language side's receives of a prefill replica (`start_receiving`, ...),
-delegated to `replicas.embedding_receive`.
+The language side of the transfer lives with the prefill role (`replicas.prefill.embeddings`).
 """
 
 from __future__ import annotations
@@ -25,21 +24,22 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 from functools import partial
-from typing import TYPE_CHECKING, final
+from typing import final
 
 import structlog
 import trio
 
 from messages.log.events import EncodeFinished, EncodeStarted
 from replicas.embedding import EncodePoolTooSmall, send_embeddings
-from replicas.embedding_receive import EmbeddingReceives, release_input
 from replicas.model import ImageEmbedding, ModelInputError
+from replicas.ports import Actor
 from replicas.request import EmbeddingRoute, ServingRequest
+from replicas.step.compute import Compute
+from replicas.step.plan import EncodeCall
+from transport.config import TransferConfig
+from transport.endpoint import TransferEndpoint
 from transport.errors import TransferError
 from transport.memory.blocks import AllocationTimeout
-
-if TYPE_CHECKING:
-    from replicas.roles import RoleWork
 
 _log = structlog.get_logger("replicas.encode")
 
@@ -60,13 +60,17 @@ class EncodeJob:
 
 @final
 class EncodeWork:
-    """The encode role of one replica and the embedding receives of a language replica."""
+    """The encode role of one replica: its jobs, sent from the embedding pool behind `endpoint`."""
 
-    def __init__(self, work: RoleWork) -> None:
-        self.work = work
+    def __init__(
+        self, actor: Actor, *, endpoint: TransferEndpoint, transfer: TransferConfig, compute: Compute
+    ) -> None:
+        self._actor = actor
+        self._endpoint = endpoint
+        self._transfer = transfer
+        self._compute = compute
         self.queue: deque[EncodeJob] = deque()
         self.jobs: dict[str, EncodeJob] = {}  # by transfer id: queued, encoding or sending
-        self.receives = EmbeddingReceives(work)
 
     @property
     def idle(self) -> bool:
@@ -89,12 +93,11 @@ class EncodeWork:
         self.queue.append(job)
         self.jobs[route.transfer_id] = job
         request.cancel_hooks.append(job.scope)  # cancelled with the request, or when it ends elsewhere
-        self.work.spawn(self._serve, job)
+        self._actor.spawn(self._serve, job)
 
-    def withdraw(self, request: ServingRequest) -> None:
+    def withdraw(self, transfer_id: str) -> None:
         """The router could not place the language side after all: drop the job (its transfer aborts)."""
-        route = request.embedding_route
-        job = None if route is None else self.jobs.get(route.transfer_id)
+        job = self.jobs.get(transfer_id)
         if job is not None:
             job.scope.cancel()
 
@@ -106,30 +109,34 @@ class EncodeWork:
             return
         job = self.queue.popleft()
         request = job.request
-        replica = self.work.replica
-        model = self.work.model
+        model = self._compute.model
         if model is None or model.vision is None:
-            job.refusal = f"{replica.name} has no vision encoder loaded"
+            job.refusal = f"{self._actor.name} has no vision encoder loaded"
             job.encoded.set()
             return
         vision = model.vision
-        images = list(request.images)
+        call = EncodeCall(list(request.images))
         request.stamps.encode_started = time.time()
-        replica.log.bind(request_id=request.request_id).emit(EncodeStarted(images=len(images)))
-        self.work.compute(lambda: vision.encode(images), partial(self._encoded, job, time.monotonic()))
+        self._actor.log.bind(request_id=request.request_id).emit(EncodeStarted(images=len(call.images)))
+        started = time.monotonic()
+        self._compute.run(
+            lambda: call.run(vision),
+            partial(self._encoded, job, started),
+            partial(self._refused, job, started),
+        )
 
-    def _encoded(
-        self, job: EncodeJob, started: float, result: list[ImageEmbedding] | ModelInputError
-    ) -> None:
+    def _encoded(self, job: EncodeJob, started: float, embeddings: list[ImageEmbedding]) -> None:
+        job.embeddings = embeddings
+        self._ended_encoding(job, started, sum(embedding.grid.rows for embedding in embeddings))
+
+    def _refused(self, job: EncodeJob, started: float, error: ModelInputError) -> None:
+        job.refusal = str(error)
+        self._ended_encoding(job, started, 0)
+
+    def _ended_encoding(self, job: EncodeJob, started: float, rows: int) -> None:
         request = job.request
         request.stamps.encode_finished = time.time()
-        if isinstance(result, ModelInputError):
-            job.refusal = str(result)
-            rows = 0
-        else:
-            job.embeddings = result
-            rows = sum(embedding.grid.rows for embedding in result)
-        self.work.replica.log.bind(request_id=request.request_id).emit(
+        self._actor.log.bind(request_id=request.request_id).emit(
             EncodeFinished(tokens=rows, seconds=time.monotonic() - started)
         )
         job.encoded.set()
@@ -137,15 +144,11 @@ class EncodeWork:
     async def _serve(self, job: EncodeJob) -> None:
         """The sending side of one job (see the module docstring). Cancellation: `job.scope` is
         cancelled when the request is cancelled or ends; leaving the session aborts the transfer."""
-        replica = self.work.replica
+        replica = self._actor
         request = job.request
-        endpoint, pool, storage = (
-            replica.pools.emb_endpoint,
-            replica.pools.emb_pool,
-            replica.pools.emb_storage,
-        )
-        assert endpoint is not None and pool is not None and storage is not None
-        settings = replica.services.settings.embedding_transfer
+        endpoint = self._endpoint
+        pool, storage = endpoint.pool, endpoint.storage
+        settings = self._transfer
         what = f"request {request.request_id}: the images' embeddings"
         try:
             with job.scope:
@@ -188,19 +191,7 @@ class EncodeWork:
         if job in self.queue:
             self.queue.remove(job)
         job.embeddings = None
-        self.work.replica.post()  # the main loop may now see the replica drained
-
-    # ------------------------------------------------------------------ language side
-    def start_receiving(self, request: ServingRequest) -> None:
-        self.receives.start(request)
-
-    def receiving(self, request: ServingRequest) -> bool:
-        return self.receives.receiving(request)
-
-    def release(self, request: ServingRequest) -> None:
-        """Forget what the request holds of its embeddings. Its landing blocks were freed round by round
-        by the transport; the assembled rows are host tensors."""
-        release_input(request)
+        self._actor.post()  # the main loop may now see the replica drained
 
 
 def _stamp_sending(request: ServingRequest) -> None:

@@ -19,7 +19,7 @@ from typing import Final, final
 import trio
 
 from messages.log.events import ReplicaFailed
-from replicas.actor import Replica
+from replicas.actor.replica import Replica
 
 RESTART_BACKOFF_FIRST: Final = 0.1
 RESTART_BACKOFF_MAX: Final = 30.0
@@ -60,12 +60,7 @@ async def supervise(replica: Replica, task_status: trio.TaskStatus[None] = trio.
                     f"replica {replica.name} could not start: {type(error).__name__}: {error}"
                 ) from error
             first = False
-            failed = fail_held_requests(replica, error)
-            freed = replica.pools.free_everything()
-            replica.work.release_weights()
-            replica.force_inactive(error)
-            for other in replica.services.replicas.values():
-                other.post()  # a ZigZag partner looks again at its episode
+            failed, freed = replica.clean_up_after(error)
             replica.log.emit(
                 ReplicaFailed(error=f"{replica.last_error} ({freed} blocks returned)", failed_requests=failed)
             )
@@ -82,12 +77,3 @@ def root_cause(error: BaseException) -> BaseException:
     while isinstance(error, BaseExceptionGroup) and len(error.exceptions) == 1:
         error = error.exceptions[0]
     return error
-
-
-def fail_held_requests(replica: Replica, error: BaseException) -> int:
-    failed = 0
-    for request in list(replica.services.requests.values()):
-        if request.holder == replica.name and not request.ended:
-            request.fail("replica_failed", f"replica {replica.name} failed: {type(error).__name__}: {error}")
-            failed += 1
-    return failed

@@ -1,0 +1,270 @@
+"""The node core: the model host, the replicas, the router and the controller of one node.
+
+`NodeCore` builds what every node has and knows nothing of the parts the entry point (`engine.node`)
+composes around it — the cluster member, the HTTP API, the planner, the demo; those are handed the core
+(or a small protocol of it). Its parts are wired through constructors and events, never by writing
+into each other: the replicas report readiness changes on the node-wide signal (`changes`, which the
+router subscribes to and the scale op and the cluster's reports wait on) and give back work on an event
+(`returned`, which the router subscribes to); the other nodes' replicas, in a cluster, come through the
+directory (`ReplicaDirectory.serve_remote`).
+
+Startup (`start_replicas`): the kernels' start-up check, then the replicas, each commanded into
+`Loading*`. Shutdown (`drain`, `finish`): stop admitting, let in-flight requests finish within
+`--shutdown-drain-deadline`, cancel the rest, then check every pool for leaked blocks (exit code 1 when
+any leaked).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import math
+import os
+import time
+from collections.abc import Callable
+from typing import final
+
+import torch
+import trio
+
+from engine.config import NodeConfig, ReplicaCounts
+from engine.control.server import ControlServer
+from engine.controller import Controller
+from engine.logging import EventLog
+from engine.router import Router
+from messages.cluster import ClusterIdentity
+from messages.commands import Transition
+from messages.log.events import NodeStopped, NodeStopping, PoolLeak
+from replicas.actor import Replica
+from replicas.actor.supervisor import supervise
+from replicas.directory import ReplicaDirectory
+from replicas.emulation import EmulatedSpeed
+from replicas.fabric import Fabric
+from replicas.faults import FaultHooks
+from replicas.inbox import new_command_id
+from replicas.request import ServingRequest
+from replicas.settings import ReplicaSettings
+from replicas.signals import Changes, Subscribers
+from replicas.states import LOADING_STATE, ROLES, Role
+from replicas.weights import ModelHost
+from transport.config import TransferConfig
+
+SETTLE_SECONDS = 5.0
+
+
+def replica_settings(config: NodeConfig, host: ModelHost) -> ReplicaSettings:
+    """The replicas' sizes and limits; pool defaults hold one maximum-context request (architecture §4)."""
+    context = host.config.max_position_embeddings
+    transfer = config.transfer
+    common = {
+        "progress_timeout": transfer.progress_timeout,
+        "pressure_timeout": transfer.grant_wait_timeout,
+        "heartbeat_interval": transfer.heartbeat_interval,
+        "link_timeout": max(5.0, 5 * transfer.heartbeat_interval),
+        "ucx_copies": transfer.ucx_copies,
+        "ucx_read_lanes": transfer.ucx_read_lanes,
+    }
+    return ReplicaSettings(
+        kv_block_size=config.kv.block_size,
+        kv_pool_blocks=config.kv.pool_blocks or math.ceil(context / config.kv.block_size),
+        embedding_block_size=config.embedding.block_size,
+        embedding_pool_blocks=config.embedding.pool_blocks
+        or math.ceil(context / config.embedding.block_size),
+        embedding_default_blocks=config.embedding.default_blocks,
+        embedding_max_grant_blocks=config.embedding.max_grant_blocks,
+        max_batch_tokens=config.scheduler.max_batch_tokens,
+        max_batch_size=config.scheduler.max_batch_size,
+        migration_wait=config.scheduler.migration_wait,
+        emulated=config.emulated_speed or EmulatedSpeed(),
+        old_prefill_serves_queue=config.scheduler.old_prefill_serves_queue,
+        attention=config.executor.attention,
+        cuda_graphs=config.executor.cuda_graphs,
+        kv_transfer=TransferConfig(**common),  # type: ignore[arg-type]
+        embedding_transfer=TransferConfig(
+            default_grant_blocks=config.embedding.default_blocks,
+            round_cap_blocks=config.embedding.max_grant_blocks,
+            **common,  # type: ignore[arg-type]
+        ),
+    )
+
+
+def default_counts(host: ModelHost) -> ReplicaCounts:
+    vision = host.config.image_token_id is not None
+    return ReplicaCounts(encode=1 if vision else 0, prefill=1, decode=1)
+
+
+@final
+class NodeCore:
+    """See the module docstring. `node_id` names the node in a cluster (replicas are then named
+    `{node_id}/{role}-{n}`); single Trio thread."""
+
+    def __init__(
+        self, config: NodeConfig, log: EventLog, *, decides: Callable[[], bool] = lambda: True
+    ) -> None:
+        """`decides`: whether this node's controller decides now (in a cluster: while it leads)."""
+        self.config = config
+        self.log = log
+        dtype = config.dtype or ("float32" if config.device == "cpu" else "bfloat16")
+        self.host = ModelHost(
+            config.model,
+            device=config.device,
+            dtype=dtype,
+            cache_dir=config.model_cache,
+            batch_invariant=config.executor.batch_invariant,
+        )
+        self.counts = config.replicas or default_counts(self.host)
+        self.clustered = config.cluster.cluster is not None
+        self.node_id = config.cluster.node_id or f"node-{os.getpid()}"
+        self.settings = replica_settings(config, self.host)
+        self.fabric = Fabric(config.transport, clustered=self.clustered, host=config.cluster.cluster_host)
+        self.faults = FaultHooks(config.faults)
+        self.changes = Changes()
+        self.directory = ReplicaDirectory()
+        self.router = Router(
+            self.directory,
+            log,
+            settings=self.settings,
+            max_queue=config.scheduler.max_queue,
+            queue_wait=config.scheduler.queue_wait,
+        )
+        self.changes.subscribers.subscribe(lambda _: self.router.dispatch())
+        # Requests a replica gives back (its role changed before they started).
+        self.returned: Subscribers[ServingRequest] = Subscribers()
+        self.returned.subscribe(self.router.returned)
+        self.controller = Controller(self.directory, self.fabric, log, config.controller, decides=decides)
+        self.control_address: str | None = None  # set once the control socket listens
+        self.http_url: str | None = None  # set once the HTTP API listens
+        self.drain_deadline = config.shutdown.drain_deadline
+        self.started = time.monotonic()
+        self._shutdown = trio.Event()
+        self._shutdown_reason: tuple[str, str] = ("shutdown_op", "")
+        self._replica_nursery: trio.Nursery | None = None
+        self._indices = {role: itertools.count(0) for role in ROLES}
+        # Held by a `scale` op while it runs (`engine.scaling`): scales apply one after another.
+        self.scale_lock = trio.Lock()
+
+    def identity(self) -> ClusterIdentity:
+        """What every node of this node's cluster must serve alike."""
+        return ClusterIdentity(
+            model=self.host.name,
+            dtype=str(self.host.dtype).removeprefix("torch."),
+            kv_block_size=self.config.kv.block_size,
+            embedding_block_size=self.config.embedding.block_size,
+        )
+
+    @property
+    def shutting_down(self) -> bool:
+        return self._shutdown.is_set()
+
+    def request_shutdown(self, detail: str, reason: str = "shutdown_op") -> None:
+        if not self._shutdown.is_set():
+            self._shutdown_reason = (reason, detail)
+            self._shutdown.set()
+
+    async def wait_shutdown(self) -> None:
+        await self._shutdown.wait()
+
+    # ------------------------------------------------------------------ replicas
+    async def add_replica(self, role: Role) -> Replica:
+        """Create replica `{role}-{n}` (Inactive), start its supervised task, and only then make it one of
+        the node's replicas. Raises `ReplicaStartFailed` (the replica never listed) when it cannot start.
+
+        Listed while it started, an `Inactive` replica could be commanded by others (a `transition`, or
+        another `scale` starting `Inactive` replicas) before the caller's own command reached it, which
+        was then refused. Listed after, with no checkpoint before the caller posts its command, the
+        caller's command is the first the replica handles."""
+        assert self._replica_nursery is not None, "replicas start inside `start_replicas`' nursery"
+        prefix = f"{self.node_id}/" if self.clustered else ""
+        index = next(self._indices[role])
+        while f"{prefix}{role}-{index}" in self.directory:
+            index = next(self._indices[role])
+        replica = Replica(
+            f"{prefix}{role}-{index}",
+            role,
+            settings=self.settings,
+            host=self.host,
+            fabric=self.fabric,
+            log=self.log,
+            requests=self.router.requests,
+            directory=self.directory,
+            returned=self.returned,
+            changed=self.changes.notify,
+            faults=self.faults,
+        )
+        await self._replica_nursery.start(supervise, replica)
+        self.directory.add(replica)
+        return replica
+
+    def _check_kernels(self) -> None:
+        executor = self.config.executor
+        cpu = self.config.device == "cpu"
+        if (
+            executor.attention == "torch" or (cpu and executor.attention == "auto")
+        ) and not executor.batch_invariant:
+            return
+        from replicas.model.gpu.check import kernels_problem
+        from transport.memory.storage import torch_dtype
+
+        config = self.host.config
+        device = torch.device(self.config.device)
+        with contextlib.nullcontext() if cpu else torch.cuda.device(device):
+            kernels_problem(
+                device,
+                torch_dtype(config.dtype),
+                config.num_heads,
+                config.num_kv_heads,
+                config.head_dim,
+                invariant=executor.batch_invariant,
+            )
+
+    async def start_replicas(self, nursery: trio.Nursery) -> None:
+        """Start the configured replicas in `nursery` and command each into `Loading*` (requests sent
+        meanwhile wait in the router's queue). Raises `ReplicaStartFailed` when one cannot start."""
+        self._replica_nursery = nursery
+        # The kernels' start-up check compiles them (seconds on a GPU): once, in a worker thread, before
+        # any replica builds an executor on the event loop (they then find its cached verdict).
+        await trio.to_thread.run_sync(self._check_kernels)
+        for role in ROLES:
+            for _ in range(getattr(self.counts, role)):
+                await self.add_replica(role)
+        for replica in self.directory.local():
+            replica.tell(
+                Transition(command_id=new_command_id(), to=LOADING_STATE[replica.role].value, origin="node")
+            )
+
+    # ------------------------------------------------------------------ shutdown
+    async def drain(self, server: ControlServer) -> None:
+        """Stop admitting, let in-flight requests finish within the drain deadline, cancel the rest."""
+        reason, detail = self._shutdown_reason
+        requests = self.router.requests
+        self.log.emit(NodeStopping(reason=reason, detail=detail, in_flight=len(requests)))  # type: ignore[arg-type]
+        self.router.accepting = False
+        server.stop_accepting()
+        with trio.move_on_after(self.drain_deadline):
+            await self.router.wait_idle()
+            # The handlers relay the final updates: closing before they did lost those results.
+            await server.wait_requests_done()
+        for request in list(requests.values()):
+            request.cancel_reason = "shutdown"
+            self.router.cancel(request.request_id)
+        with trio.move_on_after(SETTLE_SECONDS):
+            await self.router.wait_idle()
+            await server.wait_requests_done()
+        server.close()
+        await server.wait_closed()  # the final replies are sent (bounded by the write timeout)
+
+    def finish(self) -> int:
+        """Check every pool for leaked blocks; returns the exit code (0, or 1 when blocks leaked)."""
+        leaked = 0
+        for replica in self.directory.local():
+            for pool, owners in replica.leaks().items():
+                blocks = sum(owners.values())
+                leaked += blocks
+                self.log.bind(replica=replica.name).emit(
+                    PoolLeak(pool=pool, leaked_blocks=blocks, owners=owners)
+                )
+        code = 1 if leaked else 0
+        self.log.emit(
+            NodeStopped(exit_code=code, leaked_blocks=leaked, uptime_s=time.monotonic() - self.started)
+        )
+        return code

@@ -1,0 +1,97 @@
+"""The small protocols a replica's parts are given through their constructors (architecture §6).
+
+A part takes only what it uses: the log (`EventSink`), the node's live requests by id (`LiveRequests`),
+the other replicas it may command (`Directory`, of `PeerReplica`s: this node's and, in a cluster, the
+others' as last reported), and the actor it works in (`Actor`). The node composes the real ones;
+nothing here is mutable from outside the part that owns it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, Protocol
+
+from messages.commands import ReplicaCommand
+from messages.log.events import LogEvent
+from replicas.inbox import InboxItem
+from replicas.request import ServingRequest
+from replicas.snapshot import ReplicaSnapshot
+from replicas.states import ReplicaState
+
+
+class EventSink(Protocol):
+    """Where replicas write typed log events (the node's `engine.logging.EventLog` is one)."""
+
+    def emit(self, event: LogEvent) -> None: ...
+
+    def bind(self, *, request_id: str | None = None, replica: str | None = None) -> EventSink: ...
+
+
+class LiveRequests(Protocol):
+    """The node's live requests by id (the router registers and forgets them)."""
+
+    def get(self, request_id: str) -> ServingRequest | None: ...
+
+    def values(self) -> Iterable[ServingRequest]: ...
+
+
+class PeerReplica(Protocol):
+    """A replica another part may read and command: this node's, or another node's as its node last
+    reported it (`engine.cluster`). `ask` raises `replicas.inbox.CommandRefused`."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def state(self) -> ReplicaState: ...
+
+    @property
+    def lock_reasons(self) -> frozenset[str]: ...
+
+    def snapshot(self) -> ReplicaSnapshot: ...
+
+    async def ask(self, command: ReplicaCommand, *, timeout: float = 30.0) -> Any: ...
+
+    def submit(self, request: ServingRequest) -> bool: ...
+
+
+class LocalReplica(PeerReplica, Protocol):
+    """A replica of this node: besides asking, one may tell it a command, or wake its loop."""
+
+    def tell(self, command: ReplicaCommand) -> None: ...
+
+    def post(self, item: InboxItem = None) -> None: ...
+
+
+class Directory(Protocol):
+    """The replicas a replica may address: this node's by name, the other nodes' that take work now."""
+
+    def get(self, name: str) -> LocalReplica | None: ...
+
+    def local(self) -> Sequence[LocalReplica]: ...
+
+    def remote(self) -> Sequence[PeerReplica]: ...
+
+
+class Actor(Protocol):
+    """What a part of a replica may ask of the actor it works in. `post` puts an item in the actor's
+    inbox (a completion its main loop applies, or None: look again); `spawn` starts a helper task in
+    the actor's nursery (transfers, loading). Both drop what a part of an earlier run — before the
+    replica failed and restarted — sends: such a part is stale."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def log(self) -> EventSink: ...
+
+    @property
+    def state(self) -> ReplicaState: ...
+
+    def post(self, item: InboxItem = None) -> None: ...
+
+    def later(self, apply: Callable[[], None]) -> None:
+        """Run `apply` in the main loop (from a helper task)."""
+        ...
+
+    def spawn(self, fn: Callable[..., Any], *args: Any) -> None: ...
