@@ -166,7 +166,6 @@ def upward(edges: dict[str, dict[str, int]]) -> list[str]:
 KNOWN_CIRCLES = {
     "engine.bench.e2e",
     "engine.cli",
-    "replicas.model.executor",
 }
 KNOWN_UPWARD = {
     "engine.config -> engine.http.address",

@@ -5,8 +5,9 @@ On entering a `Loading*` state the actor calls `start`: a helper task shares the
 (`replicas.loading.copy`), handing the partly loaded `Model` over as soon as the embeddings landed (a
 ZigZag replica serves its leading layers). The executor is built in a worker thread; a decode replica
 captures its decode graphs before it serves (`Executor.prepare`). A prefill replica that becomes a
-decode replica captures them on entering `MutatingToDecode` (`prepare_for_decode`): graphs are captured
-at the load or at the role change, never inside a step. When the load is done, `loaded` (given by the
+decode replica captures them on entering `MutatingToDecode` (or `AusDecode`, revived as decode) with
+`prepare_for_decode`, and does not step before they are ready: graphs are captured at the load or at the
+role change, never inside a step. When the load is done, `loaded` (given by the
 actor) moves the replica on.
 
 Cancellation: the helpers run in the actor's nursery; a capture in a worker thread runs to its end.
@@ -160,8 +161,9 @@ class Loader:
         self._loaded(model, source)
 
     def prepare_for_decode(self) -> None:
-        """The replica turns decode (`MutatingToDecode`): capture the decode graphs its executor wants, in
-        a worker thread, before its first decode step (`preparing` until then)."""
+        """The replica turns decode (`MutatingToDecode`, `AusDecode`): capture the decode graphs its
+        executor wants, in a worker thread, before its first decode step (`preparing` until then; the
+        move on to `Decode` waits for it). Nothing to do without an executor or graphs to capture."""
         executor = self._compute.executor
         if executor is None or not executor.needs_prepare or self.preparing:
             return

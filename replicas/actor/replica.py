@@ -377,11 +377,10 @@ class Replica:
 
     def _advance(self) -> None:
         """Automatic moves, and the next compute of the current state (after every inbox batch)."""
-        roles = self._roles
-        assert roles is not None
-        state = self._state
-        row = STATES[state]
-        if row.phase == "reviving" and row.settles_to is not None:
+        roles, loader = self._roles, self._loader
+        assert roles is not None and loader is not None
+        row = STATES[self._state]
+        if row.phase == "reviving" and row.settles_to is not None and not loader.preparing:
             self.move(row.settles_to, "revived")
         roles.advance()
 
@@ -515,7 +514,7 @@ class Replica:
         assert roles is not None and loader is not None
         if target in LOADING_STATE.values():
             loader.start()
-        elif target is S.MUTATING_TO_DECODE:
+        elif STATE_ROLE.get(target) == "decode":  # a role change to decode: its graphs, before it steps
             loader.prepare_for_decode()
         elif target is S.INACTIVE:
             self.release_weights()

@@ -26,7 +26,7 @@ from replicas.model.gpu.options import bucket_for, graph_buckets
 from replicas.model.gpu.sampling import SamplingInputs, sample_on_device
 
 if TYPE_CHECKING:
-    from replicas.model.executor import DecodeSequence
+    from replicas.model.executor.batch import DecodeSequence
     from replicas.model.kv_cache import KVCache
     from replicas.model.llama import Model
     from replicas.model.ops import LayerOps

@@ -28,7 +28,7 @@ _TOKEN, _POSITION, _SLOT, _CONTEXT = range(4)
 
 
 class DecodeRow(Protocol):
-    """What `fill` reads of a sequence (`replicas.model.executor.DecodeSequence` has it)."""
+    """What `fill` reads of a sequence (`replicas.model.executor.batch.DecodeSequence` has it)."""
 
     @property
     def block_table(self) -> Sequence[int]: ...

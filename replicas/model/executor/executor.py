@@ -7,11 +7,14 @@ called from two threads at once. A call that raises has validated its inputs fir
 to the cache when a `ModelInputError` is raised. Block allocation is the caller's job: before each call,
 every sequence's block table must hold `cached_tokens + new tokens` tokens (`KVCache.blocks_for`).
 
-Paths (`path`, shown by `status`): `graphs` — the Triton kernels read K/V in place through the block
-tables, decode steps replay CUDA graphs captured per batch-size bucket (`prepare`); `kernels` — the same
-kernels launched eagerly; `eager` — torch's SDPA over the gathered context (the CPU path). The choice
-is made at construction from the device and the options; a path that fails its check falls back with the
-reason in `fallbacks` (and a log line), never to wrong tokens. See replicas/model/gpu/.
+Paths (`path`, shown by `status`), one backend object each (`replicas.model.executor.backends`):
+`graphs` — the Triton kernels read K/V in place through the block tables, decode steps replay CUDA
+graphs captured per batch-size bucket (`prepare`); `kernels` — the same kernels launched eagerly; `eager`
+— torch's SDPA over the gathered context (the CPU path). The choice is made at construction from the
+device and the options; a path that fails its check falls back with the reason in `fallbacks` (and a log
+line), never to wrong tokens. Graphs are captured by `prepare` alone — when a decode replica loads, or
+when a replica becomes one — never inside a step: a decode step before `prepare` runs the kernels
+eagerly. See replicas/model/gpu/.
 
 Cancellation: a call cannot be interrupted. Run it with `trio.to_thread.run_sync` without abandoning
 it on cancel, so a cancelled replica waits for the call to return before it frees the request's blocks —
@@ -22,86 +25,23 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import final
 
 import structlog
 import torch
 
-from replicas.model.attention import (
-    SequenceSpan,
-    avoid_cudnn_attention,
-    decode_attention,
-    plan_decode,
-    plan_prefill,
-    prefill_attention,
-)
+from replicas.model.attention import SequenceSpan, avoid_cudnn_attention
 from replicas.model.errors import ContextLengthError, InvalidBatchError, KernelsUnavailableError
+from replicas.model.executor.backends import Backend, EagerBackend, GraphBackend, KernelBackend
+from replicas.model.executor.batch import DecodeResult, DecodeSequence, PrefillResult, PrefillSequence
 from replicas.model.gpu.check import kernels_problem
 from replicas.model.gpu.decode import KernelDecoder
 from replicas.model.gpu.options import AttentionChoice, ExecutorPath, GraphsChoice
-from replicas.model.gpu.prefill import kernel_prefill_attention, plan_kernel_prefill
-from replicas.model.gpu.sampling import sample_tokens_on_device
 from replicas.model.kv_cache import KVCache
-from replicas.model.llama import Attend, Model
+from replicas.model.llama import Model
 from replicas.model.ops import LayerOps, kernel_ops
-from replicas.model.sampling import GREEDY, SamplingParams, sample_tokens
 
 _log = structlog.get_logger("replicas.model.executor")
-
-
-@final
-@dataclass(frozen=True, slots=True)
-class PrefillSequence:
-    """One sequence of a prefill batch.
-
-    `token_ids` are the new tokens, written at indices `[cached_tokens, cached_tokens + len)`.
-    `positions`: rotary positions, `[T]` or (3-D models) `[T, 3]`; default `cached_tokens + arange(T)`.
-    `embeds` `[n, hidden]` replace the token embeddings at `embed_indices` (indices into `token_ids`).
-    """
-
-    block_table: Sequence[int]
-    token_ids: Sequence[int] | torch.Tensor
-    cached_tokens: int = 0
-    positions: torch.Tensor | None = None
-    embeds: torch.Tensor | None = None
-    embed_indices: Sequence[int] | torch.Tensor | None = None
-    sampling: SamplingParams = GREEDY
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.token_ids)
-
-
-@final
-@dataclass(frozen=True, slots=True)
-class PrefillResult:
-    """`hidden` (packed `[sum T, hidden]`, sequences in order) when the range stops before the last layer;
-    otherwise `logits` `[B, vocab]` float32 of each sequence's last token and the sampled `tokens`."""
-
-    hidden: torch.Tensor | None
-    logits: torch.Tensor | None
-    tokens: list[int] | None
-
-
-@final
-@dataclass(frozen=True, slots=True)
-class DecodeSequence:
-    """Feed `token_id` at index `cached_tokens` (its KV lands there) and sample the token after it.
-    `position` is its rotary position (default `cached_tokens`; differs after images)."""
-
-    block_table: Sequence[int]
-    cached_tokens: int
-    token_id: int
-    position: int | None = None
-    sampling: SamplingParams = GREEDY
-
-
-@final
-@dataclass(frozen=True, slots=True)
-class DecodeResult:
-    logits: torch.Tensor
-    tokens: list[int]
 
 
 @final
@@ -129,9 +69,8 @@ class Executor:
         self.model = model
         self.cache = cache
         self.fallbacks: list[str] = []
-        self.ops: LayerOps = model.ops  # the kernel path's own set replaces it below
         self._want_graphs = cuda_graphs == "auto" and cache.device.type == "cuda"
-        self._decoder: KernelDecoder | None = None
+        self.backend: Backend = EagerBackend(model, cache)
         avoid_cudnn_attention(model.device)
         wanted = (
             model.batch_invariant
@@ -150,8 +89,9 @@ class Executor:
                     invariant=model.batch_invariant,
                 )
             if problem is None:
-                self.ops = model.ops if model.batch_invariant else kernel_ops()
-                self._decoder = KernelDecoder(model, cache, max_batch=max_batch, ops=self.ops)
+                ops = model.ops if model.batch_invariant else kernel_ops()
+                decoder = KernelDecoder(model, cache, max_batch=max_batch, ops=ops)
+                self.backend = KernelBackend(model, cache, decoder, ops)
             elif model.batch_invariant:
                 raise KernelsUnavailableError(f"{model.name!r} is batch-invariant, but {problem}")
             else:
@@ -159,39 +99,46 @@ class Executor:
 
     @property
     def path(self) -> ExecutorPath:
-        if self._decoder is None:
-            return "eager"
-        return "graphs" if self._decoder.graphs_on else "kernels"
+        return self.backend.path
+
+    @property
+    def ops(self) -> LayerOps:
+        """The layer ops the model runs with on this path."""
+        return self.backend.ops
 
     @property
     def graph_batches(self) -> list[int]:
         """The batch sizes decode graphs are captured for (empty off the `graphs` path)."""
-        return [] if self._decoder is None else self._decoder.graph_batches
+        return self.backend.graph_batches
 
     @property
     def needs_prepare(self) -> bool:
-        """Whether `prepare` has graphs to capture (call it in a worker thread before serving)."""
-        return self._want_graphs and self._decoder is not None and not self._decoder.graphs_on
+        """Whether `prepare` has graphs to capture (call it in a worker thread before decoding)."""
+        return self._want_graphs and isinstance(self.backend, KernelBackend)
 
     def prepare(self) -> ExecutorPath:
-        """Capture the decode graphs when they are wanted (seconds on a GPU: off the event loop); on a
-        failed capture or check the kernels run eagerly and the reason is in `fallbacks`. Idempotent.
-        Needs the whole model loaded. Returns the path."""
-        if self.needs_prepare:
-            assert self._decoder is not None
+        """Capture the decode graphs when they are wanted (seconds on a GPU: off the event loop): the
+        kernel path becomes the graphs path; on a failed capture or check the kernels run eagerly and
+        the reason is in `fallbacks`. Idempotent. Needs the whole model loaded. Returns the path."""
+        backend = self.backend
+        if self._want_graphs and isinstance(backend, KernelBackend):
             self.model.check_layer_range(range(self.model.config.num_layers))
             with self._on_device():
-                problem = self._decoder.capture()
-            if problem is not None:
+                captured = backend.capture()
+            if isinstance(captured, GraphBackend):
+                self.backend = captured
+            else:
                 self._want_graphs = False
-                self._fall_back(problem, "kernels")
+                self._fall_back(captured, "kernels")
         return self.path
 
     def release(self) -> None:
-        """Drop the graphs (the weights are being released); the executor must not be used after."""
-        if self._decoder is not None:
-            self._decoder.release()
-            self._want_graphs = False
+        """Drop the graphs (the weights are being released): the graphs path is the kernel path again;
+        the executor must not be used after."""
+        backend = self.backend
+        self.backend = backend.without_graphs() if isinstance(backend, GraphBackend) else backend
+        self.backend.release()
+        self._want_graphs = False
 
     def _on_device(self) -> contextlib.AbstractContextManager[object]:
         """The cache's CUDA device made current (Triton launches on the current device; a worker thread
@@ -242,38 +189,18 @@ class Executor:
             else:
                 cos, sin = model.rotary.cos_sin(self._prefill_positions(sequences), model.dtype)
                 spans = [SequenceSpan(s.block_table, s.cached_tokens, s.num_tokens) for s in sequences]
-                out = model.run_layers(hidden, layer_range, cos, sin, self._prefill_attend(spans), self.ops)
+                out = model.run_layers(
+                    hidden, layer_range, cos, sin, self.backend.prefill_attend(spans), self.ops
+                )
             if layer_range.stop < num_layers or not head:
                 return PrefillResult(hidden=out, logits=None, tokens=None)
             last = torch.tensor([s.num_tokens for s in sequences], dtype=torch.int64).cumsum(0) - 1
             logits = model.logits(out.index_select(0, last.to(out.device)), self.ops)
             params = [s.sampling for s in sequences]
             indices = [s.cached_tokens + s.num_tokens for s in sequences]
-            if self._decoder is None:
-                tokens = sample_tokens(logits, params, indices)
-            else:
-                tokens = sample_tokens_on_device(logits, params, indices)
-            return PrefillResult(hidden=None, logits=logits, tokens=tokens)
-
-    def _prefill_attend(self, spans: Sequence[SequenceSpan]) -> Attend:
-        """The attention of one prefill call: the kernels (one launch per layer for the whole batch)
-        unless the batch is fresh prompts of one length on a model that need not be batch-invariant,
-        where SDPA's causal kernel is the fastest; torch's path on `eager`."""
-        cache = self.cache
-        uniform = all(s.cached_tokens == 0 for s in spans) and len({s.new_tokens for s in spans}) == 1
-        if self._decoder is not None and (self.model.batch_invariant or not uniform):
-            kernel_plan = plan_kernel_prefill(cache, spans)
-
-            def attend_kernels(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int) -> torch.Tensor:
-                return kernel_prefill_attention(q, k, v, cache, layer, kernel_plan)
-
-            return attend_kernels
-        plan = plan_prefill(cache, spans)
-
-        def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int) -> torch.Tensor:
-            return prefill_attention(q, k, v, cache, layer, plan)
-
-        return attend
+            return PrefillResult(
+                hidden=None, logits=logits, tokens=self.backend.sample(logits, params, indices)
+            )
 
     def decode(self, sequences: Sequence[DecodeSequence]) -> DecodeResult:
         """One step for every sequence: writes each fed token's KV, returns logits and sampled tokens."""
@@ -281,39 +208,12 @@ class Executor:
         model.check_layer_range(range(model.config.num_layers))
         if not sequences:
             raise InvalidBatchError("decode: empty batch")
-        token_ids = [s.token_id for s in sequences]
         for index, seq in enumerate(sequences):
             self._check_length(seq.cached_tokens, 1, f"decode sequence {index}")
             self.cache.check_block_table(seq.block_table, seq.cached_tokens + 1, f"decode sequence {index}")
-        if self._decoder is not None:
-            model.check_token_ids(torch.tensor(token_ids), "decode")
-            if self.needs_prepare:  # graphs wanted but not captured yet (a prefill replica turned decode)
-                self.prepare()
-            with torch.inference_mode(), self._on_device():
-                logits, tokens = self._decoder.step(sequences)
-            return DecodeResult(logits=logits, tokens=tokens)
-        with torch.inference_mode():
-            ids = torch.tensor(token_ids, dtype=torch.int64)
-            model.check_token_ids(ids, "decode")
-            positions = torch.tensor(
-                [s.cached_tokens if s.position is None else s.position for s in sequences], dtype=torch.int64
-            )
-            cos, sin = model.rotary.cos_sin(positions.to(model.device), model.dtype)
-            plan = plan_decode(
-                self.cache, [s.block_table for s in sequences], [s.cached_tokens for s in sequences]
-            )
-
-            def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int) -> torch.Tensor:
-                return decode_attention(q, k, v, self.cache, layer, plan)
-
-            hidden = model.run_layers(
-                model.embed(ids.to(model.device)), range(model.config.num_layers), cos, sin, attend
-            )
-            logits = model.logits(hidden)
-            tokens = sample_tokens(
-                logits, [s.sampling for s in sequences], [s.cached_tokens + 1 for s in sequences]
-            )
-            return DecodeResult(logits=logits, tokens=tokens)
+        with torch.inference_mode(), self._on_device():
+            logits, tokens = self.backend.decode(sequences)
+        return DecodeResult(logits=logits, tokens=tokens)
 
     # ------------------------------------------------------------------ helpers
     def _check_length(self, cached: int, new: int, what: str) -> None:

@@ -1,0 +1,68 @@
+"""The executor's batch types: the sequences of a prefill or decode call and what each call returns.
+
+Plain values; a caller builds them, the executor validates them before any write.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import final
+
+import torch
+
+from replicas.model.sampling import GREEDY, SamplingParams
+
+
+@final
+@dataclass(frozen=True, slots=True)
+class PrefillSequence:
+    """One sequence of a prefill batch.
+
+    `token_ids` are the new tokens, written at indices `[cached_tokens, cached_tokens + len)`.
+    `positions`: rotary positions, `[T]` or (3-D models) `[T, 3]`; default `cached_tokens + arange(T)`.
+    `embeds` `[n, hidden]` replace the token embeddings at `embed_indices` (indices into `token_ids`).
+    """
+
+    block_table: Sequence[int]
+    token_ids: Sequence[int] | torch.Tensor
+    cached_tokens: int = 0
+    positions: torch.Tensor | None = None
+    embeds: torch.Tensor | None = None
+    embed_indices: Sequence[int] | torch.Tensor | None = None
+    sampling: SamplingParams = GREEDY
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+@final
+@dataclass(frozen=True, slots=True)
+class PrefillResult:
+    """`hidden` (packed `[sum T, hidden]`, sequences in order) when the range stops before the last layer;
+    otherwise `logits` `[B, vocab]` float32 of each sequence's last token and the sampled `tokens`."""
+
+    hidden: torch.Tensor | None
+    logits: torch.Tensor | None
+    tokens: list[int] | None
+
+
+@final
+@dataclass(frozen=True, slots=True)
+class DecodeSequence:
+    """Feed `token_id` at index `cached_tokens` (its KV lands there) and sample the token after it.
+    `position` is its rotary position (default `cached_tokens`; differs after images)."""
+
+    block_table: Sequence[int]
+    cached_tokens: int
+    token_id: int
+    position: int | None = None
+    sampling: SamplingParams = GREEDY
+
+
+@final
+@dataclass(frozen=True, slots=True)
+class DecodeResult:
+    logits: torch.Tensor
+    tokens: list[int]
