@@ -20,7 +20,7 @@ from typing import Any, Final, NoReturn, TypeVar, final
 import msgspec
 import msgspec.inspect as mi
 
-from engine.config import ConfigError, ReplicaCounts
+from engine.config.base import ConfigError, ReplicaCounts
 from engine.control.address import parse_address
 from messages.faults import FAULT_KINDS
 from replicas.emulation import parse_emulated_speed

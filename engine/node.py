@@ -32,11 +32,10 @@ from engine.cluster.join import new_member
 from engine.cluster.member import ClusterMember
 from engine.cluster.membership import JoinRefused
 from engine.config import ConfigError, NodeConfig, parse_node_config
-from engine.control.address import Address
+from engine.control.address import Address, parse_http
 from engine.control.outbox import ReplySink
 from engine.control.server import ControlServer, ControlServerError
 from engine.core import NodeCore
-from engine.http.address import parse_http
 from engine.http.app import HttpApi
 from engine.http.metrics import NodeMetrics
 from engine.http.server import serve_http

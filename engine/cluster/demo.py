@@ -18,7 +18,7 @@ Cleanup is shielded and bounded: children still running `STOP_SECONDS` after the
 stop — or at once, when the run failed before asking — are ended (SIGTERM first when they were not
 asked, SIGKILL after), then etcd stops. The exit code is non-zero when the demo failed, or a child did
 not start or exited with a non-zero code. `local_cluster` also serves the benchmarks
-(`engine.bench.e2e_cluster`), where every node is a child.
+(`engine.bench.e2e.cluster`), where every node is a child.
 """
 
 from __future__ import annotations

@@ -14,11 +14,11 @@ from typing import Annotated, Final, Literal
 
 import msgspec
 
-from engine.config.base import Section, _doc
+from engine.config.base import ConfigError as ConfigError
+from engine.config.base import ReplicaCounts, Section, _doc
 from engine.config.executor import ExecutorConfig
 from engine.config.scaling import AutoscaleConfig, ClusterConfig
-from engine.control.address import Address, parse_address
-from engine.http.address import parse_http
+from engine.control.address import Address, parse_address, parse_http
 from messages.faults import Fault
 from replicas.emulation import EmulatedSpeed
 from transport.config import UcxCopies
@@ -28,25 +28,6 @@ from transport.kinds import unavailable as transport_unavailable
 Level = Literal["debug", "info", "warning", "error"]
 MIB: Final = 1024 * 1024
 Blocks = Annotated[int, msgspec.Meta(ge=1, le=1 << 24)]
-
-
-class ConfigError(Exception):
-    """A configuration value is wrong; the message names the option, its source and the value."""
-
-
-class ReplicaCounts(Section, frozen=True, kw_only=True):
-    """How many replicas of each role the node starts (``encode=1,prefill=1,decode=1``)."""
-
-    encode: Annotated[int, msgspec.Meta(ge=0, le=64)] = 0
-    prefill: Annotated[int, msgspec.Meta(ge=0, le=64)] = 0
-    decode: Annotated[int, msgspec.Meta(ge=0, le=64)] = 0
-
-    def __post_init__(self) -> None:
-        if self.encode + self.prefill + self.decode == 0:
-            raise ValueError("at least one replica is needed")
-
-    def __str__(self) -> str:
-        return f"encode={self.encode},prefill={self.prefill},decode={self.decode}"
 
 
 class LogConfig(Section, frozen=True, kw_only=True):
@@ -305,6 +286,6 @@ def parse_node_config(argv: Sequence[str], environ: Mapping[str, str] | None = N
     """The node's config from `argv` (without the program name) and `environ` (the entry point passes
     ``os.environ``; None reads no environment). Raises `ConfigError`; ``--help`` exits 0 after printing
     every option with its default."""
-    from engine.cli import load_config  # engine.cli builds on the types above
+    from engine.cli import load_config  # engine.cli builds on the types of `engine.config.base`
 
     return load_config(NodeConfig, FLAG_PREFIXES, argv, environ or {}, prog="python -m engine.node")

@@ -1,4 +1,5 @@
-"""Control-socket addresses: ``HOST:PORT`` (TCP; ``[v6]:PORT`` for IPv6 literals) or ``unix:PATH``."""
+"""Listen addresses: the control socket's (``HOST:PORT`` — TCP; ``[v6]:PORT`` for IPv6 literals — or
+``unix:PATH``) and the HTTP API's (``--http``: ``HOST:PORT`` or ``off``; light, the config imports it)."""
 
 from __future__ import annotations
 
@@ -53,3 +54,13 @@ def parse_address(text: str) -> Address:
     if not port_text.isdigit() or not 0 <= int(port_text) <= 65535:
         raise ValueError(f"address {text!r}: port {port_text!r} is not a number from 0 to 65535")
     return TcpAddress(host=host, port=int(port_text))
+
+
+def parse_http(value: str) -> tuple[str, int] | None:
+    """`--http`: `HOST:PORT`, or `off` (None). Raises `ValueError` naming the value."""
+    if value == "off":
+        return None
+    host, colon, port = value.rpartition(":")
+    if not colon or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise ValueError(f"--http {value!r}: expected HOST:PORT (port 0: any free port) or off")
+    return host.strip("[]"), int(port)

@@ -10,7 +10,7 @@ disaggregation buys nothing, the point is that its overhead is small), TTFT and 
 and the share of a request's TTFT that its KV transfer took, p50 and mean (the goal: ≤ 10 %).
 
 With `--nodes N` (2 or more) the same requests also run through a cluster of N node processes on a local
-etcd (`engine.bench.e2e_cluster`), in the same run, and rows compare the cluster with the one-process
+etcd (`engine.bench.e2e.cluster`), in the same run, and rows compare the cluster with the one-process
 node. Every row carries `nodes`: 1 for the one-process node's rows, N for the cluster's.
 """
 
@@ -21,56 +21,17 @@ import random
 import statistics
 import tempfile
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
-from typing import Any, final
+from typing import Any
 
-import msgspec
 import trio
 
+from engine.bench.e2e.cluster import cluster_rows, cluster_side
+from engine.bench.e2e.sides import BENCH, Sample, Side, drive, quantile, with_nodes
 from engine.bench.rows import Row, row
 
-BENCH = "e2e"
 BASELINE = "colocated-executor-loop"
-
-
-@dataclass(frozen=True, slots=True)
-class Sample:
-    ttft: float
-    tpot: float | None
-    kv_share: float | None
-
-
-@final
-@dataclass(slots=True)
-class Side:
-    """One side's recorded runs: the rate of each, and every request's sample."""
-
-    rates: list[float] = field(default_factory=list)
-    samples: list[Sample] = field(default_factory=list)
-
-    def add(self, figures: tuple[float, list[Sample]]) -> None:
-        self.rates.append(figures[0])
-        self.samples += figures[1]
-
-    def quantile(self, pick: Callable[[Sample], float | None], q: float) -> float:
-        return _quantile([value for s in self.samples if (value := pick(s)) is not None], q)
-
-    def kv_share_mean(self) -> float:
-        shares = [s.kv_share for s in self.samples if s.kv_share is not None]
-        return statistics.fmean(shares) if shares else float("nan")
-
-
-@final
-class E2eRow(Row, frozen=True, kw_only=True):
-    """A row of this benchmark: `nodes` is how many node processes served the project side."""
-
-    nodes: int
-
-
-def with_nodes(plain: Row, nodes: int) -> E2eRow:
-    return E2eRow(**msgspec.structs.asdict(plain), nodes=nodes)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -166,7 +127,7 @@ def _bench_model(name: str, source: str, args: argparse.Namespace) -> Iterable[R
             case,
             "kv_transfer_share_of_ttft_p50",
             "lower",
-            _quantile(shares, 0.5),
+            quantile(shares, 0.5),
             unit="fraction",
             note=note + "; goal <= 0.10",
         )
@@ -184,8 +145,6 @@ def _bench_model(name: str, source: str, args: argparse.Namespace) -> Iterable[R
     )
     yield from (with_nodes(plain, 1) for plain in rows)
     if cluster is not None:
-        from engine.bench.e2e_cluster import cluster_rows
-
         yield from cluster_rows(name, args, project, cluster, vision=vision)
 
 
@@ -194,8 +153,6 @@ async def _runs(
 ) -> tuple[Side, Side, Side | None]:
     """Alternating runs of each side (the one-process node, the baseline, and the cluster when
     `--nodes` asks for one, which stays up through them all); the first of each is a warm-up."""
-    from engine.bench.e2e_cluster import cluster_side
-
     project, baseline = Side(), Side()
     cluster = Side() if args.nodes >= 2 else None
     async with cluster_side(source, args, vision=vision) as run_cluster:
@@ -211,11 +168,6 @@ async def _runs(
             if cluster is not None and cluster_run is not None:
                 cluster.add(cluster_run)
     return project, baseline, cluster
-
-
-def _quantile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else float("nan")
 
 
 # ---------------------------------------------------------------------------------------------- project
@@ -252,35 +204,6 @@ async def _project_run(
             await client.shutdown()
     log.close()
     return figures
-
-
-async def drive(
-    client: Any, prompts: list[list[int]], args: argparse.Namespace
-) -> tuple[float, list[Sample]]:
-    """Send `prompts` through `client` (an `engine.client.ControlClient`), `--concurrency` in flight:
-    requests per second from the first sent to the last finished, and each request's sample."""
-    from messages.control_replies import GenerateResult
-
-    samples: list[Sample] = []
-    limiter = trio.Semaphore(args.concurrency)
-
-    async def one(prompt: list[int]) -> None:
-        async with limiter:
-            result: Any = await client.generate_result(
-                input_ids=prompt, max_tokens=args.max_tokens, ignore_eos=True
-            )
-        assert isinstance(result, GenerateResult)
-        timings = result.timings
-        share = None
-        if timings.kv_transfer_s is not None and timings.ttft_s:
-            share = timings.kv_transfer_s / timings.ttft_s
-        samples.append(Sample(ttft=timings.ttft_s or 0.0, tpot=timings.tpot_s, kv_share=share))
-
-    started = time.perf_counter()
-    async with trio.open_nursery() as clients:
-        for prompt in prompts:
-            clients.start_soon(one, prompt)
-    return len(prompts) / (time.perf_counter() - started), samples
 
 
 # ---------------------------------------------------------------------------------------------- baseline

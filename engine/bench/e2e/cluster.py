@@ -4,7 +4,7 @@
 roles as the demo's `role_plan` — node-0 decodes, node-1 encodes when the model has a vision encoder,
 node-2 prefills, further nodes add decode and prefill replicas in turn — the benchmark's model,
 transport tcp), connects a client to node-0 and waits until every node's replicas serve. It yields a
-function that sends one run's requests (`engine.bench.e2e.drive`) through node-0, which routes them
+function that sends one run's requests (`engine.bench.e2e.sides.drive`) through node-0, which routes them
 across the cluster; the cluster stays up through every run of the benchmark's model, so its first run
 is a warm-up like the other sides'. When the block ends it sends `shutdown {"cluster": true}` and raises
 `ClusterDemoFailed` when a node did not exit with code 0.
@@ -23,7 +23,7 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Final
 
-from engine.bench.e2e import BENCH, E2eRow, Sample, Side, drive, with_nodes
+from engine.bench.e2e.sides import BENCH, E2eRow, Sample, Side, drive, with_nodes
 from engine.bench.rows import row
 from engine.client import ControlClient
 from engine.cluster.demo import ClusterDemoFailed, local_cluster, role_plan, shutdown_cluster, wait_serving
