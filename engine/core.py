@@ -127,7 +127,7 @@ class NodeCore:
             max_queue=config.scheduler.max_queue,
             queue_wait=config.scheduler.queue_wait,
         )
-        self.changes.subscribers.subscribe(lambda _: self.router.dispatch())
+        self.changes.watch(self.router.dispatch)
         # Requests a replica gives back (its role changed before they started).
         self.returned: Subscribers[ServingRequest] = Subscribers()
         self.returned.subscribe(self.router.returned)
@@ -188,7 +188,7 @@ class NodeCore:
             requests=self.router.requests,
             directory=self.directory,
             returned=self.returned,
-            changed=self.changes.notify,
+            changes=self.changes,
             faults=self.faults,
         )
         await self._replica_nursery.start(supervise, replica)

@@ -81,6 +81,11 @@ class Router:
     def live(self) -> int:
         return len(self.requests)
 
+    @property
+    def pending_tokens(self) -> int:
+        """The prompt tokens waiting here (the one place they are summed)."""
+        return sum(request.prompt_tokens for request in self.pending)
+
     def admit(self, request: ServingRequest) -> None:
         """Register and queue `request`; raises `RequestFailed` (`shutting_down`, `overloaded`, ...)."""
         if not self.accepting:

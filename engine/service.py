@@ -32,6 +32,7 @@ from messages.control import (
     GenerateRequest,
     LockRequest,
     MetricsRequest,
+    ReleaseRequest,
     ScaleRequest,
     ShutdownRequest,
     StatusRequest,
@@ -45,6 +46,7 @@ from messages.control_replies import (
     GenerateResult,
     LockResult,
     MetricsResult,
+    ReleaseResult,
     ReplicaGauge,
     ReplicaStatus,
     ScaleResult,
@@ -200,6 +202,9 @@ class NodeService:
                         id=request.id, drain_deadline_s=self.core.drain_deadline, in_flight=in_flight
                     )
                 )
+            case ReleaseRequest(fault=fault):
+                released = self.core.faults.release_holds()
+                replies.send(ReleaseResult(id=request.id, fault=fault, released=released))
             case _:
                 assert_never(request)
 

@@ -41,7 +41,9 @@ Count = Annotated[int, msgspec.Meta(ge=0)]
 Seconds = Annotated[float, msgspec.Meta(ge=0)]
 
 # ---------------------------------------------------------------------------------------------- names
-Op = Literal["generate", "status", "cancel", "transition", "lock", "unlock", "scale", "metrics", "shutdown"]
+Op = Literal[
+    "generate", "status", "cancel", "transition", "lock", "unlock", "scale", "metrics", "shutdown", "release"
+]
 OPS: tuple[Op, ...] = get_args(Op)
 
 ErrorCode = Literal[
@@ -201,6 +203,14 @@ class ShutdownRequest(ControlRequestBase, frozen=True, tag="shutdown"):
     cluster: bool = False
 
 
+class ReleaseRequest(ControlRequestBase, frozen=True, tag="release"):
+    """End the holds of fault hook `fault` in progress now (`hold_weights`: weight copies held before a
+    layer; each would otherwise last its `seconds`). A test lets a held copy go once it saw what it
+    waited for."""
+
+    fault: Literal["hold_weights"] = "hold_weights"
+
+
 ControlRequest = (
     GenerateRequest
     | StatusRequest
@@ -211,6 +221,7 @@ ControlRequest = (
     | ScaleRequest
     | MetricsRequest
     | ShutdownRequest
+    | ReleaseRequest
 )
 
 

@@ -260,6 +260,14 @@ class ShutdownResult(Message, frozen=True, tag="result"):
     in_flight: Count
 
 
+class ReleaseResult(Message, frozen=True, tag="result"):
+    """`released` holds of fault hook `fault` were in progress and ended."""
+
+    id: ClientId
+    fault: Literal["hold_weights"]
+    released: Count
+
+
 ControlResult = (
     GenerateResult
     | StatusResult
@@ -269,6 +277,7 @@ ControlResult = (
     | ScaleResult
     | MetricsResult
     | ShutdownResult
+    | ReleaseResult
 )
 # For annotations only: every result is tagged "result", so decode with `reply_decoder(op)`.
 ControlReply = TokenReply | ErrorReply | ControlResult
@@ -283,6 +292,7 @@ RESULT_TYPES: dict[Op, type[ControlResult]] = {
     "scale": ScaleResult,
     "metrics": MetricsResult,
     "shutdown": ShutdownResult,
+    "release": ReleaseResult,
 }
 
 GenerateReply = TokenReply | ErrorReply | GenerateResult

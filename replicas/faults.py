@@ -56,6 +56,7 @@ class FaultHooks:
         self._steps: Counter[str] = Counter()
         self._landed: Counter[TransferKindName] = Counter()
         self._release = trio.Event()
+        self.holding = 0  # holds in progress
 
     def loop_step(self, replica: str, log: _Log) -> None:
         """`replica`'s main loop ended one more step; raises `InjectedFault` once it is past the steps
@@ -117,15 +118,21 @@ class FaultHooks:
                     )
                 )
                 release = self._release
-                with trio.move_on_after(fault.seconds):
-                    await release.wait()
+                self.holding += 1
+                try:
+                    with trio.move_on_after(fault.seconds):
+                        await release.wait()
+                finally:
+                    self.holding -= 1
                 return True
         return False
 
-    def release_holds(self) -> None:
-        """End every `hold_weights` hold in progress now (the `release` control op)."""
+    def release_holds(self) -> int:
+        """End every `hold_weights` hold in progress now (the `release` control op); returns how many."""
+        held = self.holding
         release, self._release = self._release, trio.Event()
         release.set()
+        return held
 
     @property
     def keepalive_block(self) -> BlockKeepalive | None:

@@ -73,6 +73,15 @@ class Directory(Protocol):
     def remote(self) -> Sequence[PeerReplica]: ...
 
 
+class NodeSignal(Protocol):
+    """The node-wide change signal (`replicas.signals.Changes`): a part `notify`s it when something
+    others may wait for changed (its state, lock, room or held blocks), and may `watch` it."""
+
+    def notify(self) -> None: ...
+
+    def watch(self, callback: Callable[[], None]) -> Callable[[], None]: ...
+
+
 class Actor(Protocol):
     """What a part of a replica may ask of the actor it works in. `post` puts an item in the actor's
     inbox (a completion its main loop applies, or None: look again); `spawn` starts a helper task in

@@ -61,6 +61,10 @@ class Changes:
         self.count = 0
         self._event = trio.Event()
 
+    def watch(self, callback: Callable[[], None]) -> Callable[[], None]:
+        """Call `callback` at every later change; returns the function that stops it."""
+        return self.subscribers.subscribe(lambda _: callback())
+
     def notify(self) -> None:
         """Something changed: wake the waiters, then tell the subscribers."""
         self.count += 1

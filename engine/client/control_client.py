@@ -20,7 +20,7 @@ import math
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from contextlib import asynccontextmanager
-from typing import Final, TypeVar, final
+from typing import Final, Literal, TypeVar, final
 
 import msgspec
 import trio
@@ -35,6 +35,7 @@ from messages.control import (
     LockRequest,
     MetricsRequest,
     Op,
+    ReleaseRequest,
     ReplicaRole,
     ReplicaStateName,
     ScaleMode,
@@ -53,6 +54,7 @@ from messages.control_replies import (
     GenerateResult,
     LockResult,
     MetricsResult,
+    ReleaseResult,
     ScaleResult,
     ShutdownResult,
     StatusResult,
@@ -264,6 +266,10 @@ class ControlClient:
 
     async def metrics(self) -> MetricsResult:
         return await self._call(MetricsRequest(id=self._next_id()), MetricsResult)
+
+    async def release(self, fault: Literal["hold_weights"] = "hold_weights") -> ReleaseResult:
+        """End the holds of fault hook `fault` in progress on the node (tests)."""
+        return await self._call(ReleaseRequest(id=self._next_id(), fault=fault), ReleaseResult)
 
     async def shutdown(self, *, cluster: bool = False) -> ShutdownResult:
         """Stop the node (`cluster`: every node of its cluster)."""

@@ -37,7 +37,7 @@ def build_report(core: NodeCore, *, pid: int, load: LoadTotals) -> Report:
         ],
         endpoints=core.fabric.local_addresses,
         pid=pid,
-        pending_tokens=sum(r.prompt_tokens for r in router.pending),
+        pending_tokens=router.pending_tokens,
         load=load,
     )
 

@@ -298,7 +298,7 @@ class Planner:
         """This node's signals plus every other member's last report."""
         node = self.node
         totals = self.load.totals
-        waiting = sum(r.prompt_tokens for r in node.router.pending)
+        waiting = node.router.pending_tokens
         counts: dict[str, int] = {role: 0 for role in ROLES}
         settling: dict[str, int] = {role: 0 for role in ROLES}
         used, per_replica = 0, []

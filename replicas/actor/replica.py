@@ -57,7 +57,7 @@ from replicas.inbox import CommandRefused, Completed, Envelope, InboxItem
 from replicas.loading.copy import CopyTarget
 from replicas.loading.progress import WeightsStatus
 from replicas.model import Model
-from replicas.ports import Directory, EventSink, LiveRequests
+from replicas.ports import Directory, EventSink, LiveRequests, NodeSignal
 from replicas.request import ServingRequest
 from replicas.settings import ReplicaSettings
 from replicas.snapshot import ReplicaSnapshot
@@ -126,8 +126,9 @@ class _Mailbox:
 class Replica:
     """See the module docstring. `name` is `{role}-{index}`; `role` is the role it was configured for
     (its pools). The node gives it its settings, the model host, the fabric, the log, its live requests,
-    the replicas it may address, its fault hooks, and two events: `returned` (a request it will not
-    start goes back to the router) and `changed` (its state, lock or room changed)."""
+    the replicas it may address, its fault hooks, an event — `returned`: a request it will not start
+    goes back to the router — and the node-wide change signal (`changes`: it notifies it when its
+    state, lock, room or held blocks changed, and its migration queue watches it)."""
 
     def __init__(
         self,
@@ -141,7 +142,7 @@ class Replica:
         requests: LiveRequests,
         directory: Directory,
         returned: Callable[[ServingRequest], None],
-        changed: Callable[[], None],
+        changes: NodeSignal,
         faults: FaultHooks = NO_FAULTS,
     ) -> None:
         self.name = name
@@ -153,7 +154,8 @@ class Replica:
         self._requests = requests
         self._directory = directory
         self._returned = returned
-        self._changed = changed
+        self._changes = changes
+        self._changed = changes.notify
         self._faults = faults
         self._state = S.INACTIVE
         self.state_since = trio.current_time()  # when it entered `state` (Trio's clock)
@@ -343,7 +345,7 @@ class Replica:
             requests=self._requests,
             directory=self._directory,
             returned=self._returned,
-            changed=self._changed,
+            changes=self._changes,
             move=self.move,
         )
 

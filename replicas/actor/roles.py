@@ -30,7 +30,7 @@ from replicas.inbox import CommandRefused
 from replicas.loading.peer_send import send_weights
 from replicas.loading.staging import WeightStaging
 from replicas.model import KVCache, Model, ModelConfig
-from replicas.ports import Actor, Directory, LiveRequests
+from replicas.ports import Actor, Directory, LiveRequests, NodeSignal
 from replicas.prefill.embeddings import EmbeddingReceives
 from replicas.prefill.migration import Migrator
 from replicas.prefill.queue import PromptQueue
@@ -118,10 +118,11 @@ class LanguageRoles:
         requests: LiveRequests,
         directory: Directory,
         returned: Callable[[ServingRequest], None],
-        changed: Callable[[], None],
+        changes: NodeSignal,
         move: Move,
     ) -> None:
         self._actor = actor
+        changed = changes.notify
         self._endpoints = endpoints
         self._settings = settings
         self._compute = compute
@@ -149,6 +150,7 @@ class LanguageRoles:
             endpoint=endpoints.kv,
             settings=settings,
             directory=directory,
+            changes=changes,
             context_length=context,
             num_layers=layers,
         )
@@ -166,7 +168,13 @@ class LanguageRoles:
         )
         landing = KVLanding(actor.name, actor.log, kv, endpoints.kv, fabric, layers)
         self.decode = DecodeWork(
-            actor, landing=landing, settings=settings, compute=compute, requests=requests, faults=faults
+            actor,
+            landing=landing,
+            settings=settings,
+            compute=compute,
+            requests=requests,
+            faults=faults,
+            changed=changed,
         )
         zigzag = {"prefill": self.prefill, "kv": kv, "relay_endpoint": endpoints.relay, "fabric": fabric}
         zigzag |= {"settings": settings, "compute": compute, "directory": directory}

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import final
 
 import trio
@@ -45,7 +45,8 @@ def schedule(running: Sequence[Held], max_batch_size: int) -> list[Held]:
 
 @final
 class DecodeWork:
-    """The decode role of one replica (see the module docstring); KV lands at `landing`."""
+    """The decode role of one replica (see the module docstring); KV lands at `landing`; `changed` tells
+    the node when blocks went back to the pool."""
 
     def __init__(
         self,
@@ -56,6 +57,7 @@ class DecodeWork:
         compute: Compute,
         requests: LiveRequests,
         faults: FaultHooks,
+        changed: Callable[[], None],
     ) -> None:
         self._actor = actor
         self._landing = landing
@@ -64,6 +66,7 @@ class DecodeWork:
         self._compute = compute
         self._requests = requests
         self._faults = faults
+        self._changed = changed
         self.running: list[Held] = []
         self.arrived: deque[Held] = deque()
         self.incoming: dict[str, Held] = {}
@@ -258,7 +261,9 @@ class DecodeWork:
         refuse(batch, code="internal", message=f"decode step refused its inputs: {error}", release=self._free)
 
     def _free(self, held: Held) -> None:
+        """Blocks back to the pool: room for another migration (a migration queue waiting for it hears)."""
         self._kv.pool.free(held.table, held.request.request_id)
+        self._changed()
 
     def held(self) -> list[Held]:
         return [*self.running, *self.arrived, *self.incoming.values()]

@@ -5,8 +5,9 @@ migrator takes the head entry, asks the unlocked `Decode` replicas in turn (roun
 KV all-or-nothing (`ReserveKV`; the decode replica may refuse), and on acceptance streams the prompt's
 KV blocks with the resumable transfer while the decode replica receives them straight into the blocks
 it reserved. Several migrations run at once (`migrations_in_flight`). When no decode replica accepts,
-the entry waits — for a lock to clear or blocks to free — up to `migration_wait`, then fails with
-`overloaded`. A replica in `MutatingToDecode` adopts the entries still queued instead (`take_unclaimed`).
+the entry waits — for a lock to clear or blocks to free: any node-wide change (a decode replica's state,
+lock or freed blocks, another node's report) starts another round of asks, at most one every
+`RETRY_GAP` seconds — up to `migration_wait`, then fails with `overloaded`. A replica in `MutatingToDecode` adopts the entries still queued instead (`take_unclaimed`).
 
 An entry being offered to decode replicas is *claimed*: flushing skips it; a refusal unclaims it.
 """
@@ -14,6 +15,7 @@ An entry being offered to decode replicas is *claimed*: flushing skips it; a ref
 from __future__ import annotations
 
 import itertools
+import math
 import time
 from collections import deque
 from typing import final
@@ -24,7 +26,7 @@ from messages.commands import KVHalf, ReserveKV, SendKVHalf
 from messages.log.events import RequestQueued
 from replicas.inbox import CommandRefused, new_command_id
 from replicas.model import KVCache
-from replicas.ports import Actor, Directory, PeerReplica
+from replicas.ports import Actor, Directory, NodeSignal, PeerReplica
 from replicas.settings import ReplicaSettings
 from replicas.states import MIGRATES_KV, ReplicaState
 from replicas.step.plan import Held
@@ -33,6 +35,7 @@ from transport.errors import TransferError
 
 S = ReplicaState
 _transfer_numbers = itertools.count(1)
+RETRY_GAP = 0.05  # seconds between two rounds of asks for one entry: a busy node changes often
 
 
 @final
@@ -48,6 +51,7 @@ class Migrator:
         endpoint: TransferEndpoint,
         settings: ReplicaSettings,
         directory: Directory,
+        changes: NodeSignal,
         context_length: int,
         num_layers: int,
     ) -> None:
@@ -56,12 +60,14 @@ class Migrator:
         self._endpoint = endpoint
         self._settings = settings
         self._directory = directory
+        self._changes = changes
         self._context_length = context_length
         self._num_layers = num_layers
         self.outbound: deque[Held] = deque()
         self.claimed: set[str] = set()
         self.in_flight: dict[str, Held] = {}
         self._wake = trio.Event()
+        self._woken = False  # a wake since the last sleep (a sleep then returns at once)
         self._next_decode = 0
         self._queued_at: dict[str, float] = {}
 
@@ -74,6 +80,7 @@ class Migrator:
         return not self.outbound and not self.in_flight
 
     def wake(self) -> None:
+        self._woken = True
         self._wake.set()
 
     def enqueue(self, item: Held) -> None:
@@ -94,23 +101,33 @@ class Migrator:
 
     # ------------------------------------------------------------------ the task
     async def run(self) -> None:
-        """Offer queued entries to decode replicas until cancelled."""
+        """Offer queued entries to decode replicas until cancelled (it watches the node's changes while
+        it runs)."""
+        unwatch = self._changes.watch(self.wake)
+        try:
+            await self._serve()
+        finally:
+            unwatch()
+
+    async def _serve(self) -> None:
         settings = self._settings
         while True:
             self._drop_cancelled()
             head = self._head()
             if head is None or len(self.in_flight) >= settings.migrations_in_flight:
-                await self._sleep(None)
+                await self._sleep_until(math.inf)
                 continue
             request_id = head.request.request_id
+            asked = trio.current_time()
+            self._woken = False  # a change from now on starts another round of asks
             self.claimed.add(request_id)
             try:
                 destination = await self._find_destination(head)
             finally:
                 self.claimed.discard(request_id)
             if destination is None:
-                waited = trio.current_time() - self._queued_at.get(request_id, trio.current_time())
-                if waited >= settings.migration_wait and head in self.outbound:
+                queued = self._queued_at.get(request_id, trio.current_time())
+                if trio.current_time() - queued >= settings.migration_wait and head in self.outbound:
                     self.outbound.remove(head)
                     self._release(head)
                     head.request.fail(
@@ -119,7 +136,8 @@ class Migrator:
                         f"{settings.migration_wait:g} s (all locked, full or not decoding)",
                     )
                     continue
-                await self._sleep(0.05)
+                await trio.sleep_until(asked + RETRY_GAP)
+                await self._sleep_until(queued + settings.migration_wait)
                 continue
             # The replica may have stopped while this task was already woken (a woken task takes no
             # cancellation until its next checkpoint): its nursery takes no new task then.
@@ -135,10 +153,14 @@ class Migrator:
             return None
         return self.outbound[0] if self.outbound else None
 
-    async def _sleep(self, timeout: float | None) -> None:
-        self._wake = trio.Event()
-        with trio.move_on_after(timeout if timeout is not None else float("inf")):
-            await self._wake.wait()
+    async def _sleep_until(self, deadline: float) -> None:
+        """Until `wake` (an entry, a finished send, a state change, any node-wide change) or `deadline`;
+        at once when woken since the last sleep."""
+        if not self._woken:
+            self._wake = trio.Event()
+            with trio.move_on_at(deadline):
+                await self._wake.wait()
+        self._woken = False
 
     def _drop_cancelled(self) -> None:
         for item in [i for i in self.outbound if i.request.cancelled]:

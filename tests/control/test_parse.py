@@ -9,7 +9,7 @@ from engine.control.parse import TOO_DEEP, BadLine, parse_request
 from messages.control import CancelRequest, StatusRequest
 from tests.control.strategies import JSON_VALUES
 
-KNOWN_OPS = "generate, status, cancel, transition, lock, unlock, scale, metrics, shutdown"
+KNOWN_OPS = "generate, status, cancel, transition, lock, unlock, scale, metrics, shutdown, release"
 
 
 def test_a_good_line_is_a_request() -> None:

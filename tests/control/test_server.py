@@ -23,7 +23,7 @@ from messages.log.events import (
 from tests.control.conftest import Handler, RawClient, Served, start_server
 from tests.waiting import deadline, wait_until
 
-KNOWN_OPS = "generate, status, cancel, transition, lock, unlock, scale, metrics, shutdown"
+KNOWN_OPS = "generate, status, cancel, transition, lock, unlock, scale, metrics, shutdown, release"
 STATUS = b'{"op":"status","id":"ok"}'
 
 BAD_LINES: list[tuple[bytes, str | None, str]] = [

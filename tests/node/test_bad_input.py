@@ -27,7 +27,7 @@ from tests.node.workload import (
     still_serving,
 )
 
-OPS = "generate, status, cancel, transition, lock, unlock, scale, metrics, shutdown"
+OPS = "generate, status, cancel, transition, lock, unlock, scale, metrics, shutdown, release"
 STATES = (
     "Inactive, LoadingPrefill, LoadingDecode, LoadingEncode, Prefill, Decode, Encode, NewPrefill, OldPrefill, "
     "RefractoryPrefill, MutatingToDecode, AusPrefill, AusDecode, ShuttingPrefill, ShuttingDecode, "

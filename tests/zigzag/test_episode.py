@@ -6,6 +6,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import trio
+import trio.testing
 
 from engine.client import ControlError
 from replicas.model import Model
@@ -25,7 +27,7 @@ ZIGZAG = frozenset({"NewPrefill", "OldPrefill", "RefractoryPrefill"})
 
 async def test_transition_pairs_and_scale_down_waits_for_the_episode(tmp_path: Path, tiny: Model) -> None:
     with node_process(
-        tmp_path, "--replicas", "prefill=2,decode=1", "--fault", "hold_weights:before_layer=1,seconds=3"
+        tmp_path, "--replicas", "prefill=2,decode=1", "--fault", "hold_weights:before_layer=1,seconds=600"
     ) as node:
         async with node.client() as client:
             await wait_serving(client)
@@ -58,7 +60,11 @@ async def test_transition_pairs_and_scale_down_waits_for_the_episode(tmp_path: P
             outcome = await send(client, distinct_asks(1, max_tokens=3, offset=40)[0])
             assert outcome.result.token_ids  # served during the episode
             # A scale-down waits for the episode to end: when it answers, nobody is in a ZigZag state.
-            await client.scale("prefill", 1)
+            # It is sent while the copy is held; the hold is then released (`release`).
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(client.scale, "prefill", 1)
+                await trio.testing.wait_all_tasks_blocked()  # the scale op is on its way
+                assert (await client.release()).released == 1
             after = await client.status()
             assert not [r.name for r in after.replicas if r.state in ZIGZAG]
             assert by_name(after)["prefill-1"].weights_source == "host"

@@ -11,6 +11,7 @@ import pytest
 import trio
 
 from engine.client import ControlClient, ControlError
+from messages.control_replies import StatusResult
 from replicas.model import Model
 from tests.node.harness import (
     by_name,
@@ -65,13 +66,18 @@ async def test_a_replica_of_the_episode_failing(tmp_path: Path, tiny: Model, fai
         "--migration-wait",
         "3",
         "--fault",
-        "hold_weights:before_layer=2,seconds=3",
+        "hold_weights:before_layer=2,seconds=600,nth=1",
         "--fault",
         f"fail_replica:replica={failing},after_steps=25",
     ) as node:
         async with node.client() as client:
             await wait_serving(client)
-            outcomes, _errors = await episode_with_load(client, tiny, 24)
+            async with trio.open_nursery() as nursery:
+                # The copy is held until the failure struck (or the load ended), then let go (`release`).
+                nursery.start_soon(release_once_failed, client, failing)
+                outcomes, _errors = await episode_with_load(client, tiny, 24)
+                nursery.cancel_scope.cancel()
+            await client.release()
             problems = [
                 p for outcome in outcomes for p in check_outcome(tiny, outcome, transport=default_transport())
             ]
@@ -92,9 +98,18 @@ async def test_a_replica_of_the_episode_failing(tmp_path: Path, tiny: Model, fai
         await still_serving(node, tiny, offset=60, transport=default_transport())
 
 
+async def release_once_failed(client: ControlClient, failing: str) -> None:
+    def failed(status: StatusResult) -> bool:  # (prefill-1 is made by the scale)
+        replica = by_name(status).get(failing)
+        return replica is not None and replica.last_error is not None
+
+    await wait_status(client, failed, f"{failing} failing")
+    await client.release()
+
+
 async def test_requests_cancelled_while_relayed(tmp_path: Path, tiny: Model) -> None:
     with node_process(
-        tmp_path, "--replicas", "prefill=1,decode=1", "--fault", "hold_weights:before_layer=1,seconds=3"
+        tmp_path, "--replicas", "prefill=1,decode=1", "--fault", "hold_weights:before_layer=1,seconds=600"
     ) as node:
         async with node.client() as client:
             await wait_serving(client)
@@ -126,6 +141,7 @@ async def test_requests_cancelled_while_relayed(tmp_path: Path, tiny: Model) -> 
                     except ControlError as exc:
                         assert exc.code == "not_found"  # it had finished already
             assert set(ended) <= {"cancelled", "length"} and "cancelled" in ended
+            assert (await client.release()).released == 1
             status = await wait_idle(client)
             assert all(replica.used_blocks == 0 for replica in status.replicas)
         await still_serving(node, tiny, offset=70, transport=default_transport())

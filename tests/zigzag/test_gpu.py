@@ -29,7 +29,7 @@ async def test_zigzag_on_a_gpu_over_cuda_ipc(tmp_path: Path, cuda: torch.device)
     model = tiny_model(device=cuda)
     options = ["--device", "cuda", "--dtype", "float32", "--transport", "cuda-ipc"]
     options += ["--replicas", "prefill=1,decode=1", "--no-old-prefill-serves-queue"]
-    options += ["--fault", "hold_weights:before_layer=2,seconds=3"]
+    options += ["--fault", "hold_weights:before_layer=2,seconds=600"]
     outcomes = []
     with node_process(tmp_path, *options) as node:
         async with node.client() as client:
@@ -42,6 +42,7 @@ async def test_zigzag_on_a_gpu_over_cuda_ipc(tmp_path: Path, cuda: torch.device)
                     client, lambda s, new=new: by_name(s)[new].loaded_layers == 2, f"{new} at 2 layers"
                 )
                 outcomes += await send_all(client, mixed_workload(model, 8, text=True, seed=index))
+                assert (await client.release()).released == 1
                 await wait_states(client, {new: "Prefill", "prefill-0": "Prefill"})
                 assert by_name(await client.status())[new].weights_source == source
                 await wait_idle(client)

@@ -337,7 +337,7 @@ async def test_a_zigzag_scale_up_serving_smollm2_equals_transformers(
     with node_process(
         tmp_path,
         *("--model", "smollm2", "--model-cache", str(cache), "--replicas", "prefill=1,decode=1"),
-        *("--no-old-prefill-serves-queue", "--fault", f"hold_weights:before_layer={half},seconds=10"),
+        *("--no-old-prefill-serves-queue", "--fault", f"hold_weights:before_layer={half},seconds=600"),
     ) as node:
         async with node.client() as client:
             await wait_serving(client)
@@ -356,5 +356,6 @@ async def test_a_zigzag_scale_up_serving_smollm2_equals_transformers(
             async with trio.open_nursery() as nursery:
                 for index in range(len(prompts)):
                     nursery.start_soon(one, index)
+            assert (await client.release()).released == 1
     assert layers == {half}
     judge(model, prompts, ours, hf_outputs)

@@ -27,6 +27,7 @@ from replicas.loading.copy import CopyTarget
 from replicas.model.llama import Model
 from replicas.request import ServingRequest
 from replicas.settings import ReplicaSettings
+from replicas.signals import Changes
 from replicas.states import LOADING_STATE, ReplicaState, Role
 from replicas.weights import ModelHost
 from tests.waiting import wait_until
@@ -113,7 +114,7 @@ class Harness:
             requests=self.requests,
             directory=self.directory,
             returned=lambda request: None,
-            changed=lambda: None,
+            changes=Changes(),
             faults=self.faults,
         )
         scope = trio.CancelScope()

@@ -81,7 +81,7 @@ async def test_an_explicit_source_that_fails_fails_the_copy_with_the_reason(tmp_
 async def test_a_peer_that_stops_mid_copy_and_the_partly_loaded_model(tmp_path: Path) -> None:
     """Held before layer 2, the copy has handed its `Model` over with layers 0 and 1; the peer stops;
     the copy goes on from the host copy at layer 2."""
-    hold = HoldWeights(before_layer=2, seconds=3.0, replica="decode-0", nth=1)
+    hold = HoldWeights(before_layer=2, seconds=600.0, replica="decode-0", nth=1)
     async with running(str(tmp_path), PAIR, faults=[hold]) as harness:
         await start_copy(harness, "auto")
         decode = harness["decode-0"]
@@ -97,6 +97,7 @@ async def test_a_peer_that_stops_mid_copy_and_the_partly_loaded_model(tmp_path: 
         two_layers = piece_bytes(config, EMBEDDINGS) + 2 * piece_bytes(config, layer_piece(0))
         assert decode.snapshot().weights_bytes_loaded == partial.parameter_bytes() == two_layers
         harness.stop("prefill-0")
+        assert harness.faults.release_holds() == 1
         await harness.serving("decode-0")
         assert decode.model is partial and partial.fully_loaded
         assert_same_weights(partial, tiny_model())
