@@ -1,7 +1,10 @@
 """Fault injection for tests and the node's fault hooks (architecture §7). Off by default.
 
-An endpoint consults its `FaultPlan` at fixed points; with the default plan every check is a cheap
-`None` comparison. `transfer_id` narrows a fault to one transfer (None: every transfer of the endpoint).
+An endpoint is given one `FaultPlan` — the injected object its parts call at fixed points, which does
+nothing with the default plan (`NO_FAULTS`): a sending session calls `before_round` and `corrupts`, and
+each sending link keeps a `WriteFaults` (`writes()`) that its bulk writes report to. No part reads a
+fault's fields itself. `transfer_id` narrows a fault to one transfer (None: every transfer of the
+endpoint).
 
 - `stall_before_round` / `stall_seconds`: the sender sleeps before writing that round (a stalled sender;
   the receiver's progress deadline is what ends it).
@@ -25,6 +28,7 @@ from __future__ import annotations
 from typing import final
 
 import msgspec
+import trio
 
 
 class FaultPlan(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -43,6 +47,21 @@ class FaultPlan(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
     @property
     def active(self) -> bool:
         return self != NO_FAULTS
+
+    async def before_round(self, transfer_id: str, round: int, ended: trio.Event) -> None:
+        """A sender is about to write `round` of `transfer_id`: `stall_before_round` holds it there for
+        `stall_seconds`, or until the transfer `ended`."""
+        if self.stall_before_round == round and self.applies_to(transfer_id):
+            with trio.move_on_after(self.stall_seconds):
+                await ended.wait()
+
+    def corrupts(self, transfer_id: str, round: int) -> bool:
+        """Whether the sender flips a byte of `round` of `transfer_id` as it goes out (`corrupt_round`)."""
+        return self.corrupt_round == round and self.applies_to(transfer_id)
+
+    def writes(self) -> WriteFaults:
+        """The write hooks of one sending link."""
+        return WriteFaults(self)
 
 
 NO_FAULTS = FaultPlan()
@@ -69,6 +88,11 @@ class WriteFaults:
         self._malformed_sent = True
         return True
 
+    @property
+    def shortens(self) -> bool:
+        """Whether some message of this link is to go a byte short (its bytes are then sent, not read)."""
+        return self.plan.short_message_after_bytes is not None
+
     def short_due(self) -> bool:
         at = self.plan.short_message_after_bytes
         return at is not None and self.written >= at
@@ -76,3 +100,10 @@ class WriteFaults:
     def misaddressed_due(self) -> bool:
         at = self.plan.misaddressed_read_after_bytes
         return at is not None and self.written >= at
+
+    def wrote(self, length: int) -> int | None:
+        """`length` more bytes were written (inproc, cuda-ipc: the copy is the write); returns
+        `drop_link_after_bytes` when the link has now written that many (it is to be dropped)."""
+        self.written += length
+        at = self.plan.drop_link_after_bytes
+        return at if at is not None and self.written >= at else None

@@ -207,7 +207,6 @@ class SendSession:
     async def _stream(self, source_ids: Sequence[int], source_offset: int) -> None:
         assert self._total is not None
         faults = self.host.faults
-        faulty = faults.active and faults.applies_to(self.transfer_id)
         try:
             while True:
                 grant = await self._next_grant()
@@ -230,9 +229,7 @@ class SendSession:
                     )
                     return
                 count = max(0, min(grant.tokens, self._total - self._position))
-                if faulty and faults.stall_before_round == grant.round:
-                    with trio.move_on_after(faults.stall_seconds):
-                        await self._ended.wait()
+                await faults.before_round(self.transfer_id, grant.round, self._ended)
                 if not self._advance(TransferStatus.TRANSFERRING):
                     continue  # failed meanwhile: _next_grant acknowledges an abort and returns None
                 bulk = BulkWrite(
@@ -245,7 +242,7 @@ class SendSession:
                     buffers=self._buffers,
                     landing_key=self._landing_key,
                     round=grant.round,
-                    corrupt=faulty and faults.corrupt_round == grant.round,
+                    corrupt=faults.corrupts(self.transfer_id, grant.round),
                 )
                 checksum = None
                 if self._config.checksums:

@@ -99,14 +99,13 @@ class CudaIpcLink(Link):
             config=endpoint.config,
             faults=NO_FAULTS,  # the bulk faults act on this link's writes, not on control frames
         )
-        self._faults, self._remote = endpoint.faults, remote
+        self._writes, self._remote = endpoint.faults.writes(), remote
         self._fence_timeout = endpoint.config.fence_timeout
         device = endpoint.storage.device
         self._stream = torch.cuda.Stream(device) if remote is not None else None
         # The sender's work queued before a round's copies: one event, re-recorded each round.
         self._queued = torch.cuda.Event() if remote is not None else None
         self._copies = InFlight()
-        self._bulk_sent = 0
         self._released = trio.Event()  # receiver: the sender has ended the connection
         self._fence = SocketFence(sock)  # last: nothing after it can fail and leak its descriptor
 
@@ -165,9 +164,7 @@ class CudaIpcLink(Link):
         event = self._launch(bulk)
         with self._copies.running():
             await gpu_copy.copies_done(event, bulk.nbytes)  # never abandoned: the copy is the fence
-        self._bulk_sent += bulk.nbytes
-        drop_at = self._faults.drop_link_after_bytes
-        if drop_at is not None and self._bulk_sent >= drop_at:
+        if (drop_at := self._writes.wrote(bulk.nbytes)) is not None:
             error = LinkBroken(f"link {self.describe()} dropped by fault injection after {drop_at} bytes")
             self.close(error)
             raise error

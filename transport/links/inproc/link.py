@@ -126,12 +126,11 @@ class InprocLink(Link):
     ) -> None:
         super().__init__(link_id=link_id, local=local, role=role, handler=handler)
         self._config = config
-        self._faults = faults
+        self._writes = faults.writes()
         self._inbox_send, self._inbox = trio.open_memory_channel[PeerMessage](INBOX_MESSAGES)
         self._other: InprocLink | None = None
         self._lane: CopyLane | None = None  # made on the first large write
         self._device_copies = InFlight()  # small rounds' device copies this end's writes still wait for
-        self._bulk_bytes = 0
         self._reader_scope = trio.CancelScope()
         self._peer_error: LinkError | None = None
 
@@ -211,9 +210,7 @@ class InprocLink(Link):
         if bulk.corrupt and bulk.runs:  # through torch: the pool may be on a GPU
             first = landing.storage.flat(bulk.buffers[0])[bulk.runs[0].dst_row]
             first.view(-1).view(torch.uint8)[:1].bitwise_xor_(0xFF)
-        self._bulk_bytes += bulk.nbytes
-        limit = self._faults.drop_link_after_bytes
-        if limit is not None and self._bulk_bytes >= limit:
+        if (limit := self._writes.wrote(bulk.nbytes)) is not None:
             error = LinkBroken(f"link {self.describe()} dropped by fault injection after {limit} bytes")
             self.close(error)
             raise error

@@ -40,7 +40,7 @@ from transport.bulk.staging import HostChunk, HostChunks, unpack
 from transport.bulk.write import BulkWrite
 from transport.config import TransferConfig
 from transport.errors import LinkBroken, LinkClosed, LinkError
-from transport.faults import FaultPlan, WriteFaults
+from transport.faults import FaultPlan
 from transport.links.tcp.frames import (
     CONTROL,
     HEADER_BYTES,
@@ -94,7 +94,7 @@ class TcpLink(Link):
         self._row_bytes = [spec.bytes_per_token for spec in layout.buffers]
         self._table = memoryview(bytearray(MAX_SEGMENTS * SEGMENT.size))
         self._config = config
-        self._faults = WriteFaults(faults)
+        self._faults = faults.writes()
         self._send_lock = trio.StrictFIFOLock()
         self._scope = trio.CancelScope()
         self._scratch = memoryview(bytearray(SCRATCH_BYTES))

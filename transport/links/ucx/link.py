@@ -37,7 +37,7 @@ from transport.bulk.staging import HostChunks
 from transport.bulk.write import BulkWrite
 from transport.config import TransferConfig, UcxCopies
 from transport.errors import LinkBroken, LinkClosed, LinkError
-from transport.faults import FaultPlan, WriteFaults
+from transport.faults import FaultPlan
 from transport.links.in_flight import InFlight
 from transport.links.ucx.cma import CmaFailed
 from transport.links.ucx.frames import (
@@ -88,7 +88,7 @@ class UcxLink(Link):
         faults: FaultPlan,
     ) -> None:
         super().__init__(link_id=f"ucx-{next(_link_numbers)}", local=local, role=role, handler=handler)
-        self._worker, self._layout, self._config, self._faults = worker, layout, config, WriteFaults(faults)
+        self._worker, self._layout, self._config, self._faults = worker, layout, config, faults.writes()
         self._buffer_index = {spec.name: index for index, spec in enumerate(layout.buffers)}
         self._row_bytes = [spec.bytes_per_token for spec in layout.buffers]
         self._inbox_send, self._inbox = trio.open_memory_channel[Arrival](math.inf)
@@ -194,7 +194,7 @@ class UcxLink(Link):
         sends = self._sends
         corrupt, defer = bulk.corrupt, False
         try:
-            faulty = bulk.corrupt or self._faults.plan.short_message_after_bytes is not None
+            faulty = bulk.corrupt or self._faults.shortens
             reads = self._peer_reads and not faulty  # a fault corrupts or shortens a message, not a read
             plan = write_plan(bulk, self._buffer_index, self._row_bytes, reads, self._worker.cuda_capable)
             for is_read_group, bundle in plan:
