@@ -120,6 +120,7 @@ def build_parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
     )
     scale.add_argument("--node", help="in a cluster: the node whose replicas to scale")
     ops.add_parser("metrics", help="counters and gauges")
+    ops.add_parser("release", help="end the hold_weights holds in progress (a test hook)")
     shutdown = ops.add_parser("shutdown", help="drain and stop the node")
     shutdown.add_argument("--cluster", action="store_true", help="every node of its cluster")
     return parser
@@ -161,6 +162,8 @@ async def run(args: argparse.Namespace, inputs: GenerateInputs | None, out: Text
                     result = await client.metrics()
                 case "shutdown":
                     result = await client.shutdown(cluster=args.cluster)
+                case "release":
+                    result = await client.release()
                 case other:
                     raise AssertionError(f"unhandled op {other!r}")
             show(result)

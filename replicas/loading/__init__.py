@@ -6,6 +6,6 @@ tensors), `builder` (a `Model` assembled piece by piece), `disk`, `host_copy`, `
 `peer_receive` (blitz: from another replica over the transfer links), `staging` (the byte staging pool
 behind each replica's `{replica}/weights` endpoint), `sources` (the host and disk sources), `memory`
 (the fits-in-memory check), `progress` (what a copy reports), `tiny_checkpoint` (the built-in model as a
-real safetensors checkpoint). This package imports nothing at import time, so `replicas.pools` and
+real safetensors checkpoint). This package imports nothing at import time, so `replicas.actor.pools` and
 `replicas.weights` can use its rooms without a cycle.
 """

@@ -1,7 +1,7 @@
 """What a weight load reports: each landed piece, the outcome of a copy, and the replica's weights status.
 
 `PieceLoaded` goes to the replica (`on_piece`) after each piece; `CopyOutcome` is what `copy_weights`
-returns; `WeightsStatus` is what `status` shows of a replica's weights (`RoleWork.weights_source`,
+returns; `WeightsStatus` is what `status` shows of a replica's weights (its snapshot's `weights_source`,
 `loaded_layers`, `total_layers`, `weights_bytes_loaded`), kept by the replica's main loop. Plain values:
 nothing to cancel.
 """
