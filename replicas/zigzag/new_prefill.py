@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import itertools
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import final
 
@@ -63,6 +63,25 @@ class PartBatch:
     @property
     def tokens(self) -> int:
         return sum(item.request.prompt_tokens for item in self.items)
+
+
+def schedule(
+    batches: Sequence[PartBatch], *, loaded: int, whole: bool, forming: bool
+) -> list[PartBatch | None]:
+    """The steps a NewPrefill replica may take next, best first (None: form a new batch from the queue);
+    pure. The oldest batch first when it can advance (it is the next one handed over); else a new batch
+    while the replica still forms them (`forming`: NewPrefill, loading not finished), so arrivals are not
+    held behind older batches; else the oldest batch that can advance. A batch can advance when it is
+    not computing and layers it has not run have landed (`loaded`), or — the model `whole` — it has run
+    them all and only the head is left."""
+
+    def can_advance(batch: PartBatch) -> bool:
+        return not batch.computing and (batch.reached < loaded or (whole and batch.reached == loaded))
+
+    advancing = [batch for batch in batches if can_advance(batch)]
+    if advancing and advancing[0] is batches[0]:
+        return [advancing[0]]
+    return ([None] if forming else []) + advancing[:1]
 
 
 @final
@@ -133,34 +152,25 @@ class NewPrefillWork:
 
     # ------------------------------------------------------------------ compute
     def start_next(self) -> None:
-        """The next compute (main loop, not busy): advance the oldest batch (the next one handed over),
-        else start a batch from the queue (so arrivals are not held behind older batches), else advance
-        the others, as far as the layers landed."""
+        """Plan, execute and apply the next compute (main loop, not busy): the first step `schedule`
+        names that can start — a batch to advance as far as the layers landed, or a new batch formed
+        from the queue."""
         model, executor = self._compute.model, self._compute.executor
         if model is None or executor is None:
             return
         self._drop_cancelled_batches()
         self._merge()
-        loaded = model.loaded_layers
-        whole = model.fully_loaded
-
-        def can_advance(batch: PartBatch) -> bool:
-            return not batch.computing and (batch.reached < loaded or (whole and batch.reached == loaded))
-
-        advancing = [batch for batch in self.batches if can_advance(batch)]
-        if advancing and advancing[0] is self.batches[0]:
-            self._advance(advancing[0], loaded, whole)
-            return
-        if self._actor.state is S.NEW_PREFILL and not whole:
-            formed = self._form_batch()
-            if formed is not None:
+        loaded, whole = model.loaded_layers, model.fully_loaded
+        forming = self._actor.state is S.NEW_PREFILL and not whole
+        for step in schedule(self.batches, loaded=loaded, whole=whole, forming=forming):
+            if step is None:
+                formed = self._form_batch()
+                if formed is None:
+                    continue  # no request ready or fitting: the next step
                 self._run(formed, 0, loaded, head=False)
-                return
-        if advancing:
-            self._advance(advancing[0], loaded, whole)
-
-    def _advance(self, batch: PartBatch, loaded: int, whole: bool) -> None:
-        self._run(batch, max(batch.reached, 0), loaded, head=whole)
+            else:
+                self._run(step, max(step.reached, 0), loaded, head=whole)
+            return
 
     def _form_batch(self) -> PartBatch | None:
         taken = self._prefill.take_batch()
