@@ -100,6 +100,6 @@ async def test_advisory_mode_decides_and_logs_but_changes_nothing(tmp_path: Path
             status = await client.status()
             assert sum(r.role == "prefill" and r.state != "Inactive" for r in status.replicas) == 1
             assert len(served.events("weights_copy_started")) == copies
-            assert not served.node.scale_lock.locked()
+            assert not served.node.core.scale_lock.locked()
             assert not _decisions(served, advisory=False, action="scale_up")
             planner.inject(None)
