@@ -108,20 +108,25 @@ class HttpApi:
             return refused
         raw = await request.body()
         if len(raw) > MAX_BODY_BYTES:
+            self.metrics.refused("bad_request")
             return error_response(413, f"the body is {len(raw)} bytes, over the {MAX_BODY_BYTES} limit", None)
         try:
             body = msgspec.json.decode(raw, type=kind)
         except msgspec.ValidationError as exc:
+            self.metrics.refused("bad_request")
             return validation_response(exc)
         except msgspec.DecodeError as exc:
+            self.metrics.refused("bad_request")
             return error_response(400, f"the body is not valid JSON: {exc}", None)
         if body.model != self.model_name:
+            self.metrics.refused("not_found")
             return error_response(
                 404, f"the model {body.model!r} does not exist; this node serves {self.model_name!r}", "model"
             )
         try:
             generate = self._generate_request(body)
         except BadBody as exc:
+            self.metrics.refused("bad_request")
             return error_response(400, exc.message, exc.param)
         connection = f"http-{next(self._connections)}"
         try:
