@@ -62,7 +62,7 @@ QUESTIONS = (
 
 
 def chat_questions(node: Node) -> list[DemoRequest]:
-    template = node.host.chat_template
+    template = node.served.chat_template
     if template is None or node.host.name == "tiny":
         return []
     return [

@@ -1,6 +1,6 @@
 """One `generate`, admitted and relayed: what the control socket and the HTTP API both serve.
 
-    generation = Generation.start(services, router, request, connection="http-3")   # RequestFailed
+    generation = Generation.start(services, router, request, served, connection="http-3")   # RequestFailed
     try:
         async for piece in generation.pieces():      # Piece(index, token_ids, text) as they come
             ...
@@ -26,6 +26,7 @@ import msgspec
 from engine.admission import build_request, new_request_id
 from engine.control.errors import RequestFailed
 from engine.router import Router
+from engine.served import ServedModel
 from engine.stops import StopText
 from messages.control import GenerateRequest
 from messages.control_replies import RelayInfo, Timings, TransferSummary
@@ -108,6 +109,7 @@ class Generation:
         services: ReplicaServices,
         router: Router,
         request: GenerateRequest,
+        served: ServedModel,
         *,
         connection: str,
         on_end: Callable[[ServingRequest], None],
@@ -121,22 +123,22 @@ class Generation:
         request = msgspec.structs.replace(request, request_id=request_id)
         log = services.log.bind(request_id=request_id)
 
-        def arrived(prompt_tokens: int | None) -> RequestArrived:
+        def arrived(prompt_tokens: int | None, max_tokens: int | None) -> RequestArrived:
             return RequestArrived(
                 connection=connection,
                 prompt_tokens=prompt_tokens,
                 images=len(request.images),
-                max_tokens=request.max_tokens,
+                max_tokens=served.context if max_tokens is None else max_tokens,  # None: up to the context
                 stream=request.stream,
             )
 
         try:
-            serving = build_request(request, services.host, services.settings)
+            serving = build_request(request, services.host, services.settings, served)
         except RequestFailed as exc:
-            log.emit(arrived(None))
+            log.emit(arrived(None, request.max_tokens))
             log.emit(RequestFailedEvent(code=exc.code, message=exc.message))
             raise RequestFailed(exc.code, exc.message, request_id) from None
-        log.emit(arrived(len(serving.prompt_ids)))
+        log.emit(arrived(len(serving.prompt_ids), serving.max_tokens))
         serving.on_end.append(on_end)
         try:
             router.admit(serving)

@@ -34,7 +34,6 @@ from engine.config import ConfigError, NodeConfig, ReplicaCounts, parse_node_con
 from engine.control.address import Address
 from engine.control.server import ControlServer, ControlServerError
 from engine.controller import Controller
-from engine.http.address import parse_http
 from engine.http.app import HttpApi
 from engine.http.metrics import NodeMetrics
 from engine.http.server import serve_http
@@ -42,6 +41,7 @@ from engine.logging import EventLog, LogFileError, configure_diagnostics, open_e
 from engine.logs import Aggregator
 from engine.planner.loop import Planner
 from engine.router import Router
+from engine.served import served_model
 from engine.service import NodeService
 from messages.cluster import ClusterIdentity
 from messages.commands import Transition
@@ -60,12 +60,19 @@ from transport.config import TransferConfig
 VERSION = "0.1.0"
 SETTLE_SECONDS = 5.0
 # What stops a node from coming up; `main` prints it in one line and exits 2.
-STARTUP_ERRORS = (ModelLoadError, LogFileError, ControlServerError, ReplicaStartFailed, JoinRefused)
+STARTUP_ERRORS = (
+    ModelLoadError,
+    LogFileError,
+    ControlServerError,
+    ReplicaStartFailed,
+    JoinRefused,
+    ConfigError,
+)
 
 
-def replica_settings(config: NodeConfig, host: ModelHost) -> ReplicaSettings:
-    """The replicas' sizes and limits; pool defaults hold one maximum-context request (architecture §4)."""
-    context = host.config.max_position_embeddings
+def replica_settings(config: NodeConfig, context: int) -> ReplicaSettings:
+    """The replicas' sizes and limits; pool defaults hold one maximum-context request (architecture §4):
+    `context` tokens, the model's or `--max-model-len`."""
     transfer = config.transfer
     common = {
         "progress_timeout": transfer.progress_timeout,
@@ -122,11 +129,12 @@ class Node:
             cache_dir=config.model_cache,
             batch_invariant=config.executor.batch_invariant,
         )
+        self.served = served_model(config, self.host)  # ConfigError: --max-model-len, --chat-template
         self.counts = config.replicas or default_counts(self.host)
         clustered = config.cluster.cluster is not None
         self.node_id = config.cluster.node_id or f"node-{os.getpid()}"
         self.services = ReplicaServices(
-            settings=replica_settings(config, self.host),
+            settings=replica_settings(config, self.served.context),
             host=self.host,
             fabric=Fabric(config.transport, clustered=clustered, host=config.cluster.cluster_host),
             log=log,
@@ -240,7 +248,7 @@ class Node:
             server = ControlServer(self.service, config.control, self.log)
             address = await nursery.start(server.serve, config.listen_address)
             self.control_address = str(address)
-            http = parse_http(config.http)
+            http = config.http_address
             if http is not None:
                 api = HttpApi(self, self.metrics, api_key=config.api_key)
                 self.http_url = await nursery.start(partial(serve_http, api, *http))
@@ -357,7 +365,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     configure_diagnostics(config.log.level)
     if config.demo and config.listen == NodeConfig().listen:
         config = msgspec.structs.replace(config, listen="127.0.0.1:0")
-    if config.demo and config.http == NodeConfig().http:
+    if config.demo and config.http == NodeConfig().http and config.port is None:
         config = msgspec.structs.replace(config, http="127.0.0.1:0")
     try:
         return trio.run(partial(run_node, config, demo=config.demo))

@@ -161,6 +161,7 @@ class NodeService:
             self.services,
             self.router,
             request,
+            self.node.served,
             connection=replies.connection.connection,
             on_end=self.log_end,
             token_gap=self.node.metrics.token_gap,

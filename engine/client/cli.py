@@ -3,7 +3,9 @@
 Prints readable text by default, or with ``--json`` every reply exactly as the node sent it (one JSON
 object per line). Exit status: 0 success, 1 an ``error`` reply (printed as ``error CODE: message``),
 2 bad usage, 3 no connection, the connection closed, or the timeout expired. The default address
-comes from ``$ZIGZAG_ADDRESS`` (the only environment variable read), else ``127.0.0.1:7340``.
+comes from ``$ZIGZAG_LISTEN`` — the variable the node reads for its own ``--listen``, so one setting
+serves both — else ``127.0.0.1:7340``. ``$ZIGZAG_ADDRESS``, the client's former variable, still works
+when ``$ZIGZAG_LISTEN`` is not set, with a deprecation note on stderr.
 """
 
 from __future__ import annotations
@@ -30,8 +32,9 @@ from messages.control_replies import (
     TokenReply,
 )
 
-ADDRESS_ENV: Final = "ZIGZAG_ADDRESS"
-DEFAULT_ADDRESS: Final = "127.0.0.1:7340"
+ADDRESS_ENV: Final = "ZIGZAG_LISTEN"  # the node's `--listen` variable (engine.cli's naming)
+DEPRECATED_ADDRESS_ENV: Final = "ZIGZAG_ADDRESS"
+DEFAULT_ADDRESS: Final = "127.0.0.1:7340"  # the node's `--listen` default
 EXIT_ERROR_REPLY, EXIT_USAGE, EXIT_CONNECTION = 1, 2, 3
 
 
@@ -75,10 +78,30 @@ def read_raw_image(spec: str) -> ImageInput:
     return ImageInput(width=int(width_text), height=int(height_text), pixels=Path(path).read_bytes())
 
 
+def default_address(environ: Mapping[str, str]) -> tuple[str, str | None]:
+    """The address used without `--address`, and a deprecation note to print when it came from the
+    former variable (None otherwise)."""
+    if ADDRESS_ENV in environ:
+        return environ[ADDRESS_ENV], None
+    if DEPRECATED_ADDRESS_ENV in environ:
+        note = (
+            f"note: ${DEPRECATED_ADDRESS_ENV} is deprecated; set ${ADDRESS_ENV}, which the node reads for its "
+            "--listen too"
+        )
+        return environ[DEPRECATED_ADDRESS_ENV], note
+    return DEFAULT_ADDRESS, None
+
+
 def build_parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m engine.client", description=__doc__.split("\n")[0])
+    address, _ = default_address(environ)
     parser.add_argument(
-        "--address", default=environ.get(ADDRESS_ENV, DEFAULT_ADDRESS), help="HOST:PORT or unix:PATH"
+        "--address",
+        default=address,
+        help=(
+            f"the node's control socket, HOST:PORT or unix:PATH (default: {DEFAULT_ADDRESS}, the node's "
+            f"--listen default; ${ADDRESS_ENV}, the node's variable, sets it for both; now {address})"
+        ).replace("%", "%%"),
     )
     parser.add_argument("--json", action="store_true", help="print the replies as JSON lines")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds for the whole op (default 600)")
@@ -289,7 +312,11 @@ def _check_usage(args: argparse.Namespace) -> None:
 
 
 def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None) -> int:
-    args = build_parser(os.environ if environ is None else environ).parse_args(argv)
+    environ = os.environ if environ is None else environ
+    args = build_parser(environ).parse_args(argv)
+    address, note = default_address(environ)
+    if note is not None and args.address == address:
+        sys.stderr.write(f"{note}\n")
     try:
         _check_usage(args)
         inputs = read_generate_inputs(args) if args.op == "generate" else None

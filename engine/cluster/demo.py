@@ -260,6 +260,8 @@ def cluster_options(config: NodeConfig, transport: str) -> list[str]:
         options.append("--batch-invariant")
     if config.dtype is not None:
         options += ["--dtype", config.dtype]
+    if config.max_model_len is not None:  # the KV pools sized alike
+        options += ["--max-model-len", str(config.max_model_len)]
     return options
 
 
