@@ -28,15 +28,17 @@ import torch
 import trio
 
 from engine.cluster.join import new_member
+from engine.cluster.local_etcd import LocalEtcdError
 from engine.cluster.member import ClusterMember
 from engine.cluster.membership import JoinRefused
+from engine.cluster.peers import PeerListenError
 from engine.config import ConfigError, NodeConfig, ReplicaCounts, parse_node_config
 from engine.control.address import Address
 from engine.control.server import ControlServer, ControlServerError
 from engine.controller import Controller
 from engine.http.app import HttpApi
 from engine.http.metrics import NodeMetrics
-from engine.http.server import serve_http
+from engine.http.server import HttpServerError, serve_http
 from engine.logging import EventLog, LogFileError, configure_diagnostics, open_event_log, route_diagnostics
 from engine.logs import Aggregator
 from engine.planner.loop import Planner
@@ -67,6 +69,9 @@ STARTUP_ERRORS = (
     ReplicaStartFailed,
     JoinRefused,
     ConfigError,
+    HttpServerError,
+    PeerListenError,
+    LocalEtcdError,
 )
 
 
@@ -322,7 +327,10 @@ async def run_node(config: NodeConfig, *, demo: bool = False) -> int:
         # The demo across node processes: a local etcd, child nodes, and this process as node-0 (which
         # comes back here with `cluster` set).
         from engine.cluster.demo import run_cluster_demo
+        from engine.cluster.local_etcd import NO_ETCD, find_etcd
 
+        if find_etcd() is None:  # before anything starts: one line and exit 2, saying how to get it
+            raise LocalEtcdError(NO_ETCD)
         return await run_cluster_demo(config, partial(run_node, demo=True))
     aggregator = Aggregator(keep_requests=False)
     metrics = NodeMetrics()
@@ -373,7 +381,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         error = root_cause(exc)  # as nurseries wrapped it on its way out
         if not isinstance(error, STARTUP_ERRORS):
             raise
-        print(f"engine.node: {error}", file=sys.stderr)
+        line = str(error)
+        if isinstance(error, ControlServerError):
+            line = f"the control socket {line}; choose another address with --listen (port 0: any free one)"
+        print(f"engine.node: {line}", file=sys.stderr)
         return 2
 
 

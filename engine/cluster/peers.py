@@ -45,6 +45,11 @@ class PeerUnreachable(Exception):
 
 
 @final
+class PeerListenError(Exception):
+    """This node cannot listen for the others on its `--cluster-host` (the message says why)."""
+
+
+@final
 class PeerFrameError(Exception):
     """A peer sent bytes that are not a valid frame; its connection is closed."""
 
@@ -87,8 +92,15 @@ class PeerLinks:
             queue[0].close()
 
     async def run(self, host: str, *, task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED) -> None:
-        """Listen on `host` (a free port) and serve until cancelled; `task_status` gets `host:port`."""
-        listeners = await trio.open_tcp_listeners(0, host=host)
+        """Listen on `host` (a free port) and serve until cancelled; `task_status` gets `host:port`.
+        Raises `PeerListenError` before starting when `host` cannot be listened on."""
+        try:
+            listeners = await trio.open_tcp_listeners(0, host=host)
+        except OSError as exc:  # not this host's address, no such host (gaierror), not permitted
+            raise PeerListenError(
+                f"cannot listen for the other nodes on {host} (--cluster-host): {exc.strerror or exc}; "
+                "give an address of this host that the others reach"
+            ) from None
         port = listeners[0].socket.getsockname()[1]
         self.address = f"{host}:{port}"
         async with trio.open_nursery() as nursery:
