@@ -39,12 +39,20 @@ from engine.controller import Controller
 from engine.http.app import HttpApi
 from engine.http.metrics import NodeMetrics
 from engine.http.server import HttpServerError, serve_http
-from engine.logging import EventLog, LogFileError, configure_diagnostics, open_event_log, route_diagnostics
+from engine.logging import (
+    EventLog,
+    LogFileError,
+    configure_diagnostics,
+    node_console_level,
+    open_event_log,
+    route_diagnostics,
+)
 from engine.logs import Aggregator
 from engine.planner.loop import Planner
 from engine.router import Router
 from engine.served import served_model
 from engine.service import NodeService
+from engine.summary import log_summaries
 from messages.cluster import ClusterIdentity
 from messages.commands import Transition
 from messages.log.events import NodeConfigured, NodeStarted, NodeStopped, NodeStopping, PoolLeak
@@ -249,6 +257,10 @@ class Node:
             if self.planner is not None:
                 nursery.start_soon(self.planner.run)
             nursery.start_soon(self.router.expire_waiting)
+            if config.log.summary_period > 0:
+                waiting = partial(len, self.router.pending)
+                summaries = partial(log_summaries, self.log, self.services, self.metrics.tally, waiting)
+                nursery.start_soon(summaries, config.log.summary_period)
             nursery.start_soon(self._watch_signals, nursery.cancel_scope)
             server = ControlServer(self.service, config.control, self.log)
             address = await nursery.start(server.serve, config.listen_address)
@@ -338,6 +350,7 @@ async def run_node(config: NodeConfig, *, demo: bool = False) -> int:
         file=config.log.file,
         level=config.log.level,
         console=sys.stderr if config.log.console else None,
+        console_level=node_console_level(config.log.level),
         observers=[aggregator.add, metrics.observe],
     )
     route_diagnostics(log)
@@ -370,7 +383,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"engine.node: {exc}", file=sys.stderr)
         return 2
-    configure_diagnostics(config.log.level)
+    configure_diagnostics(node_console_level(config.log.level))
     if config.demo and config.listen == NodeConfig().listen:
         config = msgspec.structs.replace(config, listen="127.0.0.1:0")
     if config.demo and config.http == NodeConfig().http and config.port is None:

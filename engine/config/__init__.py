@@ -53,8 +53,19 @@ class ReplicaCounts(Section, frozen=True, kw_only=True):
 
 class LogConfig(Section, frozen=True, kw_only=True):
     file: Annotated[str | None, _doc("append JSON-lines events to this file (docs/logging.md)")] = None
-    level: Annotated[Level, _doc("lowest event level written to the file and the console")] = "info"
+    level: Annotated[
+        Level,
+        _doc(
+            "lowest event level written to the file; the console shows warnings and errors, the start "
+            "line and the summary (every event at debug)"
+        ),
+    ] = "info"
     console: Annotated[bool, _doc("readable events on stderr")] = True
+    summary_period: Annotated[
+        float,
+        msgspec.Meta(ge=0, le=86400),
+        _doc("seconds between the one-line serving summaries (0: none)"),
+    ] = 10.0
 
 
 class KvConfig(Section, frozen=True, kw_only=True):

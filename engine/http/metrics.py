@@ -30,6 +30,7 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from engine.planner.signals import LoadCounters
+from engine.summary import ServingTally
 from messages.control import ErrorCode
 from messages.log.events import (
     EncodeStarted,
@@ -79,8 +80,10 @@ class NodeMetrics:
 
     def __init__(self) -> None:
         self.registry = registry = CollectorRegistry(auto_describe=True)
-        # The planner's load counters (`engine.planner.signals`), fed by the same observer.
+        # The planner's load counters (`engine.planner.signals`) and the serving summary's tally
+        # (`engine.summary`), fed by the same observer.
         self.load = LoadCounters()
+        self.tally = ServingTally()
 
         def counter(name: str, doc: str, labels: tuple[str, ...] = ()) -> Counter:
             return Counter(f"zigzag:{name}", doc, labels, registry=registry)
@@ -126,6 +129,7 @@ class NodeMetrics:
     def observe(self, event: LogEvent) -> None:
         """An event-log observer: never blocks, never emits."""
         self.load.observe(event)
+        self.tally.observe(event)
         match event:
             case RequestArrived(request_id=request_id, ts=ts):
                 self.arrived.inc()
