@@ -66,6 +66,7 @@ from replicas.states import LOADING_STATE, ROLES, Role
 from replicas.supervisor import ReplicaStartFailed, root_cause, supervise
 from replicas.weights import ModelHost
 from transport.config import TransferConfig
+from transport.memory.host_memory import return_large_frees
 
 VERSION = "0.1.0"
 SETTLE_SECONDS = 5.0
@@ -307,6 +308,12 @@ class Node:
         server.close()
         await server.wait_closed()  # the final replies are sent (bounded by the write timeout)
 
+    def release_replicas(self) -> None:
+        """After `serve` returned: let the stopped replicas go, and with them their pools' memory (the
+        demo does, before it runs the model in one piece to check the outputs)."""
+        assert self._shutdown.is_set(), "release_replicas before the node stopped"
+        self.services.replicas.clear()
+
     def _finish(self) -> int:
         leaked = 0
         for replica in self.services.replicas.values():
@@ -384,6 +391,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"engine.node: {exc}", file=sys.stderr)
         return 2
     configure_diagnostics(node_console_level(config.log.level))
+    return_large_frees()  # a batch's large temporaries go back to the system when it ends
     if config.demo and config.listen == NodeConfig().listen:
         config = msgspec.structs.replace(config, listen="127.0.0.1:0")
     if config.demo and config.http == NodeConfig().http and config.port is None:

@@ -250,7 +250,11 @@ class NodeConfig(Section, frozen=True, kw_only=True):
         _doc("`tiny` (built in), `smollm2` (a packaged GGUF), a .gguf file or a checkpoint directory"),
     ] = "tiny"
     model_cache: Annotated[
-        str, msgspec.Meta(min_length=1), _doc("where GGUF files are converted to checkpoints (under gguf/)")
+        str,
+        msgspec.Meta(min_length=1),
+        _doc(
+            "where GGUF files are converted, once per content, to checkpoints (under gguf/); stale ones are pruned"
+        ),
     ] = "~/.cache/zigzag"
     replicas: Annotated[
         ReplicaCounts | None,
