@@ -11,6 +11,7 @@ when ``$ZIGZAG_LISTEN`` is not set, with a deprecation note on stderr.
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import sys
 from collections.abc import Callable, Mapping, Sequence
@@ -122,6 +123,13 @@ def build_parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
     generate.add_argument("--stream", action="store_true", help="print tokens as they come")
     generate.add_argument("--request-id", help="name the request (for cancel); default: a fresh uuid")
     ops.add_parser("status", help="replica states, blocks and queues")
+    ops.add_parser(
+        "ready",
+        help=(
+            "wait (up to --timeout) until the node answers and serves: every replica it lists (a "
+            "cluster's included) loaded, a prefill and a decode replica among them"
+        ),
+    )
     ops.add_parser("cancel", help="cancel a running generate").add_argument("request_id")
     transition = ops.add_parser("transition", help="command a replica state change")
     transition.add_argument("replica")
@@ -158,6 +166,12 @@ async def run(args: argparse.Namespace, inputs: GenerateInputs | None, out: Text
             out.flush()
 
     with trio.fail_after(args.timeout):
+        if args.op == "ready":
+            status = await wait_ready(args.address)
+            show(status)
+            if not args.json:
+                out.write(render(status) + "\n")
+            return 0
         async with ControlClient.connect(args.address) as client:
             if inputs is not None:
                 await _generate(client, args, inputs, out, err, show)
@@ -190,6 +204,37 @@ async def run(args: argparse.Namespace, inputs: GenerateInputs | None, out: Text
             if not args.json:
                 out.write(render(result) + "\n")
     return 0
+
+
+# States in which a replica serves (a ZigZag pair's prefill states included).
+SERVING_STATES: Final = frozenset(
+    {"Encode", "Prefill", "NewPrefill", "OldPrefill", "RefractoryPrefill", "Decode"}
+)
+READY_POLL_SECONDS: Final = 0.2
+
+
+def serves(status: StatusResult) -> bool:
+    """Every listed replica serves, and a prefill and a decode replica are among them."""
+    roles = {replica.role for replica in status.replicas}
+    loaded = all(replica.state in SERVING_STATES for replica in status.replicas)
+    return loaded and {"prefill", "decode"} <= roles
+
+
+async def wait_ready(address: str) -> StatusResult:
+    """`status`, asked again every `READY_POLL_SECONDS` — through a node not listening yet, too — until
+    the node `serves`. Cancellation (the caller's `--timeout`) stops it."""
+    for _ in itertools.count():  # a remote node's state: asked, not signalled
+        try:
+            async with ControlClient.connect(address) as client:  # one connection while it answers
+                for _ in itertools.count():
+                    status = await client.status()
+                    if serves(status):
+                        return status
+                    await trio.sleep(READY_POLL_SECONDS)
+        except (OSError, ControlClientError):  # not listening yet, or went away while starting
+            pass
+        await trio.sleep(READY_POLL_SECONDS)
+    raise AssertionError("unreachable")
 
 
 @final

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import re
 import socket
+import subprocess
 import sys
 import threading
 from pathlib import Path
@@ -22,6 +23,8 @@ from engine.control.address import TcpAddress
 from messages.control import ImageInput
 from messages.control_replies import GenerateResult, ReplicaStatus, StatusResult, TokenReply
 from tests.control.conftest import Served, start_server
+from tests.node.harness import launch_node
+from tests.waiting import wait_until
 
 REPO = Path(__file__).resolve().parents[2]
 DEPRECATION = (
@@ -177,6 +180,39 @@ def test_the_clis_help_shows_its_default_address_and_variable(capsys: pytest.Cap
         in text
     )
     assert "now 127.0.0.1:9999)" in text
+
+
+@pytest.mark.slow
+async def test_ready_waits_through_a_node_still_starting_until_it_serves(tmp_path: Path) -> None:
+    """Started before the node listens, `ready` retries until prefill and decode serve, then prints the
+    status; with nothing to answer it gives up at --timeout (exit 3)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    address = f"127.0.0.1:{port}"
+    client = [sys.executable, "-m", "engine.client", "--address", address, "--timeout", "120", "ready"]
+    done: list[subprocess.CompletedProcess[bytes]] = []
+
+    async def wait_ready() -> None:
+        run = trio.run_process(client, capture_stdout=True, capture_stderr=True, check=False, cwd=REPO)
+        done.append(await run)
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(wait_ready)
+        node = launch_node(tmp_path, "--replicas", "prefill=1,decode=1", "--listen", address)
+        try:
+            with trio.fail_after(120):
+                await wait_until(lambda: done, "the client's ready to return", 120)
+        finally:
+            node.kill()
+    (ready,) = done
+    assert ready.returncode == 0, ready.stderr
+    rows = [line.split()[:2] for line in ready.stdout.decode().splitlines()[1:]]
+    assert rows == [["prefill-0", "Prefill"], ["decode-0", "Decode"]]
+    gone = await trio.run_process(
+        [*client[:6], "1", "ready"], capture_stdout=True, capture_stderr=True, check=False, cwd=REPO
+    )
+    assert (gone.returncode, gone.stderr.decode()) == (3, "no answer within --timeout 1.0 s\n")
 
 
 async def test_cli_without_a_server(short_dir: Path) -> None:
