@@ -256,16 +256,28 @@ def _into_event_log(_logger: Any, method: str, event_dict: MutableMapping[str, A
     raise structlog.DropEvent
 
 
-def configure_diagnostics(level: Level = "info", stream: TextIO = sys.stderr) -> None:
+def configure_diagnostics(
+    level: Level = "info", stream: TextIO = sys.stderr, *, stream_level: Level | None = None
+) -> None:
     """Route the untyped diagnostics of library code (`structlog.get_logger(...)` in `transport/` and
-    the controller: a link closed, a handshake refused) to `stream`, at `level` and above, or to the
-    event log `route_diagnostics` names. Entry points call this once; without it structlog's default
-    prints them on stdout, where the node's `listening` line and the benchmarks' JSON rows go."""
+    the controller: a link closed, a handshake refused) at `level` and above to the event log
+    `route_diagnostics` names (which writes each to its sinks at their levels), or, while none is, to
+    `stream` at `stream_level` (default: `level`) and above. Entry points call this once; without it
+    structlog's default prints them on stdout, where the node's `listening` line and the benchmarks'
+    JSON rows go."""
+    threshold = LEVELS[stream_level or level]
+
+    def quiet_stream(_logger: Any, method: str, event_dict: MutableMapping[str, Any]) -> Any:
+        if LEVELS[_DIAGNOSTIC_LEVELS.get(method, "warning")] < threshold:
+            raise structlog.DropEvent
+        return event_dict
+
     structlog.configure(
         logger_factory=structlog.PrintLoggerFactory(stream),
         wrapper_class=structlog.make_filtering_bound_logger(LEVELS[level]),
         processors=[
             _into_event_log,
+            quiet_stream,
             structlog.processors.add_log_level,
             structlog.processors.TimeStamper(fmt="%H:%M:%S.%f"),
             structlog.dev.ConsoleRenderer(colors=False),

@@ -390,7 +390,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"engine.node: {exc}", file=sys.stderr)
         return 2
-    configure_diagnostics(node_console_level(config.log.level))
+    # Into the event log at its file's level (the console filters again); on stderr before and after it.
+    configure_diagnostics(config.log.level, stream_level=node_console_level(config.log.level))
     return_large_frees()  # a batch's large temporaries go back to the system when it ends
     if config.demo and config.listen == NodeConfig().listen:
         config = msgspec.structs.replace(config, listen="127.0.0.1:0")
