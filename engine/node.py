@@ -28,7 +28,7 @@ import torch
 import trio
 
 from engine.cluster.join import new_member
-from engine.cluster.local_etcd import LocalEtcdError
+from engine.cluster.local_etcd import NO_ETCD, LocalEtcdError, find_etcd
 from engine.cluster.member import ClusterMember
 from engine.cluster.membership import JoinRefused
 from engine.cluster.peers import PeerListenError
@@ -259,8 +259,10 @@ class Node:
                 nursery.start_soon(self.planner.run)
             nursery.start_soon(self.router.expire_waiting)
             if config.log.summary_period > 0:
-                waiting = partial(len, self.router.pending)
-                summaries = partial(log_summaries, self.log, self.services, self.metrics.tally, waiting)
+                router = self.router
+                summaries = partial(
+                    log_summaries, self.log, self.services, self.metrics.tally, lambda: len(router.pending)
+                )
                 nursery.start_soon(summaries, config.log.summary_period)
             nursery.start_soon(self._watch_signals, nursery.cancel_scope)
             server = ControlServer(self.service, config.control, self.log)
@@ -346,7 +348,6 @@ async def run_node(config: NodeConfig, *, demo: bool = False) -> int:
         # The demo across node processes: a local etcd, child nodes, and this process as node-0 (which
         # comes back here with `cluster` set).
         from engine.cluster.demo import run_cluster_demo
-        from engine.cluster.local_etcd import NO_ETCD, find_etcd
 
         if find_etcd() is None:  # before anything starts: one line and exit 2, saying how to get it
             raise LocalEtcdError(NO_ETCD)
