@@ -28,7 +28,7 @@ import torch
 import trio
 
 from engine.cluster.join import new_member
-from engine.cluster.local_etcd import NO_ETCD, LocalEtcdError, find_etcd
+from engine.cluster.local_etcd import LocalEtcdError
 from engine.cluster.member import ClusterMember
 from engine.cluster.membership import JoinRefused
 from engine.cluster.peers import PeerListenError
@@ -71,17 +71,8 @@ from transport.memory.host_memory import return_large_frees
 VERSION = "0.1.0"
 SETTLE_SECONDS = 5.0
 # What stops a node from coming up; `main` prints it in one line and exits 2.
-STARTUP_ERRORS = (
-    ModelLoadError,
-    LogFileError,
-    ControlServerError,
-    ReplicaStartFailed,
-    JoinRefused,
-    ConfigError,
-    HttpServerError,
-    PeerListenError,
-    LocalEtcdError,
-)
+_LOADING = (ModelLoadError, LogFileError, ReplicaStartFailed, ConfigError, JoinRefused, LocalEtcdError)
+STARTUP_ERRORS = (*_LOADING, ControlServerError, HttpServerError, PeerListenError)  # addresses
 
 
 def replica_settings(config: NodeConfig, context: int) -> ReplicaSettings:
@@ -259,11 +250,8 @@ class Node:
                 nursery.start_soon(self.planner.run)
             nursery.start_soon(self.router.expire_waiting)
             if config.log.summary_period > 0:
-                router = self.router
-                summaries = partial(
-                    log_summaries, self.log, self.services, self.metrics.tally, lambda: len(router.pending)
-                )
-                nursery.start_soon(summaries, config.log.summary_period)
+                summaries = partial(log_summaries, self.log, self.services, self.metrics.tally)
+                nursery.start_soon(summaries, lambda: len(self.router.pending), config.log.summary_period)
             nursery.start_soon(self._watch_signals, nursery.cancel_scope)
             server = ControlServer(self.service, config.control, self.log)
             address = await nursery.start(server.serve, config.listen_address)
@@ -311,8 +299,7 @@ class Node:
         await server.wait_closed()  # the final replies are sent (bounded by the write timeout)
 
     def release_replicas(self) -> None:
-        """After `serve` returned: let the stopped replicas go, and with them their pools' memory (the
-        demo does, before it runs the model in one piece to check the outputs)."""
+        """After `serve` returned: let the stopped replicas go, and with them their pools' memory."""
         assert self._shutdown.is_set(), "release_replicas before the node stopped"
         self.services.replicas.clear()
 
@@ -349,8 +336,6 @@ async def run_node(config: NodeConfig, *, demo: bool = False) -> int:
         # comes back here with `cluster` set).
         from engine.cluster.demo import run_cluster_demo
 
-        if find_etcd() is None:  # before anything starts: one line and exit 2, saying how to get it
-            raise LocalEtcdError(NO_ETCD)
         return await run_cluster_demo(config, partial(run_node, demo=True))
     aggregator = Aggregator(keep_requests=False)
     metrics = NodeMetrics()
@@ -391,7 +376,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"engine.node: {exc}", file=sys.stderr)
         return 2
-    # Into the event log at its file's level (the console filters again); on stderr before and after it.
     configure_diagnostics(config.log.level, stream_level=node_console_level(config.log.level))
     return_large_frees()  # a batch's large temporaries go back to the system when it ends
     if config.demo and config.listen == NodeConfig().listen:

@@ -38,7 +38,7 @@ import msgspec
 import trio
 
 from engine.client import ControlClient
-from engine.cluster.local_etcd import LocalEtcdError, start_local_etcd
+from engine.cluster.local_etcd import NO_ETCD, LocalEtcdError, find_etcd, start_local_etcd
 from engine.config import NodeConfig, ReplicaCounts
 from messages.control import ShutdownRequest
 from messages.control_replies import ShutdownResult, StatusResult
@@ -293,6 +293,8 @@ async def run_cluster_demo(
     """The demo across `config.cluster.nodes` processes (see the module docstring); `run_node` runs this
     process's node-0 with the demo and returns its exit code."""
     out = out or sys.stdout
+    if find_etcd() is None:  # before anything starts: the node's one line (exit 2) says how to get it
+        raise LocalEtcdError(NO_ETCD)
     transport = config.transport if config.transport in ("tcp", "ucx") else "tcp"
     plan = role_plan(config.cluster.nodes, vision=_has_vision(config))
     children = [(f"node-{index}", counts) for index, counts in enumerate(plan) if index > 0]

@@ -28,8 +28,9 @@ from messages.log.scaling import (
     WeightsCopyFinished,
     WeightsCopyStarted,
 )
+from messages.log.serving import ServingSummary
 
-__all__ = ["Event", "Level", "ReplicaEvent", "RequestEvent", "Transfer"]
+__all__ = ["Event", "Level", "ReplicaEvent", "RequestEvent", "ServingSummary", "Transfer"]
 
 
 # ---------------------------------------------------------------------------------------------- node
@@ -302,25 +303,6 @@ class FlowReport(Event, frozen=True, kw_only=True, tag="flow_report"):
 
     interval_s: float
     flows: list[Flow]
-
-
-class ServingSummary(Event, frozen=True, kw_only=True, tag="serving_summary"):
-    """The node's periodic one-line account of the last `interval_s` (`--log-summary-period`), emitted
-    when something happened in it: requests now running (admitted, not ended) and waiting for a replica,
-    those that ended in the interval by outcome, the prompt tokens prefilled and the tokens generated
-    per second over it, the KV blocks in use across the replicas (0-100), and the replicas serving."""
-
-    interval_s: float
-    running: int
-    waiting: int
-    finished: int
-    failed: int
-    cancelled: int
-    prompt_tokens_per_s: float
-    generation_tokens_per_s: float
-    kv_used_percent: float
-    serving_replicas: int
-    replicas: int
 
 
 class GpuSample(msgspec.Struct, frozen=True, kw_only=True):

@@ -10,6 +10,7 @@ import trio
 
 from engine.cluster.local_etcd import LocalEtcd
 from tests.node.harness import REPO_ROOT, START_TIMEOUT
+from tests.waiting import deadline
 
 NODE = (sys.executable, "-m", "engine.node", "--no-log-console", "--listen", "127.0.0.1:0", "--http", "off")
 
@@ -24,7 +25,7 @@ async def test_a_cluster_host_the_node_cannot_listen_on_stops_it_in_one_line(
     etcd: LocalEtcd, host: str, reason: str
 ) -> None:
     command = [*NODE, "--cluster", etcd.url, "--cluster-host", host, "--transport", "tcp"]
-    with trio.fail_after(START_TIMEOUT):
+    with deadline("the node to stop", START_TIMEOUT):
         done = await trio.run_process(
             command, capture_stdout=True, capture_stderr=True, check=False, cwd=REPO_ROOT
         )
