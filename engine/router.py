@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Callable
 from typing import final
 
 import trio
@@ -47,6 +48,9 @@ class Router:
         self.pending: deque[ServingRequest] = deque()
         self._queued_at: dict[str, float] = {}  # request id -> when it (last) joined `pending`
         self.accepting = True
+        # Asked before admitting: a reason to refuse this request now (a cluster member that cannot
+        # reach the cluster refuses what its own replicas cannot serve, saying when to retry).
+        self.refusal: Callable[[ServingRequest], RequestFailed | None] = lambda request: None
         self._idle = trio.Event()
         self._idle.set()
         services.return_work = self.take_back
@@ -62,6 +66,9 @@ class Router:
             raise RequestFailed("shutting_down", "the node is shutting down and admits no new requests")
         if request.request_id in self.services.requests:
             raise RequestFailed("bad_request", f"request_id {request.request_id!r} is already in use")
+        refusal = self.refusal(request)
+        if refusal is not None:
+            raise refusal
         if self.live >= self.max_queue:
             raise RequestFailed(
                 "overloaded", f"{self.live} requests are in flight (max_queue {self.max_queue}); retry later"

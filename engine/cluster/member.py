@@ -9,6 +9,18 @@ are cancelled (their client is gone), so their blocks return to the pools. A can
 (`CancelForward`); when the origin's request ends it tells every node to forget it (`ForgetRequest`),
 and a mirror that arrives after that is refused (the ids stay remembered for a while).
 
+Incarnations: this member knows each other node under one lease (`incarnations`, from its etcd record).
+When a node leaves — or comes back under a new lease (restarted, or cut off long enough to lose its
+lease) — everything this member shared with the old incarnation ends (`_node_gone`): its replicas'
+reports, its peer connection and transfer links, the origin requests it held (`replica_failed`) and the
+mirrors it was the origin of; the new incarnation is then known from scratch, from its record and its
+next report. Frames are taken only under the sender's known lease: a frame under another one is held
+until the sender's record under that lease arrives (the watch may lag the sender by a moment), and
+dropped after `HELD_FRAMES_SECONDS` (an old incarnation's). When this node's own lease ends, the others
+have ended what they shared with it: it ends the same (`_lease_lost`), takes a new lease at once and
+keeps serving with its own replicas meanwhile — new requests are admitted and wait for cross-node work
+until the new lease is registered (docs/cluster.md, "Failures").
+
 Cancellation: `run` owns the peer links, the membership tasks and the report loop; leaving the cluster
 (`Membership.leave`) runs shielded when it ends.
 """
@@ -29,6 +41,7 @@ from engine.cluster.peers import PeerLinks
 from engine.cluster.remote import RemoteReplica
 from engine.cluster.reports import build_report, node_record
 from engine.cluster.requests import apply_ended, apply_tokens, ended_forward, merge_snapshot, mirror, snapshot
+from engine.control.errors import RequestFailed
 from messages.cluster import (
     CancelForward,
     ClientOp,
@@ -48,6 +61,7 @@ from messages.cluster import (
 from messages.commands import Lock, ReplicaCommand, ReserveKV, Unlock
 from messages.control_replies import ClusterView
 from replicas.request import ServingRequest
+from replicas.states import ReplicaState as S
 
 if TYPE_CHECKING:
     from engine.node import Node
@@ -56,6 +70,8 @@ _log = structlog.get_logger("engine.cluster")
 REPORT_PERIOD: Final = 0.05
 REPORT_HEARTBEAT: Final = 1.0
 REMEMBERED_IDS: Final = 10_000
+HELD_FRAMES: Final = 10_000  # frames held per sender until its new lease is known
+HELD_FRAMES_SECONDS: Final = 10.0
 LEASED = (ReserveKV, Lock, Unlock)  # commands refused from a stale lease
 
 
@@ -81,10 +97,14 @@ class ClusterMember:
         self._forgotten: set[str] = set()
         self._forgotten_order: deque[str] = deque()
         self._nursery: trio.Nursery | None = None
+        # node -> the lease this member knows it under; frames under another lease wait in `_held`.
+        self.incarnations: dict[str, int] = {}
+        self._held: dict[str, list[tuple[float, PeerFrame]]] = {}
         self.pid = os.getpid()
         self.services.peers = self.peer_replicas
         self._return_work = self.services.return_work
         self.services.return_work = self._take_back
+        self.router.refusal = self._refusal
 
     # ------------------------------------------------------------------ life
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
@@ -110,6 +130,30 @@ class ClusterMember:
     def reachable(self) -> bool:
         """Cross-node work may start: etcd answers and this node holds its lease."""
         return self.membership.state == "ok"
+
+    def _refusal(self, request: ServingRequest) -> RequestFailed | None:
+        """While etcd cannot be reached (`degraded`) this node starts no cross-node work. For up to the
+        lease TTL that is a blip (an etcd restarting): requests are admitted and wait. Past it, for how
+        long is unknown: a request this node's own replicas cannot serve from start to end is refused at
+        once, saying when to retry, rather than queued until `queue_wait` runs out. (While `rejoining`
+        — etcd answers, a new lease is a round trip away — requests are admitted and wait for it.)"""
+        membership = self.membership
+        if membership.state != "degraded" or self._serves_alone(request):
+            return None
+        cut_off = trio.current_time() - membership.since
+        if cut_off < membership.ttl:
+            return None
+        return RequestFailed(
+            "overloaded",
+            f"node {self.node_id} has not reached the cluster's etcd for {cut_off:.0f} s and its own "
+            f"replicas cannot serve this request alone; retry in about {membership.ttl} s (the lease TTL), "
+            "or send it to another node",
+        )
+
+    def _serves_alone(self, request: ServingRequest) -> bool:
+        states = {r.state for r in self.services.replicas.values()}
+        needs = [S.PREFILL, S.DECODE] + ([S.ENCODE] if request.needs_embeddings else [])
+        return all(state in states for state in needs)
 
     def peer_replicas(self) -> list[RemoteReplica]:
         return list(self.remote.values()) if self.reachable else []
@@ -141,6 +185,7 @@ class ClusterMember:
         registered: tuple[object, ...] = ()
         while True:
             await trio.sleep(REPORT_PERIOD)
+            self._expire_held()
             report = build_report(self)
             now = trio.current_time()
             if report != last or now - sent_at >= REPORT_HEARTBEAT:
@@ -153,7 +198,7 @@ class ClusterMember:
                 await self.membership.update(node_record(self, self.peers.address or ""))
 
     def _reported(self, node: str, report: Report) -> None:
-        if node not in self.membership.members:
+        if node not in self.incarnations:
             return  # a node that left (or not yet seen in etcd): its replicas are not ours to use
         self.reports[node] = report
         self.services.fabric.remote.update(report.endpoints)
@@ -173,46 +218,110 @@ class ClusterMember:
     def _members_changed(self) -> None:
         members = self.membership.members
         for node, record in members.items():
-            if node != self.node_id:
-                self.peers.set_address(node, record.peer_address)
-        for node in [n for n in self.reports if n not in members]:
-            self._node_gone(node)
+            if node == self.node_id:
+                continue
+            known = self.incarnations.get(node)
+            if known is not None and known != record.lease:
+                self._node_gone(node, f"it came back under a new lease {record.lease:x}")
+            self.peers.set_address(node, record.peer_address)
+            if known != record.lease:
+                self.incarnations[node] = record.lease
+                self._release_held(node)
+        for node in [n for n in self.incarnations if n not in members]:
+            self._node_gone(node, "its lease ended: it stopped or was cut off")
         self.router.dispatch()
 
-    def _node_gone(self, node: str) -> None:
-        report = self.reports.pop(node, None)
-        _log.warning("cluster.node_gone", node=node)
+    def _node_gone(self, node: str, why: str) -> None:
+        """End everything shared with `node`'s incarnation (see the module docstring)."""
+        lease = self.incarnations.pop(node, 0)
+        self.reports.pop(node, None)
+        _log.warning("cluster.node_gone", node=node, lease=f"{lease:x}", why=why)
         self.peers.forget(node)
         for name in [n for n, r in self.remote.items() if r.node == node]:
             del self.remote[name]
-        if report is not None:
-            for endpoint in report.endpoints:
-                self.services.fabric.remote.pop(endpoint, None)
+        self.services.fabric.forget_remote(f"{node}/", f"node {node} left the cluster ({why})")
+        self._end_shared(node, f"node {node} left the cluster ({why})")
+
+    def _end_shared(self, node: str, why: str) -> None:
+        """End the requests shared with `node`: this node's requests it held fail, the mirrors of its
+        requests here stop (detached first: nothing about them is forwarded to a later incarnation)."""
         for request_id, holder in list(self.holders.items()):
             request = self.services.requests.get(request_id)
-            if holder == node and request is not None and not request.ended:
-                request.fail(
-                    "replica_failed",
-                    f"node {node} left the cluster (its lease ended: it stopped or was cut off) while it "
-                    f"held request {request_id}",
-                )
+            if holder == node:
+                self.holders.pop(request_id, None)
+                if request is not None and not request.ended:
+                    request.fail(
+                        "replica_failed",
+                        f"{why} while it held request {request_id}; the request can be sent again",
+                    )
         for request_id, origin in list(self.origins.items()):
             mirrored = self.mirrors.get(request_id)
             if origin == node and mirrored is not None:
+                self._remember(request_id)
+                self.mirrors.pop(request_id, None)
+                self.origins.pop(request_id, None)
+                mirrored.on_tokens = None
                 self._end_mirror(mirrored)  # its client is gone with its origin
+        for replica in self.services.replicas.values():
+            replica.post()  # their holders look at their queues again: the cancelled ones free blocks
 
     async def _rejoin_loop(self) -> None:
-        """A lease that expired while etcd answered: stop admitting, finish what is held, rejoin."""
+        """A lease that expired while etcd answered: end what was shared under it and take a new one
+        at once, serving meanwhile (see the module docstring)."""
         while True:
             await self.membership.state_changed.wait()
             if self.membership.state != "rejoining":
                 continue
-            _log.warning("cluster.lease_lost", node=self.node_id)
-            self.router.accepting = False
-            with trio.move_on_after(self.node.drain_deadline):
-                await self.router.wait_idle()
+            _log.warning("cluster.lease_lost", node=self.node_id, lease=f"{self.membership.lease:x}")
+            self._lease_lost()
             await self.membership.rejoin()
-            self.router.accepting = True
+            self.router.dispatch()
+
+    def _lease_lost(self) -> None:
+        """This node's lease ended: the others ended what they shared with it; so does it."""
+        why = f"node {self.node_id} lost its cluster lease (it was cut off from etcd for over the lease TTL)"
+        for node in list(self.incarnations):
+            self._end_shared(node, why)
+
+    # ------------------------------------------------------------------ frames under another lease
+    def _current(self, frame: PeerFrame) -> bool:
+        return self.incarnations.get(frame.sender) == frame.lease
+
+    def _stale(self, frame: PeerFrame) -> bool:
+        """A frame under a lease that is not the one its sender is known under: True when it is to be
+        handled all the same — a command, which is refused `stale_lease` if it acts on a reservation or
+        a lock (`engine.cluster.commands`). A `Submit` is returned at once, so the sender routes it again;
+        a report is dropped (the next one comes within a second); the rest wait for the sender's record
+        under that lease (`_release_held`)."""
+        message = frame.message
+        known = frame.sender in self.incarnations
+        if isinstance(message, RunCommand) and known:
+            return True
+        if isinstance(message, Submit) and known:
+            reply = Returned(request_id=message.request.request_id, replica=message.replica)
+            self.peers.send(frame.sender, reply)
+        elif not isinstance(message, Report):
+            self._hold(frame)
+        return False
+
+    def _hold(self, frame: PeerFrame) -> None:
+        held = self._held.setdefault(frame.sender, [])
+        if len(held) < HELD_FRAMES:
+            held.append((trio.current_time(), frame))
+
+    def _release_held(self, node: str) -> None:
+        """`node` is known under a new lease: handle its frames held under that lease, drop the rest."""
+        lease = self.incarnations[node]
+        for _, frame in self._held.pop(node, []):
+            if frame.lease == lease:
+                self._on_frame(frame)
+
+    def _expire_held(self) -> None:
+        oldest = trio.current_time() - HELD_FRAMES_SECONDS
+        for node in list(self._held):
+            self._held[node] = [(t, f) for t, f in self._held[node] if t >= oldest]
+            if not self._held[node]:
+                del self._held[node]
 
     # ------------------------------------------------------------------ origin side
     def submit(self, replica: RemoteReplica, request: ServingRequest) -> bool:
@@ -309,6 +418,11 @@ class ClusterMember:
     # ------------------------------------------------------------------ dispatch
     def _on_frame(self, frame: PeerFrame) -> None:
         message = frame.message
+        if isinstance(message, CommandOutcome | ClientOpResult):
+            self.peers.answer(message)  # an answer to this node's own `ask` (matched by correlation)
+            return
+        if not self._current(frame) and not self._stale(frame):
+            return
         requests = self.services.requests
         match message:
             case Report():
