@@ -19,6 +19,7 @@ from engine.cluster.requests import snapshot
 from messages.cluster import CommandOutcome, Holding, PeerFrame, RunCommand
 from messages.commands import Lock, ReplicaCommand, ReserveKV, Unlock
 from replicas.actor import Replica
+from replicas.fabric import UnknownEndpoint
 from replicas.inbox import CommandRefused
 from replicas.states import ReplicaState
 
@@ -99,6 +100,17 @@ def _command_target(member: ClusterMember, frame: PeerFrame, message: RunCommand
     replica = member.services.replicas.get(message.replica)
     if replica is None:
         raise CommandRefused("not_found", f"no replica {message.replica!r} on node {member.node_id}")
+    if isinstance(message.command, ReserveKV):
+        try:
+            member.services.fabric.address(message.command.source_endpoint)
+        except UnknownEndpoint:
+            # A node known afresh (a new lease) whose first report has not come yet: its endpoints'
+            # addresses come with it. Refused, so the sender asks another replica or again shortly.
+            raise CommandRefused(
+                "overloaded",
+                f"node {member.node_id} has no address for {message.command.source_endpoint} yet "
+                f"(no report from node {frame.sender} since it joined)",
+            ) from None
     if message.request is not None and member.adopt(message.request) is None:
         raise CommandRefused("not_found", f"request {message.request.request_id} has ended")
     return replica

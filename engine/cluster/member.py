@@ -227,6 +227,9 @@ class ClusterMember:
             if known != record.lease:
                 self.incarnations[node] = record.lease
                 self._release_held(node)
+                # What this node serves, and where its endpoints listen, to the new incarnation now:
+                # its reservations need them (the heartbeat would tell it within a second).
+                self.peers.send(node, build_report(self))
         for node in [n for n in self.incarnations if n not in members]:
             self._node_gone(node, "its lease ended: it stopped or was cut off")
         self.router.dispatch()
@@ -291,8 +294,8 @@ class ClusterMember:
         """A frame under a lease that is not the one its sender is known under: True when it is to be
         handled all the same — a command, which is refused `stale_lease` if it acts on a reservation or
         a lock (`engine.cluster.commands`). A `Submit` is returned at once, so the sender routes it again;
-        a report is dropped (the next one comes within a second); the rest wait for the sender's record
-        under that lease (`_release_held`)."""
+        the rest (reports too: the first one of a new incarnation names its endpoints) wait for the
+        sender's record under that lease (`_release_held`)."""
         message = frame.message
         known = frame.sender in self.incarnations
         if isinstance(message, RunCommand) and known:
@@ -300,7 +303,7 @@ class ClusterMember:
         if isinstance(message, Submit) and known:
             reply = Returned(request_id=message.request.request_id, replica=message.replica)
             self.peers.send(frame.sender, reply)
-        elif not isinstance(message, Report):
+        else:
             self._hold(frame)
         return False
 
