@@ -35,6 +35,7 @@ from messages.faults import BlockKeepalive
 
 _log = structlog.get_logger("engine.cluster")
 RETRY_SECONDS: Final = 0.5
+DEGRADED_RETRY_SECONDS: Final = 0.1
 LEAVE_SECONDS: Final = 3.0
 State = Literal["ok", "degraded", "rejoining"]
 
@@ -201,7 +202,8 @@ class Membership:
 
     def _keepalive_thread(self, stop: threading.Event, token: trio.lowlevel.TrioToken) -> None:
         period = max(0.2, self.ttl / 3)
-        while not stop.wait(period):
+        wait, failures = period, 0
+        while not stop.wait(wait):
             lease = self.lease
             if self.state == "rejoining" or self._blocked():
                 continue
@@ -210,9 +212,13 @@ class Membership:
                     self.etcd.url, lease, timeout=period, tls=self.etcd.tls, token=self.token
                 )
                 state: State = "ok" if ttl > 0 else "rejoining"
+                wait, failures = period, 0
             except (EtcdUnavailable, EtcdError) as exc:
-                _log.warning("cluster.keepalive_failed", node=self.node_id, error=str(exc))
-                state = "degraded"
+                if not failures:  # once per outage; the state says the rest
+                    _log.warning("cluster.keepalive_failed", node=self.node_id, error=str(exc))
+                state, failures = "degraded", failures + 1
+                # Cut off: try again at once, so a link that came back is noticed within a try.
+                wait = DEGRADED_RETRY_SECONDS
             if stop.is_set():
                 return
             try:
