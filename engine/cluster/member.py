@@ -14,12 +14,11 @@ When a node leaves — or comes back under a new lease (restarted, or cut off lo
 lease) — everything this member shared with the old incarnation ends (`_node_gone`): its replicas'
 reports, its peer connection and transfer links, the origin requests it held (`replica_failed`) and the
 mirrors it was the origin of; the new incarnation is then known from scratch, from its record and its
-next report. Frames are taken only under the sender's known lease: a frame under another one is held
-until the sender's record under that lease arrives (the watch may lag the sender by a moment), and
-dropped after `HELD_FRAMES_SECONDS` (an old incarnation's). When this node's own lease ends, the others
-have ended what they shared with it: it ends the same (`_lease_lost`), takes a new lease at once and
-keeps serving with its own replicas meanwhile — new requests are admitted and wait for cross-node work
-until the new lease is registered (docs/cluster.md, "Failures").
+next report. Frames count only under the sender's known lease (`engine.cluster.frames`). When this
+node's own lease ends, the others have ended what they shared with it: it ends the same
+(`_lease_lost`), takes a new lease at once and keeps serving with its own replicas meanwhile — new
+requests are admitted and wait for cross-node work until the new lease is registered (docs/cluster.md,
+"Failures").
 
 Cancellation: `run` owns the peer links, the membership tasks and the report loop; leaving the cluster
 (`Membership.leave`) runs shielded when it ends.
@@ -29,27 +28,24 @@ from __future__ import annotations
 
 import os
 from collections import deque
-from typing import TYPE_CHECKING, Any, Final, assert_never, final
+from typing import TYPE_CHECKING, Any, Final, final
 
 import structlog
 import trio
 
 from engine.cluster.commands import run_command, serve_command
+from engine.cluster.frames import Frames
 from engine.cluster.membership import Membership
 from engine.cluster.ops import ClusterOps
 from engine.cluster.peers import PeerLinks
 from engine.cluster.remote import RemoteReplica
 from engine.cluster.reports import build_report, node_record
-from engine.cluster.requests import apply_ended, apply_tokens, ended_forward, merge_snapshot, mirror, snapshot
+from engine.cluster.requests import ended_forward, merge_snapshot, mirror, snapshot
 from engine.control.errors import RequestFailed
 from messages.cluster import (
     CancelForward,
     ClientOp,
-    ClientOpResult,
-    CommandOutcome,
-    EndedForward,
     ForgetRequest,
-    Holding,
     PeerFrame,
     Report,
     RequestSnapshot,
@@ -70,8 +66,6 @@ _log = structlog.get_logger("engine.cluster")
 REPORT_PERIOD: Final = 0.05
 REPORT_HEARTBEAT: Final = 1.0
 REMEMBERED_IDS: Final = 10_000
-HELD_FRAMES: Final = 10_000  # frames held per sender until its new lease is known
-HELD_FRAMES_SECONDS: Final = 10.0
 LEASED = (ReserveKV, Lock, Unlock)  # commands refused from a stale lease
 
 
@@ -86,7 +80,8 @@ class ClusterMember:
         self.node_id = membership.node_id
         self.membership = membership
         membership.on_change = self._members_changed
-        self.peers = PeerLinks(self.node_id, lambda: membership.lease, self._on_frame)
+        self.frames = Frames(self)
+        self.peers = PeerLinks(self.node_id, lambda: membership.lease, self.frames.on_frame)
         self.ops = ClusterOps(self)
         self.remote: dict[str, RemoteReplica] = {}
         self.reports: dict[str, Report] = {}
@@ -97,9 +92,8 @@ class ClusterMember:
         self._forgotten: set[str] = set()
         self._forgotten_order: deque[str] = deque()
         self._nursery: trio.Nursery | None = None
-        # node -> the lease this member knows it under; frames under another lease wait in `_held`.
+        # node -> the lease this member knows it under (`engine.cluster.frames` checks frames against it)
         self.incarnations: dict[str, int] = {}
-        self._held: dict[str, list[tuple[float, PeerFrame]]] = {}
         self.pid = os.getpid()
         self.services.peers = self.peer_replicas
         self._return_work = self.services.return_work
@@ -185,7 +179,7 @@ class ClusterMember:
         registered: tuple[object, ...] = ()
         while True:
             await trio.sleep(REPORT_PERIOD)
-            self._expire_held()
+            self.frames.expire()
             report = build_report(self)
             now = trio.current_time()
             if report != last or now - sent_at >= REPORT_HEARTBEAT:
@@ -197,7 +191,7 @@ class ClusterMember:
                 registered = facts
                 await self.membership.update(node_record(self, self.peers.address or ""))
 
-    def _reported(self, node: str, report: Report) -> None:
+    def reported(self, node: str, report: Report) -> None:
         if node not in self.incarnations:
             return  # a node that left (or not yet seen in etcd): its replicas are not ours to use
         self.reports[node] = report
@@ -226,7 +220,7 @@ class ClusterMember:
             self.peers.set_address(node, record.peer_address)
             if known != record.lease:
                 self.incarnations[node] = record.lease
-                self._release_held(node)
+                self.frames.release(node)
                 # What this node serves, and where its endpoints listen, to the new incarnation now:
                 # its reservations need them (the heartbeat would tell it within a second).
                 self.peers.send(node, build_report(self))
@@ -260,11 +254,11 @@ class ClusterMember:
         for request_id, origin in list(self.origins.items()):
             mirrored = self.mirrors.get(request_id)
             if origin == node and mirrored is not None:
-                self._remember(request_id)
+                self.remember(request_id)
                 self.mirrors.pop(request_id, None)
                 self.origins.pop(request_id, None)
                 mirrored.on_tokens = None
-                self._end_mirror(mirrored)  # its client is gone with its origin
+                self.end_mirror(mirrored)  # its client is gone with its origin
         for replica in self.services.replicas.values():
             replica.post()  # their holders look at their queues again: the cancelled ones free blocks
 
@@ -285,46 +279,6 @@ class ClusterMember:
         why = f"node {self.node_id} lost its cluster lease (it was cut off from etcd for over the lease TTL)"
         for node in list(self.incarnations):
             self._end_shared(node, why)
-
-    # ------------------------------------------------------------------ frames under another lease
-    def _current(self, frame: PeerFrame) -> bool:
-        return self.incarnations.get(frame.sender) == frame.lease
-
-    def _stale(self, frame: PeerFrame) -> bool:
-        """A frame under a lease that is not the one its sender is known under: True when it is to be
-        handled all the same — a command, which is refused `stale_lease` if it acts on a reservation or
-        a lock (`engine.cluster.commands`). A `Submit` is returned at once, so the sender routes it again;
-        the rest (reports too: the first one of a new incarnation names its endpoints) wait for the
-        sender's record under that lease (`_release_held`)."""
-        message = frame.message
-        known = frame.sender in self.incarnations
-        if isinstance(message, RunCommand) and known:
-            return True
-        if isinstance(message, Submit) and known:
-            reply = Returned(request_id=message.request.request_id, replica=message.replica)
-            self.peers.send(frame.sender, reply)
-        else:
-            self._hold(frame)
-        return False
-
-    def _hold(self, frame: PeerFrame) -> None:
-        held = self._held.setdefault(frame.sender, [])
-        if len(held) < HELD_FRAMES:
-            held.append((trio.current_time(), frame))
-
-    def _release_held(self, node: str) -> None:
-        """`node` is known under a new lease: handle its frames held under that lease, drop the rest."""
-        lease = self.incarnations[node]
-        for _, frame in self._held.pop(node, []):
-            if frame.lease == lease:
-                self._on_frame(frame)
-
-    def _expire_held(self) -> None:
-        oldest = trio.current_time() - HELD_FRAMES_SECONDS
-        for node in list(self._held):
-            self._held[node] = [(t, f) for t, f in self._held[node] if t >= oldest]
-            if not self._held[node]:
-                del self._held[node]
 
     # ------------------------------------------------------------------ origin side
     def submit(self, replica: RemoteReplica, request: ServingRequest) -> bool:
@@ -385,7 +339,7 @@ class ClusterMember:
         if self.mirrors.pop(request.request_id, None) is not None and origin is not None:
             self.peers.send(origin, ended_forward(request))
 
-    def _end_mirror(self, request: ServingRequest) -> None:
+    def end_mirror(self, request: ServingRequest) -> None:
         """Stop a mirror: its holder frees what it holds; one nobody holds ends at once."""
         request.cancel()
         if request.holder is None or request.holder not in self.services.replicas:
@@ -406,92 +360,27 @@ class ClusterMember:
         self.peers.send(origin, Returned(request_id=request.request_id, replica=request.holder or ""))
         self.drop_mirror(request)
 
-    def _remember(self, request_id: str) -> None:
+    def remember(self, request_id: str) -> None:
         if request_id not in self._forgotten:
             self._forgotten.add(request_id)
             self._forgotten_order.append(request_id)
             if len(self._forgotten_order) > REMEMBERED_IDS:
                 self._forgotten.discard(self._forgotten_order.popleft())
 
+    def take_back(self, request: ServingRequest) -> None:
+        """A request another node returned: to the front of the router's queue, dispatched again."""
+        self.router.take_back(request)
+        self.router.dispatch()
+
+    def serve_command(self, frame: PeerFrame, message: RunCommand) -> None:
+        assert self._nursery is not None
+        self._nursery.start_soon(serve_command, self, frame, message)
+
+    def serve_op(self, sender: str, message: ClientOp) -> None:
+        assert self._nursery is not None
+        self._nursery.start_soon(self.ops.serve_forwarded, sender, message)
+
     # ------------------------------------------------------------------ commands
     async def run_command(self, replica: RemoteReplica, command: ReplicaCommand, *, timeout: float) -> Any:
         """`RemoteReplica.ask` (`engine.cluster.commands`)."""
         return await run_command(self, replica, command, timeout=timeout)
-
-    # ------------------------------------------------------------------ dispatch
-    def _on_frame(self, frame: PeerFrame) -> None:
-        message = frame.message
-        if isinstance(message, CommandOutcome | ClientOpResult):
-            self.peers.answer(message)  # an answer to this node's own `ask` (matched by correlation)
-            return
-        if not self._current(frame) and not self._stale(frame):
-            return
-        requests = self.services.requests
-        match message:
-            case Report():
-                self._reported(frame.sender, message)
-            case Submit():
-                request = self.adopt(message.request)
-                replica = self.services.replicas.get(message.replica)
-                if request is not None and (replica is None or not replica.submit(request)):
-                    self.peers.send(
-                        frame.sender, Returned(request_id=request.request_id, replica=message.replica)
-                    )
-                    if request.request_id in self.mirrors and request.holder is None:
-                        self.drop_mirror(request)
-            case Returned():
-                request = requests.get(message.request_id)
-                self.holders.pop(message.request_id, None)
-                if request is not None and not request.ended:
-                    request.holder = None
-                    self.router.take_back(request)
-                    self.router.dispatch()
-            case RunCommand():
-                assert self._nursery is not None
-                self._nursery.start_soon(serve_command, self, frame, message)
-            case CommandOutcome() | ClientOpResult():
-                self.peers.answer(message)
-            case Holding():
-                request = requests.get(message.request_id)
-                if request is not None and message.request_id not in self.mirrors:
-                    self.holders[message.request_id] = frame.sender
-                    request.holder = message.replica
-            case TokensForward():
-                request = requests.get(message.request_id)
-                if request is not None and message.request_id not in self.mirrors:
-                    apply_tokens(request, message.start, message.token_ids)
-            case EndedForward():
-                self._ended_elsewhere(message)
-            case CancelForward():
-                self._cancel_forwarded(message)
-            case ForgetRequest():
-                self._remember(message.request_id)
-                request = self.mirrors.get(message.request_id)
-                if request is not None and not request.ended:
-                    self._end_mirror(request)
-            case ClientOp():
-                assert self._nursery is not None
-                self._nursery.start_soon(self.ops.serve_forwarded, frame.sender, message)
-            case _:
-                assert_never(message)
-
-    def _ended_elsewhere(self, message: EndedForward) -> None:
-        request = self.services.requests.get(message.request_id)
-        if request is None or message.request_id in self.mirrors:
-            return
-        # A failure anywhere ends it; a normal end counts unless a replica of this node holds it now
-        # (then the mirror that ended was an earlier stage's, ended by a cancel or a forget).
-        if message.outcome == "failed" or request.holder not in self.services.replicas:
-            apply_ended(request, message)
-
-    def _cancel_forwarded(self, message: CancelForward) -> None:
-        request = self.mirrors.get(message.request_id)
-        if request is None:
-            self._remember(message.request_id)  # a mirror made later starts cancelled
-            return
-        if message.stop_at is not None:
-            request.stop_early(message.stop_at)
-        else:
-            request.cancel()
-        for replica in self.services.replicas.values():
-            replica.post()
