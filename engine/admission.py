@@ -4,16 +4,20 @@ The control messages already bound every number; here come the model's limits: t
 context, the KV pool a request must fit in, images only for a model with a vision encoder and with
 sides that are multiples of the patch size. Each refusal is a `RequestFailed` whose message names the
 value and the limit.
+
+The context is vLLM's: the prompt and `max_tokens` together must fit in it (the model's context, or
+`--max-model-len` below it), so no response ever runs past it; a request without `max_tokens` (`null`)
+gets what the context leaves after its prompt.
 """
 
 from __future__ import annotations
 
-import os
 import uuid
 
 import numpy as np
 
 from engine.control.errors import RequestFailed
+from engine.served import ServedModel
 from messages.control import GenerateRequest, ImageInput
 from replicas.model import ImageSizeError, InvalidBatchError, SamplingParams, check_image, encode_prompt
 from replicas.request import ServingRequest
@@ -25,7 +29,9 @@ def new_request_id() -> str:
     return f"req-{uuid.uuid4().hex[:12]}"
 
 
-def build_request(request: GenerateRequest, host: ModelHost, settings: ReplicaSettings) -> ServingRequest:
+def build_request(
+    request: GenerateRequest, host: ModelHost, settings: ReplicaSettings, served: ServedModel
+) -> ServingRequest:
     """A validated `ServingRequest` for `request`, or `RequestFailed` (`bad_request`, `not_supported`)."""
     config = host.config
     images = [_image_array(image, index) for index, image in enumerate(request.images)]
@@ -36,22 +42,34 @@ def build_request(request: GenerateRequest, host: ModelHost, settings: ReplicaSe
     if request.stop and host.tokenizer is None:
         raise RequestFailed("bad_request", f"model {host.name!r} has no tokenizer: `stop` strings need one")
     prompt_ids = _prompt_ids(request, host, len(images))
-    context = config.max_position_embeddings
+    context = served.context
     if len(prompt_ids) >= context:
         raise RequestFailed(
             "bad_request",
             f"prompt of {len(prompt_ids)} tokens does not fit the context of {context} tokens "
             "(it must leave room for one generated token)",
         )
-    capacity = min(len(prompt_ids) + request.max_tokens - 1, context)
+    max_tokens = context - len(prompt_ids) if request.max_tokens is None else request.max_tokens
+    if len(prompt_ids) + max_tokens > context:
+        raise RequestFailed(
+            "bad_request",
+            f"the context is {context} tokens, but this request asks for {len(prompt_ids) + max_tokens}: "
+            f"a prompt of {len(prompt_ids)} tokens + max_tokens {max_tokens}; lower max_tokens to at most "
+            f"{context - len(prompt_ids)} or shorten the prompt",
+        )
+    if request.min_tokens > max_tokens:
+        raise RequestFailed(
+            "bad_request", f"min_tokens ({request.min_tokens}) must not exceed max_tokens ({max_tokens})"
+        )
+    capacity = len(prompt_ids) + max_tokens - 1
     blocks = -(-capacity // settings.kv_block_size)
     if blocks > settings.kv_pool_blocks:
         raise RequestFailed(
             "bad_request",
-            f"prompt ({len(prompt_ids)} tokens) + max_tokens ({request.max_tokens}) needs {blocks} KV blocks, "
+            f"prompt ({len(prompt_ids)} tokens) + max_tokens ({max_tokens}) needs {blocks} KV blocks, "
             f"but a replica's KV pool has {settings.kv_pool_blocks} (lower max_tokens or raise --kv-pool-blocks)",
         )
-    seed = request.seed if request.seed is not None else int.from_bytes(os.urandom(8), "little") >> 1
+    seed = request.seed if request.seed is not None else served.next_seed()
     return ServingRequest(
         request_id=request.request_id or new_request_id(),
         prompt_ids=prompt_ids,
@@ -64,7 +82,7 @@ def build_request(request: GenerateRequest, host: ModelHost, settings: ReplicaSe
             eos_banned_before=len(prompt_ids) + request.min_tokens,
             eos_token_ids=tuple(sorted(config.eos_token_ids)) if request.min_tokens else (),
         ),
-        max_tokens=request.max_tokens,
+        max_tokens=max_tokens,
         eos_token_ids=config.eos_token_ids,
     )
 

@@ -32,6 +32,7 @@ from engine.control.server import ControlServer
 from engine.controller import Controller
 from engine.logging import EventLog
 from engine.router import Router
+from engine.served import served_model
 from messages.cluster import ClusterIdentity
 from messages.commands import Transition
 from messages.log.events import NodeStopped, NodeStopping, PoolLeak
@@ -52,9 +53,9 @@ from transport.config import TransferConfig
 SETTLE_SECONDS = 5.0
 
 
-def replica_settings(config: NodeConfig, host: ModelHost) -> ReplicaSettings:
-    """The replicas' sizes and limits; pool defaults hold one maximum-context request (architecture §4)."""
-    context = host.config.max_position_embeddings
+def replica_settings(config: NodeConfig, context: int) -> ReplicaSettings:
+    """The replicas' sizes and limits; pool defaults hold one maximum-context request (architecture §4):
+    `context` tokens, the model's or `--max-model-len`."""
     transfer = config.transfer
     common = {
         "progress_timeout": transfer.progress_timeout,
@@ -112,10 +113,11 @@ class NodeCore:
             cache_dir=config.model_cache,
             batch_invariant=config.executor.batch_invariant,
         )
+        self.served = served_model(config, self.host)  # ConfigError: --max-model-len, --chat-template
         self.counts = config.replicas or default_counts(self.host)
         self.clustered = config.cluster.cluster is not None
         self.node_id = config.cluster.node_id or f"node-{os.getpid()}"
-        self.settings = replica_settings(config, self.host)
+        self.settings = replica_settings(config, self.served.context)
         self.fabric = Fabric(config.transport, clustered=self.clustered, host=config.cluster.cluster_host)
         self.faults = FaultHooks(config.faults)
         self.changes = Changes()
@@ -252,6 +254,11 @@ class NodeCore:
             await server.wait_requests_done()
         server.close()
         await server.wait_closed()  # the final replies are sent (bounded by the write timeout)
+
+    def release_replicas(self) -> None:
+        """After the node stopped: let the stopped replicas go, and with them their pools' memory."""
+        assert self._shutdown.is_set(), "release_replicas before the node stopped"
+        self.directory.clear()
 
     def finish(self) -> int:
         """Check every pool for leaked blocks; returns the exit code (0, or 1 when blocks leaked)."""

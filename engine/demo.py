@@ -13,6 +13,7 @@ local etcd, this process as node-0 (`engine.cluster.demo`); the report adds one 
 
 from __future__ import annotations
 
+import gc
 import random
 import statistics
 from collections import Counter
@@ -26,6 +27,7 @@ from engine.client import ControlClient, ControlError
 from engine.cluster.demo import node_lines, shutdown_cluster, wait_serving
 from engine.config import NodeConfig
 from engine.control.address import Address
+from engine.served import ServedModel
 from engine.verify import compare
 from messages.control import ImageInput
 from messages.control_replies import GenerateResult, TokenReply
@@ -34,14 +36,20 @@ from replicas.weights import ModelHost
 
 
 class Node(Protocol):
-    """The node the demo runs (`engine.node.Node`): its config and model host, whether it is one of a
-    cluster, and `serve` (until shut down; returns the exit code)."""
+    """The node the demo runs (`engine.node.Node`): its config, model host and served model, whether it
+    is one of a cluster, `serve` (until shut down; returns the exit code), and `release_replicas` (after
+    it stopped: their pools' memory goes)."""
 
     @property
     def config(self) -> NodeConfig: ...
 
     @property
     def host(self) -> ModelHost: ...
+
+    @property
+    def served(self) -> ServedModel: ...
+
+    def release_replicas(self) -> None: ...
 
     @property
     def clustered(self) -> bool: ...
@@ -78,7 +86,7 @@ QUESTIONS = (
 
 
 def chat_questions(node: Node) -> list[DemoRequest]:
-    template = node.host.chat_template
+    template = node.served.chat_template
     if template is None or node.host.name == "tiny":
         return []
     return [
@@ -181,6 +189,8 @@ async def run_demo(node: Node, *, requests: int = 24, out: TextIO | None = None)
         print(f"demo: an executor fell back: {line}", file=out)
     if node.clustered:
         print(*node_lines(status), sep="\n", file=out)
+    node.release_replicas()  # their KV pools are not needed to check the outputs
+    gc.collect()
     matched = await trio.to_thread.run_sync(_verify, reference_model, node, workload, results)
     node.host.release("demo-reference")
     failed = [r for r in results.values() if isinstance(r, ControlError)]

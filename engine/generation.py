@@ -1,6 +1,7 @@
 """One `generate`, admitted and relayed: what the control socket and the HTTP API both serve.
 
-    generation = Generation.start(host, settings, router, log, request, connection="http-3")   # RequestFailed
+    generation = Generation.start(host, settings, router, log, request, served, connection="http-3")
+    # ^ RequestFailed
     try:
         async for piece in generation.pieces():      # Piece(index, token_ids, text) as they come
             ...
@@ -26,6 +27,7 @@ import msgspec
 from engine.admission import build_request, new_request_id
 from engine.control.errors import RequestFailed
 from engine.router import Router
+from engine.served import ServedModel
 from engine.stops import StopText
 from messages.control import GenerateRequest
 from messages.control_replies import RelayInfo, Timings, TransferSummary
@@ -112,6 +114,7 @@ class Generation:
         router: Router,
         log: EventSink,
         request: GenerateRequest,
+        served: ServedModel,
         *,
         connection: str,
         on_end: Callable[[ServingRequest], None],
@@ -125,22 +128,22 @@ class Generation:
         request = msgspec.structs.replace(request, request_id=request_id)
         log = log.bind(request_id=request_id)
 
-        def arrived(prompt_tokens: int | None) -> RequestArrived:
+        def arrived(prompt_tokens: int | None, max_tokens: int | None) -> RequestArrived:
             return RequestArrived(
                 connection=connection,
                 prompt_tokens=prompt_tokens,
                 images=len(request.images),
-                max_tokens=request.max_tokens,
+                max_tokens=served.context if max_tokens is None else max_tokens,  # None: up to the context
                 stream=request.stream,
             )
 
         try:
-            serving = build_request(request, host, settings)
+            serving = build_request(request, host, settings, served)
         except RequestFailed as exc:
-            log.emit(arrived(None))
+            log.emit(arrived(None, request.max_tokens))
             log.emit(RequestFailedEvent(code=exc.code, message=exc.message))
             raise RequestFailed(exc.code, exc.message, request_id) from None
-        log.emit(arrived(len(serving.prompt_ids)))
+        log.emit(arrived(len(serving.prompt_ids), serving.max_tokens))
         serving.on_end.append(on_end)
         try:
             router.admit(serving)

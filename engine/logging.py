@@ -4,7 +4,11 @@
 replica=...)` returns a log that fills those fields of the events it emits (where the event has them and
 they are unset). Both sinks are structlog loggers: the file gets exactly `msgspec.json.encode(event)` and
 a newline per event, flushed at once (so a crash loses nothing and a reader may follow the file); the
-console gets structlog's `ConsoleRenderer` output. Events below the configured level go nowhere.
+console gets structlog's `ConsoleRenderer` output. Events below the configured level go nowhere. The
+console may have a level of its own (`console_level`), higher than the file's: the node's console shows
+warnings and errors only (`node_console_level`), except at `debug`, and always the events of
+`CONSOLE_ALWAYS` — the start and stop lines and the periodic serving summary — so it stays readable
+while the file holds every request's events.
 
 Writes are synchronous and small (one line each); emitting from worker threads is safe (structlog's
 loggers lock their file). `close()` flushes and closes the file; emitting afterwards raises
@@ -31,6 +35,14 @@ from messages.log.events import Diagnostic, Event, Level, LogEvent, level_of
 
 LEVELS: Final[dict[Level, int]] = {"debug": 10, "info": 20, "warning": 30, "error": 40}
 CONTEXT_KEYS: Final = ("request_id", "replica")
+# Shown on a console whatever its level: what a person at the node's terminal always wants to see.
+CONSOLE_ALWAYS: Final = frozenset({"node_started", "node_stopping", "node_stopped", "serving_summary"})
+
+
+def node_console_level(level: Level) -> Level:
+    """The node's console level for `--log-level` `level`: warnings and errors (with `CONSOLE_ALWAYS`),
+    every event at `debug` — the per-request events go to `--log-file`."""
+    return "debug" if level == "debug" else max(level, "warning", key=LEVELS.__getitem__)
 
 
 class EventLogError(Exception):
@@ -83,20 +95,26 @@ class _Sinks:
         console: TextIO | None,
         level: Level,
         observers: Sequence[Callable[[LogEvent], None]] = (),
+        console_level: Level | None = None,
     ) -> None:
         self.file = file
         self.observers = tuple(observers)
         self.observers_lock = threading.Lock()
-        self.threshold = LEVELS[level]
+        self.file_threshold = LEVELS[level]
+        self.console_threshold = LEVELS[console_level or level]
+        self.threshold = min(self.file_threshold, self.console_threshold)  # `EventLog.enabled`
         self.closed = False
-        wrapper = structlog.make_filtering_bound_logger(self.threshold)
         self.file_logger = (
             structlog.wrap_logger(
-                structlog.BytesLogger(file), processors=[_encode_event], wrapper_class=wrapper
+                structlog.BytesLogger(file),
+                processors=[_encode_event],
+                wrapper_class=structlog.make_filtering_bound_logger(self.file_threshold),
             )
             if file is not None
             else None
         )
+        # Every level passes the console's wrapper: `EventLog.emit` filters, `CONSOLE_ALWAYS` aside.
+        wrapper = structlog.make_filtering_bound_logger(LEVELS["debug"])
         self.console_logger = (
             structlog.wrap_logger(
                 structlog.PrintLogger(console),
@@ -141,9 +159,13 @@ class EventLog:
             with self._sinks.observers_lock:
                 for observer in self._sinks.observers:
                     observer(event)
-        for logger in (self._sinks.file_logger, self._sinks.console_logger):
-            if logger is not None:
-                getattr(logger, level_of(event))(event.__struct_config__.tag, typed=event)
+        sinks, level, tag = self._sinks, level_of(event), event.__struct_config__.tag
+        if sinks.file_logger is not None:
+            getattr(sinks.file_logger, level)(tag, typed=event)
+        if sinks.console_logger is not None and (
+            LEVELS[level] >= sinks.console_threshold or tag in CONSOLE_ALWAYS
+        ):
+            getattr(sinks.console_logger, level)(tag, typed=event)
 
     def flush(self) -> None:
         if self._sinks.file is not None and not self._sinks.closed:
@@ -179,17 +201,19 @@ def open_event_log(
     level: Level = "info",
     console: TextIO | None = sys.stderr,
     observers: Sequence[Callable[[LogEvent], None]] = (),
+    console_level: Level | None = None,
 ) -> EventLog:
-    """Open the node's event log: JSON lines appended to `file` (if any), readable lines to `console`
-    (if any), every event to each of `observers`. Raises `LogFileError` naming the path when the file
-    cannot be opened."""
+    """Open the node's event log: JSON lines appended to `file` (if any) from `level` up, readable lines
+    to `console` (if any) from `console_level` (default: `level`) up and the events of `CONSOLE_ALWAYS`,
+    every event to each of `observers`. Raises `LogFileError` naming the path when the file cannot be
+    opened."""
     handle: BinaryIO | None = None
     if file is not None:
         try:
             handle = open(file, "ab")  # noqa: SIM115 -- closed by EventLog.close
         except OSError as exc:
             raise LogFileError(f"log file {file!r}: {exc.strerror or exc}") from exc
-    return EventLog(_Sinks(handle, console, level, observers), {})
+    return EventLog(_Sinks(handle, console, level, observers, console_level), {})
 
 
 @final
@@ -232,16 +256,28 @@ def _into_event_log(_logger: Any, method: str, event_dict: MutableMapping[str, A
     raise structlog.DropEvent
 
 
-def configure_diagnostics(level: Level = "info", stream: TextIO = sys.stderr) -> None:
+def configure_diagnostics(
+    level: Level = "info", stream: TextIO = sys.stderr, *, stream_level: Level | None = None
+) -> None:
     """Route the untyped diagnostics of library code (`structlog.get_logger(...)` in `transport/` and
-    the controller: a link closed, a handshake refused) to `stream`, at `level` and above, or to the
-    event log `route_diagnostics` names. Entry points call this once; without it structlog's default
-    prints them on stdout, where the node's `listening` line and the benchmarks' JSON rows go."""
+    the controller: a link closed, a handshake refused) at `level` and above to the event log
+    `route_diagnostics` names (which writes each to its sinks at their levels), or, while none is, to
+    `stream` at `stream_level` (default: `level`) and above. Entry points call this once; without it
+    structlog's default prints them on stdout, where the node's `listening` line and the benchmarks'
+    JSON rows go."""
+    threshold = LEVELS[stream_level or level]
+
+    def quiet_stream(_logger: Any, method: str, event_dict: MutableMapping[str, Any]) -> Any:
+        if LEVELS[_DIAGNOSTIC_LEVELS.get(method, "warning")] < threshold:
+            raise structlog.DropEvent
+        return event_dict
+
     structlog.configure(
         logger_factory=structlog.PrintLoggerFactory(stream),
         wrapper_class=structlog.make_filtering_bound_logger(LEVELS[level]),
         processors=[
             _into_event_log,
+            quiet_stream,
             structlog.processors.add_log_level,
             structlog.processors.TimeStamper(fmt="%H:%M:%S.%f"),
             structlog.dev.ConsoleRenderer(colors=False),

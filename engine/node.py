@@ -29,31 +29,44 @@ import msgspec
 import trio
 
 from engine.cluster.join import new_member
+from engine.cluster.local_etcd import LocalEtcdError
 from engine.cluster.member import ClusterMember
 from engine.cluster.membership import JoinRefused
+from engine.cluster.peers import PeerListenError
 from engine.config import ConfigError, NodeConfig, parse_node_config
-from engine.control.address import Address, parse_http
+from engine.control.address import Address
 from engine.control.outbox import ReplySink
 from engine.control.server import ControlServer, ControlServerError
 from engine.core import NodeCore
 from engine.http.app import HttpApi
 from engine.http.metrics import NodeMetrics
-from engine.http.server import serve_http
-from engine.logging import EventLog, LogFileError, configure_diagnostics, open_event_log, route_diagnostics
+from engine.http.server import HttpServerError, serve_http
+from engine.logging import (
+    EventLog,
+    LogFileError,
+    configure_diagnostics,
+    node_console_level,
+    open_event_log,
+    route_diagnostics,
+)
 from engine.logs import Aggregator
 from engine.planner.loop import Planner
 from engine.router import Router
+from engine.served import ServedModel
 from engine.service import NodeService
+from engine.summary import log_summaries
 from messages.control import ControlRequest
 from messages.log.events import NodeConfigured, NodeStarted, NodeStopping
 from replicas.actor.supervisor import ReplicaStartFailed, root_cause
 from replicas.directory import ReplicaDirectory
 from replicas.model import ModelLoadError
 from replicas.weights import ModelHost
+from transport.memory.host_memory import return_large_frees
 
 VERSION = "0.1.0"
 # What stops a node from coming up; `main` prints it in one line and exits 2.
-STARTUP_ERRORS = (ModelLoadError, LogFileError, ControlServerError, ReplicaStartFailed, JoinRefused)
+_LOADING = (ModelLoadError, LogFileError, ReplicaStartFailed, ConfigError, JoinRefused, LocalEtcdError)
+STARTUP_ERRORS = (*_LOADING, ControlServerError, HttpServerError, PeerListenError)  # addresses
 
 
 @final
@@ -93,6 +106,13 @@ class Node:
         return self.core.host
 
     @property
+    def served(self) -> ServedModel:
+        return self.core.served
+
+    def release_replicas(self) -> None:
+        self.core.release_replicas()
+
+    @property
     def router(self) -> Router:
         return self.core.router
 
@@ -126,11 +146,14 @@ class Node:
             if self.planner is not None:
                 nursery.start_soon(self.planner.run)
             nursery.start_soon(core.router.expire_waiting)
+            if config.log.summary_period > 0:
+                summaries = partial(log_summaries, self.log, core.directory, core.router, self.metrics.tally)
+                nursery.start_soon(summaries, config.log.summary_period)
             nursery.start_soon(self._watch_signals)
             server = ControlServer(self.service, config.control, self.log)
             address = await nursery.start(server.serve, config.listen_address)
             core.control_address = str(address)
-            http = parse_http(config.http)
+            http = config.http_address
             if http is not None:
                 api = HttpApi(core, self.service.log_end, self.metrics, api_key=config.api_key)
                 core.http_url = await nursery.start(partial(serve_http, api, *http))
@@ -178,6 +201,7 @@ async def run_node(config: NodeConfig, *, demo: bool = False) -> int:
         file=config.log.file,
         level=config.log.level,
         console=sys.stderr if config.log.console else None,
+        console_level=node_console_level(config.log.level),
         observers=[aggregator.add, metrics.observe],
     )
     route_diagnostics(log)
@@ -210,10 +234,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"engine.node: {exc}", file=sys.stderr)
         return 2
-    configure_diagnostics(config.log.level)
+    configure_diagnostics(config.log.level, stream_level=node_console_level(config.log.level))
+    return_large_frees()  # a batch's large temporaries go back to the system when it ends
     if config.demo and config.listen == NodeConfig().listen:
         config = msgspec.structs.replace(config, listen="127.0.0.1:0")
-    if config.demo and config.http == NodeConfig().http:
+    if config.demo and config.http == NodeConfig().http and config.port is None:
         config = msgspec.structs.replace(config, http="127.0.0.1:0")
     try:
         return trio.run(partial(run_node, config, demo=config.demo))
@@ -221,7 +246,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         error = root_cause(exc)  # as nurseries wrapped it on its way out
         if not isinstance(error, STARTUP_ERRORS):
             raise
-        print(f"engine.node: {error}", file=sys.stderr)
+        line = str(error)
+        if isinstance(error, ControlServerError):
+            line = f"the control socket {line}; choose another address with --listen (port 0: any free one)"
+        print(f"engine.node: {line}", file=sys.stderr)
         return 2
 
 

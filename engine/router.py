@@ -28,6 +28,7 @@ from __future__ import annotations
 import math
 import time
 from collections import deque
+from collections.abc import Callable
 from typing import final
 
 import trio
@@ -74,6 +75,9 @@ class Router:
         # A held request a replica gave back (the cluster sends it back to its origin).
         self.held_returned: Subscribers[ServingRequest] = Subscribers()
         self.accepting = True
+        # Asked before admitting: a reason to refuse this request now (a cluster member that cannot
+        # reach the cluster refuses what its own replicas cannot serve, saying when to retry).
+        self.refusal: Callable[[ServingRequest], RequestFailed | None] = lambda request: None
         self._idle = trio.Event()
         self._idle.set()
 
@@ -92,6 +96,9 @@ class Router:
             raise RequestFailed("shutting_down", "the node is shutting down and admits no new requests")
         if request.request_id in self.requests:
             raise RequestFailed("bad_request", f"request_id {request.request_id!r} is already in use")
+        refusal = self.refusal(request)
+        if refusal is not None:
+            raise refusal
         if self.live >= self.max_queue:
             raise RequestFailed(
                 "overloaded", f"{self.live} requests are in flight (max_queue {self.max_queue}); retry later"

@@ -218,6 +218,7 @@ class NodeService:
             self.router,
             self.core.log,
             request,
+            self.core.served,
             connection=replies.connection.connection,
             on_end=self.log_end,
             token_gap=self.token_gap,

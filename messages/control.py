@@ -128,7 +128,8 @@ class GenerateRequest(ControlRequestBase, frozen=True, tag="generate"):
     prompt: Annotated[str, msgspec.Meta(max_length=MAX_PROMPT_CHARS)] | None = None
     input_ids: Annotated[list[TokenId], msgspec.Meta(min_length=1, max_length=MAX_INPUT_IDS)] | None = None
     images: Annotated[list[ImageInput], msgspec.Meta(max_length=MAX_IMAGES)] = []
-    max_tokens: Annotated[int, msgspec.Meta(ge=1, le=MAX_NEW_TOKENS)] = 16
+    # None (`null`): what the node's context leaves after the prompt.
+    max_tokens: Annotated[int, msgspec.Meta(ge=1, le=MAX_NEW_TOKENS)] | None = 16
     temperature: Annotated[float, msgspec.Meta(ge=0.0, le=MAX_TEMPERATURE)] = 0.0
     top_p: Annotated[float, msgspec.Meta(gt=0.0, le=1.0)] = 1.0
     seed: Annotated[int, msgspec.Meta(ge=0, le=MAX_SEED)] | None = None
@@ -143,7 +144,7 @@ class GenerateRequest(ControlRequestBase, frozen=True, tag="generate"):
         if (self.prompt is None) == (self.input_ids is None):
             given = "both were given" if self.prompt is not None else "neither was given"
             raise ValueError(f"generate needs exactly one of `prompt` or `input_ids`; {given}")
-        if self.min_tokens > self.max_tokens:
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
 
 

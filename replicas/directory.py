@@ -42,6 +42,10 @@ class ReplicaDirectory:
     def __len__(self) -> int:
         return len(self._local)
 
+    def clear(self) -> None:
+        """Forget this node's replicas (the node stopped: their pools' memory may go)."""
+        self._local.clear()
+
     def local(self) -> list[Replica]:
         """This node's replicas, in the order they were added."""
         return list(self._local.values())

@@ -14,7 +14,9 @@ resolves to inproc, and `kind` (each replica's `transport` in `status`) says so.
 
 In a cluster (`engine.cluster`, `clustered=True`) endpoints are reached from other processes and hosts:
 `inproc` and `auto` become `tcp`, every endpoint listens on `host`, and the addresses of the other
-nodes' endpoints arrive with their reports (`remote`).
+nodes' endpoints arrive with their reports (`remote`); when a node leaves, or comes back as another
+incarnation, `forget_remote` drops its endpoints' addresses and closes the links to them, so the next
+transfer dials the new process instead of waiting on a link to the old one.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ import structlog
 import trio
 
 from transport.endpoint import TransferEndpoint
-from transport.errors import LinkError
+from transport.errors import LinkClosed, LinkError
 from transport.kinds import LinkFacts, TransportChoice, TransportKind, choose
 from transport.links.inproc.link import InprocNetwork
 from transport.protocol.link import Link
@@ -59,6 +61,7 @@ class Fabric:
             self.kind = kind
         self.inproc = InprocNetwork()
         self._addresses: dict[str, str] = {}
+        self._endpoints: dict[str, TransferEndpoint] = {}
         self._connecting: dict[tuple[str, str], trio.Lock] = {}
         self.bytes_between: dict[tuple[str, str, str], int] = {}
 
@@ -77,10 +80,22 @@ class Fabric:
         else:
             address = await endpoint.listen_on(kind, self.host)
         self._addresses[endpoint.name] = address
+        self._endpoints[endpoint.name] = endpoint
         return address
 
     def forget(self, endpoint_name: str) -> None:
         self._addresses.pop(endpoint_name, None)
+        self._endpoints.pop(endpoint_name, None)
+
+    def forget_remote(self, prefix: str, why: str) -> None:
+        """The endpoints named `prefix…` (another node's, `{node}/`) are gone: drop their addresses and
+        close this node's links to them (`why` goes into the links' error)."""
+        for name in [n for n in self.remote if n.startswith(prefix)]:
+            del self.remote[name]
+        for endpoint in self._endpoints.values():
+            for link in endpoint.links():
+                if link.peer is not None and link.peer.startswith(prefix):
+                    link.close(LinkClosed(f"{link.describe()}: {why}"))
 
     @property
     def local_addresses(self) -> dict[str, str]:

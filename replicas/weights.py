@@ -33,6 +33,7 @@ from replicas.model import ByteTokenizer, Model, ModelConfig, Tokenizer, read_hf
 from replicas.model.checkpoint.loader import check_checkpoint, checkpoint_tokenizer, generation_eos_ids
 from replicas.model.checkpoint.resolve import DEFAULT_CACHE_DIR, resolve_model
 from replicas.model.config import ModelDType
+from replicas.model.layers import LayerWeights
 from replicas.model.text.chat_template import ChatTemplate, checkpoint_chat_template
 
 Progress = Callable[[PieceLoaded], None]
@@ -171,7 +172,11 @@ class ModelHost:
         try:
             for piece in builder.pieces:
                 started = time.monotonic()
-                if host is not None:
+                tensors: dict[str, torch.Tensor] | LayerWeights
+                fused = None if host is None or piece.layer is None else host.fused(piece.layer)
+                if fused is not None:  # a CPU layer as the host copy keeps it: the same weights, shared
+                    tensors = fused
+                elif host is not None:
                     tensors = host.read(piece)
                 else:
                     tensors = self._host_copy.put(piece, reader.read(piece))

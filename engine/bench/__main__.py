@@ -18,6 +18,7 @@ BENCHMARKS = {
     "epd": "engine.bench.epd",
     "zigzag": "engine.bench.zigzag",
     "trace": "engine.bench.trace",
+    "chaos": "engine.bench.chaos",
 }
 
 

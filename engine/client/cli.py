@@ -3,12 +3,15 @@
 Prints readable text by default, or with ``--json`` every reply exactly as the node sent it (one JSON
 object per line). Exit status: 0 success, 1 an ``error`` reply (printed as ``error CODE: message``),
 2 bad usage, 3 no connection, the connection closed, or the timeout expired. The default address
-comes from ``$ZIGZAG_ADDRESS`` (the only environment variable read), else ``127.0.0.1:7340``.
+comes from ``$ZIGZAG_LISTEN`` — the variable the node reads for its own ``--listen``, so one setting
+serves both — else ``127.0.0.1:7340``. ``$ZIGZAG_ADDRESS``, the client's former variable, still works
+when ``$ZIGZAG_LISTEN`` is not set, with a deprecation note on stderr.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import sys
 from collections.abc import Callable, Mapping, Sequence
@@ -30,8 +33,9 @@ from messages.control_replies import (
     TokenReply,
 )
 
-ADDRESS_ENV: Final = "ZIGZAG_ADDRESS"
-DEFAULT_ADDRESS: Final = "127.0.0.1:7340"
+ADDRESS_ENV: Final = "ZIGZAG_LISTEN"  # the node's `--listen` variable (engine.cli's naming)
+DEPRECATED_ADDRESS_ENV: Final = "ZIGZAG_ADDRESS"
+DEFAULT_ADDRESS: Final = "127.0.0.1:7340"  # the node's `--listen` default
 EXIT_ERROR_REPLY, EXIT_USAGE, EXIT_CONNECTION = 1, 2, 3
 
 
@@ -75,10 +79,30 @@ def read_raw_image(spec: str) -> ImageInput:
     return ImageInput(width=int(width_text), height=int(height_text), pixels=Path(path).read_bytes())
 
 
+def default_address(environ: Mapping[str, str]) -> tuple[str, str | None]:
+    """The address used without `--address`, and a deprecation note to print when it came from the
+    former variable (None otherwise)."""
+    if ADDRESS_ENV in environ:
+        return environ[ADDRESS_ENV], None
+    if DEPRECATED_ADDRESS_ENV in environ:
+        note = (
+            f"note: ${DEPRECATED_ADDRESS_ENV} is deprecated; set ${ADDRESS_ENV}, which the node reads for its "
+            "--listen too"
+        )
+        return environ[DEPRECATED_ADDRESS_ENV], note
+    return DEFAULT_ADDRESS, None
+
+
 def build_parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m engine.client", description=__doc__.split("\n")[0])
+    address, _ = default_address(environ)
     parser.add_argument(
-        "--address", default=environ.get(ADDRESS_ENV, DEFAULT_ADDRESS), help="HOST:PORT or unix:PATH"
+        "--address",
+        default=address,
+        help=(
+            f"the node's control socket, HOST:PORT or unix:PATH (default: {DEFAULT_ADDRESS}, the node's "
+            f"--listen default; ${ADDRESS_ENV}, the node's variable, sets it for both; now {address})"
+        ).replace("%", "%%"),
     )
     parser.add_argument("--json", action="store_true", help="print the replies as JSON lines")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds for the whole op (default 600)")
@@ -99,6 +123,13 @@ def build_parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
     generate.add_argument("--stream", action="store_true", help="print tokens as they come")
     generate.add_argument("--request-id", help="name the request (for cancel); default: a fresh uuid")
     ops.add_parser("status", help="replica states, blocks and queues")
+    ops.add_parser(
+        "ready",
+        help=(
+            "wait (up to --timeout) until the node answers and serves: every replica it lists (a "
+            "cluster's included) loaded, a prefill and a decode replica among them"
+        ),
+    )
     ops.add_parser("cancel", help="cancel a running generate").add_argument("request_id")
     transition = ops.add_parser("transition", help="command a replica state change")
     transition.add_argument("replica")
@@ -136,6 +167,12 @@ async def run(args: argparse.Namespace, inputs: GenerateInputs | None, out: Text
             out.flush()
 
     with trio.fail_after(args.timeout):
+        if args.op == "ready":
+            status = await wait_ready(args.address)
+            show(status)
+            if not args.json:
+                out.write(render(status) + "\n")
+            return 0
         async with ControlClient.connect(args.address) as client:
             if inputs is not None:
                 await _generate(client, args, inputs, out, err, show)
@@ -170,6 +207,37 @@ async def run(args: argparse.Namespace, inputs: GenerateInputs | None, out: Text
             if not args.json:
                 out.write(render(result) + "\n")
     return 0
+
+
+# States in which a replica serves (a ZigZag pair's prefill states included).
+SERVING_STATES: Final = frozenset(
+    {"Encode", "Prefill", "NewPrefill", "OldPrefill", "RefractoryPrefill", "Decode"}
+)
+READY_POLL_SECONDS: Final = 0.2
+
+
+def serves(status: StatusResult) -> bool:
+    """Every listed replica serves, and a prefill and a decode replica are among them."""
+    roles = {replica.role for replica in status.replicas}
+    loaded = all(replica.state in SERVING_STATES for replica in status.replicas)
+    return loaded and {"prefill", "decode"} <= roles
+
+
+async def wait_ready(address: str) -> StatusResult:
+    """`status`, asked again every `READY_POLL_SECONDS` — through a node not listening yet, too — until
+    the node `serves`. Cancellation (the caller's `--timeout`) stops it."""
+    for _ in itertools.count():  # a remote node's state: asked, not signalled
+        try:
+            async with ControlClient.connect(address) as client:  # one connection while it answers
+                for _ in itertools.count():
+                    status = await client.status()
+                    if serves(status):
+                        return status
+                    await trio.sleep(READY_POLL_SECONDS)
+        except (OSError, ControlClientError):  # not listening yet, or went away while starting
+            pass
+        await trio.sleep(READY_POLL_SECONDS)
+    raise AssertionError("unreachable")
 
 
 @final
@@ -292,7 +360,11 @@ def _check_usage(args: argparse.Namespace) -> None:
 
 
 def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None) -> int:
-    args = build_parser(os.environ if environ is None else environ).parse_args(argv)
+    environ = os.environ if environ is None else environ
+    args = build_parser(environ).parse_args(argv)
+    address, note = default_address(environ)
+    if note is not None and args.address == address:
+        sys.stderr.write(f"{note}\n")
     try:
         _check_usage(args)
         inputs = read_generate_inputs(args) if args.op == "generate" else None

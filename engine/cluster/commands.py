@@ -22,6 +22,7 @@ from messages.cluster import CommandOutcome, Holding, PeerFrame, RequestSnapshot
 from messages.commands import Lock, ReplicaCommand, ReserveKV, Unlock
 from replicas.actor import Replica
 from replicas.directory import ReplicaDirectory
+from replicas.fabric import Fabric, UnknownEndpoint
 from replicas.inbox import CommandRefused
 from replicas.request import ServingRequest
 from replicas.states import ReplicaState
@@ -35,6 +36,7 @@ class ClusterMember(Protocol):
     node_id: str
     router: Router
     directory: ReplicaDirectory
+    fabric: Fabric
     peers: PeerLinks
     membership: Membership
     mirrors: dict[str, ServingRequest]
@@ -127,6 +129,17 @@ def _command_target(member: ClusterMember, frame: PeerFrame, message: RunCommand
     replica = member.directory.get(message.replica)
     if replica is None:
         raise CommandRefused("not_found", f"no replica {message.replica!r} on node {member.node_id}")
+    if isinstance(message.command, ReserveKV):
+        try:
+            member.fabric.address(message.command.source_endpoint)
+        except UnknownEndpoint:
+            # A node known afresh (a new lease) whose first report has not come yet: its endpoints'
+            # addresses come with it. Refused, so the sender asks another replica or again shortly.
+            raise CommandRefused(
+                "overloaded",
+                f"node {member.node_id} has no address for {message.command.source_endpoint} yet "
+                f"(no report from node {frame.sender} since it joined)",
+            ) from None
     if message.request is not None and member.adopt(message.request) is None:
         raise CommandRefused("not_found", f"request {message.request.request_id} has ended")
     return replica

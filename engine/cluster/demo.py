@@ -12,7 +12,8 @@ Roles (`role_plan`): node-0 decodes; with a model that has a vision encoder node
 prefills (with two nodes node-1 does both); without one node-1 prefills. Every further node runs one
 decode or prefill replica, whichever role has fewer so far (decode on a tie). The children serve the
 parent's model, device, dtype, block sizes and transport (`tcp` unless the parent asked for `tcp` or
-`ucx`); the parent's `--replicas` is not used.
+`ucx`); the parent's `--replicas` is not used. With `--log-file run.jsonl` every node writes its own
+event log beside it (`run.node-0.jsonl`, `run.node-1.jsonl`, …: `node_log_file`).
 
 Cleanup is shielded and bounded: children still running `STOP_SECONDS` after the cluster was asked to
 stop — or at once, when the run failed before asking — are ended (SIGTERM first when they were not
@@ -37,7 +38,7 @@ import msgspec
 import trio
 
 from engine.client import ControlClient
-from engine.cluster.local_etcd import LocalEtcdError, start_local_etcd
+from engine.cluster.local_etcd import NO_ETCD, LocalEtcdError, find_etcd, start_local_etcd
 from engine.config import NodeConfig, ReplicaCounts
 from messages.control import ShutdownRequest
 from messages.control_replies import ShutdownResult, StatusResult
@@ -137,17 +138,24 @@ class LocalCluster:
 
 @asynccontextmanager
 async def local_cluster(
-    directory: Path, children: Sequence[tuple[str, ReplicaCounts]], options: Sequence[str]
+    directory: Path,
+    children: Sequence[tuple[str, ReplicaCounts]],
+    options: Sequence[str],
+    *,
+    log_file: str | None = None,
 ) -> AsyncIterator[LocalCluster]:
     """Start etcd (data in `directory/etcd`) and one child node per `(node_id, counts)`, with `options`
-    added to each command line; yield once every child listens. Raises `LocalEtcdError` when etcd does
-    not start, `ClusterDemoFailed` when a child does not listen."""
+    added to each command line — and, with `log_file`, each its own event log (`node_log_file`); yield
+    once every child listens. Raises `LocalEtcdError` when etcd does not start, `ClusterDemoFailed` when
+    a child does not listen."""
     etcd = await start_local_etcd(str(directory / "etcd"))
     cluster = LocalCluster(etcd.url)
     try:
         try:
             for node_id, counts in children:
-                cluster.children.append(await _start_child(directory, etcd.url, node_id, counts, options))
+                logged = [] if log_file is None else ["--log-file", node_log_file(log_file, node_id)]
+                child = await _start_child(directory, etcd.url, node_id, counts, [*options, *logged])
+                cluster.children.append(child)
             for child in cluster.children:
                 child.address = await child.read_listening()
             yield cluster
@@ -157,13 +165,20 @@ async def local_cluster(
         await etcd.stop()
 
 
+def node_log_file(log_file: str, node_id: str) -> str:
+    """The event log of node `node_id` in a demo given `--log-file log_file`: `run.jsonl` →
+    `run.node-1.jsonl` (`python -m engine.logs summary run.node-*.jsonl` reads them together)."""
+    path = Path(log_file)
+    return str(path.with_name(f"{path.stem}.{node_id}{path.suffix}"))
+
+
 async def _start_child(
     directory: Path, url: str, node_id: str, counts: ReplicaCounts, options: Sequence[str]
 ) -> ChildNode:
     command = [
         *(sys.executable, "-m", "engine.node", "--cluster", url, "--node-id", node_id),
         *("--listen", "127.0.0.1:0", "--http", "off", "--replicas", str(counts)),
-        *("--no-log-console", "--no-demo", *options),
+        *("--no-demo", *options),
     ]
     stderr_path = directory / f"{node_id}.stderr"
     with stderr_path.open("wb") as stderr:  # a local file, handed to the child
@@ -261,6 +276,8 @@ def cluster_options(config: NodeConfig, transport: str) -> list[str]:
         options.append("--batch-invariant")
     if config.dtype is not None:
         options += ["--dtype", config.dtype]
+    if config.max_model_len is not None:  # the KV pools sized alike
+        options += ["--max-model-len", str(config.max_model_len)]
     return options
 
 
@@ -277,16 +294,18 @@ async def run_cluster_demo(
     """The demo across `config.cluster.nodes` processes (see the module docstring); `run_node` runs this
     process's node-0 with the demo and returns its exit code."""
     out = out or sys.stdout
+    if find_etcd() is None:  # before anything starts: the node's one line (exit 2) says how to get it
+        raise LocalEtcdError(NO_ETCD)
     transport = config.transport if config.transport in ("tcp", "ucx") else "tcp"
     plan = role_plan(config.cluster.nodes, vision=_has_vision(config))
     children = [(f"node-{index}", counts) for index, counts in enumerate(plan) if index > 0]
+    log_file = config.log.file
+    options = cluster_options(config, transport)
     code = 1
     cluster: LocalCluster | None = None
     with tempfile.TemporaryDirectory(prefix="zigzag-demo-") as directory:
         try:
-            async with local_cluster(
-                Path(directory), children, cluster_options(config, transport)
-            ) as cluster:
+            async with local_cluster(Path(directory), children, options, log_file=log_file) as cluster:
                 print(f"demo: local etcd at {cluster.url}", file=out)
                 for child in cluster.children:
                     print(
@@ -294,11 +313,13 @@ async def run_cluster_demo(
                         f"listening on {child.address}",
                         file=out,
                     )
+                own_log = None if log_file is None else node_log_file(log_file, "node-0")
                 parent = msgspec.structs.replace(
                     config,
                     transport=transport,
                     replicas=plan[0],
                     cluster=msgspec.structs.replace(config.cluster, cluster=cluster.url, node_id="node-0"),
+                    log=msgspec.structs.replace(config.log, file=own_log),
                 )
                 code = await run_node(parent)
                 cluster.stopping = True

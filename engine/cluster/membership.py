@@ -8,8 +8,11 @@ under its lease: created only when absent — etcd's compare-and-create — so o
 The lease is renewed every TTL/3 by a worker thread with its own HTTP client, so a busy event loop
 cannot starve it. States (`state`): `ok`; `degraded` — etcd cannot be reached: the node keeps serving
 what it holds, starts no new cross-node work, and a leader makes no decisions; `rejoining` — the lease
-expired while etcd answered (the node stalled): the owner stops admitting, finishes what it holds and
-calls `rejoin`, which takes a new lease.
+expired while etcd answered (the node stalled, or was cut off for longer than the TTL): the owner ends
+what it shared with the others under that lease and calls `rejoin` at once, which takes a new lease and
+re-writes the record under it (the record names its lease: the others check frames against it).
+Leaving `degraded`, or rejoining, re-reads the members: events may have been missed meanwhile (a watch
+stream that went silent in a partition, an etcd that restarted).
 
 Cancellation: `run` owns the keepalive, watch and election tasks; the keepalive thread notices within
 one renewal period and ends. `leave` (shielded, bounded) deletes the record and revokes the lease.
@@ -32,6 +35,7 @@ from messages.faults import BlockKeepalive
 
 _log = structlog.get_logger("engine.cluster")
 RETRY_SECONDS: Final = 0.5
+DEGRADED_RETRY_SECONDS: Final = 0.1
 LEAVE_SECONDS: Final = 3.0
 State = Literal["ok", "degraded", "rejoining"]
 
@@ -68,10 +72,12 @@ class Membership:
         self.members: dict[str, NodeRecord] = {}
         self.leader: str | None = None
         self.state: State = "ok"
+        self.since = 0.0  # when `state` began (trio's clock)
         self.state_changed = trio.Event()
         self._record: NodeRecord | None = None
         self._joined_at = 0.0
         self._decoder = msgspec.json.Decoder(NodeRecord)
+        self._watch_scope: trio.CancelScope | None = None
 
     @property
     def is_leader(self) -> bool:
@@ -138,14 +144,16 @@ class Membership:
         while True:
             try:
                 lease = await self.etcd.grant(self.ttl)
-                self.lease = lease.id
-                await self.etcd.put(self.key(self.node_id), msgspec.json.encode(self._record), lease=lease.id)
+                # The record names the lease it lives under: the others check a sender's frames
+                # against it (`stale_lease`), so it must be the new one, not the one that expired.
+                record = msgspec.structs.replace(self._record, lease=lease.id)
+                await self.etcd.put(self.key(self.node_id), msgspec.json.encode(record), lease=lease.id)
                 break
             except (EtcdUnavailable, EtcdError) as exc:
                 _log.warning("cluster.rejoin_failed", error=str(exc))
                 await trio.sleep(RETRY_SECONDS)
-        self._record = msgspec.structs.replace(self._record, lease=self.lease)
-        self.members[self.node_id] = self._record
+        self.lease, self._record = lease.id, record
+        self.members[self.node_id] = record
         _log.info("cluster.rejoined", node=self.node_id, lease=self.lease)
         self._set_state("ok")
         await self._campaign()
@@ -166,13 +174,23 @@ class Membership:
             nursery.start_soon(self._keepalive)
             nursery.start_soon(self._watch)
 
-    def _set_state(self, state: State) -> None:
+    def _set_state(self, state: State, *, resync: bool = True) -> None:
         if state != self.state:
-            _log.info("cluster.state", node=self.node_id, state=state, previous=self.state)
+            previous = self.state
+            _log.info("cluster.state", node=self.node_id, state=state, previous=previous)
             self.state = state
+            self.since = trio.current_time()
             self.state_changed.set()
             self.state_changed = trio.Event()
+            if resync and ((previous != "ok" and state == "ok") or previous == "degraded"):
+                # Events may have been missed meanwhile (a watch stream that went silent during a
+                # partition, an etcd that restarted): read the members afresh.
+                self._resync()
             self.on_change()
+
+    def _resync(self) -> None:
+        if self._watch_scope is not None:
+            self._watch_scope.cancel()
 
     async def _keepalive(self) -> None:
         stop = threading.Event()
@@ -184,7 +202,8 @@ class Membership:
 
     def _keepalive_thread(self, stop: threading.Event, token: trio.lowlevel.TrioToken) -> None:
         period = max(0.2, self.ttl / 3)
-        while not stop.wait(period):
+        wait, failures = period, 0
+        while not stop.wait(wait):
             lease = self.lease
             if self.state == "rejoining" or self._blocked():
                 continue
@@ -193,9 +212,13 @@ class Membership:
                     self.etcd.url, lease, timeout=period, tls=self.etcd.tls, token=self.token
                 )
                 state: State = "ok" if ttl > 0 else "rejoining"
+                wait, failures = period, 0
             except (EtcdUnavailable, EtcdError) as exc:
-                _log.warning("cluster.keepalive_failed", node=self.node_id, error=str(exc))
-                state = "degraded"
+                if not failures:  # once per outage; the state says the rest
+                    _log.warning("cluster.keepalive_failed", node=self.node_id, error=str(exc))
+                state, failures = "degraded", failures + 1
+                # Cut off: try again at once, so a link that came back is noticed within a try.
+                wait = DEGRADED_RETRY_SECONDS
             if stop.is_set():
                 return
             try:
@@ -219,27 +242,32 @@ class Membership:
         """Read the members and the leader, then follow changes; re-read after every broken watch."""
         decoder = self._decoder
         while True:
-            try:
-                kvs, revision = await self.etcd.get_prefix(self.prefix)
-                members = {}
-                leader = None
-                for kv in kvs:
-                    if kv.key.startswith(self.prefix + "nodes/"):
-                        record = decoder.decode(kv.value)
-                        members[record.node_id] = record
-                    elif kv.key == self.prefix + "leader":
-                        leader = kv.value.decode()
-                self.members, self.leader = members, leader
-                if self.state == "degraded":
-                    self._set_state("ok")
-                self.on_change()
-                if leader is None:
-                    await self._campaign()
-                async for event in self.etcd.watch_prefix(self.prefix, start_revision=revision + 1):
-                    await self._apply(event.kind, event.key, event.value)
-            except (EtcdUnavailable, EtcdError) as exc:
-                _log.warning("cluster.watch_failed", node=self.node_id, error=str(exc))
-                await trio.sleep(RETRY_SECONDS)
+            with trio.CancelScope() as self._watch_scope:
+                await self._watch_once(decoder)
+
+    async def _watch_once(self, decoder: msgspec.json.Decoder[NodeRecord]) -> None:
+        """One read of the members and a watch from there, until it breaks (or `_resync` cancels it)."""
+        try:
+            kvs, revision = await self.etcd.get_prefix(self.prefix)
+            members = {}
+            leader = None
+            for kv in kvs:
+                if kv.key.startswith(self.prefix + "nodes/"):
+                    record = decoder.decode(kv.value)
+                    members[record.node_id] = record
+                elif kv.key == self.prefix + "leader":
+                    leader = kv.value.decode()
+            self.members, self.leader = members, leader
+            if self.state == "degraded":
+                self._set_state("ok", resync=False)  # read just now
+            self.on_change()
+            if leader is None:
+                await self._campaign()
+            async for event in self.etcd.watch_prefix(self.prefix, start_revision=revision + 1):
+                await self._apply(event.kind, event.key, event.value)
+        except (EtcdUnavailable, EtcdError) as exc:
+            _log.warning("cluster.watch_failed", node=self.node_id, error=str(exc))
+            await trio.sleep(RETRY_SECONDS)
 
     async def _apply(self, kind: str, key: str, value: bytes) -> None:
         if key.startswith(self.prefix + "nodes/"):

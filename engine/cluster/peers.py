@@ -3,9 +3,12 @@
 Each node listens on one TCP address (its `NodeRecord.peer_address`). To send to node N a node dials N
 once and keeps the connection; every frame is a 4-byte big-endian length and a msgpack `PeerFrame`
 (`messages.cluster`). Frames to one peer are sent in order by one task; `send` never blocks (the queue
-is unbounded: what waits is bounded by the requests in flight). A peer that cannot be dialled, or whose
-connection breaks, loses what was queued for it — membership (its lease in etcd) decides whether it is
-gone, and the requests it held end then; the next `send` dials again.
+is unbounded: what waits is bounded by the requests in flight and by the lease TTL, below). A peer that
+cannot be dialled is dialled again (every `REDIAL_SECONDS` at most) with its frames kept, and a broken
+connection is replaced by a new one; the frames a broken connection was carrying are lost (logged).
+Membership decides whether a peer is gone: `forget` (it left) and `reset` (it came back under a new
+lease: another process, or the same one after its lease ended) drop its queue and its connection, so the
+next `send` dials it afresh and nothing meant for the old incarnation reaches the new one.
 
 `ask` sends a message that carries a correlation id and waits, with a deadline, for the answer that
 carries the same id (`answer` delivers it).
@@ -31,6 +34,7 @@ from messages.cluster import ClientOpResult, CommandOutcome, PeerFrame, PeerMess
 _log = structlog.get_logger("engine.cluster.peers")
 MAX_FRAME_BYTES: Final = 512 * 1024 * 1024
 DIAL_TIMEOUT: Final = 5.0
+REDIAL_SECONDS: Final = (0.1, 2.0)  # the first and the longest wait between dials of an unreachable peer
 _HEADER = struct.Struct(">I")
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(PeerFrame)
@@ -45,12 +49,33 @@ class PeerUnreachable(Exception):
 
 
 @final
+class PeerListenError(Exception):
+    """This node cannot listen for the others on its `--cluster-host` (the message says why)."""
+
+
+@final
 class PeerFrameError(Exception):
     """A peer sent bytes that are not a valid frame; its connection is closed."""
 
 
 def new_correlation(node_id: str) -> str:
     return f"{node_id}:{next(_correlations)}"
+
+
+@final
+class _Queue:
+    """The frames waiting for one peer, the task that sends them, and the scope that ends that task."""
+
+    def __init__(self, node_id: str, address: str) -> None:
+        self.node_id = node_id
+        self.address = address
+        self.frames, self.receive = trio.open_memory_channel[bytes](math.inf)
+        self.scope = trio.CancelScope()
+
+    def close(self) -> None:
+        """Drop what waits and end the sender (its connection closes)."""
+        self.frames.close()
+        self.scope.cancel()
 
 
 @final
@@ -62,7 +87,7 @@ class PeerLinks:
         self._lease = lease
         self._on_frame = on_frame
         self._addresses: dict[str, str] = {}
-        self._queues: dict[str, tuple[trio.MemorySendChannel[bytes], trio.MemoryReceiveChannel[bytes]]] = {}
+        self._queues: dict[str, _Queue] = {}
         # correlation -> (answered, the answer, the node asked)
         self._waiting: dict[str, tuple[trio.Event, list[Answer], str]] = {}
         self._nursery: trio.Nursery | None = None
@@ -72,6 +97,12 @@ class PeerLinks:
         if self._addresses.get(node_id) != address:
             self._addresses[node_id] = address
             self._drop_queue(node_id)  # a new process behind the name: dial it afresh
+
+    def reset(self, node_id: str, address: str) -> None:
+        """`node_id` is another incarnation now (a new lease): drop what was queued for the old one,
+        close its connection, end the `ask`s waiting on it; the next `send` dials `address`."""
+        self.forget(node_id)
+        self._addresses[node_id] = address
 
     def forget(self, node_id: str) -> None:
         """`node_id` left the cluster: drop its queue, and end every `ask` waiting on it at once."""
@@ -84,11 +115,18 @@ class PeerLinks:
     def _drop_queue(self, node_id: str) -> None:
         queue = self._queues.pop(node_id, None)
         if queue is not None:
-            queue[0].close()
+            queue.close()
 
     async def run(self, host: str, *, task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED) -> None:
-        """Listen on `host` (a free port) and serve until cancelled; `task_status` gets `host:port`."""
-        listeners = await trio.open_tcp_listeners(0, host=host)
+        """Listen on `host` (a free port) and serve until cancelled; `task_status` gets `host:port`.
+        Raises `PeerListenError` before starting when `host` cannot be listened on."""
+        try:
+            listeners = await trio.open_tcp_listeners(0, host=host)
+        except OSError as exc:  # not this host's address, no such host (gaierror), not permitted
+            raise PeerListenError(
+                f"cannot listen for the other nodes on {host} (--cluster-host): {exc.strerror or exc}; "
+                "give an address of this host that the others reach"
+            ) from None
         port = listeners[0].socket.getsockname()[1]
         self.address = f"{host}:{port}"
         async with trio.open_nursery() as nursery:
@@ -99,7 +137,7 @@ class PeerLinks:
                 await trio.sleep_forever()
             finally:
                 self._nursery = None
-                for queue, _ in self._queues.values():
+                for queue in self._queues.values():
                     queue.close()
                 self._queues.clear()
 
@@ -108,21 +146,16 @@ class PeerLinks:
         """Queue `message` for `node_id` (see the module docstring); a node with no address is skipped."""
         if node_id == self.node_id or self._nursery is None:
             return
-        pair = self._queues.get(node_id)
-        if pair is None:
+        queue = self._queues.get(node_id)
+        if queue is None:
             address = self._addresses.get(node_id)
             if address is None:
                 _log.info("cluster.peer_unknown", peer=node_id, message=type(message).__name__)
                 return
-            pair = trio.open_memory_channel[bytes](math.inf)
-            self._queues[node_id] = pair
-            self._nursery.start_soon(self._sender, node_id, address, pair[1])
-        queue = pair[0]
+            queue = self._queues[node_id] = _Queue(node_id, address)
+            self._nursery.start_soon(self._sender, queue)
         body = _encoder.encode(PeerFrame(sender=self.node_id, lease=self._lease(), message=message))
-        try:
-            queue.send_nowait(_HEADER.pack(len(body)) + body)
-        except trio.ClosedResourceError:
-            self._queues.pop(node_id, None)
+        queue.frames.send_nowait(_HEADER.pack(len(body)) + body)
 
     def broadcast(self, nodes: list[str], message: PeerMessage) -> None:
         for node in nodes:
@@ -151,35 +184,51 @@ class PeerLinks:
             waiting[1].append(message)
             waiting[0].set()
 
-    async def _sender(self, node_id: str, address: str, frames: trio.MemoryReceiveChannel[bytes]) -> None:
+    async def _sender(self, queue: _Queue) -> None:
+        """Dial the peer (again and again while it cannot be reached) and send its frames in order,
+        until the queue is dropped (its scope cancelled)."""
+        node_id, address = queue.node_id, queue.address
         host, _, port = address.rpartition(":")
-        try:
-            with trio.fail_after(DIAL_TIMEOUT):
-                stream = await trio.open_tcp_stream(host, int(port))
-        except (OSError, trio.TooSlowError) as exc:
-            _log.warning("cluster.peer_dial_failed", peer=node_id, address=address, error=str(exc))
-            self._queue_lost(node_id, frames)
-            return
-        async with stream:
-            try:
-                async for frame in frames:
-                    batch = [frame]
-                    while True:
-                        try:
-                            batch.append(frames.receive_nowait())
-                        except (trio.WouldBlock, trio.EndOfChannel):
-                            break
-                    await stream.send_all(b"".join(batch))
-            except (OSError, trio.BrokenResourceError, trio.ClosedResourceError) as exc:
-                _log.warning("cluster.peer_send_failed", peer=node_id, address=address, error=str(exc))
-                self._queue_lost(node_id, frames)
-
-    def _queue_lost(self, node_id: str, frames: trio.MemoryReceiveChannel[bytes]) -> None:
-        pair = self._queues.get(node_id)
-        if pair is not None and pair[1] is frames:  # not a newer queue made since
-            self._queues.pop(node_id, None)
-            pair[0].close()
-        frames.close()
+        wait = REDIAL_SECONDS[0]
+        failures = 0
+        with queue.scope:
+            while True:
+                try:
+                    with trio.fail_after(DIAL_TIMEOUT):
+                        stream = await trio.open_tcp_stream(host, int(port))
+                except (OSError, trio.TooSlowError) as exc:
+                    failures += 1
+                    if failures == 1:  # once per outage, not once per dial
+                        _log.warning(
+                            "cluster.peer_dial_failed", peer=node_id, address=address, error=str(exc)
+                        )
+                    await trio.sleep(wait)
+                    wait = min(REDIAL_SECONDS[1], wait * 2)
+                    continue
+                if failures:
+                    _log.info("cluster.peer_redialled", peer=node_id, address=address, failed_dials=failures)
+                failures, wait = 0, REDIAL_SECONDS[0]
+                async with stream:
+                    batch: list[bytes] = []
+                    try:
+                        async for frame in queue.receive:
+                            batch = [frame]
+                            while True:
+                                try:
+                                    batch.append(queue.receive.receive_nowait())
+                                except (trio.WouldBlock, trio.EndOfChannel):
+                                    break
+                            await stream.send_all(b"".join(batch))
+                            batch = []
+                        return  # the queue was closed: nothing more to send
+                    except (OSError, trio.BrokenResourceError) as exc:
+                        _log.warning(
+                            "cluster.peer_send_failed",
+                            peer=node_id,
+                            address=address,
+                            error=str(exc),
+                            lost_frames=len(batch),
+                        )
 
     # ------------------------------------------------------------------ receiving
     async def _serve_connection(self, stream: trio.SocketStream) -> None:

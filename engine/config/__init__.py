@@ -19,6 +19,7 @@ from engine.config.base import ReplicaCounts, Section, _doc
 from engine.config.executor import ExecutorConfig
 from engine.config.scaling import AutoscaleConfig, ClusterConfig
 from engine.control.address import Address, parse_address, parse_http
+from messages.control import MAX_SEED
 from messages.faults import Fault
 from replicas.emulation import EmulatedSpeed
 from transport.config import UcxCopies
@@ -28,12 +29,24 @@ from transport.kinds import unavailable as transport_unavailable
 Level = Literal["debug", "info", "warning", "error"]
 MIB: Final = 1024 * 1024
 Blocks = Annotated[int, msgspec.Meta(ge=1, le=1 << 24)]
+NonEmpty = Annotated[str, msgspec.Meta(min_length=1)]
 
 
 class LogConfig(Section, frozen=True, kw_only=True):
     file: Annotated[str | None, _doc("append JSON-lines events to this file (docs/logging.md)")] = None
-    level: Annotated[Level, _doc("lowest event level written to the file and the console")] = "info"
+    level: Annotated[
+        Level,
+        _doc(
+            "lowest event level written to the file; the console shows warnings and errors, the start "
+            "line and the summary (every event at debug)"
+        ),
+    ] = "info"
     console: Annotated[bool, _doc("readable events on stderr")] = True
+    summary_period: Annotated[
+        float,
+        msgspec.Meta(ge=0, le=86400),
+        _doc("seconds between the one-line serving summaries (0: none)"),
+    ] = 10.0
 
 
 class KvConfig(Section, frozen=True, kw_only=True):
@@ -176,6 +189,39 @@ class NodeConfig(Section, frozen=True, kw_only=True):
     http: Annotated[
         str, _doc("OpenAI-compatible HTTP API: HOST:PORT (port 0: a free one) or off (docs/http-api.md)")
     ] = "127.0.0.1:8000"
+    host: Annotated[
+        NonEmpty | None,
+        _doc("the HTTP API's host, in place of --http's (as vLLM's --host; default: --http's)"),
+    ] = None
+    port: Annotated[
+        Annotated[int, msgspec.Meta(ge=0, le=65535)] | None,
+        _doc("the HTTP API's port, in place of --http's (0: a free one; default: --http's)"),
+    ] = None
+    served_model_name: Annotated[
+        NonEmpty | None,
+        _doc(
+            "the name(s) HTTP clients give as `model`, comma-separated; replies carry the first "
+            "(default: the model's name)"
+        ),
+    ] = None
+    max_model_len: Annotated[
+        Annotated[int, msgspec.Meta(ge=2, le=1 << 24)] | None,
+        _doc(
+            "the context a request may fill, prompt + max_tokens; at most the model's, which it caps "
+            "(default: the model's context)"
+        ),
+    ] = None
+    seed: Annotated[
+        Annotated[int, msgspec.Meta(ge=0, le=MAX_SEED)] | None,
+        _doc(
+            "seeds the sampling of requests that give no seed of their own, in arrival order: a node "
+            "started again with it samples the same requests the same (default: random)"
+        ),
+    ] = None
+    chat_template: Annotated[
+        NonEmpty | None,
+        _doc("a Jinja chat template file (or the template itself) in place of the model's"),
+    ] = None
     api_key: Annotated[
         str | None, _doc("when set, HTTP /v1 requests must send `Authorization: Bearer <key>`")
     ] = None
@@ -185,7 +231,11 @@ class NodeConfig(Section, frozen=True, kw_only=True):
         _doc("`tiny` (built in), `smollm2` (a packaged GGUF), a .gguf file or a checkpoint directory"),
     ] = "tiny"
     model_cache: Annotated[
-        str, msgspec.Meta(min_length=1), _doc("where GGUF files are converted to checkpoints (under gguf/)")
+        str,
+        msgspec.Meta(min_length=1),
+        _doc(
+            "where GGUF files are converted, once per content, to checkpoints (under gguf/); stale ones are pruned"
+        ),
     ] = "~/.cache/zigzag"
     replicas: Annotated[
         ReplicaCounts | None,
@@ -230,7 +280,10 @@ class NodeConfig(Section, frozen=True, kw_only=True):
 
     def __post_init__(self) -> None:
         parse_address(self.listen)
-        parse_http(self.http)
+        if parse_http(self.http) is None and (self.host is not None or self.port is not None):
+            raise ValueError("--host and --port place the HTTP API, but --http is off")
+        if self.served_model_name is not None and not self.served_model_names:
+            raise ValueError(f"--served-model-name {self.served_model_name!r} names no model")
         problem = device_unavailable(self.device) or transport_unavailable(self.transport, device=self.device)
         if problem is not None:
             raise ValueError(problem)
@@ -240,6 +293,25 @@ class NodeConfig(Section, frozen=True, kw_only=True):
     @property
     def listen_address(self) -> Address:
         return parse_address(self.listen)
+
+    @property
+    def http_address(self) -> tuple[str, int] | None:
+        """Where the HTTP API listens: `--http`, its host and port replaced by `--host` and `--port`
+        where given; None when it is off."""
+        http = parse_http(self.http)
+        if http is None:
+            return None
+        host, port = http
+        return (
+            host if self.host is None else self.host.strip("[]"),
+            port if self.port is None else self.port,
+        )
+
+    @property
+    def served_model_names(self) -> list[str]:
+        """`--served-model-name`'s names, in order (empty when not given)."""
+        names = (self.served_model_name or "").split(",")
+        return list(dict.fromkeys(name.strip() for name in names if name.strip()))
 
 
 def device_unavailable(device: str) -> str | None:

@@ -63,7 +63,7 @@ class HttpApi:
         self.api_key = api_key
         self.created = int(time.time())
         self._connections = itertools.count(1)
-        self._render = renderer(core.host.chat_template, core.host.name)
+        self._render = renderer(core.served.chat_template, core.served.name)
         self.app = Starlette(
             routes=[
                 Route("/v1/completions", self.completions, methods=["POST"]),
@@ -76,18 +76,18 @@ class HttpApi:
 
     @property
     def model_name(self) -> str:
-        return self.node.host.name
+        """The name replies carry (`--served-model-name`'s first, else the model's)."""
+        return self.node.served.name
 
     # ------------------------------------------------------------------ routes
     async def models(self, request: Request) -> Response:
         if (refused := self._refuse_key(request)) is not None:
             return refused
-        card = ModelCard(
-            id=self.model_name,
-            created=self.created,
-            max_model_len=self.node.host.config.max_position_embeddings,
-        )
-        return Response(msgspec.json.encode(ModelList(data=[card])), media_type=JSON)
+        served = self.node.served
+        cards = [
+            ModelCard(id=name, created=self.created, max_model_len=served.context) for name in served.names
+        ]
+        return Response(msgspec.json.encode(ModelList(data=cards)), media_type=JSON)
 
     async def health(self, request: Request) -> Response:
         states = {replica.state for replica in self.node.directory.local()}
@@ -118,20 +118,27 @@ class HttpApi:
             return refused
         raw = await request.body()
         if len(raw) > MAX_BODY_BYTES:
+            self.metrics.refused("bad_request")
             return error_response(413, f"the body is {len(raw)} bytes, over the {MAX_BODY_BYTES} limit", None)
         try:
             body = msgspec.json.decode(raw, type=kind)
         except msgspec.ValidationError as exc:
+            self.metrics.refused("bad_request")
             return validation_response(exc)
         except msgspec.DecodeError as exc:
+            self.metrics.refused("bad_request")
             return error_response(400, f"the body is not valid JSON: {exc}", None)
-        if body.model != self.model_name:
+        names = self.node.served.names
+        if body.model not in names:
+            self.metrics.refused("not_found")
+            served = " or ".join(repr(name) for name in names)
             return error_response(
-                404, f"the model {body.model!r} does not exist; this node serves {self.model_name!r}", "model"
+                404, f"the model {body.model!r} does not exist; this node serves {served}", "model"
             )
         try:
             generate = self._generate_request(body)
         except BadBody as exc:
+            self.metrics.refused("bad_request")
             return error_response(400, exc.message, exc.param)
         connection = f"http-{next(self._connections)}"
         try:
@@ -141,6 +148,7 @@ class HttpApi:
                 self.node.router,
                 self._log,
                 generate,
+                self.node.served,
                 connection=connection,
                 on_end=self._log_end,
                 token_gap=self.metrics.token_gap,
@@ -186,7 +194,7 @@ class HttpApi:
         host = self.node.host
         if isinstance(body, CompletionRequest):
             return completion_request(body, host.config.vocab_size)
-        return chat_request(body, self._render, host.config.max_position_embeddings)
+        return chat_request(body, self._render)
 
     async def _events(self, generation: Generation, encoder: SseStream) -> AsyncIterator[bytes]:
         """The SSE body. Cancelled when the client disconnects: `close` then cancels the request."""

@@ -7,9 +7,14 @@ Two sources:
   outcome, time to first token, time per output token, end-to-end latency, queue time — and what only a
   disaggregated node has: transfer seconds and bytes per kind (`kv`, `embedding`, `relay`, `weights`),
   ZigZag relays by layer, rounds per transfer,
-  failed transfers, lock events, weight-loading progress;
+  failed transfers, lock events;
 - gauges are read from the live replicas at each scrape (`NodeGauges`): requests running and waiting,
-  KV cache usage per replica, blocks used and total, the replica's state and lock.
+  KV cache usage per replica, blocks used and total, the replica's state and lock, the layers of weights
+  it has loaded (every replica, whether it loaded its weights itself or shares the node's copy).
+
+One more source: a request body the HTTP API refuses before admission (it does not decode, names
+another model, asks for what the node does not support) ends no admitted request and logs no event;
+`refused(code)` counts it as arrived and failed, so `requests_failed_total` holds every 4xx a client got.
 
 Inter-token latency is observed where tokens are relayed to a client, socket or HTTP
 (`engine.generation.Generation` calls `token_gap`): the gaps between token arrivals after the first.
@@ -20,11 +25,13 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from typing import final
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from engine.planner.signals import LoadCounters
+from engine.summary import ServingTally
+from messages.control import ErrorCode
 from messages.log.events import (
     EncodeStarted,
     LogEvent,
@@ -35,7 +42,6 @@ from messages.log.events import (
     RequestFailed,
     RequestFinished,
     TransferFinished,
-    WeightsProgress,
 )
 from messages.log.scaling import RelayReceived, WeightsCopyFinished
 from replicas.ports import Directory
@@ -74,8 +80,10 @@ class NodeMetrics:
 
     def __init__(self) -> None:
         self.registry = registry = CollectorRegistry(auto_describe=True)
-        # The planner's load counters (`engine.planner.signals`), fed by the same observer.
+        # The planner's load counters (`engine.planner.signals`) and the serving summary's tally
+        # (`engine.summary`), fed by the same observer.
         self.load = LoadCounters()
+        self.tally = ServingTally()
 
         def counter(name: str, doc: str, labels: tuple[str, ...] = ()) -> Counter:
             return Counter(f"zigzag:{name}", doc, labels, registry=registry)
@@ -111,12 +119,6 @@ class NodeMetrics:
         self.transfer_rounds = histogram("transfer_rounds", "Rounds per transfer.", ROUND_BUCKETS, ("kind",))
         self.relays = counter("relays", "ZigZag batches relayed, by the layer handed over at.", ("layer",))
         self.locks = counter("replica_locks", "Times a replica was locked, by reason.", ("replica", "reason"))
-        self.weights = Gauge(
-            "zigzag:weights_layers_loaded",
-            "Layers of weights a replica has loaded, of its model's total.",
-            ("replica", "of"),
-            registry=registry,
-        )
         self._arrivals: dict[str, float] = {}
 
     def attach(self, directory: Directory, live: Callable[[], int], waiting: Callable[[], int]) -> None:
@@ -127,6 +129,7 @@ class NodeMetrics:
     def observe(self, event: LogEvent) -> None:
         """An event-log observer: never blocks, never emits."""
         self.load.observe(event)
+        self.tally.observe(event)
         match event:
             case RequestArrived(request_id=request_id, ts=ts):
                 self.arrived.inc()
@@ -160,8 +163,6 @@ class NodeMetrics:
                     self.transfer_rounds.labels(event.kind).observe(event.rounds)
             case ReplicaLocked():
                 self.locks.labels(event.replica or "", event.reason).inc()
-            case WeightsProgress():
-                self.weights.labels(event.replica or "", str(event.layers_total)).set(event.layers_loaded)
             case RelayReceived():
                 self.relays.labels(str(event.layer)).inc()
                 self.transfer_seconds.labels("relay", "success").observe(event.seconds)
@@ -173,6 +174,11 @@ class NodeMetrics:
                     self.transfer_bytes.labels("weights").observe(event.bytes)
             case _:
                 pass
+
+    def refused(self, code: ErrorCode) -> None:
+        """A request the HTTP API refused before admission (no event was logged for it)."""
+        self.arrived.inc()
+        self.failed.labels(code).inc()
 
     def token_gap(self, seconds: float, tokens: int) -> None:
         """`tokens` tokens arrived `seconds` after the previous ones: one gap per token."""
@@ -220,6 +226,11 @@ class NodeGauges(Collector):
         locked = GaugeMetricFamily(
             "zigzag:replica_locked", "1 while a replica is locked.", labels=["replica"]
         )
+        layers = GaugeMetricFamily(
+            "zigzag:weights_layers_loaded",
+            "Layers of weights a replica has loaded, of its model's total.",
+            labels=["replica", "of"],
+        )
         for snap in (replica.snapshot() for replica in self._directory.local()):
             kv_used, kv_total = snap.cached_blocks, snap.kv_blocks
             usage.add_metric([snap.name], kv_used / kv_total if kv_total else 0.0)
@@ -228,4 +239,5 @@ class NodeGauges(Collector):
             for name in ReplicaState:
                 state.add_metric([snap.name, name.value], 1.0 if snap.state is name else 0.0)
             locked.add_metric([snap.name], 1.0 if snap.locked else 0.0)
-        yield from (usage, used, total, state, locked)
+            layers.add_metric([snap.name, str(snap.total_layers)], snap.loaded_layers)
+        yield from (usage, used, total, state, locked, layers)

@@ -1,8 +1,9 @@
 """OpenAI request bodies → the node's `GenerateRequest`, with every refusal a `BadBody` naming its field.
 
-- Sampling: `temperature` defaults to 1.0 and `top_p` to 1.0, as OpenAI's do; a missing `seed` gets a
-  random one (as on the socket). `max_tokens` (completions: default 16) or `max_completion_tokens` (chat;
-  default: what the context leaves after the prompt, capped at `DEFAULT_CHAT_MAX_TOKENS`).
+- Sampling: `temperature` defaults to 1.0 and `top_p` to 1.0, as OpenAI's do; a missing `seed` gets one
+  from the node (random, or `--seed`'s sequence; as on the socket). `max_tokens` (completions: default 16)
+  or `max_completion_tokens` (chat; default: what the context leaves after the prompt, as vLLM's). The
+  prompt and `max_tokens` together must fit the context (`engine.admission`: a 400 naming both).
 - Chat: the messages are rendered with the model's chat template (`replicas.model.text.chat_template`). An
   image part (`image_url` with a `data:` URL, PNG or JPEG) becomes the model's image marker in the text
   and an `ImageInput`, so images go through the encode replicas exactly as on the socket.
@@ -21,7 +22,6 @@ from messages.control import MAX_IMAGE_SIDE, MAX_IMAGES, GenerateRequest, ImageI
 from messages.openai import ChatCompletionRequest, ChatMessage, CompletionRequest, ImagePart, SamplingFields
 
 DEFAULT_TEMPERATURE: Final = 1.0
-DEFAULT_CHAT_MAX_TOKENS: Final = 4096
 IMAGE_MARKER: Final = "<image>"  # where `replicas.model.encode_prompt` puts the next image
 
 
@@ -69,8 +69,8 @@ def unsupported(body: SamplingFields) -> BadBody | None:
     return None
 
 
-def _sampling(body: SamplingFields, max_tokens: int) -> dict[str, Any]:
-    if body.min_tokens > max_tokens:
+def _sampling(body: SamplingFields, max_tokens: int | None) -> dict[str, Any]:
+    if max_tokens is not None and body.min_tokens > max_tokens:
         raise BadBody(
             f"min_tokens ({body.min_tokens}) must not exceed max_tokens ({max_tokens})", "min_tokens"
         )
@@ -115,9 +115,7 @@ def completion_request(body: CompletionRequest, vocab_size: int) -> GenerateRequ
 
 
 def chat_request(
-    body: ChatCompletionRequest,
-    render: Callable[[list[dict[str, Any]], bool, bool], str],
-    context_tokens: int,
+    body: ChatCompletionRequest, render: Callable[[list[dict[str, Any]], bool, bool], str]
 ) -> GenerateRequest:
     """`/v1/chat/completions`: the messages rendered by `render(messages, add_generation_prompt,
     continue_final_message)` into one prompt, images in order."""
@@ -131,7 +129,7 @@ def chat_request(
             "continue_final_message and add_generation_prompt cannot both be true", "add_generation_prompt"
         )
     prompt = render(messages, body.add_generation_prompt, body.continue_final_message)
-    max_tokens = body.max_completion_tokens or body.max_tokens or min(DEFAULT_CHAT_MAX_TOKENS, context_tokens)
+    max_tokens = body.max_completion_tokens or body.max_tokens  # None: what the context leaves
     return GenerateRequest(
         id="http", prompt=prompt, images=images, add_special_tokens=False, **_sampling(body, max_tokens)
     )

@@ -54,6 +54,7 @@ from messages.log.events import (
     RequestFailed,
     RequestFinished,
     RequestQueued,
+    ServingSummary,
     SlowClient,
     Transfer,
     TransferFinished,
@@ -216,7 +217,7 @@ class Aggregator:
                     key = (event.severity, event.name)
                     self.diagnostics[key] += 1
                     self.diagnostic_examples.setdefault(key, event.fields)
-            case NodeConfigured() | WeightsProgress() | GpuReport():
+            case NodeConfigured() | WeightsProgress() | GpuReport() | ServingSummary():
                 pass
             case scaling.WeightsCopyStarted() | scaling.WeightsCopyFinished() | scaling.ExecutorReady():
                 pass

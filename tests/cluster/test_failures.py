@@ -20,7 +20,15 @@ from messages.control_replies import GenerateResult, ReplicaStatus, StatusResult
 from replicas.model import tiny_model
 from tests.cluster.harness import LEASE_TTL, cluster_nodes, cluster_options, cluster_transport
 from tests.node.harness import REPO_ROOT, launch_node, wait_idle, wait_status
-from tests.node.workload import Ask, Outcome, check_outcome, mixed_workload, send
+from tests.node.workload import (
+    Ask,
+    Outcome,
+    assert_correct,
+    check_outcome,
+    distinct_asks,
+    mixed_workload,
+    send,
+)
 from tests.waiting import deadline
 
 ENDS_WITHIN = LEASE_TTL + 10.0  # the TTL, a watch round trip, and a loaded machine
@@ -187,10 +195,17 @@ async def test_a_new_leader_runs_the_reject_loop(tmp_path: Path, etcd: LocalEtcd
         first.kill()
 
 
-async def test_a_node_whose_keepalives_are_blocked_rejoins(tmp_path: Path, etcd: LocalEtcd) -> None:
+async def test_a_node_whose_keepalives_are_blocked_rejoins_and_places_kv_again(
+    tmp_path: Path, etcd: LocalEtcd
+) -> None:
+    """`stalls` sends no keepalive for 3 s (its lease of 2 s expires), then rejoins under a new lease.
+    It only prefills and `steady` only decodes, so every request needs a ReserveKV from `stalls` to
+    `steady` under the new lease: taken, because the record `stalls` re-wrote names that lease (it
+    named the expired one, and every reservation was refused `stale_lease`)."""
+    model = tiny_model()
     layout = (
-        ("steady", "encode=0,prefill=1,decode=1"),
-        ("stalls", "encode=0,prefill=1,decode=1"),
+        ("steady", "encode=0,prefill=0,decode=1"),
+        ("stalls", "encode=0,prefill=1,decode=0"),
     )
     block = ("--fault", "block_keepalive:after_s=2,seconds=3")
     async with cluster_nodes(tmp_path, etcd, layout[:1]) as steady:
@@ -207,13 +222,27 @@ async def test_a_node_whose_keepalives_are_blocked_rejoins(tmp_path: Path, etcd:
                     "a new lease after the old one expired",
                     timeout=30,
                 )
-            async with steady["steady"].client() as other:
                 await wait_status(
-                    other,
-                    lambda s: s.cluster is not None and "stalls" in s.cluster.nodes,
-                    "stalls back",
-                    timeout=30,
+                    client,
+                    lambda s: {r.name for r in s.replicas} == {"steady/decode-0", "stalls/prefill-0"},
+                    "stalls seeing steady's replicas",
                 )
+                async with steady["steady"].client() as other:
+                    await wait_status(
+                        other,
+                        lambda s: (
+                            s.cluster is not None and "stalls" in s.cluster.nodes and len(s.replicas) == 2
+                        ),
+                        "stalls back, with its replica",
+                        timeout=30,
+                    )
+                    outcomes = [await send(client, ask) for ask in distinct_asks(3, max_tokens=4)]
+                    assert_correct(model, outcomes, transport=cluster_transport())
+                    for outcome in outcomes:
+                        assert [(t.source, t.destination) for t in outcome.result.transfers] == [
+                            ("stalls/prefill-0", "steady/decode-0")
+                        ]
+                    await wait_idle(other)
         finally:
             stalls.kill()
 

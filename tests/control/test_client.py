@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import os
 import re
 import socket
+import subprocess
 import sys
 import threading
 from pathlib import Path
@@ -12,15 +14,22 @@ import msgspec
 import pytest
 import trio
 
+from engine.cli import options
 from engine.client import ControlClient, ControlConnectionClosed, ControlError
 from engine.client.cli import main as cli_main
 from engine.client.cli import render
+from engine.config import FLAG_PREFIXES, NodeConfig
 from engine.control.address import TcpAddress
 from messages.control import ImageInput
 from messages.control_replies import GenerateResult, ReplicaStatus, StatusResult, TokenReply
 from tests.control.conftest import Served, start_server
+from tests.node.harness import launch_node
+from tests.waiting import wait_until
 
 REPO = Path(__file__).resolve().parents[2]
+DEPRECATION = (
+    "note: $ZIGZAG_ADDRESS is deprecated; set $ZIGZAG_LISTEN, which the node reads for its --listen too\n"
+)
 
 
 async def test_ops_and_errors_through_the_client(served: Served) -> None:
@@ -140,6 +149,69 @@ async def test_cli_against_a_live_server(nursery: trio.Nursery, short_dir: Path,
 
     code, _, err = await _cli(served, "generate", "--prompt", "x", "--raw-image", "axb:nofile")
     assert (code, err) == (2, "--raw-image 'axb:nofile': expected WIDTHxHEIGHT:FILE, e.g. 64x48:image.rgb\n")
+
+
+async def test_the_cli_reads_the_nodes_listen_variable_and_still_the_old_one(served: Served) -> None:
+    """`$ZIGZAG_LISTEN` places the node's socket (`--listen`) and the client's default alike; the
+    client's former `$ZIGZAG_ADDRESS` still works, with a note saying what to set instead."""
+    listen = next(option for option in options(NodeConfig, FLAG_PREFIXES) if option.flag == "--listen")
+    assert listen.env == "ZIGZAG_LISTEN"
+    for variable, note in (("ZIGZAG_LISTEN", ""), ("ZIGZAG_ADDRESS", DEPRECATION)):
+        environ = {key: value for key, value in os.environ.items() if not key.startswith("ZIGZAG_")}
+        result = await trio.run_process(
+            [sys.executable, "-m", "engine.client", "status"],
+            capture_stdout=True,
+            capture_stderr=True,
+            check=False,
+            cwd=REPO,
+            env={**environ, variable: str(served.address)},
+        )
+        assert result.returncode == 0, result.stderr
+        assert result.stdout.decode().splitlines()[1].split()[0] == "decode-0"
+        assert result.stderr.decode() == note
+
+
+def test_the_clis_help_shows_its_default_address_and_variable(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        cli_main(["--help"], environ={"ZIGZAG_LISTEN": "127.0.0.1:9999"})
+    text = " ".join(capsys.readouterr().out.split())
+    assert (
+        "(default: 127.0.0.1:7340, the node's --listen default; $ZIGZAG_LISTEN, the node's variable, sets"
+        in text
+    )
+    assert "now 127.0.0.1:9999)" in text
+
+
+@pytest.mark.slow
+async def test_ready_waits_through_a_node_still_starting_until_it_serves(tmp_path: Path) -> None:
+    """Started before the node listens, `ready` retries until prefill and decode serve, then prints the
+    status; with nothing to answer it gives up at --timeout (exit 3)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    address = f"127.0.0.1:{port}"
+    client = [sys.executable, "-m", "engine.client", "--address", address, "--timeout", "120", "ready"]
+    done: list[subprocess.CompletedProcess[bytes]] = []
+
+    async def wait_ready() -> None:
+        run = trio.run_process(client, capture_stdout=True, capture_stderr=True, check=False, cwd=REPO)
+        done.append(await run)
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(wait_ready)
+        node = launch_node(tmp_path, "--replicas", "prefill=1,decode=1", "--listen", address)
+        try:
+            await wait_until(lambda: done, "the client's ready to return", 120)
+        finally:
+            node.kill()
+    (ready,) = done
+    assert ready.returncode == 0, ready.stderr
+    rows = [line.split()[:2] for line in ready.stdout.decode().splitlines()[1:]]
+    assert rows == [["prefill-0", "Prefill"], ["decode-0", "Decode"]]
+    gone = await trio.run_process(
+        [*client[:6], "1", "ready"], capture_stdout=True, capture_stderr=True, check=False, cwd=REPO
+    )
+    assert (gone.returncode, gone.stderr.decode()) == (3, "no answer within --timeout 1.0 s\n")
 
 
 async def test_cli_without_a_server(short_dir: Path) -> None:

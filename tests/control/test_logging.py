@@ -15,6 +15,7 @@ from engine.logging import (
     LogFileError,
     MissingContext,
     configure_diagnostics,
+    node_console_level,
     open_event_log,
     route_diagnostics,
 )
@@ -24,6 +25,7 @@ from messages.log.events import (
     ClientConnected,
     Diagnostic,
     FirstToken,
+    NodeStarted,
     NodeStopped,
     PrefillStarted,
     ReplicaFailed,
@@ -108,6 +110,29 @@ def test_levels_filter_both_sinks(tmp_path: Path) -> None:
     (failed,) = _events(path)
     assert isinstance(failed, RequestFailed) and failed.request_id == "r9"
     assert "client_connected" not in console.getvalue() and "[error    ] request_failed" in console.getvalue()
+
+
+def test_the_console_may_be_quieter_than_the_file_and_still_shows_the_start_line(tmp_path: Path) -> None:
+    path = tmp_path / "node.jsonl"
+    console = io.StringIO()
+    log = open_event_log(file=str(path), level="info", console=console, console_level="warning")
+    assert log.enabled("info")
+    started = NodeStarted(
+        listen="l", model="tiny", device="cpu", transport="inproc", replicas=[], pid=1, version="v"
+    )
+    log.emit(started)
+    log.emit(ClientConnected(connection="c1", peer="p"))
+    log.bind(request_id="r9").emit(RequestFailed(code="overloaded", message="queue full"))
+    log.close()
+    assert [type(event) for event in _events(path)] == [NodeStarted, ClientConnected, RequestFailed]
+    shown = console.getvalue()
+    assert "node_started" in shown and "request_failed" in shown and "client_connected" not in shown
+    assert [node_console_level(level) for level in ("debug", "info", "warning", "error")] == [
+        "debug",
+        "warning",
+        "warning",
+        "error",
+    ]
 
 
 async def test_emitting_from_worker_threads_keeps_lines_whole(tmp_path: Path) -> None:

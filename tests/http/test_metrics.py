@@ -60,6 +60,45 @@ async def test_counters_agree_with_the_requests_sent(
     assert sum(value for (name, _), value in seen.items() if name == "zigzag:blocks_used") == 0
 
 
+async def test_refused_bodies_count_as_failed_requests(http: httpx.AsyncClient) -> None:
+    """A 4xx the node answers before admitting anything (the body does not decode, names another model,
+    asks for what the node does not support) counts as a request that arrived and failed, by code."""
+    before = samples((await http.get("/metrics")).text)
+    bodies = [
+        ({"model": "tiny", "prompt": "hi", "temperature": "hot"}, 400),  # does not validate
+        ({"model": "tiny", "prompt": "hi", "n": 2}, 400),  # not supported
+        ({"model": "gpt-4", "prompt": "hi"}, 404),  # another model
+    ]
+    for body, status in bodies:
+        assert (await http.post("/v1/completions", json=body)).status_code == status
+    assert (await http.post("/v1/chat/completions", content=b"{not json")).status_code == 400
+    after = samples((await http.get("/metrics")).text)
+
+    def grew(name: str, labels: tuple[tuple[str, str], ...] = ()) -> float:
+        return after.get((name, labels), 0.0) - before.get((name, labels), 0.0)
+
+    assert grew("zigzag:requests_arrived_total") == 4
+    assert grew("zigzag:requests_failed_total", (("code", "bad_request"),)) == 3
+    assert grew("zigzag:requests_failed_total", (("code", "not_found"),)) == 1
+
+
+async def test_every_replica_reports_its_loaded_layers(http: httpx.AsyncClient) -> None:
+    """`weights_layers_loaded` is read from every replica at the scrape: those that share the node's
+    resident copy too, not only the one whose load logged the progress."""
+    seen = samples((await http.get("/metrics")).text)
+    layers = {
+        dict(labels)["replica"]: (value, dict(labels)["of"])
+        for (name, labels), value in seen.items()
+        if name == "zigzag:weights_layers_loaded"
+    }
+    replicas = {
+        dict(labels)["replica"] for (name, labels), _ in seen.items() if name == "zigzag:blocks_total"
+    }
+    assert set(layers) == replicas and len(replicas) >= 2
+    for value, total in layers.values():
+        assert value == float(total) > 0
+
+
 async def test_health_is_503_while_no_replica_can_serve(tmp_path: Path) -> None:
     with node_process(tmp_path, "--replicas", "decode=1") as node:
         assert node.http_url is not None

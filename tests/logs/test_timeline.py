@@ -143,3 +143,31 @@ def test_timeline_command_refuses_an_output_that_is_not_a_picture_file(
         f"python -m engine.logs: timeline: -o {target!r} must name a picture file ending in .png, .svg, .pdf\n"
     )
     assert sorted(p.name for p in tmp_path.iterdir()) == ["node.jsonl"]
+
+
+def test_the_replica_and_in_flight_axes_have_whole_number_ticks(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Replicas and requests come whole: the count panel's ticks are integers, however few there are."""
+    pytest.importorskip("matplotlib")
+    from matplotlib.figure import Figure
+
+    from engine.logs.plot import draw_timeline
+
+    path = tmp_path / "node.jsonl"
+    write_scenario(path)
+    drawn: list[Figure] = []
+    save = Figure.savefig
+
+    def keep(figure: Figure, *args: object, **kwargs: object) -> None:
+        drawn.append(figure)
+        save(figure, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(Figure, "savefig", keep)
+    draw_timeline(_timeline(path), tmp_path / "t.png")
+    (figure,) = drawn
+    counts = next(axes for axes in figure.axes if axes.get_ylabel() == "replicas")
+    load = next(axes for axes in figure.axes if axes.get_ylabel() == "requests in flight")
+    for axes in (counts, load):
+        ticks = [tick for tick in axes.get_yticks() if axes.get_ylim()[0] <= tick <= axes.get_ylim()[1]]
+        assert len(ticks) >= 2 and all(float(tick).is_integer() for tick in ticks), ticks

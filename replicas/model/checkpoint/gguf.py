@@ -8,7 +8,10 @@ gives a tensor (named by `hf_names()`) in HF orientation, dequantized (`gguf.qua
 float32 — float16 and bfloat16 tensors are kept as they are, they are exact already — with llama.cpp's
 rotary row permutation of `attn_q` / `attn_k` undone for the `llama` architecture (its converter
 interleaves each head's two rotary halves; zigzag, like HF, rotates halves). `write_checkpoint` writes
-the whole HF checkpoint directory that `ModelLoader` then loads layer by layer like any other.
+the whole HF checkpoint directory that `ModelLoader` then loads layer by layer like any other, keeping
+the file's dtypes: float32, float16 and bfloat16 tensors as they are, quantized ones as the file's
+blocks, dequantized to float32 when read (`stored_tensor`, `replicas.model.checkpoint.quantized`) — a
+conversion takes about the file's bytes, not four to eight times them.
 
 Architectures: `llama` and `qwen2`. Mixture-of-experts files, per-layer head counts, partial rotary
 and llama.cpp's stored rope frequency factors (`rope_freqs.weight`, Llama 3.1-style scaling) are
@@ -29,6 +32,7 @@ from gguf.quants import dequantize
 from safetensors.torch import save_file
 
 from replicas.model.checkpoint.loader import INDEX_FILE
+from replicas.model.checkpoint.quantized import QUANTIZED_KEY, quantized_metadata
 from replicas.model.errors import CheckpointError, UnsupportedModelError
 
 GGUF_ARCHITECTURES: Final[dict[str, str]] = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
@@ -226,16 +230,43 @@ class GGUFFile:
             kind = getattr(tensor.tensor_type, "name", tensor.tensor_type)
             raise UnsupportedModelError(f"{self.path}: tensor {gguf_name!r} of type {kind}: {exc}") from exc
         if self.architecture == "llama" and (".attn_q." in gguf_name or ".attn_k." in gguf_name):
-            arch = self.architecture
-            heads = self.integer(f"{arch}.attention.head_count")
-            query = ".attn_q." in gguf_name
-            groups = heads if query else self.integer(f"{arch}.attention.head_count_kv", heads)
-            values = unpermute_rotary(values, groups)
+            values = unpermute_rotary(values, self._rotary_groups(gguf_name))
         return values
 
-    def stored_bytes(self, gguf_name: str) -> int:
-        """Bytes `gguf_name` takes once converted (float32 unless kept as float16 / bfloat16)."""
+    def quantized(self, gguf_name: str) -> bool:
+        """Whether `gguf_name` is stored in blocks of a quantized type (not float32/16, bfloat16)."""
+        kind = self._tensors[gguf_name].tensor_type
+        return kind not in _KEPT_TYPES and kind != GGMLQuantizationType.F32
+
+    def stored_tensor(self, gguf_name: str) -> tuple[torch.Tensor, str | None]:
+        """`gguf_name` as the converted checkpoint stores it, and its GGML type name when quantized
+        (None otherwise): a quantized tensor as its `uint8` rows of blocks, rotary rows unpermuted;
+        any other as `hf_tensor` gives it."""
+        if not self.quantized(gguf_name):
+            return self.hf_tensor(gguf_name), None
         tensor = self._tensors[gguf_name]
+        blocks = np.ascontiguousarray(tensor.data).view(np.uint8)
+        blocks = blocks.reshape(int(tensor.shape[-1]) if len(tensor.shape) > 1 else 1, -1)
+        values = torch.from_numpy(blocks.copy())
+        if self.architecture == "llama" and (".attn_q." in gguf_name or ".attn_k." in gguf_name):
+            values = unpermute_rotary(values, self._rotary_groups(gguf_name))
+        return values, GGMLQuantizationType(tensor.tensor_type).name
+
+    def hf_shape(self, gguf_name: str) -> tuple[int, ...]:
+        """`gguf_name`'s shape in HF orientation."""
+        return tuple(int(n) for n in reversed(self._tensors[gguf_name].shape))
+
+    def _rotary_groups(self, gguf_name: str) -> int:
+        arch = self.architecture
+        heads = self.integer(f"{arch}.attention.head_count")
+        return heads if ".attn_q." in gguf_name else self.integer(f"{arch}.attention.head_count_kv", heads)
+
+    def stored_bytes(self, gguf_name: str) -> int:
+        """Bytes `gguf_name` takes once converted: the file's own for quantized and 16-bit tensors,
+        float32's otherwise."""
+        tensor = self._tensors[gguf_name]
+        if self.quantized(gguf_name):
+            return int(tensor.n_bytes)
         return int(tensor.n_elements) * (2 if tensor.tensor_type in _KEPT_TYPES else 4)
 
 
@@ -263,8 +294,16 @@ def write_checkpoint(file: GGUFFile, directory: Path, extra_files: dict[str, str
     )
     weight_map: dict[str, str] = {}
     for shard, shard_name in zip(shards, names):
-        tensors = {hf_name: file.hf_tensor(gguf_name) for gguf_name, hf_name in shard}
-        save_file(tensors, str(directory / shard_name), metadata={"format": "pt"})
+        tensors: dict[str, torch.Tensor] = {}
+        quantized: dict[str, tuple[str, tuple[int, ...]]] = {}
+        for gguf_name, hf_name in shard:
+            tensors[hf_name], kind = file.stored_tensor(gguf_name)
+            if kind is not None:
+                quantized[hf_name] = (kind, file.hf_shape(gguf_name))
+        metadata = {"format": "pt"}
+        if quantized:
+            metadata[QUANTIZED_KEY] = quantized_metadata(quantized)
+        save_file(tensors, str(directory / shard_name), metadata=metadata)
         weight_map.update(dict.fromkeys(tensors, shard_name))
         del tensors
     if len(shards) > 1:

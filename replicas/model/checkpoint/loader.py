@@ -19,6 +19,7 @@ import msgspec
 import torch
 from safetensors import SafetensorError, safe_open
 
+from replicas.model.checkpoint.quantized import dequantize_stored, quantized_entries
 from replicas.model.config import ModelConfig, ModelDType, read_hf_config
 from replicas.model.errors import CheckpointError, WeightShapeError
 from replicas.model.layers import expected_layer_shapes, fuse_layer
@@ -45,12 +46,15 @@ EMBED, NORM, HEAD = "model.embed_tokens.weight", "model.norm.weight", "lm_head.w
 
 @final
 class CheckpointFiles:
-    """Which safetensors file holds which tensor; opens files lazily; checks shapes before reading."""
+    """Which safetensors file holds which tensor; opens files lazily; checks shapes before reading. A
+    tensor a GGUF conversion kept quantized (`replicas.model.checkpoint.quantized`) is checked against
+    the shape its file's metadata records and read dequantized, as float32."""
 
     def __init__(self, directory: Path) -> None:
         self.directory = directory
         self._where: dict[str, Path] = {}
         self._open: dict[Path, Any] = {}
+        self._quantized: dict[Path, dict[str, tuple[str, tuple[int, ...]]]] = {}
         index = directory / INDEX_FILE
         if index.is_file():
             self._read_index(index)
@@ -80,17 +84,24 @@ class CheckpointFiles:
     def _handle(self, path: Path) -> Any:
         if path not in self._open:
             try:
-                self._open[path] = safe_open(str(path), framework="pt", device="cpu")
+                handle = safe_open(str(path), framework="pt", device="cpu")
             except (SafetensorError, OSError) as exc:
                 raise CheckpointError(f"{path}: not a readable safetensors file: {exc}") from exc
+            self._quantized[path] = quantized_entries(handle.metadata(), str(path))
+            self._open[path] = handle
         return self._open[path]
 
     def has(self, name: str) -> bool:
         return name in self._where
 
     def read(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
-        """Tensor `name`, after checking it exists and has `shape` (CPU, checkpoint dtype)."""
-        tensor: torch.Tensor = self._handle(self.check(name, shape)).get_tensor(name)
+        """Tensor `name`, after checking it exists and has `shape` (CPU, checkpoint dtype; float32 for
+        one stored quantized)."""
+        path = self.check(name, shape)
+        tensor: torch.Tensor = self._handle(path).get_tensor(name)
+        quantized = self._quantized[path].get(name)
+        if quantized is not None:
+            tensor = dequantize_stored(tensor, quantized[0], shape, f"{path.name}: tensor {name!r}")
         return tensor
 
     def check(self, name: str, shape: tuple[int, ...]) -> Path:
@@ -98,7 +109,9 @@ class CheckpointFiles:
         path = self._where.get(name)
         if path is None:
             raise CheckpointError(f"{self.directory}: tensor {name!r} is in no safetensors file")
-        actual = tuple(self._handle(path).get_slice(name).get_shape())
+        handle = self._handle(path)
+        quantized = self._quantized[path].get(name)
+        actual = quantized[1] if quantized is not None else tuple(handle.get_slice(name).get_shape())
         if actual != shape:
             raise WeightShapeError(
                 f"{path.name}: tensor {name!r} has shape {list(actual)}, config.json implies {list(shape)}"
@@ -107,6 +120,7 @@ class CheckpointFiles:
 
     def close(self) -> None:
         self._open.clear()
+        self._quantized.clear()
 
 
 @final

@@ -7,33 +7,50 @@
 - `PATH.gguf`: a GGUF file.
 - anything else: an HF checkpoint directory, loaded as it is.
 
-A GGUF file is converted once into an HF checkpoint directory (`config.json`, safetensors weights,
+A GGUF file is converted once into an HF checkpoint directory (`config.json`, safetensors weights in the
+file's own dtypes — quantized tensors as their blocks, `replicas.model.checkpoint.quantized` —,
 `tokenizer.json`, `tokenizer_config.json` with the chat template, `generation_config.json`) under
-`<cache_dir>/gguf/<file stem>-<size>-<mtime_ns>-c<converter version>/`, then loaded layer by layer by
-`ModelLoader` like any checkpoint. The default cache directory is `~/.cache/zigzag` (the node's
-`--model-cache`). The conversion is written into a temporary sibling and renamed into place, so an
-interrupted or concurrent conversion never leaves a half-written directory behind: a later run
-converts again, or uses the one that won the rename.
+`<cache_dir>/gguf/<file stem>-<size>-<header hash>-c<converter version>/`, then loaded layer by layer by
+`ModelLoader` like any checkpoint. The key is the file's content (`gguf_key.header_key`: its size and a
+hash of its header), so the same file installed again elsewhere — a second virtualenv, a fresh clone —
+reuses the conversion. The default cache directory is `~/.cache/zigzag` (the node's `--model-cache`).
+The conversion is written into a temporary sibling and renamed into place, so an interrupted or
+concurrent conversion never leaves a half-written directory behind: a later run converts again, or uses
+the one that won the rename.
+
+Each conversion records what it was made from (`SOURCE_FILE`: the converter version, the key and the
+paths of the files that use it). Resolving a GGUF file prunes the cache of stale conversions
+(`prune_gguf_cache`): those of another converter version or of the former naming (by modification
+time), those none of whose recorded files still exists with the key they were made from (the file was
+changed or removed), and temporary directories a killed conversion left more than a day ago.
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import os
 import shutil
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Final, final
+from typing import Any, Final, final
+
+import structlog
 
 from replicas.model.checkpoint.gguf import GGUFFile, write_checkpoint
+from replicas.model.checkpoint.gguf_key import GGUFKey, header_key
 from replicas.model.checkpoint.gguf_tokenizer import gguf_tokenizer, gguf_tokenizer_config
 from replicas.model.errors import CheckpointError, ModelLoadError
 
+_log = structlog.get_logger("replicas.model.checkpoint")
 TINY: Final = "tiny"
 DEFAULT_CACHE_DIR: Final = "~/.cache/zigzag"
-CONVERTER_VERSION: Final = 1  # bump when the conversion's output changes: old cache entries are ignored
+CONVERTER_VERSION: Final = 2  # bump when the conversion's output changes: old entries are pruned
+SOURCE_FILE: Final = "zigzag-source.json"
+STAGING_STALE_SECONDS: Final = 24 * 3600.0
 
 
 @final
@@ -106,17 +123,21 @@ def packaged_file(model: PackagedModel) -> Path:
 
 
 def gguf_checkpoint(path: str | Path, *, cache_dir: str | Path = DEFAULT_CACHE_DIR) -> Path:
-    """The HF checkpoint directory converted from GGUF file `path`, converting it on first use."""
+    """The HF checkpoint directory converted from GGUF file `path`, converting it on first use (see the
+    module docstring); prunes the cache's stale conversions."""
     path = Path(path).expanduser()
     try:
-        stat = path.stat()
+        path.stat()
     except OSError as exc:
         raise CheckpointError(f"{path}: no such GGUF file ({exc.strerror})") from exc
     if not path.is_file():
         raise CheckpointError(f"{path}: not a GGUF file (not a regular file)")
+    key = header_key(path)
     root = Path(cache_dir).expanduser() / "gguf"
-    target = root / f"{path.stem}-{stat.st_size}-{stat.st_mtime_ns}-c{CONVERTER_VERSION}"
+    target = root / f"{path.stem}-{key.size}-{key.short}-c{CONVERTER_VERSION}"
     if (target / "config.json").is_file():
+        _record_source(target, key, path)
+        prune_gguf_cache(root)
         return target
     try:
         root.mkdir(parents=True, exist_ok=True)
@@ -125,16 +146,95 @@ def gguf_checkpoint(path: str | Path, *, cache_dir: str | Path = DEFAULT_CACHE_D
         raise CheckpointError(f"{root}: cannot create the GGUF conversion cache here: {exc}") from exc
     try:
         convert_gguf(path, staging)
+        _write_source(staging, {"converter": CONVERTER_VERSION, **_key_fields(key), "sources": [str(path)]})
         try:
             os.rename(staging, target)
         except OSError:
             if not (target / "config.json").is_file():  # lost a race to another converter: use its copy
                 raise
+            _record_source(target, key, path)
     except OSError as exc:
         raise CheckpointError(f"{target}: cannot write the converted checkpoint: {exc}") from exc
     finally:
         shutil.rmtree(staging, ignore_errors=True)
+    prune_gguf_cache(root)
     return target
+
+
+def _key_fields(key: GGUFKey) -> dict[str, object]:
+    return {"size": key.size, "header_sha256": key.header_sha256}
+
+
+def _read_source(entry: Path) -> dict[str, Any] | None:
+    try:
+        record = json.loads((entry / SOURCE_FILE).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return None
+    return record if isinstance(record, dict) else None
+
+
+def _write_source(entry: Path, record: dict[str, Any]) -> None:
+    staging = entry / f".{SOURCE_FILE}.{os.getpid()}"
+    staging.write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
+    os.replace(staging, entry / SOURCE_FILE)
+
+
+def _record_source(entry: Path, key: GGUFKey, path: Path) -> None:
+    """Add `path` to the files `entry` is used for (best effort: a read-only cache still serves)."""
+    record = _read_source(entry) or {"converter": CONVERTER_VERSION, **_key_fields(key), "sources": []}
+    sources = [str(source) for source in record.get("sources", [])]
+    if str(path) in sources:
+        return
+    record["sources"] = [*sources, str(path)]
+    with contextlib.suppress(OSError):
+        _write_source(entry, record)
+
+
+def _still_made_from(record: dict[str, Any]) -> bool:
+    """Whether one of the files a conversion records still has the key it was made from."""
+    for source in record.get("sources", []):
+        try:
+            key = header_key(str(source))
+        except CheckpointError:
+            continue
+        if key.size == record.get("size") and key.header_sha256 == record.get("header_sha256"):
+            return True
+    return False
+
+
+def prune_gguf_cache(root: str | Path) -> list[Path]:
+    """Remove the stale conversions under `root` (`<cache_dir>/gguf`; see the module docstring) and
+    return them. Best effort: what cannot be removed stays."""
+    root = Path(root)
+    pruned: list[Path] = []
+    try:
+        entries = list(root.iterdir())
+    except OSError:
+        return pruned
+    now = time.time()
+    for entry in entries:
+        if not entry.is_dir():
+            continue
+        if entry.name.startswith("."):  # a conversion's temporary directory
+            with contextlib.suppress(OSError):
+                if now - entry.stat().st_mtime > STAGING_STALE_SECONDS:
+                    shutil.rmtree(entry)
+                    pruned.append(entry)
+            continue
+        record = _read_source(entry)
+        stale = (
+            record is None
+            or record.get("converter") != CONVERTER_VERSION
+            or not entry.name.endswith(f"-c{CONVERTER_VERSION}")
+            or not _still_made_from(record)
+        )
+        if stale:
+            shutil.rmtree(entry, ignore_errors=True)
+            if not entry.exists():
+                pruned.append(entry)
+    if pruned:
+        _log.info("model.cache_pruned", cache=str(root), removed=", ".join(p.name for p in pruned))
+    return pruned
 
 
 def convert_gguf(path: str | Path, directory: str | Path) -> None:

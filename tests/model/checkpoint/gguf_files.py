@@ -19,6 +19,7 @@ SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 MERGES = ["Ġ t", "h e", "Ġt he", "Ġ c", "a t"]
 CHAT_TEMPLATE = "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
 Q8_TENSOR = "model.layers.0.mlp.up_proj.weight"
+Q4_TENSOR = "model.layers.0.self_attn.k_proj.weight"  # quantized and rotary-permuted by llama.cpp
 F16_TENSOR = "model.layers.1.mlp.down_proj.weight"
 BF16_TENSOR = "model.layers.1.mlp.gate_proj.weight"
 
@@ -149,10 +150,13 @@ def write_gguf(
             stored = llama_cpp_permute(value, HEADS)
         elif arch == "llama" and ".attn_k." in name:
             stored = llama_cpp_permute(value, KV_HEADS)
-        if hf == Q8_TENSOR:
-            quantized = gguf.quants.quantize(stored, gguf.GGMLQuantizationType.Q8_0)
-            writer.add_tensor(name, quantized, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
-            returned[hf] = torch.from_numpy(gguf.quants.dequantize(quantized, gguf.GGMLQuantizationType.Q8_0))
+        if hf in (Q8_TENSOR, Q4_TENSOR):
+            kind = gguf.GGMLQuantizationType.Q8_0 if hf == Q8_TENSOR else gguf.GGMLQuantizationType.Q4_1
+            quantized = gguf.quants.quantize(stored, kind)
+            writer.add_tensor(name, quantized, raw_dtype=kind)
+            # Rows quantize one by one: the permutation moves them whole.
+            unpermuted = gguf.quants.quantize(np.ascontiguousarray(value), kind)
+            returned[hf] = torch.from_numpy(gguf.quants.dequantize(unpermuted, kind))
         elif hf == F16_TENSOR:
             writer.add_tensor(name, stored.astype(np.float16))
             returned[hf] = torch.from_numpy(value.astype(np.float16))

@@ -6,6 +6,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import shutil
+import time
 from pathlib import Path
 
 import pytest
@@ -24,7 +26,7 @@ from replicas.model import (
 )
 from replicas.model.checkpoint import gguf as gguf_module
 from replicas.model.checkpoint import resolve as checkpoints_module
-from replicas.model.checkpoint.loader import INDEX_FILE
+from replicas.model.checkpoint.loader import INDEX_FILE, CheckpointFiles
 from replicas.model.checkpoint.resolve import packaged_file
 from replicas.weights import ModelHost
 from tests.model.checkpoint.gguf_files import (
@@ -33,6 +35,7 @@ from tests.model.checkpoint.gguf_files import (
     HEADS,
     HIDDEN,
     KV_HEADS,
+    Q4_TENSOR,
     Q8_TENSOR,
     vocabulary,
     write_gguf,
@@ -47,12 +50,19 @@ def test_conversion_gives_back_the_hf_tensors_and_config(arch: str, tmp_path: Pa
     expected = write_gguf(source, arch=arch)
     directory = gguf_checkpoint(source, cache_dir=tmp_path / "cache")
     assert directory.parent == tmp_path / "cache" / "gguf"
-    weights = load_file(str(directory / "model.safetensors"))
-    assert set(weights) == set(expected)
+    # Stored in the file's dtypes: quantized tensors as their blocks (a fraction of float32's bytes),
+    # 16-bit ones as they are; read back (dequantized) they equal the file's values.
+    stored = load_file(str(directory / "model.safetensors"))
+    assert set(stored) == set(expected)
+    assert stored[Q8_TENSOR].dtype == stored[Q4_TENSOR].dtype == torch.uint8
+    assert stored[Q8_TENSOR].numel() < expected[Q8_TENSOR].numel() * 4 / 3
+    assert stored[Q4_TENSOR].numel() < expected[Q4_TENSOR].numel() * 4 / 6
+    assert stored[F16_TENSOR].dtype == torch.float16 and stored[BF16_TENSOR].dtype == torch.bfloat16
+    files = CheckpointFiles(directory)
     for name, value in expected.items():
-        assert weights[name].dtype == value.dtype and torch.equal(weights[name], value), name
-    assert weights[Q8_TENSOR].dtype == torch.float32 and weights[F16_TENSOR].dtype == torch.float16
-    assert weights[BF16_TENSOR].dtype == torch.bfloat16
+        read = files.read(name, tuple(value.shape))
+        assert read.dtype == (torch.float32 if name in (Q8_TENSOR, Q4_TENSOR) else value.dtype), name
+        assert torch.equal(read, value), name
     config = read_hf_config(directory)
     assert (config.architecture, config.num_layers, config.hidden_size) == (arch, 2, HIDDEN)
     assert (config.num_heads, config.num_kv_heads, config.head_dim) == (HEADS, KV_HEADS, 16)
@@ -118,11 +128,16 @@ async def test_a_gguf_model_loads_layer_by_layer_through_the_host(tmp_path: Path
     assert model.name == "tiny" and model.loaded_layers == 3
 
 
-def test_the_cache_converts_once_per_file_version(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_cache_converts_once_per_file_content(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Keyed by the file's size and a hash of its header: the same file touched, or installed again
+    elsewhere, reuses the conversion; a changed file gets its own, and the stale one is pruned."""
     source = tmp_path / "m.gguf"
     write_gguf(source)
     cache = tmp_path / "cache"
     first = gguf_checkpoint(source, cache_dir=cache)
+    again = tmp_path / "another-install" / "m.gguf"
+    again.parent.mkdir()
+    shutil.copyfile(source, again)
 
     def refuse(*args: object) -> None:
         raise AssertionError("converted again")
@@ -130,12 +145,44 @@ def test_the_cache_converts_once_per_file_version(tmp_path: Path, monkeypatch: p
     with monkeypatch.context() as patch:
         patch.setattr(checkpoints_module, "convert_gguf", refuse)
         assert gguf_checkpoint(source, cache_dir=cache) == first
+        stat = source.stat()
+        os.utime(source, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1_000_000_000))
         assert resolve_model(str(source), cache_dir=cache).directory == first
-    stat = source.stat()
-    os.utime(source, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1_000_000_000))
+        assert gguf_checkpoint(again, cache_dir=cache) == first
+    record = json.loads((first / checkpoints_module.SOURCE_FILE).read_text())
+    assert record["sources"] == [str(source), str(again)]
+    # Both copies changed (another tokenizer): a new conversion, and the old one goes.
+    write_gguf(source, pre="gpt2")
+    again.unlink()
     second = gguf_checkpoint(source, cache_dir=cache)
     assert second != first and (second / "config.json").is_file()
-    assert sorted(p.name for p in (cache / "gguf").iterdir()) == sorted([first.name, second.name])
+    assert [p.name for p in (cache / "gguf").iterdir()] == [second.name]
+
+
+def test_stale_conversions_are_pruned_and_live_ones_kept(tmp_path: Path) -> None:
+    """The former naming (by modification time), another converter version, a conversion whose file is
+    gone and a killed conversion's day-old temporary directory go; another file's conversion stays."""
+    cache = tmp_path / "cache"
+    root = cache / "gguf"
+    kept_source = tmp_path / "kept.gguf"
+    write_gguf(kept_source)
+    kept = gguf_checkpoint(kept_source, cache_dir=cache)
+    gone_source = tmp_path / "gone.gguf"
+    write_gguf(gone_source, seed=3, pre="gpt2")
+    gone = gguf_checkpoint(gone_source, cache_dir=cache)
+    gone_source.unlink()
+    old_naming = root / "m-98362432-1795893684090964876-c1"
+    shutil.copytree(kept, old_naming)
+    (old_naming / checkpoints_module.SOURCE_FILE).unlink()
+    staging = root / f".{kept.name}.abcd"
+    staging.mkdir()
+    fresh_staging = root / f".{kept.name}.efgh"
+    fresh_staging.mkdir()
+    day_ago = time.time() - 2 * checkpoints_module.STAGING_STALE_SECONDS
+    os.utime(staging, (day_ago, day_ago))
+    pruned = checkpoints_module.prune_gguf_cache(root)
+    assert sorted(p.name for p in pruned) == sorted([gone.name, old_naming.name, staging.name])
+    assert sorted(p.name for p in root.iterdir()) == sorted([kept.name, fresh_staging.name])
 
 
 def test_a_failed_conversion_leaves_nothing_in_the_cache(tmp_path: Path) -> None:

@@ -1,7 +1,12 @@
-"""Host pool memory: zeroed, the requested shape and dtype, large buffers 2 MiB aligned."""
+"""Host pool memory: zeroed, the requested shape and dtype, large buffers 2 MiB aligned and resident only
+where touched."""
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
+import pytest
 import torch
 
 from messages.layout import BufferSpec, PoolLayout
@@ -36,3 +41,20 @@ def test_pool_buffers_live_in_host_memory_of_their_own() -> None:
     assert first.tensors["embeds"].data_ptr() % HUGE_PAGE == 0
     first.tensors["embeds"].fill_(1.0)
     assert not second.tensors["embeds"].any()
+
+
+def resident_kib() -> int:
+    status = Path("/proc/self/status").read_text()
+    return int(next(line for line in status.splitlines() if line.startswith("VmRSS:")).split()[1])
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="reads /proc/self/status")
+def test_a_large_buffer_is_resident_only_where_touched() -> None:
+    """A pool sized for a whole context costs the pages its used blocks touched, not its size."""
+    before = resident_kib()
+    tensor = zeroed_host_tensor((256, 1 << 20), torch.uint8)  # 256 MiB
+    assert resident_kib() - before < 64 * 1024
+    tensor[:8].fill_(1)  # 8 MiB
+    grown = resident_kib() - before
+    assert 8 * 1024 <= grown < 64 * 1024
+    assert not tensor[8:].any() and int(tensor[7, -1]) == 1

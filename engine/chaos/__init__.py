@@ -1,0 +1,1 @@
+"""Chaos runs: clients under load while a seeded schedule of faults hits a cluster of hosts."""

@@ -1,0 +1,190 @@
+"""What a member does with each frame it receives from a peer (`ClusterMember`, docs/cluster.md).
+
+An answer to one of this node's own `ask`s is delivered whatever the lease (its correlation id matches
+it). Any other frame counts only under the lease its sender is known under (`ClusterMember.incarnations`):
+then it is dispatched by type. Under another lease it is:
+- a command (`RunCommand`) from a known node: handled, and refused `stale_lease` if it acts on a
+  reservation or a lock (`engine.cluster.commands`);
+- a `Submit` from a known node: returned at once (`Returned`), so the sender routes the request again;
+- anything else, or from a node not known yet: held until the sender's record under that lease arrives —
+  the watch may lag the sender by a moment, and the first report of a new incarnation names its endpoints
+  (`release`) — and dropped after `HELD_SECONDS` (then it was an old incarnation's).
+
+Runs on the Trio thread; tasks it starts (a command served, a forwarded op) run in the member's nursery.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Final, Protocol, assert_never, final
+
+import trio
+
+from engine.cluster.peers import PeerLinks
+from engine.cluster.requests import apply_ended, apply_tokens
+from messages.cluster import (
+    CancelForward,
+    ClientOp,
+    ClientOpResult,
+    CommandOutcome,
+    EndedForward,
+    ForgetRequest,
+    Holding,
+    PeerFrame,
+    Report,
+    RequestSnapshot,
+    Returned,
+    RunCommand,
+    Submit,
+    TokensForward,
+)
+from replicas.directory import ReplicaDirectory
+from replicas.request import ServingRequest
+
+HELD_FRAMES: Final = 10_000  # frames held per sender until its new lease is known
+HELD_SECONDS: Final = 10.0
+
+
+class FrameOwner(Protocol):
+    """What `Frames` uses of its member (`engine.cluster.member.ClusterMember`): the node's replicas
+    (`directory`) and requests (`requests`, the router's), its peer links and the books of the requests
+    that cross nodes."""
+
+    directory: ReplicaDirectory
+    peers: PeerLinks
+    incarnations: dict[str, int]  # node -> the lease it is known under
+    mirrors: dict[str, ServingRequest]
+    holders: dict[str, str]
+
+    @property
+    def requests(self) -> Mapping[str, ServingRequest]: ...
+
+    def take_report(self, node: str, report: Report) -> None: ...
+    def adopt(self, snap: RequestSnapshot) -> ServingRequest | None: ...
+    def drop_mirror(self, request: ServingRequest) -> None: ...
+    def end_mirror(self, request: ServingRequest) -> None: ...
+    def remember(self, request_id: str) -> None: ...
+    def take_back(self, request: ServingRequest) -> None: ...
+    def serve_command(self, frame: PeerFrame, message: RunCommand) -> None: ...
+    def serve_op(self, sender: str, message: ClientOp) -> None: ...
+
+
+@final
+class Frames:
+    """See the module docstring."""
+
+    def __init__(self, member: FrameOwner) -> None:
+        self.member = member
+        self._held: dict[str, list[tuple[float, PeerFrame]]] = {}
+
+    def on_frame(self, frame: PeerFrame) -> None:
+        member = self.member
+        message = frame.message
+        if isinstance(message, CommandOutcome | ClientOpResult):
+            member.peers.answer(message)  # an answer to this node's own `ask` (matched by correlation)
+            return
+        if member.incarnations.get(frame.sender) != frame.lease and not self._stale(frame):
+            return
+        self._dispatch(frame)
+
+    def release(self, node: str) -> None:
+        """`node` is known under a new lease: handle its frames held under that lease, drop the rest."""
+        lease = self.member.incarnations[node]
+        for _, frame in self._held.pop(node, []):
+            if frame.lease == lease:
+                self.on_frame(frame)
+
+    def expire(self) -> None:
+        """Drop the frames held longer than `HELD_SECONDS`."""
+        oldest = trio.current_time() - HELD_SECONDS
+        for node in list(self._held):
+            self._held[node] = [(t, f) for t, f in self._held[node] if t >= oldest]
+            if not self._held[node]:
+                del self._held[node]
+
+    def _stale(self, frame: PeerFrame) -> bool:
+        """A frame under another lease than its sender's known one: True when it is handled all the same."""
+        message = frame.message
+        known = frame.sender in self.member.incarnations
+        if isinstance(message, RunCommand) and known:
+            return True
+        if isinstance(message, Submit) and known:
+            reply = Returned(request_id=message.request.request_id, replica=message.replica)
+            self.member.peers.send(frame.sender, reply)
+        else:
+            held = self._held.setdefault(frame.sender, [])
+            if len(held) < HELD_FRAMES:
+                held.append((trio.current_time(), frame))
+        return False
+
+    def _dispatch(self, frame: PeerFrame) -> None:
+        member = self.member
+        message = frame.message
+        requests = member.requests
+        match message:
+            case Report():
+                member.take_report(frame.sender, message)
+            case Submit():
+                request = member.adopt(message.request)
+                replica = member.directory.get(message.replica)
+                if request is not None and (replica is None or not replica.submit(request)):
+                    member.peers.send(
+                        frame.sender, Returned(request_id=request.request_id, replica=message.replica)
+                    )
+                    if request.request_id in member.mirrors and request.holder is None:
+                        member.drop_mirror(request)
+            case Returned():
+                request = requests.get(message.request_id)
+                member.holders.pop(message.request_id, None)
+                if request is not None and not request.ended:
+                    request.holder = None
+                    member.take_back(request)
+            case RunCommand():
+                member.serve_command(frame, message)
+            case CommandOutcome() | ClientOpResult():
+                member.peers.answer(message)
+            case Holding():
+                request = requests.get(message.request_id)
+                if request is not None and message.request_id not in member.mirrors:
+                    member.holders[message.request_id] = frame.sender
+                    request.holder = message.replica
+            case TokensForward():
+                request = requests.get(message.request_id)
+                if request is not None and message.request_id not in member.mirrors:
+                    apply_tokens(request, message.start, message.token_ids)
+            case EndedForward():
+                self._ended_elsewhere(message)
+            case CancelForward():
+                self._cancel_forwarded(message)
+            case ForgetRequest():
+                member.remember(message.request_id)
+                request = member.mirrors.get(message.request_id)
+                if request is not None and not request.ended:
+                    member.end_mirror(request)
+            case ClientOp():
+                member.serve_op(frame.sender, message)
+            case _:
+                assert_never(message)
+
+    def _ended_elsewhere(self, message: EndedForward) -> None:
+        member = self.member
+        request = member.requests.get(message.request_id)
+        if request is None or message.request_id in self.member.mirrors:
+            return
+        # A failure anywhere ends it; a normal end counts unless a replica of this node holds it now
+        # (then the mirror that ended was an earlier stage's, ended by a cancel or a forget).
+        if message.outcome == "failed" or request.holder not in member.directory:
+            apply_ended(request, message)
+
+    def _cancel_forwarded(self, message: CancelForward) -> None:
+        member = self.member
+        request = member.mirrors.get(message.request_id)
+        if request is None:
+            member.remember(message.request_id)  # a mirror made later starts cancelled
+            return
+        if message.stop_at is not None:
+            request.stop_early(message.stop_at)
+        else:
+            request.cancel()
+        for replica in member.directory.local():
+            replica.post()

