@@ -30,9 +30,9 @@ import trio
 from engine.config import NodeConfig, ReplicaCounts
 from engine.control.server import ControlServer
 from engine.controller import Controller
+from engine.generate.served import served_model
 from engine.logging import EventLog
 from engine.router import Router
-from engine.served import served_model
 from messages.cluster import ClusterIdentity
 from messages.commands import Transition
 from messages.log.events import NodeStopped, NodeStopping, PoolLeak

@@ -27,7 +27,7 @@ from engine.client import ControlClient, ControlError
 from engine.cluster.demo import node_lines, shutdown_cluster, wait_serving
 from engine.config import NodeConfig
 from engine.control.address import Address
-from engine.served import ServedModel
+from engine.generate.served import ServedModel
 from engine.verify import compare
 from messages.control import ImageInput
 from messages.control_replies import GenerateResult, TokenReply

@@ -38,6 +38,7 @@ from engine.control.address import Address
 from engine.control.outbox import ReplySink
 from engine.control.server import ControlServer, ControlServerError
 from engine.core import NodeCore
+from engine.generate.served import ServedModel
 from engine.http.app import HttpApi
 from engine.http.metrics import NodeMetrics
 from engine.http.server import HttpServerError, serve_http
@@ -52,7 +53,6 @@ from engine.logging import (
 from engine.logs import Aggregator
 from engine.planner.loop import Planner
 from engine.router import Router
-from engine.served import ServedModel
 from engine.service import NodeService
 from engine.summary import log_summaries
 from messages.control import ControlRequest

@@ -22,7 +22,7 @@ import msgspec
 from engine.control.errors import RequestFailed
 from engine.control.outbox import ReplySink
 from engine.core import NodeCore
-from engine.generation import Generation
+from engine.generate.generation import Generation
 from engine.logs import Aggregator, metrics_result
 from engine.scaling import pair, scale
 from messages.commands import Lock, Transition, Unlock

@@ -7,8 +7,9 @@ Floors, from the bottom: `messages` → `transport` → `replicas` → `engine`;
 its own floor or the ones below. Within `replicas`, the model (`replicas.model`) knows no replica.
 Within `engine`, the node core (router, generation, control, controller, scaling, config, logs, …) sits
 below the parts the entry point composes — `engine.cluster`, `engine.http`, `engine.planner`,
-`engine.demo` — which sit below the entry point `engine.node`, which sits below the benchmarks
-(`engine.bench`, which run whole nodes).
+`engine.demo` — which sit below the entry point `engine.node`, which sits below what runs whole nodes
+and clusters: the benchmarks (`engine.bench`), the test hosts (`engine.hosts`: a node per network
+namespace) and the chaos run (`engine.chaos`).
 
 A part that needs a little of a higher one takes a small protocol it owns; the composition happens in
 the entry point. A folder is a room: at most `ROOM` modules, split by concept, whatever their length.
@@ -24,6 +25,7 @@ from collections.abc import Iterator
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PACKAGES = ("messages", "transport", "replicas", "engine")
 ENGINE_PARTS = ("engine.cluster", "engine.http", "engine.planner", "engine.demo")
+NODE_RUNNERS = ("engine.bench", "engine.hosts", "engine.chaos")
 ROOM = 15
 
 
@@ -134,7 +136,7 @@ def floor(module: str) -> tuple[int, int]:
     if top == "replicas":
         return level, 0 if _within(module, "replicas.model") else 1
     if top == "engine":
-        if _within(module, "engine.bench"):
+        if any(_within(module, tool) for tool in NODE_RUNNERS):
             return level, 3
         if module == "engine.node" or _within(module, "engine.node"):
             return level, 2

@@ -27,7 +27,7 @@ from starlette.routing import Route
 
 from engine.control.errors import RequestFailed
 from engine.core import NodeCore
-from engine.generation import Generation, Outcome
+from engine.generate.generation import Generation, Outcome
 from engine.http.chat import renderer
 from engine.http.errors import error_response, failed_response, sse_error, validation_response
 from engine.http.metrics import CONTENT_TYPE, NodeMetrics

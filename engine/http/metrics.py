@@ -17,7 +17,7 @@ another model, asks for what the node does not support) ends no admitted request
 `refused(code)` counts it as arrived and failed, so `requests_failed_total` holds every 4xx a client got.
 
 Inter-token latency is observed where tokens are relayed to a client, socket or HTTP
-(`engine.generation.Generation` calls `token_gap`): the gaps between token arrivals after the first.
+(`engine.generate.generation.Generation` calls `token_gap`): the gaps between token arrivals after the first.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 - Sampling: `temperature` defaults to 1.0 and `top_p` to 1.0, as OpenAI's do; a missing `seed` gets one
   from the node (random, or `--seed`'s sequence; as on the socket). `max_tokens` (completions: default 16)
   or `max_completion_tokens` (chat; default: what the context leaves after the prompt, as vLLM's). The
-  prompt and `max_tokens` together must fit the context (`engine.admission`: a 400 naming both).
+  prompt and `max_tokens` together must fit the context (`engine.generate.admission`: a 400 naming both).
 - Chat: the messages are rendered with the model's chat template (`replicas.model.text.chat_template`). An
   image part (`image_url` with a `data:` URL, PNG or JPEG) becomes the model's image marker in the text
   and an `ImageInput`, so images go through the encode replicas exactly as on the socket.

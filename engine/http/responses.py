@@ -12,7 +12,7 @@ from typing import final
 
 import msgspec
 
-from engine.generation import Outcome
+from engine.generate.generation import Outcome
 from messages.openai import (
     AssistantMessage,
     ChatChoice,

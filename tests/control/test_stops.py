@@ -1,4 +1,4 @@
-"""Stop strings (`engine.stops.StopText`): pushed a token's text at a time, the text shown is always a
+"""Stop strings (`engine.generate.stops.StopText`): pushed a token's text at a time, the text shown is always a
 prefix of the final text, and the final text is cut before the first stop string the text contains
 once the token completing it arrived — wherever the stop string falls across tokens."""
 
@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.stops import StopText
+from engine.generate.stops import StopText
 
 ALPHABET = "abc é"
 

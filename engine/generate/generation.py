@@ -24,11 +24,11 @@ from typing import assert_never, final
 
 import msgspec
 
-from engine.admission import build_request, new_request_id
 from engine.control.errors import RequestFailed
+from engine.generate.admission import build_request, new_request_id
+from engine.generate.served import ServedModel
+from engine.generate.stops import StopText
 from engine.router import Router
-from engine.served import ServedModel
-from engine.stops import StopText
 from messages.control import GenerateRequest
 from messages.control_replies import RelayInfo, Timings, TransferSummary
 from messages.log.events import RequestArrived

@@ -17,7 +17,7 @@ import uuid
 import numpy as np
 
 from engine.control.errors import RequestFailed
-from engine.served import ServedModel
+from engine.generate.served import ServedModel
 from messages.control import GenerateRequest, ImageInput
 from replicas.model import ImageSizeError, InvalidBatchError, SamplingParams, check_image, encode_prompt
 from replicas.request import ServingRequest
