@@ -1,0 +1,65 @@
+"""What a node proves itself with and checks the others by (docs/security.md): the cluster secret, the
+peer TLS files, or both; `NO_CREDENTIALS` when neither is configured.
+
+`load_secret` reads `--cluster-secret-file`: its bytes, surrounding whitespace stripped, at least
+`MIN_SECRET_BYTES` of them (`openssl rand -hex 32 > secret` makes one). The secret never appears in a
+repr, a log line or an error message.
+"""
+
+from __future__ import annotations
+
+import ssl
+from typing import Final, final
+
+from transport.auth.challenge import MIN_SECRET_BYTES
+from transport.auth.tls import TlsError, TlsFiles, client_context, server_context
+
+
+@final
+class CredentialError(Exception):
+    """A credential file cannot be used (the message names the option, the file and the reason)."""
+
+
+def load_secret(path: str, option: str = "--cluster-secret-file") -> bytes:
+    try:
+        with open(path, "rb") as file:
+            secret = file.read(1 << 16).strip()
+    except OSError as exc:
+        raise CredentialError(f"{option} {path}: {exc.strerror or exc}") from None
+    if len(secret) < MIN_SECRET_BYTES:
+        raise CredentialError(
+            f"{option} {path}: the secret has {len(secret)} bytes; use at least {MIN_SECRET_BYTES} "
+            "(openssl rand -hex 32 makes one)"
+        )
+    return secret
+
+
+@final
+class Credentials:
+    """The secret and/or TLS files of this node; their TLS contexts are built once, here."""
+
+    def __init__(self, *, secret: bytes | None = None, tls: TlsFiles | None = None) -> None:
+        self.secret = secret
+        self.tls = tls
+        self.server_tls: ssl.SSLContext | None = None
+        self.client_tls: ssl.SSLContext | None = None
+        if tls is not None:
+            try:
+                self.server_tls, self.client_tls = server_context(tls), client_context(tls)
+            except TlsError as exc:
+                raise CredentialError(str(exc)) from None
+
+    @property
+    def configured(self) -> bool:
+        return self.secret is not None or self.tls is not None
+
+    def describe(self) -> str:
+        """What authenticates links, in words (for the start line and docs)."""
+        kinds = [name for name, on in (("mutual TLS", self.tls), ("the cluster secret", self.secret)) if on]
+        return " and ".join(kinds) or "nothing"
+
+    def __repr__(self) -> str:
+        return f"Credentials({self.describe()})"
+
+
+NO_CREDENTIALS: Final = Credentials()
