@@ -9,6 +9,8 @@ from typing import Annotated, Literal
 
 import msgspec
 
+from transport.auth.credentials import LinkAdmission
+
 Positive = Annotated[int, msgspec.Meta(ge=1)]
 Seconds = Annotated[float, msgspec.Meta(gt=0)]
 # Who copies a UCX transfer's bytes into the receiver's rows, between processes of one host.
@@ -45,6 +47,9 @@ class TransferConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
       land in a host chunk the receiver unpacks, so no block ever waits for the sender process; `"sender"`:
       the sender writes the direct pieces into the rows as well (scattered receives), off the receiver's
       thread.
+    - `admission`: with the cluster secret, every tcp and ucx link opens with its challenge–response
+      before the §5.1 handshake; a link that does not prove the secret is closed before any grant and
+      logged (`transfer.link_refused`). None: links are not authenticated.
     - `ucx_read_lanes`: with `"cma"`, how many threads read a large call together (the receiver's own and
       `ucx_read_lanes - 1` of Trio's thread cache; `transport.links.ucx.cma.read`). 1: the receiver's only.
     """
@@ -63,6 +68,7 @@ class TransferConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     inproc_thread_bytes: Positive = 4 * 1024 * 1024
     ucx_copies: UcxCopies = "cma"
     ucx_read_lanes: Annotated[int, msgspec.Meta(ge=1, le=64)] = 2
+    admission: LinkAdmission | None = None
 
     def __post_init__(self) -> None:
         if self.link_timeout <= self.heartbeat_interval:

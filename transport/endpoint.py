@@ -52,13 +52,14 @@ from transport.errors import HandshakeRefused, LinkBroken, LinkClosed, LinkError
 from transport.faults import NO_FAULTS, FaultPlan
 from transport.links import dial
 from transport.links.inproc.link import InprocNetwork
+from transport.links.tcp import admission as tcp_admission
 from transport.links.tcp import link as tcp
 from transport.memory.blocks import BlockPool
 from transport.memory.storage import PoolStorage
 from transport.protocol import handshake
 from transport.protocol.fences import Fences
 from transport.protocol.landing import Consume, ReceiveResult, check_landing_request
-from transport.protocol.link import Landing, Link, Role
+from transport.protocol.link import Landing, Link
 from transport.protocol.liveness import KeptAlive, keep_alive_sessions
 from transport.protocol.receiver import ReceiveSession
 from transport.protocol.scope import describe_exit, open_task_scope
@@ -157,23 +158,12 @@ class TransferEndpoint:
         return self.address
 
     async def _accept_tcp(self, listener: socket.socket) -> None:
+        def adopt(sock: socket.socket) -> None:
+            self._adopt(tcp.tcp_link(sock, self, "sender"))
+
         with trio.CancelScope() as scope, listener:
             self._listeners.append(scope)
-            while True:
-                self._adopt(self._tcp_link(await tcp.accept(listener), "sender"))
-
-    def _tcp_link(self, sock: socket.socket, role: Role) -> tcp.TcpLink:
-        layout, config, faults = self.storage.layout, self.config, self.faults
-        return tcp.TcpLink(
-            sock,
-            link_id=tcp.new_link_id(),
-            local=self.name,
-            role=role,
-            handler=self,
-            layout=layout,
-            config=config,
-            faults=faults,
-        )
+            await tcp_admission.accept_all(listener, self.config, self.name, self.nursery, adopt)
 
     def _adopt(self, link: Link) -> None:
         self._links.add(link)
@@ -195,7 +185,8 @@ class TransferEndpoint:
         elif scheme == "tcp":
             host, _, port = rest.rpartition(":")
             with trio.fail_after(self.config.handshake_timeout):
-                link = self._tcp_link(await tcp.connect(host, int(port)), "receiver")
+                sock = await tcp_admission.connect(host, int(port), self.config.admission, address)
+                link = tcp.tcp_link(sock, self, "receiver")
         else:  # ucx://, cuda-ipc:// (optional dependencies: transport.links.dial imports them when used)
             link = await dial.dial(self, address)
         self._adopt(link)

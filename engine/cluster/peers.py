@@ -13,6 +13,14 @@ next `send` dials it afresh and nothing meant for the old incarnation reaches th
 `ask` sends a message that carries a correlation id and waits, with a deadline, for the answer that
 carries the same id (`answer` delivers it).
 
+Authentication (docs/security.md): with credentials (`--cluster-secret-file`, the `--peer-*-file`s) a
+connection opens with `transport.auth.streams` — mutual TLS, the secret's challenge–response, or both —
+before any frame, within `AUTH_TIMEOUT`; the dialer checks it reached the node it dialled, and every
+frame then carries a MAC (`transport.auth.frames`) when a secret is in use. A frame whose `sender` is not
+the connection's proven name, whose MAC fails, or that is longer than `MAX_FRAME_BYTES` closes the
+connection and is logged (`cluster.peer_frame_refused`); a connection that does not authenticate is
+closed and logged (`cluster.peer_refused`). Without credentials anyone who reaches the port is believed.
+
 Cancellation: `run` owns the listener, the readers and the senders; cancelling it closes every
 connection. An `ask` that is cancelled forgets its correlation id.
 """
@@ -30,10 +38,17 @@ import structlog
 import trio
 
 from messages.cluster import ClientOpResult, CommandOutcome, PeerFrame, PeerMessage
+from transport.auth.challenge import AuthFailed
+from transport.auth.credentials import NO_CREDENTIALS, Credentials
+from transport.auth.frames import TAG_BYTES, FrameOpener, FrameSealer
+from transport.auth.streams import admit_dialer, admit_listener
 
 _log = structlog.get_logger("engine.cluster.peers")
-MAX_FRAME_BYTES: Final = 512 * 1024 * 1024
+# The longest peer frame: commands, reports and request snapshots (a `Submit` carries its request's
+# images; bulk bytes — embeddings, KV, weights — go over transfer links). A longer one is not sent.
+MAX_FRAME_BYTES: Final = 16 * 1024 * 1024
 DIAL_TIMEOUT: Final = 5.0
+AUTH_TIMEOUT: Final = 5.0  # a connection that has not authenticated by then is closed
 REDIAL_SECONDS: Final = (0.1, 2.0)  # the first and the longest wait between dials of an unreachable peer
 _HEADER = struct.Struct(">I")
 _encoder = msgspec.msgpack.Encoder()
@@ -55,7 +70,8 @@ class PeerListenError(Exception):
 
 @final
 class PeerFrameError(Exception):
-    """A peer sent bytes that are not a valid frame; its connection is closed."""
+    """A peer sent bytes that are not a valid frame, or a frame it may not send; its connection is
+    closed."""
 
 
 def new_correlation(node_id: str) -> str:
@@ -82,8 +98,15 @@ class _Queue:
 class PeerLinks:
     """See the module docstring. `on_frame(frame)` runs on the Trio thread for every frame received."""
 
-    def __init__(self, node_id: str, lease: Callable[[], int], on_frame: Callable[[PeerFrame], None]) -> None:
+    def __init__(
+        self,
+        node_id: str,
+        lease: Callable[[], int],
+        on_frame: Callable[[PeerFrame], None],
+        credentials: Credentials = NO_CREDENTIALS,
+    ) -> None:
         self.node_id = node_id
+        self._credentials = credentials
         self._lease = lease
         self._on_frame = on_frame
         self._addresses: dict[str, str] = {}
@@ -155,7 +178,16 @@ class PeerLinks:
             queue = self._queues[node_id] = _Queue(node_id, address)
             self._nursery.start_soon(self._sender, queue)
         body = _encoder.encode(PeerFrame(sender=self.node_id, lease=self._lease(), message=message))
-        queue.frames.send_nowait(_HEADER.pack(len(body)) + body)
+        if len(body) > MAX_FRAME_BYTES:
+            _log.error(
+                "cluster.peer_frame_too_long",
+                peer=node_id,
+                message=type(message).__name__,
+                bytes=len(body),
+                limit=MAX_FRAME_BYTES,
+            )
+            return
+        queue.frames.send_nowait(body)
 
     def broadcast(self, nodes: list[str], message: PeerMessage) -> None:
         for node in nodes:
@@ -205,20 +237,35 @@ class PeerLinks:
                     await trio.sleep(wait)
                     wait = min(REDIAL_SECONDS[1], wait * 2)
                     continue
+                try:
+                    with trio.fail_after(AUTH_TIMEOUT):
+                        admitted = await admit_dialer(
+                            stream, self._credentials, purpose="peer", name=self.node_id, expect=node_id
+                        )
+                except (AuthFailed, trio.TooSlowError, OSError, trio.BrokenResourceError) as exc:
+                    await stream.aclose()
+                    failures += 1
+                    if failures == 1:
+                        reason = str(exc) or "no answer within the authentication deadline"
+                        _log.warning("cluster.peer_refused", peer=node_id, address=address, reason=reason)
+                    await trio.sleep(wait)
+                    wait = min(REDIAL_SECONDS[1], wait * 2)
+                    continue
                 if failures:
                     _log.info("cluster.peer_redialled", peer=node_id, address=address, failed_dials=failures)
                 failures, wait = 0, REDIAL_SECONDS[0]
-                async with stream:
+                sealer = None if admitted.key is None else FrameSealer(admitted.key, "dialer")
+                async with admitted.stream as connection:
                     batch: list[bytes] = []
                     try:
-                        async for frame in queue.receive:
-                            batch = [frame]
+                        async for body in queue.receive:
+                            batch = [_framed(body, sealer)]
                             while True:
                                 try:
-                                    batch.append(queue.receive.receive_nowait())
+                                    batch.append(_framed(queue.receive.receive_nowait(), sealer))
                                 except (trio.WouldBlock, trio.EndOfChannel):
                                     break
-                            await stream.send_all(b"".join(batch))
+                            await connection.send_all(b"".join(batch))
                             batch = []
                         return  # the queue was closed: nothing more to send
                     except (OSError, trio.BrokenResourceError) as exc:
@@ -232,34 +279,75 @@ class PeerLinks:
 
     # ------------------------------------------------------------------ receiving
     async def _serve_connection(self, stream: trio.SocketStream) -> None:
-        buffer = bytearray()
-        async with stream:
+        try:
+            remote = "{}:{}".format(*stream.socket.getpeername()[:2])
+        except OSError:
+            remote = "?"
+        try:
+            with trio.fail_after(AUTH_TIMEOUT):
+                admitted = await admit_listener(stream, self._credentials, purpose="peer", name=self.node_id)
+        except (AuthFailed, trio.TooSlowError, OSError, trio.BrokenResourceError) as exc:
+            reason = str(exc) or "it did not authenticate within the deadline"
+            _log.warning("cluster.peer_refused", remote=remote, reason=reason)
+            await stream.aclose()
+            return
+        reader = _FrameReader(admitted.peer, admitted.key)
+        async with admitted.stream as connection:
             try:
                 while True:
-                    data = await stream.receive_some(1 << 20)
+                    data = await connection.receive_some(1 << 20)
                     if not data:
                         return
-                    buffer += data
-                    while (frame := _next_frame(buffer)) is not None:
+                    reader.buffer += data
+                    while (frame := reader.next_frame()) is not None:
                         self._on_frame(frame)
             except (OSError, trio.BrokenResourceError) as exc:
-                _log.info("cluster.peer_connection_closed", error=str(exc))
+                _log.info("cluster.peer_connection_closed", remote=remote, peer=admitted.peer, error=str(exc))
             except PeerFrameError as exc:
-                _log.warning("cluster.peer_frame_refused", error=str(exc))
+                _log.warning("cluster.peer_frame_refused", remote=remote, peer=admitted.peer, reason=str(exc))
 
 
-def _next_frame(buffer: bytearray) -> PeerFrame | None:
-    """Take the first whole frame off `buffer` (None: not all of it arrived); raises `PeerFrameError`."""
-    if len(buffer) < _HEADER.size:
-        return None
-    (length,) = _HEADER.unpack_from(buffer)
-    if length > MAX_FRAME_BYTES:
-        raise PeerFrameError(f"frame of {length} bytes, over {MAX_FRAME_BYTES}")
-    if len(buffer) < _HEADER.size + length:
-        return None
-    body = bytes(buffer[_HEADER.size : _HEADER.size + length])
-    del buffer[: _HEADER.size + length]
-    try:
-        return _decoder.decode(body)
-    except msgspec.DecodeError as exc:
-        raise PeerFrameError(f"malformed frame ({length} bytes): {exc}") from exc
+def _framed(body: bytes, sealer: FrameSealer | None) -> bytes:
+    """A frame on the wire: its body's length, the body, and its MAC when the link has a session key."""
+    return _HEADER.pack(len(body)) + body + (b"" if sealer is None else sealer.seal(body))
+
+
+@final
+class _FrameReader:
+    """The frames of one authenticated connection, taken off its received bytes: each bounded, its MAC
+    checked (with a session key), its sender the connection's proven name (when one is proven)."""
+
+    def __init__(self, peer: str | None, key: bytes | None) -> None:
+        self.buffer = bytearray()
+        self._peer = peer
+        self._opener = None if key is None else FrameOpener(key, "dialer")
+        self._tag = 0 if key is None else TAG_BYTES
+
+    def next_frame(self) -> PeerFrame | None:
+        """The first whole frame (None: not all of it arrived); raises `PeerFrameError`."""
+        buffer = self.buffer
+        if len(buffer) < _HEADER.size:
+            return None
+        (length,) = _HEADER.unpack_from(buffer)
+        if length > MAX_FRAME_BYTES:
+            raise PeerFrameError(f"a frame of {length} bytes, over the {MAX_FRAME_BYTES} limit")
+        end = _HEADER.size + length
+        if len(buffer) < end + self._tag:
+            return None
+        body = bytes(buffer[_HEADER.size : end])
+        tag = bytes(buffer[end : end + self._tag])
+        del buffer[: end + self._tag]
+        if self._opener is not None:
+            try:
+                self._opener.check(body, tag)
+            except AuthFailed as exc:
+                raise PeerFrameError(str(exc)) from None
+        try:
+            frame = _decoder.decode(body)
+        except msgspec.DecodeError as exc:
+            raise PeerFrameError(f"malformed frame ({length} bytes): {exc}") from exc
+        if self._peer is not None and frame.sender != self._peer:
+            raise PeerFrameError(
+                f"a {type(frame.message).__name__} frame claims sender {frame.sender!r} on {self._peer!r}'s connection"
+            )
+        return frame

@@ -3,8 +3,8 @@
 
 The layers, lowest first (a room may import its own modules and any room below it):
 
-    vocabulary   transport.config, transport.errors, transport.faults
     auth         transport.auth       who may open a link: the secret's exchange, frame MACs, TLS
+    vocabulary   transport.config, transport.errors, transport.faults
     memory       transport.memory     blocks, storage, host memory
     bulk         transport.bulk       runs, frames, packing, device copies
     protocol     transport.protocol   the Link interface and the transfer's rules
@@ -25,7 +25,7 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "transport"
 
-LAYERS = ("vocabulary", "auth", "memory", "bulk", "protocol", "links", "top")
+LAYERS = ("auth", "vocabulary", "memory", "bulk", "protocol", "links", "top")
 VOCABULARY = {"transport.config", "transport.errors", "transport.faults"}
 TOP = {"transport.endpoint", "transport.kinds"}
 BACKENDS = ("inproc", "tcp", "ucx", "cuda_ipc")

@@ -9,6 +9,7 @@ repr, a log line or an error message.
 from __future__ import annotations
 
 import ssl
+from dataclasses import dataclass, field
 from typing import Final, final
 
 from transport.auth.challenge import MIN_SECRET_BYTES
@@ -63,3 +64,17 @@ class Credentials:
 
 
 NO_CREDENTIALS: Final = Credentials()
+
+
+@final
+@dataclass(frozen=True, slots=True)
+class LinkAdmission:
+    """What admits a transfer link (`transport.endpoint`): the cluster secret's exchange (purpose
+    `transfer`), this node's name bound into it. Held by the endpoint's `TransferConfig`."""
+
+    name: str
+    secret: bytes = field(repr=False)
+
+    @property
+    def credentials(self) -> Credentials:
+        return Credentials(secret=self.secret)

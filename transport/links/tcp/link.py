@@ -56,7 +56,7 @@ from transport.links.tcp.sockets import accept as accept
 from transport.links.tcp.sockets import connect as connect
 from transport.links.tcp.sockets import listen_socket as listen_socket
 from transport.memory.storage import PoolStorage
-from transport.protocol.link import POLL_SECONDS, Link, LinkHandler, Role, keep_alive
+from transport.protocol.link import POLL_SECONDS, Link, LinkHandler, LinkOwner, Role, keep_alive
 
 IOV_MAX: Final = 1024
 BATCH_BYTES: Final = 8 * 1024 * 1024
@@ -69,6 +69,20 @@ _log = structlog.get_logger("transport.tcp")
 
 def new_link_id() -> str:
     return f"tcp-{next(_link_numbers)}"
+
+
+def tcp_link(sock: socket.socket, owner: LinkOwner, role: Role) -> TcpLink:
+    """A link of endpoint `owner` (its layout, settings and faults) over the connected `sock`."""
+    return TcpLink(
+        sock,
+        link_id=new_link_id(),
+        local=owner.name,
+        role=role,
+        handler=owner,
+        layout=owner.storage.layout,
+        config=owner.config,
+        faults=owner.faults,
+    )
 
 
 @final

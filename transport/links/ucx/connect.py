@@ -11,6 +11,8 @@ listener makes the sending link and an endpoint back, and answers `accept{its li
 cross-memory probe address and host key}` (the receiver's fence for writes the sender makes into its
 memory: `transport.links.ucx.peer_process`). A receiver that will read the sender's rows itself (`ucx_copies =
 "cma"`, `transport.links.ucx.reads`) then says `reads`.
+With the cluster secret, the two then prove it to each other (`transport.links.ucx.admission`): the
+listener hands the link to its endpoint only once the receiver has.
 Then the handshake of architecture §5.1 (`Hello` / `HelloAck`) runs over the link as on any transport.
 """
 
@@ -25,6 +27,7 @@ import structlog
 import trio
 
 from transport.errors import LinkBroken, LinkClosed, LinkError
+from transport.links.ucx import admission
 from transport.links.ucx.cma import PROBE_ADDRESS, readable
 from transport.links.ucx.frames import (
     ACCEPT,
@@ -106,12 +109,16 @@ async def dial(endpoint: LinkOwner, address: str) -> UcxLink:
             sender = local_pid(pid, key)
             reads = sender is not None and _reads(endpoint, sender, probe)
             link.accepted(number, sender, reads)
+            if endpoint.config.admission is not None:
+                await admission.admit(link, endpoint.config.admission, shown, timeout)
             if reads:
                 await link.post_control(reads_body())
             _log.info("transfer.ucx_linked", link=link.link_id, endpoint=endpoint.name, copies=link.copies)
             return link
     except (UcxFailed, UcxFrameError, trio.EndOfChannel, trio.ClosedResourceError) as exc:
         error = LinkBroken(f"cannot connect to {shown}: {exc}")
+    except LinkBroken as exc:  # not admitted
+        error = exc
     except BaseException as exc:
         link.close(LinkClosed(f"connecting to {shown} given up: {exc!r}"))
         raise
@@ -163,4 +170,16 @@ async def _accept_links(
             if link is not None:
                 link.close(LinkClosed(f"accepting given up: {describe_exit(exc)}"))
             raise
+        if endpoint.config.admission is None:
+            on_accept(link)
+        else:
+            endpoint.nursery.start_soon(_admit_then_accept, endpoint, link, on_accept)
+
+
+async def _admit_then_accept(endpoint: LinkOwner, link: UcxLink, on_accept: Callable[[Link], None]) -> None:
+    """Hand `link` to the endpoint once its receiver proved the cluster secret (in a task of its own:
+    a receiver that never answers holds no other accept)."""
+    assert endpoint.config.admission is not None
+    timeout = endpoint.config.handshake_timeout
+    if await admission.admitted(link, endpoint.config.admission, endpoint.name, timeout):
         on_accept(link)

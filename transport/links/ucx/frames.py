@@ -64,6 +64,7 @@ ACCEPT: Final = ord("A")
 GOODBYE: Final = ord("G")
 READS: Final = ord("R")
 RECEIPT: Final = ord("K")
+AUTH: Final = ord("H")  # a message of the cluster secret's exchange (`transport.links.ucx.admission`)
 DIRECT: Final = 1
 PACKED: Final = 2
 READ: Final = 3
@@ -158,6 +159,10 @@ def parse_accept(body: bytes | bytearray) -> tuple[int, int, int, bytes]:
         )
     pid, probe = _PROCESS.unpack_from(rest)
     return number, pid, probe, rest[_PROCESS.size :]
+
+
+def auth_body(data: bytes) -> bytes:
+    return bytes((AUTH,)) + data
 
 
 def goodbye_body(reason: str) -> bytes:
