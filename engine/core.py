@@ -28,6 +28,7 @@ import torch
 import trio
 
 from engine.config import NodeConfig, ReplicaCounts
+from engine.config.credentials import node_credentials
 from engine.control.server import ControlServer
 from engine.controller import Controller
 from engine.generate.served import served_model
@@ -48,16 +49,20 @@ from replicas.settings import ReplicaSettings
 from replicas.signals import Changes, Subscribers
 from replicas.states import LOADING_STATE, ROLES, Role
 from replicas.weights import ModelHost
+from transport.auth.credentials import LinkAdmission
 from transport.config import TransferConfig
 
 SETTLE_SECONDS = 5.0
 
 
-def replica_settings(config: NodeConfig, context: int) -> ReplicaSettings:
+def replica_settings(
+    config: NodeConfig, context: int, admission: LinkAdmission | None = None
+) -> ReplicaSettings:
     """The replicas' sizes and limits; pool defaults hold one maximum-context request (architecture §4):
-    `context` tokens, the model's or `--max-model-len`."""
+    `context` tokens, the model's or `--max-model-len`. `admission`: what admits their transfer links."""
     transfer = config.transfer
     common = {
+        "admission": admission,
         "progress_timeout": transfer.progress_timeout,
         "pressure_timeout": transfer.grant_wait_timeout,
         "heartbeat_interval": transfer.heartbeat_interval,
@@ -86,6 +91,7 @@ def replica_settings(config: NodeConfig, context: int) -> ReplicaSettings:
             round_cap_blocks=config.embedding.max_grant_blocks,
             **common,  # type: ignore[arg-type]
         ),
+        weights_transfer=TransferConfig(admission=admission),
     )
 
 
@@ -117,7 +123,11 @@ class NodeCore:
         self.counts = config.replicas or default_counts(self.host)
         self.clustered = config.cluster.cluster is not None
         self.node_id = config.cluster.node_id or f"node-{os.getpid()}"
-        self.settings = replica_settings(config, self.served.context)
+        # Who may open this node's links and its control socket (docs/security.md)
+        self.credentials, self.control_token = node_credentials(config)  # CredentialError: a bad file
+        self.settings = replica_settings(
+            config, self.served.context, self.credentials.admission(self.node_id)
+        )
         self.fabric = Fabric(config.transport, clustered=self.clustered, host=config.cluster.cluster_host)
         self.faults = FaultHooks(config.faults)
         self.changes = Changes()

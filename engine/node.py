@@ -61,12 +61,13 @@ from replicas.actor.supervisor import ReplicaStartFailed, root_cause
 from replicas.directory import ReplicaDirectory
 from replicas.model import ModelLoadError
 from replicas.weights import ModelHost
+from transport.auth.credentials import CredentialError
 from transport.memory.host_memory import return_large_frees
 
 VERSION = "0.1.0"
 # What stops a node from coming up; `main` prints it in one line and exits 2.
 _LOADING = (ModelLoadError, LogFileError, ReplicaStartFailed, ConfigError, JoinRefused, LocalEtcdError)
-STARTUP_ERRORS = (*_LOADING, ControlServerError, HttpServerError, PeerListenError)  # addresses
+STARTUP_ERRORS = (*_LOADING, CredentialError, ControlServerError, HttpServerError, PeerListenError)
 
 
 @final
@@ -150,7 +151,7 @@ class Node:
                 summaries = partial(log_summaries, self.log, core.directory, core.router, self.metrics.tally)
                 nursery.start_soon(summaries, config.log.summary_period)
             nursery.start_soon(self._watch_signals)
-            server = ControlServer(self.service, config.control, self.log)
+            server = ControlServer(self.service, config.control, self.log, core.control_token)
             address = await nursery.start(server.serve, config.listen_address)
             core.control_address = str(address)
             http = config.http_address

@@ -58,6 +58,7 @@ ErrorCode = Literal[
     "cancelled",
     "shutting_down",
     "stale_lease",
+    "unauthorized",
     "internal",
 ]
 ERROR_CODES: tuple[ErrorCode, ...] = get_args(ErrorCode)

@@ -32,9 +32,11 @@ from messages.control_replies import (
     StatusResult,
     TokenReply,
 )
+from transport.auth.credentials import CredentialError, load_secret
 
 ADDRESS_ENV: Final = "ZIGZAG_LISTEN"  # the node's `--listen` variable (engine.cli's naming)
 DEPRECATED_ADDRESS_ENV: Final = "ZIGZAG_ADDRESS"
+TOKEN_ENV: Final = "ZIGZAG_CONTROL_TOKEN_FILE"  # the node's `--control-token-file` variable
 DEFAULT_ADDRESS: Final = "127.0.0.1:7340"  # the node's `--listen` default
 EXIT_ERROR_REPLY, EXIT_USAGE, EXIT_CONNECTION = 1, 2, 3
 
@@ -104,6 +106,14 @@ def build_parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
             f"--listen default; ${ADDRESS_ENV}, the node's variable, sets it for both; now {address})"
         ).replace("%", "%%"),
     )
+    parser.add_argument(
+        "--control-token-file",
+        default=environ.get(TOKEN_ENV),
+        help=(
+            f"the node's --control-token-file: its token opens the connection (default: ${TOKEN_ENV}, "
+            "the node's variable)"
+        ),
+    )
     parser.add_argument("--json", action="store_true", help="print the replies as JSON lines")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds for the whole op (default 600)")
     ops = parser.add_subparsers(dest="op", required=True, metavar="OP")
@@ -168,12 +178,12 @@ async def run(args: argparse.Namespace, inputs: GenerateInputs | None, out: Text
 
     with trio.fail_after(args.timeout):
         if args.op == "ready":
-            status = await wait_ready(args.address)
+            status = await wait_ready(args.address, args.token)
             show(status)
             if not args.json:
                 out.write(render(status) + "\n")
             return 0
-        async with ControlClient.connect(args.address) as client:
+        async with ControlClient.connect(args.address, token=args.token) as client:
             if inputs is not None:
                 await _generate(client, args, inputs, out, err, show)
                 return 0
@@ -223,12 +233,14 @@ def serves(status: StatusResult) -> bool:
     return loaded and {"prefill", "decode"} <= roles
 
 
-async def wait_ready(address: str) -> StatusResult:
+async def wait_ready(address: str, token: bytes | None = None) -> StatusResult:
     """`status`, asked again every `READY_POLL_SECONDS` — through a node not listening yet, too — until
     the node `serves`. Cancellation (the caller's `--timeout`) stops it."""
     for _ in itertools.count():  # a remote node's state: asked, not signalled
         try:
-            async with ControlClient.connect(address) as client:  # one connection while it answers
+            async with ControlClient.connect(
+                address, token=token
+            ) as client:  # one connection while it answers
                 for _ in itertools.count():
                     status = await client.status()
                     if serves(status):
@@ -367,8 +379,10 @@ def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = 
         sys.stderr.write(f"{note}\n")
     try:
         _check_usage(args)
+        token_file = args.control_token_file
+        args.token = None if token_file is None else load_secret(token_file, "--control-token-file")
         inputs = read_generate_inputs(args) if args.op == "generate" else None
-    except (ValueError, OSError) as exc:
+    except (ValueError, OSError, CredentialError) as exc:
         sys.stderr.write(f"{exc}\n")
         return EXIT_USAGE
     try:

@@ -125,9 +125,15 @@ class ControlClient:
     @classmethod
     @asynccontextmanager
     async def connect(
-        cls, address: str | Address, *, max_line_bytes: int = DEFAULT_MAX_LINE_BYTES
+        cls,
+        address: str | Address,
+        *,
+        max_line_bytes: int = DEFAULT_MAX_LINE_BYTES,
+        token: bytes | None = None,
     ) -> AsyncIterator[ControlClient]:
-        """Connect to ``HOST:PORT`` or ``unix:PATH``; closing the block closes the connection.
+        """Connect to ``HOST:PORT`` or ``unix:PATH``; closing the block closes the connection. `token`:
+        the node's `--control-token-file` token, sent as the first line (a wrong one: the node answers
+        `unauthorized` and closes, and every request raises `ControlProtocolError` saying so).
 
         Raises OSError when nobody listens there. Wrap in ``trio.fail_after`` to bound the connect.
         """
@@ -136,6 +142,8 @@ class ControlClient:
             stream: trio.abc.Stream = await trio.open_tcp_stream(target.host, target.port)
         else:
             stream = await trio.open_unix_socket(target.path)
+        if token is not None:
+            await stream.send_all(msgspec.json.encode({"token": token.decode()}) + b"\n")
         client = cls(stream, max_line_bytes)
         try:
             # The reader never raises: what leaves this block is what the caller's block raised.
@@ -349,6 +357,9 @@ class ControlClient:
                 self._abandoned.discard(envelope.id)
             return
         pending = self._pending.get(envelope.id) if envelope.id is not None else None
+        if pending is None and envelope.type == "error":  # the connection's own error (id null)
+            error = msgspec.json.decode(line, type=ErrorReply)
+            raise ControlProtocolError(f"the node answered {error.code}: {error.message}")
         if pending is None:
             raise ControlProtocolError(f"reply for no pending request (id {envelope.id!r}): {line[:200]!r}")
         try:

@@ -30,4 +30,4 @@ def new_member(core: NodeCore, *, handle: Handle, load: Callable[[], LoadTotals]
         on_change=lambda: None,
         block=core.faults.keepalive_block,
     )
-    return ClusterMember(core, membership, handle=handle, load=load)
+    return ClusterMember(core, membership, handle=handle, load=load, credentials=core.credentials)

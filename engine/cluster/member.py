@@ -64,6 +64,7 @@ from messages.control import ControlRequest
 from messages.control_replies import ClusterTotals, ClusterView, MetricsResult, ReplicaStatus
 from replicas.request import ServingRequest
 from replicas.states import ReplicaState as S
+from transport.auth.credentials import NO_CREDENTIALS, Credentials
 
 R = TypeVar("R")
 
@@ -84,7 +85,13 @@ class ClusterMember:
     `Cluster`."""
 
     def __init__(
-        self, core: NodeCore, membership: Membership, *, handle: Handle, load: Callable[[], LoadTotals]
+        self,
+        core: NodeCore,
+        membership: Membership,
+        *,
+        handle: Handle,
+        load: Callable[[], LoadTotals],
+        credentials: Credentials = NO_CREDENTIALS,
     ) -> None:
         self.core = core
         self.router = core.router
@@ -95,7 +102,7 @@ class ClusterMember:
         self.membership = membership
         membership.on_change = self._members_changed
         self.frames = Frames(self)
-        self.peers = PeerLinks(self.node_id, lambda: membership.lease, self.frames.on_frame)
+        self.peers = PeerLinks(self.node_id, lambda: membership.lease, self.frames.on_frame, credentials)
         self.ops = ClusterOps(self, handle)
         self.remote: dict[str, RemoteReplica] = {}
         self.reported: dict[str, Report] = {}

@@ -18,7 +18,7 @@ from engine.config.base import ConfigError as ConfigError
 from engine.config.base import ReplicaCounts, Section, _doc
 from engine.config.executor import ExecutorConfig
 from engine.config.scaling import AutoscaleConfig, ClusterConfig
-from engine.control.address import Address, parse_address, parse_http
+from engine.control.address import Address, exposed, parse_address, parse_http
 from messages.control import MAX_SEED
 from messages.faults import Fault
 from replicas.emulation import EmulatedSpeed
@@ -157,6 +157,13 @@ class ControlConfig(Section, frozen=True, kw_only=True):
         msgspec.Meta(gt=0, le=3600),
         _doc("seconds a reply write may stall before the client is dropped"),
     ] = 30.0
+    control_token_file: Annotated[
+        str | None,
+        _doc(
+            "a file holding the control socket's token: each connection's first line must be "
+            '{"token": "..."}; required when --listen is not loopback (docs/security.md)'
+        ),
+    ] = None
 
 
 class ShutdownConfig(Section, frozen=True, kw_only=True):
@@ -279,7 +286,11 @@ class NodeConfig(Section, frozen=True, kw_only=True):
     executor: ExecutorConfig = msgspec.field(default_factory=ExecutorConfig)
 
     def __post_init__(self) -> None:
-        parse_address(self.listen)
+        if exposed(parse_address(self.listen)) and self.control.control_token_file is None:
+            raise ValueError(
+                f"the control socket on {self.listen} (--listen) is reachable from other hosts: give "
+                "--control-token-file, or listen on a loopback address or a unix socket (docs/security.md)"
+            )
         if parse_http(self.http) is None and (self.host is not None or self.port is not None):
             raise ValueError("--host and --port place the HTTP API, but --http is off")
         if self.served_model_name is not None and not self.served_model_names:

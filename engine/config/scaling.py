@@ -35,6 +35,21 @@ class ClusterConfig(Section, frozen=True, kw_only=True):
     replica_slots: Annotated[
         int, msgspec.Meta(ge=0, le=1024), _doc("replicas this node may run (what `scale` places here)")
     ] = 16
+    cluster_secret_file: Annotated[
+        str | None,
+        _doc(
+            "a file holding the cluster's shared secret (16 bytes or more): peer and transfer links admit "
+            "only nodes that prove it, and every peer frame carries a MAC (docs/security.md)"
+        ),
+    ] = None
+    peer_ca_file: Annotated[
+        str | None, _doc("mutual TLS on peer links: the CA that signs every node's certificate")
+    ] = None
+    peer_cert_file: Annotated[
+        str | None,
+        _doc("mutual TLS on peer links: this node's certificate, naming --node-id (DNS SAN or CN)"),
+    ] = None
+    peer_key_file: Annotated[str | None, _doc("mutual TLS on peer links: the key of --peer-cert-file")] = None
     etcd_ca_file: Annotated[str | None, _doc("TLS: the CA that signed etcd's certificate")] = None
     etcd_cert_file: Annotated[str | None, _doc("TLS: this node's client certificate for etcd")] = None
     etcd_key_file: Annotated[str | None, _doc("TLS: the key of --etcd-cert-file")] = None
@@ -45,6 +60,19 @@ class ClusterConfig(Section, frozen=True, kw_only=True):
         msgspec.Meta(ge=1, le=16),
         _doc("--demo: run the demo across this many node processes and a local etcd"),
     ] = 1
+
+    def __post_init__(self) -> None:
+        tls = {"--peer-ca-file": self.peer_ca_file, "--peer-cert-file": self.peer_cert_file}
+        tls["--peer-key-file"] = self.peer_key_file
+        given = [option for option, value in tls.items() if value is not None]
+        if given and len(given) < len(tls):
+            missing = ", ".join(option for option in tls if option not in given)
+            raise ValueError(f"mutual TLS on peer links needs {', '.join(tls)}: {missing} missing")
+        if given and self.cluster_secret_file is None:
+            raise ValueError(
+                "--peer-cert-file authenticates the peer links; transfer links are admitted by the cluster "
+                "secret: give --cluster-secret-file as well (docs/security.md)"
+            )
 
 
 Utilisation = Annotated[float, msgspec.Meta(gt=0, le=1)]

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import ipaddress
 from typing import final
 
 import msgspec
@@ -64,3 +65,18 @@ def parse_http(value: str) -> tuple[str, int] | None:
     if not colon or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
         raise ValueError(f"--http {value!r}: expected HOST:PORT (port 0: any free port) or off")
     return host.strip("[]"), int(port)
+
+
+def loopback(host: str) -> bool:
+    """Whether `host` names this machine's loopback only (`localhost`, 127.0.0.0/8, ::1)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False  # a host name: it may resolve anywhere
+
+
+def exposed(address: Address) -> bool:
+    """Whether other hosts may reach `address` (a TCP address not on loopback)."""
+    return isinstance(address, TcpAddress) and not loopback(address.host)

@@ -5,6 +5,9 @@ per request), the writer (replies out, from the `Outbox`), and the request tasks
 cancel scope so that cancelling in-flight requests does not stop the connection.
 
 Lifecycle:
+- with a token (`--control-token-file`), the first line must be `{"token": "..."}` (at most
+  `TOKEN_LINE_BYTES`, within `TOKEN_SECONDS`); anything else gets an `unauthorized` error (id null) and
+  the connection closes, before any request is read;
 - a bad line gets a `bad_request` error and the connection goes on;
 - a line over the size limit gets a `bad_request` error (id null); nothing more is read, the requests
   already in flight finish (the client is still reading), then the connection closes;
@@ -20,10 +23,12 @@ stream. Cancelling `run` instead drops what is queued.
 
 from __future__ import annotations
 
+import hmac
 import traceback
 from collections.abc import Callable
 from typing import Final, Literal, final
 
+import msgspec
 import trio
 
 from engine.config import ControlConfig
@@ -49,7 +54,14 @@ _CLOSE_MESSAGES: Final[dict[ClientCloseReason, str]] = {
     "line_too_long": "the client sent a line over the size limit",
     "write_timeout": "the client did not read its replies within the write timeout",
     "server_closing": "the server is closing",
+    "unauthorized": "the client did not send the control token",
 }
+TOKEN_LINE_BYTES: Final = 4096
+TOKEN_SECONDS: Final = 10.0
+
+
+class _TokenLine(msgspec.Struct, forbid_unknown_fields=True):
+    token: str
 
 
 @final
@@ -74,8 +86,10 @@ class ControlConnection:
         log: EventLog,
         info: ConnectionInfo,
         on_request_end: Callable[[], None] = lambda: None,
+        token: bytes | None = None,
     ) -> None:
         self.info = info
+        self._token = token
         self._on_request_end = on_request_end
         self._stream = stream
         self._handler = handler
@@ -116,6 +130,8 @@ class ControlConnection:
     async def _read_loop(self, nursery: trio.Nursery) -> ClientCloseReason:
         reader = LineReader(self._stream, self._limits.max_line_bytes)
         with self._read_scope:
+            if self._token is not None and not await self._authenticated(reader, self._token):
+                return "unauthorized"
             while True:
                 # Backpressure: a client that does not read its replies gets no more requests served.
                 while not (self._outbox.has_space() and len(self._in_flight) < self._outbox.max_replies):
@@ -136,6 +152,25 @@ class ControlConnection:
                 if line.strip():
                     self._accept(line, nursery)
         return self._close_reason or "broken"
+
+    async def _authenticated(self, reader: LineReader, token: bytes) -> bool:
+        """Whether the first line carries `token` (see the module docstring); if not, the error is queued."""
+        line: bytes | None = None
+        with trio.move_on_after(TOKEN_SECONDS):
+            try:
+                line = await reader.next_line(limit=TOKEN_LINE_BYTES)
+            except (LineTooLong, trio.BrokenResourceError, trio.ClosedResourceError):
+                pass
+        try:
+            sent = msgspec.json.decode(line or b"", type=_TokenLine).token.encode()
+        except (msgspec.DecodeError, UnicodeEncodeError):
+            sent = b""
+        if hmac.compare_digest(sent, token):
+            return True
+        if self._outbox.accepting:
+            message = 'this control socket needs its token: send {"token": "..."} as the first line (--control-token-file)'
+            self._outbox.put(ErrorReply(id=None, code="unauthorized", message=message), final=True)
+        return False
 
     def _accept(self, line: bytes, nursery: trio.Nursery) -> None:
         request = parse_request(line)

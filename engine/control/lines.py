@@ -36,21 +36,23 @@ class LineReader:
         self._start = 0  # first byte of the next line
         self._scanned = 0  # bytes before this index hold no newline after _start
 
-    async def next_line(self) -> bytes | None:
-        """The next line without its terminator; None at end of stream.
+    async def next_line(self, limit: int | None = None) -> bytes | None:
+        """The next line without its terminator; None at end of stream. `limit`: a smaller maximum for
+        this line only (the control token's line).
 
         Unterminated bytes before the end of the stream are not a line and are dropped. Raises
         `LineTooLong` as soon as the pending line exceeds the limit, and whatever the stream raises
         (`trio.BrokenResourceError`, `trio.ClosedResourceError`). Cancellation: safe; the buffer keeps
         what was received and the next call continues from it.
         """
+        most = self._max if limit is None else min(limit, self._max)
         while True:
             newline = self._buffer.find(b"\n", self._scanned)
             if newline >= 0:
-                return self._take_line(newline)
+                return self._take_line(newline, most)
             pending = len(self._buffer) - self._start
-            if pending > self._max + 1:  # + 1: room for the "\r" of a "\r\n" terminator
-                raise LineTooLong(self._max, pending)
+            if pending > most + 1:  # + 1: room for the "\r" of a "\r\n" terminator
+                raise LineTooLong(most, pending)
             if self._start:
                 del self._buffer[: self._start]
                 self._start = 0
@@ -60,11 +62,11 @@ class LineReader:
                 return None
             self._buffer += data
 
-    def _take_line(self, newline: int) -> bytes:
+    def _take_line(self, newline: int, most: int) -> bytes:
         start = self._start
         self._start = self._scanned = newline + 1
         end = newline - 1 if newline > start and self._buffer[newline - 1] == 0x0D else newline
-        if end - start > self._max:
-            raise LineTooLong(self._max, end - start, terminated=True)
+        if end - start > most:
+            raise LineTooLong(most, end - start, terminated=True)
         with memoryview(self._buffer) as view:
             return bytes(view[start:end])

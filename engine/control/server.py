@@ -47,8 +47,12 @@ class ControlServerError(Exception):
 
 @final
 class ControlServer:
-    def __init__(self, handler: ControlHandler, limits: ControlConfig, log: EventLog) -> None:
+    def __init__(
+        self, handler: ControlHandler, limits: ControlConfig, log: EventLog, token: bytes | None = None
+    ) -> None:
+        """`token`: each connection's first line must carry it (`engine.control.connection`)."""
         self._handler = handler
+        self._token = token
         self._limits = limits
         self._log = log
         self._connections: set[ControlConnection] = set()
@@ -158,7 +162,13 @@ class ControlServer:
     async def _run_connection(self, stream: trio.SocketStream) -> None:
         info = ConnectionInfo(connection=f"c{next(self._ids)}", peer=_peer(stream))
         connection = ControlConnection(
-            stream, self._handler, self._limits, self._log, info, on_request_end=self._note_request_end
+            stream,
+            self._handler,
+            self._limits,
+            self._log,
+            info,
+            on_request_end=self._note_request_end,
+            token=self._token,
         )
         self._connections.add(connection)
         self._log.emit(ClientConnected(connection=info.connection, peer=info.peer))

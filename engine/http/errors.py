@@ -29,6 +29,7 @@ STATUS: Final[dict[ErrorCode, int]] = {
     "cancelled": 499,
     "shutting_down": 503,
     "stale_lease": 409,
+    "unauthorized": 401,
     "internal": 500,
 }
 TYPES: Final[dict[int, str]] = {

@@ -64,7 +64,9 @@ class NodeStopped(Event, frozen=True, kw_only=True, tag="node_stopped"):
 
 
 # ---------------------------------------------------------------------------------------------- control
-ClientCloseReason = Literal["eof", "broken", "line_too_long", "write_timeout", "server_closing"]
+ClientCloseReason = Literal[
+    "eof", "broken", "line_too_long", "write_timeout", "server_closing", "unauthorized"
+]
 
 
 class ClientConnected(Event, frozen=True, kw_only=True, tag="client_connected"):

@@ -29,7 +29,7 @@ def load_secret(path: str, option: str = "--cluster-secret-file") -> bytes:
         raise CredentialError(f"{option} {path}: {exc.strerror or exc}") from None
     if len(secret) < MIN_SECRET_BYTES:
         raise CredentialError(
-            f"{option} {path}: the secret has {len(secret)} bytes; use at least {MIN_SECRET_BYTES} "
+            f"{option} {path}: it holds {len(secret)} bytes; use at least {MIN_SECRET_BYTES} "
             "(openssl rand -hex 32 makes one)"
         )
     return secret
@@ -53,6 +53,10 @@ class Credentials:
     @property
     def configured(self) -> bool:
         return self.secret is not None or self.tls is not None
+
+    def admission(self, name: str) -> LinkAdmission | None:
+        """What admits the transfer links of node `name`: the secret (None without one)."""
+        return None if self.secret is None else LinkAdmission(name, self.secret)
 
     def describe(self) -> str:
         """What authenticates links, in words (for the start line and docs)."""

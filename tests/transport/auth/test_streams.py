@@ -94,7 +94,7 @@ def test_secret_files_are_read_stripped_and_checked(tmp_path: Path) -> None:
     path.write_bytes(SECRET + b"\n")
     assert load_secret(str(path)) == SECRET
     path.write_bytes(b"short\n")
-    with pytest.raises(CredentialError, match="the secret has 5 bytes; use at least 16"):
+    with pytest.raises(CredentialError, match="it holds 5 bytes; use at least 16"):
         load_secret(str(path))
     with pytest.raises(CredentialError, match=r"--cluster-secret-file .*missing: No such file"):
         load_secret(str(tmp_path / "missing"))

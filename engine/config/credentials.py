@@ -1,0 +1,41 @@
+"""What a node's links and control socket authenticate with (docs/security.md), read from the files its
+options name: the cluster's credentials (in a cluster) and the control socket's token."""
+
+from __future__ import annotations
+
+import structlog
+
+from engine.config import NodeConfig
+from engine.control.address import loopback
+from transport.auth.credentials import NO_CREDENTIALS, Credentials, load_secret
+from transport.auth.tls import TlsFiles
+
+_log = structlog.get_logger("engine.config.credentials")
+
+
+def node_credentials(node: NodeConfig) -> tuple[Credentials, bytes | None]:
+    """The cluster's credentials (`NO_CREDENTIALS` outside a cluster) and the control token (None
+    without `--control-token-file`), read and checked; raises `CredentialError`. A node in a cluster on a
+    non-loopback `--cluster-host` without credentials warns once, naming the risk."""
+    token_file = node.control.control_token_file
+    token = None if token_file is None else load_secret(token_file, "--control-token-file")
+    config = node.cluster
+    if config.cluster is None:
+        return NO_CREDENTIALS, token
+    secret = None if config.cluster_secret_file is None else load_secret(config.cluster_secret_file)
+    tls = None
+    if config.peer_ca_file and config.peer_cert_file and config.peer_key_file:
+        tls = TlsFiles(
+            ca_file=config.peer_ca_file, cert_file=config.peer_cert_file, key_file=config.peer_key_file
+        )
+    credentials = Credentials(secret=secret, tls=tls)
+    if not credentials.configured and not loopback(config.cluster_host):
+        _log.warning(
+            "cluster.unauthenticated",
+            cluster_host=config.cluster_host,
+            risk=(
+                f"peer and transfer links on {config.cluster_host} accept any host that reaches them: one "
+                "forged frame can stop this node or run requests; give --cluster-secret-file (docs/security.md)"
+            ),
+        )
+    return credentials, token
