@@ -72,9 +72,11 @@ async def run_client(
     records: list[Record],
     stop: trio.Event,
     shape: LoadShape | None = None,
+    token: bytes | None = None,
 ) -> None:
     """One client's loop (see the module docstring); `nodes()` lists (node id, address) of the nodes
-    that run now. Returns once `stop` is set and its request in flight ended."""
+    that run now, `token` opens their control sockets. Returns once `stop` is set and its request in
+    flight ended."""
     shape = shape or LoadShape()
     rng = random.Random(seed * 1009 + index)
     vocabulary = list(VOCABULARY)
@@ -95,19 +97,19 @@ async def run_client(
             started=time.monotonic(),
         )
         records.append(record)
-        await _send(address, record)
+        await _send(address, record, token)
         record.ended = time.monotonic()
         if record.outcome == "unreachable":
             with trio.move_on_after(0.5):  # as a client would, before it tries another node
                 await stop.wait()
 
 
-async def _send(address: str, record: Record) -> None:
+async def _send(address: str, record: Record, token: bytes | None) -> None:
     connected = False
     # The connect has `CONNECT_S`; once connected, the request has `REQUEST_S`.
     with trio.CancelScope(deadline=trio.current_time() + CONNECT_S) as scope:
         try:
-            async with ControlClient.connect(address) as client:
+            async with ControlClient.connect(address, token=token) as client:
                 connected = True
                 scope.deadline = trio.current_time() + REQUEST_S
                 replies = client.generate(

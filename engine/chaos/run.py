@@ -181,7 +181,7 @@ async def run_chaos(directory: Path, config: ChaosConfig) -> ChaosReport:
         for node in cluster.nodes.values():
             assert node.address is not None
             await _wait_status(
-                node.address, lambda s: _serving(s, replicas), "every replica serving", READY_S
+                node.address, cluster.token, lambda s: _serving(s, replicas), "every replica serving", READY_S
             )
         stop = trio.Event()
         started = report.started = time.monotonic()
@@ -191,7 +191,9 @@ async def run_chaos(directory: Path, config: ChaosConfig) -> ChaosReport:
 
         async with trio.open_nursery() as clients:
             for index in range(config.clients):
-                clients.start_soon(run_client, index, config.seed, live, report.records, stop, config.shape)
+                clients.start_soon(
+                    run_client, index, config.seed, live, report.records, stop, config.shape, cluster.token
+                )
             for fault in schedule:
                 await trio.sleep_until(
                     trio.current_time() + max(0.0, started + fault.at_s - time.monotonic())
@@ -241,7 +243,7 @@ async def _leader(cluster: HostCluster) -> str:
         if node.running and node.address:
             try:
                 with trio.fail_after(10):
-                    async with ControlClient.connect(node.address) as client:
+                    async with ControlClient.connect(node.address, token=cluster.token) as client:
                         status = await client.status()
             except (OSError, trio.TooSlowError, ControlClientError):
                 continue
@@ -271,7 +273,7 @@ async def _probe_once(cluster: HostCluster, node_id: str, bound_s: float) -> str
     prompt, max_tokens = PROBE
     try:
         with trio.fail_after(bound_s):
-            async with ControlClient.connect(node.address) as client:
+            async with ControlClient.connect(node.address, token=cluster.token) as client:
                 await client.generate_result(input_ids=list(prompt), max_tokens=max_tokens, ignore_eos=True)
     except ControlError as exc:
         return f"{exc.code}: {exc.message}"
@@ -289,7 +291,7 @@ async def _idle(cluster: HostCluster, bound_s: float, report: ChaosReport) -> No
             for node in cluster.nodes.values():
                 if node.address:
                     try:
-                        async with ControlClient.connect(node.address) as client:
+                        async with ControlClient.connect(node.address, token=cluster.token) as client:
                             statuses[node.node_id] = await client.status()
                     except (OSError, ControlClientError):
                         continue
@@ -318,11 +320,13 @@ def _serving(status: StatusResult, replicas: int) -> bool:
     return len(status.replicas) == replicas and all(r.state in SERVING for r in status.replicas)
 
 
-async def _wait_status(address: str, predicate: object, what: str, seconds: float) -> StatusResult:
+async def _wait_status(
+    address: str, token: bytes, predicate: object, what: str, seconds: float
+) -> StatusResult:
     assert callable(predicate)
     last: StatusResult | None = None
     with trio.move_on_after(seconds):
-        async with ControlClient.connect(address) as client:
+        async with ControlClient.connect(address, token=token) as client:
             while True:
                 last = await client.status()
                 if predicate(last):

@@ -3,6 +3,7 @@
     async with open_host_cluster(directory, [NodeSpec("pre-a", "a", "prefill=1,decode=0"), ...],
                                  options=["--transport", "tcp", "--lease-ttl", "3"]) as cluster:
         cluster.nodes["pre-a"].address               # a control socket the caller's namespace reaches
+        ControlClient.connect(address, token=cluster.token)     # its first line: the control token
         await cluster.cut("a"); await cluster.restore("a")      # a's link down, then up
         await cluster.kill("pre-a"); await cluster.restart("pre-a")   # kill -9; the same --node-id again
         await cluster.restart_etcd()
@@ -10,7 +11,9 @@
 The hosts are `engine.hosts.network`'s: `etcd` (etcd 3.5 from `find_etcd`, its data in
 `directory/etcd`) and one per distinct host of the specs (several nodes may share a host). Every node
 runs `python -m engine.node --cluster http://ETCD:2379 --node-id ID --replicas R [options]` on its host
-(`engine.hosts.nodes.HostNode`). `restart` waits (up to `lease_seconds`) for the node's old record to
+(`engine.hosts.nodes.HostNode`), plus the spec's own `options`. The nodes' control sockets listen on
+their hosts' addresses, so each takes `--control-token-file` (one random token for the cluster, in
+`directory`; `HostCluster.token`). `restart` waits (up to `lease_seconds`) for the node's old record to
 leave etcd — its lease ended — then starts it again, as an operator restarting a crashed node would.
 
 Leaving the block kills every node, stops etcd and removes the network, also when it raised.
@@ -19,6 +22,7 @@ Leaving the block kills every node, stops etcd and removes the network, also whe
 
 from __future__ import annotations
 
+import secrets
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -41,21 +45,23 @@ POLL_SECONDS: Final = 0.1
 @final
 @dataclass(frozen=True, slots=True)
 class NodeSpec:
-    """A node: its id, the host it runs on, and its `--replicas`."""
+    """A node: its id, the host it runs on, its `--replicas`, and options of its own."""
 
     node_id: str
     host: str
     replicas: str
+    options: tuple[str, ...] = ()
 
 
 @final
 class HostCluster:
     """See the module docstring."""
 
-    def __init__(self, network: Network, etcd: LocalEtcd, nodes: dict[str, HostNode]) -> None:
+    def __init__(self, network: Network, etcd: LocalEtcd, nodes: dict[str, HostNode], token: bytes) -> None:
         self.network = network
         self.etcd = etcd
         self.nodes = nodes
+        self.token = token  # every node's control token
 
     def host_of(self, node_id: str) -> str:
         return self.nodes[node_id].host
@@ -106,6 +112,10 @@ async def open_host_cluster(
     hosts = [ETCD_HOST, *dict.fromkeys(spec.host for spec in specs)]
     logs = directory / "logs"
     logs.mkdir(parents=True, exist_ok=True)
+    token = secrets.token_hex(16).encode()
+    token_file = directory / "control-token"
+    token_file.write_bytes(token)
+    token_file.chmod(0o600)
     with open_network(hosts) as network:
         etcd = await start_local_etcd(
             str(directory / "etcd"),
@@ -117,12 +127,13 @@ async def open_host_cluster(
         nodes: dict[str, HostNode] = {}
         try:
             for spec in specs:
-                node_options = ["--cluster", etcd.url, "--replicas", spec.replicas, *options]
+                node_options = ["--cluster", etcd.url, "--replicas", spec.replicas, *options, *spec.options]
+                node_options += ["--control-token-file", str(token_file)]
                 nodes[spec.node_id] = HostNode(network, spec.host, spec.node_id, node_options, logs)
             async with trio.open_nursery() as nursery:
                 for node in nodes.values():
                     nursery.start_soon(node.start)
-            yield HostCluster(network, etcd, nodes)
+            yield HostCluster(network, etcd, nodes, token)
         finally:
             with trio.CancelScope(shield=True):
                 for node in nodes.values():

@@ -52,5 +52,5 @@ async def wait_cluster_serving(
     for node_id in nodes or list(cluster.nodes):
         address = cluster.nodes[node_id].address
         assert address is not None, f"{node_id} is not running"
-        async with ControlClient.connect(address) as client:
+        async with ControlClient.connect(address, token=cluster.token) as client:
             await wait_serving_on(client, replicas)

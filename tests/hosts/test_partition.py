@@ -28,7 +28,7 @@ async def test_a_prefill_host_cut_off_rejoins_and_places_kv_again(tmp_path: Path
         pre, dec = cluster.nodes["pre"].address, cluster.nodes["dec"].address
         assert pre is not None and dec is not None
         assert pre.startswith(cluster.network.address("a")) and dec.startswith(cluster.network.address("b"))
-        async with ControlClient.connect(pre) as client:
+        async with ControlClient.connect(pre, token=cluster.token) as client:
             status = await client.status()
             assert status.cluster is not None
             lease = status.cluster.lease
@@ -36,7 +36,7 @@ async def test_a_prefill_host_cut_off_rejoins_and_places_kv_again(tmp_path: Path
             assert_correct(model, [before])
 
         await cluster.cut("a")
-        async with ControlClient.connect(dec) as client:
+        async with ControlClient.connect(dec, token=cluster.token) as client:
             await wait_status(
                 client,
                 lambda s: s.cluster is not None and "pre" not in s.cluster.nodes,
@@ -45,7 +45,7 @@ async def test_a_prefill_host_cut_off_rejoins_and_places_kv_again(tmp_path: Path
             )
         await cluster.restore("a")
 
-        async with ControlClient.connect(pre) as client:
+        async with ControlClient.connect(pre, token=cluster.token) as client:
             await wait_status(
                 client,
                 lambda s: s.cluster is not None and s.cluster.state == "ok" and s.cluster.lease != lease,
@@ -53,7 +53,7 @@ async def test_a_prefill_host_cut_off_rejoins_and_places_kv_again(tmp_path: Path
                 timeout=60,
             )
         await wait_cluster_serving(cluster, 2)
-        async with ControlClient.connect(pre) as client:
+        async with ControlClient.connect(pre, token=cluster.token) as client:
             outcomes = [await send(client, ask) for ask in distinct_asks(3, max_tokens=5, offset=1)]
             assert_correct(model, outcomes)
             for outcome in outcomes:
@@ -61,5 +61,5 @@ async def test_a_prefill_host_cut_off_rejoins_and_places_kv_again(tmp_path: Path
                     ("pre/prefill-0", "dec/decode-0")
                 ]
         for address in (pre, dec):
-            async with ControlClient.connect(address) as client:
+            async with ControlClient.connect(address, token=cluster.token) as client:
                 await wait_idle(client)

@@ -1,0 +1,112 @@
+"""Peer links with credentials (engine.cluster.peers, docs/security.md), between real sockets on
+loopback: members that share the secret (and certificates) exchange frames; a frame before
+authentication, a dialer without the secret, a frame that claims another sender, a frame with a broken
+MAC and an oversized frame each close their connection and are logged, and the listener serves the
+members on."""
+
+from __future__ import annotations
+
+import struct
+from pathlib import Path
+
+import msgspec
+import pytest
+import structlog.testing
+import trio
+
+from engine.cluster.peers import MAX_FRAME_BYTES, PeerLinks
+from messages.cluster import CancelForward, PeerFrame
+from tests.certs import make_ca, make_node_cert
+from tests.waiting import wait_until
+from transport.auth.challenge import AuthFailed
+from transport.auth.credentials import Credentials
+from transport.auth.frames import FrameSealer
+from transport.auth.streams import admit_dialer
+
+SECRET = b"peer-secret-0123456789abcdef"
+
+
+def _cancel(request_id: str) -> CancelForward:
+    return CancelForward(request_id=request_id)
+
+
+async def _connected(
+    address: str, credentials: Credentials, name: str
+) -> tuple[trio.abc.Stream, FrameSealer]:
+    host, _, port = address.rpartition(":")
+    stream = await trio.open_tcp_stream(host, int(port))
+    admitted = await admit_dialer(stream, credentials, purpose="peer", name=name, expect="dec")
+    assert admitted.key is not None
+    return admitted.stream, FrameSealer(admitted.key, "dialer")
+
+
+async def _closed(stream: trio.abc.Stream) -> bool:
+    """Whether the listener closed `stream` (it reads nothing more from it)."""
+    with trio.fail_after(10):
+        try:
+            while await stream.receive_some(1024):
+                pass
+        except trio.BrokenResourceError:
+            pass
+    return True
+
+
+@pytest.mark.parametrize("tls", [False, True])
+async def test_members_exchange_frames_and_every_forgery_closes_its_connection(
+    tls: bool, tmp_path: Path, nursery: trio.Nursery
+) -> None:
+    def credentials(node: str) -> Credentials:
+        if not tls:
+            return Credentials(secret=SECRET)
+        return Credentials(secret=SECRET, tls=make_node_cert(tmp_path, ca, node))
+
+    ca = make_ca(tmp_path / "ca") if tls else None
+    received: list[PeerFrame] = []
+    pre_credentials = credentials("pre")
+    dec = PeerLinks("dec", lambda: 7, received.append, credentials("dec"))
+    pre = PeerLinks("pre", lambda: 5, lambda frame: None, pre_credentials)
+    with structlog.testing.capture_logs() as logs:
+        dec_address = await nursery.start(dec.run, "127.0.0.1")
+        await nursery.start(pre.run, "127.0.0.1")
+        pre.set_address("dec", dec_address)
+        pre.send("dec", _cancel("r1"))
+        await wait_until(lambda: len(received) == 1, "dec receiving pre's frame")
+        assert (received[0].sender, received[0].lease, received[0].message) == ("pre", 5, _cancel("r1"))
+
+        host, _, port = dec_address.rpartition(":")
+        forged = msgspec.msgpack.encode(PeerFrame(sender="dec", lease=7, message=_cancel("r2")))
+        bare = await trio.open_tcp_stream(host, int(port))  # no credential: a frame where the hello goes
+        await bare.send_all(struct.pack(">I", len(forged)) + forged)
+        assert await _closed(bare)
+
+        if not tls:  # with TLS an intruder does not get as far as the secret's exchange
+            wrong = await trio.open_tcp_stream(host, int(port))
+            with pytest.raises(AuthFailed, match="did not prove the cluster secret"):
+                await admit_dialer(
+                    wrong, Credentials(secret=SECRET[::-1]), purpose="peer", name="x", expect="dec"
+                )
+            await wrong.aclose()
+
+        stream, sealer = await _connected(dec_address, pre_credentials, "pre")
+        claims_enc = msgspec.msgpack.encode(PeerFrame(sender="enc", lease=5, message=_cancel("r3")))
+        await stream.send_all(struct.pack(">I", len(claims_enc)) + claims_enc + sealer.seal(claims_enc))
+        assert await _closed(stream)
+
+        stream, sealer = await _connected(dec_address, pre_credentials, "pre")
+        honest = msgspec.msgpack.encode(PeerFrame(sender="pre", lease=5, message=_cancel("r4")))
+        await stream.send_all(struct.pack(">I", len(honest)) + honest + bytes(len(sealer.seal(honest))))
+        assert await _closed(stream)  # its MAC is zeros
+
+        stream, _ = await _connected(dec_address, pre_credentials, "pre")
+        await stream.send_all(struct.pack(">I", MAX_FRAME_BYTES + 1))
+        assert await _closed(stream)
+
+        pre.send("dec", _cancel("r5"))  # the member's own connection served on throughout
+        await wait_until(lambda: len(received) == 2, "dec receiving pre's next frame")
+    assert [frame.message for frame in received] == [_cancel("r1"), _cancel("r5")]
+    refused = [entry for entry in logs if entry["event"] == "cluster.peer_refused"]
+    frames = [entry["reason"] for entry in logs if entry["event"] == "cluster.peer_frame_refused"]
+    assert len(refused) == (1 if tls else 2)
+    assert "claims sender 'enc' on 'pre''s connection" in frames[0]
+    assert "fails its MAC" in frames[1]
+    assert f"over the {MAX_FRAME_BYTES} limit" in frames[2]
