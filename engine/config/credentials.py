@@ -7,7 +7,7 @@ import structlog
 
 from engine.config import NodeConfig
 from engine.control.address import loopback
-from transport.auth.credentials import NO_CREDENTIALS, Credentials, load_secret
+from transport.auth.credentials import NO_CREDENTIALS, Credentials, load_secret, load_secrets
 from transport.auth.tls import TlsFiles
 
 _log = structlog.get_logger("engine.config.credentials")
@@ -22,13 +22,13 @@ def node_credentials(node: NodeConfig) -> tuple[Credentials, bytes | None]:
     config = node.cluster
     if config.cluster is None:
         return NO_CREDENTIALS, token
-    secret = None if config.cluster_secret_file is None else load_secret(config.cluster_secret_file)
+    secrets = () if config.cluster_secret_file is None else load_secrets(config.cluster_secret_file)
     tls = None
     if config.peer_ca_file and config.peer_cert_file and config.peer_key_file:
         tls = TlsFiles(
             ca_file=config.peer_ca_file, cert_file=config.peer_cert_file, key_file=config.peer_key_file
         )
-    credentials = Credentials(secret=secret, tls=tls)
+    credentials = Credentials(secret=secrets[0] if secrets else None, also=secrets[1:], tls=tls)
     if not credentials.configured and not loopback(config.cluster_host):
         _log.warning(
             "cluster.unauthenticated",

@@ -38,8 +38,9 @@ class ClusterConfig(Section, frozen=True, kw_only=True):
     cluster_secret_file: Annotated[
         str | None,
         _doc(
-            "a file holding the cluster's shared secret (16 bytes or more): peer and transfer links admit "
-            "only nodes that prove it, and every peer frame carries a MAC (docs/security.md)"
+            "a file holding the cluster's shared secret, one a line (16 bytes or more; the first is proven, any "
+            "is accepted: rotation): peer and transfer links admit only nodes that prove it, and every peer "
+            "frame carries a MAC (docs/security.md)"
         ),
     ] = None
     peer_ca_file: Annotated[

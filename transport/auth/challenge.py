@@ -24,6 +24,7 @@ import hashlib
 import hmac
 import secrets
 import struct
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Final, Literal, final
 
@@ -118,13 +119,16 @@ def parse_answer(data: bytes) -> Answer:
     return Answer(nonce=nonce, name=name, mac=data[len(data) - MAC_BYTES :])
 
 
-def check_answer(secret: bytes, hello: Hello, reply: Answer) -> tuple[bytes, bytes]:
-    """The dialer's check of the listener's `reply` to its `hello`: its PROOF and the session key.
-    Raises `AuthFailed` when the listener does not hold the secret."""
+def check_answer(secrets: Sequence[bytes], hello: Hello, reply: Answer) -> tuple[bytes, bytes]:
+    """The dialer's check of the listener's `reply` to its `hello`: its PROOF and the session key, made
+    with whichever of `secrets` the listener proved (a listener proves its first secret; a dialer accepts
+    any of its own, which is how a secret is rotated without a stop: docs/security.md). Raises
+    `AuthFailed` when the listener holds none of them."""
     transcript = _transcript(hello.purpose, hello.nonce, reply.nonce, hello.name, reply.name)
-    if not hmac.compare_digest(reply.mac, _mac(secret, b"listener", transcript)):
-        raise AuthFailed(f"{reply.name!r} did not prove the cluster secret (the secrets differ)")
-    return _mac(secret, b"dialer", transcript), _mac(secret, b"session", transcript)
+    for secret in secrets:
+        if hmac.compare_digest(reply.mac, _mac(secret, b"listener", transcript)):
+            return _mac(secret, b"dialer", transcript), _mac(secret, b"session", transcript)
+    raise AuthFailed(f"{reply.name!r} did not prove the cluster secret (the secrets differ)")
 
 
 def check_proof(secret: bytes, hello: Hello, reply: Answer, proof: bytes) -> None:

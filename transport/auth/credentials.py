@@ -1,9 +1,11 @@
 """What a node proves itself with and checks the others by (docs/security.md): the cluster secret, the
 peer TLS files, or both; `NO_CREDENTIALS` when neither is configured.
 
-`load_secret` reads `--cluster-secret-file`: its bytes, surrounding whitespace stripped, at least
-`MIN_SECRET_BYTES` of them (`openssl rand -hex 32 > secret` makes one). The secret never appears in a
-repr, a log line or an error message.
+`load_secrets` reads `--cluster-secret-file`: one secret a line, each at least `MIN_SECRET_BYTES` long
+(`openssl rand -hex 32 > secret` makes one). The first is the one this node proves when it listens; a
+dialler accepts a listener that proves any of them — a second line is how a secret is rotated without
+stopping the cluster (docs/security.md). `load_secret` reads a file holding one (the control token).
+Secrets never appear in a repr, a log line or an error message.
 """
 
 from __future__ import annotations
@@ -35,12 +37,35 @@ def load_secret(path: str, option: str = "--cluster-secret-file") -> bytes:
     return secret
 
 
+def load_secrets(path: str, option: str = "--cluster-secret-file") -> tuple[bytes, ...]:
+    """The secrets of `path`, one a line (blank lines skipped); raises `CredentialError`."""
+    try:
+        with open(path, "rb") as file:
+            lines = [line.strip() for line in file.read(1 << 16).splitlines()]
+    except OSError as exc:
+        raise CredentialError(f"{option} {path}: {exc.strerror or exc}") from None
+    secrets = tuple(line for line in lines if line)
+    if not secrets:
+        raise CredentialError(f"{option} {path}: it holds no secret (openssl rand -hex 32 makes one)")
+    for number, secret in enumerate(secrets, 1):
+        if len(secret) < MIN_SECRET_BYTES:
+            raise CredentialError(
+                f"{option} {path}: secret {number} holds {len(secret)} bytes; use at least {MIN_SECRET_BYTES} "
+                "(openssl rand -hex 32 makes one)"
+            )
+    return secrets
+
+
 @final
 class Credentials:
     """The secret and/or TLS files of this node; their TLS contexts are built once, here."""
 
-    def __init__(self, *, secret: bytes | None = None, tls: TlsFiles | None = None) -> None:
+    def __init__(
+        self, *, secret: bytes | None = None, also: tuple[bytes, ...] = (), tls: TlsFiles | None = None
+    ) -> None:
+        """`secret`: the one this node proves; `also`: others it accepts from a listener (rotation)."""
         self.secret = secret
+        self.also = also
         self.tls = tls
         self.server_tls: ssl.SSLContext | None = None
         self.client_tls: ssl.SSLContext | None = None
@@ -56,7 +81,7 @@ class Credentials:
 
     def admission(self, name: str) -> LinkAdmission | None:
         """What admits the transfer links of node `name`: the secret (None without one)."""
-        return None if self.secret is None else LinkAdmission(name, self.secret)
+        return None if self.secret is None else LinkAdmission(name, self.secret, self.also)
 
     def describe(self) -> str:
         """What authenticates links, in words (for the start line and docs)."""
@@ -78,7 +103,8 @@ class LinkAdmission:
 
     name: str
     secret: bytes = field(repr=False)
+    also: tuple[bytes, ...] = field(default=(), repr=False)
 
     @property
     def credentials(self) -> Credentials:
-        return Credentials(secret=self.secret)
+        return Credentials(secret=self.secret, also=self.also)

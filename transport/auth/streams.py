@@ -74,7 +74,7 @@ async def admit_dialer(
         hello = new_hello(purpose, name)
         await _send(stream, encode_hello(hello))
         reply = parse_answer(await _receive(stream))
-        proof, key = check_answer(credentials.secret, hello, reply)
+        proof, key = check_answer((credentials.secret, *credentials.also), hello, reply)
         await _send(stream, proof)
         if await _exactly(stream, 1) != ADMITTED:
             raise AuthFailed(f"{reply.name!r} refused this node's proof of the cluster secret")

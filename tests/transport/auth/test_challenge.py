@@ -36,7 +36,7 @@ def test_holders_of_one_secret_admit_each_other_and_share_a_key(dialer: str, lis
     reply, listener_key = answer(SECRET, received, listener)
     parsed = parse_answer(encode_answer(reply))
     assert parsed == reply
-    proof, dialer_key = check_answer(SECRET, hello, parsed)
+    proof, dialer_key = check_answer([SECRET], hello, parsed)
     check_proof(SECRET, received, reply, proof)
     assert dialer_key == listener_key
 
@@ -45,7 +45,7 @@ def test_a_listener_without_the_secret_is_refused_by_the_dialer() -> None:
     hello = new_hello("peer", "pre")
     reply, _ = answer(OTHER, hello, "dec")
     with pytest.raises(AuthFailed, match="'dec' did not prove the cluster secret"):
-        check_answer(SECRET, hello, reply)
+        check_answer([SECRET], hello, reply)
 
 
 def test_a_dialer_without_the_secret_is_refused_by_the_listener() -> None:
@@ -54,7 +54,7 @@ def test_a_dialer_without_the_secret_is_refused_by_the_listener() -> None:
     forged = b"x" * 32
     with pytest.raises(AuthFailed, match="'intruder' did not prove"):
         check_proof(SECRET, hello, reply, forged)
-    wrong_secret_proof, _ = check_answer(OTHER, hello, answer(OTHER, hello, "dec")[0])
+    wrong_secret_proof, _ = check_answer([OTHER], hello, answer(OTHER, hello, "dec")[0])
     with pytest.raises(AuthFailed):
         check_proof(SECRET, hello, reply, wrong_secret_proof)
 
@@ -62,7 +62,7 @@ def test_a_dialer_without_the_secret_is_refused_by_the_listener() -> None:
 def test_a_proof_does_not_pass_for_another_name_purpose_or_exchange() -> None:
     hello = new_hello("peer", "pre")
     reply, _ = answer(SECRET, hello, "dec")
-    proof, _ = check_answer(SECRET, hello, reply)
+    proof, _ = check_answer([SECRET], hello, reply)
     renamed = type(hello)(purpose="peer", nonce=hello.nonce, name="enc")
     with pytest.raises(AuthFailed):
         check_proof(SECRET, renamed, reply, proof)
@@ -101,3 +101,15 @@ def test_frames_pass_in_order_and_fail_when_changed_replayed_or_reflected(bodies
     reflected = FrameOpener(key, "listener")
     with pytest.raises(AuthFailed):
         reflected.check(bodies[0], tags[0])
+
+
+def test_a_dialer_accepts_a_listener_that_proves_any_of_its_secrets() -> None:
+    """Rotation: a listener proves its first secret; a dialer holding old and new admits either."""
+    hello = new_hello("transfer", "pre")
+    for listener_secret in (SECRET, OTHER):
+        reply, listener_key = answer(listener_secret, hello, "dec")
+        proof, dialer_key = check_answer([OTHER, SECRET], hello, reply)
+        check_proof(listener_secret, hello, reply, proof)
+        assert dialer_key == listener_key
+    with pytest.raises(AuthFailed):
+        check_answer([OTHER], hello, answer(SECRET, hello, "dec")[0])

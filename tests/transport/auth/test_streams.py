@@ -4,6 +4,7 @@ the node dialled, and bytes that are not the exchange are each refused with a re
 
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 
 import pytest
@@ -12,7 +13,7 @@ import trio.testing
 
 from tests.certs import make_ca, make_node_cert
 from transport.auth.challenge import AuthFailed
-from transport.auth.credentials import CredentialError, Credentials, load_secret
+from transport.auth.credentials import CredentialError, Credentials, load_secret, load_secrets
 from transport.auth.streams import Admitted, admit_dialer, admit_listener
 
 SECRET = b"0123456789abcdef0123456789abcdef"
@@ -99,3 +100,25 @@ def test_secret_files_are_read_stripped_and_checked(tmp_path: Path) -> None:
     with pytest.raises(CredentialError, match=r"--cluster-secret-file .*missing: No such file"):
         load_secret(str(tmp_path / "missing"))
     assert "0123" not in repr(Credentials(secret=SECRET))
+
+
+async def test_a_secret_rotates_without_a_stop(tmp_path: Path) -> None:
+    """Old first and new second everywhere, then new first, then new alone: every step's nodes admit
+    each other, whichever of them has moved on."""
+    old, new = SECRET, SECRET[::-1]
+    steps = [
+        Credentials(secret=old),
+        Credentials(secret=old, also=(new,)),
+        Credentials(secret=new, also=(old,)),
+    ]
+    steps.append(Credentials(secret=new))
+    for earlier, later in itertools.pairwise(steps):
+        for dialer, listener in ((earlier, later), (later, earlier)):
+            outcomes = await _open(dialer, listener)
+            assert all(isinstance(outcome, Admitted) for outcome in outcomes), outcomes
+    path = tmp_path / "secrets"
+    path.write_bytes(new + b"\n\n" + old + b"\n")
+    assert load_secrets(str(path)) == (new, old)
+    path.write_bytes(new + b"\nshort\n")
+    with pytest.raises(CredentialError, match="secret 2 holds 5 bytes"):
+        load_secrets(str(path))
