@@ -367,11 +367,10 @@ class ClusterMember:
     def submit(self, replica: RemoteReplica, request: ServingRequest) -> bool:
         if not self.reachable or replica.node not in self.membership.members:
             return False
+        submit = Submit(replica=replica.name, request=snapshot(request, self.node_id, images=True))
+        if not self.peers.send(replica.node, submit):
+            return False  # over the peer frame limit: its images are too large to send (logged)
         self.track(request)
-        self.peers.send(
-            replica.node,
-            Submit(replica=replica.name, request=snapshot(request, self.node_id, images=True)),
-        )
         replica.submitted_tokens += request.prompt_tokens
         if replica.report.status.role != "encode":
             self.holders[request.request_id] = replica.node

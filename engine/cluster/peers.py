@@ -165,18 +165,11 @@ class PeerLinks:
                 self._queues.clear()
 
     # ------------------------------------------------------------------ sending
-    def send(self, node_id: str, message: PeerMessage) -> None:
-        """Queue `message` for `node_id` (see the module docstring); a node with no address is skipped."""
+    def send(self, node_id: str, message: PeerMessage) -> bool:
+        """Queue `message` for `node_id` (see the module docstring); a node with no address is skipped.
+        False: the frame is longer than `MAX_FRAME_BYTES` and was not sent (logged)."""
         if node_id == self.node_id or self._nursery is None:
-            return
-        queue = self._queues.get(node_id)
-        if queue is None:
-            address = self._addresses.get(node_id)
-            if address is None:
-                _log.info("cluster.peer_unknown", peer=node_id, message=type(message).__name__)
-                return
-            queue = self._queues[node_id] = _Queue(node_id, address)
-            self._nursery.start_soon(self._sender, queue)
+            return True
         body = _encoder.encode(PeerFrame(sender=self.node_id, lease=self._lease(), message=message))
         if len(body) > MAX_FRAME_BYTES:
             _log.error(
@@ -186,8 +179,17 @@ class PeerLinks:
                 bytes=len(body),
                 limit=MAX_FRAME_BYTES,
             )
-            return
+            return False
+        queue = self._queues.get(node_id)
+        if queue is None:
+            address = self._addresses.get(node_id)
+            if address is None:
+                _log.info("cluster.peer_unknown", peer=node_id, message=type(message).__name__)
+                return True
+            queue = self._queues[node_id] = _Queue(node_id, address)
+            self._nursery.start_soon(self._sender, queue)
         queue.frames.send_nowait(body)
+        return True
 
     def broadcast(self, nodes: list[str], message: PeerMessage) -> None:
         for node in nodes:
