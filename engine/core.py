@@ -126,7 +126,7 @@ class NodeCore:
         # Who may open this node's links and its control socket (docs/security.md)
         self.credentials, self.control_token = node_credentials(config)  # CredentialError: a bad file
         self.settings = replica_settings(
-            config, self.served.context, self.credentials.admission(self.node_id)
+            config, self.served.context, self.credentials.admission(self.node_id, tls=config.transfer.tls)
         )
         self.fabric = Fabric(config.transport, clustered=self.clustered, host=config.cluster.cluster_host)
         self.faults = FaultHooks(config.faults)

@@ -54,6 +54,7 @@ from transport.links import dial
 from transport.links.inproc.link import InprocNetwork
 from transport.links.tcp import admission as tcp_admission
 from transport.links.tcp import link as tcp
+from transport.links.tcp.sockets import LinkSocket
 from transport.memory.blocks import BlockPool
 from transport.memory.storage import PoolStorage
 from transport.protocol import handshake
@@ -158,7 +159,7 @@ class TransferEndpoint:
         return self.address
 
     async def _accept_tcp(self, listener: socket.socket) -> None:
-        def adopt(sock: socket.socket) -> None:
+        def adopt(sock: LinkSocket) -> None:
             self._adopt(tcp.tcp_link(sock, self, "sender"))
 
         with trio.CancelScope() as scope, listener:

@@ -28,6 +28,7 @@ from transport.kinds import unavailable as transport_unavailable
 
 Level = Literal["debug", "info", "warning", "error"]
 MIB: Final = 1024 * 1024
+TLS_TRANSPORTS: Final = ("tcp", "inproc", "auto")  # inproc and auto become tcp in a cluster
 Blocks = Annotated[int, msgspec.Meta(ge=1, le=1 << 24)]
 NonEmpty = Annotated[str, msgspec.Meta(min_length=1)]
 
@@ -124,6 +125,13 @@ class TransferConfig(Section, frozen=True, kw_only=True):
             "waits for the sender process; sender: the sender writes big pieces too (docs/transports.md)"
         ),
     ] = "cma"
+    tls: Annotated[
+        bool,
+        _doc(
+            "tcp transfer links between nodes speak TLS with the --peer-*-file certificates (docs/security.md; "
+            "its cost: docs/benchmarks.md)"
+        ),
+    ] = False
     ucx_read_lanes: Annotated[
         int,
         msgspec.Meta(ge=1, le=64),
@@ -286,6 +294,13 @@ class NodeConfig(Section, frozen=True, kw_only=True):
     executor: ExecutorConfig = msgspec.field(default_factory=ExecutorConfig)
 
     def __post_init__(self) -> None:
+        if self.transfer.tls and (
+            self.cluster.peer_cert_file is None or self.transport not in TLS_TRANSPORTS
+        ):
+            raise ValueError(
+                "--transfer-tls encrypts the tcp transfer links of a cluster with the peer certificates: it "
+                f"needs --peer-cert-file (and its CA and key) and --transport tcp, not {self.transport}"
+            )
         if exposed(parse_address(self.listen)) and self.control.control_token_file is None:
             raise ValueError(
                 f"the control socket on {self.listen} (--listen) is reachable from other hosts: give "

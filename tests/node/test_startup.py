@@ -105,9 +105,18 @@ LISTEN_HINT = "; choose another address with --listen (port 0: any free one)"
             "the control socket cannot listen on 127.0.0.1:80: Permission denied" + LISTEN_HINT,
         ),
         (
-            ("--http", "off", "--listen", "no-such-host.invalid:7340"),
+            ("--http", "off", "--listen", "no-such-host.invalid:7340", "--control-token-file", "{token}"),
             "the control socket cannot listen on no-such-host.invalid:7340: Name or service not known"
             + LISTEN_HINT,
+        ),
+        (
+            ("--http", "off", "--listen", "0.0.0.0:0"),
+            "[node] options: the control socket on 0.0.0.0:0 (--listen) is reachable from other hosts: give "
+            "--control-token-file, or listen on a loopback address or a unix socket (docs/security.md)",
+        ),
+        (
+            ("--http", "off", "--listen", "0.0.0.0:0", "--control-token-file", "{taken}"),
+            "--control-token-file {taken}: No such file or directory",
         ),
         (
             ("--max-model-len", "40000"),
@@ -125,12 +134,14 @@ LISTEN_HINT = "; choose another address with --listen (port 0: any free one)"
         "http not permitted",
         "control not permitted",
         "control host unknown",
+        "control off loopback without a token",
+        "control token file missing",
         "max-model-len",
         "chat-template",
     ],
 )
 def test_an_address_or_option_the_node_cannot_have_stops_it_in_one_line(
-    options: tuple[str, ...], line: str
+    options: tuple[str, ...], line: str, tmp_path: Path
 ) -> None:
     """Every address a node listens on at start — taken, not permitted, a host that does not resolve —
     and every option checked against the model: one line on stderr, exit 2, no traceback."""
@@ -139,7 +150,9 @@ def test_an_address_or_option_the_node_cannot_have_stops_it_in_one_line(
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        command = [o.format(taken=port) for o in options if o != "privileged"]
+        token = tmp_path / "token"
+        token.write_text("control-token-0123456789\n")
+        command = [o.format(taken=port, token=token) for o in options if o != "privileged"]
         done = subprocess.run(
             [*prefix, *NODE, "--listen", "127.0.0.1:0", "--http", "127.0.0.1:0", *command],
             capture_output=True,

@@ -79,9 +79,16 @@ class Credentials:
     def configured(self) -> bool:
         return self.secret is not None or self.tls is not None
 
-    def admission(self, name: str) -> LinkAdmission | None:
-        """What admits the transfer links of node `name`: the secret (None without one)."""
-        return None if self.secret is None else LinkAdmission(name, self.secret, self.also)
+    def admission(self, name: str, *, tls: bool = False) -> LinkAdmission | None:
+        """What admits the transfer links of node `name`: the secret (None without one); `tls`: tcp
+        links speak TLS with this node's certificate (`--transfer-tls`)."""
+        if self.secret is None:
+            return None
+        if not tls:
+            return LinkAdmission(name, self.secret, self.also)
+        return LinkAdmission(
+            name, self.secret, self.also, server_tls=self.server_tls, client_tls=self.client_tls
+        )
 
     def describe(self) -> str:
         """What authenticates links, in words (for the start line and docs)."""
@@ -104,6 +111,8 @@ class LinkAdmission:
     name: str
     secret: bytes = field(repr=False)
     also: tuple[bytes, ...] = field(default=(), repr=False)
+    server_tls: ssl.SSLContext | None = None  # --transfer-tls: tcp links accepted speak TLS
+    client_tls: ssl.SSLContext | None = None  # ... and so do tcp links dialled
 
     @property
     def credentials(self) -> Credentials:

@@ -35,6 +35,8 @@ def _context(files: TlsFiles, purpose: ssl.Purpose) -> ssl.SSLContext:
     context.minimum_version = ssl.TLSVersion.TLSv1_2
     context.check_hostname = False  # the caller checks the proven node name (see the module docstring)
     context.verify_mode = ssl.CERT_REQUIRED
+    if purpose is ssl.Purpose.CLIENT_AUTH:
+        context.num_tickets = 0  # links are long-lived: no resumption, nothing sent after the handshake
     try:
         context.load_verify_locations(cafile=files.ca_file)
     except (OSError, ssl.SSLError) as exc:

@@ -5,11 +5,14 @@ on serving the members."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import msgspec
 import pytest
 import structlog.testing
 import trio
 
+from tests.certs import make_ca, make_node_cert
 from tests.transport.harness import (
     Collector,
     Source,
@@ -21,7 +24,7 @@ from tests.transport.harness import (
     shuffled_pool,
 )
 from tests.waiting import WAIT_SECONDS
-from transport.auth.credentials import LinkAdmission
+from transport.auth.credentials import Credentials, LinkAdmission
 from transport.config import TransferConfig
 from transport.endpoint import TransferEndpoint, open_endpoint
 from transport.errors import LinkError
@@ -74,3 +77,33 @@ async def test_members_link_and_others_are_refused_before_any_grant(
     # no secret: it began with its own bytes (tcp: its hello frame; ucx: its first control body)
     assert "did not open with this cluster's authentication" in reasons[0] or "unknown kind" in reasons[0]
     assert "closed the link" in reasons[1]  # another: it found the sender's MAC wrong
+
+
+async def test_tls_links_carry_the_same_bytes_and_refuse_a_foreign_certificate(tmp_path: Path) -> None:
+    """`--transfer-tls`: after the secret, a TLS handshake (both certificates checked against the CA);
+    every round's bytes then travel encrypted and land exactly; a receiver whose certificate another CA
+    signed is refused before any grant."""
+    ca, foreign_ca = make_ca(tmp_path / "ca"), make_ca(tmp_path / "foreign", "foreign-ca")
+
+    def config(node: str, authority: tuple[Path, Path], directory: Path) -> TransferConfig:
+        credentials = Credentials(secret=SECRET, tls=make_node_cert(directory, authority, node))
+        return msgspec.structs.replace(
+            MEMBER, admission=credentials.admission(node, tls=True), round_cap_blocks=2
+        )
+
+    layout = embedding_layout(block_size=16)
+    source = Source(layout, 100, seed=3)
+    with trio.fail_after(WAIT_SECONDS), structlog.testing.capture_logs() as logs:
+        async with open_endpoint(
+            "pre/emb", source.storage, source.pool, config=config("pre", ca, tmp_path)
+        ) as sender:
+            address = await sender.listen_tcp()
+            await _receive_from(sender, address, source, config("dec", ca, tmp_path), "t1")  # 4 rounds
+            storage, pool = random_storage(layout, 4, seed=7), shuffled_pool(4, 16, seed=8)
+            intruder = config("dec", foreign_ca, tmp_path / "foreign")
+            async with open_endpoint("x/emb", storage, pool, config=intruder) as endpoint:
+                with pytest.raises(LinkError):
+                    await endpoint.connect(address)
+            await _receive_from(sender, address, source, config("dec", ca, tmp_path), "t2")
+    refused = [entry["reason"] for entry in logs if entry["event"] == "transfer.link_refused"]
+    assert len(refused) == 1 and "TLS handshake" in refused[0], refused

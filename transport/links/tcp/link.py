@@ -24,7 +24,6 @@ what makes a trio reader keep up with a blocking raw-socket loop.
 from __future__ import annotations
 
 import itertools
-import socket
 import time
 from collections.abc import Sequence
 from typing import Final, NoReturn, final
@@ -52,6 +51,7 @@ from transport.links.tcp.frames import (
     parse_segments,
     staged_tcp_frames,
 )
+from transport.links.tcp.sockets import LinkSocket
 from transport.links.tcp.sockets import accept as accept
 from transport.links.tcp.sockets import connect as connect
 from transport.links.tcp.sockets import listen_socket as listen_socket
@@ -71,7 +71,7 @@ def new_link_id() -> str:
     return f"tcp-{next(_link_numbers)}"
 
 
-def tcp_link(sock: socket.socket, owner: LinkOwner, role: Role) -> TcpLink:
+def tcp_link(sock: LinkSocket, owner: LinkOwner, role: Role) -> TcpLink:
     """A link of endpoint `owner` (its layout, settings and faults) over the connected `sock`."""
     return TcpLink(
         sock,
@@ -91,7 +91,7 @@ class TcpLink(Link):
 
     def __init__(
         self,
-        sock: socket.socket,
+        sock: LinkSocket,
         *,
         link_id: str,
         local: str,

@@ -6,8 +6,19 @@ from __future__ import annotations
 import errno
 import os
 import socket
+from collections.abc import Sequence
+from typing import Any, Protocol
 
 import trio
+
+
+class LinkSocket(Protocol):
+    """What a TCP link uses of its socket: a plain one, or TLS over it (`transport.links.tcp.tls`)."""
+
+    def fileno(self) -> int: ...
+    def close(self) -> None: ...
+    def sendmsg(self, buffers: Sequence[Any], /) -> int: ...
+    def recvmsg_into(self, buffers: Sequence[Any], /) -> tuple[int, list[Any], int, Any]: ...
 
 
 def tcp_socket() -> socket.socket:
