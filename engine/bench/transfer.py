@@ -3,6 +3,8 @@
 Cases (figures and machine in docs/benchmarks.md):
 - `inproc_64MiB`: one embedding transfer between two in-process endpoints vs one contiguous torch
   `copy_` of the same bytes, same thread count. GB/s, higher is better.
+- `tcp_tls_64MiB`: `tcp_64MiB` over links admitted by the cluster secret and speaking TLS
+  (`--transfer-tls`, a throwaway CA made with `openssl`; skipped without it) vs the same without.
 - `tcp_64MiB`: the same from a sender process over loopback TCP vs a raw blocking socket that
   `recv_into`s one preallocated buffer from a sender in that process. GB/s, higher is better.
 - `resume_tcp_8MiB_k{2,4,8}`: 8 MiB over tcp, the receiver's grants capped so it takes k rounds; time
@@ -32,13 +34,16 @@ from __future__ import annotations
 import argparse
 import queue
 import socket
+import ssl
 import statistics
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Awaitable, Callable, Iterable, Iterator
 from contextlib import contextmanager
 from functools import partial
+from pathlib import Path
 from typing import Any, TypeVar, final
 
 import torch
@@ -54,6 +59,8 @@ from engine.bench.transfer_peer import (
     fragmented_pool,
     peer_process,
     serve_source,
+    throwaway_pki,
+    tls_config,
     tokens_for,
 )
 from transport.config import TransferConfig
@@ -294,6 +301,39 @@ def tcp_rows(portal: Portal, args: argparse.Namespace, repeats: int, ready: dict
             )
 
 
+def tls_row(
+    portal: Portal, args: argparse.Namespace, repeats: int, ready: dict[str, Any], tls: dict[str, Any]
+) -> Row:
+    """`tcp_tls_64MiB`: the 64 MiB embedding transfer over a TLS link against the same over plain tcp."""
+    secured = Receiver("tcp_tls_64MiB-receiver", "emb4096", tls_config(tls, "receiver", window=args.window))
+    plain = Receiver("tcp_tls_64MiB-plain-receiver", "emb4096", _config(args))
+    portal.call(secured.open, portal, ready["emb4096_tls"], None)
+    portal.call(plain.open, portal, ready["emb4096"], None)
+    secured.checked(portal, ready["emb4096_tls_crc"])
+    project, baseline = alternate(
+        warmed(partial(secured.gbps, portal)), warmed(partial(plain.gbps, portal)), repeats
+    )
+    note = (
+        f"{secured.nbytes} bytes in {secured.rounds} rounds; TLS 1.3 ({_cipher()}), both certificates checked"
+    )
+    return row(
+        BENCH,
+        "tcp_tls_64MiB",
+        "GB/s",
+        "higher",
+        project,
+        baseline,
+        "tcp_64MiB (no TLS)",
+        unit="GB/s",
+        note=note,
+    )
+
+
+def _cipher() -> str:
+    """The cipher a TLS 1.3 link of this Python agrees on by default."""
+    return ssl.create_default_context().get_ciphers()[0]["name"]
+
+
 def resume_rows(
     portal: Portal, args: argparse.Namespace, repeats: int, ready: dict[str, Any]
 ) -> Iterator[Row]:
@@ -351,12 +391,18 @@ def run(args: argparse.Namespace) -> Iterable[Row]:
         if "inproc" in groups:
             yield from inproc_rows(portal, args, repeats)
         if groups & {"tcp", "resume"}:
-            params = {"threads": args.threads}
-            with peer_process("engine.bench.transfer_peer:serve_sender", params) as (_child, ready):
-                if "tcp" in groups:
-                    yield from tcp_rows(portal, args, repeats, ready)
-                if "resume" in groups:
-                    yield from resume_rows(portal, args, repeats, ready)
+            with tempfile.TemporaryDirectory() as directory:
+                tls = throwaway_pki(Path(directory)) if "tcp" in groups else None
+                if tls is None and "tcp" in groups:
+                    print("transfer: tcp_tls_64MiB skipped: no openssl command", file=sys.stderr)
+                params = {"threads": args.threads, "tls": tls}
+                with peer_process("engine.bench.transfer_peer:serve_sender", params) as (_child, ready):
+                    if "tcp" in groups:
+                        yield from tcp_rows(portal, args, repeats, ready)
+                        if tls is not None:
+                            yield tls_row(portal, args, repeats, ready, tls)
+                    if "resume" in groups:
+                        yield from resume_rows(portal, args, repeats, ready)
         if "ucx" in groups:
             yield from extra_rows("ucx", portal, args, repeats)
         if "gpu" in groups:

@@ -1,7 +1,8 @@
 """The sending side of the transfer benchmark: layouts, fragmented source pools, a replica-like owner.
 
 `serve_sender` is the child process of the tcp cases: one sending endpoint per layout on loopback, and a
-raw blocking socket sender for the baseline. It reads one JSON line of parameters on stdin, prints one
+raw blocking socket sender for the baseline; given `tls` parameters (`throwaway_pki`), one more for the
+64 MiB embedding layout whose links need the cluster secret and speak TLS (`--transfer-tls`). It reads one JSON line of parameters on stdin, prints one
 JSON line (addresses and source checksums), and serves until its stdin closes.
 """
 
@@ -9,6 +10,8 @@ from __future__ import annotations
 
 import json
 import random
+import secrets
+import shutil
 import socket
 import subprocess
 import sys
@@ -16,6 +19,7 @@ import threading
 import zlib
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any, Final
 
 import torch
@@ -23,6 +27,9 @@ import trio
 
 from messages.layout import BufferSpec, DType, PoolLayout
 from messages.transfer import Grant
+from transport.auth.credentials import Credentials
+from transport.auth.tls import TlsFiles
+from transport.config import TransferConfig
 from transport.endpoint import SenderDelivery, TransferEndpoint, open_endpoint
 from transport.links.inproc.link import InprocNetwork
 from transport.memory.blocks import BlockPool
@@ -123,12 +130,18 @@ class Source:
 async def serve_source(
     source: Source,
     network: InprocNetwork | None,
+    config: TransferConfig | None = None,
     task_status: trio.TaskStatus[TransferEndpoint] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """`source` on a sending endpoint (loopback tcp, or `network`), served by `serve_grants`."""
     send, receive = trio.open_memory_channel[SenderDelivery](1024)
     async with open_endpoint(
-        f"{source.name}-sender", source.storage, source.pool, inproc=network, sender_control=send
+        f"{source.name}-sender",
+        source.storage,
+        source.pool,
+        config=config,
+        inproc=network,
+        sender_control=send,
     ) as endpoint:
         if network is None:
             await endpoint.listen_tcp()
@@ -182,13 +195,48 @@ def peer_process(
         child.wait(timeout=120)
 
 
+def throwaway_pki(directory: Path) -> dict[str, Any] | None:
+    """A CA, a certificate for each side and a secret in `directory`, made with the `openssl` command
+    (None without it): the `tls` parameters of `serve_sender`, and the receiver's files (`tls_config`)."""
+    if shutil.which("openssl") is None:
+        return None
+
+    def openssl(*args: str) -> None:
+        subprocess.run(["openssl", *args], cwd=directory, check=True, capture_output=True, timeout=60)
+
+    curve = ("-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes")
+    openssl(
+        "req", "-x509", *curve, "-keyout", "ca.key", "-out", "ca.crt", "-days", "1", "-subj", "/CN=bench-ca"
+    )
+    files = {}
+    for side in ("sender", "receiver"):
+        openssl("req", *curve, "-keyout", f"{side}.key", "-out", f"{side}.csr", "-subj", f"/CN={side}")
+        (directory / f"{side}.ext").write_text(f"subjectAltName=DNS:{side}\n")
+        openssl(
+            *("x509", "-req", "-in", f"{side}.csr", "-CA", "ca.crt", "-CAkey", "ca.key", "-CAcreateserial"),
+            *("-days", "1", "-extfile", f"{side}.ext", "-out", f"{side}.crt"),
+        )
+        files[side] = [
+            str(directory / "ca.crt"),
+            str(directory / f"{side}.crt"),
+            str(directory / f"{side}.key"),
+        ]
+    return {"secret": secrets.token_hex(32), **files}
+
+
+def tls_config(tls: dict[str, Any], side: str, **knobs: Any) -> TransferConfig:
+    """A transfer config whose links need `tls`'s secret and speak TLS with `side`'s certificate."""
+    credentials = Credentials(secret=tls["secret"].encode(), tls=TlsFiles(*tls[side]))
+    return TransferConfig(admission=credentials.admission(side, tls=True), **knobs)
+
+
 def serve_sender() -> None:
     params = json.loads(sys.stdin.readline())
     torch.set_num_threads(params["threads"])
-    trio.run(_serve_sender)
+    trio.run(_serve_sender, params.get("tls"))
 
 
-async def _serve_sender() -> None:
+async def _serve_sender(tls: dict[str, Any] | None) -> None:
     listener = socket.create_server(("127.0.0.1", 0))
     threading.Thread(target=_raw_sender, args=(listener,), daemon=True).start()
     ready: dict[str, object] = {"raw": listener.getsockname()[1]}
@@ -198,6 +246,10 @@ async def _serve_sender() -> None:
             endpoint = await nursery.start(serve_source, source, None)
             ready[name] = endpoint.address
             ready[f"{name}_crc"] = source.crc
+        if tls is not None:  # the same payload as emb4096's (the same seeds), over TLS
+            source = Source("emb4096")
+            endpoint = await nursery.start(serve_source, source, None, tls_config(tls, "sender"))
+            ready["emb4096_tls"], ready["emb4096_tls_crc"] = endpoint.address, source.crc
         print(json.dumps(ready), flush=True)
         await trio.to_thread.run_sync(sys.stdin.read)
         nursery.cancel_scope.cancel()
