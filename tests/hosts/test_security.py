@@ -1,6 +1,6 @@
 """Only members speak to members (docs/security.md), on separate network stacks: two members with the
-cluster secret and certificates of its CA serve token-exact across hosts over authenticated peer and
-transfer links; a node with a wrong secret joins etcd but no member takes its links; a fifth host that
+cluster secret and certificates of its CA serve token-exact across hosts over authenticated peer links
+and transfer links that speak TLS (`--transfer-tls`); a node with a wrong secret joins etcd but no member takes its links; a fifth host that
 never joined forges peer frames (shutdown, generate, cancel, lock, report) as another member under its
 lease — read from etcd, as anyone on the network can — announces a 600 MiB frame, offers a certificate of
 another CA and dials the transfer endpoints: each connection is closed unserved and logged, and the
@@ -91,7 +91,7 @@ async def test_a_host_that_never_joined_and_a_member_with_a_wrong_secret_are_ref
         NodeSpec("dec", "b", "prefill=0,decode=1", _credentials(tmp_path, ca, "dec", secret)),
         NodeSpec("bad", "c", "prefill=0,decode=1", _credentials(tmp_path, ca, "bad", wrong)),
     )
-    async with host_cluster(tmp_path, layout, "--transport", "tcp") as cluster:
+    async with host_cluster(tmp_path, layout, "--transport", "tcp", "--transfer-tls") as cluster:
         await wait_cluster_serving(cluster, 2, nodes=["pre", "dec"])
         await _serves_token_exact(cluster, offset=0)
 
