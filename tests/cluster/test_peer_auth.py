@@ -15,6 +15,8 @@ import structlog.testing
 import trio
 
 from engine.cluster.peers import MAX_FRAME_BYTES, PeerLinks
+from engine.config import parse_node_config
+from engine.config.credentials import node_credentials
 from messages.cluster import CancelForward, PeerFrame
 from tests.certs import make_ca, make_node_cert
 from tests.waiting import wait_until
@@ -110,3 +112,27 @@ async def test_members_exchange_frames_and_every_forgery_closes_its_connection(
     assert "claims sender 'enc' on 'pre''s connection" in frames[0]
     assert "fails its MAC" in frames[1]
     assert f"over the {MAX_FRAME_BYTES} limit" in frames[2]
+
+
+def test_a_node_warns_once_when_others_reach_it_unauthenticated(tmp_path: Path) -> None:
+    secret = tmp_path / "secret"
+    secret.write_text("the-cluster-secret-0123456789\n")
+    cluster = ["--cluster", "http://127.0.0.1:2379"]
+    cases = {
+        ("--cluster-host", "10.1.2.3"): 1,
+        ("--cluster-host", "127.0.0.1"): 0,
+        ("--cluster-host", "10.1.2.3", "--cluster-secret-file", str(secret)): 0,
+    }
+    for options, warnings in cases.items():
+        with structlog.testing.capture_logs() as logs:
+            credentials, token = node_credentials(parse_node_config([*cluster, *options]))
+        unauthenticated = [entry for entry in logs if entry["event"] == "cluster.unauthenticated"]
+        assert len(unauthenticated) == warnings, (options, logs)
+        assert token is None and credentials.configured == ("--cluster-secret-file" in options)
+    assert "forged frame can stop this node" in unauthenticated_risk(cluster)
+
+
+def unauthenticated_risk(cluster: list[str]) -> str:
+    with structlog.testing.capture_logs() as logs:
+        node_credentials(parse_node_config([*cluster, "--cluster-host", "10.1.2.3"]))
+    return str(logs[0]["risk"])
