@@ -293,7 +293,7 @@ class PeerLinks:
             _log.warning("cluster.peer_refused", remote=remote, reason=reason)
             await stream.aclose()
             return
-        reader = _FrameReader(admitted.peer, admitted.key)
+        reader = FrameReader(admitted.peer, admitted.key)
         async with admitted.stream as connection:
             try:
                 while True:
@@ -315,7 +315,7 @@ def _framed(body: bytes, sealer: FrameSealer | None) -> bytes:
 
 
 @final
-class _FrameReader:
+class FrameReader:
     """The frames of one authenticated connection, taken off its received bytes: each bounded, its MAC
     checked (with a session key), its sender the connection's proven name (when one is proven)."""
 

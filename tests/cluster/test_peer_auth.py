@@ -13,8 +13,10 @@ import msgspec
 import pytest
 import structlog.testing
 import trio
+from hypothesis import given
+from hypothesis import strategies as st
 
-from engine.cluster.peers import MAX_FRAME_BYTES, PeerLinks
+from engine.cluster.peers import MAX_FRAME_BYTES, FrameReader, PeerFrameError, PeerLinks
 from engine.config import parse_node_config
 from engine.config.credentials import node_credentials
 from messages.cluster import CancelForward, PeerFrame
@@ -136,3 +138,32 @@ def unauthenticated_risk(cluster: list[str]) -> str:
     with structlog.testing.capture_logs() as logs:
         node_credentials(parse_node_config([*cluster, "--cluster-host", "10.1.2.3"]))
     return str(logs[0]["risk"])
+
+
+@given(chunks=st.lists(st.binary(max_size=64), max_size=8), keyed=st.booleans())
+def test_any_bytes_on_a_connection_give_frames_or_a_refusal(chunks: list[bytes], keyed: bool) -> None:
+    """Whatever arrives, in whatever pieces: whole frames (their MAC and sender checked), nothing yet, or
+    `PeerFrameError` — never another exception, never a frame that failed a check."""
+    reader = FrameReader("pre", b"k" * 32 if keyed else None)
+    try:
+        for chunk in chunks:
+            reader.buffer += chunk
+            while (frame := reader.next_frame()) is not None:
+                assert frame.sender == "pre"
+    except PeerFrameError:
+        pass
+
+
+def test_frames_in_pieces_pass_their_checks_in_order() -> None:
+    key = b"k" * 32
+    sealer, reader = FrameSealer(key, "dialer"), FrameReader("pre", key)
+    bodies = [
+        msgspec.msgpack.encode(PeerFrame(sender="pre", lease=5, message=_cancel(f"r{i}"))) for i in range(3)
+    ]
+    wire = b"".join(struct.pack(">I", len(body)) + body + sealer.seal(body) for body in bodies)
+    frames = []
+    for at in range(0, len(wire), 7):
+        reader.buffer += wire[at : at + 7]
+        while (frame := reader.next_frame()) is not None:
+            frames.append(frame.message)
+    assert frames == [_cancel(f"r{i}") for i in range(3)]
