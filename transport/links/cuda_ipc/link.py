@@ -21,6 +21,7 @@ straight into the receiver's pool, device to device.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import socket
 from collections.abc import Callable
@@ -33,6 +34,7 @@ import trio
 
 from messages.cuda_ipc import ShareVerdict
 from messages.transfer import PeerMessage
+from transport.auth.credentials import LinkAdmission
 from transport.bulk import gpu_copy
 from transport.bulk.write import BulkWrite
 from transport.errors import HandshakeRefused, LinkBroken, LinkClosed, LinkError
@@ -50,6 +52,7 @@ from transport.links.cuda_ipc.share import (
 )
 from transport.links.cuda_ipc.socket_fence import SocketFence
 from transport.links.in_flight import InFlight
+from transport.links.tcp import admission as tcp_admission
 from transport.links.tcp import link as tcp
 from transport.protocol.link import Landing, Link, LinkHandler, LinkOwner, Role
 
@@ -221,6 +224,8 @@ async def dial(endpoint: LinkOwner, host: str, port: int) -> CudaIpcLink:
     try:
         with trio.move_on_after(timeout):
             sock = await tcp.connect(host, port)
+            if (admission := _secret_only(endpoint)) is not None:  # the cluster secret first
+                await tcp_admission.admit(sock, admission, f"cuda-ipc://{host}:{port}")
             await send_setup(sock, share)
             verdict = decode_verdict(await receive_setup(sock))
             if verdict.refusal is not None:
@@ -252,8 +257,16 @@ async def _accept_links(
 
 
 async def _admit(endpoint: LinkOwner, sock: socket.socket, on_accept: Callable[[Link], None]) -> None:
-    """Map the connecting receiver's pool, or refuse it; bounded by `handshake_timeout`."""
-    with trio.move_on_after(endpoint.config.handshake_timeout):
+    """Map the connecting receiver's pool, or refuse it; bounded by `handshake_timeout`. With the
+    cluster secret, the receiver proves it first (`transport.links.tcp.admission`; refused: logged)."""
+    timeout = endpoint.config.handshake_timeout
+    admission = _secret_only(endpoint)
+    if (
+        admission is not None
+        and await tcp_admission.admitted(sock, admission, endpoint.name, timeout) is None
+    ):
+        return  # logged, closed
+    with trio.move_on_after(timeout):
         try:
             share = decode_share(await receive_setup(sock))
             try:
@@ -269,3 +282,10 @@ async def _admit(endpoint: LinkOwner, sock: socket.socket, on_accept: Callable[[
                 return
             _log.warning("transfer.handshake_refused", endpoint=endpoint.name, reason=refusal)
     sock.close()
+
+
+def _secret_only(endpoint: LinkOwner) -> LinkAdmission | None:
+    """The endpoint's admission without TLS: a cuda-ipc control connection carries only its setup and
+    the fence (no tensor bytes), over the plain socket."""
+    admission = endpoint.config.admission
+    return None if admission is None else dataclasses.replace(admission, server_tls=None, client_tls=None)

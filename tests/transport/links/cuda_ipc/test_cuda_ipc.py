@@ -14,7 +14,9 @@ import torch
 from messages.cuda_ipc import PoolShare, SharedBuffer
 from tests.transport.harness import Source, embedding_layout, random_storage, settle, shuffled_pool
 from tests.waiting import deadline, wait_until
+from transport.auth.credentials import LinkAdmission
 from transport.bulk.runs import plan_runs
+from transport.config import TransferConfig
 from transport.endpoint import open_endpoint
 from transport.links.cuda_ipc.share import (
     FEW_RUNS,
@@ -27,6 +29,7 @@ from transport.links.cuda_ipc.share import (
     receive_setup,
     send_setup,
 )
+from transport.links.tcp import admission as tcp_admission
 from transport.links.tcp import link as tcp
 
 LAYOUT = embedding_layout(block_size=16)
@@ -134,3 +137,27 @@ async def test_a_receiver_pool_on_the_cpu_cannot_dial_cuda_ipc() -> None:
             ValueError, match=r"^endpoint 'receiver': cuda-ipc needs its pool on a GPU, not cpu$"
         ):
             await receiver.connect("cuda-ipc://127.0.0.1:9")
+
+
+async def test_with_the_cluster_secret_only_a_receiver_that_proves_it_gets_a_verdict() -> None:
+    """The control connection is admitted as a tcp link's is: a share sent without the secret's exchange
+    is refused before it is read (logged); after it, the share gets its verdict."""
+    admission = LinkAdmission("pre", b"cuda-ipc-secret-0123456789")
+    config = TransferConfig(admission=admission)
+    source = Source(LAYOUT, 16, seed=5)
+    with structlog.testing.capture_logs() as logs:
+        async with open_endpoint("sender", source.storage, source.pool, config=config) as sender:
+            address = await sender.listen_on("cuda-ipc")
+            host_name, _, port = address.removeprefix("cuda-ipc://").rpartition(":")
+            with await tcp.connect(host_name, int(port)) as sock:
+                await send_setup(sock, share(host_id()))
+                await wait_until(
+                    lambda: any(e["event"] == "transfer.link_refused" for e in logs), "the refusal", 5
+                )
+            with await tcp.connect(host_name, int(port)) as sock:
+                await tcp_admission.admit(sock, LinkAdmission("dec", admission.secret), address)
+                await send_setup(sock, share(host_id()))
+                with deadline("the sender's verdict on the share", 5):
+                    verdict = decode_verdict(await receive_setup(sock))
+            assert verdict.refusal == "cuda-ipc needs the sender's pool on a GPU; it is on cpu"
+            assert sender.links() == []
