@@ -3,7 +3,7 @@ peer TLS files, or both; `NO_CREDENTIALS` when neither is configured.
 
 `load_secrets` reads `--cluster-secret-file`: one secret a line, each at least `MIN_SECRET_BYTES` long
 (`openssl rand -hex 32 > secret` makes one). The first is the one this node proves when it listens; a
-dialler accepts a listener that proves any of them — a second line is how a secret is rotated without
+dialer accepts a listener that proves any of them — a second line is how a secret is rotated without
 stopping the cluster (docs/security.md). `load_secret` reads a file holding one (the control token).
 Secrets never appear in a repr, a log line or an error message.
 """
