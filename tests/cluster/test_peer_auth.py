@@ -21,7 +21,7 @@ from engine.config import parse_node_config
 from engine.config.credentials import node_credentials
 from messages.cluster import CancelForward, PeerFrame
 from tests.certs import make_ca, make_node_cert
-from tests.waiting import wait_until
+from tests.waiting import deadline, wait_until
 from transport.auth.challenge import AuthFailed
 from transport.auth.credentials import Credentials
 from transport.auth.frames import FrameSealer
@@ -46,10 +46,10 @@ async def _connected(
 
 async def _closed(stream: trio.abc.Stream) -> bool:
     """Whether the listener closed `stream` (it reads nothing more from it)."""
-    with trio.fail_after(10):
+    with deadline("the listener closing the connection", 10):
         try:
-            while await stream.receive_some(1024):
-                pass
+            async for _ in stream:  # whatever it sends until it closes
+                continue
         except trio.BrokenResourceError:
             pass
     return True

@@ -16,6 +16,7 @@ from engine.control.address import TcpAddress
 from engine.control.server import ControlServer
 from engine.logging import open_event_log
 from tests.control.conftest import Handler, RawClient, limits
+from tests.waiting import deadline
 
 TOKEN = b"control-token-0123456789"
 STATUS = b'{"op": "status", "id": "s"}'
@@ -38,7 +39,7 @@ async def test_only_connections_that_open_with_the_token_are_served(
         await raw.send(first_line, STATUS)
         reply = await raw.reply()
         assert (reply["id"], reply["code"]) == (None, "unauthorized"), reply
-        with trio.fail_after(10):
+        with deadline("the node closing the unauthorized connection", 10):
             assert await raw.reader.next_line() is None  # closed: the status after it was never read
         await raw.aclose()
     with pytest.raises(ControlProtocolError, match="the node answered unauthorized"):

@@ -43,8 +43,8 @@ def _outcome(sock: socket.socket | ssl.SSLSocket) -> str:
     """ "closed" when the far side closes (or resets) within `WAIT_SECONDS`, else "open"."""
     sock.settimeout(WAIT_SECONDS)
     try:
-        while sock.recv(65536):
-            pass
+        for _ in iter(lambda: sock.recv(65536), b""):  # whatever it sends until it closes
+            continue
     except TimeoutError:
         return "open"
     except (OSError, ssl.SSLError):

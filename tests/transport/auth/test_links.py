@@ -23,7 +23,7 @@ from tests.transport.harness import (
     send_all,
     shuffled_pool,
 )
-from tests.waiting import WAIT_SECONDS
+from tests.waiting import WAIT_SECONDS, deadline
 from transport.auth.credentials import Credentials, LinkAdmission
 from transport.config import TransferConfig
 from transport.endpoint import TransferEndpoint, open_endpoint
@@ -60,7 +60,7 @@ async def test_members_link_and_others_are_refused_before_any_grant(
         "no secret": msgspec.structs.replace(MEMBER, admission=None),
         "another secret": msgspec.structs.replace(MEMBER, admission=LinkAdmission("x", SECRET[::-1])),
     }
-    with trio.fail_after(WAIT_SECONDS), structlog.testing.capture_logs() as logs:
+    with deadline("the transfers and the refusals", WAIT_SECONDS), structlog.testing.capture_logs() as logs:
         async with open_endpoint("pre/emb", source.storage, source.pool, config=MEMBER) as sender:
             address = await listen(sender, kind)
             await _receive_from(sender, address, source, MEMBER, "t1")
@@ -93,7 +93,7 @@ async def test_tls_links_carry_the_same_bytes_and_refuse_a_foreign_certificate(t
 
     layout = embedding_layout(block_size=16)
     source = Source(layout, 100, seed=3)
-    with trio.fail_after(WAIT_SECONDS), structlog.testing.capture_logs() as logs:
+    with deadline("the transfers and the refusals", WAIT_SECONDS), structlog.testing.capture_logs() as logs:
         async with open_endpoint(
             "pre/emb", source.storage, source.pool, config=config("pre", ca, tmp_path)
         ) as sender:

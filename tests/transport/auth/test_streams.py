@@ -12,6 +12,7 @@ import trio
 import trio.testing
 
 from tests.certs import make_ca, make_node_cert
+from tests.waiting import deadline
 from transport.auth.challenge import AuthFailed
 from transport.auth.credentials import CredentialError, Credentials, load_secret, load_secrets
 from transport.auth.streams import Admitted, admit_dialer, admit_listener
@@ -32,7 +33,7 @@ async def _open(
             outcomes[index] = exc
             await (left, right)[index].aclose()
 
-    with trio.fail_after(10):
+    with deadline("both sides of the exchange", 10):
         async with trio.open_nursery() as nursery:
             nursery.start_soon(side, 0, admit_dialer(left, dialer, purpose="peer", name="pre", expect=expect))
             nursery.start_soon(side, 1, admit_listener(right, listener, purpose="peer", name="dec"))
@@ -60,7 +61,7 @@ async def test_a_listener_that_is_not_the_node_dialled_is_refused() -> None:
 async def test_a_dialer_that_sends_no_exchange_is_refused() -> None:
     left, right = trio.testing.memory_stream_pair()
     await left.send_all(b"\x00\x00\x00\x10" + b"x" * 16)  # a peer frame where the hello belongs
-    with trio.fail_after(10), pytest.raises(AuthFailed):
+    with deadline("the listener's refusal", 10), pytest.raises(AuthFailed):
         await admit_listener(right, Credentials(secret=SECRET), purpose="peer", name="dec")
 
 
