@@ -16,9 +16,20 @@ _log = structlog.get_logger("engine.config.credentials")
 def node_credentials(node: NodeConfig) -> tuple[Credentials, bytes | None]:
     """The cluster's credentials (`NO_CREDENTIALS` outside a cluster) and the control token (None
     without `--control-token-file`), read and checked; raises `CredentialError`. A node in a cluster on a
-    non-loopback `--cluster-host` without credentials warns once, naming the risk."""
+    non-loopback `--cluster-host` without credentials warns once, naming the risk; so does an HTTP API
+    on a non-loopback address without `--api-key`."""
     token_file = node.control.control_token_file
     token = None if token_file is None else load_secret(token_file, "--control-token-file")
+    http = node.http_address
+    if http is not None and node.api_key is None and not loopback(http[0]):
+        _log.warning(
+            "http.unauthenticated",
+            http=f"{http[0]}:{http[1]}",
+            risk=(
+                f"the HTTP API on {http[0]} serves any client that reaches it; give --api-key, or put it "
+                "behind a proxy that authenticates (docs/security.md)"
+            ),
+        )
     config = node.cluster
     if config.cluster is None:
         return NO_CREDENTIALS, token

@@ -11,8 +11,11 @@ from pathlib import Path
 
 import openai
 import pytest
+import structlog
 
 from engine.client import ControlError
+from engine.config import parse_node_config
+from engine.config.credentials import node_credentials
 from tests.node.harness import NodeProcess, node_process, wait_serving
 
 CONTEXT = 64
@@ -138,3 +141,19 @@ async def test_seed_makes_unseeded_sampling_repeat_on_a_restarted_node(
             runs.append(await run(served))
     assert runs[0] == runs[1]
     assert await run(node) != runs[0]
+
+
+def test_an_http_api_others_can_reach_without_a_key_warns_once() -> None:
+    cases = {
+        ("--http", "0.0.0.0:8000"): 1,
+        ("--host", "10.1.2.3", "--port", "8000"): 1,
+        ("--http", "0.0.0.0:8000", "--api-key", "k"): 0,
+        ("--http", "127.0.0.1:8000"): 0,
+        ("--http", "off"): 0,
+    }
+    for options, warnings in cases.items():
+        with structlog.testing.capture_logs() as logs:
+            node_credentials(parse_node_config(list(options)))
+        warned = [entry for entry in logs if entry["event"] == "http.unauthenticated"]
+        assert len(warned) == warnings, (options, logs)
+        assert all("give --api-key" in entry["risk"] for entry in warned)
