@@ -24,6 +24,7 @@ MAX_IMAGE_SIDE = 8192
 MAX_NEW_TOKENS = 1 << 20
 MAX_TEMPERATURE = 10.0
 MAX_SEED = (1 << 63) - 1
+MAX_LOGPROBS = 20  # alternatives per token, as OpenAI's `top_logprobs` and vLLM's default `max_logprobs`
 MAX_SCALE_REPLICAS = 64
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256
@@ -123,7 +124,9 @@ class GenerateRequest(ControlRequestBase, frozen=True, tag="generate"):
 
     `request_id` is optional: a name of the client's choosing (unique among the node's live requests) so
     that any connection can `cancel` it; the node assigns one when it is absent. `temperature` 0 is greedy;
-    sampling randomness is a function of (`seed`, position).
+    sampling randomness is a function of (`seed`, position). `logprobs`: each generated token's
+    log-probability with that many most likely alternatives; `prompt_logprobs`: the same for each prompt
+    token (the first one's is null) — the model's raw distribution, before temperature and top-p.
     """
 
     prompt: Annotated[str, msgspec.Meta(max_length=MAX_PROMPT_CHARS)] | None = None
@@ -140,6 +143,8 @@ class GenerateRequest(ControlRequestBase, frozen=True, tag="generate"):
     add_special_tokens: bool = True
     stream: bool = False
     request_id: RequestId | None = None
+    logprobs: Annotated[int, msgspec.Meta(ge=0, le=MAX_LOGPROBS)] | None = None
+    prompt_logprobs: Annotated[int, msgspec.Meta(ge=0, le=MAX_LOGPROBS)] | None = None
 
     def __post_init__(self) -> None:
         if (self.prompt is None) == (self.input_ids is None):

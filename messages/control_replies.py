@@ -30,12 +30,27 @@ from messages.control import (
 )
 
 
+class TopLogprob(Record, frozen=True):
+    token_id: TokenId
+    logprob: float
+
+
+class TokenLogprob(Record, frozen=True):
+    """A token's log-probability under the model's raw distribution (log-softmax of its logits, before
+    temperature and top-p) and the most likely alternatives at its place, most likely first."""
+
+    token_id: TokenId
+    logprob: float
+    top_logprobs: list[TopLogprob] = msgspec.field(default_factory=list)
+
+
 class TokenReply(Message, frozen=True, tag="token"):
     """Streamed tokens of a generate (only when `stream` was set).
 
     `index` is the position of `token_ids[0]` among the generated tokens. `text` is the decoded text that
     these tokens complete: the node holds back bytes of an unfinished UTF-8 character until a later token
     completes it, so `text` may be empty and the concatenation of every `text` equals the result's `text`.
+    `logprobs`: one per token when the generate asked for them.
     """
 
     id: ClientId
@@ -43,6 +58,7 @@ class TokenReply(Message, frozen=True, tag="token"):
     index: Count
     token_ids: list[TokenId]
     text: str
+    logprobs: list[TokenLogprob] | None = None
 
 
 class ErrorReply(Message, frozen=True, tag="error"):
@@ -101,6 +117,9 @@ class GenerateResult(Message, frozen=True, tag="result"):
     timings: Timings
     transfers: list[TransferSummary]
     relay: RelayInfo | None = None
+    # When asked for: one per generated token; one per prompt token (the first null).
+    logprobs: list[TokenLogprob] | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 class ReplicaStatus(Record, frozen=True):

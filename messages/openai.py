@@ -2,7 +2,7 @@
 
 Unlike the control socket's messages, request bodies ignore fields they do not know, as OpenAI's and
 vLLM's servers do: clients and load generators send many optional fields. Fields that are known but not
-supported (`n` > 1, `logprobs`, penalties, tools, `echo`, ...) are refused with a 400 that names them
+supported (`n` > 1, penalties, tools, `suffix`, ...) are refused with a 400 that names them
 (`engine.http.requests.unsupported`), never silently dropped. Numbers are bounded here, so a bad body is
 a 400 naming the field, not an error deep inside the node.
 """
@@ -13,7 +13,14 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 
-from messages.control import MAX_NEW_TOKENS, MAX_SEED, MAX_STOP_CHARS, MAX_STOP_STRINGS, MAX_TEMPERATURE
+from messages.control import (
+    MAX_LOGPROBS,
+    MAX_NEW_TOKENS,
+    MAX_SEED,
+    MAX_STOP_CHARS,
+    MAX_STOP_STRINGS,
+    MAX_TEMPERATURE,
+)
 
 MAX_MESSAGES = 4096
 MAX_TEXT_CHARS = 16 * 1024 * 1024
@@ -31,6 +38,7 @@ Tokens = Annotated[int, msgspec.Meta(ge=1, le=MAX_NEW_TOKENS)]
 Temperature = Annotated[float, msgspec.Meta(ge=0.0, le=MAX_TEMPERATURE)]
 TopP = Annotated[float, msgspec.Meta(gt=0.0, le=1.0)]
 Seed = Annotated[int, msgspec.Meta(ge=0, le=MAX_SEED)]
+Logprobs = Annotated[int, msgspec.Meta(ge=0, le=MAX_LOGPROBS)]
 
 
 class Body(msgspec.Struct, frozen=True, kw_only=True):
@@ -71,7 +79,7 @@ class CompletionRequest(SamplingFields, frozen=True, kw_only=True):
     prompt: Annotated[str, msgspec.Meta(max_length=MAX_TEXT_CHARS)] | list[Any]
     max_tokens: Tokens | None = 16
     echo: bool = False
-    logprobs: int | None = None
+    logprobs: Logprobs | None = None
     suffix: str | None = None
 
 
@@ -106,7 +114,7 @@ class ChatCompletionRequest(SamplingFields, frozen=True, kw_only=True):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: Logprobs | None = None
     tools: list[Any] | None = None
     tool_choice: Any = None
     response_format: dict[str, Any] | None = None
@@ -123,10 +131,21 @@ class Usage(Reply, frozen=True, kw_only=True):
     total_tokens: int
 
 
+class CompletionLogprobs(Reply, frozen=True, kw_only=True):
+    """A completion's log-probabilities, one entry per token of its `text` (prompt tokens first with
+    `echo`; the first prompt token's logprob and alternatives are null). `text_offset`: where each token's
+    text starts in `text`."""
+
+    tokens: list[str]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]
+    text_offset: list[int]
+
+
 class CompletionChoice(Reply, frozen=True, kw_only=True):
     index: int
     text: str
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
     finish_reason: str | None
 
 
@@ -139,6 +158,25 @@ class Completion(Reply, frozen=True, kw_only=True):
     usage: Usage | None = None
 
 
+class TopLogprob(Reply, frozen=True, kw_only=True):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+
+
+class ChatTokenLogprob(Reply, frozen=True, kw_only=True):
+    """One generated token: its text, log-probability, UTF-8 bytes and the most likely alternatives."""
+
+    token: str
+    logprob: float
+    bytes: list[int] | None
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(Reply, frozen=True, kw_only=True):
+    content: list[ChatTokenLogprob] | None
+
+
 class AssistantMessage(Reply, frozen=True, kw_only=True):
     role: Literal["assistant"] = "assistant"
     content: str
@@ -147,7 +185,7 @@ class AssistantMessage(Reply, frozen=True, kw_only=True):
 class ChatChoice(Reply, frozen=True, kw_only=True):
     index: int
     message: AssistantMessage
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: str
 
 
@@ -168,7 +206,7 @@ class Delta(Reply, frozen=True, kw_only=True, omit_defaults=True):
 class ChatChunkChoice(Reply, frozen=True, kw_only=True):
     index: int
     delta: Delta
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: str | None
 
 

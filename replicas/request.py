@@ -21,7 +21,7 @@ import trio
 
 from messages.control import ErrorCode
 from messages.control_replies import RelayInfo, Timings, TransferSummary
-from replicas.model import ImageGrid, SamplingParams
+from replicas.model import ImageGrid, SamplingParams, TokenLogprobs
 
 FinishReason = Literal["stop", "length", "cancelled"]
 CancelReason = Literal["cancel_op", "client_disconnected", "client_too_slow", "shutdown"]
@@ -102,6 +102,8 @@ class ServingRequest:
         sampling: SamplingParams,
         max_tokens: int,
         eos_token_ids: Sequence[int],
+        logprobs: int | None = None,
+        prompt_logprobs: int | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt_ids = list(prompt_ids)
@@ -110,6 +112,14 @@ class ServingRequest:
         self.max_tokens = max_tokens
         self.eos_token_ids = tuple(eos_token_ids)
         self.generated: list[int] = []
+        # Log-probabilities (`replicas.model.executor.logprobs`): `logprobs` alternatives for each
+        # generated token, kept in `generated_logprobs` (its index is the token's in `generated`), and
+        # `prompt_logprobs` for each prompt token, in `prompt_scores` (the first one's None: nothing
+        # comes before it). None: not asked for.
+        self.logprobs = logprobs
+        self.prompt_logprobs = prompt_logprobs
+        self.generated_logprobs: list[TokenLogprobs] = []
+        self.prompt_scores: list[TokenLogprobs | None] = []
         self.stamps = Stamps()
         self.transfers: list[TransferSummary] = []
         # Filled once the prompt is laid out (images expanded: after the embedding transfer).

@@ -174,6 +174,8 @@ class ControlClient:
         add_special_tokens: bool = True,
         stream: bool = False,
         request_id: str | None = None,
+        logprobs: int | None = None,
+        prompt_logprobs: int | None = None,
     ) -> AsyncGenerator[TokenReply | GenerateResult, None]:
         """Token replies (when `stream`) and then the result. `request_id` defaults to a fresh uuid."""
         request = GenerateRequest(
@@ -191,6 +193,8 @@ class ControlClient:
             add_special_tokens=add_special_tokens,
             stream=stream,
             request_id=request_id or uuid.uuid4().hex,
+            logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
         )
         async for reply in self.replies(request):
             match reply:
@@ -213,6 +217,8 @@ class ControlClient:
         min_tokens: int = 0,
         stop: Sequence[str] = (),
         request_id: str | None = None,
+        logprobs: int | None = None,
+        prompt_logprobs: int | None = None,
     ) -> GenerateResult:
         """`generate` without streaming: the result alone."""
         replies = self.generate(
@@ -227,6 +233,8 @@ class ControlClient:
             min_tokens=min_tokens,
             stop=stop,
             request_id=request_id,
+            logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
         )
         async for reply in replies:
             if isinstance(reply, GenerateResult):

@@ -84,6 +84,8 @@ def build_request(
         ),
         max_tokens=max_tokens,
         eos_token_ids=config.eos_token_ids,
+        logprobs=request.logprobs,
+        prompt_logprobs=request.prompt_logprobs,
     )
 
 

@@ -9,6 +9,9 @@
     finally:
         generation.close()                           # cancels it when it has not ended (no await)
 
+Log-probabilities, where the request asked for them, come with the tokens they score: each piece's
+`logprobs`, the outcome's `logprobs` and `prompt_logprobs`.
+
 Text is decoded incrementally (`TextStream`): no piece ends in half a UTF-8 character, and the pieces'
 texts add up to the outcome's text. Stop strings (`StopText`) end the request early: the tokens up to
 the one that completed the stop string are kept, the text ends before it, and the finish reason is
@@ -33,7 +36,7 @@ from messages.control import GenerateRequest
 from messages.control_replies import RelayInfo, Timings, TransferSummary
 from messages.log.events import RequestArrived
 from messages.log.events import RequestFailed as RequestFailedEvent
-from replicas.model import TextStream
+from replicas.model import TextStream, TokenLogprobs
 from replicas.ports import EventSink
 from replicas.request import (
     CancelReason,
@@ -50,11 +53,13 @@ from replicas.weights import ModelHost
 @final
 @dataclass(frozen=True, slots=True)
 class Piece:
-    """Generated tokens `[index, index + len(token_ids))` and the text they complete (may be empty)."""
+    """Generated tokens `[index, index + len(token_ids))` and the text they complete (may be empty);
+    their `logprobs` when the request asked for them."""
 
     index: int
     token_ids: tuple[int, ...]
     text: str
+    logprobs: tuple[TokenLogprobs, ...] | None = None
 
 
 @final
@@ -70,6 +75,9 @@ class Outcome:
     timings: Timings
     transfers: list[TransferSummary]
     relay: RelayInfo | None = None
+    prompt_ids: list[int] | None = None
+    logprobs: list[TokenLogprobs] | None = None
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
 
 @final
@@ -166,7 +174,7 @@ class Generation:
                     if serving.ended and self._relayed == len(serving.generated):
                         # The last tokens (the final update is already queued): the text held back
                         # goes with them, so the pieces' texts add up to the outcome's.
-                        piece = Piece(piece.index, piece.token_ids, piece.text + self._tail())
+                        piece = Piece(piece.index, piece.token_ids, piece.text + self._tail(), piece.logprobs)
                     if piece.token_ids or piece.text:
                         yield piece
                 case FinishedUpdate(finish_reason=reason):
@@ -198,7 +206,21 @@ class Generation:
             timings=serving.timings(),
             transfers=list(serving.transfers),
             relay=serving.relay,
+            prompt_ids=list(serving.token_ids or serving.prompt_ids),
+            logprobs=None if serving.logprobs is None else self._logprobs(0, len(serving.generated)),
+            prompt_logprobs=None if serving.prompt_logprobs is None else list(serving.prompt_scores),
         )
+
+    def _logprobs(self, start: int, stop: int) -> list[TokenLogprobs]:
+        """The generated tokens `[start, stop)`'s log-probabilities (the request asked for them)."""
+        scored = self.serving.generated_logprobs[start:stop]
+        if len(scored) != stop - start:
+            raise RequestFailed(
+                "internal",
+                f"the log-probabilities of tokens [{start}, {stop}) of request {self.request_id} were lost",
+                self.request_id,
+            )
+        return scored
 
     def close(self) -> None:
         """Cancel the request unless it ended (no await: safe in `finally` of a cancelled task)."""
@@ -217,9 +239,11 @@ class Generation:
     # ------------------------------------------------------------------ text
     def _take(self, token_ids: tuple[int, ...]) -> Piece:
         index = self._relayed
+        wants = self.serving.logprobs is not None
         if self._stream is None:
             self._relayed += len(token_ids)
-            return Piece(index, token_ids, "")
+            scored = tuple(self._logprobs(index, self._relayed)) if wants else None
+            return Piece(index, token_ids, "", scored)
         stops, texts, kept = self._stops, [], []
         for token in token_ids:
             text = self._stream.push((token,))
@@ -233,7 +257,8 @@ class Generation:
         self._relayed += len(kept)
         text = "".join(texts)
         self._text.append(text)
-        return Piece(index, tuple(kept), text)
+        scored = tuple(self._logprobs(index, self._relayed)) if wants else None
+        return Piece(index, tuple(kept), text, scored)
 
     def _tail(self) -> str:
         """What the detokeniser and the stop strings held back (once: later calls return "")."""

@@ -30,11 +30,12 @@ from engine.core import NodeCore
 from engine.generate.generation import Generation, Outcome
 from engine.http.chat import renderer
 from engine.http.errors import error_response, failed_response, sse_error, validation_response
+from engine.http.logprobs import token_text
 from engine.http.metrics import CONTENT_TYPE, NodeMetrics
 from engine.http.requests import BadBody, chat_request, completion_request
 from engine.http.responses import SseStream, chat_completion, completion
 from messages.control import GenerateRequest
-from messages.openai import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+from messages.openai import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList, Reply
 from replicas.ports import EventSink
 from replicas.request import ServingRequest
 from replicas.states import ReplicaState
@@ -64,6 +65,7 @@ class HttpApi:
         self.created = int(time.time())
         self._connections = itertools.count(1)
         self._render = renderer(core.served.chat_template, core.served.name)
+        self._token_text = token_text(core.host.tokenizer)
         self.app = Starlette(
             routes=[
                 Route("/v1/completions", self.completions, methods=["POST"]),
@@ -160,7 +162,14 @@ class HttpApi:
         chat = isinstance(body, ChatCompletionRequest)
         if body.stream:
             usage = body.stream_options is not None and body.stream_options.include_usage
-            encoder = SseStream(request_id, self.model_name, int(time.time()), chat=chat, include_usage=usage)
+            encoder = SseStream(
+                request_id,
+                self.model_name,
+                int(time.time()),
+                chat=chat,
+                include_usage=usage,
+                text=self._token_text,
+            )
             return StreamingResponse(
                 self._events(generation, encoder),
                 media_type="text/event-stream",
@@ -184,11 +193,20 @@ class HttpApi:
             return failed_response(failure)
         if outcome is None:  # the client went away: nobody reads this
             return Response(b"", status_code=499)
-        reply = chat_completion if chat else completion
-        return Response(
-            msgspec.json.encode(reply(request_id, self.model_name, int(time.time()), outcome)),
-            media_type=JSON,
-        )
+        created = int(time.time())
+        if isinstance(body, ChatCompletionRequest):
+            reply: Reply = chat_completion(request_id, self.model_name, created, outcome, self._token_text)
+        else:
+            echo = self._echo(body) if body.echo else None
+            reply = completion(request_id, self.model_name, created, outcome, self._token_text, echo)
+        return Response(msgspec.json.encode(reply), media_type=JSON)
+
+    def _echo(self, body: CompletionRequest) -> str:
+        """The prompt's text, as `echo` puts it before the completion: as sent, or its ids decoded."""
+        if isinstance(body.prompt, str):
+            return body.prompt
+        tokenizer = self.node.host.tokenizer
+        return tokenizer.decode(body.prompt) if tokenizer is not None else ""
 
     def _generate_request(self, body: CompletionRequest | ChatCompletionRequest) -> GenerateRequest:
         host = self.node.host
@@ -203,8 +221,8 @@ class HttpApi:
                 yield first
             try:
                 async for piece in generation.pieces():
-                    if piece.text:
-                        yield encoder.text(piece.text)
+                    if piece.text or piece.logprobs:
+                        yield encoder.piece(piece)
                 outcome = generation.outcome()
             except RequestFailed as exc:
                 yield sse_error(exc)

@@ -7,6 +7,10 @@
 - Chat: the messages are rendered with the model's chat template (`replicas.model.text.chat_template`). An
   image part (`image_url` with a `data:` URL, PNG or JPEG) becomes the model's image marker in the text
   and an `ImageInput`, so images go through the encode replicas exactly as on the socket.
+- Log-probabilities: chat's `logprobs` (with `top_logprobs` alternatives) and completions' `logprobs`
+  (that many alternatives) ask for each generated token's; completions' `echo` puts the prompt before the
+  text and, with `logprobs`, the prompt tokens' log-probabilities before the generated ones'. `echo` does
+  not stream (a 400 says so).
 - Known fields the node does not support are refused by name (`unsupported`), never dropped.
 """
 
@@ -47,14 +51,16 @@ def unsupported(body: SamplingFields) -> BadBody | None:
     ]
     if isinstance(body, CompletionRequest):
         checks += [
-            ("echo", body.echo, "echo is not supported"),
-            ("logprobs", body.logprobs is not None, "logprobs are not supported"),
+            ("echo", body.echo and body.stream, "echo is not supported with stream"),
             ("suffix", body.suffix is not None, "suffix is not supported"),
         ]
     if isinstance(body, ChatCompletionRequest):
         checks += [
-            ("logprobs", body.logprobs, "logprobs are not supported"),
-            ("top_logprobs", body.top_logprobs is not None, "top_logprobs are not supported"),
+            (
+                "top_logprobs",
+                body.top_logprobs is not None and not body.logprobs,
+                "top_logprobs needs logprobs set to true",
+            ),
             ("tools", bool(body.tools), "tools are not supported"),
             ("tool_choice", body.tool_choice not in (None, "none"), "tool_choice is not supported"),
             (
@@ -93,6 +99,8 @@ def completion_request(body: CompletionRequest, vocab_size: int) -> GenerateRequ
     if problem is not None:
         raise problem
     sampling = _sampling(body, body.max_tokens or 16)
+    sampling["logprobs"] = body.logprobs
+    sampling["prompt_logprobs"] = body.logprobs if body.echo else None
     prompt = body.prompt
     if isinstance(prompt, str):
         if not prompt:
@@ -130,8 +138,14 @@ def chat_request(
         )
     prompt = render(messages, body.add_generation_prompt, body.continue_final_message)
     max_tokens = body.max_completion_tokens or body.max_tokens  # None: what the context leaves
+    logprobs = (body.top_logprobs or 0) if body.logprobs else None
     return GenerateRequest(
-        id="http", prompt=prompt, images=images, add_special_tokens=False, **_sampling(body, max_tokens)
+        id="http",
+        prompt=prompt,
+        images=images,
+        add_special_tokens=False,
+        logprobs=logprobs,
+        **_sampling(body, max_tokens),
     )
 
 

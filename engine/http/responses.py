@@ -3,7 +3,9 @@
 A chat stream starts with a chunk whose delta holds the role, then one chunk per piece of text, then a
 chunk with the finish reason; with `stream_options.include_usage`, a last chunk with no choices carries
 the usage (and every chunk has `"usage": null`), as OpenAI's streams do. A completion stream is the same
-without the role chunk. The finish reason `cancelled` is reported as vLLM does: `abort`.
+without the role chunk. The finish reason `cancelled` is reported as vLLM does: `abort`. Where the request
+asked for log-probabilities, each choice (and each stream chunk) carries those of its tokens
+(`engine.http.logprobs`); `echo` puts the prompt, and its tokens' log-probabilities, first.
 """
 
 from __future__ import annotations
@@ -12,7 +14,8 @@ from typing import final
 
 import msgspec
 
-from engine.generate.generation import Outcome
+from engine.generate.generation import Outcome, Piece
+from engine.http.logprobs import CompletionScores, TokenText, chat_logprobs
 from messages.openai import (
     AssistantMessage,
     ChatChoice,
@@ -25,6 +28,7 @@ from messages.openai import (
     Reply,
     Usage,
 )
+from replicas.model import TokenLogprobs
 
 
 def finish_reason(outcome: Outcome) -> str:
@@ -40,14 +44,36 @@ def usage(outcome: Outcome) -> Usage:
     )
 
 
-def completion(request_id: str, model: str, created: int, outcome: Outcome) -> Completion:
-    choice = CompletionChoice(index=0, text=outcome.text, finish_reason=finish_reason(outcome))
+def completion(
+    request_id: str, model: str, created: int, outcome: Outcome, text: TokenText, echo: str | None = None
+) -> Completion:
+    """The whole completion; `echo`: the prompt's text, put before the generated text."""
+    logprobs = None
+    if outcome.logprobs is not None:
+        scores = CompletionScores(text)
+        scored: list[TokenLogprobs | None] = list(outcome.logprobs)
+        token_ids = list(outcome.token_ids)
+        if echo is not None and outcome.prompt_logprobs is not None and outcome.prompt_ids is not None:
+            scored = [*outcome.prompt_logprobs, *scored]
+            token_ids = [*outcome.prompt_ids, *token_ids]
+        logprobs = scores.scores(scored, token_ids)
+    choice = CompletionChoice(
+        index=0,
+        text=(echo or "") + outcome.text,
+        logprobs=logprobs,
+        finish_reason=finish_reason(outcome),
+    )
     return Completion(id=request_id, created=created, model=model, choices=[choice], usage=usage(outcome))
 
 
-def chat_completion(request_id: str, model: str, created: int, outcome: Outcome) -> ChatCompletion:
+def chat_completion(
+    request_id: str, model: str, created: int, outcome: Outcome, text: TokenText
+) -> ChatCompletion:
     choice = ChatChoice(
-        index=0, message=AssistantMessage(content=outcome.text), finish_reason=finish_reason(outcome)
+        index=0,
+        message=AssistantMessage(content=outcome.text),
+        logprobs=None if outcome.logprobs is None else chat_logprobs(outcome.logprobs, text),
+        finish_reason=finish_reason(outcome),
     )
     return ChatCompletion(id=request_id, created=created, model=model, choices=[choice], usage=usage(outcome))
 
@@ -60,29 +86,50 @@ def event(body: Reply) -> bytes:
 class SseStream:
     """The SSE chunks of one streamed completion (`chat` false) or chat completion (`chat` true)."""
 
-    def __init__(self, request_id: str, model: str, created: int, *, chat: bool, include_usage: bool) -> None:
+    def __init__(
+        self,
+        request_id: str,
+        model: str,
+        created: int,
+        *,
+        chat: bool,
+        include_usage: bool,
+        text: TokenText,
+    ) -> None:
         self.request_id, self.model, self.created = request_id, model, created
         self.chat, self.include_usage = chat, include_usage
+        self._token_text = text
+        self._scores = CompletionScores(text)
 
-    def _chunk(self, text: str | None, reason: str | None, *, role: bool = False) -> bytes:
-        """One chunk with one choice: `text` (None: no content) and `reason`."""
+    def _chunk(
+        self, text: str | None, reason: str | None, *, role: bool = False, piece: Piece | None = None
+    ) -> bytes:
+        """One chunk with one choice: `text` (None: no content), `reason`, and the log-probabilities of
+        `piece`'s tokens where it has them."""
+        scored = None if piece is None else piece.logprobs
         if self.chat:
             delta = Delta(role="assistant" if role else None, content=text)
-            choices = [ChatChunkChoice(index=0, delta=delta, finish_reason=reason)]
+            logprobs = None if scored is None else chat_logprobs(scored, self._token_text)
+            choices = [ChatChunkChoice(index=0, delta=delta, logprobs=logprobs, finish_reason=reason)]
             return event(
                 ChatCompletionChunk(
                     id=self.request_id, created=self.created, model=self.model, choices=choices
                 )
             )
-        choice = CompletionChoice(index=0, text=text or "", finish_reason=reason)
+        completion_logprobs = None
+        if scored is not None and piece is not None:
+            completion_logprobs = self._scores.scores(list(scored), piece.token_ids)
+        choice = CompletionChoice(
+            index=0, text=text or "", logprobs=completion_logprobs, finish_reason=reason
+        )
         return event(Completion(id=self.request_id, created=self.created, model=self.model, choices=[choice]))
 
     def start(self) -> bytes:
         """A chat stream opens with the role; a completion stream has no opening chunk."""
         return self._chunk("", None, role=True) if self.chat else b""
 
-    def text(self, text: str) -> bytes:
-        return self._chunk(text, None)
+    def piece(self, piece: Piece) -> bytes:
+        return self._chunk(piece.text, None, piece=piece)
 
     def finish(self, outcome: Outcome) -> bytes:
         last = self._chunk(None, finish_reason(outcome))

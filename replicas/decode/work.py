@@ -226,6 +226,7 @@ class DecodeWork:
                     token_id=s.request.generated[-1],
                     position=s.request.decode_position(),
                     sampling=s.request.sampling,
+                    logprobs=s.request.logprobs,
                 )
                 for s in batch
             ]
@@ -249,6 +250,7 @@ class DecodeWork:
             context_length=self._compute.context_length,
             release=self._free,
             log=self._actor.log,
+            logprobs=result.logprobs,
         )
         # Rotate: the ones that stepped and go on move to the back (the others ended and were freed).
         stepped = {id(s) for s in batch}

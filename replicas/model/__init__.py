@@ -36,7 +36,15 @@ from replicas.model.errors import (
     UnsupportedModelError,
     WeightShapeError,
 )
-from replicas.model.executor import DecodeResult, DecodeSequence, Executor, PrefillResult, PrefillSequence
+from replicas.model.executor import (
+    MAX_TOP_LOGPROBS,
+    DecodeResult,
+    DecodeSequence,
+    Executor,
+    PrefillResult,
+    PrefillSequence,
+    TokenLogprobs,
+)
 from replicas.model.kv_cache import DEFAULT_KV_BLOCK_SIZE, KVCache, kv_layout, layer_buffer_names
 from replicas.model.linear import Kernels, Linear
 from replicas.model.llama import Model
@@ -69,6 +77,7 @@ __all__ = [
     "DEFAULT_KV_BLOCK_SIZE",
     "GREEDY",
     "IMAGE_PLACEHOLDER",
+    "MAX_TOP_LOGPROBS",
     "PACKAGED_MODELS",
     "PATCH_SIZE",
     "TINY_CONFIG",
@@ -106,6 +115,7 @@ __all__ = [
     "SamplingParams",
     "TextStream",
     "TokenIdError",
+    "TokenLogprobs",
     "Tokenizer",
     "UnsupportedModelError",
     "VisionEncoder",

@@ -156,29 +156,37 @@ class PrefillWork:
                     embeds=request.embeds,
                     embed_indices=request.embed_indices,
                     sampling=request.sampling,
+                    logprobs=request.logprobs,
+                    prompt_logprobs=request.prompt_logprobs,
                 )
             )
         return batch, sequences
 
     def _finished(self, result: PrefillResult) -> None:
         batch, self.running = self.running, []
-        assert result.tokens is not None  # every layer and the head ran
-        self.complete(batch, result.tokens)
+        self.complete(batch, result)
 
     def _refused(self, error: ModelInputError) -> None:
         batch, self.running = self.running, []
         refuse(batch, code="bad_request", message=str(error), release=self.release)
 
-    def complete(self, batch: list[Held], tokens: list[int]) -> None:
-        """The prompts of `batch` ran through the head: apply their first tokens; the requests that go
-        on queue their KV for a decode replica (also for relayed and finished ZigZag batches)."""
+    def complete(self, batch: list[Held], result: PrefillResult) -> None:
+        """The prompts of `batch` ran through the head: apply their first tokens (and the prompts' and
+        first tokens' log-probabilities, where asked); the requests that go on queue their KV for a
+        decode replica (also for relayed and finished ZigZag batches)."""
+        assert result.tokens is not None  # every layer and the head ran
+        if result.prompt_logprobs is not None:
+            for item, scored in zip(batch, result.prompt_logprobs, strict=True):
+                if scored is not None:
+                    item.request.prompt_scores = [None, *scored]
         going_on = apply_tokens(
             batch,
-            tokens,
+            result.tokens,
             context_length=self._compute.context_length,
             release=self.release,
             log=self._actor.log,
             first=True,
+            logprobs=result.logprobs,
         )
         for item in going_on:
             self._migrate(item)

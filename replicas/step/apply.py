@@ -1,7 +1,8 @@
 """Applying a step's result, the same for every role: tokens appended and streamed, stops checked, the
 blocks of finished requests freed; a refused call fails its requests.
 
-`apply_tokens(items, tokens, ...)` gives each held request its sampled token — a prefill's first token
+`apply_tokens(items, tokens, ...)` gives each held request its sampled token (and its log-probability,
+where the step scored it) — a prefill's first token
 (`first`: the prefill's end and the first token are logged) or a decode step's next one — and ends the
 requests that a stop token, `max_tokens` or the context ends, or that were cancelled meanwhile (no token
 then). An ended request's blocks go back through `release` before it finishes, so a client that hears
@@ -20,7 +21,7 @@ from collections.abc import Callable, Sequence
 
 from messages.control import ErrorCode
 from messages.log.events import FirstToken, PrefillFinished
-from replicas.model import finish_reason
+from replicas.model import TokenLogprobs, finish_reason
 from replicas.ports import EventSink
 from replicas.step.plan import Held
 
@@ -33,11 +34,13 @@ def apply_tokens(
     release: Callable[[Held], None],
     log: EventSink,
     first: bool = False,
+    logprobs: Sequence[TokenLogprobs | None] | None = None,
 ) -> list[Held]:
     """See the module docstring."""
     now = time.time()
     going_on: list[Held] = []
-    for item, token in zip(items, tokens, strict=True):
+    scores = logprobs if logprobs is not None else [None] * len(tokens)
+    for item, token, scored in zip(items, tokens, scores, strict=True):
         request = item.request
         request_log = log.bind(request_id=request.request_id)
         if first:
@@ -48,6 +51,8 @@ def apply_tokens(
             release(item)
             request.finish("cancelled")
             continue
+        if scored is not None:
+            request.generated_logprobs.append(scored)
         request.generated.append(token)
         request.emit_tokens([token])
         if first:

@@ -198,7 +198,7 @@ class NewPrefillWork:
         batch.computing = False
         if result.tokens is not None:  # every layer and the head: finished here
             self.batches.remove(batch)
-            self._prefill.complete(batch.items, result.tokens)
+            self._prefill.complete(batch.items, result)
             return
         batch.hidden, batch.reached = result.hidden, stop
         self._hint_partners()

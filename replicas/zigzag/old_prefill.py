@@ -277,6 +277,8 @@ class OldPrefillWork:
                     token_ids=request.token_ids,
                     positions=positions if three_d else positions[:, 0].contiguous(),
                     sampling=request.sampling,
+                    logprobs=request.logprobs,
+                    prompt_logprobs=request.prompt_logprobs,
                 )
             )
         hidden = incoming.hidden if len(rows) == incoming.hidden.shape[0] else incoming.hidden[rows]
@@ -295,7 +297,7 @@ class OldPrefillWork:
     def _ran(self, incoming: IncomingRelay, result: PrefillResult) -> None:
         self.running = None
         assert result.tokens is not None  # the layers ran to the end, and the head
-        self._prefill.complete(incoming.items, result.tokens)
+        self._prefill.complete(incoming.items, result)
 
     def _refused(self, incoming: IncomingRelay, error: ModelInputError) -> None:
         self.running = None

@@ -11,6 +11,7 @@ from typing import final
 
 import torch
 
+from replicas.model.executor.logprobs import TokenLogprobs
 from replicas.model.sampling import GREEDY, SamplingParams
 
 
@@ -22,6 +23,10 @@ class PrefillSequence:
     `token_ids` are the new tokens, written at indices `[cached_tokens, cached_tokens + len)`.
     `positions`: rotary positions, `[T]` or (3-D models) `[T, 3]`; default `cached_tokens + arange(T)`.
     `embeds` `[n, hidden]` replace the token embeddings at `embed_indices` (indices into `token_ids`).
+    `logprobs`: score the sampled token with that many alternatives (`replicas.model.executor.logprobs`;
+    None: not scored). `prompt_logprobs`: score every token of `token_ids` but the first from the row
+    before it, with that many alternatives, and `next_token` — the prompt's token after these (a chunk
+    that does not end its prompt) — from the last row.
     """
 
     block_table: Sequence[int]
@@ -31,6 +36,9 @@ class PrefillSequence:
     embeds: torch.Tensor | None = None
     embed_indices: Sequence[int] | torch.Tensor | None = None
     sampling: SamplingParams = GREEDY
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    next_token: int | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -41,24 +49,30 @@ class PrefillSequence:
 @dataclass(frozen=True, slots=True)
 class PrefillResult:
     """`hidden` (packed `[sum T, hidden]`, sequences in order) when the range stops before the last layer;
-    otherwise `logits` `[B, vocab]` float32 of each sequence's last token and the sampled `tokens`."""
+    otherwise `logits` `[B, vocab]` float32 of each sequence's last token and the sampled `tokens`.
+    `logprobs[b]`: the sampled token's, where sequence b asked; `prompt_logprobs[b]`: its prompt tokens'
+    (`PrefillSequence`), where it asked."""
 
     hidden: torch.Tensor | None
     logits: torch.Tensor | None
     tokens: list[int] | None
+    logprobs: list[TokenLogprobs | None] | None = None
+    prompt_logprobs: list[list[TokenLogprobs] | None] | None = None
 
 
 @final
 @dataclass(frozen=True, slots=True)
 class DecodeSequence:
     """Feed `token_id` at index `cached_tokens` (its KV lands there) and sample the token after it.
-    `position` is its rotary position (default `cached_tokens`; differs after images)."""
+    `position` is its rotary position (default `cached_tokens`; differs after images). `logprobs`: score
+    the sampled token with that many alternatives (None: not scored)."""
 
     block_table: Sequence[int]
     cached_tokens: int
     token_id: int
     position: int | None = None
     sampling: SamplingParams = GREEDY
+    logprobs: int | None = None
 
 
 @final
@@ -66,3 +80,4 @@ class DecodeSequence:
 class DecodeResult:
     logits: torch.Tensor
     tokens: list[int]
+    logprobs: list[TokenLogprobs | None] | None = None

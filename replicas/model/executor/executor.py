@@ -34,6 +34,7 @@ from replicas.model.attention import SequenceSpan, avoid_cudnn_attention
 from replicas.model.errors import ContextLengthError, InvalidBatchError, KernelsUnavailableError
 from replicas.model.executor.backends import Backend, EagerBackend, GraphBackend, KernelBackend
 from replicas.model.executor.batch import DecodeResult, DecodeSequence, PrefillResult, PrefillSequence
+from replicas.model.executor.logprobs import MAX_TOP_LOGPROBS, TokenLogprobs, score
 from replicas.model.gpu.check import kernels_problem
 from replicas.model.gpu.decode import KernelDecoder
 from replicas.model.gpu.options import AttentionChoice, ExecutorPath, GraphsChoice
@@ -198,8 +199,13 @@ class Executor:
             logits = model.logits(out.index_select(0, last.to(out.device)), self.ops)
             params = [s.sampling for s in sequences]
             indices = [s.cached_tokens + s.num_tokens for s in sequences]
+            tokens = self.backend.sample(logits, params, indices)
+            logprobs = _scored(logits, tokens, [s.logprobs for s in sequences])
+            prompt_logprobs = None
+            if any(s.prompt_logprobs is not None for s in sequences):
+                prompt_logprobs = self._prompt_logprobs(sequences, out, last.tolist())
             return PrefillResult(
-                hidden=None, logits=logits, tokens=self.backend.sample(logits, params, indices)
+                hidden=None, logits=logits, tokens=tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs
             )
 
     def decode(self, sequences: Sequence[DecodeSequence]) -> DecodeResult:
@@ -213,9 +219,33 @@ class Executor:
             self.cache.check_block_table(seq.block_table, seq.cached_tokens + 1, f"decode sequence {index}")
         with torch.inference_mode(), self._on_device():
             logits, tokens = self.backend.decode(sequences)
-        return DecodeResult(logits=logits, tokens=tokens)
+            logprobs = _scored(logits, tokens, [s.logprobs for s in sequences])
+        return DecodeResult(logits=logits, tokens=tokens, logprobs=logprobs)
 
     # ------------------------------------------------------------------ helpers
+    def _prompt_logprobs(
+        self, sequences: Sequence[PrefillSequence], out: torch.Tensor, last: list[int]
+    ) -> list[list[TokenLogprobs] | None]:
+        """Each asking sequence's prompt tokens scored from the rows before them (`PrefillSequence`)."""
+        scored: list[list[TokenLogprobs] | None] = []
+        for seq, end in zip(sequences, last, strict=True):
+            if seq.prompt_logprobs is None:
+                scored.append(None)
+                continue
+            ids = torch.as_tensor(seq.token_ids, dtype=torch.int64).reshape(-1).tolist()
+            targets = ids[1:] + ([] if seq.next_token is None else [seq.next_token])
+            if not targets:
+                scored.append([])
+                continue
+            start = end - seq.num_tokens + 1
+            rows = out[start : start + len(targets)]
+            pieces: list[TokenLogprobs] = []
+            for at in range(0, len(targets), 256):  # [rows, vocab] float32 logits, a piece at a time
+                logits = self.model.logits(rows[at : at + 256], self.ops)
+                pieces += score(logits, targets[at : at + 256], seq.prompt_logprobs)
+            scored.append(pieces)
+        return scored
+
     def _check_length(self, cached: int, new: int, what: str) -> None:
         if cached < 0:
             raise InvalidBatchError(f"{what}: cached_tokens must be >= 0, got {cached}")
@@ -236,6 +266,9 @@ class Executor:
             what = f"prefill sequence {index}"
             if seq.num_tokens < 1:
                 raise InvalidBatchError(f"{what}: no tokens")
+            for name, top in (("logprobs", seq.logprobs), ("prompt_logprobs", seq.prompt_logprobs)):
+                if top is not None and not 0 <= top <= MAX_TOP_LOGPROBS:
+                    raise InvalidBatchError(f"{what}: {name} must be in [0, {MAX_TOP_LOGPROBS}], got {top}")
             self._check_length(seq.cached_tokens, seq.num_tokens, what)
             self.cache.check_block_table(seq.block_table, seq.cached_tokens + seq.num_tokens, what)
             total += seq.num_tokens
@@ -294,3 +327,20 @@ class Executor:
                 piece = piece[:, None].expand(-1, 3)
             pieces.append(piece)
         return torch.cat(pieces).to(self.model.device)
+
+
+def _scored(
+    logits: torch.Tensor, tokens: list[int], wanted: list[int | None]
+) -> list[TokenLogprobs | None] | None:
+    """The sampled tokens' log-probabilities for the rows that asked; None when none did."""
+    rows = [row for row, top in enumerate(wanted) if top is not None]
+    if not rows:
+        return None
+    top = max(wanted[row] or 0 for row in rows)
+    picked = logits.index_select(0, torch.tensor(rows, device=logits.device))
+    scored = score(picked, [tokens[row] for row in rows], top)
+    out: list[TokenLogprobs | None] = [None] * len(tokens)
+    for row, entry in zip(rows, scored, strict=True):
+        k = wanted[row] or 0
+        out[row] = TokenLogprobs(entry.token_id, entry.logprob, entry.top[:k])
+    return out
