@@ -79,6 +79,7 @@ def replica_settings(
         embedding_default_blocks=config.embedding.default_blocks,
         embedding_max_grant_blocks=config.embedding.max_grant_blocks,
         max_batch_tokens=config.scheduler.max_batch_tokens,
+        chunk_tokens=_chunk_tokens(config.scheduler.prefill_chunk_tokens, config.scheduler.max_batch_tokens),
         max_batch_size=config.scheduler.max_batch_size,
         migration_wait=config.scheduler.migration_wait,
         emulated=config.emulated_speed or EmulatedSpeed(),
@@ -93,6 +94,13 @@ def replica_settings(
         ),
         weights_transfer=TransferConfig(admission=admission),
     )
+
+
+def _chunk_tokens(chunk: int | None, max_batch_tokens: int) -> int | None:
+    """`--prefill-chunk-tokens`: none — chunks of the batch budget, as vLLM's chunked prefill; 0 — off."""
+    if chunk is None:
+        return max_batch_tokens
+    return min(chunk, max_batch_tokens) or None
 
 
 def default_counts(host: ModelHost) -> ReplicaCounts:

@@ -126,6 +126,9 @@ class ServingRequest:
         self.token_ids: list[int] = list(prompt_ids) if not images else []
         self.positions: torch.Tensor | None = None
         self.next_position: int = len(self.token_ids)
+        # Prompt tokens whose KV the holding prefill replica's blocks already hold (a chunked prefill's
+        # finished chunks): the next prefill call starts at this position.
+        self.prefilled = 0
         self.image_grids: list[ImageGrid] = []
         self.embeds: torch.Tensor | None = None
         self.embed_indices: torch.Tensor | None = None

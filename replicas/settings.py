@@ -20,6 +20,9 @@ class ReplicaSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     embedding_default_blocks: int = 8
     embedding_max_grant_blocks: int | None = None
     max_batch_tokens: int = 4096
+    # Chunked prefill: a prompt longer than this runs in chunks of at most this many tokens, other
+    # requests' between them (`replicas.prefill.queue`); None: whole prompts.
+    chunk_tokens: int | None = None
     max_batch_size: int = 64
     migration_wait: float = 60.0
     migrations_in_flight: int = 8

@@ -84,8 +84,15 @@ class SchedulerConfig(Section, frozen=True, kw_only=True):
     max_batch_tokens: Annotated[
         int,
         msgspec.Meta(ge=1, le=1 << 20),
-        _doc("prompt tokens per prefill batch (a longer prompt runs alone)"),
+        _doc("prompt tokens per prefill batch (a longer prompt runs in chunks: --prefill-chunk-tokens)"),
     ] = 4096
+    prefill_chunk_tokens: Annotated[
+        Annotated[int, msgspec.Meta(ge=0, le=1 << 20)] | None,
+        _doc(
+            "chunked prefill: a longer prompt runs in chunks of at most this many tokens, other requests' "
+            "prompts between them (none: max_batch_tokens, as vLLM; 0: off, whole prompts)"
+        ),
+    ] = None
     max_batch_size: Annotated[int, msgspec.Meta(ge=1, le=4096), _doc("sequences per batch")] = 64
     max_queue: Annotated[
         int, msgspec.Meta(ge=1, le=1 << 20), _doc("requests admitted at once; more get `overloaded`")

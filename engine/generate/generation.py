@@ -208,8 +208,19 @@ class Generation:
             relay=serving.relay,
             prompt_ids=list(serving.token_ids or serving.prompt_ids),
             logprobs=None if serving.logprobs is None else self._logprobs(0, len(serving.generated)),
-            prompt_logprobs=None if serving.prompt_logprobs is None else list(serving.prompt_scores),
+            prompt_logprobs=None if serving.prompt_logprobs is None else self._prompt_logprobs(),
         )
+
+    def _prompt_logprobs(self) -> list[TokenLogprobs | None]:
+        serving = self.serving
+        if len(serving.prompt_scores) != serving.prompt_tokens:
+            raise RequestFailed(
+                "internal",
+                f"the prompt's log-probabilities of request {self.request_id} were lost (its prefill ran on "
+                "another node: log-probabilities do not cross nodes yet)",
+                self.request_id,
+            )
+        return list(serving.prompt_scores)
 
     def _logprobs(self, start: int, stop: int) -> list[TokenLogprobs]:
         """The generated tokens `[start, stop)`'s log-probabilities (the request asked for them)."""
@@ -217,7 +228,8 @@ class Generation:
         if len(scored) != stop - start:
             raise RequestFailed(
                 "internal",
-                f"the log-probabilities of tokens [{start}, {stop}) of request {self.request_id} were lost",
+                f"the log-probabilities of tokens [{start}, {stop}) of request {self.request_id} were lost "
+                "(they were generated on another node: log-probabilities do not cross nodes yet)",
                 self.request_id,
             )
         return scored

@@ -6,15 +6,22 @@ reports it, the router and the planner read it there. An image request counts it
 embeddings landed (before, it has none laid out).
 
 `schedule` picks the next batch without touching anything: ready requests first come first served,
-until `max_batch_size` sequences or `max_batch_tokens` prompt tokens (a longer prompt runs alone) or the
+until `max_batch_size` sequences or `max_batch_tokens` prompt tokens (a longer piece runs alone) or the
 blocks free in the KV pool run out; requests still waiting for their embeddings, or cancelled, are
 skipped, and a request that does not fit is not overtaken.
+
+Chunked prefill (`chunk_tokens`): a prompt longer than that runs as `Chunk`s of at most `chunk_tokens`
+tokens, one per batch; a request whose first chunks ran (`ServingRequest.prefilled`) is queued again at
+the back — behind the requests that came meanwhile — so one long prompt cannot hold back every other
+request's first token. Its blocks (the whole prompt's) are allocated with its first chunk; the queue's
+`tokens` counts what is left to prefill.
 """
 
 from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
 from typing import final
 
 from replicas.request import ServingRequest
@@ -41,8 +48,8 @@ class PromptQueue:
 
     @property
     def tokens(self) -> int:
-        """The prompt tokens queued (the one place they are summed)."""
-        return sum(request.prompt_tokens for request in self._queue)
+        """The prompt tokens queued and not prefilled yet (the one place they are summed)."""
+        return sum(request.prompt_tokens - request.prefilled for request in self._queue)
 
     def append(self, request: ServingRequest) -> None:
         self._queue.append(request)
@@ -61,6 +68,25 @@ class PromptQueue:
         return next((r for r in self._queue if r.prompt_ready and not r.cancelled), None)
 
 
+@final
+@dataclass(frozen=True, slots=True)
+class Chunk:
+    """Prompt tokens `[start, stop)` of `request` to prefill in the next batch (the whole prompt, unless
+    chunked); `last`: they end the prompt."""
+
+    request: ServingRequest
+    start: int
+    stop: int
+
+    @property
+    def tokens(self) -> int:
+        return self.stop - self.start
+
+    @property
+    def last(self) -> bool:
+        return self.stop == self.request.prompt_tokens
+
+
 def schedule(
     queue: Iterable[ServingRequest],
     *,
@@ -68,20 +94,25 @@ def schedule(
     blocks_for: Callable[[int], int],
     max_batch_size: int,
     max_batch_tokens: int,
-) -> list[ServingRequest]:
+    chunk_tokens: int | None = None,
+) -> list[Chunk]:
     """The next batch (see the module docstring); empty when no request is ready or the first does not
-    fit. Pure: the caller allocates the blocks and takes the requests off the queue."""
-    batch: list[ServingRequest] = []
+    fit. `chunk_tokens` None: whole prompts. Pure: the caller allocates the blocks and takes the
+    requests off the queue."""
+    batch: list[Chunk] = []
     tokens = 0
     for request in queue:
         if not request.prompt_ready or request.cancelled:
             continue
-        if batch and (len(batch) >= max_batch_size or tokens + request.prompt_tokens > max_batch_tokens):
+        start = request.prefilled
+        left = request.prompt_tokens - start
+        piece = left if chunk_tokens is None else min(left, chunk_tokens)
+        if batch and (len(batch) >= max_batch_size or tokens + piece > max_batch_tokens):
             break
-        need = blocks_for(request.prompt_tokens)
+        need = 0 if start else blocks_for(request.prompt_tokens)  # a started prompt holds its blocks
         if need > free_blocks:
             break  # first come, first served: no overtaking the one that does not fit
-        batch.append(request)
-        tokens += request.prompt_tokens
+        batch.append(Chunk(request, start, start + piece))
+        tokens += piece
         free_blocks -= need
     return batch

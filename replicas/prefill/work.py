@@ -7,6 +7,13 @@ a worker thread (`replicas.step.compute`), and `complete` applies the first toke
 to the migration queue, which moves their KV to a decode replica. A batch the model refuses fails its
 requests with `bad_request`.
 
+Chunked prefill (`ReplicaSettings.chunk_tokens`): `replicas.prefill.queue.schedule` cuts a long prompt
+into chunks; a batch runs each chunk from its start position over the KV of the chunks before it (in
+the request's blocks, allocated with the first chunk and kept in `_tables` between chunks); a chunk
+that does not end its prompt samples nothing — its request goes back to the queue, behind the others —
+and the one that does is applied like a whole prompt. The KV moves to the decode replica once the
+whole prompt ran (not chunk by chunk).
+
 Image requests: enqueued, they start receiving their embeddings at once (`replicas.prefill.embeddings`);
 the schedule skips them until the prompt is laid out. A request whose KV partly lives on a ZigZag
 partner (`Held.relay`) has that half dropped there when it ends here.
@@ -14,9 +21,12 @@ partner (`Held.relay`) has that half dropped there when it ends here.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable
 from typing import final
+
+import torch
 
 from messages.commands import DropKVHalf
 from messages.log.events import PrefillStarted
@@ -24,7 +34,7 @@ from replicas.inbox import new_command_id
 from replicas.model import KVCache, ModelInputError, PrefillResult, PrefillSequence
 from replicas.ports import Actor, Directory
 from replicas.prefill.embeddings import EmbeddingReceives, release_input
-from replicas.prefill.queue import PromptQueue, schedule
+from replicas.prefill.queue import Chunk, PromptQueue, schedule
 from replicas.request import ServingRequest
 from replicas.settings import ReplicaSettings
 from replicas.step.apply import apply_tokens, refuse
@@ -63,6 +73,8 @@ class PrefillWork:
         self._returned = returned
         self._changed = changed
         self.running: list[Held] = []
+        self._chunks: list[Chunk] = []  # the running batch's, item for item
+        self._tables: dict[str, list[int]] = {}  # the blocks of queued requests whose first chunks ran
 
     def enqueue(self, request: ServingRequest) -> None:
         request.holder = self._actor.name
@@ -80,11 +92,13 @@ class PrefillWork:
             self._embeddings.start(request)
 
     def return_queued(self, why: str) -> None:
-        """Give queued requests whose prompt has not started back to the router (state change)."""
+        """Give queued requests whose prompt has not started back to the router (state change); a
+        chunked prompt whose first chunks ran here starts again elsewhere (its blocks go back)."""
         for request in self.queue.take_all():
             if request.has_images and not request.prompt_ready:
                 self.queue.append(request)  # its embeddings are landing here; finish receiving first
                 continue
+            self._restart(request)
             request.holder = None
             self._returned(request)
 
@@ -93,8 +107,17 @@ class PrefillWork:
         receiving = self._embeddings.receiving if self._embeddings is not None else lambda _: False
         for request in [r for r in self.queue if r.cancelled and not receiving(r)]:
             self.queue.remove(request)
+            self._restart(request)
             release_input(request)
             request.finish("cancelled")
+
+    def _restart(self, request: ServingRequest) -> None:
+        """Forget the chunks of `request` that ran here: its blocks go back, its prefill starts over."""
+        table = self._tables.pop(request.request_id, None)
+        if table is not None:
+            self._kv.pool.free(table, request.request_id)
+        request.prefilled = 0
+        request.prompt_scores = []
 
     # ------------------------------------------------------------------ a batch
     def start_batch(self) -> None:
@@ -107,7 +130,7 @@ class PrefillWork:
             return
         batch, sequences = taken
         self.running = batch
-        tokens = sum(item.request.prompt_tokens for item in batch)
+        tokens = sum(sequence.num_tokens for sequence in sequences)
         call = PrefillCall(sequences)
         self._compute.run(
             lambda: call.run(executor),
@@ -116,9 +139,10 @@ class PrefillWork:
             emulated=self._compute.emulated_prefill(tokens, self._compute.num_layers),
         )
 
-    def take_batch(self) -> tuple[list[Held], list[PrefillSequence]] | None:
+    def take_batch(self, *, chunked: bool = True) -> tuple[list[Held], list[PrefillSequence]] | None:
         """Take the scheduled batch off the queue, its KV blocks allocated, its requests stamped and
-        logged as started; None when no request is ready or the first does not fit."""
+        logged as started; None when no request is ready or the first does not fit. `chunked` false:
+        whole prompts (a ZigZag batch)."""
         kv, settings = self._kv, self._settings
         planned = schedule(
             self.queue,
@@ -126,48 +150,61 @@ class PrefillWork:
             blocks_for=kv.blocks_for,
             max_batch_size=settings.max_batch_size,
             max_batch_tokens=settings.max_batch_tokens,
+            chunk_tokens=settings.chunk_tokens if chunked else None,
         )
         batch: list[Held] = []
-        for request in planned:
-            table = kv.pool.try_allocate(kv.blocks_for(request.prompt_tokens), request.request_id)
+        chunks: list[Chunk] = []
+        for chunk in planned:
+            request = chunk.request
+            table = self._tables.pop(request.request_id, None)
+            if table is None:
+                table = kv.pool.try_allocate(kv.blocks_for(request.prompt_tokens), request.request_id)
             if table is None:
                 break  # the allocator refused (a waiter is queued): the rest waits its turn
             self.queue.remove(request)
             batch.append(Held(request, table))
+            chunks.append(chunk)
         if not batch:
             return None
+        self._chunks = chunks
         self._changed()  # room in the queue: the router may hand more
         now = time.time()
         model = self._compute.model
         eos = tuple(model.eos_token_ids) if model is not None else ()
         sequences = []
-        for item in batch:
+        for item, chunk in zip(batch, chunks, strict=True):
             request = item.request
-            request.eos_token_ids = eos
-            request.stamps.prefill_started = now
-            self._actor.log.bind(request_id=request.request_id).emit(
-                PrefillStarted(tokens=request.prompt_tokens, batch_size=len(batch))
-            )
-            sequences.append(
-                PrefillSequence(
-                    block_table=item.table,
-                    token_ids=request.token_ids,
-                    positions=request.positions,
-                    embeds=request.embeds,
-                    embed_indices=request.embed_indices,
-                    sampling=request.sampling,
-                    logprobs=request.logprobs,
-                    prompt_logprobs=request.prompt_logprobs,
+            if chunk.start == 0:
+                request.eos_token_ids = eos
+                request.stamps.prefill_started = now
+                self._actor.log.bind(request_id=request.request_id).emit(
+                    PrefillStarted(tokens=request.prompt_tokens, batch_size=len(batch))
                 )
-            )
+            sequences.append(_sequence(item, chunk))
         return batch, sequences
 
     def _finished(self, result: PrefillResult) -> None:
         batch, self.running = self.running, []
-        self.complete(batch, result)
+        chunks, self._chunks = self._chunks, []
+        ended = [index for index, chunk in enumerate(chunks) if chunk.last]
+        for index, (item, chunk) in enumerate(zip(batch, chunks, strict=True)):
+            if chunk.last:
+                continue
+            request = item.request  # a chunk that does not end its prompt: to the back of the queue
+            if result.prompt_logprobs is not None and (scored := result.prompt_logprobs[index]) is not None:
+                request.prompt_scores = [*(request.prompt_scores or [None]), *scored]
+            request.prefilled = chunk.stop
+            self._tables[request.request_id] = item.table
+            self.queue.append(request)
+        if len(ended) < len(batch):
+            self._changed()  # queued prompt tokens changed
+            result = _rows(result, ended)
+        if ended:
+            self.complete([batch[index] for index in ended], result)
 
     def _refused(self, error: ModelInputError) -> None:
         batch, self.running = self.running, []
+        self._chunks = []
         refuse(batch, code="bad_request", message=str(error), release=self.release)
 
     def complete(self, batch: list[Held], result: PrefillResult) -> None:
@@ -178,7 +215,7 @@ class PrefillWork:
         if result.prompt_logprobs is not None:
             for item, scored in zip(batch, result.prompt_logprobs, strict=True):
                 if scored is not None:
-                    item.request.prompt_scores = [None, *scored]
+                    item.request.prompt_scores = [*(item.request.prompt_scores or [None]), *scored]
         going_on = apply_tokens(
             batch,
             result.tokens,
@@ -195,8 +232,51 @@ class PrefillWork:
         """`item` ended here: its blocks go back; a relayed request's partner frees the KV of layers
         `[0, n)` it keeps (the request's end does too, where the partner sees it; this says so)."""
         self._kv.pool.free(item.table, item.request.request_id)
+        item.request.prefilled = 0
         relay = item.relay
         if relay is not None and relay.layer > 0:
             partner = self._directory.get(relay.new_prefill)
             if partner is not None:
                 partner.tell(DropKVHalf(command_id=new_command_id(), request_id=item.request.request_id))
+
+
+def _sequence(item: Held, chunk: Chunk) -> PrefillSequence:
+    """The prefill call's sequence for `chunk` of `item`'s prompt: its tokens from `chunk.start` on,
+    over the KV of the tokens before (already in the blocks); the first token is sampled, and scored,
+    only by the chunk that ends the prompt."""
+    request = item.request
+    start, stop = chunk.start, chunk.stop
+    whole = start == 0 and chunk.last
+    embeds, indices = request.embeds, request.embed_indices
+    if not whole and embeds is not None and indices is not None:
+        inside = (indices >= start) & (indices < stop)
+        embeds, indices = embeds[inside], indices[inside] - start
+        if not len(indices):
+            embeds = indices = None
+    positions = request.positions
+    return PrefillSequence(
+        block_table=item.table,
+        token_ids=request.token_ids if whole else request.token_ids[start:stop],
+        cached_tokens=start,
+        positions=positions if positions is None or whole else positions[start:stop],
+        embeds=embeds,
+        embed_indices=indices,
+        sampling=request.sampling,
+        logprobs=request.logprobs if chunk.last else None,
+        prompt_logprobs=request.prompt_logprobs,
+        next_token=None if chunk.last else request.token_ids[stop],
+    )
+
+
+def _rows(result: PrefillResult, rows: list[int]) -> PrefillResult:
+    """`result` for the batch's sequences `rows` only (those whose chunk ended their prompt)."""
+    picked = torch.tensor(rows, dtype=torch.int64)
+    logits = None if result.logits is None else result.logits.index_select(0, picked.to(result.logits.device))
+    tokens, logprobs, prompt = result.tokens, result.logprobs, result.prompt_logprobs
+    return dataclasses.replace(
+        result,
+        logits=logits,
+        tokens=None if tokens is None else [tokens[row] for row in rows],
+        logprobs=None if logprobs is None else [logprobs[row] for row in rows],
+        prompt_logprobs=None if prompt is None else [prompt[row] for row in rows],
+    )

@@ -173,7 +173,7 @@ class NewPrefillWork:
             return
 
     def _form_batch(self) -> PartBatch | None:
-        taken = self._prefill.take_batch()
+        taken = self._prefill.take_batch(chunked=False)
         if taken is None:
             return None
         items, sequences = taken

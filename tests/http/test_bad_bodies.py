@@ -69,8 +69,8 @@ CASES: list[tuple[str, Any, str | None]] = [
     ("/v1/completions", completion(stream_options=3), "stream_options"),
     ("/v1/completions", completion(min_tokens=5, max_tokens=2), "min_tokens"),
     ("/v1/completions", completion(presence_penalty=0.5), "presence_penalty"),
-    ("/v1/completions", completion(logprobs=3), "logprobs"),
-    ("/v1/completions", completion(echo=True), "echo"),
+    ("/v1/completions", completion(logprobs=21), "logprobs"),
+    ("/v1/completions", completion(echo=True, stream=True), "echo"),
     ("/v1/completions", completion(best_of=3), "best_of"),
     ("/v1/completions", completion(logit_bias={"5": 1.0}), "logit_bias"),
     ("/v1/completions", completion(prompt=[65] * 40_000), None),  # over the context
@@ -104,7 +104,8 @@ CASES: list[tuple[str, Any, str | None]] = [
         None,
     ),  # sides not a multiple of the patch
     ("/v1/chat/completions", chat(tools=[{"type": "function", "function": {"name": "f"}}]), "tools"),
-    ("/v1/chat/completions", chat(logprobs=True), "logprobs"),
+    ("/v1/chat/completions", chat(top_logprobs=2), "top_logprobs"),
+    ("/v1/chat/completions", chat(logprobs=True, top_logprobs=21), "top_logprobs"),
     ("/v1/chat/completions", chat(response_format={"type": "json_object"}), "response_format"),
     ("/v1/chat/completions", chat(max_completion_tokens=0), "max_completion_tokens"),
     ("/v1/chat/completions", chat(continue_final_message=True), "add_generation_prompt"),

@@ -2,7 +2,8 @@
 the same model's logits (float32, to 1e-4): completions with `echo` (the prompt's, the first null) and
 `logprobs`, chat with `top_logprobs` under seeded sampling, streamed chunks, and the control socket's
 `generate`. The node runs a prefill and a decode replica: the first token's log-probability comes from
-the prefill replica, the others' from the decode replica."""
+the prefill replica, the others' from the decode replica; a prompt longer than the node's prefill chunk
+has its tokens scored across the chunks."""
 
 from __future__ import annotations
 

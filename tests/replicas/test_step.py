@@ -44,16 +44,16 @@ def test_the_prefill_batch_is_first_come_first_served_within_the_budgets() -> No
     plan = prefill_schedule(
         queue, free_blocks=100, blocks_for=blocks_for, max_batch_size=8, max_batch_tokens=80
     )
-    assert [r.request_id for r in plan] == ["a", "b"]  # c would pass 80 tokens: no overtaking by d
+    assert [c.request.request_id for c in plan] == ["a", "b"]  # c would pass 80 tokens: no overtaking by d
     plan = prefill_schedule(
         queue, free_blocks=100, blocks_for=blocks_for, max_batch_size=3, max_batch_tokens=999
     )
-    assert [r.request_id for r in plan] == ["a", "b", "c"]
+    assert [c.request.request_id for c in plan] == ["a", "b", "c"]
     # The blocks run out before the second prompt (2 + 3 blocks needed, 4 free).
     plan = prefill_schedule(
         queue, free_blocks=4, blocks_for=blocks_for, max_batch_size=8, max_batch_tokens=999
     )
-    assert [r.request_id for r in plan] == ["a"]
+    assert [c.request.request_id for c in plan] == ["a"]
     assert len(queue) == 4  # pure: nothing was taken
 
 
@@ -76,7 +76,33 @@ def test_the_prefill_batch_skips_requests_not_ready_and_runs_a_long_prompt_alone
         max_batch_size=8,
         max_batch_tokens=100,
     )
-    assert [r.request_id for r in plan] == ["long"]
+    assert [(c.request.request_id, c.start, c.stop, c.last) for c in plan] == [("long", 0, 500, True)]
+
+
+def test_a_long_prompt_runs_in_chunks_with_the_others_between() -> None:
+    """Chunks of at most `chunk_tokens`; a started prompt holds its blocks (needs none more) and, queued
+    again at the back, lets the requests that came meanwhile go first."""
+    queue = PromptQueue()
+    long, short = request("long", 100), request("short", 10)
+    queue.append(long)
+    queue.append(short)
+    plan = prefill_schedule(
+        queue, free_blocks=7, blocks_for=blocks_for, max_batch_size=8, max_batch_tokens=64, chunk_tokens=40
+    )
+    assert [(c.request.request_id, c.start, c.stop, c.last) for c in plan] == [("long", 0, 40, False)]
+    long.prefilled = 40  # its first chunk ran: queued again behind `short`
+    queue.remove(long)
+    queue.append(long)
+    assert queue.tokens == 10 + 60
+    plan = prefill_schedule(
+        queue, free_blocks=1, blocks_for=blocks_for, max_batch_size=8, max_batch_tokens=64, chunk_tokens=40
+    )
+    assert [(c.request.request_id, c.start, c.stop) for c in plan] == [("short", 0, 10), ("long", 40, 80)]
+    long.prefilled = 80
+    plan = prefill_schedule(
+        [long], free_blocks=0, blocks_for=blocks_for, max_batch_size=8, max_batch_tokens=64, chunk_tokens=40
+    )
+    assert [(c.start, c.stop, c.last) for c in plan] == [(80, 100, True)]
 
 
 def test_a_decode_step_takes_the_first_running_sequences() -> None:

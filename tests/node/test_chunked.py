@@ -1,0 +1,65 @@
+"""Chunked prefill through a real node: prompts longer than `--prefill-chunk-tokens` run in chunks, other
+requests' between them, and every output equals the model run in one piece (`engine.verify.compare`);
+a short request sent while a long prompt is being prefilled gets its tokens before the long one gets
+its first."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import trio
+
+from replicas.model import Model
+from tests.node.harness import NodeProcess, node_process, wait_idle, wait_serving
+from tests.node.test_identity import assert_identical, assert_only_prefill_replicas_ran_prompts
+from tests.node.workload import Ask, Outcome, check_outcome, mixed_workload, send, send_all
+
+CHUNK = 16
+
+
+@pytest.fixture(scope="module")
+def chunked(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NodeProcess]:
+    """The tiny model in chunks of 16 tokens, 64 per batch; each batch padded to 4000 prompt tokens per
+    second (`--emulated-speed`), so that a long prompt takes long enough for a request to come meanwhile."""
+    directory: Path = tmp_path_factory.mktemp("chunked")
+    options = ("--replicas", "prefill=1,decode=1", "--max-batch-tokens", "64")
+    speed = ("--emulated-speed", "prefill_tokens_per_s=4000")
+    with node_process(directory, *options, "--prefill-chunk-tokens", str(CHUNK), *speed) as node:
+        yield node
+
+
+async def test_chunked_prompts_are_token_identical(chunked: NodeProcess, tiny: Model) -> None:
+    """32 concurrent requests of 1 to 130 tokens, greedy and seeded: most run in several chunks."""
+    asks = mixed_workload(tiny, 32, text=True, seed=5)
+    async with chunked.client() as client:
+        await wait_serving(client)
+        outcomes = await send_all(client, asks)
+        await wait_idle(client)
+    assert_identical(tiny, outcomes, transport="inproc")
+    assert_only_prefill_replicas_ran_prompts(chunked, outcomes)  # once each, whatever its chunks
+    assert sum(1 for outcome in outcomes if outcome.result.prompt_tokens > CHUNK) >= 10
+
+
+async def test_a_short_request_passes_a_long_prompt_in_prefill(chunked: NodeProcess, tiny: Model) -> None:
+    """1200 tokens take 75 chunks (0.3 s at the emulated speed): a 4-token request sent once the long
+    one started ends first (each ends with its first token, on the prefill replica), and both equal the
+    model run in one piece. Unchunked, the long prompt would run whole and end first."""
+    asks = {
+        "long": Ask(input_ids=tuple(3 + i % 200 for i in range(1200)), max_tokens=1, ignore_eos=True),
+        "short": Ask(input_ids=(5, 6, 7, 8), max_tokens=1, ignore_eos=True),
+    }
+    outcomes: list[Outcome] = []
+    async with chunked.client() as client, trio.open_nursery() as nursery:
+        await wait_serving(client)
+
+        async def run(name: str) -> None:
+            outcomes.append(await send(client, asks[name], request_id=f"{name}-{id(outcomes)}"))
+
+        nursery.start_soon(run, "long")
+        await chunked.wait_event("prefill_started", lambda e: e["request_id"].startswith("long-"), timeout=30)
+        nursery.start_soon(run, "short")
+    assert [outcome.ask for outcome in outcomes] == [asks["short"], asks["long"]]
+    for outcome in outcomes:
+        assert check_outcome(tiny, outcome, transport="inproc", kv_moves=False) == []
