@@ -23,6 +23,7 @@ from engine.control.errors import RequestFailed
 from engine.control.outbox import ReplySink
 from engine.core import NodeCore
 from engine.generate.generation import Generation
+from engine.generate.logprobs import prompt_records, records
 from engine.logs import Aggregator, metrics_result
 from engine.scaling import pair, scale
 from messages.commands import Lock, Transition, Unlock
@@ -52,16 +53,13 @@ from messages.control_replies import (
     ScaleResult,
     ShutdownResult,
     StatusResult,
-    TokenLogprob,
     TokenReply,
-    TopLogprob,
     TransitionResult,
 )
 from messages.log.events import RequestCancelled, RequestFinished
 from messages.log.events import RequestFailed as RequestFailedEvent
 from replicas.actor import Replica
 from replicas.inbox import CommandRefused, new_command_id
-from replicas.model import TokenLogprobs
 from replicas.request import FailedUpdate, FinishedUpdate, ServingRequest
 from replicas.signals import Subscribers
 from replicas.snapshot import ReplicaSnapshot
@@ -240,7 +238,7 @@ class NodeService:
                             index=piece.index,
                             token_ids=list(piece.token_ids),
                             text=piece.text,
-                            logprobs=None if piece.logprobs is None else [_record(t) for t in piece.logprobs],
+                            logprobs=None if piece.logprobs is None else records(piece.logprobs),
                         )
                     )
             outcome = generation.outcome()
@@ -255,10 +253,10 @@ class NodeService:
                     timings=outcome.timings,
                     transfers=outcome.transfers,
                     relay=outcome.relay,
-                    logprobs=None if outcome.logprobs is None else [_record(t) for t in outcome.logprobs],
+                    logprobs=None if outcome.logprobs is None else records(outcome.logprobs),
                     prompt_logprobs=None
                     if outcome.prompt_logprobs is None
-                    else [None if t is None else _record(t) for t in outcome.prompt_logprobs],
+                    else prompt_records(outcome.prompt_logprobs),
                 )
             )
         finally:
@@ -403,9 +401,3 @@ def replica_status(
         executor=snap.executor,
         executor_fallbacks=list(snap.executor_fallbacks),
     )
-
-
-def _record(scored: TokenLogprobs) -> TokenLogprob:
-    """A token's log-probabilities as the control socket sends them."""
-    top = [TopLogprob(token_id=token, logprob=logprob) for token, logprob in scored.top]
-    return TokenLogprob(token_id=scored.token_id, logprob=scored.logprob, top_logprobs=top)

@@ -21,7 +21,7 @@ import msgspec
 from messages.base import Message, Record
 from messages.commands import ReplicaCommand
 from messages.control import ControlRequest, ErrorCode, ReplicaRole
-from messages.control_replies import RelayInfo, ReplicaStatus, TransferSummary
+from messages.control_replies import RelayInfo, ReplicaStatus, TokenLogprob, TransferSummary
 
 PROTOCOL_VERSION = 1
 NodeId = Annotated[str, msgspec.Meta(min_length=1, max_length=32, pattern=r"^[a-z0-9][a-z0-9_-]*$")]
@@ -109,6 +109,8 @@ class SamplingRecord(Record, frozen=True):
     ignore_eos: bool
     eos_banned_before: int
     eos_token_ids: list[int]
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
 
 class RequestSnapshot(Record, frozen=True):
@@ -131,6 +133,9 @@ class RequestSnapshot(Record, frozen=True):
     relay: RelayInfo | None
     embedding_encoder: str | None = None
     embedding_transfer_id: str | None = None
+    # Where the request asked for them: one per generated token; one per prompt token (the first null).
+    generated_logprobs: list[TokenLogprob] = msgspec.field(default_factory=list)
+    prompt_logprobs: list[TokenLogprob | None] = msgspec.field(default_factory=list)
 
 
 class LoadTotals(Record, frozen=True):
@@ -207,6 +212,7 @@ class TokensForward(Message, frozen=True, tag="tokens"):
     request_id: str
     start: int
     token_ids: list[int]
+    logprobs: list[TokenLogprob] = msgspec.field(default_factory=list)  # where the request asked for them
 
 
 class EndedForward(Message, frozen=True, tag="ended"):
@@ -222,6 +228,8 @@ class EndedForward(Message, frozen=True, tag="ended"):
     stamps: StampsRecord
     transfers: list[TransferSummary]
     relay: RelayInfo | None
+    generated_logprobs: list[TokenLogprob] = msgspec.field(default_factory=list)
+    prompt_logprobs: list[TokenLogprob | None] = msgspec.field(default_factory=list)
 
 
 class CancelForward(Message, frozen=True, tag="cancel"):

@@ -151,7 +151,7 @@ class Frames:
             case TokensForward():
                 request = requests.get(message.request_id)
                 if request is not None and message.request_id not in member.mirrors:
-                    apply_tokens(request, message.start, message.token_ids)
+                    apply_tokens(request, message.start, message.token_ids, logprobs=message.logprobs)
             case EndedForward():
                 self._ended_elsewhere(message)
             case CancelForward():

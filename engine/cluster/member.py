@@ -45,6 +45,7 @@ from engine.cluster.reports import build_report, node_record
 from engine.cluster.requests import ended_forward, merge_snapshot, mirror, snapshot
 from engine.control.errors import RequestFailed
 from engine.core import NodeCore
+from engine.generate.logprobs import records
 from messages.cluster import (
     CancelForward,
     ClientOp,
@@ -412,7 +413,10 @@ class ClusterMember:
         self.router.hold(request)
 
         def forward_tokens(start: int, ids: Sequence[int]) -> None:
-            message = TokensForward(request_id=snap.request_id, start=start, token_ids=list(ids))
+            scored = records(request.generated_logprobs[start : start + len(ids)])
+            message = TokensForward(
+                request_id=snap.request_id, start=start, token_ids=list(ids), logprobs=scored
+            )
             self.peers.send(snap.origin, message)
 
         self._token_hooks[snap.request_id] = forward_tokens

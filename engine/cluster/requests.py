@@ -5,6 +5,7 @@ that works on it holds a *mirror* built from a `RequestSnapshot`. A mirror's hol
 ends it exactly as it would a local request; the mirror's `on_tokens` and `on_end` hooks forward that to
 the origin, which applies it in index order (`apply_tokens`: a token the origin already has is skipped,
 one past a gap waits for the gap) and ends its request with the mirror's outcome (`apply_ended`).
+Log-probabilities, where the request asked for them, travel with the tokens they score.
 When the request already lives on the node a snapshot reaches (the origin itself, or a node that
 encoded it), the snapshot updates that object instead (`merge_snapshot`).
 """
@@ -15,8 +16,9 @@ from dataclasses import fields
 
 import numpy as np
 
+from engine.generate.logprobs import logprob_value, prompt_records, prompt_values, records
 from messages.cluster import EndedForward, ImageData, RequestSnapshot, SamplingRecord, StampsRecord
-from messages.control_replies import TransferSummary
+from messages.control_replies import TokenLogprob, TransferSummary
 from replicas.model import SamplingParams
 from replicas.request import EmbeddingRoute, FailedUpdate, ServingRequest, Stamps
 
@@ -39,6 +41,8 @@ def snapshot(request: ServingRequest, origin: str, *, images: bool) -> RequestSn
             ignore_eos=sampling.ignore_eos,
             eos_banned_before=sampling.eos_banned_before,
             eos_token_ids=list(sampling.eos_token_ids),
+            logprobs=request.logprobs,
+            prompt_logprobs=request.prompt_logprobs,
         ),
         max_tokens=request.max_tokens,
         eos_token_ids=list(request.eos_token_ids),
@@ -52,6 +56,8 @@ def snapshot(request: ServingRequest, origin: str, *, images: bool) -> RequestSn
         relay=request.relay,
         embedding_encoder=None if route is None else route.encoder,
         embedding_transfer_id=None if route is None else route.transfer_id,
+        generated_logprobs=records(request.generated_logprobs),
+        prompt_logprobs=prompt_records(request.prompt_scores),
     )
 
 
@@ -72,6 +78,8 @@ def mirror(snap: RequestSnapshot) -> ServingRequest:
         ),
         max_tokens=snap.max_tokens,
         eos_token_ids=snap.eos_token_ids,
+        logprobs=s.logprobs,
+        prompt_logprobs=s.prompt_logprobs,
     )
     merge_snapshot(request, snap)
     return request
@@ -82,7 +90,8 @@ def merge_snapshot(request: ServingRequest, snap: RequestSnapshot) -> None:
     if snap.token_ids:
         request.token_ids = list(snap.token_ids)
         request.next_position = snap.next_position
-    apply_tokens(request, 0, snap.generated, emit=False)
+    apply_tokens(request, 0, snap.generated, emit=False, logprobs=snap.generated_logprobs)
+    merge_prompt_logprobs(request, snap.prompt_logprobs)
     merge_stamps(request, snap.stamps)
     merge_transfers(request, snap.transfers)
     request.relay = request.relay or snap.relay
@@ -94,13 +103,23 @@ def merge_snapshot(request: ServingRequest, snap: RequestSnapshot) -> None:
         request.cancel()
 
 
-def apply_tokens(request: ServingRequest, start: int, token_ids: list[int], *, emit: bool = True) -> None:
-    """Append the tokens `[start, start + n)` this request does not have yet (see the module docstring)."""
+def apply_tokens(
+    request: ServingRequest,
+    start: int,
+    token_ids: list[int],
+    *,
+    emit: bool = True,
+    logprobs: list[TokenLogprob] | None = None,
+) -> None:
+    """Append the tokens `[start, start + n)` this request does not have yet (see the module docstring),
+    and their `logprobs` where they come with them."""
     have = len(request.generated)
     if start > have or request.ended:
         return  # a gap: the tokens before these arrive with the snapshot or the final update
     new = token_ids[have - start :]
     if new:
+        if logprobs and len(request.generated_logprobs) == have:
+            request.generated_logprobs.extend(logprob_value(entry) for entry in logprobs[have - start :])
         request.generated.extend(new)
         if emit:
             request.emit_tokens(new)
@@ -110,7 +129,8 @@ def apply_ended(request: ServingRequest, ended: EndedForward) -> None:
     """End the origin's `request` as its mirror ended (tokens not yet applied are applied first)."""
     if ended.token_ids and not request.token_ids:
         request.token_ids = list(ended.token_ids)  # the prompt as laid out there (images expanded)
-    apply_tokens(request, 0, ended.generated)
+    apply_tokens(request, 0, ended.generated, logprobs=ended.generated_logprobs)
+    merge_prompt_logprobs(request, ended.prompt_logprobs)
     merge_stamps(request, ended.stamps)
     merge_transfers(request, ended.transfers)
     request.relay = request.relay or ended.relay
@@ -135,7 +155,15 @@ def ended_forward(request: ServingRequest) -> EndedForward:
         stamps=stamps_record(request.stamps),
         transfers=list(request.transfers),
         relay=request.relay,
+        generated_logprobs=records(request.generated_logprobs),
+        prompt_logprobs=prompt_records(request.prompt_scores),
     )
+
+
+def merge_prompt_logprobs(request: ServingRequest, scored: list[TokenLogprob | None]) -> None:
+    """Take the prompt's log-probabilities computed on another node (when this node has none)."""
+    if scored and not request.prompt_scores:
+        request.prompt_scores = prompt_values(scored)
 
 
 def stamps_record(stamps: Stamps) -> StampsRecord:

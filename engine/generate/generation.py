@@ -216,8 +216,7 @@ class Generation:
         if len(serving.prompt_scores) != serving.prompt_tokens:
             raise RequestFailed(
                 "internal",
-                f"the prompt's log-probabilities of request {self.request_id} were lost (its prefill ran on "
-                "another node: log-probabilities do not cross nodes yet)",
+                f"the prompt's log-probabilities of request {self.request_id} were lost",
                 self.request_id,
             )
         return list(serving.prompt_scores)
@@ -228,8 +227,7 @@ class Generation:
         if len(scored) != stop - start:
             raise RequestFailed(
                 "internal",
-                f"the log-probabilities of tokens [{start}, {stop}) of request {self.request_id} were lost "
-                "(they were generated on another node: log-probabilities do not cross nodes yet)",
+                f"the log-probabilities of tokens [{start}, {stop}) of request {self.request_id} were lost",
                 self.request_id,
             )
         return scored

@@ -1,6 +1,8 @@
 """Token identity across processes: encode, prefill and decode replicas in three node processes of one
 cluster, 32 mixed requests (text, token ids, images; greedy and seeded; streamed or not) sent to one
-node, each output equal to the model run in one piece, every transfer over tcp (or ucx), none inproc.
+node, each output equal to the model run in one piece, every transfer over tcp (or ucx), none inproc;
+a request's log-probabilities (its prompt's from the prefill node, its tokens' from both) reach the
+node it was sent to.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import trio
 from engine.client import ControlClient
 from engine.cluster.local_etcd import LocalEtcd
 from messages.control_replies import GenerateResult
-from replicas.model import tiny_model
+from replicas.model import Executor, KVCache, Model, PrefillSequence, tiny_model
 from tests.cluster.harness import cluster_nodes, cluster_transport
 from tests.epd.images import image_input, image_with_rows, reference
 from tests.node.harness import wait_idle
@@ -78,9 +80,32 @@ async def test_three_processes_give_the_tokens_of_the_model_in_one_piece(
         assert {(t.source, t.destination) for t in every if t.kind == "embedding"} == {
             ("enc/encode-0", "pre/prefill-0")
         }
+        await _logprobs_cross_nodes(client, model)
         for node in nodes.values():
             async with node.client() as each:
                 await wait_idle(each)  # every block back in its pool, on every node
+
+
+async def _logprobs_cross_nodes(client: ControlClient, model: Model) -> None:
+    prompt = list(range(40, 60))
+    with deadline("the reply to a generate with logprobs", 120):
+        result = await client.generate_result(
+            input_ids=prompt, max_tokens=5, ignore_eos=True, logprobs=2, prompt_logprobs=0
+        )
+    assert result.logprobs is not None and result.prompt_logprobs is not None
+    assert [entry.token_id for entry in result.logprobs] == result.token_ids
+    assert all(len(entry.top_logprobs) == 2 for entry in result.logprobs)
+    assert result.prompt_logprobs[0] is None and len(result.prompt_logprobs) == len(prompt)
+    tokens = prompt + result.token_ids
+    cache = KVCache.create(model.config, 4)
+    table = cache.pool.allocate(cache.blocks_for(len(tokens)), "reference")
+    whole = Executor(model, cache).prefill(
+        [PrefillSequence(block_table=table, token_ids=tokens, prompt_logprobs=0)]
+    )
+    assert whole.prompt_logprobs is not None and whole.prompt_logprobs[0] is not None
+    expected = [entry.logprob for entry in whole.prompt_logprobs[0]]
+    got = [entry.logprob for entry in [*result.prompt_logprobs[1:], *result.logprobs] if entry is not None]
+    assert np.allclose(got, expected, atol=1e-4), (got, expected)
 
 
 async def _with_images(client: ControlClient, prompt: str, images: list[np.ndarray]) -> GenerateResult:
