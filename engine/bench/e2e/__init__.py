@@ -12,6 +12,9 @@ and the share of a request's TTFT that its KV transfer took, p50 and mean (the g
 With `--nodes N` (2 or more) the same requests also run through a cluster of N node processes on a local
 etcd (`engine.bench.e2e.cluster`), in the same run, and rows compare the cluster with the one-process
 node. Every row carries `nodes`: 1 for the one-process node's rows, N for the cluster's.
+
+With `--chunked N` it measures chunked prefill instead (`engine.bench.e2e.chunked`): TTFT on a mix of
+long and short prompts, chunks of N tokens against whole prompts.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from typing import Any
 
 import trio
 
+from engine.bench.e2e.chunked import chunked_rows, mixed_prompts
 from engine.bench.e2e.cluster import cluster_rows, cluster_side
 from engine.bench.e2e.sides import BENCH, Sample, Side, drive, quantile, with_nodes
 from engine.bench.rows import Row, row
@@ -54,6 +58,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=1,
         help="2 or more: also through a cluster of this many node processes on a local etcd (tcp)",
     )
+    parser.add_argument(
+        "--chunked",
+        type=int,
+        default=0,
+        metavar="N",
+        help="instead: TTFT on long and short prompts, --prefill-chunk-tokens N against whole prompts",
+    )
+    parser.add_argument("--long-prompt", type=int, default=3000, help="--chunked: the long prompts' tokens")
 
 
 def run(args: argparse.Namespace) -> Iterable[Row]:
@@ -61,7 +73,21 @@ def run(args: argparse.Namespace) -> Iterable[Row]:
         args.models, args.requests, args.repeats, args.max_tokens = ["tiny"], 8, 1, 8
     for name in args.models:
         with _model_source(name) as source:
-            yield from _bench_model(name, source, args)
+            if args.chunked:
+                yield from _bench_chunked(name, source, args)
+            else:
+                yield from _bench_model(name, source, args)
+
+
+def _bench_chunked(name: str, source: str, args: argparse.Namespace) -> Iterable[Row]:
+    from replicas.weights import ModelHost
+
+    vocab = ModelHost(source, device="cpu", dtype="float32").config.vocab_size
+
+    async def run(prompts: list[list[int]], chunk: int) -> tuple[float, list[Sample]]:
+        return await _project_run(source, prompts, args, chunk=chunk)
+
+    yield from chunked_rows(name, mixed_prompts(args, vocab), run, args)
 
 
 @contextmanager
@@ -172,10 +198,10 @@ async def _runs(
 
 # ---------------------------------------------------------------------------------------------- project
 async def _project_run(
-    source: str, prompts: list[list[int]], args: argparse.Namespace
+    source: str, prompts: list[list[int]], args: argparse.Namespace, *, chunk: int | None = None
 ) -> tuple[float, list[Sample]]:
     from engine.client import ControlClient
-    from engine.config import LogConfig, NodeConfig, ReplicaCounts
+    from engine.config import LogConfig, NodeConfig, ReplicaCounts, SchedulerConfig
     from engine.http.metrics import NodeMetrics
     from engine.logging import open_event_log
     from engine.logs import Aggregator
@@ -188,6 +214,7 @@ async def _project_run(
         replicas=ReplicaCounts(prefill=1, decode=1),
         transport=args.transport,
         log=LogConfig(console=False),
+        scheduler=SchedulerConfig(prefill_chunk_tokens=chunk),
     )
     aggregator = Aggregator(keep_requests=False)
     metrics = NodeMetrics()

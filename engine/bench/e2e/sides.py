@@ -23,6 +23,7 @@ class Sample:
     ttft: float
     tpot: float | None
     kv_share: float | None
+    index: int = -1  # the prompt's, in the run's list
 
 
 @final
@@ -71,7 +72,7 @@ async def drive(
     samples: list[Sample] = []
     limiter = trio.Semaphore(args.concurrency)
 
-    async def one(prompt: list[int]) -> None:
+    async def one(index: int, prompt: list[int]) -> None:
         async with limiter:
             result: Any = await client.generate_result(
                 input_ids=prompt, max_tokens=args.max_tokens, ignore_eos=True
@@ -81,10 +82,10 @@ async def drive(
         share = None
         if timings.kv_transfer_s is not None and timings.ttft_s:
             share = timings.kv_transfer_s / timings.ttft_s
-        samples.append(Sample(ttft=timings.ttft_s or 0.0, tpot=timings.tpot_s, kv_share=share))
+        samples.append(Sample(ttft=timings.ttft_s or 0.0, tpot=timings.tpot_s, kv_share=share, index=index))
 
     started = time.perf_counter()
     async with trio.open_nursery() as clients:
-        for prompt in prompts:
-            clients.start_soon(one, prompt)
+        for index, prompt in enumerate(prompts):
+            clients.start_soon(one, index, prompt)
     return len(prompts) / (time.perf_counter() - started), samples
