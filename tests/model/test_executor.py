@@ -143,15 +143,40 @@ def test_chunked_prefill_over_cached_tokens_equals_one_prefill(tiny: Model) -> N
     cache = KVCache.create(tiny.config, 16)
     table = allocate(cache, "a", len(prompt))
     executor = Executor(tiny, cache)
-    whole = executor.prefill([PrefillSequence(block_table=table, token_ids=prompt)])
+    whole = executor.prefill(
+        [PrefillSequence(block_table=table, token_ids=prompt, logprobs=3, prompt_logprobs=2)]
+    )
     other = allocate(cache, "b", len(prompt))
+    scored = []  # the prompt's log-probabilities, chunk by chunk (each scores the next chunk's first)
     for start, stop in ((0, 7), (7, 30), (30, len(prompt))):
+        last = stop == len(prompt)
         part = executor.prefill(
-            [PrefillSequence(block_table=other, token_ids=prompt[start:stop], cached_tokens=start)]
+            [
+                PrefillSequence(
+                    block_table=other,
+                    token_ids=prompt[start:stop],
+                    cached_tokens=start,
+                    logprobs=3 if last else None,
+                    prompt_logprobs=2,
+                    next_token=None if last else prompt[stop],
+                )
+            ]
         )
+        assert part.prompt_logprobs is not None and part.prompt_logprobs[0] is not None
+        scored += part.prompt_logprobs[0]
     assert part.logits is not None and whole.logits is not None
     torch.testing.assert_close(part.logits, whole.logits, atol=1e-4, rtol=1e-5)
     assert part.tokens == whole.tokens
+    assert whole.prompt_logprobs is not None and whole.prompt_logprobs[0] is not None
+    assert [s.token_id for s in scored] == [s.token_id for s in whole.prompt_logprobs[0]] == prompt[1:]
+    for mine, reference in zip(scored, whole.prompt_logprobs[0], strict=True):
+        assert abs(mine.logprob - reference.logprob) < 1e-4 and len(mine.top) == 2
+    assert whole.logprobs is not None and part.logprobs is not None and whole.logprobs[0] is not None
+    assert part.logprobs[0] is not None and part.logprobs[0].token_id == whole.tokens[0]
+    assert abs(part.logprobs[0].logprob - whole.logprobs[0].logprob) < 1e-4
+    expected = torch.log_softmax(whole.logits[0], dim=-1)
+    assert abs(whole.logprobs[0].logprob - float(expected[whole.tokens[0]])) < 1e-6
+    assert [t for t, _ in whole.logprobs[0].top] == expected.topk(3).indices.tolist()
 
 
 def test_decode_with_mixed_context_lengths_matches_each_alone(tiny: Model) -> None:
