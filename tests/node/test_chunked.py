@@ -12,9 +12,11 @@ import pytest
 import trio
 
 from replicas.model import Model
+from tests.epd.images import image_input, image_with_rows, reference
 from tests.node.harness import NodeProcess, node_process, wait_idle, wait_serving
 from tests.node.test_identity import assert_identical, assert_only_prefill_replicas_ran_prompts
 from tests.node.workload import Ask, Outcome, check_outcome, mixed_workload, send, send_all
+from tests.waiting import deadline
 
 CHUNK = 16
 
@@ -24,7 +26,7 @@ def chunked(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NodeProcess]:
     """The tiny model in chunks of 16 tokens, 64 per batch; each batch padded to 4000 prompt tokens per
     second (`--emulated-speed`), so that a long prompt takes long enough for a request to come meanwhile."""
     directory: Path = tmp_path_factory.mktemp("chunked")
-    options = ("--replicas", "prefill=1,decode=1", "--max-batch-tokens", "64")
+    options = ("--replicas", "encode=1,prefill=1,decode=1", "--max-batch-tokens", "64")
     speed = ("--emulated-speed", "prefill_tokens_per_s=4000")
     with node_process(directory, *options, "--prefill-chunk-tokens", str(CHUNK), *speed) as node:
         yield node
@@ -63,3 +65,18 @@ async def test_a_short_request_passes_a_long_prompt_in_prefill(chunked: NodeProc
     assert [outcome.ask for outcome in outcomes] == [asks["short"], asks["long"]]
     for outcome in outcomes:
         assert check_outcome(tiny, outcome, transport="inproc", kv_moves=False) == []
+
+
+async def test_a_chunk_boundary_inside_an_image_is_token_identical(chunked: NodeProcess, tiny: Model) -> None:
+    """Image rows (their embeddings and 3-D positions) split across chunks of 16 tokens."""
+    prompt = "two <image> and <image>"
+    images = [image_with_rows(12, seed=1), image_with_rows(40, seed=2)]
+    async with chunked.client() as client:
+        await wait_serving(client)
+        with deadline("the reply to an image request", 60):
+            result = await client.generate_result(
+                prompt=prompt, images=[image_input(image) for image in images], max_tokens=6, ignore_eos=True
+            )
+        await wait_idle(client)
+    assert result.prompt_tokens > 3 * CHUNK
+    assert result.token_ids == reference(tiny, prompt, images, 6)
