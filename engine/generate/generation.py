@@ -208,10 +208,11 @@ class Generation:
             relay=serving.relay,
             prompt_ids=list(serving.token_ids or serving.prompt_ids),
             logprobs=None if serving.logprobs is None else self._logprobs(0, len(serving.generated)),
-            prompt_logprobs=None if serving.prompt_logprobs is None else self._prompt_logprobs(),
+            prompt_logprobs=None if serving.prompt_logprobs is None else self.prompt_logprobs(),
         )
 
-    def _prompt_logprobs(self) -> list[TokenLogprobs | None]:
+    def prompt_logprobs(self) -> list[TokenLogprobs | None]:
+        """The prompt tokens' log-probabilities (the request asked for them; its prefill ended)."""
         serving = self.serving
         if len(serving.prompt_scores) != serving.prompt_tokens:
             raise RequestFailed(

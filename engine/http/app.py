@@ -160,6 +160,7 @@ class HttpApi:
         generation.cancel_reason = lambda: "client_disconnected" if self.node.router.accepting else "shutdown"
         request_id = f"{'chatcmpl' if kind is ChatCompletionRequest else 'cmpl'}-{uuid.uuid4().hex}"
         chat = isinstance(body, ChatCompletionRequest)
+        echo = self._echo(body) if isinstance(body, CompletionRequest) and body.echo else None
         if body.stream:
             usage = body.stream_options is not None and body.stream_options.include_usage
             encoder = SseStream(
@@ -171,7 +172,7 @@ class HttpApi:
                 text=self._token_text,
             )
             return StreamingResponse(
-                self._events(generation, encoder),
+                self._events(generation, encoder, echo),
                 media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache"},
             )
@@ -197,7 +198,6 @@ class HttpApi:
         if isinstance(body, ChatCompletionRequest):
             reply: Reply = chat_completion(request_id, self.model_name, created, outcome, self._token_text)
         else:
-            echo = self._echo(body) if body.echo else None
             reply = completion(request_id, self.model_name, created, outcome, self._token_text, echo)
         return Response(msgspec.json.encode(reply), media_type=JSON)
 
@@ -214,15 +214,23 @@ class HttpApi:
             return completion_request(body, host.config.vocab_size)
         return chat_request(body, self._render)
 
-    async def _events(self, generation: Generation, encoder: SseStream) -> AsyncIterator[bytes]:
-        """The SSE body. Cancelled when the client disconnects: `close` then cancels the request."""
+    async def _events(
+        self, generation: Generation, encoder: SseStream, echo: str | None
+    ) -> AsyncIterator[bytes]:
+        """The SSE body; with `echo` (a completion's prompt text) the prompt's chunk comes first, once
+        its prefill ended. Cancelled when the client disconnects: `close` then cancels the request."""
         try:
             if first := encoder.start():
                 yield first
             try:
                 async for piece in generation.pieces():
+                    if echo is not None:
+                        yield self._echoed(generation, encoder, echo)
+                        echo = None
                     if piece.text or piece.logprobs:
                         yield encoder.piece(piece)
+                if echo is not None:
+                    yield self._echoed(generation, encoder, echo)
                 outcome = generation.outcome()
             except RequestFailed as exc:
                 yield sse_error(exc)
@@ -231,6 +239,12 @@ class HttpApi:
             yield b"data: [DONE]\n\n"
         finally:
             generation.close()
+
+    @staticmethod
+    def _echoed(generation: Generation, encoder: SseStream, echo: str) -> bytes:
+        serving = generation.serving
+        scored = None if serving.prompt_logprobs is None else generation.prompt_logprobs()
+        return encoder.echo(echo, serving.token_ids or serving.prompt_ids, scored)
 
     @staticmethod
     async def _until_disconnected(request: Request, scope: trio.CancelScope) -> None:

@@ -9,8 +9,8 @@
   and an `ImageInput`, so images go through the encode replicas exactly as on the socket.
 - Log-probabilities: chat's `logprobs` (with `top_logprobs` alternatives) and completions' `logprobs`
   (that many alternatives) ask for each generated token's; completions' `echo` puts the prompt before the
-  text and, with `logprobs`, the prompt tokens' log-probabilities before the generated ones'. `echo` does
-  not stream (a 400 says so).
+  text and, with `logprobs`, the prompt tokens' log-probabilities before the generated ones' (a stream's
+  first chunk carries them, once the prompt ran).
 - Known fields the node does not support are refused by name (`unsupported`), never dropped.
 """
 
@@ -51,7 +51,6 @@ def unsupported(body: SamplingFields) -> BadBody | None:
     ]
     if isinstance(body, CompletionRequest):
         checks += [
-            ("echo", body.echo and body.stream, "echo is not supported with stream"),
             ("suffix", body.suffix is not None, "suffix is not supported"),
         ]
     if isinstance(body, ChatCompletionRequest):

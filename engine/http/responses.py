@@ -131,6 +131,12 @@ class SseStream:
     def piece(self, piece: Piece) -> bytes:
         return self._chunk(piece.text, None, piece=piece)
 
+    def echo(self, text: str, prompt_ids: list[int], scored: list[TokenLogprobs | None] | None) -> bytes:
+        """A completion stream's first chunk with `echo`: the prompt's text, and its tokens' scores."""
+        logprobs = None if scored is None else self._scores.scores(scored, prompt_ids)
+        choice = CompletionChoice(index=0, text=text, logprobs=logprobs, finish_reason=None)
+        return event(Completion(id=self.request_id, created=self.created, model=self.model, choices=[choice]))
+
     def finish(self, outcome: Outcome) -> bytes:
         last = self._chunk(None, finish_reason(outcome))
         if not self.include_usage:

@@ -70,7 +70,6 @@ CASES: list[tuple[str, Any, str | None]] = [
     ("/v1/completions", completion(min_tokens=5, max_tokens=2), "min_tokens"),
     ("/v1/completions", completion(presence_penalty=0.5), "presence_penalty"),
     ("/v1/completions", completion(logprobs=21), "logprobs"),
-    ("/v1/completions", completion(echo=True, stream=True), "echo"),
     ("/v1/completions", completion(best_of=3), "best_of"),
     ("/v1/completions", completion(logit_bias={"5": 1.0}), "logit_bias"),
     ("/v1/completions", completion(prompt=[65] * 40_000), None),  # over the context

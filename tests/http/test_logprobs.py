@@ -1,6 +1,6 @@
 """Log-probabilities through a real node serving an HF checkpoint, against transformers' log-softmax of
 the same model's logits (float32, to 1e-4): completions with `echo` (the prompt's, the first null) and
-`logprobs`, chat with `top_logprobs` under seeded sampling, streamed chunks, and the control socket's
+`logprobs`, streamed or not, chat with `top_logprobs` under seeded sampling, streamed chunks, and the control socket's
 `generate`. The node runs a prefill and a decode replica: the first token's log-probability comes from
 the prefill replica, the others' from the decode replica; a prompt longer than the node's prefill chunk
 has its tokens scored across the chunks."""
@@ -104,6 +104,15 @@ async def test_echo_and_logprobs_on_completions_equal_transformers(
     )
     assert plain.choices[0].logprobs is not None
     assert plain.choices[0].logprobs.token_logprobs == pytest.approx(scores.token_logprobs[len(PROMPT_IDS) :])
+    stream = await client.completions.create(
+        model=name, prompt=PROMPT_IDS, max_tokens=6, temperature=0, echo=True, logprobs=3, stream=True
+    )
+    chunks = [chunk.choices[0] async for chunk in stream if chunk.choices]
+    assert "".join(chunk.text for chunk in chunks) == choice.text  # the prompt's chunk first
+    streamed = [
+        v for c in chunks if c.logprobs and c.logprobs.token_logprobs for v in c.logprobs.token_logprobs
+    ]
+    assert streamed == scores.token_logprobs
 
 
 async def test_chat_top_logprobs_under_seeded_sampling_equal_transformers(
@@ -189,5 +198,3 @@ async def test_logprobs_out_of_range_are_a_400(client: openai.AsyncOpenAI) -> No
         )
     with pytest.raises(openai.BadRequestError, match="logprobs"):
         await client.completions.create(model=name, prompt="hello", logprobs=21)
-    with pytest.raises(openai.BadRequestError, match="echo"):
-        await client.completions.create(model=name, prompt="hello", echo=True, stream=True)
