@@ -199,7 +199,7 @@ def planned_source(node: NodeCore, replica: Replica, source: SourceChoice) -> We
     (the copy may still fall back mid-way: its events and `status` say where the weights came from)."""
     if source != "auto":
         return source
-    if choose_peer(node.directory, replica.name) is not None:
+    if choose_peer(node.directory, node.fabric, replica.name) is not None:
         return "peer"
     return "host" if node.host.host_copy is not None else "disk"
 

@@ -77,6 +77,9 @@ class ReplicaReport(Record, frozen=True):
     encode_load: int
     embedding_pool: bool
     takes_work: bool
+    serves_weights: bool = (
+        False  # holds fully loaded weights another node's replica may copy (docs/weights.md)
+    )
 
 
 class StampsRecord(Record, frozen=True):

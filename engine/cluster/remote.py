@@ -97,6 +97,7 @@ class RemoteReplica:
             paired_with=tuple(status.paired_with),
             executor=status.executor,
             executor_fallbacks=tuple(status.executor_fallbacks),
+            serves_weights=report.serves_weights,
         )
 
     async def ask(self, command: ReplicaCommand, *, timeout: float = 30.0) -> Any:

@@ -23,6 +23,7 @@ def replica_report(snap: ReplicaSnapshot, *, transport: str, node: str, pid: int
         embedding_pool=snap.embedding_pool,
         # Cross-node work goes to replicas serving plainly (ZigZag pairs stay within their node).
         takes_work=snap.state in SETTLED and STATES[snap.state].role != "decode" and snap.running,
+        serves_weights=snap.serves_weights,
     )
 
 

@@ -320,6 +320,11 @@ class NodeConfig(Section, frozen=True, kw_only=True):
         problem = device_unavailable(self.device) or transport_unavailable(self.transport, device=self.device)
         if problem is not None:
             raise ValueError(problem)
+        if self.replicas is not None and self.replicas.total == 0 and self.cluster.cluster is None:
+            raise ValueError(
+                f"--replicas {self.replicas}: no replica to start; only a node that joins a cluster "
+                "(--cluster) may start with none, as capacity that `scale … node=` fills"
+            )
         if self.executor.batch_invariant and self.device == "cpu":
             raise ValueError("--batch-invariant runs Triton GPU kernels: it needs --device cuda")
 

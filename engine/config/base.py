@@ -27,9 +27,9 @@ class ReplicaCounts(Section, frozen=True, kw_only=True):
     prefill: Annotated[int, msgspec.Meta(ge=0, le=64)] = 0
     decode: Annotated[int, msgspec.Meta(ge=0, le=64)] = 0
 
-    def __post_init__(self) -> None:
-        if self.encode + self.prefill + self.decode == 0:
-            raise ValueError("at least one replica is needed")
+    @property
+    def total(self) -> int:
+        return self.encode + self.prefill + self.decode
 
     def __str__(self) -> str:
         return f"encode={self.encode},prefill={self.prefill},decode={self.decode}"

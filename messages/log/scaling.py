@@ -43,13 +43,17 @@ class WeightsFallback(msgspec.Struct, frozen=True, kw_only=True):
 
 class WeightsCopyStarted(ReplicaEvent, frozen=True, kw_only=True, tag="weights_copy_started"):
     """A replica starts loading its own copy of the weights: `requested` is the source it was asked for
-    (`auto`, `peer`, `host`, `disk`), `sources` the ones it will try in order, `peer` the replica a peer
-    copy reads from (null: none)."""
+    (`auto`, `peer`, `host`, `disk`), `sources` the ones it will try in order (`peer` once per peer
+    replica), `peer` the replica a peer copy reads from first (null: none), `peers` every peer replica it
+    may read from, in order (this node's first, then other nodes' on the same host, then elsewhere), and
+    `reason` why the first source was chosen."""
 
     copy: int
     requested: Literal["auto", "peer", "host", "disk"]
     sources: list[WeightsSourceName]
     peer: str | None
+    peers: list[str] = msgspec.field(default_factory=list)
+    reason: str = ""
     total_bytes: int
     total_layers: int
     device: str

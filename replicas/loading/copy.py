@@ -51,7 +51,7 @@ from messages.log.scaling import (
 )
 from messages.weights import WeightPiece
 from replicas.emulation import EmulatedSpeed
-from replicas.fabric import Fabric
+from replicas.fabric import Fabric, UnknownEndpoint
 from replicas.faults import FaultHooks
 from replicas.loading.builder import ModelBuilder
 from replicas.loading.memory import MemoryProbe, available_memory, refusal
@@ -59,6 +59,7 @@ from replicas.loading.peer_receive import PeerSource
 from replicas.loading.pieces import model_bytes, piece_bytes
 from replicas.loading.progress import CopyOutcome, PieceLoaded
 from replicas.loading.sources import DiskSource, HostSource, Source, SourceFailed
+from replicas.loading.staging import weights_endpoint_name
 from replicas.model.llama import Model
 from replicas.ports import Directory, EventSink, PeerReplica
 from replicas.weights import ModelHost
@@ -90,13 +91,91 @@ class CopyTarget:
     timeout: float
 
 
-def choose_peer(directory: Directory, name: str) -> PeerReplica | None:
-    """Another running replica of the node holding a fully loaded model, by its snapshot (by name: the
-    first); `name` is the replica that would copy."""
-    for other in sorted(directory.local(), key=lambda r: r.name):
-        if other.name != name and other.snapshot().serves_weights:
-            return other
-    return None
+@final
+@dataclass(frozen=True, slots=True)
+class Candidate:
+    """One source a copy may read from: `name`, `what` it is, why `auto` would pick it (`why`), and the
+    `peer` replica for a peer source."""
+
+    name: WeightsSourceName
+    what: str
+    why: str
+    peer: PeerReplica | None = None
+
+
+def _host_of(address: str) -> str:
+    """The host of a transfer address (`tcp://10.0.0.2:4567`, `ucx://…`); '' when it has none."""
+    rest = address.partition("://")[2]
+    return rest.rpartition(":")[0].strip("[]")
+
+
+def peers(directory: Directory, fabric: Fabric, name: str) -> list[tuple[PeerReplica, str]]:
+    """The replicas holding a fully loaded model that replica `name` may copy from, fastest first, each
+    with where it is: this node's (by name), then other nodes' on the same host (the same
+    `--cluster-host` address), then other nodes' elsewhere (by name)."""
+    local = sorted(
+        (r for r in directory.local() if r.name != name and r.snapshot().serves_weights), key=lambda r: r.name
+    )
+    found: list[tuple[PeerReplica, str]] = [(r, "this node") for r in local]
+    same: list[tuple[PeerReplica, str]] = []
+    elsewhere: list[tuple[PeerReplica, str]] = []
+    for remote in sorted(directory.remote(), key=lambda r: r.name):
+        if remote.name == name or not remote.snapshot().serves_weights:
+            continue
+        try:
+            host = _host_of(fabric.address(weights_endpoint_name(remote.name)))
+        except UnknownEndpoint:
+            continue  # its node has not reported its weights endpoint: not reachable yet
+        node = remote.name.partition("/")[0]
+        if host and host == fabric.host:
+            same.append((remote, f"node {node} on this host ({host})"))
+        else:
+            elsewhere.append((remote, f"node {node} at {host or 'an unknown host'}"))
+    return [*found, *same, *elsewhere]
+
+
+def choose_peer(directory: Directory, fabric: Fabric, name: str) -> PeerReplica | None:
+    """The peer a copy into replica `name` reads from first (`peers`), or None."""
+    found = peers(directory, fabric, name)
+    return found[0][0] if found else None
+
+
+def plan_sources(
+    requested: SourceChoice, found: list[tuple[PeerReplica, str]], host_copy: bool
+) -> list[Candidate]:
+    """The sources a copy tries, in order. `auto`: every peer (`peers`' order: within this node's
+    memory first, then over the links of this host, then over the network), then this node's host copy,
+    then disk — the fastest source known first; an explicit source: that one alone (a peer: the first)."""
+    candidates: list[Candidate] = []
+    for peer, where in found:
+        what = f"replica {peer.name} ({where})"
+        if where == "this node":
+            why = f"{what} holds the whole model: a copy within the node's memory"
+        elif "this host" in where:
+            why = f"{what} holds the whole model and no replica of this node does"
+        else:
+            why = f"{what} holds the whole model and no replica of this node or this host does"
+        candidates.append(Candidate("peer", what, why, peer))
+    nobody = "no replica in the cluster holds the whole model"
+    if host_copy:
+        candidates.append(
+            Candidate("host", "the node's host-memory copy", f"{nobody}; the node's host copy does")
+        )
+    candidates.append(
+        Candidate(
+            "disk",
+            "the checkpoint's files",
+            f"{nobody}{'' if host_copy else ' and this node has no host-memory copy'}: the checkpoint's files",
+        )
+    )
+    if requested == "auto":
+        return candidates
+    chosen = next((c for c in candidates if c.name == requested), None)
+    return (
+        []
+        if chosen is None
+        else [Candidate(chosen.name, chosen.what, f"asked for {chosen.what}", chosen.peer)]
+    )
 
 
 async def copy_weights(
@@ -110,12 +189,15 @@ async def copy_weights(
 ) -> CopyOutcome:
     """See the module docstring."""
     copy = _Copy(replica, source, replica.host.next_copy(), emulated, on_model, on_piece)
+    peers_in_order = [c.peer.name for c in copy.order if c.peer is not None]
     replica.log.emit(
         WeightsCopyStarted(
             copy=copy.number,
             requested=source,
-            sources=list(copy.order),
-            peer=None if copy.peer is None else copy.peer.name,
+            sources=[c.name for c in copy.order],
+            peer=peers_in_order[0] if peers_in_order else None,
+            peers=peers_in_order,
+            reason=copy.order[0].why if copy.order else "no source can serve",
             total_bytes=copy.total,
             total_layers=copy.config.num_layers,
             device=str(copy.device),
@@ -151,20 +233,15 @@ class _Copy:
         self.device = torch.device(host.device)
         self.emulated, self.on_model, self.on_piece = emulated, on_model, on_piece
         self.total = model_bytes(self.config)
-        self.peer = choose_peer(replica.directory, replica.name)
-        self.order = self._plan()
+        found = peers(replica.directory, replica.fabric, replica.name)
+        self.order = plan_sources(requested, found, host.host_copy is not None)
+        self.peer: PeerReplica | None = None  # the peer read from last
         self.builder = ModelBuilder(host.frame())
         self.fallbacks: list[WeightsFallback] = []
         self.used: list[WeightsSourceName] = []
         self.loaded_bytes = 0
         self.held = False
         self.started = trio.current_time()
-
-    def _plan(self) -> list[WeightsSourceName]:
-        available = {"peer": self.peer is not None, "host": self.host.host_copy is not None, "disk": True}
-        if self.requested == "auto":
-            return [name for name in ORDER if available[name]]
-        return [self.requested] if available[self.requested] else []
 
     async def run(self, memory_probe: MemoryProbe) -> CopyOutcome:
         why = refusal(self.total, self.device, memory_probe)
@@ -174,8 +251,8 @@ class _Copy:
             )
         if not self.order:
             raise WeightCopyFailed(self._unavailable())
-        for name in self.order:
-            source = self._open(name)
+        for candidate in self.order:
+            source = self._open(candidate)
             try:
                 if await self._pieces_from(source):
                     break
@@ -199,13 +276,15 @@ class _Copy:
             seconds=trio.current_time() - self.started,
         )
 
-    def _open(self, name: WeightsSourceName) -> Source:
+    def _open(self, candidate: Candidate) -> Source:
+        name = candidate.name
         if name == "peer":
-            assert self.peer is not None
+            assert candidate.peer is not None
+            self.peer = candidate.peer
             target = self.replica
             return PeerSource(
                 target.name,
-                self.peer,
+                candidate.peer,
                 endpoint=target.endpoint,
                 fabric=target.fabric,
                 config=self.config,
@@ -229,8 +308,13 @@ class _Copy:
             except SourceFailed as exc:
                 if self.requested != "auto":
                     raise WeightCopyFailed(self._failed(exc)) from exc
+                reason = (
+                    exc.reason
+                    if self.peer is None or source.name != "peer"
+                    else f"{self.peer.name}: {exc.reason}"
+                )
                 self.fallbacks.append(
-                    WeightsFallback(weights_source=source.name, piece=piece.label, reason=exc.reason)
+                    WeightsFallback(weights_source=source.name, piece=piece.label, reason=reason)
                 )
                 return False
             model = await trio.to_thread.run_sync(self.builder.add, piece, tensors)
@@ -287,8 +371,8 @@ class _Copy:
         name, model = self.replica.name, self.model_name
         if self.requested == "peer":
             return (
-                f"{name}: no other running replica holds a fully loaded copy of {model} to copy from "
-                "(source peer); use source auto, host or disk"
+                f"{name}: no other running replica, of this node or another, holds a fully loaded copy of "
+                f"{model} to copy from (source peer); use source auto, host or disk"
             )
         return (
             f"{name}: the node holds no host-memory copy of {model} yet (it is filled when the node first "
@@ -299,6 +383,9 @@ class _Copy:
         what = f"{self.replica.name}: copying the weights of {self.model_name} from {exc.source}"
         if exc.source == "peer" and self.peer is not None:
             what += f" replica {self.peer.name}"
+            node = self.peer.name.partition("/")[0] if "/" in self.peer.name else None
+            if node is not None and self.peer not in self.replica.directory.local():
+                what += f" (node {node})"
         others = ", ".join(name for name in ("auto", *ORDER) if name != exc.source)
         return f"{what} failed at {exc.piece.label}: {exc.reason} (source {others} may serve instead)"
 

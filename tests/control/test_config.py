@@ -114,7 +114,8 @@ def test_fault_flags_replace_the_files_faults(tmp_path: Path) -> None:
         (
             ["--replicas", "decode=0"],
             {},
-            "--replicas (replicas): bad value 'decode=0' from the command line: at least one replica is needed",
+            "[node] options: --replicas encode=0,prefill=0,decode=0: no replica to start; only a node that joins "
+            "a cluster (--cluster) may start with none, as capacity that `scale … node=` fills",
         ),
         (
             ["--listen", "7340"],

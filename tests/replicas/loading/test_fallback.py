@@ -134,8 +134,8 @@ async def test_a_copy_that_does_not_fit_is_refused_naming_the_bytes(tmp_path: Pa
     [
         (
             "peer",
-            "decode-0: no other running replica holds a fully loaded copy of tiny to copy from (source peer); "
-            "use source auto, host or disk",
+            "decode-0: no other running replica, of this node or another, holds a fully loaded copy of tiny "
+            "to copy from (source peer); use source auto, host or disk",
         ),
         (
             "host",
