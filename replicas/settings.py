@@ -30,7 +30,7 @@ class ReplicaSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     embedding_transfer: TransferConfig = msgspec.field(default_factory=TransferConfig)
     # A replica's weight staging pool (`replicas.loading.staging`): blocks of 1 MiB, what one peer weight
     # transfer carries at most; and its endpoint's knobs.
-    weights_pool_blocks: int = 4
+    weights_pool_blocks: int = 16
     weights_transfer: TransferConfig = msgspec.field(default_factory=TransferConfig)
     emulated: EmulatedSpeed = msgspec.field(default_factory=EmulatedSpeed)
     # ZigZag: an OldPrefill replica also serves its own queue between relays (relays first).

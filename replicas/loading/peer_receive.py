@@ -9,8 +9,8 @@ granted, each landed round is copied out into the piece's byte buffer and the bl
 (REQUEST_MORE_CACHE rounds), so a part larger than this replica's pool still lands. The header is checked
 on every round against the tensor table this side computes from its own config (names, dtype, shapes,
 offsets, the part's place in the piece). Each landed part's bytes are counted on the fabric as
-`weights` from the peer to this replica. The piece's tensors are then cut out of the buffer into tensors
-of their own, in the serving dtype on this replica's device.
+`weights` from the peer to this replica. The piece's tensors are then views of the buffer, in the
+serving dtype on this replica's device (`_cut`).
 
 Failures — the peer stopped or refused, the link dropped, a deadline passed, a header disagreed — raise
 `SourceFailed("peer", piece, reason)`. Cancellation: the receive aborts (the transport returns or
@@ -202,15 +202,17 @@ class PeerSource:
             self._fabric.count_bytes(self.peer.name, self.replica, "weights", nbytes)
             self.bytes += nbytes
             offset += nbytes
-        return await trio.to_thread.run_sync(_cut, buffer, table)
+        return _cut(buffer, table)
 
     async def aclose(self) -> None:
         return None
 
 
 def _cut(buffer: torch.Tensor, table: tuple[WeightTensor, ...]) -> dict[str, torch.Tensor]:
-    """The tensors of a piece's bytes, each in storage of its own (the buffer is dropped after)."""
+    """The tensors of a piece's bytes, as views of the buffer: no copy. The builder fuses q, k, v (and
+    gate, up), which lie back to back in it, as they lie (`replicas.model.layers.fuse_layer`), packs the
+    large ones into storage of their own, and clones the small ones out of a buffer left mostly unused,
+    so the buffer lives on only as the weights it holds."""
     return {
-        t.name: buffer[t.offset : t.offset + t.nbytes].view(torch_dtype(t.dtype)).view(t.shape).clone()
-        for t in table
+        t.name: buffer[t.offset : t.offset + t.nbytes].view(torch_dtype(t.dtype)).view(t.shape) for t in table
     }

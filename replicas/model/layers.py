@@ -83,7 +83,11 @@ def fuse_layer(
     def cat(*names: str) -> torch.Tensor | None:
         if names[0] not in tensors:
             return None
-        return torch.cat([tensors[n].to(dtype=dtype) for n in names], dim=0).to(device).contiguous()
+        parts = [tensors[n] for n in names]
+        joined = _joined(parts, dtype, device)
+        if joined is not None:
+            return joined
+        return torch.cat([part.to(dtype=dtype) for part in parts], dim=0).to(device).contiguous()
 
     def optional(name: str) -> torch.Tensor | None:
         return get(name) if name in tensors else None
@@ -93,18 +97,93 @@ def fuse_layer(
         return Linear(weight, bias, kernels=kernels)
 
     attn = "self_attn."
+    return _own_storage(
+        LayerWeights(
+            input_norm=get("input_layernorm.weight"),
+            qkv=linear(
+                cat(f"{attn}q_proj.weight", f"{attn}k_proj.weight", f"{attn}v_proj.weight"),
+                cat(f"{attn}q_proj.bias", f"{attn}k_proj.bias", f"{attn}v_proj.bias"),
+            ),
+            o=linear(get(f"{attn}o_proj.weight"), optional(f"{attn}o_proj.bias")),
+            post_norm=get("post_attention_layernorm.weight"),
+            gate_up=linear(
+                cat("mlp.gate_proj.weight", "mlp.up_proj.weight"),
+                cat("mlp.gate_proj.bias", "mlp.up_proj.bias"),
+            ),
+            down=linear(get("mlp.down_proj.weight"), optional("mlp.down_proj.bias")),
+        )
+    )
+
+
+def _joined(parts: list[torch.Tensor], dtype: torch.dtype, device: torch.device) -> torch.Tensor | None:
+    """`parts` as one tensor along rows without a copy, when they lie back to back in one storage, in
+    `dtype` on `device` (a peer copy's piece buffer: the checkpoint's q, k, v — or gate, up — tensors
+    are the fused matrix's rows, in order); None otherwise."""
+    first = parts[0]
+    storage, at = first.untyped_storage().data_ptr(), first.storage_offset()
+    for part in parts:
+        if (
+            part.dtype != dtype
+            or part.device != device
+            or not part.is_contiguous()
+            or part.untyped_storage().data_ptr() != storage
+            or part.storage_offset() != at
+        ):
+            return None
+        at += part.numel()
+    rows = sum(int(part.shape[0]) for part in parts)
+    return torch.as_strided(first, (rows, *first.shape[1:]), first.stride(), first.storage_offset())
+
+
+def _own_storage(layer: LayerWeights) -> LayerWeights:
+    """`layer` with each plain tensor that is a small view of a larger storage (a peer copy's piece
+    buffer, whose large weights were packed into storage of their own) cloned out of it, so that the
+    buffer is freed; tensors that use most of their storage stay views."""
+    plain = {
+        "input_norm": layer.input_norm,
+        "post_norm": layer.post_norm,
+        **{
+            f"{n}.weight": getattr(layer, n).weight
+            for n in ("qkv", "o", "gate_up", "down")
+            if not getattr(layer, n).packed
+        },
+        **{
+            f"{n}.bias": b
+            for n in ("qkv", "o", "gate_up", "down")
+            if (b := getattr(layer, n).bias) is not None
+        },
+    }
+    used: dict[int, int] = {}
+    for tensor in plain.values():
+        key = tensor.untyped_storage().data_ptr()
+        used[key] = used.get(key, 0) + tensor.numel() * tensor.element_size()
+    wasted = {k for k, n in used.items() if 2 * n < _storage_bytes(plain, k)}
+    if not wasted:
+        return layer
+
+    def own(tensor: torch.Tensor) -> torch.Tensor:
+        return tensor.clone() if tensor.untyped_storage().data_ptr() in wasted else tensor
+
+    def own_linear(linear: Linear) -> Linear:
+        if not linear.packed:
+            linear.weight = own(linear.weight)
+        if linear.bias is not None:
+            linear.bias = own(linear.bias)
+        return linear
+
     return LayerWeights(
-        input_norm=get("input_layernorm.weight"),
-        qkv=linear(
-            cat(f"{attn}q_proj.weight", f"{attn}k_proj.weight", f"{attn}v_proj.weight"),
-            cat(f"{attn}q_proj.bias", f"{attn}k_proj.bias", f"{attn}v_proj.bias"),
-        ),
-        o=linear(get(f"{attn}o_proj.weight"), optional(f"{attn}o_proj.bias")),
-        post_norm=get("post_attention_layernorm.weight"),
-        gate_up=linear(
-            cat("mlp.gate_proj.weight", "mlp.up_proj.weight"), cat("mlp.gate_proj.bias", "mlp.up_proj.bias")
-        ),
-        down=linear(get("mlp.down_proj.weight"), optional("mlp.down_proj.bias")),
+        input_norm=own(layer.input_norm),
+        qkv=own_linear(layer.qkv),
+        o=own_linear(layer.o),
+        post_norm=own(layer.post_norm),
+        gate_up=own_linear(layer.gate_up),
+        down=own_linear(layer.down),
+    )
+
+
+def _storage_bytes(tensors: dict[str, torch.Tensor], key: int) -> int:
+    return next(
+        t.untyped_storage().nbytes() for t in tensors.values() if t.untyped_storage().data_ptr() == key
     )
 
 

@@ -20,6 +20,10 @@ import torch.nn.functional as F
 
 _log = structlog.get_logger("replicas.model.linear")
 _refusals_said: set[str] = set()  # each distinct refusal is logged once, not once per layer
+# Weight shapes (with dtype, and whether a bias comes) whose packing this process checked once against
+# `F.linear`: the probe reads the weight twice more, as much as the reorder itself, so a model's later
+# layers of the same shapes pack without it (the outcome depends on the build, CPU and shape, not values).
+_packing_checked: set[tuple[tuple[int, ...], torch.dtype, bool]] = set()
 
 # "auto": oneDNN for large CPU float32 weights; "packed": oneDNN wherever it runs (tests, experiments);
 # "plain": `F.linear` everywhere.
@@ -65,6 +69,11 @@ class Linear:
             self._try_packing(weight)
 
     def _try_packing(self, weight: torch.Tensor) -> None:
+        key = (tuple(weight.shape), weight.dtype, self.bias is not None)
+        if key in _packing_checked:  # this build and CPU packed a weight of this shape right before
+            self.weight = torch.ops.mkldnn._reorder_linear_weight(weight, PACKING_BATCH_HINT)
+            self.packed = True
+            return
         try:
             packed = torch.ops.mkldnn._reorder_linear_weight(weight, PACKING_BATCH_HINT)
             probe = torch.linspace(-1.0, 1.0, 3 * self.in_features, dtype=weight.dtype).view(
@@ -80,6 +89,7 @@ class Linear:
         if got.shape == expected.shape and torch.allclose(got, expected, rtol=1e-4, atol=1e-4):
             self.weight = packed
             self.packed = True
+            _packing_checked.add(key)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """`x` `[rows, in_features]` → `[rows, out_features]`."""

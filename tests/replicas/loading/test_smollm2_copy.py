@@ -27,8 +27,11 @@ if importlib.util.find_spec(SMOLLM2.package) is None:
 
 @pytest.mark.slow
 async def test_smollm2_from_a_peer_in_parts_and_rounds() -> None:
-    # One block per round on the receiving side: each 4 MiB part lands in four rounds.
-    settings = msgspec.structs.replace(SETTINGS, weights_transfer=TransferConfig(round_cap_blocks=1))
+    # A 4 MiB staging pool, one block per round on the receiving side: a layer moves in several parts,
+    # each of which lands in four rounds.
+    settings = msgspec.structs.replace(
+        SETTINGS, weights_pool_blocks=4, weights_transfer=TransferConfig(round_cap_blocks=1)
+    )
     replicas = [("prefill-0", "prefill"), ("prefill-1", "prefill")]
     async with running(DEFAULT_CACHE_DIR, replicas, model="smollm2", settings=settings) as harness:
         await harness.load("prefill-0")
