@@ -114,6 +114,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="where the node serves for the copy rows: cuda gives `_cuda` rows against a pinned host-to-device "
         "copy (host) and a device-to-device copy (peer), the GPU named",
     )
+    parser.add_argument(
+        "--hosts",
+        type=int,
+        default=1,
+        help="2: the copy rows across two hosts (network namespaces; a peer copy against raw TCP), "
+        "engine/bench/zigzag_hosts.py",
+    )
     parser.add_argument("--seed", type=int, default=7)
     parser.add_argument("--plot", type=Path, default=None, help="draw TTFT around the scale into this file")
     parser.add_argument("--logs", type=Path, default=None, help="keep the nodes' JSON logs in this folder")
@@ -132,7 +139,11 @@ def run(args: argparse.Namespace) -> Iterable[Row]:
     try:
         if "ttft" in only:
             yield from _ttft_rows(args, directory)
-        if "copy" in only:
+        if "copy" in only and args.hosts > 1:
+            from engine.bench.zigzag_hosts import host_copy_rows
+
+            yield from host_copy_rows(args, directory)
+        elif "copy" in only:
             from engine.bench.zigzag_copy import copy_rows
 
             yield from copy_rows(args, directory)

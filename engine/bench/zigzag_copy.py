@@ -65,7 +65,7 @@ def copy_rows(args: argparse.Namespace, directory: Path) -> Iterator[Row]:
     torch.set_num_threads(1)
     try:
         gpu = args.copy_device == "cuda"
-        with _checkpoint(args.copy_model, directory) as (model, checkpoint, options):
+        with copy_checkpoint(args.copy_model, directory) as (model, checkpoint, options):
             log_file = directory / "weights-copy.jsonl"
             log_file.unlink(missing_ok=True)
             if gpu:  # float32 as the checkpoint: the node's copy and the raw one move the same bytes
@@ -88,7 +88,7 @@ def copy_rows(args: argparse.Namespace, directory: Path) -> Iterator[Row]:
 
 
 @contextmanager
-def _checkpoint(model: str, directory: Path) -> Iterator[tuple[str, Path, list[str]]]:
+def copy_checkpoint(model: str, directory: Path) -> Iterator[tuple[str, Path, list[str]]]:
     """(model, its safetensors file, the node's options to serve it): the tiny model's checkpoint in a model
     cache of the benchmark's folder, or a random Llama checkpoint of `engine.bench.model.CONFIGS`."""
     if model == "tiny":

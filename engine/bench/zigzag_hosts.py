@@ -1,0 +1,157 @@
+"""The `zigzag` benchmark's peer copy across hosts (`--only copy --hosts 2`): a replica's own copy of the
+weights from a replica of another node, each node on its own host — a network namespace with its own
+address on a bridge (`engine.hosts`) — against raw TCP moving the same bytes between the same two hosts.
+
+Two nodes, `--transport tcp`: `src` on host a serves the model (`--replicas prefill=1`), `cap` on host b
+joins holding none (`--replicas prefill=0,decode=0`). For each of `--copy-repeats` rounds (after one that
+warms both sides up): `scale prefill 1 node=cap source=peer` (sent to src), wait until cap's replica
+serves, read bytes and seconds from its `weights_copy_finished` event, then scale cap back to 0 and send
+the parked replica to `Inactive`, so the next round copies again. Right after each copy: a sender on host
+a and a receiver on host b (plain Python sockets, `sendall` of one buffer, `recv_into` a preallocated
+one) move the same number of bytes; its seconds run from the receiver's connect to its last byte.
+
+`--hosts N` with N > 2 is refused (only two hosts take part in a copy from one source); a machine that
+does not allow namespaces (no root, no `ip`) stops the benchmark, saying why. GB/s per copy, the median
+over the rounds. Goal: ≥ 0.8 of the raw path.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Final
+
+import trio
+
+from engine.bench.nodes import read_events
+from engine.bench.rows import Row, row
+from engine.bench.zigzag_copy import copy_checkpoint
+
+if TYPE_CHECKING:
+    from engine.client import ControlClient
+    from engine.hosts.network import Network
+
+BENCH: Final = "zigzag"
+STATE_SECONDS: Final = 120.0
+# The raw path: a receiver on one host prints its port, takes one connection and reads N bytes into a
+# preallocated buffer; it prints the seconds from the connection's accept to the last byte.
+RECEIVER: Final = """
+import socket, sys, time
+n = int(sys.argv[2]); buf = bytearray(n); view = memoryview(buf)
+s = socket.socket(); s.bind((sys.argv[1], 0)); s.listen(); print(s.getsockname()[1], flush=True)
+c, _ = s.accept(); started = time.perf_counter(); got = 0
+while got < n:
+    k = c.recv_into(view[got:], min(n - got, 1 << 22))
+    if not k: raise SystemExit("connection closed early")
+    got += k
+print(time.perf_counter() - started, flush=True)
+"""
+SENDER: Final = """
+import socket, sys
+n = int(sys.argv[3]); data = bytes(n)
+with socket.create_connection((sys.argv[1], int(sys.argv[2]))) as c: c.sendall(data)
+"""
+
+
+def host_copy_rows(args: argparse.Namespace, directory: Path) -> Iterator[Row]:
+    from engine.hosts.network import unavailable
+
+    if args.hosts != 2:
+        raise SystemExit("--hosts: the copy rows across hosts take 2 hosts (one source, one new node)")
+    reason = unavailable()
+    if reason is not None:
+        raise SystemExit(f"--hosts needs hosts in network namespaces: {reason}")
+    with copy_checkpoint(args.copy_model, directory) as (model, _, options):
+        project, baseline, nbytes = trio.run(_measure, args, directory, options)
+    note = (
+        f"uncapped; model {model}, {nbytes} bytes per copy, two nodes on two hosts (network namespaces on "
+        "a bridge, --transport tcp), measured through the new node (weights_copy_finished bytes / "
+        f"seconds); the raw path: Python sockets between the same hosts; median of {len(project)}; "
+        "goal >= 0.8"
+    )
+    case = "weights_copy_peer_hosts" + ("" if model == "tiny" else f"_{model}")
+    yield row(BENCH, case, "GB/s", "higher", statistics.median(project), statistics.median(baseline),
+              "raw TCP between the two hosts, the same bytes", unit="GB/s", note=note)  # fmt: skip
+
+
+async def _measure(
+    args: argparse.Namespace, directory: Path, options: list[str]
+) -> tuple[list[float], list[float], int]:
+    from engine.client import ControlClient
+    from engine.hosts.cluster import NodeSpec, open_host_cluster
+
+    specs = [NodeSpec("src", "a", "prefill=1,decode=0"), NodeSpec("cap", "b", "prefill=0,decode=0")]
+    project: list[float] = []
+    baseline: list[float] = []
+    nbytes = 0
+    async with open_host_cluster(directory, specs, options=["--transport", "tcp", *options]) as cluster:
+        src, cap = cluster.nodes["src"].address, cluster.nodes["cap"].address
+        assert src is not None and cap is not None
+        log_file = cluster.nodes["cap"].log_files[-1]
+        async with ControlClient.connect(cap) as there:  # cap has src's report: its replica and endpoints
+            await _wait_state(there, "src/prefill-0", "Prefill")
+        async with ControlClient.connect(src) as client:
+            for attempt in range(args.copy_repeats + 1):  # the first round warms both sides up
+                seconds, copied = await _copy(client, log_file, cap)
+                raw = await trio.to_thread.run_sync(_raw, cluster.network, copied)
+                if attempt:
+                    project.append(copied / seconds / 1e9)
+                    baseline.append(copied / raw / 1e9)
+                    nbytes = copied
+    return project, baseline, nbytes
+
+
+async def _copy(client: ControlClient, log_file: Path, cap: str) -> tuple[float, int]:
+    """One copy into cap's replica from src's (its seconds and bytes), then that replica parked again."""
+    from engine.client import ControlClient
+
+    before = len(read_events(log_file, "weights_copy_finished"))
+    result = await client.scale("prefill", 1, mode="stop_the_world", source="peer", node="cap")
+    (started,) = result.started
+    with trio.fail_after(STATE_SECONDS):
+        while len(finished := read_events(log_file, "weights_copy_finished")) <= before:  # noqa: ASYNC110
+            await trio.sleep(0.02)
+    event = finished[-1]
+    if event["status"] != "success":
+        raise RuntimeError(f"the weight copy into {started.replica} did not succeed: {event}")
+    async with ControlClient.connect(cap) as there:
+        await _wait_state(there, started.replica, "Prefill")
+        await there.scale("prefill", 0)
+        await _wait_state(there, started.replica, "ShuttingNull")
+        await there.transition(started.replica, "Inactive")
+        await _wait_state(there, started.replica, "Inactive")
+    return float(event["seconds"]), int(event["bytes"])
+
+
+async def _wait_state(client: ControlClient, replica: str, state: str) -> None:
+    with trio.fail_after(STATE_SECONDS):
+        while True:
+            status = await client.status()
+            if any(r.name == replica and r.state == state for r in status.replicas):
+                return
+            await trio.sleep(0.02)
+
+
+def _raw(network: Network, nbytes: int) -> float:
+    """Seconds raw TCP takes to move `nbytes` from host a to host b."""
+    receiver = subprocess.Popen(
+        network.command("b", [sys.executable, "-c", RECEIVER, network.address("b"), str(nbytes)]),
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert receiver.stdout is not None
+        port = receiver.stdout.readline().strip()
+        subprocess.run(
+            network.command("a", [sys.executable, "-c", SENDER, network.address("b"), port, str(nbytes)]),
+            check=True,
+            timeout=STATE_SECONDS,
+        )
+        return float(receiver.stdout.readline())
+    finally:
+        receiver.kill()
+        receiver.wait()
