@@ -152,6 +152,7 @@ async def _scale_up(
 ) -> None:
     # Replicas configured for the role first: reviving another role's replica changes its role.
     replicas = sorted(node.directory.local(), key=lambda r: r.role != role)
+    chain: list[str] = []  # the replicas this scale started copying from a peer, in order
     if role in REVIVING_STATE:
         for replica in replicas:
             if needed and replica.state is S.SHUTTING_NULL and _fits(node, replica, role):
@@ -168,11 +169,11 @@ async def _scale_up(
             # adding a new replica instead left the idle one holding its pools for good.
             await replica.ask(Transition(command_id=new_command_id(), to=S.INACTIVE.value, origin="planner"))
         if replica.state is S.INACTIVE:
-            await _start(node, replica, role, mode, source, started)
+            await _start(node, replica, role, mode, source, started, chain)
             needed -= 1
     while needed:
         replica = await node.add_replica(role)
-        await _start(node, replica, role, mode, source, started)
+        await _start(node, replica, role, mode, source, started, chain)
         needed -= 1
 
 
@@ -183,12 +184,24 @@ async def _start(
     mode: ScaleMode,
     source: SourceChoice,
     started: list[StartedReplica],
+    chain: list[str],
 ) -> None:
-    """Command `replica` into Loading*; with ZigZag, straight on into NewPrefill, paired."""
+    """Command `replica` into Loading*; with ZigZag, straight on into NewPrefill, paired. Replicas one
+    scale starts from a peer form a multicast chain (`chain`, in order): each copies every piece from
+    the one before it as soon as it landed there, the first from the peer (docs/weights.md)."""
     planned = planned_source(node, replica, source)
+    chain_from = chain[-1] if planned == "peer" and chain else None
     await replica.ask(
-        Transition(command_id=new_command_id(), to=LOADING_STATE[role].value, origin="planner", source=source)
+        Transition(
+            command_id=new_command_id(),
+            to=LOADING_STATE[role].value,
+            origin="planner",
+            source=source,
+            chain_from=chain_from,
+        )
     )
+    if planned == "peer":
+        chain.append(replica.name)
     if mode == "zigzag" and replica.state is S.LOADING_PREFILL:
         await pair(node, replica, None)
     started.append(StartedReplica(replica=replica.name, mode=mode, source=planned))

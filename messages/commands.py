@@ -30,6 +30,9 @@ class Transition(Message, frozen=True, tag="transition"):
     # Loading*: load the replica's own copy of the weights from this source (`replicas.loading`);
     # None: share the node's resident copy.
     source: SourceChoice | None = None
+    # Loading* with a peer source, one of several replicas a scale starts at once: the replica loading
+    # just before it, whose pieces it copies as each lands (a multicast chain); the source after it.
+    chain_from: str | None = None
 
 
 class Lock(Message, frozen=True, tag="lock"):

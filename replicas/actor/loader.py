@@ -53,6 +53,7 @@ class Loader:
         kv: KVCache | None,
         target: CopyTarget,
         loaded: Callable[[Model, WeightsSource], None],
+        changed: Callable[[], None],
     ) -> None:
         self._actor = actor
         self._compute = compute
@@ -62,6 +63,7 @@ class Loader:
         self._kv = kv
         self._target = target
         self._loaded = loaded
+        self._changed = changed  # the node-wide change signal: a replica chained after it waits on it
         self.preparing = False  # decode graphs being captured for a role change
 
     def start(self) -> None:
@@ -82,10 +84,12 @@ class Loader:
 
             def own_piece(piece: PieceLoaded) -> None:  # main loop
                 self._weights.landed(piece, shared=False)
+                self._changed()
 
             outcome = await copy_weights(
                 self._target,
                 source,
+                upstream=self._weights.upstream,
                 on_model=lambda model: actor.later(lambda: hand_over(model)),
                 on_piece=lambda piece: actor.later(lambda: own_piece(piece)),
                 emulated=self._settings.emulated,

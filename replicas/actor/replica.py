@@ -301,6 +301,7 @@ class Replica:
                 faults=self._faults,
                 directory=self._directory,
                 timeout=settings.weights_transfer.progress_timeout,
+                changes=self._changes,
             )
             kv = pools.kv if isinstance(pools, LanguagePools) else None
             self._loader = loader = Loader(
@@ -312,6 +313,7 @@ class Replica:
                 kv=kv,
                 target=target,
                 loaded=self._loaded,
+                changed=self._changed,
             )
             self._roles = self._build_roles(endpoints, loader)
             nursery.start_soon(self._forward_sender_messages)
@@ -410,7 +412,7 @@ class Replica:
         assert roles is not None
         match command:
             case Transition(to=to):
-                self._weights.commanded(to, command.source)  # where a Loading* state loads from
+                self._weights.commanded(to, command.source, command.chain_from)  # what Loading* loads from
                 target = parse_state(to)
                 if target is S.OLD_PREFILL and self._state is S.OLD_PREFILL and command.paired_with:
                     roles.paired(target, command.paired_with)  # one more partner (shared)

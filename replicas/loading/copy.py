@@ -61,7 +61,7 @@ from replicas.loading.progress import CopyOutcome, PieceLoaded
 from replicas.loading.sources import DiskSource, HostSource, Source, SourceFailed
 from replicas.loading.staging import weights_endpoint_name
 from replicas.model.llama import Model
-from replicas.ports import Directory, EventSink, PeerReplica
+from replicas.ports import Directory, EventSink, NodeSignal, PeerReplica
 from replicas.weights import ModelHost
 from transport.endpoint import TransferEndpoint
 
@@ -78,8 +78,9 @@ class WeightCopyFailed(Exception):
 @dataclass(frozen=True, slots=True)
 class CopyTarget:
     """The replica a copy lands in: its name and log, its weights `endpoint`, the node's model `host`,
-    fabric and fault hooks, the replicas it may copy from (`directory`), and how long a peer may take
-    to start a part (`timeout`)."""
+    fabric and fault hooks, the replicas it may copy from (`directory`), how long a peer may take to
+    start a part (`timeout`; in a chain, to land the next piece), and the node's change signal (a
+    replica in a chain waits on it for the piece before it to land)."""
 
     name: str
     log: EventSink
@@ -89,6 +90,7 @@ class CopyTarget:
     faults: FaultHooks
     directory: Directory
     timeout: float
+    changes: NodeSignal
 
 
 @final
@@ -101,6 +103,7 @@ class Candidate:
     what: str
     why: str
     peer: PeerReplica | None = None
+    chained: bool = False  # the peer is loading too: each piece is read once it has landed there
 
 
 def _host_of(address: str) -> str:
@@ -186,9 +189,10 @@ async def copy_weights(
     on_piece: Callable[[PieceLoaded], None],
     emulated: EmulatedSpeed | None = None,
     memory_probe: MemoryProbe = available_memory,
+    upstream: str | None = None,
 ) -> CopyOutcome:
     """See the module docstring."""
-    copy = _Copy(replica, source, replica.host.next_copy(), emulated, on_model, on_piece)
+    copy = _Copy(replica, source, replica.host.next_copy(), emulated, on_model, on_piece, upstream)
     peers_in_order = [c.peer.name for c in copy.order if c.peer is not None]
     replica.log.emit(
         WeightsCopyStarted(
@@ -226,6 +230,7 @@ class _Copy:
         emulated: EmulatedSpeed | None,
         on_model: Callable[[Model], None],
         on_piece: Callable[[PieceLoaded], None],
+        upstream: str | None = None,
     ) -> None:
         host = replica.host
         self.replica, self.requested, self.number = replica, requested, number
@@ -235,6 +240,22 @@ class _Copy:
         self.total = model_bytes(self.config)
         found = peers(replica.directory, replica.fabric, replica.name)
         self.order = plan_sources(requested, found, host.host_copy is not None)
+        before = None if upstream is None else replica.directory.get(upstream)
+        if before is not None and requested in ("auto", "peer") and found:
+            # A multicast chain: the replica before this one in the same scale forwards each piece as it
+            # lands; the sources after it serve from the piece reached should it fail.
+            first = found[0][0]
+            self.order = [
+                Candidate(
+                    "peer",
+                    f"replica {before.name} (this node, loading)",
+                    f"a multicast chain: replica {before.name} loads the same weights from {first.name} "
+                    "just before this one and forwards each piece as it lands",
+                    before,
+                    chained=True,
+                ),
+                *plan_sources(requested, found, host.host_copy is not None),
+            ]
         self.peer: PeerReplica | None = None  # the peer read from last
         self.builder = ModelBuilder(host.frame())
         self.fallbacks: list[WeightsFallback] = []
@@ -285,6 +306,7 @@ class _Copy:
             return PeerSource(
                 target.name,
                 candidate.peer,
+                changes=target.changes if candidate.chained else None,
                 endpoint=target.endpoint,
                 fabric=target.fabric,
                 config=self.config,

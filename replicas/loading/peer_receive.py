@@ -35,7 +35,8 @@ from replicas.loading.pieces import tensor_table
 from replicas.loading.sources import SourceFailed
 from replicas.loading.staging import ROW_BYTES, copy_out, rows_for, weights_endpoint_name
 from replicas.model.config import ModelConfig
-from replicas.ports import PeerReplica
+from replicas.ports import NodeSignal, PeerReplica
+from replicas.states import ReplicaState
 from transport.endpoint import TransferEndpoint
 from transport.errors import HandshakeRefused, LinkError, TransferError
 from transport.memory.storage import torch_dtype
@@ -160,9 +161,11 @@ class PeerSource:
         device: torch.device,
         model_name: str,
         timeout: float,
+        changes: NodeSignal | None = None,
     ) -> None:
         self.replica = replica
         self.peer = peer
+        self._changes = changes  # given: the peer is loading too (a chain); wait for each piece there
         self._endpoint = endpoint
         self._fabric = fabric
         self.config = config
@@ -182,6 +185,8 @@ class PeerSource:
         table = tensor_table(self.config, piece)
         total = table[-1].offset + table[-1].nbytes
         buffer = torch.empty(total, dtype=torch.uint8, device=self.device)
+        if self._changes is not None:
+            await self._landed_there(piece, self._changes)
         offset = 0
         while offset < total:
             if not self.peer.snapshot().running:
@@ -203,6 +208,37 @@ class PeerSource:
             self.bytes += nbytes
             offset += nbytes
         return _cut(buffer, table)
+
+    async def _landed_there(self, piece: WeightPiece, changes: NodeSignal) -> None:
+        """Until the peer — loading too, before this replica in a chain — holds `piece`. Raises
+        `PeerGone` when it stopped or failed, or landed nothing for `timeout` seconds. It wakes on the
+        node's change signal, which a loading replica notifies at each piece it lands."""
+        peer = self.peer
+
+        def holds() -> bool:
+            snap = peer.snapshot()
+            if snap.serves_weights:
+                return True
+            if not snap.running or snap.state is ReplicaState.INACTIVE:
+                raise PeerGone(f"{peer.name} stopped loading (state {snap.state.value}) before {piece.label}")
+            if piece.kind == "embeddings":
+                return snap.weights_bytes_loaded > 0
+            if piece.kind == "layer":
+                assert piece.layer is not None
+                return (snap.loaded_layers or 0) > piece.layer
+            return False  # the final norm and head: once it holds the whole model
+
+        with trio.move_on_after(self._timeout):
+            while not holds():
+                event = trio.Event()
+                stop = changes.watch(event.set)
+                try:
+                    await event.wait()
+                finally:
+                    stop()
+            return
+        if not holds():
+            raise PeerGone(f"{peer.name} did not land {piece.label} within {self._timeout:g} s")
 
     async def aclose(self) -> None:
         return None

@@ -1,7 +1,8 @@
 """The sending side of a peer weight copy (blitz): a replica that holds the weights serves a piece.
 
 A loading replica sends `SendWeights(piece, byte_offset, ...)` to a replica holding a fully loaded
-model; the actor's dispatch calls `send_weights`, which checks the request at once (a refusal is the
+model — or, in a multicast chain, to the replica loading just before it, once that one holds the piece
+(`holds`); the actor's dispatch calls `send_weights`, which checks the request at once (a refusal is the
 command's outcome) and starts a helper task in the replica's nursery. The helper opens the transfer's
 sending session first (so the receiver's grant finds it, and any failure reaches the receiver as an
 abort), takes the piece's checkpoint tensors from the model (`replicas.loading.split`: fused weights
@@ -63,10 +64,10 @@ def send_weights(
     """Serve `command` from `model` through the staging pool behind `endpoint` (called by the actor's
     dispatch, in the main loop). Raises `CommandRefused` (`not_found`: no fully loaded weights here;
     `bad_request`: a piece or offset the model lacks)."""
-    if model is None or not model.fully_loaded:
+    if model is None or not holds(model, command.piece):
         raise CommandRefused(
             "not_found",
-            f"{replica.name} ({replica.state.value}) holds no fully loaded weights to send",
+            f"{replica.name} ({replica.state.value}) does not hold {command.piece.label} of the weights to send",
         )
     try:
         table = tensor_table(model.config, command.piece)
@@ -79,6 +80,25 @@ def send_weights(
             f"{replica.name}: {command.piece.label} has {total} bytes; asked from byte {command.byte_offset}",
         )
     replica.spawn(_send, replica.name, model, staging, endpoint, transfer, command, table)
+
+
+def holds(model: Model, piece: WeightPiece) -> bool:
+    """Whether `model` — fully loaded, or still loading (the replica before another in a chain) — holds
+    `piece` already."""
+    match piece.kind:
+        case "embeddings":
+            return True
+        case "layer":
+            return (
+                piece.layer is not None
+                and piece.layer < len(model.layers)
+                and model.layers[piece.layer] is not None
+            )
+        case "norm":
+            return model.final_norm is not None
+        case "head":
+            return model.lm_head is not None
+    return False
 
 
 async def _send(

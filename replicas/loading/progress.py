@@ -58,14 +58,16 @@ class WeightsStatus:
     def __init__(self, total_layers: int) -> None:
         self.total_layers = total_layers
         self.requested: SourceChoice | None = None  # the source the last `Transition` named
+        self.upstream: str | None = None  # the replica before it in a chain, the last `Transition` named
         self.source: WeightsSource | None = None
         self.loaded_layers = 0
         self.bytes_loaded = 0
 
-    def commanded(self, to: str, source: SourceChoice | None) -> None:
+    def commanded(self, to: str, source: SourceChoice | None, upstream: str | None = None) -> None:
         """A `Transition` to `to` arrived: a `Loading*` state loads from `source` (None: share the node's
-        resident copy); a revived replica (`Aus*`) serves the weights it kept, now `resident`."""
-        self.requested = source
+        resident copy), through the chain from `upstream` when given; a revived replica (`Aus*`) serves
+        the weights it kept, now `resident`."""
+        self.requested, self.upstream = source, upstream
         if to in AUS_STATES and self.source is not None:
             self.source = "resident"
 

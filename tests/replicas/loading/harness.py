@@ -81,6 +81,7 @@ class Harness:
         self.log, self._nursery = log, nursery
         self.directory = ReplicaDirectory()
         self.requests: dict[str, ServingRequest] = {}
+        self.changes = Changes()  # the node-wide change signal, one for all its replicas
         self._scopes: dict[str, trio.CancelScope] = {}
 
     def __getitem__(self, name: str) -> Replica:
@@ -101,6 +102,7 @@ class Harness:
             faults=self.faults,
             directory=self.directory,
             timeout=self.settings.weights_transfer.progress_timeout,
+            changes=self.changes,
         )
 
     async def start(self, name: str, role: Role) -> Replica:
@@ -114,7 +116,7 @@ class Harness:
             requests=self.requests,
             directory=self.directory,
             returned=lambda request: None,
-            changes=Changes(),
+            changes=self.changes,
             faults=self.faults,
         )
         scope = trio.CancelScope()
