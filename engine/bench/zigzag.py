@@ -71,7 +71,15 @@ class Way:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--only", default="ttft,copy", help="comma-separated: ttft, copy (default both)")
+    parser.add_argument(
+        "--only", default="ttft,copy", help="comma-separated: ttft, copy, chain (default ttft,copy)"
+    )
+    parser.add_argument(
+        "--chain-gb-per-s", type=float, default=0.005, help="--only chain: the emulated peer speed (0.005)"
+    )
+    parser.add_argument(
+        "--chain-mbit", type=float, default=40.0, help="--only chain --hosts 2: the source's link (40 Mbit/s)"
+    )
     parser.add_argument(
         "--rate", type=float, default=4.0, help="steady requests/s (default 4; ×3 at the burst)"
     )
@@ -131,9 +139,9 @@ def run(args: argparse.Namespace) -> Iterable[Row]:
     if args.quick:
         args.duration, args.burst_at, args.window, args.repeats, args.copy_repeats = 2.0, 1.0, 1.0, 1, 1
     only = {part.strip() for part in args.only.split(",") if part.strip()}
-    unknown = only - {"ttft", "copy"}
+    unknown = only - {"ttft", "copy", "chain"}
     if unknown:
-        raise SystemExit(f"--only: unknown groups {sorted(unknown)} (groups: ttft, copy)")
+        raise SystemExit(f"--only: unknown groups {sorted(unknown)} (groups: ttft, copy, chain)")
     directory = Path(tempfile.mkdtemp(prefix="zigzag-bench-")) if args.logs is None else args.logs
     directory.mkdir(parents=True, exist_ok=True)
     try:
@@ -147,6 +155,14 @@ def run(args: argparse.Namespace) -> Iterable[Row]:
             from engine.bench.zigzag_copy import copy_rows
 
             yield from copy_rows(args, directory)
+        if "chain" in only and args.hosts > 1:
+            from engine.bench.zigzag_hosts import host_chain_rows
+
+            yield from host_chain_rows(args, directory)
+        elif "chain" in only:
+            from engine.bench.zigzag_copy import chain_rows
+
+            yield from chain_rows(args, directory)
     finally:
         if args.logs is None:
             shutil.rmtree(directory, ignore_errors=True)

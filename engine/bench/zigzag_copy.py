@@ -263,3 +263,70 @@ class RawCopies:
                     self.receive = receive
                     yield
                 nursery.cancel_scope.cancel()
+
+
+# ------------------------------------------------------------------------------------ the multicast chain
+CHAIN: Final = 3
+
+
+def chain_rows(args: argparse.Namespace, directory: Path) -> Iterator[Row]:
+    """`--only chain`: the time to load `CHAIN` replicas from one peer as a multicast chain against the
+    time to load one, on one node whose peer copies run at an **emulated** speed (`--chain-gb-per-s`, so
+    that a copy takes long next to the node's own overheads); the median over `--copy-repeats` rounds
+    after one that warms up. The k copies' span runs from the first's `weights_copy_started` to the last
+    `weights_copy_finished`; one copy's is its own `seconds`. Goal: ≤ 1.3."""
+    with copy_checkpoint(args.copy_model, directory) as (model, _, options):
+        log_file = directory / "weights-chain.jsonl"
+        log_file.unlink(missing_ok=True)
+        speed = f"peer_gb_per_s={args.chain_gb_per_s:g}"
+        node = ["--replicas", "prefill=1,decode=1", "--emulated-speed", speed, *options]
+        with node_process(log_file, node) as address:
+            chains, ones = trio.run(_chains, address, log_file, args.copy_repeats)
+    note = (
+        f"emulated peer copies ({speed}), model {model}, one node; k = {CHAIN} replicas started by one "
+        f"`scale` from one peer (a chain) against one; median of {len(chains)}; goal <= 1.3"
+    )
+    case = f"weights_chain_{CHAIN}" + ("" if model == "tiny" else f"_{model}")
+    yield row(BENCH, case, "seconds", "lower", statistics.median(chains), statistics.median(ones),
+              "loading one replica from the same peer", unit="s", note=note)  # fmt: skip
+
+
+async def _chains(address: str, log_file: Path, repeats: int) -> tuple[list[float], list[float]]:
+    from engine.client import ControlClient
+
+    chains: list[float] = []
+    ones: list[float] = []
+    async with ControlClient.connect(address) as client:
+        await _wait(client, lambda states: set(states.values()) == {"Prefill", "Decode"}, "serving")
+        for attempt in range(repeats + 1):
+            for k, into in ((1, ones), (CHAIN, chains)):
+                seconds = await _load_k(client, log_file, k)
+                if attempt:
+                    into.append(seconds)
+        await client.shutdown()
+    return chains, ones
+
+
+async def _load_k(client: ControlClient, log_file: Path, k: int) -> float:
+    """Scale prefill from 1 to 1 + k from a peer, wait, scale back, park the new replicas `Inactive`;
+    the copies' span (see `chain_rows`)."""
+    copies_before = len(read_events(log_file, "weights_copy_started"))
+    result = await client.scale("prefill", 1 + k, mode="stop_the_world", source="peer")
+    new = [started.replica for started in result.started]
+    await _wait(client, lambda states: all(states.get(name) == "Prefill" for name in new), "serving")
+    with trio.fail_after(STATE_SECONDS):
+        while len(finished := read_events(log_file, "weights_copy_finished")) < copies_before + k:  # noqa: ASYNC110
+            await trio.sleep(0.01)
+    started = read_events(log_file, "weights_copy_started")[copies_before:]
+    ours = finished[copies_before:]
+    if any(event["status"] != "success" for event in ours):
+        raise RuntimeError(f"a weight copy did not succeed: {ours}")
+    span = float(ours[0]["seconds"]) if k == 1 else max(e["ts"] for e in ours) - min(e["ts"] for e in started)
+    await client.scale("prefill", 1)
+    await _wait(client, lambda states: list(states.values()).count("ShuttingNull") == k, "replicas parked")
+    status = await client.status()
+    for replica in status.replicas:
+        if replica.state == "ShuttingNull":
+            await client.transition(replica.name, "Inactive")
+    await _wait(client, lambda states: "ShuttingNull" not in states.values(), "replicas Inactive")
+    return span

@@ -155,3 +155,76 @@ def _raw(network: Network, nbytes: int) -> float:
     finally:
         receiver.kill()
         receiver.wait()
+
+
+# ------------------------------------------------------------------------------------ the multicast chain
+CHAIN: Final = 3
+
+
+def host_chain_rows(args: argparse.Namespace, directory: Path) -> Iterator[Row]:
+    """`--only chain --hosts 2`: `CHAIN` replicas on cap loaded by one `scale` from src's replica across
+    src's link shaped to `--chain-mbit` (`tc tbf`, each way) — a multicast chain: only the first copy
+    crosses the link, the others read the replica before them on cap — against one replica loaded the
+    same way; spans as `engine.bench.zigzag_copy.chain_rows` takes them. Goal: ≤ 1.3."""
+    from engine.hosts.network import unavailable
+
+    reason = unavailable()
+    if reason is not None:
+        raise SystemExit(f"--hosts needs hosts in network namespaces: {reason}")
+    with copy_checkpoint(args.copy_model, directory) as (model, _, options):
+        chains, ones = trio.run(_host_chains, args, directory, options)
+    note = (
+        f"two nodes on two hosts (network namespaces), --transport tcp, src's link shaped to "
+        f"{args.chain_mbit:g} Mbit/s; model {model}; k = {CHAIN} replicas on the other host started by "
+        f"one `scale` from src's replica (a chain) against one; median of {len(chains)}; goal <= 1.3"
+    )
+    case = f"weights_chain_{CHAIN}_hosts" + ("" if model == "tiny" else f"_{model}")
+    yield row(BENCH, case, "seconds", "lower", statistics.median(chains), statistics.median(ones),
+              "loading one replica from the same peer", unit="s", note=note)  # fmt: skip
+
+
+async def _host_chains(
+    args: argparse.Namespace, directory: Path, options: list[str]
+) -> tuple[list[float], list[float]]:
+    from engine.client import ControlClient
+    from engine.hosts.cluster import NodeSpec, open_host_cluster
+
+    specs = [NodeSpec("src", "a", "prefill=1,decode=0"), NodeSpec("cap", "b", "prefill=0,decode=0")]
+    chains: list[float] = []
+    ones: list[float] = []
+    async with open_host_cluster(directory, specs, options=["--transport", "tcp", *options]) as cluster:
+        cap = cluster.nodes["cap"].address
+        assert cap is not None
+        log_file = cluster.nodes["cap"].log_files[-1]
+        await cluster.limit("a", mbit=args.chain_mbit)
+        async with ControlClient.connect(cap) as client:
+            await _wait_state(client, "src/prefill-0", "Prefill")
+            for attempt in range(args.copy_repeats + 1):
+                for k, into in ((1, ones), (CHAIN, chains)):
+                    seconds = await _load_k(client, log_file, k)
+                    if attempt:
+                        into.append(seconds)
+    return chains, ones
+
+
+async def _load_k(client: ControlClient, log_file: Path, k: int) -> float:
+    """Scale cap's prefill replicas from 0 to k from a peer, wait, scale back, park them `Inactive`; the
+    span from the first copy's start to the last one's end."""
+    before = len(read_events(log_file, "weights_copy_started"))
+    result = await client.scale("prefill", k, mode="stop_the_world", source="peer")
+    new = [started.replica for started in result.started]
+    with trio.fail_after(STATE_SECONDS):
+        while len(finished := read_events(log_file, "weights_copy_finished")) < before + k:  # noqa: ASYNC110
+            await trio.sleep(0.02)
+    ours, started = finished[before:], read_events(log_file, "weights_copy_started")[before:]
+    if any(event["status"] != "success" for event in ours):
+        raise RuntimeError(f"a weight copy did not succeed: {ours}")
+    span = max(e["ts"] for e in ours) - min(e["ts"] for e in started)
+    for name in new:
+        await _wait_state(client, name, "Prefill")
+    await client.scale("prefill", 0)
+    for name in new:
+        await _wait_state(client, name, "ShuttingNull")
+        await client.transition(name, "Inactive")
+        await _wait_state(client, name, "Inactive")
+    return span
