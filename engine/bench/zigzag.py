@@ -19,7 +19,12 @@ Weight copy (cases `weights_copy_{peer,host,disk}`, `_100m` with `--copy-model 1
 uncapped node; a second prefill replica is scaled up (`stop_the_world`) with each `source` in turn and
 released (`Inactive`) again, and the node's `weights_copy_finished` event gives bytes / seconds
 (engine/bench/zigzag_copy.py); baselines are raw copies of the same bytes on the same path in the
-benchmark's process.
+benchmark's process. `--hosts 2`: a peer copy between two nodes on two hosts against raw TCP between them
+(`weights_copy_peer_hosts`, engine/bench/zigzag_hosts.py).
+
+Multicast chain (`--only chain`, case `weights_chain_3`): three replicas one `scale` loads from one peer
+against one, on one node with emulated peer copies (`--chain-gb-per-s`), or with `--hosts 2` on a
+second host whose source's link is shaped to `--chain-mbit` (`weights_chain_3_hosts`).
 
 `--plot FILE` draws TTFT around the scale of the last emulated runs (engine/bench/zigzag_plot.py); `--logs
 DIR` keeps the nodes' logs.
