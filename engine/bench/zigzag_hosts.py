@@ -85,6 +85,7 @@ async def _measure(
     from engine.hosts.cluster import NodeSpec, open_host_cluster
 
     specs = [NodeSpec("src", "a", "prefill=1,decode=0"), NodeSpec("cap", "b", "prefill=0,decode=0")]
+    directory = directory / "copy-hosts"  # etcd's data and the nodes' logs, apart from another cluster's
     project: list[float] = []
     baseline: list[float] = []
     nbytes = 0
@@ -92,11 +93,12 @@ async def _measure(
         src, cap = cluster.nodes["src"].address, cluster.nodes["cap"].address
         assert src is not None and cap is not None
         log_file = cluster.nodes["cap"].log_files[-1]
-        async with ControlClient.connect(cap) as there:  # cap has src's report: its replica and endpoints
+        token = cluster.token
+        async with ControlClient.connect(cap, token=token) as there:  # cap has src's report: its replica
             await _wait_state(there, "src/prefill-0", "Prefill")
-        async with ControlClient.connect(src) as client:
+        async with ControlClient.connect(src, token=token) as client:
             for attempt in range(args.copy_repeats + 1):  # the first round warms both sides up
-                seconds, copied = await _copy(client, log_file, cap)
+                seconds, copied = await _copy(client, log_file, cap, token)
                 raw = await trio.to_thread.run_sync(_raw, cluster.network, copied)
                 if attempt:
                     project.append(copied / seconds / 1e9)
@@ -105,7 +107,7 @@ async def _measure(
     return project, baseline, nbytes
 
 
-async def _copy(client: ControlClient, log_file: Path, cap: str) -> tuple[float, int]:
+async def _copy(client: ControlClient, log_file: Path, cap: str, token: bytes) -> tuple[float, int]:
     """One copy into cap's replica from src's (its seconds and bytes), then that replica parked again."""
     from engine.client import ControlClient
 
@@ -118,7 +120,7 @@ async def _copy(client: ControlClient, log_file: Path, cap: str) -> tuple[float,
     event = finished[-1]
     if event["status"] != "success":
         raise RuntimeError(f"the weight copy into {started.replica} did not succeed: {event}")
-    async with ControlClient.connect(cap) as there:
+    async with ControlClient.connect(cap, token=token) as there:
         await _wait_state(there, started.replica, "Prefill")
         await there.scale("prefill", 0)
         await _wait_state(there, started.replica, "ShuttingNull")
@@ -190,6 +192,7 @@ async def _host_chains(
     from engine.hosts.cluster import NodeSpec, open_host_cluster
 
     specs = [NodeSpec("src", "a", "prefill=1,decode=0"), NodeSpec("cap", "b", "prefill=0,decode=0")]
+    directory = directory / "chain-hosts"
     chains: list[float] = []
     ones: list[float] = []
     async with open_host_cluster(directory, specs, options=["--transport", "tcp", *options]) as cluster:
@@ -197,7 +200,7 @@ async def _host_chains(
         assert cap is not None
         log_file = cluster.nodes["cap"].log_files[-1]
         await cluster.limit("a", mbit=args.chain_mbit)
-        async with ControlClient.connect(cap) as client:
+        async with ControlClient.connect(cap, token=cluster.token) as client:
             await _wait_state(client, "src/prefill-0", "Prefill")
             for attempt in range(args.copy_repeats + 1):
                 for k, into in ((1, ones), (CHAIN, chains)):

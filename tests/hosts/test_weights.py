@@ -55,12 +55,12 @@ async def test_an_empty_node_copies_weights_from_another_host_and_outlives_its_s
         cap, pb = cluster.nodes["cap"].address, cluster.nodes["pb"].address
         host_a = cluster.network.address("a")
         assert cap is not None and pb is not None
-        async with ControlClient.connect(cap) as client:
+        async with ControlClient.connect(cap, token=cluster.token) as client:
             assert not [r for r in (await client.status()).replicas if r.node == "cap"]
 
         # Two copies into cap from host a, both held before layer 1; the scale ops, sent to pb, run on
         # cap. pa dies meanwhile.
-        async with ControlClient.connect(pb) as client:
+        async with ControlClient.connect(pb, token=cluster.token) as client:
             result = await client.scale("prefill", 1, node="cap", source="auto")
             assert [(s.replica, s.source) for s in result.started] == [("cap/prefill-0", "peer")]
             await client.scale("decode", 1, node="cap", source="peer")
@@ -78,7 +78,7 @@ async def test_an_empty_node_copies_weights_from_another_host_and_outlives_its_s
         assert explicit["peers"] == ["pa/decode-0"], explicit
         assert explicit["reason"] == f"asked for replica pa/decode-0 (node pa at {host_a})", explicit
         await cluster.kill("pa")
-        async with ControlClient.connect(cap) as client:
+        async with ControlClient.connect(cap, token=cluster.token) as client:
             await client.release()
             status = await wait_status(
                 client,
@@ -126,5 +126,5 @@ async def test_an_empty_node_copies_weights_from_another_host_and_outlives_its_s
                 "replica cap/prefill-0 (this node) holds the whole model: a copy within the node's memory"
             ), again[-1]
         for address in (cap, pb):
-            async with ControlClient.connect(address) as client:
+            async with ControlClient.connect(address, token=cluster.token) as client:
                 await wait_idle(client, nodes={"cap", "pb"})
