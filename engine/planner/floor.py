@@ -6,8 +6,10 @@ time, and how that floor combines with the reactive target (docs/planner.md). Pu
 - decode: the KV blocks in use now, scaled by the forecast request rate over the one observed lately (the
   blocks a unit of arrival rate holds stay as they are), at the KV band's `upper`;
 - `with_floor`: the reactive rules (BlitzScale's band, `engine.planner.formulas.target`) act above the
-  floor — a count below it moves up to it; a scale-down stays reactive (one replica, after the
+  floor — a prefill count below it moves up to it; a scale-down stays reactive (one replica, after the
   hysteresis) and never goes below the floor. So the count with a floor is never below the reactive one.
+  Decode's floor only holds (it never scales decode up): the blocks it scales by the forecast rate
+  overshoot with the predictor, and a decode scale-up takes the pass and the scale lock from prefill.
 
 The horizon is the lead time of the source a scale-up would copy from (`lead_source`): `auto` (blitz)
 takes a peer when a replica serves, else the host copy, else disk; serverless the host copy or disk.
@@ -35,12 +37,13 @@ def decode_floor(forecast: Forecast, used_blocks: int, blocks_per_replica: int, 
     return needed(blocks, float(blocks_per_replica), bounds).low
 
 
-def with_floor(current: int, chosen: int, floor: int, *, maximum: int) -> int:
-    """The count to move to: `chosen` (the reactive target) raised to `floor` (capped at `maximum`); a
-    reactive scale-down that would pass below the floor holds the count instead."""
+def with_floor(current: int, chosen: int, floor: int, *, maximum: int, raises: bool = True) -> int:
+    """The count to move to: `chosen` (the reactive target) raised to `floor` (capped at `maximum`; with
+    `raises` False, never raised: the floor only holds); a reactive scale-down that would pass below the
+    floor holds the count instead."""
     floor = min(floor, maximum)
     if chosen >= current:
-        return max(chosen, floor)
+        return max(chosen, floor) if raises else chosen
     return chosen if chosen >= floor else current
 
 

@@ -44,6 +44,7 @@ from engine.planner.formulas import (
     target,
 )
 from engine.planner.signals import LoadCounters, Rates, RateWindow, add, with_capacity
+from engine.planner.slo import SloRule
 from engine.scaling import scale
 from messages.cluster import LoadTotals, Report
 from messages.commands import Transition
@@ -141,6 +142,10 @@ class Planner:
         )
         self._forecasts: dict[str, PlannerForecast | None] = {}  # role → this pass's forecast and floor
         load.slo = (config.autoscale_slo_ttft, config.autoscale_slo_ttft_per_token)
+        self.slo = SloRule(
+            ttft=config.autoscale_slo_ttft, miss=config.autoscale_slo_miss, window=config.autoscale_window
+        )
+        self._slo_asked = False  # this pass's prefill range was raised by the SLO rule
         self.bounds = {
             "prefill": Bounds(config.prefill_utilization_lower, config.prefill_utilization_upper),
             "decode": Bounds(config.decode_utilization_lower, config.decode_utilization_upper),
@@ -193,7 +198,9 @@ class Planner:
             reactive = target(current, wanted, minimum=self._limit(role, "min"), maximum=maximum)
             forecast = self._forecasts.get(role)
             floor = 0 if forecast is None else forecast.floor
-            chosen = with_floor(current, reactive, floor, maximum=maximum)
+            # Decode's floor only holds a scale-down: its forecast (blocks scaled by the arrival rate)
+            # overshoots with the predictor, and a decode scale-up takes the pass and the scale lock.
+            chosen = with_floor(current, reactive, floor, maximum=maximum, raises=role == "prefill")
             why = self._hold(role, current, reactive, now, signals)
             if chosen > reactive:  # the floor raises the count, or holds it against a scale-down
                 why = None if chosen > current else f"the forecast's floor ({floor}) holds the count"
@@ -207,6 +214,8 @@ class Planner:
                 continue  # decided and logged; nothing changes
             if chosen > current:
                 self._last_up[role] = now
+                if role == "prefill" and self._slo_asked and chosen == reactive:
+                    self.slo.asked(now=now, count=chosen, misses=signals.rates.slo_miss_fraction)
             self._below_since.pop(role, None)
             await self._apply(role, current, chosen)
             return  # one role per pass: the next pass sees what this scale did
@@ -252,21 +261,9 @@ class Planner:
             return f"below range for less than {wait:g} s"
         if signals.settling.get(role, 0):
             return "a replica of the role is still loading"
-        slo = self.config.autoscale_slo_ttft > 0 and role == "prefill"
-        if slo and signals.rates.slo_miss_fraction > self.config.autoscale_slo_miss:
+        if role == "prefill" and self.slo.holds_down(count=current, misses=signals.rates.slo_miss_fraction):
             return "more first tokens than --autoscale-slo-miss missed the TTFT SLO in the window"
         return None
-
-    def _missing_slo(self, signals: Signals) -> bool:
-        """More first tokens than `--autoscale-slo-miss` missed the TTFT SLO over the window — judged
-        only once no prefill replica is loading and a window has passed since the last scale-up, so the
-        misses counted are those of the replicas there are now."""
-        config = self.config
-        if config.autoscale_slo_ttft <= 0 or signals.settling.get("prefill", 0):
-            return False
-        if self._now - self._last_up.get("prefill", -math.inf) < config.autoscale_window:
-            return False
-        return signals.rates.slo_miss_fraction > config.autoscale_slo_miss
 
     def wanted(self, role: Role, signals: Signals) -> Range:
         rates = signals.rates
@@ -278,8 +275,15 @@ class Planner:
                 self.bounds["prefill"],
                 drain_s=self.config.autoscale_drain,
             )
-            if self._missing_slo(signals):  # the band does not hold the SLO: one more than now
-                current = signals.counts.get(role, 0)
+            current = signals.counts.get(role, 0)
+            self._slo_asked = self.slo.wants_more(
+                now=self._now,
+                count=current,
+                settling=signals.settling.get(role, 0),
+                misses=signals.rates.slo_miss_fraction,
+                last_up=self._last_up.get(role, -math.inf),
+            )
+            if self._slo_asked:  # the band does not hold the SLO: one more than now
                 wanted = Range(max(wanted.low, current + 1), max(wanted.high, current + 1))
             return wanted
         memory = decode_by_memory(

@@ -173,3 +173,9 @@ def test_the_floor_is_never_below_the_reactive_count_on_the_way_down(load: list[
 def test_make_predictor_names_every_kind() -> None:
     for name in ("constant", "ewma", "kalman", "periodic"):
         assert make_predictor(name, season=4).name == name  # type: ignore[arg-type]
+
+
+def test_a_floor_that_only_holds_never_raises() -> None:
+    assert with_floor(2, 2, 4, maximum=6, raises=False) == 2  # decode: below the floor, not raised
+    assert with_floor(3, 2, 3, maximum=6, raises=False) == 3  # ... but a scale-down below it is held
+    assert with_floor(2, 3, 5, maximum=6, raises=False) == 3  # the reactive scale-up as it is
