@@ -8,6 +8,8 @@ Pure Python (no torch): it hands out *block ids*; the bytes live in a separate s
 Invariants (checked by `check_invariants`, exercised by the hypothesis tests):
 - every block is either free (on the free list, no owner) or owned by exactly one owner;
 - `used_blocks + free_blocks == num_blocks`, and `used_blocks` is derived from the owner table;
+- a `Reclaimer` (the prefix cache) may hold blocks it gives back when an allocation is short: they
+  count in `available_blocks`, and `try_allocate`/`allocate_wait` take them before refusing or waiting;
 - a block is never freed twice, nor freed by someone other than its owner.
 """
 
@@ -15,7 +17,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Iterable, Sequence
-from typing import final
+from typing import Protocol, final
 
 import trio
 
@@ -39,6 +41,20 @@ class AllocationTimeout(BlockPoolError):
 @final
 class OwnershipError(BlockPoolError):
     """A block was freed or handed over by someone who does not own it, or freed twice."""
+
+
+class Reclaimer(Protocol):
+    """Blocks held only to be reused (the prefix cache, `transport.memory.prefix_cache`), given back
+    when an allocation is short: they count as available."""
+
+    @property
+    def reclaimable(self) -> int:
+        """Blocks `reclaim` could free now."""
+        ...
+
+    def reclaim(self, n_blocks: int) -> int:
+        """Free up to `n_blocks` blocks into the pool (with `BlockPool.free`); returns how many."""
+        ...
 
 
 @final
@@ -72,11 +88,25 @@ class BlockPool:
         # taken and returned by set operations rather than a Python step per block.
         self._owned: dict[str, set[int]] = {}
         self._waiters: deque[_Waiter] = deque()
+        self._reclaimer: Reclaimer | None = None
+
+    def set_reclaimer(self, reclaimer: Reclaimer | None) -> None:
+        """Let `reclaimer` give blocks back when an allocation is short (one at most)."""
+        self._reclaimer = reclaimer
+
+    def reclaimable_changed(self) -> None:
+        """The reclaimer holds more reclaimable blocks: a waiter they satisfy may go on."""
+        self._wake_head()
 
     # ------------------------------------------------------------------ queries
     @property
     def free_blocks(self) -> int:
         return len(self._free)
+
+    @property
+    def available_blocks(self) -> int:
+        """Free blocks plus those the reclaimer would give back for an allocation."""
+        return len(self._free) + (self._reclaimer.reclaimable if self._reclaimer is not None else 0)
 
     @property
     def used_blocks(self) -> int:
@@ -111,7 +141,7 @@ class BlockPool:
     def try_allocate(self, n_blocks: int, owner: str) -> list[int] | None:
         """`n_blocks` blocks for `owner`, or None if not enough are free (or waiters are queued)."""
         self._check_count(n_blocks)
-        if n_blocks > len(self._free) or self._waiters:
+        if self._waiters or not self._make_room(n_blocks):
             return None
         return self._take(n_blocks, owner)
 
@@ -153,7 +183,7 @@ class BlockPool:
             with trio.move_on_at(deadline):
                 while True:
                     await waiter.event.wait()
-                    if self._waiters and self._waiters[0] is waiter and n_blocks <= len(self._free):
+                    if self._waiters and self._waiters[0] is waiter and self._make_room(n_blocks):
                         self._waiters.popleft()
                         ids = self._take(n_blocks, owner)
                         self._wake_head()
@@ -261,6 +291,13 @@ class BlockPool:
         self._owned.setdefault(owner, set()).update(ids)
         return ids
 
+    def _make_room(self, n_blocks: int) -> bool:
+        """Whether `n_blocks` are free, once the reclaimer gave back what it can of the shortfall."""
+        short = n_blocks - len(self._free)
+        if short > 0 and self._reclaimer is not None and self._reclaimer.reclaimable >= short:
+            self._reclaimer.reclaim(short)
+        return n_blocks <= len(self._free)
+
     def _wake_head(self) -> None:
-        if self._waiters and self._waiters[0].n_blocks <= len(self._free):
+        if self._waiters and self._waiters[0].n_blocks <= self.available_blocks:
             self._waiters[0].event.set()
