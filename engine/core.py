@@ -73,6 +73,8 @@ def replica_settings(
     return ReplicaSettings(
         kv_block_size=config.kv.block_size,
         kv_pool_blocks=config.kv.pool_blocks or math.ceil(context / config.kv.block_size),
+        prefix_cache=config.prefix.cache == "on",
+        prefix_cache_blocks=config.prefix.cache_blocks,
         embedding_block_size=config.embedding.block_size,
         embedding_pool_blocks=config.embedding.pool_blocks
         or math.ceil(context / config.embedding.block_size),

@@ -257,6 +257,7 @@ class NodeService:
                     prompt_logprobs=None
                     if outcome.prompt_logprobs is None
                     else prompt_records(outcome.prompt_logprobs),
+                    cached_tokens=outcome.cached_tokens,
                 )
             )
         finally:
@@ -400,4 +401,5 @@ def replica_status(
         pid=pid,
         executor=snap.executor,
         executor_fallbacks=list(snap.executor_fallbacks),
+        prefix_blocks=snap.prefix_blocks,
     )

@@ -120,6 +120,7 @@ class GenerateResult(Message, frozen=True, tag="result"):
     # When asked for: one per generated token; one per prompt token (the first null).
     logprobs: list[TokenLogprob] | None = None
     prompt_logprobs: list[TokenLogprob | None] | None = None
+    cached_tokens: Count = 0  # prompt tokens whose KV came from a prefix cache (docs/prefix-cache.md)
 
 
 class ReplicaStatus(Record, frozen=True):
@@ -149,6 +150,7 @@ class ReplicaStatus(Record, frozen=True):
     # (None without an executor: not loaded, or an encode replica); why a faster path was given up.
     executor: Literal["graphs", "kernels", "eager"] | None = None
     executor_fallbacks: list[str] = msgspec.field(default_factory=list)
+    prefix_blocks: Count = 0  # KV blocks its prefix cache holds (docs/prefix-cache.md)
 
 
 class ClusterView(Record, frozen=True):

@@ -125,10 +125,15 @@ class Reply(msgspec.Struct, frozen=True, kw_only=True):
     """Base of response bodies (written, never read by the node)."""
 
 
+class PromptTokensDetails(Reply, frozen=True, kw_only=True):
+    cached_tokens: int  # prompt tokens whose KV came from a prefix cache
+
+
 class Usage(Reply, frozen=True, kw_only=True):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
 
 
 class CompletionLogprobs(Reply, frozen=True, kw_only=True):

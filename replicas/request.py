@@ -133,6 +133,7 @@ class ServingRequest:
         self.embeds: torch.Tensor | None = None
         self.embed_indices: torch.Tensor | None = None
         self.embedding_route: EmbeddingRoute | None = None  # set by the router for an image request
+        self.cached_tokens = 0  # prompt tokens whose KV came from the prefix cache (not computed)
         self.cancelled = False
         self.ended = False
         self.cancel_reason: CancelReason = "cancel_op"

@@ -19,6 +19,10 @@ class ReplicaSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     embedding_pool_blocks: int = 256
     embedding_default_blocks: int = 8
     embedding_max_grant_blocks: int | None = None
+    # The prefix cache (docs/prefix-cache.md): keep ended requests' full KV blocks for reuse, at most
+    # `prefix_cache_blocks` of them (None: as many as the pool spares).
+    prefix_cache: bool = True
+    prefix_cache_blocks: int | None = None
     max_batch_tokens: int = 4096
     # Chunked prefill: a prompt longer than this runs in chunks of at most this many tokens, other
     # requests' between them (`replicas.prefill.queue`); None: whole prompts.

@@ -47,7 +47,7 @@ class ReplicaSnapshot:
     takes_prefill: bool
     prefill_limit: int | None
     used_blocks: int
-    cached_blocks: int  # KV blocks in use
+    cached_blocks: int  # KV blocks in use (for requests; the prefix cache's unreferenced ones not)
     kv_blocks: int  # KV blocks in all
     total_blocks: int
     loaded_layers: int = 0
@@ -58,6 +58,7 @@ class ReplicaSnapshot:
     paired_with: tuple[str, ...] = ()
     executor: ExecutorPath | None = None
     executor_fallbacks: tuple[str, ...] = ()
+    prefix_blocks: int = 0  # KV blocks its prefix cache holds (docs/prefix-cache.md)
 
     def takes(self, prompt_tokens: int, *, images: bool) -> bool:
         """Whether its state takes a new request of `prompt_tokens` tokens (`images`: with images)."""

@@ -98,6 +98,7 @@ class RemoteReplica:
             executor=status.executor,
             executor_fallbacks=tuple(status.executor_fallbacks),
             serves_weights=report.serves_weights,
+            prefix_blocks=status.prefix_blocks,
         )
 
     async def ask(self, command: ReplicaCommand, *, timeout: float = 30.0) -> Any:

@@ -17,6 +17,7 @@ import msgspec
 from engine.config.base import ConfigError as ConfigError
 from engine.config.base import ReplicaCounts, Section, _doc
 from engine.config.executor import ExecutorConfig
+from engine.config.prefix import PrefixConfig
 from engine.config.scaling import AutoscaleConfig, ClusterConfig
 from engine.control.address import Address, exposed, parse_address, parse_http
 from messages.control import MAX_SEED
@@ -290,6 +291,7 @@ class NodeConfig(Section, frozen=True, kw_only=True):
     ] = None
     log: LogConfig = msgspec.field(default_factory=LogConfig)
     kv: KvConfig = msgspec.field(default_factory=KvConfig)
+    prefix: PrefixConfig = msgspec.field(default_factory=PrefixConfig)
     embedding: EmbeddingConfig = msgspec.field(default_factory=EmbeddingConfig)
     scheduler: SchedulerConfig = msgspec.field(default_factory=SchedulerConfig)
     transfer: TransferConfig = msgspec.field(default_factory=TransferConfig)
@@ -380,6 +382,7 @@ def device_unavailable(device: str) -> str | None:
 FLAG_PREFIXES: Final[dict[str, str]] = {
     "log": "log-",
     "kv": "kv-",
+    "prefix": "prefix-",
     "embedding": "embedding-",
     "scheduler": "",
     "transfer": "transfer-",

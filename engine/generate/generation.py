@@ -78,6 +78,7 @@ class Outcome:
     prompt_ids: list[int] | None = None
     logprobs: list[TokenLogprobs] | None = None
     prompt_logprobs: list[TokenLogprobs | None] | None = None
+    cached_tokens: int = 0
 
 
 @final
@@ -209,6 +210,7 @@ class Generation:
             prompt_ids=list(serving.token_ids or serving.prompt_ids),
             logprobs=None if serving.logprobs is None else self._logprobs(0, len(serving.generated)),
             prompt_logprobs=None if serving.prompt_logprobs is None else self.prompt_logprobs(),
+            cached_tokens=serving.cached_tokens,
         )
 
     def prompt_logprobs(self) -> list[TokenLogprobs | None]:

@@ -7,7 +7,7 @@ Two sources:
   outcome, time to first token, time per output token, end-to-end latency, queue time — and what only a
   disaggregated node has: transfer seconds and bytes per kind (`kv`, `embedding`, `relay`, `weights`),
   ZigZag relays by layer, rounds per transfer,
-  failed transfers, lock events;
+  failed transfers, lock events; prefix-cache queries and hits in prompt tokens (as vLLM's);
 - gauges are read from the live replicas at each scrape (`NodeGauges`): requests running and waiting,
   KV cache usage per replica, blocks used and total, the replica's state and lock, the layers of weights
   it has loaded (every replica, whether it loaded its weights itself or shares the node's copy).
@@ -118,6 +118,12 @@ class NodeMetrics:
         )
         self.transfer_rounds = histogram("transfer_rounds", "Rounds per transfer.", ROUND_BUCKETS, ("kind",))
         self.relays = counter("relays", "ZigZag batches relayed, by the layer handed over at.", ("layer",))
+        self.prefix_queries = counter(
+            "prefix_cache_queries", "Prompt tokens looked up in the prefix caches of this node's replicas."
+        )
+        self.prefix_hits = counter(
+            "prefix_cache_hits", "Prompt tokens found in a prefix cache (their KV was not computed)."
+        )
         self.locks = counter("replica_locks", "Times a replica was locked, by reason.", ("replica", "reason"))
         self._arrivals: dict[str, float] = {}
 
@@ -135,7 +141,13 @@ class NodeMetrics:
                 self.arrived.inc()
                 if request_id is not None:
                     self._arrivals[request_id] = ts
-            case EncodeStarted(request_id=request_id, ts=ts) | PrefillStarted(request_id=request_id, ts=ts):
+            case PrefillStarted(request_id=request_id, ts=ts, tokens=tokens, cached_tokens=cached):
+                self.prefix_queries.inc(tokens)
+                self.prefix_hits.inc(cached)
+                arrived = self._arrivals.pop(request_id or "", None)
+                if arrived is not None:
+                    self.queue.observe(max(0.0, ts - arrived))
+            case EncodeStarted(request_id=request_id, ts=ts):
                 arrived = self._arrivals.pop(request_id or "", None)
                 if arrived is not None:
                     self.queue.observe(max(0.0, ts - arrived))
@@ -231,7 +243,11 @@ class NodeGauges(Collector):
             "Layers of weights a replica has loaded, of its model's total.",
             labels=["replica", "of"],
         )
+        prefix = GaugeMetricFamily(
+            "zigzag:prefix_cache_blocks", "KV blocks a replica's prefix cache holds.", labels=["replica"]
+        )
         for snap in (replica.snapshot() for replica in self._directory.local()):
+            prefix.add_metric([snap.name], snap.prefix_blocks)
             kv_used, kv_total = snap.cached_blocks, snap.kv_blocks
             usage.add_metric([snap.name], kv_used / kv_total if kv_total else 0.0)
             used.add_metric([snap.name], snap.used_blocks)
@@ -240,4 +256,4 @@ class NodeGauges(Collector):
                 state.add_metric([snap.name, name.value], 1.0 if snap.state is name else 0.0)
             locked.add_metric([snap.name], 1.0 if snap.locked else 0.0)
             layers.add_metric([snap.name, str(snap.total_layers)], snap.loaded_layers)
-        yield from (usage, used, total, state, locked, layers)
+        yield from (usage, used, total, state, locked, layers, prefix)

@@ -25,6 +25,7 @@ from messages.openai import (
     Completion,
     CompletionChoice,
     Delta,
+    PromptTokensDetails,
     Reply,
     Usage,
 )
@@ -41,6 +42,7 @@ def usage(outcome: Outcome) -> Usage:
         prompt_tokens=outcome.prompt_tokens,
         completion_tokens=generated,
         total_tokens=outcome.prompt_tokens + generated,
+        prompt_tokens_details=PromptTokensDetails(cached_tokens=outcome.cached_tokens),
     )
 
 

@@ -140,8 +140,9 @@ class EncodeFinished(RequestEvent, frozen=True, kw_only=True, tag="encode_finish
 
 
 class PrefillStarted(RequestEvent, frozen=True, kw_only=True, tag="prefill_started"):
-    tokens: int
+    tokens: int  # the prompt's
     batch_size: int
+    cached_tokens: int = 0  # of `tokens`, those whose KV came from the prefix cache (not computed)
 
 
 class PrefillFinished(RequestEvent, frozen=True, kw_only=True, tag="prefill_finished"):

@@ -30,6 +30,7 @@ from transport.config import TransferConfig
 from transport.endpoint import SenderDelivery, TransferEndpoint, open_endpoint
 from transport.faults import FaultPlan
 from transport.memory.blocks import BlockPool
+from transport.memory.prefix_cache import CACHE_OWNER
 from transport.memory.storage import PoolStorage
 
 
@@ -72,6 +73,10 @@ class _Pools:
     def kv_usage(self) -> tuple[int, int]:
         """(used, total) KV blocks; (0, 0) without a KV cache."""
         return 0, 0
+
+    def prefix_blocks(self) -> int:
+        """KV blocks the prefix cache holds; 0 without a KV cache."""
+        return 0
 
     def free_everything(self) -> int:
         """Return every block to its pool (after a crash, once no transfer can write any more)."""
@@ -146,6 +151,8 @@ class LanguagePools(_Pools):
             block_size=settings.kv_block_size,
             device=device,
             name=f"{name}/kv",
+            prefix_cache=settings.prefix_cache,
+            prefix_cache_blocks=settings.prefix_cache_blocks,
         )
         self.emb: tuple[BlockPool, PoolStorage] | None = None
         if landing:
@@ -159,8 +166,31 @@ class LanguagePools(_Pools):
             name, counted, WeightStaging(name, settings.weights_pool_blocks, device), [self.relay]
         )
 
+    def used_blocks(self) -> int:
+        """Blocks held for requests: cached blocks no request references are as good as free."""
+        return super().used_blocks() - self.kv.prefix.evictable_blocks
+
     def kv_usage(self) -> tuple[int, int]:
-        return self.kv.pool.used_blocks, self.kv.pool.num_blocks
+        return self.kv.pool.used_blocks - self.kv.prefix.evictable_blocks, self.kv.pool.num_blocks
+
+    def prefix_blocks(self) -> int:
+        return self.kv.prefix.cached_blocks
+
+    def leaks(self) -> dict[str, dict[str, int]]:
+        """As `_Pools.leaks`, but the prefix cache's own blocks are kept on purpose: only a borrowing
+        never given back counts (under its owner's name)."""
+        found = super().leaks()
+        kv = found.pop(self.kv.pool.name, {})
+        kv.pop(CACHE_OWNER, None)
+        for owner, blocks in self.kv.prefix.borrowings().items():
+            kv[owner] = kv.get(owner, 0) + blocks
+        if kv:
+            found[self.kv.pool.name] = kv
+        return found
+
+    def free_everything(self) -> int:
+        self.kv.prefix.clear()  # its entries and borrowings go with the blocks
+        return super().free_everything()
 
     async def open(
         self,

@@ -237,6 +237,7 @@ class Replica:
             paired_with=() if facts is None else facts.paired_with,
             executor=None if executor is None else executor.path,
             executor_fallbacks=() if executor is None else tuple(executor.fallbacks),
+            prefix_blocks=pools.prefix_blocks(),
         )
 
     def leaks(self) -> dict[str, dict[str, int]]:

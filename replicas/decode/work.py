@@ -92,7 +92,7 @@ class DecodeWork:
             raise CommandRefused(
                 "overloaded",
                 f"{name}: {kv.blocks_for(command.capacity_tokens)} KV blocks needed, "
-                f"{kv.pool.free_blocks} free",
+                f"{kv.pool.available_blocks} available",
             )
         held = Held(request, table)
         request.holder = name
@@ -194,7 +194,7 @@ class DecodeWork:
             need = kv.blocks_for(request.kv_capacity_tokens(context)) - len(item.table)
             extra = kv.pool.try_allocate(max(0, need), request.request_id)
             if extra is None:
-                kv.pool.free(item.table, request.request_id)
+                kv.release(item.table, request.request_id)
                 request.fail(
                     "overloaded",
                     f"{self._actor.name}: no KV room to decode request {request.request_id} here",
@@ -264,7 +264,7 @@ class DecodeWork:
 
     def _free(self, held: Held) -> None:
         """Blocks back to the pool: room for another migration (a migration queue waiting for it hears)."""
-        self._kv.pool.free(held.table, held.request.request_id)
+        self._kv.release(held.table, held.request.request_id)
         self._changed()
 
     def held(self) -> list[Held]:

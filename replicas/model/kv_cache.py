@@ -20,6 +20,7 @@ from messages.layout import BufferSpec, PoolLayout
 from replicas.model.config import ModelConfig
 from replicas.model.errors import ContextLengthError, InvalidBatchError
 from transport.memory.blocks import BlockPool
+from transport.memory.prefix_cache import PrefixCache
 from transport.memory.storage import PoolStorage, token_rows
 
 DEFAULT_KV_BLOCK_SIZE = 16
@@ -50,9 +51,13 @@ def layer_buffer_names(layers: range) -> list[str]:
 
 @final
 class KVCache:
-    """The KV blocks of one replica. `pool` allocates (owners = request ids); `storage` holds the bytes."""
+    """The KV blocks of one replica. `pool` allocates (owners = request ids); `storage` holds the bytes;
+    `prefix` keeps the full blocks of ended requests for reuse (`transport.memory.prefix_cache`; off
+    unless given). A request's table goes back through `release`, never straight to the pool."""
 
-    def __init__(self, config: ModelConfig, storage: PoolStorage, pool: BlockPool) -> None:
+    def __init__(
+        self, config: ModelConfig, storage: PoolStorage, pool: BlockPool, *, prefix: PrefixCache | None = None
+    ) -> None:
         expected = kv_layout(config, storage.block_size)
         problem = storage.layout.mismatch(expected)
         if problem is not None:
@@ -65,6 +70,9 @@ class KVCache:
         self.config = config
         self.storage = storage
         self.pool = pool
+        self.prefix = prefix if prefix is not None else PrefixCache(pool, enabled=False)
+        if self.prefix.pool is not pool:
+            raise InvalidBatchError("the prefix cache was built over another pool than the KV cache's")
         self.block_size = storage.block_size
         self.num_blocks = storage.num_blocks
         self.device = storage.device
@@ -80,9 +88,19 @@ class KVCache:
         block_size: int = DEFAULT_KV_BLOCK_SIZE,
         device: str | torch.device = "cpu",
         name: str = "kv",
+        prefix_cache: bool = False,
+        prefix_cache_blocks: int | None = None,
     ) -> KVCache:
+        """A KV cache of `num_blocks` blocks; `prefix_cache`: keep ended requests' full blocks (at most
+        `prefix_cache_blocks`; None: as many as the pool spares)."""
         storage = PoolStorage(kv_layout(config, block_size), num_blocks, device=device)
-        return cls(config, storage, BlockPool(num_blocks, block_size, name=name))
+        pool = BlockPool(num_blocks, block_size, name=name)
+        prefix = PrefixCache(pool, max_blocks=prefix_cache_blocks, enabled=prefix_cache)
+        return cls(config, storage, pool, prefix=prefix)
+
+    def release(self, table: Sequence[int], owner: str) -> None:
+        """`owner`'s request ended here: its blocks go back (see `PrefixCache.release`)."""
+        self.prefix.release(owner, table)
 
     def blocks_for(self, tokens: int) -> int:
         """Blocks a sequence of `tokens` tokens needs (the caller allocates before each step)."""

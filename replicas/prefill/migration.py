@@ -171,7 +171,7 @@ class Migrator:
             item.request.finish("cancelled")
 
     def _release(self, item: Held) -> None:
-        self._kv.pool.free(item.table, item.request.request_id)
+        self._kv.release(item.table, item.request.request_id)
         self._queued_at.pop(item.request.request_id, None)
 
     async def _find_destination(self, item: Held) -> tuple[str, str] | None:

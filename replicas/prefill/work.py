@@ -34,6 +34,7 @@ from replicas.inbox import new_command_id
 from replicas.model import KVCache, ModelInputError, PrefillResult, PrefillSequence
 from replicas.ports import Actor, Directory
 from replicas.prefill.embeddings import EmbeddingReceives, release_input
+from replicas.prefill.prefix import PrefixLookup
 from replicas.prefill.queue import Chunk, PromptQueue, schedule
 from replicas.request import ServingRequest
 from replicas.settings import ReplicaSettings
@@ -65,6 +66,7 @@ class PrefillWork:
         self._actor = actor
         self.queue = queue
         self._kv = kv
+        self._prefix = PrefixLookup(kv.prefix)
         self._settings = settings
         self._compute = compute
         self._embeddings = embeddings
@@ -115,7 +117,7 @@ class PrefillWork:
         """Forget the chunks of `request` that ran here: its blocks go back, its prefill starts over."""
         table = self._tables.pop(request.request_id, None)
         if table is not None:
-            self._kv.pool.free(table, request.request_id)
+            self._kv.release(table, request.request_id)
         request.prefilled = 0
         request.prompt_scores = []
 
@@ -139,14 +141,18 @@ class PrefillWork:
             emulated=self._compute.emulated_prefill(tokens, self._compute.num_layers),
         )
 
-    def take_batch(self, *, chunked: bool = True) -> tuple[list[Held], list[PrefillSequence]] | None:
-        """Take the scheduled batch off the queue, its KV blocks allocated, its requests stamped and
-        logged as started; None when no request is ready or the first does not fit. `chunked` false:
-        whole prompts (a ZigZag batch)."""
-        kv, settings = self._kv, self._settings
+    def take_batch(
+        self, *, chunked: bool = True, cached: bool = True
+    ) -> tuple[list[Held], list[PrefillSequence]] | None:
+        """Take the scheduled batch off the queue, its KV blocks allocated — a new prompt's cached prefix
+        borrowed from the prefix cache (`cached`: a batch that runs every layer here; not for a prompt
+        whose log-probabilities are asked), its first chunk then starting after it —, its requests
+        stamped and logged as started; None when no request is ready or the first does not fit.
+        `chunked` false: whole prompts (a ZigZag batch)."""
+        kv, settings, model = self._kv, self._settings, self._compute.model
         planned = schedule(
             self.queue,
-            free_blocks=kv.pool.free_blocks,
+            free_blocks=kv.pool.available_blocks,
             blocks_for=kv.blocks_for,
             max_batch_size=settings.max_batch_size,
             max_batch_tokens=settings.max_batch_tokens,
@@ -154,13 +160,27 @@ class PrefillWork:
         )
         batch: list[Held] = []
         chunks: list[Chunk] = []
+        starting: set[str] = set()
         for chunk in planned:
             request = chunk.request
             table = self._tables.pop(request.request_id, None)
             if table is None:
-                table = kv.pool.try_allocate(kv.blocks_for(request.prompt_tokens), request.request_id)
-            if table is None:
-                break  # the allocator refused (a waiter is queued): the rest waits its turn
+                lookup = cached and model is not None and request.prompt_logprobs is None
+                borrowed = self._prefix.borrow(request, model) if lookup and model is not None else []
+                table = kv.pool.try_allocate(
+                    kv.blocks_for(request.prompt_tokens) - len(borrowed), request.request_id
+                )
+                if table is None:  # the allocator refused (a waiter is queued): the rest waits its turn
+                    self._kv.release(borrowed, request.request_id)
+                    break
+                table = borrowed + table
+                request.cached_tokens = request.prefilled = len(borrowed) * kv.block_size
+                if lookup:
+                    self._prefix.counted(request, request.cached_tokens)
+                if borrowed:  # the chunk starts after the borrowed prefix, as long as planned
+                    stop = min(request.prompt_tokens, request.prefilled + chunk.tokens)
+                    chunk = Chunk(request, request.prefilled, stop)
+                starting.add(request.request_id)
             self.queue.remove(request)
             batch.append(Held(request, table))
             chunks.append(chunk)
@@ -169,16 +189,19 @@ class PrefillWork:
         self._chunks = chunks
         self._changed()  # room in the queue: the router may hand more
         now = time.time()
-        model = self._compute.model
         eos = tuple(model.eos_token_ids) if model is not None else ()
         sequences = []
         for item, chunk in zip(batch, chunks, strict=True):
             request = item.request
-            if chunk.start == 0:
+            if request.request_id in starting:
                 request.eos_token_ids = eos
                 request.stamps.prefill_started = now
                 self._actor.log.bind(request_id=request.request_id).emit(
-                    PrefillStarted(tokens=request.prompt_tokens, batch_size=len(batch))
+                    PrefillStarted(
+                        tokens=request.prompt_tokens,
+                        batch_size=len(batch),
+                        cached_tokens=request.cached_tokens,
+                    )
                 )
             sequences.append(_sequence(item, chunk))
         return batch, sequences
@@ -229,9 +252,10 @@ class PrefillWork:
             self._migrate(item)
 
     def release(self, item: Held) -> None:
-        """`item` ended here: its blocks go back; a relayed request's partner frees the KV of layers
-        `[0, n)` it keeps (the request's end does too, where the partner sees it; this says so)."""
-        self._kv.pool.free(item.table, item.request.request_id)
+        """`item` ended here: its blocks go back (borrowed ones to the prefix cache); a relayed request's
+        partner frees the KV of layers `[0, n)` it keeps (the request's end does too, where the partner
+        sees it; this says so)."""
+        self._kv.release(item.table, item.request.request_id)
         item.request.prefilled = 0
         relay = item.relay
         if relay is not None and relay.layer > 0:

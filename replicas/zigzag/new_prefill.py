@@ -173,7 +173,7 @@ class NewPrefillWork:
             return
 
     def _form_batch(self) -> PartBatch | None:
-        taken = self._prefill.take_batch(chunked=False)
+        taken = self._prefill.take_batch(chunked=False, cached=False)  # its layers run in two places
         if taken is None:
             return None
         items, sequences = taken
@@ -209,7 +209,7 @@ class NewPrefillWork:
         refuse(batch.items, code="bad_request", message=str(error), release=self._free)
 
     def _free(self, item: Held) -> None:
-        self._kv.pool.free(item.table, item.request.request_id)
+        self._kv.release(item.table, item.request.request_id)
 
     def wake_partners(self) -> None:
         for name in self.partners:

@@ -149,7 +149,7 @@ class OldPrefillWork:
             return
         kv = self._kv
         self.asking, self.hinted = True, False
-        self._actor.spawn(self._ask, list(self.partners), kv.pool.free_blocks * kv.block_size)
+        self._actor.spawn(self._ask, list(self.partners), kv.pool.available_blocks * kv.block_size)
 
     async def _ask(self, partners: list[str], room_tokens: int) -> None:
         timeout = self._settings.kv_transfer.handshake_timeout

@@ -100,9 +100,10 @@ class PrefixCache:
         self._unreferenced = 0
         self._clock = itertools.count(1)
         self._leaves: list[tuple[int, bytes]] = []  # heap of (tick, key); stale items skipped
-        # Counters (monotonic): tokens looked up and found, blocks evicted.
-        self.queried_blocks = 0
-        self.hit_blocks = 0
+        # Counters (monotonic): prompt tokens looked up and found (kept by whoever looks up), blocks
+        # evicted.
+        self.queried_tokens = 0
+        self.hit_tokens = 0
         self.evicted_blocks = 0
         if self.enabled:
             pool.set_reclaimer(self)
@@ -136,10 +137,9 @@ class PrefixCache:
     def keys(self) -> list[bytes]:
         return list(self._entries)
 
-    def borrowing(self, owner: str) -> int:
-        """Blocks `owner` borrowed from the cache (0: none, or not tracked)."""
-        record = self._borrowings.get(owner)
-        return 0 if record is None else record.borrowed
+    def borrowings(self) -> dict[str, int]:
+        """Owner → blocks it borrowed and has not released (the leak check reads it)."""
+        return {owner: r.borrowed for owner, r in self._borrowings.items() if r.borrowed}
 
     # ------------------------------------------------------------------ a request's life
     def acquire(self, owner: str, keys: Sequence[bytes], *, limit: int) -> list[int]:
@@ -151,8 +151,6 @@ class PrefixCache:
         if owner in self._borrowings:
             raise ValueError(f"prefix cache: {owner!r} already holds a borrowing")
         count = min(self.match(keys), max(0, limit))
-        self.queried_blocks += len(keys)
-        self.hit_blocks += count
         tick = next(self._clock)
         blocks = []
         for key in keys[:count]:

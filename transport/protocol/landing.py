@@ -200,13 +200,13 @@ class Landings:
     async def _allocate(self, n_blocks: int, liveness: Liveness) -> list[int]:
         if n_blocks == 0:
             return []
-        ids = self.pool.try_allocate(min(n_blocks, self.pool.free_blocks), self.tag)
+        ids = self.pool.try_allocate(min(n_blocks, self.pool.available_blocks), self.tag)
         if ids:
             return ids
         with liveness.local_wait():
             deadline = trio.current_time() + self.config.pressure_timeout
             ids = await self.pool.allocate_wait(1, self.tag, deadline=deadline)
-        return ids + (self.pool.try_allocate(min(n_blocks - 1, self.pool.free_blocks), self.tag) or [])
+        return ids + (self.pool.try_allocate(min(n_blocks - 1, self.pool.available_blocks), self.tag) or [])
 
     def land(self, granted: GrantedRound, tokens: int) -> None:
         """Round `granted` landed `tokens` tokens; owned blocks it did not need go back at once."""

@@ -1,0 +1,24 @@
+"""The config section of the prefix cache and KV-aware routing: `[prefix]` (docs/prefix-cache.md). Part
+of the node's one config tree (`engine.config.NodeConfig`)."""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+import msgspec
+
+from engine.config.base import Section, _doc
+
+
+class PrefixConfig(Section, frozen=True, kw_only=True):
+    cache: Annotated[
+        Literal["on", "off"],
+        _doc(
+            "on: prefill replicas keep the full KV blocks of ended prompts and reuse the longest cached "
+            "prefix of a new one (evicted least recently used, only when blocks are needed); off"
+        ),
+    ] = "on"
+    cache_blocks: Annotated[
+        Annotated[int, msgspec.Meta(ge=0, le=1 << 24)] | None,
+        _doc("the most KV blocks a replica's prefix cache keeps (default: as many as its pool spares)"),
+    ] = None

@@ -1,0 +1,111 @@
+"""A prompt's blocks in the prefix cache (architecture §4.1, docs/prefix-cache.md): its keys, what it
+borrows before its prefill, and the prefill of the rest.
+
+`PrefixLookup` is the prefill replica's side of its `PrefixCache`: `borrow` looks a prompt's full blocks
+up and borrows the longest cached prefix — at most all but the prompt's last token, which must run to
+sample the first token — and `sequence` is the prefill of the remaining tokens after it (the executor
+writes their KV at `cached_tokens` on, attending to the borrowed blocks). The blocks go back through
+`PrefixCache.release` when the request ends here, whoever holds it then.
+
+A block's key (`transport.memory.prefix_cache.block_keys`) covers the model's identity (name, dtype,
+kernels, config), its parent's key, its token ids and, from the block where an image's rows begin, the
+digests of the request's images up to there (grid and landed embedding rows): an image changes the key
+of every block from its own on.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import final
+
+import torch
+
+from replicas.model import ImageGrid, Model, PrefillSequence
+from replicas.request import ServingRequest
+from transport.memory.prefix_cache import PrefixCache, block_keys
+
+
+def model_identity(model: Model) -> bytes:
+    """What makes two replicas' KV for the same tokens the same: the model, its dtype and its kernels."""
+    text = f"{model.name}|{model.dtype}|{model.kernels}|{model.batch_invariant}|{model.config!r}"
+    return hashlib.blake2b(text.encode(), digest_size=16).digest()
+
+
+def image_digest(grid: ImageGrid, rows: torch.Tensor) -> bytes:
+    """An image's digest: its patch grid and the embedding rows that landed for it (what its KV is
+    computed from — an altered transfer gives another digest, never a wrong hit)."""
+    digest = hashlib.blake2b(digest_size=16)
+    digest.update(f"{grid.t}x{grid.h}x{grid.w}|{rows.dtype}".encode())
+    digest.update(rows.detach().cpu().contiguous().numpy().tobytes())
+    return digest.digest()
+
+
+def image_extras(request: ServingRequest, block_size: int) -> list[bytes]:
+    """Per full block: the digests of the images whose rows begin at or before its end (empty for a
+    text request)."""
+    if not request.images:
+        return []
+    embeds, indices = request.embeds, request.embed_indices
+    if embeds is None or indices is None or len(request.image_grids) != len(request.images):
+        raise ValueError(f"request {request.request_id}: its images are not laid out yet")
+    indices = torch.as_tensor(indices, dtype=torch.int64)
+    starts: list[int] = []
+    digests: list[bytes] = []
+    row = 0
+    for grid in request.image_grids:
+        starts.append(int(indices[row]) if grid.rows else 0)
+        digests.append(image_digest(grid, embeds[row : row + grid.rows]))
+        row += grid.rows
+    extras = []
+    for index in range(request.prompt_tokens // block_size):
+        end = (index + 1) * block_size
+        extras.append(b"".join(d for d, start in zip(digests, starts) if start < end))
+    return extras
+
+
+def prompt_keys(request: ServingRequest, model: bytes, block_size: int) -> list[bytes]:
+    """The keys of the full blocks of `request`'s laid-out prompt."""
+    return block_keys(model, request.token_ids, block_size, image_extras(request, block_size))
+
+
+@final
+class PrefixLookup:
+    """See the module docstring."""
+
+    def __init__(self, cache: PrefixCache) -> None:
+        self.cache = cache
+
+    def borrow(self, request: ServingRequest, model: Model) -> list[int]:
+        """Borrow the cached prefix of `request`'s prompt (its block ids; empty when the cache is off)
+        and remember its full blocks' keys for `release`."""
+        cache = self.cache
+        if not cache.enabled:
+            return []
+        block_size = cache.pool.block_size
+        keys = prompt_keys(request, model_identity(model), block_size)
+        return cache.acquire(request.request_id, keys, limit=(request.prompt_tokens - 1) // block_size)
+
+    def counted(self, request: ServingRequest, cached_tokens: int) -> None:
+        """`request` started with `cached_tokens` from the cache: count it (Prometheus, `status`)."""
+        self.cache.queried_tokens += request.prompt_tokens
+        self.cache.hit_tokens += cached_tokens
+
+
+def suffix_sequence(request: ServingRequest, table: list[int], cached_tokens: int) -> PrefillSequence:
+    """The prefill of `request`'s prompt after its first `cached_tokens` (whose KV is in `table`)."""
+    start = cached_tokens
+    embeds, embed_indices = request.embeds, request.embed_indices
+    if start and embeds is not None and embed_indices is not None:
+        indices = torch.as_tensor(embed_indices, dtype=torch.int64)
+        keep = indices >= start
+        embeds, embed_indices = embeds[keep], indices[keep] - start
+    positions = request.positions
+    return PrefillSequence(
+        block_table=table,
+        token_ids=request.token_ids[start:],
+        cached_tokens=start,
+        positions=None if positions is None else positions[start:],
+        embeds=embeds,
+        embed_indices=embed_indices,
+        sampling=request.sampling,
+    )
