@@ -44,6 +44,7 @@ from replicas.emulation import EmulatedSpeed
 from replicas.fabric import Fabric
 from replicas.faults import FaultHooks
 from replicas.inbox import new_command_id
+from replicas.prefill.prefix import routing_keys
 from replicas.request import ServingRequest
 from replicas.settings import ReplicaSettings
 from replicas.signals import Changes, Subscribers
@@ -148,6 +149,8 @@ class NodeCore:
             settings=self.settings,
             max_queue=config.scheduler.max_queue,
             queue_wait=config.scheduler.queue_wait,
+            route_weight=config.prefix.route_weight if config.prefix.cache == "on" else 0.0,
+            prefix_keys=self._prefix_keys,
         )
         self.changes.watch(self.router.dispatch)
         # Requests a replica gives back (its role changed before they started).
@@ -164,6 +167,11 @@ class NodeCore:
         self._indices = {role: itertools.count(0) for role in ROLES}
         # Held by a `scale` op while it runs (`engine.scaling`): scales apply one after another.
         self.scale_lock = trio.Lock()
+
+    def _prefix_keys(self, request: ServingRequest) -> list[bytes]:
+        """`request`'s prompt block keys for KV-aware routing (none before the model is loaded)."""
+        model = self.host.loaded
+        return [] if model is None else routing_keys(request, model, self.config.kv.block_size)
 
     def identity(self) -> ClusterIdentity:
         """What every node of this node's cluster must serve alike."""

@@ -1,7 +1,9 @@
 """The router: admission, first-come-first-served dispatch to prefill replicas, cancellation.
 
-Admitted requests wait in one FCFS queue until a replica in `Prefill` takes them; the replica with the
-fewest queued prompt tokens gets the next one, and a replica's own queue holds at most its next batch
+Admitted requests wait in one FCFS queue until a replica in `Prefill` takes them; the cheapest replica
+gets the next one — KV-aware (docs/prefix-cache.md): cost = `route_weight` × the prompt's blocks it would
+compute (those not in its prefix cache) + the blocks queued there, fewest queued prompt tokens on a tie —
+and a replica's own queue holds at most its next batch
 (`max_batch_tokens` prompt tokens), so a backlog stays here, where a replica that starts serving later
 takes its share. A request sent while replicas are still loading simply
 waits here. A replica that stops taking work (role change) hands its unstarted requests back; they go
@@ -61,10 +63,18 @@ class Router:
         settings: ReplicaSettings,
         max_queue: int,
         queue_wait: float = 60.0,
+        route_weight: float = 1.0,
+        prefix_keys: Callable[[ServingRequest], list[bytes]] = lambda request: [],
     ) -> None:
+        """`prefix_keys`: a request's prompt block keys as the prefill replicas' prefix caches key them
+        (empty: routing by queue alone)."""
         self._directory = directory
         self._log = log
         self._budget = settings.max_batch_tokens
+        self._block_size = settings.kv_block_size
+        self._route_weight = route_weight
+        self._prefix_keys = prefix_keys
+        self._keys: dict[str, list[bytes]] = {}  # request id -> its keys, while it waits here
         self.max_queue = max_queue
         self.queue_wait = queue_wait
         self.requests: dict[str, ServingRequest] = {}
@@ -195,6 +205,7 @@ class Router:
                     self.pending.appendleft(request)
                     return
                 self._queued_at.pop(request.request_id, None)
+                self._keys.pop(request.request_id, None)
         finally:
             self.pending.extendleft(reversed(waiting_for_encoder))
 
@@ -219,18 +230,31 @@ class Router:
         return True
 
     def _choose_prefill(self, request: ServingRequest) -> PeerReplica | None:
-        """The prefill replica with the fewest queued prompt tokens that takes `request` and has room
-        (this node's first on a tie)."""
-        tokens, images = request.prompt_tokens, request.needs_embeddings
-        best: tuple[int, bool, PeerReplica] | None = None
+        """The cheapest prefill replica that takes `request` and has room (see the module docstring;
+        fewest queued prompt tokens, then this node's, on a tie)."""
+        tokens, images = request.prompt_tokens or len(request.prompt_ids), request.needs_embeddings
+        candidates = []
         local = len(self._directory.local())
         for index, peer in enumerate(self._everyone()):
             snap = peer.snapshot()
             if snap.has_room(tokens, self._budget) and snap.takes(tokens, images=images):
-                key = (snap.queued_prompt_tokens, index >= local, peer)
-                if best is None or key[:2] < best[:2]:
-                    best = key
-        return None if best is None else best[2]
+                candidates.append((snap.queued_prompt_tokens, index >= local, peer))
+        if len(candidates) < 2:
+            return candidates[0][2] if candidates else None
+        keys: list[bytes] = []
+        if self._route_weight > 0:
+            keys = self._keys.get(request.request_id) or self._keys.setdefault(
+                request.request_id, self._prefix_keys(request)
+            )
+        blocks = -(-tokens // self._block_size)
+        best: tuple[float, int, bool, PeerReplica] | None = None
+        for queued, remote, peer in candidates:
+            held = peer.prefix_match(keys) if keys else 0
+            cost = self._route_weight * (blocks - held) + -(-queued // self._block_size)
+            key = (cost, queued, remote, peer)
+            if best is None or key[:3] < best[:3]:
+                best = key
+        return None if best is None else best[3]
 
     def _choose_encoder(self) -> PeerReplica | None:
         """The encode replica with the least image load (this node's first on a tie)."""
@@ -280,6 +304,7 @@ class Router:
 
     def _forget(self, request: ServingRequest) -> None:
         self._queued_at.pop(request.request_id, None)
+        self._keys.pop(request.request_id, None)
         self._held.discard(request.request_id)
         self.requests.pop(request.request_id, None)
         if not self.requests:

@@ -10,6 +10,7 @@ its `Courier` (the member).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, Protocol, final
 
 from messages.cluster import ReplicaReport
@@ -105,6 +106,10 @@ class RemoteReplica:
         """Run `command` on the replica's node; raises `CommandRefused` (`replica_failed` when its node
         does not answer within `timeout`)."""
         return await self.member.run_command(self, command, timeout=timeout)
+
+    def prefix_match(self, keys: Sequence[bytes]) -> int:
+        """Another node's prefix cache is not reported (yet): nothing is known to be held there."""
+        return 0
 
     def submit(self, request: ServingRequest) -> bool:
         """Send `request` to this replica's queue; the node answers `Returned` when the replica does not

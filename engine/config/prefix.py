@@ -22,3 +22,12 @@ class PrefixConfig(Section, frozen=True, kw_only=True):
         Annotated[int, msgspec.Meta(ge=0, le=1 << 24)] | None,
         _doc("the most KV blocks a replica's prefix cache keeps (default: as many as its pool spares)"),
     ] = None
+    route_weight: Annotated[
+        float,
+        msgspec.Meta(ge=0, le=1e6),
+        _doc(
+            "KV-aware routing: a prefill replica's cost is this × the prompt's blocks it would compute (not "
+            "in its prefix cache) + the blocks queued there; the cheapest takes the request (0: the "
+            "shortest queue alone)"
+        ),
+    ] = 1.0

@@ -24,7 +24,7 @@ the replica's requests and frees its blocks.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from contextlib import AsyncExitStack
 from typing import Any, assert_never, final
 
@@ -270,6 +270,11 @@ class Replica:
     def tell(self, command: ReplicaCommand) -> None:
         """Send `command` without waiting for its outcome."""
         self.post(Envelope(command))
+
+    def prefix_match(self, keys: Sequence[bytes]) -> int:
+        """How many leading `keys` its prefix cache holds (0 without a KV cache)."""
+        pools = self._pools
+        return pools.kv.prefix.match(keys) if isinstance(pools, LanguagePools) else 0
 
     def submit(self, request: ServingRequest) -> bool:
         """Queue `request` for this replica's role; False when it takes no new work now — also while its

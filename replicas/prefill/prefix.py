@@ -68,6 +68,17 @@ def prompt_keys(request: ServingRequest, model: bytes, block_size: int) -> list[
     return block_keys(model, request.token_ids, block_size, image_extras(request, block_size))
 
 
+def routing_keys(request: ServingRequest, model: Model, block_size: int) -> list[bytes]:
+    """The keys of `request`'s full prompt blocks as far as they are known before its images are laid
+    out: every full block of a text prompt; of an image request, the blocks before its first image
+    (they hold no image rows, so their keys are the ones its prefill replica will compute)."""
+    ids = request.token_ids if request.prompt_ready else request.prompt_ids
+    image_token = model.config.image_token_id
+    if request.has_images and image_token is not None:
+        ids = ids[: ids.index(image_token)] if image_token in ids else ids
+    return block_keys(model_identity(model), ids, block_size)
+
+
 @final
 class PrefixLookup:
     """See the module docstring."""

@@ -107,3 +107,36 @@ async def test_health_is_503_while_no_replica_can_serve(tmp_path: Path) -> None:
             reply = await http.get("/health")
             assert reply.status_code == 503
             assert reply.json()["error"]["message"] == "no prefill and decode replica serve yet"
+
+
+async def test_a_second_chat_turn_reports_its_cached_prefix(
+    client: openai.AsyncOpenAI, http: httpx.AsyncClient
+) -> None:
+    """The first turn's prompt blocks stay in the prefill replica's prefix cache: the second turn, whose
+    prompt starts with the first's, reports them as cached (OpenAI's usage and the Prometheus counters)."""
+    before = samples((await http.get("/metrics")).text)
+    messages = [
+        {"role": "system", "content": "You are a terse assistant who answers in one short line."},
+        {"role": "user", "content": "Name a colour."},
+    ]
+    first = await client.chat.completions.create(model="tiny", messages=messages, max_tokens=6, temperature=0)  # type: ignore[arg-type]
+    assert first.usage is not None and first.usage.prompt_tokens_details is not None
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    messages += [
+        {"role": "assistant", "content": first.choices[0].message.content or ""},
+        {"role": "user", "content": "And another?"},
+    ]
+    second = await client.chat.completions.create(
+        model="tiny", messages=messages, max_tokens=6, temperature=0
+    )  # type: ignore[arg-type]
+    assert second.usage is not None and second.usage.prompt_tokens_details is not None
+    cached = second.usage.prompt_tokens_details.cached_tokens
+    assert cached == first.usage.prompt_tokens // 16 * 16 > 0  # the first prompt's full blocks
+    after = samples((await http.get("/metrics")).text)
+
+    def grew(name: str) -> float:
+        return after[(f"zigzag:{name}", ())] - before.get((f"zigzag:{name}", ()), 0.0)
+
+    assert grew("prefix_cache_queries_total") == first.usage.prompt_tokens + second.usage.prompt_tokens
+    assert grew("prefix_cache_hits_total") == cached
+    assert sum(value for (name, _), value in after.items() if name == "zigzag:prefix_cache_blocks") > 0

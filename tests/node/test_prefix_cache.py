@@ -15,7 +15,7 @@ from engine.client import ControlClient
 from messages.control_replies import GenerateResult
 from replicas.model import ByteTokenizer, Model, encode_prompt
 from tests.epd.images import image_input, image_with_rows, reference
-from tests.node.harness import by_name, default_transport, node_process, wait_idle, wait_serving
+from tests.node.harness import by_name, default_transport, node_process, wait_idle, wait_serving, wait_states
 from tests.node.workload import Ask, check_outcome, send
 from tests.waiting import deadline
 
@@ -100,3 +100,36 @@ async def test_cache_off(tmp_path: Path, tiny: Model) -> None:
     assert (first.result.cached_tokens, second.result.cached_tokens) == (0, 0)
     assert check_outcome(tiny, second, transport=default_transport()) == []
     assert by_name(status)["prefill-0"].prefix_blocks == 0
+
+
+async def test_the_router_sends_a_prompt_to_the_replica_holding_its_prefix(
+    tmp_path: Path, tiny: Model
+) -> None:
+    """prefill-1 alone computes a prompt (prefill-0 shut meanwhile); once both serve, the prompt's next
+    turn goes to prefill-1, which holds its blocks — on a tie the router picks prefill-0, as a new
+    prompt shows."""
+    rng = random.Random(9)
+    first = Ask(input_ids=_ids(rng, tiny, 80), max_tokens=3, ignore_eos=True)
+    assert first.input_ids is not None
+    follow_up = Ask(input_ids=(*first.input_ids, *_ids(rng, tiny, 20)), max_tokens=3, ignore_eos=True)
+    fresh = Ask(input_ids=_ids(rng, tiny, 80), max_tokens=3, ignore_eos=True)
+    with node_process(tmp_path, "--replicas", "prefill=2,decode=1") as node:
+        async with node.client() as client:
+            await wait_serving(client)
+            with deadline("prefill-0 shut", 30):
+                await client.transition("prefill-0", "ShuttingPrefill")
+                await wait_states(client, {"prefill-0": "ShuttingNull"})
+            alone = await send(client, first)
+            with deadline("prefill-0 serving again", 30):
+                await client.transition("prefill-0", "AusPrefill")
+                await wait_states(client, {"prefill-0": "Prefill"})
+            routed = await send(client, follow_up)
+            other = await send(client, fresh)
+            await wait_idle(client)
+        where = {e["request_id"]: e["replica"] for e in node.events("prefill_started")}
+    assert where[alone.result.request_id] == "prefill-1"
+    assert where[routed.result.request_id] == "prefill-1"
+    assert routed.result.cached_tokens == 80 // BLOCK * BLOCK
+    assert where[other.result.request_id] == "prefill-0"
+    for outcome in (alone, routed, other):
+        assert check_outcome(tiny, outcome, transport=default_transport()) == []
