@@ -66,6 +66,21 @@ class NodeRecord(Record, frozen=True):
 
 
 # ---------------------------------------------------------------------------------------------- reports
+class PrefixDelta(Record, frozen=True):
+    """The block keys a replica's prefix cache holds (docs/prefix-cache.md), as a change from the
+    `base` version its node last broadcast to `version`: keys `added` and `removed`. `base` None: a
+    whole view — `added` is every key it reports (at most the most recently used `MAX_PREFIX_KEYS`). A
+    reader whose version is not `base` knows nothing of the replica's cache until the next whole view."""
+
+    version: int
+    base: int | None
+    added: list[bytes] = msgspec.field(default_factory=list)
+    removed: list[bytes] = msgspec.field(default_factory=list)
+
+
+MAX_PREFIX_KEYS = 1024  # keys in one report: a delta's added + removed, or a whole view
+
+
 class ReplicaReport(Record, frozen=True):
     """One replica as its node reports it to the others: its `status` (as that node's `status` shows
     it, with `node` and `pid`), its configured `role`, and what routing and the planner read."""
@@ -80,6 +95,7 @@ class ReplicaReport(Record, frozen=True):
     serves_weights: bool = (
         False  # holds fully loaded weights another node's replica may copy (docs/weights.md)
     )
+    prefix: PrefixDelta | None = None  # a language replica's prefix cache
 
 
 class StampsRecord(Record, frozen=True):
@@ -139,6 +155,7 @@ class RequestSnapshot(Record, frozen=True):
     # Where the request asked for them: one per generated token; one per prompt token (the first null).
     generated_logprobs: list[TokenLogprob] = msgspec.field(default_factory=list)
     prompt_logprobs: list[TokenLogprob | None] = msgspec.field(default_factory=list)
+    cached_tokens: int = 0
 
 
 class LoadTotals(Record, frozen=True):

@@ -41,7 +41,7 @@ from engine.cluster.membership import Membership
 from engine.cluster.ops import ClusterOps, Handle
 from engine.cluster.peers import PeerLinks
 from engine.cluster.remote import RemoteReplica
-from engine.cluster.reports import build_report, node_record
+from engine.cluster.reports import build_report, node_record, prefix_versions
 from engine.cluster.requests import ended_forward, merge_snapshot, mirror, snapshot
 from engine.control.errors import RequestFailed
 from engine.core import NodeCore
@@ -116,6 +116,8 @@ class ClusterMember:
         self._nursery: trio.Nursery | None = None
         # node -> the lease this member knows it under (`engine.cluster.frames` checks frames against it)
         self.incarnations: dict[str, int] = {}
+        # Replica name → the prefix-cache version the last broadcast brought the others to.
+        self._prefix_versions: dict[str, int] = {}
         self._token_hooks: dict[str, Callable[[int, Sequence[int]], None]] = {}  # mirror → its token relay
         self.pid = os.getpid()
         core.directory.serve_remote(self.peer_replicas)
@@ -254,17 +256,24 @@ class ClusterMember:
             seen, checked_at = core.changes.count, trio.current_time()
             self.frames.expire()
             report = self._report()
-            if report != last or checked_at - sent_at >= REPORT_HEARTBEAT:
+            heartbeat = checked_at - sent_at >= REPORT_HEARTBEAT
+            if report != last or heartbeat:
+                if heartbeat:  # prefix caches as whole views: a peer that missed a delta catches up
+                    report = self._report(whole=True)
                 self.peers.broadcast(self.other_nodes(), report)
                 last, sent_at = report, checked_at
+                self._prefix_versions = prefix_versions(report)
             # The etcd record holds the replicas and addresses: re-written when they change.
             facts = (sorted(core.directory), core.control_address, core.http_url)
             if facts != registered and self.membership.state == "ok":
                 registered = facts
                 await self.membership.update(self._record(self.peers.address or ""))
 
-    def _report(self) -> Report:
-        return build_report(self.core, pid=self.pid, load=self.load())
+    def _report(self, *, whole: bool = False) -> Report:
+        """This node's report; each prefix cache as a delta from what the last broadcast said, or
+        (`whole`) as a whole view."""
+        since = None if whole else self._prefix_versions
+        return build_report(self.core, pid=self.pid, load=self.load(), prefix_since=since)
 
     def _record(self, peer_address: str) -> NodeRecord:
         return node_record(
@@ -307,7 +316,7 @@ class ClusterMember:
                 self.frames.release(node)
                 # What this node serves, and where its endpoints listen, to the new incarnation now:
                 # its reservations need them (the heartbeat would tell it within a second).
-                self.peers.send(node, self._report())
+                self.peers.send(node, self._report(whole=True))
         for node in [n for n in self.incarnations if n not in members]:
             self._node_gone(node, "its lease ended: it stopped or was cut off")
         self.core.changes.notify()

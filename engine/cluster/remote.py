@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, Protocol, final
 
-from messages.cluster import ReplicaReport
+from messages.cluster import PrefixDelta, ReplicaReport
 from messages.commands import ReplicaCommand
 from replicas.inbox import CommandRefused
 from replicas.request import ServingRequest
@@ -41,10 +41,31 @@ class RemoteReplica:
         self.report = report
         # Prompt tokens this node sent it since its last report (the router's estimate of its queue).
         self.submitted_tokens = 0
+        # The block keys its prefix cache holds as far as reports told (None: unknown until a whole view).
+        self.prefix_keys: set[bytes] = set()
+        self.prefix_version: int | None = None
+        self._take_prefix(report.prefix)
 
     def update(self, report: ReplicaReport) -> None:
         self.report = report
         self.submitted_tokens = 0
+        self._take_prefix(report.prefix)
+
+    def _take_prefix(self, delta: PrefixDelta | None) -> None:
+        """Apply a report's prefix-cache delta. The changes are net, newest first wins: a delta from an
+        older base applies on a newer view too. A delta from a base this node never saw leaves the view
+        unknown (empty) until the next whole view."""
+        version = self.prefix_version
+        if delta is None:
+            self.prefix_keys, self.prefix_version = set(), None
+        elif delta.base is None:
+            self.prefix_keys, self.prefix_version = set(delta.added), delta.version
+        elif version is not None and delta.base <= version:
+            self.prefix_keys.difference_update(delta.removed)
+            self.prefix_keys.update(delta.added)
+            self.prefix_version = max(version, delta.version)
+        else:
+            self.prefix_keys, self.prefix_version = set(), None
 
     @property
     def name(self) -> str:
@@ -108,8 +129,13 @@ class RemoteReplica:
         return await self.member.run_command(self, command, timeout=timeout)
 
     def prefix_match(self, keys: Sequence[bytes]) -> int:
-        """Another node's prefix cache is not reported (yet): nothing is known to be held there."""
-        return 0
+        """How many leading `keys` its prefix cache holds, as its node last reported."""
+        held, count = self.prefix_keys, 0
+        for key in keys:
+            if key not in held:
+                break
+            count += 1
+        return count
 
     def submit(self, request: ServingRequest) -> bool:
         """Send `request` to this replica's queue; the node answers `Returned` when the replica does not

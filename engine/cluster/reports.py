@@ -5,15 +5,26 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Mapping
 
 from engine.core import NodeCore
 from engine.service import replica_status
-from messages.cluster import LoadTotals, NodeCapacity, NodeRecord, ReplicaEntry, ReplicaReport, Report
+from messages.cluster import (
+    LoadTotals,
+    NodeCapacity,
+    NodeRecord,
+    PrefixDelta,
+    ReplicaEntry,
+    ReplicaReport,
+    Report,
+)
 from replicas.snapshot import ReplicaSnapshot
 from replicas.states import SETTLED, STATES
 
 
-def replica_report(snap: ReplicaSnapshot, *, transport: str, node: str, pid: int) -> ReplicaReport:
+def replica_report(
+    snap: ReplicaSnapshot, *, transport: str, node: str, pid: int, prefix: PrefixDelta | None = None
+) -> ReplicaReport:
     return ReplicaReport(
         status=replica_status(snap, transport=transport, node=node, pid=pid),
         role=snap.role,
@@ -24,16 +35,27 @@ def replica_report(snap: ReplicaSnapshot, *, transport: str, node: str, pid: int
         # Cross-node work goes to replicas serving plainly (ZigZag pairs stay within their node).
         takes_work=snap.state in SETTLED and STATES[snap.state].role != "decode" and snap.running,
         serves_weights=snap.serves_weights,
+        prefix=prefix,
     )
 
 
-def build_report(core: NodeCore, *, pid: int, load: LoadTotals) -> Report:
-    """Node `core`'s report (its process `pid`, its `load` counters)."""
+def build_report(
+    core: NodeCore, *, pid: int, load: LoadTotals, prefix_since: Mapping[str, int] | None = None
+) -> Report:
+    """Node `core`'s report (its process `pid`, its `load` counters); each replica's prefix cache as a
+    delta from the version in `prefix_since` (None, or a replica not in it: a whole view)."""
     router, transport = core.router, core.fabric.kind
+    since = prefix_since or {}
     return Report(
         accepting=router.accepting,
         replicas=[
-            replica_report(r.snapshot(), transport=transport, node=core.node_id, pid=pid)
+            replica_report(
+                r.snapshot(),
+                transport=transport,
+                node=core.node_id,
+                pid=pid,
+                prefix=r.prefix_delta(since.get(r.name) if prefix_since is not None else None),
+            )
             for r in core.directory.local()
         ],
         endpoints=core.fabric.local_addresses,
@@ -41,6 +63,11 @@ def build_report(core: NodeCore, *, pid: int, load: LoadTotals) -> Report:
         pending_tokens=router.pending_tokens,
         load=load,
     )
+
+
+def prefix_versions(report: Report) -> dict[str, int]:
+    """Replica name → the prefix-cache version `report` brings its readers to."""
+    return {e.status.name: e.prefix.version for e in report.replicas if e.prefix is not None}
 
 
 def node_record(core: NodeCore, *, node_id: str, pid: int, lease: int, peer_address: str) -> NodeRecord:

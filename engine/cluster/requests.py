@@ -58,6 +58,7 @@ def snapshot(request: ServingRequest, origin: str, *, images: bool) -> RequestSn
         embedding_transfer_id=None if route is None else route.transfer_id,
         generated_logprobs=records(request.generated_logprobs),
         prompt_logprobs=prompt_records(request.prompt_scores),
+        cached_tokens=request.cached_tokens,
     )
 
 
@@ -95,6 +96,7 @@ def merge_snapshot(request: ServingRequest, snap: RequestSnapshot) -> None:
     merge_stamps(request, snap.stamps)
     merge_transfers(request, snap.transfers)
     request.relay = request.relay or snap.relay
+    request.cached_tokens = max(request.cached_tokens, snap.cached_tokens)
     if snap.stop_at is not None and request.stop_at is None:
         request.stop_at = snap.stop_at
     if snap.embedding_encoder is not None and snap.embedding_transfer_id is not None:

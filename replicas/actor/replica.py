@@ -30,6 +30,7 @@ from typing import Any, assert_never, final
 
 import trio
 
+from messages.cluster import MAX_PREFIX_KEYS, PrefixDelta
 from messages.commands import (
     AddRelayPartner,
     DropKVHalf,
@@ -275,6 +276,19 @@ class Replica:
         """How many leading `keys` its prefix cache holds (0 without a KV cache)."""
         pools = self._pools
         return pools.kv.prefix.match(keys) if isinstance(pools, LanguagePools) else 0
+
+    def prefix_delta(self, since: int | None) -> PrefixDelta | None:
+        """What its prefix cache holds, as a change from version `since` (a whole view when `since`
+        is None or too old; `MAX_PREFIX_KEYS` keys at most); None without a KV cache."""
+        pools = self._pools
+        if not isinstance(pools, LanguagePools):
+            return None
+        cache = pools.kv.prefix
+        changes = None if since is None else cache.changes_since(since, limit=MAX_PREFIX_KEYS)
+        if changes is None:
+            return PrefixDelta(version=cache.version, base=None, added=cache.recent_keys(MAX_PREFIX_KEYS))
+        added, removed = changes
+        return PrefixDelta(version=cache.version, base=since, added=added, removed=removed)
 
     def submit(self, request: ServingRequest) -> bool:
         """Queue `request` for this replica's role; False when it takes no new work now — also while its

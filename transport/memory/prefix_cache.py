@@ -16,6 +16,10 @@ allocation of the pool is short of blocks (the cache is the pool's `Reclaimer`),
 within `max_blocks`. Unreferenced cached blocks therefore count as available (`BlockPool.available_
 blocks`): with the cache on, every allocation that would have fit without it still fits.
 
+Reporting: every key cached or evicted bumps `version` and enters a bounded journal; `changes_since`
+gives the net keys added and removed after a version (what a node tells the others, as deltas), or None
+when the journal no longer reaches back — the reader then takes `recent_keys`, a bounded whole view.
+
 Invariants (checked by `check_invariants`, exercised by the hypothesis state machine):
 - every entry's block is owned by `CACHE_OWNER`, and the owner holds exactly the entries' blocks;
 - an entry's parent is cached; `children` counts the cached entries naming it as parent;
@@ -30,6 +34,7 @@ from __future__ import annotations
 import hashlib
 import heapq
 import itertools
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import final
@@ -38,6 +43,7 @@ from transport.memory.blocks import BlockPool
 
 CACHE_OWNER = "prefix-cache"
 KEY_BYTES = 32
+JOURNAL = 8192  # changes kept for `changes_since`
 
 
 def block_keys(
@@ -100,6 +106,8 @@ class PrefixCache:
         self._unreferenced = 0
         self._clock = itertools.count(1)
         self._leaves: list[tuple[int, bytes]] = []  # heap of (tick, key); stale items skipped
+        self.version = 0
+        self._journal: deque[tuple[int, bool, bytes]] = deque(maxlen=JOURNAL)  # (version, added, key)
         # Counters (monotonic): prompt tokens looked up and found (kept by whoever looks up), blocks
         # evicted.
         self.queried_tokens = 0
@@ -190,6 +198,7 @@ class PrefixCache:
                 break
             block = own[offset]
             self._entries[key] = _Entry(block, parent, tick=tick)
+            self._note(True, key)
             self._unreferenced += 1
             if parent is not None:
                 self._entries[parent].children += 1
@@ -226,6 +235,7 @@ class PrefixCache:
             if entry is None or entry.refs or entry.children or entry.tick != tick:
                 continue  # stale: evicted, referenced again, grown a child, or used since
             del self._entries[key]
+            self._note(False, key)
             self._unreferenced -= 1
             freed.append(entry.block)
             if entry.parent is not None:
@@ -243,7 +253,37 @@ class PrefixCache:
         self._borrowings.clear()
         self._leaves.clear()
         self._unreferenced = 0
+        self.version += 1
+        self._journal.clear()  # no reader can follow this by deltas: they take the whole view
         return self.pool.free_owner(CACHE_OWNER)
+
+    # ------------------------------------------------------------------ reporting
+    def changes_since(self, version: int, *, limit: int) -> tuple[list[bytes], list[bytes]] | None:
+        """The keys cached and evicted after `version` (net of each other), or None when the journal
+        does not reach back that far or they are more than `limit` in all."""
+        if version == self.version:
+            return [], []
+        if version > self.version or not self._journal or self._journal[0][0] > version + 1:
+            return None
+        added: dict[bytes, None] = {}
+        removed: dict[bytes, None] = {}
+        for changed, was_added, key in reversed(self._journal):
+            if changed <= version:
+                break
+            if key not in added and key not in removed:  # the newest change of each key wins
+                (added if was_added else removed)[key] = None
+        if len(added) + len(removed) > limit:
+            return None
+        return list(reversed(added)), list(reversed(removed))
+
+    def recent_keys(self, limit: int) -> list[bytes]:
+        """At most `limit` cached keys, the most recently used first."""
+        ranked = sorted(self._entries.items(), key=lambda item: -item[1].tick)[:limit]
+        return [key for key, _ in ranked]
+
+    def _note(self, added: bool, key: bytes) -> None:
+        self.version += 1
+        self._journal.append((self.version, added, key))
 
     def _push_if_leaf(self, key: bytes) -> None:
         entry = self._entries.get(key)

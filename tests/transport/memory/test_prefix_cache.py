@@ -239,3 +239,21 @@ CacheMachine.TestCase.settings = settings(max_examples=60, stateful_step_count=3
 BoundedCacheMachine.TestCase.settings = settings(max_examples=40, stateful_step_count=30, deadline=None)
 test_cache_against_model = CacheMachine.TestCase
 test_bounded_cache_against_model = BoundedCacheMachine.TestCase
+
+
+def test_changes_since_a_version_are_net_and_bounded() -> None:
+    pool = BlockPool(8, 1)
+    cache = PrefixCache(pool)
+    assert cache.changes_since(0, limit=10) == ([], [])
+    cache.acquire("a", block_keys(MODEL, [1, 2], 1), limit=0)
+    cache.release("a", pool.allocate(2, "a"))
+    first = cache.version
+    keys = block_keys(MODEL, [1, 2], 1)
+    assert cache.changes_since(0, limit=10) == (keys, [])
+    assert cache.changes_since(0, limit=1) is None  # more than the limit: the reader takes a whole view
+    cache.evict(1)  # the leaf goes
+    assert cache.changes_since(first, limit=10) == ([], [keys[1]])
+    assert cache.changes_since(0, limit=10) == ([keys[0]], [keys[1]])
+    assert cache.recent_keys(10) == [keys[0]]
+    cache.clear()
+    assert cache.changes_since(first, limit=10) is None  # the journal no longer reaches back
