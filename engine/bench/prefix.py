@@ -6,11 +6,12 @@ block, equal ids meaning equal content): by default a slice of Mooncake's FAST'2
 FILE`. Scaled to this machine: each hash id becomes one KV block of `--block-tokens` (16) token ids drawn
 from a generator seeded with the id (equal ids, equal tokens), a prompt is `input_length` × block-tokens /
 512 tokens (at most its blocks'), an output `output_length` / `--output-divisor` (16) tokens (at least 1);
-`--limit` keeps the first requests, `--time-scale` multiplies the arrival times.
+`--limit` keeps the first requests, `--time-scale` multiplies the arrival times (4 by default: a quarter
+of the trace's rate, what the tiny model computes on two shared cores).
 
 Each way replays the trace open-loop (every request sent at its arrival time) on its own node process —
 tiny model, `--replicas prefill=1,decode=1`, the same `--kv-pool-blocks`, the prefill replica emulating an
-accelerator (`--prefill-tokens-per-s`, 6000 by default: the node then spends its prefill time on the
+accelerator (`--prefill-tokens-per-s`, 1000 by default: the node then spends its prefill time on the
 tokens it computes, as a GPU would) — with `--prefix-cache on --prefix-cache-blocks` a quarter
 (`--cache-fraction`) of the trace's distinct blocks, and with `--prefix-cache off`. Rows: prefill tokens
 computed (from the `prefill_started` events: tokens − cached_tokens), TTFT p50 and p99, requests/s (the
@@ -65,10 +66,10 @@ class Result:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--trace", type=Path, default=SLICE, help="a trace in Mooncake's JSON-lines format")
     parser.add_argument("--limit", type=int, default=300, help="replay the first N requests")
-    parser.add_argument("--time-scale", type=float, default=1.0, help="multiply the arrival times")
+    parser.add_argument("--time-scale", type=float, default=4.0, help="multiply the arrival times")
     parser.add_argument("--block-tokens", type=int, default=16, help="tokens per hash id (a KV block)")
     parser.add_argument("--output-divisor", type=int, default=16, help="divide output lengths by this")
-    parser.add_argument("--prefill-tokens-per-s", type=float, default=6000.0)
+    parser.add_argument("--prefill-tokens-per-s", type=float, default=1000.0)
     parser.add_argument("--cache-fraction", type=float, default=0.25, help="of the trace's distinct blocks")
     parser.add_argument("--kv-pool-blocks", type=int, default=4096)
     parser.add_argument("--logs", type=Path, default=None, help="keep the nodes' logs here")

@@ -233,8 +233,11 @@ class PrefillWork:
     def complete(self, batch: list[Held], result: PrefillResult) -> None:
         """The prompts of `batch` ran through the head: apply their first tokens (and the prompts' and
         first tokens' log-probabilities, where asked); the requests that go on queue their KV for a
-        decode replica (also for relayed and finished ZigZag batches)."""
+        decode replica (also for relayed and finished ZigZag batches). A prompt that looked the prefix
+        cache up puts its computed blocks there now: later prompts may borrow them while it migrates."""
         assert result.tokens is not None  # every layer and the head ran
+        for item in batch:
+            self._kv.prefix.publish(item.request.request_id, item.table)
         if result.prompt_logprobs is not None:
             for item, scored in zip(batch, result.prompt_logprobs, strict=True):
                 if scored is not None:

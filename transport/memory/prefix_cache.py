@@ -7,9 +7,10 @@ different contents never share a key by construction (short of a 256-bit hash co
 
 Cached blocks are owned in the pool by `CACHE_OWNER`. A request *borrows* the longest cached prefix of
 its keys (`acquire`: a reference per block; a borrowed block's ancestors are borrowed too, so an
-unreferenced block's descendants are all unreferenced). When the request ends, `release` hands its newly
-computed full blocks to the cache (a key already cached keeps its first block; the copy is freed),
-drops its references and frees the rest.
+unreferenced block's descendants are all unreferenced). Once its prompt is computed, `publish` puts its
+new full blocks in the cache at once, still referenced by it; when it ends, `release` hands the cache
+the full blocks it still owns (a key already cached keeps its first block; the copy is freed), drops
+its references and frees the rest.
 
 Eviction: only unreferenced blocks, least recently used first, leaves before parents — when an
 allocation of the pool is short of blocks (the cache is the pool's `Reclaimer`), or to keep the cache
@@ -170,6 +171,45 @@ class PrefixCache:
             blocks.append(entry.block)
         self._borrowings[owner] = _Borrowing(list(keys), count, blocks)
         return blocks
+
+    def publish(self, owner: str, table: Sequence[int]) -> int:
+        """`owner`'s prompt has been computed into `table`: its full blocks after the borrowed ones join
+        the cache at once, still referenced by `owner` (others may borrow them while it migrates). Stops
+        at a key already cached (that copy stays; the rest joins at `release`) and at the size bound.
+        Returns how many joined."""
+        record = self._borrowings.get(owner)
+        if record is None:
+            return 0
+        if list(table[: record.borrowed]) != record.blocks:
+            raise ValueError(
+                f"prefix cache: {owner!r} publishes a table that does not start with its borrowed blocks"
+            )
+        tick = next(self._clock)
+        parent = record.keys[record.borrowed - 1] if record.borrowed else None
+        wanted: list[bytes] = []
+        for key in record.keys[record.borrowed : len(table)]:
+            if key in self._entries:
+                break
+            wanted.append(key)
+        if self.max_blocks is not None:  # within the bound: older unreferenced blocks make room
+            over = len(self._entries) + len(wanted) - self.max_blocks
+            if over > 0:
+                self.evict(over)
+            wanted = wanted[: max(0, self.max_blocks - len(self._entries))]
+        joined: list[int] = []
+        for key in wanted:
+            block = table[record.borrowed + len(joined)]
+            self._entries[key] = _Entry(block, parent, refs=1, tick=tick)
+            self._note(True, key)
+            if parent is not None:
+                self._entries[parent].children += 1
+            joined.append(block)
+            parent = key
+        if joined:
+            self.pool.hand_over(joined, owner, CACHE_OWNER)
+            record.borrowed += len(joined)
+            record.blocks.extend(joined)
+        return len(joined)
 
     def release(self, owner: str, table: Sequence[int]) -> None:
         """`owner`'s request ended: its blocks `table` (borrowed ones first, as `acquire` returned them)

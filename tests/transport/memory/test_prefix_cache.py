@@ -188,6 +188,33 @@ class CacheMachine(RuleBasedStateMachine):
             self.model[key][1] -= 1
             self.model[key][2] = self.tick
 
+    @rule(owner=requests)
+    def publish(self, owner: str) -> None:
+        """Its prompt ran: its full blocks join the cache, still referenced by it."""
+        if owner not in self.live:
+            return
+        keys, count, table = self.live[owner]
+        joined = self.cache.publish(owner, table)
+        self.tick += 1
+        parent = keys[count - 1] if count else None
+        wanted = []
+        for key in keys[count : len(table)]:
+            if key in self.model:
+                break
+            wanted.append(key)
+        if self.max_blocks is not None:
+            over = len(self.model) + len(wanted) - self.max_blocks
+            if over > 0:
+                self._model_evict(over)
+            wanted = wanted[: max(0, self.max_blocks - len(self.model))]
+        expected = 0
+        for key in wanted:
+            self.model[key] = [parent, 1, self.tick]
+            parent = key
+            expected += 1
+        assert joined == expected
+        self.live[owner] = (keys, count + joined, table)
+
     @rule(owner=consumes(requests))
     def finish(self, owner: str) -> None:
         if owner not in self.live:
