@@ -3,9 +3,10 @@ borrows before its prefill, and the prefill of the rest.
 
 `PrefixLookup` is the prefill replica's side of its `PrefixCache`: `borrow` looks a prompt's full blocks
 up and borrows the longest cached prefix — at most all but the prompt's last token, which must run to
-sample the first token — and `sequence` is the prefill of the remaining tokens after it (the executor
-writes their KV at `cached_tokens` on, attending to the borrowed blocks). The blocks go back through
-`PrefixCache.release` when the request ends here, whoever holds it then.
+sample the first token; the prompt's prefill then starts after it, as a later chunk of a chunked
+prefill does (the executor writes KV from `cached_tokens` on, attending to the blocks before). Its
+computed blocks join the cache (`PrefixCache.publish`) once the whole prompt ran; its blocks go back
+through `KVCache.release` when the request ends here, whoever holds it then.
 
 A block's key (`transport.memory.prefix_cache.block_keys`) covers the model's identity (name, dtype,
 kernels, config), its parent's key, its token ids and, from the block where an image's rows begin, the
@@ -20,7 +21,7 @@ from typing import final
 
 import torch
 
-from replicas.model import ImageGrid, Model, PrefillSequence
+from replicas.model import ImageGrid, Model
 from replicas.request import ServingRequest
 from transport.memory.prefix_cache import PrefixCache, block_keys
 
@@ -100,23 +101,3 @@ class PrefixLookup:
         """`request` started with `cached_tokens` from the cache: count it (Prometheus, `status`)."""
         self.cache.queried_tokens += request.prompt_tokens
         self.cache.hit_tokens += cached_tokens
-
-
-def suffix_sequence(request: ServingRequest, table: list[int], cached_tokens: int) -> PrefillSequence:
-    """The prefill of `request`'s prompt after its first `cached_tokens` (whose KV is in `table`)."""
-    start = cached_tokens
-    embeds, embed_indices = request.embeds, request.embed_indices
-    if start and embeds is not None and embed_indices is not None:
-        indices = torch.as_tensor(embed_indices, dtype=torch.int64)
-        keep = indices >= start
-        embeds, embed_indices = embeds[keep], indices[keep] - start
-    positions = request.positions
-    return PrefillSequence(
-        block_table=table,
-        token_ids=request.token_ids[start:],
-        cached_tokens=start,
-        positions=None if positions is None else positions[start:],
-        embeds=embeds,
-        embed_indices=embed_indices,
-        sampling=request.sampling,
-    )

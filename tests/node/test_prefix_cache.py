@@ -133,3 +133,27 @@ async def test_the_router_sends_a_prompt_to_the_replica_holding_its_prefix(
     assert where[other.result.request_id] == "prefill-0"
     for outcome in (alone, routed, other):
         assert check_outcome(tiny, outcome, transport=default_transport()) == []
+
+
+async def test_chunked_prefill_starts_after_the_cached_prefix(tmp_path: Path, tiny: Model) -> None:
+    """Chunks of 24 tokens (across the 16-token blocks): a hot prompt's first chunk starts after its
+    borrowed blocks; a prompt asking for its log-probabilities borrows nothing (every prompt token must
+    run); both give the model's tokens."""
+    rng = random.Random(13)
+    base = _ids(rng, tiny, 70)
+    cold = Ask(input_ids=base, max_tokens=4, ignore_eos=True)
+    hot = Ask(input_ids=(*base, *_ids(rng, tiny, 30)), max_tokens=4, temperature=0.7, seed=2, ignore_eos=True)
+    options = ("--replicas", "prefill=1,decode=1", "--prefill-chunk-tokens", "24")
+    with node_process(tmp_path, *options) as node:
+        async with node.client() as client:
+            await wait_serving(client)
+            first, second = await send(client, cold), await send(client, hot)
+            with deadline("a prompt with its log-probabilities", 60):
+                scored = await client.generate_result(
+                    input_ids=base, max_tokens=2, ignore_eos=True, prompt_logprobs=1
+                )
+            await wait_idle(client)
+    assert (first.result.cached_tokens, second.result.cached_tokens, scored.cached_tokens) == (0, 64, 0)
+    assert scored.prompt_logprobs is not None and len(scored.prompt_logprobs) == len(base)
+    for outcome in (first, second):
+        assert check_outcome(tiny, outcome, transport=default_transport()) == []

@@ -7,10 +7,10 @@ different contents never share a key by construction (short of a 256-bit hash co
 
 Cached blocks are owned in the pool by `CACHE_OWNER`. A request *borrows* the longest cached prefix of
 its keys (`acquire`: a reference per block; a borrowed block's ancestors are borrowed too, so an
-unreferenced block's descendants are all unreferenced). Once its prompt is computed, `publish` puts its
-new full blocks in the cache at once, still referenced by it; when it ends, `release` hands the cache
-the full blocks it still owns (a key already cached keeps its first block; the copy is freed), drops
-its references and frees the rest.
+unreferenced block's descendants are all unreferenced). Once its whole prompt is computed, `publish`
+puts its new full blocks in the cache at once, still referenced by it (a key already cached keeps its
+first block); when it ends, `release` drops its references and frees the rest. Only `publish` adds
+blocks: KV is cached only once every layer of it was written.
 
 Eviction: only unreferenced blocks, least recently used first, leaves before parents — when an
 allocation of the pool is short of blocks (the cache is the pool's `Reclaimer`), or to keep the cache
@@ -212,9 +212,10 @@ class PrefixCache:
         return len(joined)
 
     def release(self, owner: str, table: Sequence[int]) -> None:
-        """`owner`'s request ended: its blocks `table` (borrowed ones first, as `acquire` returned them)
-        go back — newly computed full blocks into the cache, references dropped, the rest freed.
-        An owner that borrowed nothing (or a disabled cache) has its table freed."""
+        """`owner`'s request ended: its blocks `table` go back — the cached ones it borrowed or
+        published (first in `table`, as `acquire` and `publish` left them) lose its reference, the rest
+        are freed (a prompt whose blocks were never published, say cancelled between two chunks, leaves
+        nothing in the cache). An owner with no borrowing (or a disabled cache) has its table freed."""
         record = self._borrowings.pop(owner, None)
         if record is None:
             self.pool.free(table, owner)
@@ -224,38 +225,16 @@ class PrefixCache:
             raise ValueError(
                 f"prefix cache: {owner!r} releases a table that does not start with its borrowed blocks"
             )
-        own = list(table[record.borrowed :])
-        keep: list[int] = []
         tick = next(self._clock)
-        parent = record.keys[record.borrowed - 1] if record.borrowed else None
-        for offset, key in enumerate(record.keys[record.borrowed : len(table)]):
-            existing = self._entries.get(key)
-            if existing is not None:  # computed meanwhile by another request: that copy stays
-                existing.tick = tick
-                parent = key
-                continue
-            if parent is not None and parent not in self._entries:
-                break
-            block = own[offset]
-            self._entries[key] = _Entry(block, parent, tick=tick)
-            self._note(True, key)
-            self._unreferenced += 1
-            if parent is not None:
-                self._entries[parent].children += 1
-            keep.append(block)
-            parent = key
         for key in record.keys[: record.borrowed]:
             entry = self._entries[key]
             entry.refs -= 1
             entry.tick = tick
             if entry.refs == 0:
                 self._unreferenced += 1
-        for key in record.keys[: len(table)]:  # the leaves among what it touched become evictable
+        for key in record.keys[: record.borrowed]:  # the leaves among them become evictable
             self._push_if_leaf(key)
-        if keep:
-            self.pool.hand_over(keep, owner, CACHE_OWNER)
-        kept = set(keep)
-        self.pool.free([block for block in own if block not in kept], owner)
+        self.pool.free(table[record.borrowed :], owner)
         if self.max_blocks is not None and len(self._entries) > self.max_blocks:
             self.evict(len(self._entries) - self.max_blocks)
         self.pool.reclaimable_changed()

@@ -15,6 +15,12 @@ from transport.memory.prefix_cache import CACHE_OWNER, PrefixCache, block_keys
 MODEL = b"test-model"
 
 
+def computed(cache: PrefixCache, owner: str, table: list[int]) -> None:
+    """`owner`'s prompt ran into `table` (its blocks join the cache) and the request ended."""
+    cache.publish(owner, table)
+    cache.release(owner, table)
+
+
 def test_keys_chain_and_separate_contents() -> None:
     keys = block_keys(MODEL, [1, 2, 3, 4, 5], 2)
     assert len(keys) == 2  # the partial block has no key
@@ -27,20 +33,20 @@ def test_keys_chain_and_separate_contents() -> None:
     assert block_keys(b"ab", [1, 2], 2, [b"c"]) != block_keys(b"a", [1, 2], 2, [b"bc"])
 
 
-def test_a_second_request_borrows_the_prefix_and_release_keeps_new_blocks() -> None:
+def test_a_second_request_borrows_the_prefix_and_a_computed_prompt_joins_the_cache() -> None:
     pool = BlockPool(8, 2)
     cache = PrefixCache(pool)
     first = block_keys(MODEL, [1, 2, 3, 4, 5], 2)
     assert cache.acquire("a", first, limit=2) == []
     table = pool.allocate(3, "a")
-    cache.release("a", table)
+    computed(cache, "a", table)
     assert cache.cached_blocks == 2 and pool.owners() == {CACHE_OWNER: 2}
     second = block_keys(MODEL, [1, 2, 3, 4, 9, 9], 2)
     borrowed = cache.acquire("b", second, limit=2)
     assert borrowed == table[:2]
     assert cache.evictable_blocks == 0
     rest = pool.allocate(1, "b")
-    cache.release("b", borrowed + rest)
+    computed(cache, "b", borrowed + rest)
     assert cache.cached_blocks == 3  # its third block, computed, is kept too
     cache.check_invariants()
     pool.check_invariants()
@@ -51,7 +57,7 @@ def test_eviction_is_lru_leaf_first_and_only_when_short() -> None:
     cache = PrefixCache(pool)
     for owner, tokens in (("a", [1, 2]), ("b", [7])):
         cache.acquire(owner, block_keys(MODEL, tokens, 1), limit=0)
-        cache.release(owner, pool.allocate(len(tokens), owner))
+        computed(cache, owner, pool.allocate(len(tokens), owner))
     assert pool.free_blocks == 1 and pool.available_blocks == 4
     got = pool.try_allocate(2, "c")  # short by one: the oldest leaf goes — block [1, 2]'s second
     assert got is not None
@@ -65,7 +71,7 @@ def test_size_bound() -> None:
     pool = BlockPool(16, 1)
     cache = PrefixCache(pool, max_blocks=3)
     cache.acquire("a", block_keys(MODEL, [1, 2, 3, 4, 5], 1), limit=0)
-    cache.release("a", pool.allocate(5, "a"))
+    computed(cache, "a", pool.allocate(5, "a"))
     assert cache.cached_blocks == 3 and pool.used_blocks == 3
     cache.check_invariants()
 
@@ -74,7 +80,7 @@ def test_disabled_cache_keeps_nothing() -> None:
     pool = BlockPool(4, 1)
     cache = PrefixCache(pool, enabled=False)
     assert cache.acquire("a", block_keys(MODEL, [1, 2], 1), limit=1) == []
-    cache.release("a", pool.allocate(2, "a"))
+    computed(cache, "a", pool.allocate(2, "a"))
     assert pool.used_blocks == 0 and cache.cached_blocks == 0
 
 
@@ -91,7 +97,7 @@ async def test_a_waiting_reservation_takes_blocks_freed_to_the_cache() -> None:
     async with trio.open_nursery() as nursery:
         nursery.start_soon(wait_for_two)
         await trio.testing.wait_all_tasks_blocked()
-        cache.release("a", table)  # into the cache, not the free list: the waiter must still get them
+        computed(cache, "a", table)  # into the cache, not the free list: the waiter must still get them
     assert sorted(got) == sorted(table)
     assert cache.cached_blocks == 0
     cache.check_invariants()
@@ -101,7 +107,7 @@ def test_release_of_a_foreign_table_is_refused() -> None:
     pool = BlockPool(4, 1)
     cache = PrefixCache(pool)
     cache.acquire("a", block_keys(MODEL, [1], 1), limit=0)
-    cache.release("a", pool.allocate(1, "a"))
+    computed(cache, "a", pool.allocate(1, "a"))
     cache.acquire("b", block_keys(MODEL, [1, 2], 1), limit=1)
     with pytest.raises(ValueError, match="does not start with its borrowed blocks"):
         cache.release("b", pool.allocate(2, "b"))
@@ -174,16 +180,6 @@ class CacheMachine(RuleBasedStateMachine):
         self, borrowed_keys: list[bytes], keys: list[bytes], count: int, table_len: int
     ) -> None:
         self.tick += 1
-        parent = borrowed_keys[-1] if borrowed_keys else None
-        for key in keys[count:table_len]:
-            if key in self.model:
-                self.model[key][2] = self.tick
-                parent = key
-                continue
-            if parent is not None and parent not in self.model:
-                break
-            self.model[key] = [parent, 0, self.tick]
-            parent = key
         for key in borrowed_keys:
             self.model[key][1] -= 1
             self.model[key][2] = self.tick
@@ -273,7 +269,7 @@ def test_changes_since_a_version_are_net_and_bounded() -> None:
     cache = PrefixCache(pool)
     assert cache.changes_since(0, limit=10) == ([], [])
     cache.acquire("a", block_keys(MODEL, [1, 2], 1), limit=0)
-    cache.release("a", pool.allocate(2, "a"))
+    computed(cache, "a", pool.allocate(2, "a"))
     first = cache.version
     keys = block_keys(MODEL, [1, 2], 1)
     assert cache.changes_since(0, limit=10) == (keys, [])
