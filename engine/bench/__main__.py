@@ -19,7 +19,7 @@ BENCHMARKS = {
     "zigzag": "engine.bench.zigzag",
     "trace": "engine.bench.trace",
     "chaos": "engine.bench.chaos",
-    "prefix": "engine.bench.prefix",
+    "prefix": "engine.bench.trace.prefix",
 }
 
 

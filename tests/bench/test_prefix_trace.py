@@ -1,11 +1,11 @@
-"""The prefix bench's trace (engine/bench/prefix.py): Mooncake's format scaled to this machine, equal hash
+"""The prefix bench's trace (engine/bench/trace/prefix.py): Mooncake's format scaled to this machine, equal hash
 ids giving equal token blocks, and the trace's own hit-rate bound."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from engine.bench.prefix import SLICE, bound, load
+from engine.bench.trace.prefix import SLICE, bound, load
 
 
 def test_equal_hash_ids_give_equal_blocks_and_the_bound_counts_repeats(tmp_path: Path) -> None:

@@ -39,7 +39,7 @@ from engine.bench.nodes import node_process, read_events
 from engine.bench.rows import Row, row
 
 BENCH: Final = "prefix"
-SLICE: Final = Path(__file__).resolve().parent / "trace" / "data" / "mooncake_synthetic_slice.jsonl"
+SLICE: Final = Path(__file__).resolve().parent / "data" / "mooncake_synthetic_slice.jsonl"
 TRACE_BLOCK: Final = 512  # tokens per hash id in Mooncake's traces
 VOCABULARY: Final = 256  # token ids are drawn from [1, VOCABULARY): the tiny model's bytes
 SERVE_SECONDS: Final = 60.0
