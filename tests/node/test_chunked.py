@@ -13,7 +13,7 @@ import trio
 
 from replicas.model import Model
 from tests.epd.images import image_input, image_with_rows, reference
-from tests.node.harness import NodeProcess, node_process, wait_idle, wait_serving
+from tests.node.harness import NodeProcess, default_transport, node_process, wait_idle, wait_serving
 from tests.node.test_identity import assert_identical, assert_only_prefill_replicas_ran_prompts
 from tests.node.workload import Ask, Outcome, check_outcome, mixed_workload, send, send_all
 from tests.waiting import deadline
@@ -39,7 +39,7 @@ async def test_chunked_prompts_are_token_identical(chunked: NodeProcess, tiny: M
         await wait_serving(client)
         outcomes = await send_all(client, asks)
         await wait_idle(client)
-    assert_identical(tiny, outcomes, transport="inproc")
+    assert_identical(tiny, outcomes, transport=default_transport())
     assert_only_prefill_replicas_ran_prompts(chunked, outcomes)  # once each, whatever its chunks
     assert sum(1 for outcome in outcomes if outcome.result.prompt_tokens > CHUNK) >= 10
 
@@ -64,7 +64,7 @@ async def test_a_short_request_passes_a_long_prompt_in_prefill(chunked: NodeProc
         nursery.start_soon(run, "short")
     assert [outcome.ask for outcome in outcomes] == [asks["short"], asks["long"]]
     for outcome in outcomes:
-        assert check_outcome(tiny, outcome, transport="inproc", kv_moves=False) == []
+        assert check_outcome(tiny, outcome, transport=default_transport(), kv_moves=False) == []
 
 
 async def test_a_chunk_boundary_inside_an_image_is_token_identical(chunked: NodeProcess, tiny: Model) -> None:
