@@ -25,7 +25,6 @@ not start or exited with a non-zero code. `local_cluster` also serves the benchm
 from __future__ import annotations
 
 import itertools
-import json
 import subprocess
 import sys
 import tempfile
@@ -40,6 +39,7 @@ import trio
 from engine.client import ControlClient
 from engine.cluster.local_etcd import NO_ETCD, LocalEtcdError, find_etcd, start_local_etcd
 from engine.config import NodeConfig, ReplicaCounts
+from engine.control.listening import listening_address
 from messages.control import ShutdownRequest
 from messages.control_replies import ShutdownResult, StatusResult
 from replicas.states import SETTLED
@@ -96,28 +96,16 @@ class ChildNode:
         child exits first or prints none within `START_SECONDS`."""
         stdout = self.process.stdout
         assert stdout is not None
-        pending = b""
         with trio.move_on_after(START_SECONDS):
-            while True:
-                line, newline, rest = pending.partition(b"\n")
-                if not newline:
-                    chunk = await stdout.receive_some(65536)
-                    if not chunk:
-                        with trio.move_on_after(KILL_SECONDS):
-                            await self.process.wait()
-                        raise ClusterDemoFailed(
-                            f"node {self.node_id} exited (code {self.process.returncode}) before it "
-                            f"listened; its stderr ends:\n{self.stderr_tail()}"
-                        )
-                    pending += chunk
-                    continue
-                pending = rest
-                try:
-                    message = json.loads(line)
-                except json.JSONDecodeError:
-                    continue
-                if isinstance(message, dict) and "listening" in message:
-                    return str(message["listening"])
+            address = await listening_address(stdout)
+            if address is not None:
+                return address
+            with trio.move_on_after(KILL_SECONDS):
+                await self.process.wait()
+            raise ClusterDemoFailed(
+                f"node {self.node_id} exited (code {self.process.returncode}) before it "
+                f"listened; its stderr ends:\n{self.stderr_tail()}"
+            )
         raise ClusterDemoFailed(
             f"node {self.node_id} did not listen within {START_SECONDS:g} s; its stderr ends:\n"
             f"{self.stderr_tail()}"

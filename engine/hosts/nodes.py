@@ -16,7 +16,6 @@ Cancellation: `start` kills the process it started when it is cancelled; `kill` 
 
 from __future__ import annotations
 
-import json
 import signal
 import subprocess
 import sys
@@ -26,6 +25,7 @@ from typing import Final, final
 
 import trio
 
+from engine.control.listening import listening_address
 from engine.hosts.network import Network
 
 REPO_ROOT: Final = Path(__file__).resolve().parents[2]
@@ -110,29 +110,17 @@ class HostNode:
     async def _listening(self, stderr_path: Path) -> str:
         process = self.process
         assert process is not None and process.stdout is not None
-        pending = b""
         with trio.move_on_after(START_SECONDS):
-            while True:
-                line, newline, rest = pending.partition(b"\n")
-                if not newline:
-                    chunk = await process.stdout.receive_some(65536)
-                    if not chunk:
-                        with trio.move_on_after(KILL_SECONDS):
-                            await process.wait()
-                        raise NodeStartFailed(
-                            f"node {self.node_id} on {self.host} exited (code {process.returncode}) before "
-                            f"it listened; stderr: {_tail(stderr_path)}",
-                            process.returncode,
-                        )
-                    pending += chunk
-                    continue
-                pending = rest
-                try:
-                    message = json.loads(line)
-                except json.JSONDecodeError:
-                    continue
-                if isinstance(message, dict) and "listening" in message:
-                    return str(message["listening"])
+            address = await listening_address(process.stdout)
+            if address is not None:
+                return address
+            with trio.move_on_after(KILL_SECONDS):
+                await process.wait()
+            raise NodeStartFailed(
+                f"node {self.node_id} on {self.host} exited (code {process.returncode}) before "
+                f"it listened; stderr: {_tail(stderr_path)}",
+                process.returncode,
+            )
         raise NodeStartFailed(
             f"node {self.node_id} on {self.host} did not listen within {START_SECONDS:g} s; stderr: "
             f"{_tail(stderr_path)}",
