@@ -6,12 +6,13 @@ import trio
 import trio.testing
 
 from engine.control.listening import listening_address
+from tests.waiting import deadline
 
 
 async def test_the_listening_line_after_other_output_in_any_pieces() -> None:
     send, receive = trio.testing.memory_stream_one_way_pair()
     output = b'warming up\n{"other": 1}\nnot json {\n{"listening": "127.0.0.1:7341", "http": null}\n'
-    with trio.fail_after(5):
+    with deadline("the listening line read"):
         async with trio.open_nursery() as nursery:
 
             async def write() -> None:
@@ -26,5 +27,5 @@ async def test_a_stream_that_ends_first_gives_none() -> None:
     send, receive = trio.testing.memory_stream_one_way_pair()
     await send.send_all(b'{"starting": true}\n{"listening"')
     await send.aclose()
-    with trio.fail_after(5):
+    with deadline("the end of the stream seen"):
         assert await listening_address(receive) is None
