@@ -67,5 +67,8 @@ def test_quick_run_prints_cluster_rows_beside_the_one_process_node() -> None:
         assert r["baseline"] == one[metric]["project"]
         assert r["ratio"] == pytest.approx(r["project"] / r["baseline"])
         assert "3 node processes on a local etcd" in r["note"]
-    assert 0 < cluster["kv_transfer_share_of_ttft_mean"]["project"] < 1
+    # A ratio of two measured spans, not bounded by 1: the KV moves after prefill emitted the first
+    # token, so on a slow or loaded machine a transfer may outlast the time to first token.
+    share = cluster["kv_transfer_share_of_ttft_mean"]["project"]
+    assert math.isfinite(share) and share > 0
     assert "goal <= 0.10" in cluster["kv_transfer_share_of_ttft_mean"]["note"]
