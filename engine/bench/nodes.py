@@ -6,17 +6,24 @@ stdout line and yields it; when the block ends it waits for the process to exit 
 `shutdown` through its client), killing it after `STOP_SECONDS`. A node that exits early or never
 listens raises `NodeFailed` with the tail of its stderr. `read_events(log_file)` reads the node's JSON
 log (complete lines only).
+
+On Linux the node gets SIGTERM when the benchmark's process dies, however it dies (`kill`, a crash):
+a benchmark stopped from outside leaves no node running. `node_process` must be entered on the thread
+that lives as long as the benchmark (the main thread, before `trio.run`): the signal follows the thread
+that started the child.
 """
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import select
+import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Final, NoReturn
@@ -24,6 +31,7 @@ from typing import Any, Final, NoReturn
 REPO_ROOT: Final = Path(__file__).resolve().parents[2]
 START_SECONDS: Final = 60.0
 STOP_SECONDS: Final = 30.0
+_PR_SET_PDEATHSIG: Final = 1
 
 
 class NodeFailed(RuntimeError):
@@ -49,7 +57,12 @@ def node_process(log_file: Path, options: Sequence[str]) -> Iterator[str]:
     ]
     with stderr_file.open("wb") as stderr:
         process = subprocess.Popen(
-            command, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=stderr, cwd=REPO_ROOT
+            command,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=stderr,
+            cwd=REPO_ROOT,
+            preexec_fn=_dies_with_parent(),
         )
     try:
         yield _listening_address(process, stderr_file)
@@ -63,6 +76,18 @@ def node_process(log_file: Path, options: Sequence[str]) -> Iterator[str]:
             process.wait()
         if process.stdout is not None:
             process.stdout.close()
+
+
+def _dies_with_parent() -> Callable[[], None] | None:
+    """A function for the child, between fork and exec, that asks Linux for SIGTERM when the parent dies."""
+    if not sys.platform.startswith("linux"):
+        return None
+    prctl = ctypes.CDLL(None, use_errno=True).prctl  # looked up before the fork: the child only calls it
+
+    def ask() -> None:
+        prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+    return ask
 
 
 def _listening_address(process: subprocess.Popen[bytes], stderr_file: Path) -> str:
