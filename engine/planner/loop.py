@@ -128,7 +128,6 @@ class Planner:
         self._below_since: dict[str, float] = {}  # roles whose range lies below their count: since when
         self._last_up: dict[str, float] = {}
         self._logged: dict[str, tuple[float, tuple[object, ...]]] = {}  # role → last `keep`/`skip` logged
-        self._now = 0.0
         predictor = config.autoscale_predictor
         self.forecaster = (
             None
@@ -145,7 +144,6 @@ class Planner:
         self.slo = SloRule(
             ttft=config.autoscale_slo_ttft, miss=config.autoscale_slo_miss, window=config.autoscale_window
         )
-        self._slo_asked = False  # this pass's prefill range was raised by the SLO rule
         self.bounds = {
             "prefill": Bounds(config.prefill_utilization_lower, config.prefill_utilization_upper),
             "decode": Bounds(config.decode_utilization_lower, config.decode_utilization_upper),
@@ -177,7 +175,7 @@ class Planner:
 
     # ------------------------------------------------------------------ one pass
     async def step(self) -> None:
-        now = self._now = trio.current_time()
+        now = trio.current_time()
         signals = self.measure(now)
         if self.injected is not None:  # a known load; the replica counts stay the node's own
             signals = replace(
@@ -193,7 +191,7 @@ class Planner:
             return
         for role in ROLES:
             current = signals.counts.get(role, 0)
-            wanted = self.wanted(role, signals)
+            wanted, slo_asked = self.wanted(role, signals, now)
             maximum = self._limit(role, "max")
             reactive = target(current, wanted, minimum=self._limit(role, "min"), maximum=maximum)
             forecast = self._forecasts.get(role)
@@ -214,7 +212,7 @@ class Planner:
                 continue  # decided and logged; nothing changes
             if chosen > current:
                 self._last_up[role] = now
-                if role == "prefill" and self._slo_asked and chosen == reactive:
+                if slo_asked and chosen == reactive:
                     self.slo.asked(now=now, count=chosen, misses=signals.rates.slo_miss_fraction)
             self._below_since.pop(role, None)
             await self._apply(role, current, chosen)
@@ -265,7 +263,9 @@ class Planner:
             return "more first tokens than --autoscale-slo-miss missed the TTFT SLO in the window"
         return None
 
-    def wanted(self, role: Role, signals: Signals) -> Range:
+    def wanted(self, role: Role, signals: Signals, now: float) -> tuple[Range, bool]:
+        """The role's range, and whether the SLO rule raised it (prefill only: a scale-up it asked for
+        is reported back to the rule, which judges it)."""
         rates = signals.rates
         if role == "prefill":
             wanted = prefill_by_tokens(
@@ -276,23 +276,23 @@ class Planner:
                 drain_s=self.config.autoscale_drain,
             )
             current = signals.counts.get(role, 0)
-            self._slo_asked = self.slo.wants_more(
-                now=self._now,
+            slo_asked = self.slo.wants_more(
+                now=now,
                 count=current,
                 settling=signals.settling.get(role, 0),
                 misses=signals.rates.slo_miss_fraction,
                 last_up=self._last_up.get(role, -math.inf),
             )
-            if self._slo_asked:  # the band does not hold the SLO: one more than now
+            if slo_asked:  # the band does not hold the SLO: one more than now
                 wanted = Range(max(wanted.low, current + 1), max(wanted.high, current + 1))
-            return wanted
+            return wanted, slo_asked
         memory = decode_by_memory(
             signals.decode_used_blocks, max(1, signals.decode_blocks_per_replica), self.bounds["decode"]
         )
         migration = decode_by_migration(
             rates.migration_bytes_per_s, rates.migration_bytes_per_s_per_replica, self.bounds["migration"]
         )
-        return memory.widest(migration)
+        return memory.widest(migration), False
 
     def _limit(self, role: Role, which: Literal["min", "max"]) -> int:
         return int(getattr(self.config, f"{which}_{role}_replicas"))
