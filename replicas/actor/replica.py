@@ -26,7 +26,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from contextlib import AsyncExitStack
-from typing import Any, assert_never, final
+from typing import Any, Literal, assert_never, final
 
 import trio
 
@@ -339,12 +339,18 @@ class Replica:
             nursery.start_soon(self._forward_sender_messages)
             self._roles.start()
             task_status.started()
+            stopped = False
             try:
                 await self._main_loop()
+            except trio.Cancelled:
+                stopped = True
+                raise
             finally:
                 self._weights_endpoint_open = False
                 mailbox.nursery = None
                 nursery.cancel_scope.cancel()
+                if stopped:  # in the same step: nothing posted while it ran waits on a closed inbox
+                    self._refuse_unhandled("stopped")
 
     def _build_roles(self, endpoints: LanguageEndpoints | EncodeEndpoints, loader: Loader) -> Roles:
         pools, mailbox = self._pools, self._mailbox
@@ -621,26 +627,36 @@ class Replica:
             other.post()
         return failed, freed
 
+    def _refuse_unhandled(self, how: Literal["stopped", "failed"]) -> None:
+        """Refuse, with `replica_failed`, every command its run left unhandled — in the inbox, or behind
+        the one that failed it. A run that is cancelled (the replica stopped) calls it as it ends, in the
+        step that marks it not running, so a command posted while it ran does not wait out its timeout
+        on an inbox nobody reads; after a failure `reset` calls it. Other items of the inbox
+        (completions, wake-ups) belong to the run that ended and are dropped."""
+        unhandled, self._unhandled = self._unhandled, []
+        while True:
+            try:
+                item = self._inbox.receive_nowait()
+            except (trio.WouldBlock, trio.ClosedResourceError, trio.EndOfChannel):
+                break
+            if isinstance(item, Envelope):
+                unhandled.append(item)
+        for envelope in unhandled:
+            if envelope.done.is_set():
+                continue
+            envelope.error = CommandRefused(
+                "replica_failed",
+                f"{self.name} {how} before it handled the {type(envelope.command).__name__} command "
+                f"({self.last_error or 'its task ended'})",
+            )
+            envelope.done.set()
+
     def reset(self) -> None:
         """Fresh inbox and role state after a failure (the supervisor restarts `run` next).
 
         Commands the failed run never handled — posted while it unwound, or behind the one that failed it —
         are refused with `replica_failed`, so whoever waits on them hears of the failure at once."""
-        unhandled, self._unhandled = self._unhandled, []
-        while True:
-            try:
-                item = self._inbox.receive_nowait()
-            except trio.WouldBlock:
-                break
-            if isinstance(item, Envelope):
-                unhandled.append(item)
-        for envelope in unhandled:
-            envelope.error = CommandRefused(
-                "replica_failed",
-                f"{self.name} failed before it handled the {type(envelope.command).__name__} command "
-                f"({self.last_error or 'its task ended'})",
-            )
-            envelope.done.set()
+        self._refuse_unhandled("failed")
         self._mailbox.close()
         self._inbox_send, self._inbox = trio.open_memory_channel[InboxItem](math.inf)
         self._sender_send, self._sender_receive = trio.open_memory_channel[SenderDelivery](math.inf)

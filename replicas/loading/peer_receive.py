@@ -189,9 +189,11 @@ class PeerSource:
             await self._landed_there(piece, self._changes)
         offset = 0
         while offset < total:
+            link = await self._fabric.link(endpoint, weights_endpoint_name(self.peer.name))
+            # Looked at in the step that posts the command (a local `ask` posts before it checkpoints): a
+            # peer that stops after it refuses what it was sent (`replica_failed`) instead of timing out.
             if not self.peer.snapshot().running:
                 raise PeerGone(f"{self.peer.name} is not running (state {self.peer.state.value})")
-            link = await self._fabric.link(endpoint, weights_endpoint_name(self.peer.name))
             transfer_id = f"{self.replica}/weights/{next(_transfer_numbers)}"
             command = SendWeights(
                 command_id=new_command_id(),
