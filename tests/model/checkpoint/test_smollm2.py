@@ -36,6 +36,11 @@ SMOLLM2 = PACKAGED_MODELS["smollm2"]
 if importlib.util.find_spec(SMOLLM2.package) is None:
     pytest.skip(f"{SMOLLM2.package} is not installed ({SMOLLM2.install})", allow_module_level=True)
 
+# The module's fixtures build transformers' reference model from the GGUF file and run its `generate`:
+# tens of seconds alone, minutes on a loaded two-core machine, which the suite's 180 s per-test limit
+# (meant to end a hung test, not to time one) would count against the first test that needs them.
+pytestmark = pytest.mark.timeout(600)
+
 ROOT = Path(__file__).resolve().parents[3]
 MAX_TOKENS = 16
 PEAK_BOUND_MIB = 1536
