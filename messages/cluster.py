@@ -156,6 +156,11 @@ class RequestSnapshot(Record, frozen=True):
     generated_logprobs: list[TokenLogprob] = msgspec.field(default_factory=list)
     prompt_logprobs: list[TokenLogprob | None] = msgspec.field(default_factory=list)
     cached_tokens: int = 0
+    cached_from: str | None = None
+    # The router's pull hint (docs/prefix-cache.md): replica `pull_from` holds the prompt's first
+    # `pull_blocks` blocks in its prefix cache; the prefill replica pulls what it lacks of them.
+    pull_from: str | None = None
+    pull_blocks: int = 0
 
 
 class LoadTotals(Record, frozen=True):
@@ -214,7 +219,7 @@ class RunCommand(Message, frozen=True, tag="run_command"):
 
 class CommandOutcome(Message, frozen=True, tag="command_outcome"):
     correlation: str
-    result: str | list[str] | None = None
+    result: str | int | list[str] | None = None  # int: `SendCachedKV`'s block count
     error_code: ErrorCode | None = None
     error_message: str | None = None
 

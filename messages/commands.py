@@ -170,6 +170,20 @@ class WithdrawEncode(Message, frozen=True, tag="withdraw_encode"):
     transfer_id: str
 
 
+class SendCachedKV(Message, frozen=True, tag="send_cached_kv"):
+    """To a replica with a prefix cache: send the KV of its cached blocks `keys[start:]` as transfer
+    `transfer_id` to the replica that asks (a pull, docs/prefix-cache.md). `keys` are a prompt's block
+    keys from its first block: the replica borrows the chain it holds of them (their references keep
+    them from eviction while they move) and sends from block `start` on. Answered with the number of
+    blocks it sends (those of `keys[start:]` it holds in a row); refused with `not_found` when it holds
+    none of them."""
+
+    command_id: str
+    transfer_id: str
+    keys: list[bytes]
+    start: Annotated[int, msgspec.Meta(ge=0)] = 0
+
+
 ReplicaCommand = (
     Transition
     | Lock
@@ -184,4 +198,5 @@ ReplicaCommand = (
     | SendWeights
     | WithdrawEncode
     | SenderBound
+    | SendCachedKV
 )

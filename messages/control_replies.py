@@ -121,6 +121,9 @@ class GenerateResult(Message, frozen=True, tag="result"):
     logprobs: list[TokenLogprob] | None = None
     prompt_logprobs: list[TokenLogprob | None] | None = None
     cached_tokens: Count = 0  # prompt tokens whose KV came from a prefix cache (docs/prefix-cache.md)
+    # Their source: "local" (the prefill replica's own cache) or the replica they were pulled from; null
+    # when no token was cached.
+    cached_from: str | None = None
 
 
 class ReplicaStatus(Record, frozen=True):

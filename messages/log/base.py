@@ -8,7 +8,7 @@ from typing import ClassVar, Literal
 import msgspec
 
 Level = Literal["debug", "info", "warning", "error"]
-Transfer = Literal["embedding", "kv", "relay", "weights"]
+Transfer = Literal["embedding", "kv", "relay", "weights", "pull"]
 
 
 class Event(msgspec.Struct, frozen=True, kw_only=True, tag_field="event"):

@@ -143,6 +143,9 @@ class PrefillStarted(RequestEvent, frozen=True, kw_only=True, tag="prefill_start
     tokens: int  # the prompt's
     batch_size: int
     cached_tokens: int = 0  # of `tokens`, those whose KV came from the prefix cache (not computed)
+    # Where they came from: "local" (this replica's cache), or the replica they were pulled from (and
+    # the blocks this replica held already); None when no token was cached.
+    cached_from: str | None = None
 
 
 class PrefillFinished(RequestEvent, frozen=True, kw_only=True, tag="prefill_finished"):
