@@ -134,6 +134,12 @@ class ServingRequest:
         self.embed_indices: torch.Tensor | None = None
         self.embedding_route: EmbeddingRoute | None = None  # set by the router for an image request
         self.cached_tokens = 0  # prompt tokens whose KV came from the prefix cache (not computed)
+        self.cached_from: str | None = None  # "local", or the replica they were pulled from
+        # The router's pull hint: replica `pull_from` holds the prompt's first `pull_blocks` full blocks
+        # (docs/prefix-cache.md); `pulling` while its prefill replica pulls them (it waits to run).
+        self.pull_from: str | None = None
+        self.pull_blocks = 0
+        self.pulling = False
         self.cancelled = False
         self.ended = False
         self.cancel_reason: CancelReason = "cancel_op"

@@ -40,6 +40,7 @@ from messages.commands import (
     RelayHint,
     ReplicaCommand,
     ReserveKV,
+    SendCachedKV,
     SendKVHalf,
     SendWeights,
     Transition,
@@ -482,6 +483,8 @@ class Replica:
             case WithdrawEncode():
                 roles.withdraw(command.transfer_id)
                 return None
+            case SendCachedKV():
+                return roles.send_cached(command)
             case Grant() | RequestMoreCache() | Abort() | StatusUpdate():
                 assert envelope.link is not None
                 self._pools.deliver(SenderDelivery(envelope.link, command))

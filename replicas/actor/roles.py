@@ -18,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol, final
 
-from messages.commands import Relay, RelayOffer, ReserveKV, SendKVHalf, SendWeights
+from messages.commands import Relay, RelayOffer, ReserveKV, SendCachedKV, SendKVHalf, SendWeights
 from replicas.actor.loader import Loader
 from replicas.actor.pools import EncodeEndpoints, LanguageEndpoints
 from replicas.decode.receive import KVLanding
@@ -33,6 +33,7 @@ from replicas.model import KVCache, Model, ModelConfig
 from replicas.ports import Actor, Directory, LiveRequests, NodeSignal
 from replicas.prefill.embeddings import EmbeddingReceives
 from replicas.prefill.migration import Migrator
+from replicas.prefill.pull import Puller, lend
 from replicas.prefill.queue import PromptQueue
 from replicas.prefill.work import PrefillWork
 from replicas.request import ServingRequest
@@ -98,6 +99,8 @@ class Roles(Protocol):
 
     def send_weights(self, command: SendWeights, model: Model | None, staging: WeightStaging) -> None: ...
 
+    def send_cached(self, command: SendCachedKV) -> int: ...
+
 
 @final
 class LanguageRoles:
@@ -128,6 +131,7 @@ class LanguageRoles:
         self._compute = compute
         self._loader = loader
         self._move = move
+        self._kv = kv
         context, layers = compute.context_length, compute.num_layers
         queue = PromptQueue()
         embeddings = None
@@ -165,6 +169,16 @@ class LanguageRoles:
             migrate=self.migrator.enqueue,
             returned=returned,
             changed=changed,
+            puller=Puller(
+                actor,
+                kv=kv,
+                endpoint=endpoints.kv,
+                fabric=fabric,
+                directory=directory,
+                settings=settings,
+                model=lambda: compute.model,
+                changed=changed,
+            ),
         )
         landing = KVLanding(actor.name, actor.log, kv, endpoints.kv, fabric, layers)
         self.decode = DecodeWork(
@@ -268,6 +282,10 @@ class LanguageRoles:
     def send_weights(self, command: SendWeights, model: Model | None, staging: WeightStaging) -> None:
         endpoint, transfer = self._endpoints.weights, self._settings.weights_transfer
         send_weights(self._actor, model, staging, endpoint, transfer, command)
+
+    def send_cached(self, command: SendCachedKV) -> int:
+        """A pull: send blocks of this replica's prefix cache by key (`replicas.prefill.pull.lend`)."""
+        return lend(self._actor, self._kv, self._endpoints.kv, command, self._kv.block_size)
 
     # ------------------------------------------------------------------ the main loop's step
     def advance(self) -> None:
@@ -389,6 +407,9 @@ class EncodeRoles:
     def send_weights(self, command: SendWeights, model: Model | None, staging: WeightStaging) -> None:
         endpoint, transfer = self._endpoints.weights, self._settings.weights_transfer
         send_weights(self._actor, model, staging, endpoint, transfer, command)
+
+    def send_cached(self, command: SendCachedKV) -> int:
+        raise CommandRefused("not_found", f"{self._actor.name} is an encode replica: it caches no KV")
 
     def advance(self) -> None:
         state = self._actor.state

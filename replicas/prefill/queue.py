@@ -7,8 +7,8 @@ embeddings landed (before, it has none laid out).
 
 `schedule` picks the next batch without touching anything: ready requests first come first served,
 until `max_batch_size` sequences or `max_batch_tokens` prompt tokens (a longer piece runs alone) or the
-blocks free in the KV pool run out; requests still waiting for their embeddings, or cancelled, are
-skipped, and a request that does not fit is not overtaken.
+blocks free in the KV pool run out; requests still waiting for their embeddings or a pulled prefix,
+or cancelled, are skipped, and a request that does not fit is not overtaken.
 
 Chunked prefill (`chunk_tokens`): a prompt longer than that runs as `Chunk`s of at most `chunk_tokens`
 tokens, one per batch; a request whose first chunks ran (`ServingRequest.prefilled`) is queued again at
@@ -65,7 +65,7 @@ class PromptQueue:
 
     def first_ready(self) -> ServingRequest | None:
         """The oldest request that could run now (laid out, not cancelled)."""
-        return next((r for r in self._queue if r.prompt_ready and not r.cancelled), None)
+        return next((r for r in self._queue if r.prompt_ready and not r.cancelled and not r.pulling), None)
 
 
 @final
@@ -102,7 +102,7 @@ def schedule(
     batch: list[Chunk] = []
     tokens = 0
     for request in queue:
-        if not request.prompt_ready or request.cancelled:
+        if not request.prompt_ready or request.cancelled or request.pulling:
             continue
         start = request.prefilled
         left = request.prompt_tokens - start

@@ -35,6 +35,7 @@ from replicas.model import KVCache, ModelInputError, PrefillResult, PrefillSeque
 from replicas.ports import Actor, Directory
 from replicas.prefill.embeddings import EmbeddingReceives, release_input
 from replicas.prefill.prefix import PrefixLookup
+from replicas.prefill.pull import Puller
 from replicas.prefill.queue import Chunk, PromptQueue, schedule
 from replicas.request import ServingRequest
 from replicas.settings import ReplicaSettings
@@ -62,8 +63,11 @@ class PrefillWork:
         migrate: Callable[[Held], None],
         returned: Callable[[ServingRequest], None],
         changed: Callable[[], None],
+        puller: Puller | None = None,
     ) -> None:
+        """`puller`: pulls a prefix another replica caches, when the router's hint names one."""
         self._actor = actor
+        self._puller = puller
         self.queue = queue
         self._kv = kv
         self._prefix = PrefixLookup(kv.prefix)
@@ -92,13 +96,15 @@ class PrefillWork:
                 )
                 return
             self._embeddings.start(request)
+        elif request.pull_from is not None and self._puller is not None:
+            self._puller.start(request)
 
     def return_queued(self, why: str) -> None:
         """Give queued requests whose prompt has not started back to the router (state change); a
         chunked prompt whose first chunks ran here starts again elsewhere (its blocks go back)."""
         for request in self.queue.take_all():
-            if request.has_images and not request.prompt_ready:
-                self.queue.append(request)  # its embeddings are landing here; finish receiving first
+            if (request.has_images and not request.prompt_ready) or request.pulling:
+                self.queue.append(request)  # its embeddings or prefix are landing here; finish first
                 continue
             self._restart(request)
             request.holder = None
@@ -107,7 +113,7 @@ class PrefillWork:
     def cancel_sweep(self) -> None:
         """Finish queued requests that were cancelled (their embedding transfers end on their own)."""
         receiving = self._embeddings.receiving if self._embeddings is not None else lambda _: False
-        for request in [r for r in self.queue if r.cancelled and not receiving(r)]:
+        for request in [r for r in self.queue if r.cancelled and not receiving(r) and not r.pulling]:
             self.queue.remove(request)
             self._restart(request)
             release_input(request)
@@ -118,6 +124,8 @@ class PrefillWork:
         table = self._tables.pop(request.request_id, None)
         if table is not None:
             self._kv.release(table, request.request_id)
+        if self._puller is not None:
+            self._puller.drop(request.request_id)
         request.prefilled = 0
         request.prompt_scores = []
 
@@ -166,7 +174,15 @@ class PrefillWork:
             table = self._tables.pop(request.request_id, None)
             if table is None:
                 lookup = cached and model is not None and request.prompt_logprobs is None
-                borrowed = self._prefix.borrow(request, model) if lookup and model is not None else []
+                pulled = self._puller.take(request.request_id) if self._puller is not None else None
+                if pulled is not None and not lookup:  # a batch that borrows nothing (ZigZag)
+                    self._kv.release(pulled[0], request.request_id)
+                    pulled = None
+                if pulled is not None:  # its prefix is borrowed already (pulled, or its own)
+                    borrowed, source = pulled
+                else:
+                    borrowed = self._prefix.borrow(request, model) if lookup and model is not None else []
+                    source = None
                 table = kv.pool.try_allocate(
                     kv.blocks_for(request.prompt_tokens) - len(borrowed), request.request_id
                 )
@@ -175,6 +191,7 @@ class PrefillWork:
                     break
                 table = borrowed + table
                 request.cached_tokens = request.prefilled = len(borrowed) * kv.block_size
+                request.cached_from = (source or "local") if borrowed else None
                 if lookup:
                     self._prefix.counted(request, request.cached_tokens)
                 if borrowed:  # the chunk starts after the borrowed prefix, as long as planned
@@ -201,6 +218,7 @@ class PrefillWork:
                         tokens=request.prompt_tokens,
                         batch_size=len(batch),
                         cached_tokens=request.cached_tokens,
+                        cached_from=request.cached_from,
                     )
                 )
             sequences.append(_sequence(item, chunk))
