@@ -33,8 +33,9 @@ from engine.control.server import ControlServer
 from engine.controller import Controller
 from engine.generate.served import served_model
 from engine.logging import EventLog
+from engine.prefix_pull import PullEstimate
 from engine.router import Router
-from messages.cluster import ClusterIdentity
+from messages.cluster import ClusterIdentity, LoadTotals
 from messages.commands import Transition
 from messages.log.events import NodeStopped, NodeStopping, PoolLeak
 from replicas.actor import Replica
@@ -117,9 +118,15 @@ class NodeCore:
     `{node_id}/{role}-{n}`); single Trio thread."""
 
     def __init__(
-        self, config: NodeConfig, log: EventLog, *, decides: Callable[[], bool] = lambda: True
+        self,
+        config: NodeConfig,
+        log: EventLog,
+        *,
+        decides: Callable[[], bool] = lambda: True,
+        load: Callable[[], LoadTotals] = LoadTotals,
     ) -> None:
-        """`decides`: whether this node's controller decides now (in a cluster: while it leads)."""
+        """`decides`: whether this node's controller decides now (in a cluster: while it leads); `load`:
+        this node's measured load (the pull estimate's speeds, `engine.prefix_pull`)."""
         self.config = config
         self.log = log
         dtype = config.dtype or ("float32" if config.device == "cpu" else "bfloat16")
@@ -151,6 +158,7 @@ class NodeCore:
             queue_wait=config.scheduler.queue_wait,
             route_weight=config.prefix.route_weight if config.prefix.cache == "on" else 0.0,
             prefix_keys=self._prefix_keys,
+            pull=self._pull_estimate(dtype, load) if config.prefix.cache == "on" else None,
         )
         self.changes.watch(self.router.dispatch)
         # Requests a replica gives back (its role changed before they started).
@@ -167,6 +175,19 @@ class NodeCore:
         self._indices = {role: itertools.count(0) for role in ROLES}
         # Held by a `scale` op while it runs (`engine.scaling`): scales apply one after another.
         self.scale_lock = trio.Lock()
+
+    def _pull_estimate(self, dtype: str, load: Callable[[], LoadTotals]) -> PullEstimate:
+        """The router's estimate of whether a pull beats computing (`--prefix-pull`)."""
+        model, prefix = self.host.config, self.config.prefix
+        element = torch.empty((), dtype=getattr(torch, dtype)).element_size()
+        emulated = self.config.emulated_speed
+        return PullEstimate(
+            prefix.pull,
+            kv_bytes_per_token=2 * model.num_layers * model.num_kv_heads * model.head_dim * element,
+            link_gbps=prefix.pull_link_gbps,
+            prefill_tokens_per_s=None if emulated is None else emulated.prefill_tokens_per_s,
+            totals=load,
+        )
 
     def _prefix_keys(self, request: ServingRequest) -> list[bytes]:
         """`request`'s prompt block keys for KV-aware routing (none before the model is loaded)."""

@@ -83,7 +83,7 @@ class Node:
         self.log = log
         self.metrics = metrics
         self.member: ClusterMember | None = None
-        self.core = core = NodeCore(config, log, decides=self._decides)
+        self.core = core = NodeCore(config, log, decides=self._decides, load=lambda: metrics.load.totals)
         # In a cluster (`--cluster URL`): this node's membership, peer links and cross-node requests.
         if core.clustered:
             self.member = new_member(core, handle=self._handle, load=lambda: metrics.load.totals)

@@ -3,6 +3,8 @@
 Admitted requests wait in one FCFS queue until a replica in `Prefill` takes them; the cheapest replica
 gets the next one — KV-aware (docs/prefix-cache.md): cost = `route_weight` × the prompt's blocks it would
 compute (those not in its prefix cache) + the blocks queued there, fewest queued prompt tokens on a tie —
+a replica that would pull the prefix another one holds counts those blocks as `1 − ratio` held
+(`engine.prefix_pull`; `--prefix-pull`), and is told to pull them (`ServingRequest.pull_from`) —
 and a replica's own queue holds at most its next batch
 (`max_batch_tokens` prompt tokens), so a backlog stays here, where a replica that starts serving later
 takes its share. A request sent while replicas are still loading simply
@@ -36,6 +38,7 @@ from typing import final
 import trio
 
 from engine.control.errors import RequestFailed
+from engine.prefix_pull import PullEstimate
 from messages.commands import WithdrawEncode
 from messages.log.events import RequestQueued
 from replicas.inbox import new_command_id
@@ -65,15 +68,18 @@ class Router:
         queue_wait: float = 60.0,
         route_weight: float = 1.0,
         prefix_keys: Callable[[ServingRequest], list[bytes]] = lambda request: [],
+        pull: PullEstimate | None = None,
     ) -> None:
         """`prefix_keys`: a request's prompt block keys as the prefill replicas' prefix caches key them
-        (empty: routing by queue alone)."""
+        (empty: routing by queue alone). `pull`: whether a prefix cached elsewhere is worth pulling
+        (None: never)."""
         self._directory = directory
         self._log = log
         self._budget = settings.max_batch_tokens
         self._block_size = settings.kv_block_size
         self._route_weight = route_weight
         self._prefix_keys = prefix_keys
+        self.pull = pull
         self._keys: dict[str, list[bytes]] = {}  # request id -> its keys, while it waits here
         self.max_queue = max_queue
         self.queue_wait = queue_wait
@@ -182,7 +188,7 @@ class Router:
                     request.finish("cancelled")
                     continue
                 images = request.needs_embeddings
-                replica = self._choose_prefill(request)
+                replica, pull = self._choose_prefill(request)
                 encoder = self._choose_encoder() if images else None
                 if images and (replica is None or encoder is None):
                     waiting_for_encoder.append(self.pending.popleft())
@@ -198,6 +204,7 @@ class Router:
                         request.embedding_route = None
                         self.pending.appendleft(request)
                         return
+                request.pull_from, request.pull_blocks = pull or (None, 0)
                 if not replica.submit(request):
                     if encoder is not None:
                         self._withdraw(encoder, request)
@@ -229,32 +236,48 @@ class Router:
             replica.post()
         return True
 
-    def _choose_prefill(self, request: ServingRequest) -> PeerReplica | None:
+    def _choose_prefill(self, request: ServingRequest) -> tuple[PeerReplica | None, tuple[str, int] | None]:
         """The cheapest prefill replica that takes `request` and has room (see the module docstring;
-        fewest queued prompt tokens, then this node's, on a tie)."""
+        fewest queued prompt tokens, then this node's, on a tie), and the replica it should pull its
+        prefix from with how many blocks that one holds (None: no pull)."""
         tokens, images = request.prompt_tokens or len(request.prompt_ids), request.needs_embeddings
         candidates = []
+        everyone = self._everyone()
         local = len(self._directory.local())
-        for index, peer in enumerate(self._everyone()):
+        for index, peer in enumerate(everyone):
             snap = peer.snapshot()
             if snap.has_room(tokens, self._budget) and snap.takes(tokens, images=images):
                 candidates.append((snap.queued_prompt_tokens, index >= local, peer))
-        if len(candidates) < 2:
-            return candidates[0][2] if candidates else None
+        pulls = self.pull is not None and not request.has_images and request.prompt_logprobs is None
+        discount = self.pull.discount() if self.pull is not None and pulls else 0.0
+        if len(candidates) < 2 and not (candidates and discount > 0):
+            return (candidates[0][2] if candidates else None), None
         keys: list[bytes] = []
-        if self._route_weight > 0:
+        if self._route_weight > 0 or discount > 0:
             keys = self._keys.get(request.request_id) or self._keys.setdefault(
                 request.request_id, self._prefix_keys(request)
             )
+        # A pull (docs/prefix-cache.md): the replica that holds the longest prefix, whatever it does.
+        holder, most = "", 0
+        if discount > 0 and keys:
+            for peer in everyone:
+                held = peer.prefix_match(keys)
+                if held > most:
+                    holder, most = peer.name, held
         blocks = -(-tokens // self._block_size)
-        best: tuple[float, int, bool, PeerReplica] | None = None
+        best: tuple[float, int, bool, PeerReplica, int] | None = None
         for queued, remote, peer in candidates:
             held = peer.prefix_match(keys) if keys else 0
-            cost = self._route_weight * (blocks - held) + -(-queued // self._block_size)
-            key = (cost, queued, remote, peer)
+            pulled = most - held if most > held and peer.name != holder else 0
+            cost = self._route_weight * (blocks - held - discount * pulled) + -(-queued // self._block_size)
+            key = (cost, queued, remote, peer, held)
             if best is None or key[:3] < best[:3]:
                 best = key
-        return None if best is None else best[3]
+        if best is None:
+            return None, None
+        chosen, held = best[3], best[4]
+        pull = (holder, most) if most > held and chosen.name != holder else None
+        return chosen, pull
 
     def _choose_encoder(self) -> PeerReplica | None:
         """The encode replica with the least image load (this node's first on a tie)."""

@@ -258,6 +258,7 @@ class NodeService:
                     if outcome.prompt_logprobs is None
                     else prompt_records(outcome.prompt_logprobs),
                     cached_tokens=outcome.cached_tokens,
+                    cached_from=outcome.cached_from,
                 )
             )
         finally:

@@ -59,6 +59,9 @@ def snapshot(request: ServingRequest, origin: str, *, images: bool) -> RequestSn
         generated_logprobs=records(request.generated_logprobs),
         prompt_logprobs=prompt_records(request.prompt_scores),
         cached_tokens=request.cached_tokens,
+        cached_from=request.cached_from,
+        pull_from=request.pull_from,
+        pull_blocks=request.pull_blocks,
     )
 
 
@@ -96,7 +99,10 @@ def merge_snapshot(request: ServingRequest, snap: RequestSnapshot) -> None:
     merge_stamps(request, snap.stamps)
     merge_transfers(request, snap.transfers)
     request.relay = request.relay or snap.relay
+    if snap.cached_tokens >= request.cached_tokens and snap.cached_from is not None:
+        request.cached_from = snap.cached_from
     request.cached_tokens = max(request.cached_tokens, snap.cached_tokens)
+    request.pull_from, request.pull_blocks = snap.pull_from, snap.pull_blocks
     if snap.stop_at is not None and request.stop_at is None:
         request.stop_at = snap.stop_at
     if snap.embedding_encoder is not None and snap.embedding_transfer_id is not None:

@@ -31,3 +31,18 @@ class PrefixConfig(Section, frozen=True, kw_only=True):
             "shortest queue alone)"
         ),
     ] = 1.0
+    pull: Annotated[
+        Literal["auto", "off", "always"],
+        _doc(
+            "pull a prefix another replica (of this node or another) caches instead of computing it: "
+            "auto — when moving its KV is estimated faster than computing it (link speed against "
+            "prefill speed, measured or configured); always; off"
+        ),
+    ] = "auto"
+    pull_link_gbps: Annotated[
+        Annotated[float, msgspec.Meta(gt=0, le=1e6)] | None,
+        _doc(
+            "the link speed (Gbit/s) the pull estimate assumes (default: measured from this node's KV "
+            "transfers)"
+        ),
+    ] = None

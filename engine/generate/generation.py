@@ -79,6 +79,7 @@ class Outcome:
     logprobs: list[TokenLogprobs] | None = None
     prompt_logprobs: list[TokenLogprobs | None] | None = None
     cached_tokens: int = 0
+    cached_from: str | None = None
 
 
 @final
@@ -211,6 +212,7 @@ class Generation:
             logprobs=None if serving.logprobs is None else self._logprobs(0, len(serving.generated)),
             prompt_logprobs=None if serving.prompt_logprobs is None else self.prompt_logprobs(),
             cached_tokens=serving.cached_tokens,
+            cached_from=serving.cached_from if serving.cached_tokens else None,
         )
 
     def prompt_logprobs(self) -> list[TokenLogprobs | None]:

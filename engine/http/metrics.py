@@ -124,6 +124,9 @@ class NodeMetrics:
         self.prefix_hits = counter(
             "prefix_cache_hits", "Prompt tokens found in a prefix cache (their KV was not computed)."
         )
+        self.kv_pulled = counter(
+            "kv_pulled_bytes", "KV bytes of cached prefixes pulled from other replicas' prefix caches."
+        )
         self.locks = counter("replica_locks", "Times a replica was locked, by reason.", ("replica", "reason"))
         self._arrivals: dict[str, float] = {}
 
@@ -173,6 +176,8 @@ class NodeMetrics:
                 if event.status == "success":
                     self.transfer_bytes.labels(event.kind).observe(event.bytes)
                     self.transfer_rounds.labels(event.kind).observe(event.rounds)
+                    if event.kind == "pull":
+                        self.kv_pulled.inc(event.bytes)
             case ReplicaLocked():
                 self.locks.labels(event.replica or "", event.reason).inc()
             case RelayReceived():

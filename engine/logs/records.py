@@ -57,7 +57,7 @@ class RequestRecord:
         self.first_work: float | None = None
         self.encode = Span()
         self.prefill = Span()
-        self.transfers: dict[Transfer, Span] = {"embedding": Span(), "kv": Span()}
+        self.transfers: dict[Transfer, Span] = {"embedding": Span(), "kv": Span(), "pull": Span()}
         self.transfer_ids: list[str] = []
         self.first_token: float | None = None
         self.reported_ttft: float | None = None
