@@ -1,0 +1,96 @@
+"""Pulls across nodes (docs/prefix-cache.md, "Pulls"): a prompt whose prefix another node's replica caches
+is routed to this node's replica, which pulls those blocks over the transfer protocol instead of computing
+them — the output is the model's run in one piece, and the result names where the cached tokens came
+from. A holder killed mid-pull: the prompt is computed here instead, with the model's tokens, and every
+block goes back."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import trio
+
+from engine.cluster.local_etcd import LocalEtcd
+from replicas.model import tiny_model
+from tests.cluster.harness import cluster_nodes, cluster_transport
+from tests.node.harness import by_name, wait_idle, wait_status
+from tests.node.workload import Ask, Outcome, check_outcome, send
+
+# `a` computes the first prompt (one token: it ends there, its blocks stay in a's cache); `b` gets the
+# follow-up and, on a tie of routing costs (`always`: a pullable prefix counts as held), keeps it.
+LAYOUT = (("a", "encode=0,prefill=1,decode=0"), ("b", "encode=0,prefill=1,decode=1"))
+
+
+def _prompts(seed: int) -> tuple[Ask, Ask]:
+    model = tiny_model()
+    rng = random.Random(seed)
+    vocabulary = [i for i in range(model.config.vocab_size) if i != model.config.image_token_id]
+    first = tuple(rng.choice(vocabulary) for _ in range(80))
+    follow_up = (*first, *(rng.choice(vocabulary) for _ in range(20)))
+    return Ask(input_ids=first, max_tokens=1), Ask(input_ids=follow_up, max_tokens=4, seed=5)
+
+
+async def test_a_prefix_cached_on_another_node_is_pulled(tmp_path: Path, etcd: LocalEtcd) -> None:
+    model = tiny_model()
+    ask, follow_up = _prompts(3)
+    async with cluster_nodes(tmp_path, etcd, LAYOUT, "--prefix-pull", "always") as nodes:
+        async with nodes["a"].client() as client:
+            alone = await send(client, ask)
+            await wait_idle(client)
+        async with nodes["b"].client() as client:
+            await wait_status(
+                client,
+                lambda status: by_name(status)["a/prefill-0"].prefix_blocks == 5,
+                "node a's report of its prefix cache reaching node b",
+            )
+            pulled = await send(client, follow_up)
+            await wait_idle(client)
+        started = {e["request_id"]: e for e in nodes["b"].events("prefill_started")}
+        pulls = nodes["b"].events("transfer_finished")
+    assert pulled.result.cached_tokens == 80
+    assert pulled.result.cached_from == "a/prefill-0"
+    event = started[pulled.result.request_id]
+    assert (event["replica"], event["cached_tokens"], event["cached_from"]) == (
+        "b/prefill-0",
+        80,
+        "a/prefill-0",
+    )
+    (pull,) = [e for e in pulls if e["kind"] == "pull"]
+    assert (pull["status"], pull["tokens"], pull["source"]) == ("success", 80, "a/prefill-0")
+    assert pull["bytes"] > 0
+    for outcome in (alone, pulled):
+        assert check_outcome(model, outcome, transport=cluster_transport()) == []
+
+
+async def test_a_holder_killed_mid_pull_leaves_the_prompt_computed(tmp_path: Path, etcd: LocalEtcd) -> None:
+    """a's sends stall (the `stall_sender` hook) so that it is killed while b pulls from it: b computes
+    the prompt itself, the tokens are the model's, and no block stays taken on b."""
+    model = tiny_model()
+    ask, follow_up = _prompts(4)
+    stall = ("--fault", "stall_sender:replica=a/prefill-0,seconds=60")
+    async with cluster_nodes(tmp_path, etcd, LAYOUT, "--prefix-pull", "always", *stall) as nodes:
+        async with nodes["a"].client() as client:
+            await send(client, ask)
+            await wait_idle(client)
+        async with nodes["b"].client() as client, trio.open_nursery() as nursery:
+            await wait_status(
+                client,
+                lambda status: by_name(status)["a/prefill-0"].prefix_blocks == 5,
+                "node a's report of its prefix cache reaching node b",
+            )
+            outcomes: list[Outcome] = []
+
+            async def one() -> None:
+                outcomes.append(await send(client, follow_up))
+
+            nursery.start_soon(one)
+            await nodes["b"].wait_event("transfer_started", lambda e: e["kind"] == "pull")
+            nodes["a"].kill()
+        async with nodes["b"].client() as client:
+            await wait_idle(client, nodes={"b"})
+        (pull,) = [e for e in nodes["b"].events("transfer_finished") if e["kind"] == "pull"]
+    (computed,) = outcomes
+    assert pull["status"] == "failed"
+    assert computed.result.cached_tokens == 0 and computed.result.cached_from is None
+    assert check_outcome(model, computed, transport=cluster_transport()) == []
