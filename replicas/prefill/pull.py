@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import final
 
 from messages.commands import SendCachedKV
@@ -45,6 +45,7 @@ from replicas.request import ServingRequest
 from replicas.settings import ReplicaSettings
 from transport.endpoint import TransferEndpoint
 from transport.errors import HandshakeRefused, LinkError, TransferError
+from transport.memory.prefix_cache import PrefixCache
 
 _pull_numbers = itertools.count(1)
 
@@ -98,14 +99,10 @@ class Puller:
         block_size = self._kv.block_size
         keys = prompt_keys(request, model_identity(model), block_size)
         limit = min(request.pull_blocks, (request.prompt_tokens - 1) // block_size)
-        own_count = cache.match(keys[:limit])
-        if own_count >= limit:
+        reserved = reserve_pull(cache, request.request_id, keys, limit)
+        if reserved is None:
             return False
-        own = cache.acquire(request.request_id, keys, limit=own_count)
-        landing = self._kv.pool.try_allocate(limit - len(own), request.request_id)
-        if landing is None:  # no room now: computing needs the blocks anyway
-            self._kv.release(own, request.request_id)
-            return False
+        own, landing = reserved
         request.pulling = True
         self._actor.spawn(self._pull, request, holder, keys[:limit], own, landing)
         return True
@@ -208,10 +205,7 @@ class Puller:
         """The pull ended with `landed` blocks (main loop): they join this replica's cache after the
         borrowed `own`; the rest of `landing` goes back to the pool; the prompt may run."""
         request.pulling = False
-        self._kv.pool.free(landing[landed:], request.request_id)
-        table = own + landing[:landed]
-        if landed:
-            self._kv.prefix.publish(request.request_id, table)
+        table = land_pull(self._kv.prefix, request.request_id, own, landing, landed)
         self._ready[request.request_id] = (table, holder if landed else None)
         self._changed()
         self._actor.post()
@@ -224,17 +218,13 @@ def lend(
     holds, send its blocks from `command.start` on as transfer `command.transfer_id`, release the
     borrowing when the send ends. Returns the number of blocks sent; raises `CommandRefused`
     (`not_found`) when it holds none after `start`."""
-    cache = kv.prefix
     owner = f"lend:{command.transfer_id}"
-    blocks = cache.acquire(owner, command.keys, limit=len(command.keys)) if cache.enabled else []
-    sending = blocks[command.start :]
+    blocks, sending = borrow_chain(kv.prefix, owner, command.keys, command.start)
     if not sending:
-        if blocks:
-            kv.release(blocks, owner)
         raise CommandRefused(
             "not_found",
-            f"{actor.name} holds no cached block of that prefix after block {command.start} "
-            f"(it holds {len(blocks)} of {len(command.keys)}; evicted, or never cached here)",
+            f"{actor.name} holds no cached block of that prefix after block {command.start} of "
+            f"{len(command.keys)} (evicted, or never cached here)",
         )
 
     async def send() -> None:
@@ -248,3 +238,46 @@ def lend(
 
     actor.spawn(send)
     return len(sending)
+
+
+# ---------------------------------------------------------------------- the cache's side (pure)
+def reserve_pull(
+    cache: PrefixCache, owner: str, keys: Sequence[bytes], limit: int
+) -> tuple[list[int], list[int]] | None:
+    """The receiver before a pull of `keys[:limit]`: borrow the prefix `cache` holds (for `owner`, who
+    may publish the rest later) and allocate blocks for the others under `owner`. None (nothing
+    borrowed or allocated) when it holds them all, or the pool has no room."""
+    own_count = cache.match(keys[:limit])
+    if own_count >= limit:
+        return None
+    own = cache.acquire(owner, keys, limit=own_count)
+    landing = cache.pool.try_allocate(limit - len(own), owner)
+    if landing is None:  # no room now: computing needs the blocks anyway
+        cache.release(owner, own)
+        return None
+    return own, landing
+
+
+def land_pull(cache: PrefixCache, owner: str, own: list[int], landing: list[int], landed: int) -> list[int]:
+    """The receiver after a pull: the first `landed` blocks of `landing` hold the KV (the transfer's
+    fence passed), the rest go back to the pool; what landed joins the cache after `own` (as far as
+    `publish` takes it). Returns the blocks the prompt starts with, still borrowed by `owner`."""
+    cache.pool.free(landing[landed:], owner)
+    table = own + landing[:landed]
+    if landed:
+        cache.publish(owner, table)
+    return table
+
+
+def borrow_chain(
+    cache: PrefixCache, owner: str, keys: Sequence[bytes], start: int
+) -> tuple[list[int], list[int]]:
+    """The holder: borrow (for `owner`) the chain of `keys` `cache` holds; returns it and its blocks
+    from `start` on (to send). Nothing to send: nothing stays borrowed. `cache.release(owner, blocks)`
+    ends the borrowing."""
+    blocks = cache.acquire(owner, keys, limit=len(keys)) if cache.enabled else []
+    if len(blocks) <= start:
+        if blocks:
+            cache.release(owner, blocks)
+        return [], []
+    return blocks, blocks[start:]
