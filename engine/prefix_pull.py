@@ -8,8 +8,8 @@
 - prefill tokens/s: the emulated figure (`--emulated-speed prefill_tokens_per_s=N`) when one is set, else
   what this node's prefill replicas measured while they computed (`LoadTotals.prefilled_tokens /
   prefill_busy_s`);
-- link bytes/s: `--prefix-pull-link-gbps` when set, else what this node's KV transfers measured while
-  they moved (`kv_bytes / kv_seconds`, KV migrations and pulls alike).
+- link bytes/s: `--prefix-pull-link-gbps` when set, else what this node's KV migrations measured while
+  they moved (`kv_bytes / kv_seconds`; a pull moves the same blocks over the same links).
 
 `discount` is the share of a pulled block's cost the router saves against computing it: `off` 0 (no
 pulls); `always` 1 (a prefix anywhere counts as held by every replica); `auto` 1 − ratio when the ratio

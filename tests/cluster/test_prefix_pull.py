@@ -9,11 +9,13 @@ from __future__ import annotations
 import random
 from pathlib import Path
 
+import httpx
 import trio
 
 from engine.cluster.local_etcd import LocalEtcd
 from replicas.model import tiny_model
 from tests.cluster.harness import cluster_nodes, cluster_transport
+from tests.http.test_metrics import samples
 from tests.node.harness import by_name, wait_idle, wait_status
 from tests.node.workload import Ask, Outcome, check_outcome, send
 
@@ -46,6 +48,9 @@ async def test_a_prefix_cached_on_another_node_is_pulled(tmp_path: Path, etcd: L
             )
             pulled = await send(client, follow_up)
             await wait_idle(client)
+        assert nodes["b"].http_url is not None
+        async with httpx.AsyncClient(base_url=nodes["b"].http_url) as http:
+            metrics = samples((await http.get("/metrics")).text)
         started = {e["request_id"]: e for e in nodes["b"].events("prefill_started")}
         pulls = nodes["b"].events("transfer_finished")
     assert pulled.result.cached_tokens == 80
@@ -58,7 +63,7 @@ async def test_a_prefix_cached_on_another_node_is_pulled(tmp_path: Path, etcd: L
     )
     (pull,) = [e for e in pulls if e["kind"] == "pull"]
     assert (pull["status"], pull["tokens"], pull["source"]) == ("success", 80, "a/prefill-0")
-    assert pull["bytes"] > 0
+    assert pull["bytes"] > 0 and metrics[("zigzag:kv_pulled_bytes_total", ())] == pull["bytes"]
     for outcome in (alone, pulled):
         assert check_outcome(model, outcome, transport=cluster_transport()) == []
 
