@@ -177,7 +177,7 @@ class LanguageRoles:
                 directory=directory,
                 settings=settings,
                 model=lambda: compute.model,
-                changed=changed,
+                ended=lambda request: self.prefill.pull_ended(request),
             ),
         )
         landing = KVLanding(actor.name, actor.log, kv, endpoints.kv, fabric, layers)

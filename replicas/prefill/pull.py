@@ -64,8 +64,9 @@ class Puller:
         directory: Directory,
         settings: ReplicaSettings,
         model: Callable[[], Model | None],
-        changed: Callable[[], None],
+        ended: Callable[[ServingRequest], None],
     ) -> None:
+        """`ended`: a request's pull ended (main loop; `take` has its blocks)."""
         self._actor = actor
         self._kv = kv
         self._endpoint = endpoint
@@ -73,7 +74,7 @@ class Puller:
         self._directory = directory
         self._settings = settings
         self._model = model
-        self._changed = changed
+        self._ended = ended
         # Request id -> the blocks its prompt starts with (borrowed and pulled) once its pull ended, and
         # the replica they were pulled from (None: nothing landed).
         self._ready: dict[str, tuple[list[int], str | None]] = {}
@@ -207,7 +208,7 @@ class Puller:
         request.pulling = False
         table = land_pull(self._kv.prefix, request.request_id, own, landing, landed)
         self._ready[request.request_id] = (table, holder if landed else None)
-        self._changed()
+        self._ended(request)
         self._actor.post()
 
 

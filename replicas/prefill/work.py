@@ -39,9 +39,12 @@ from replicas.prefill.pull import Puller
 from replicas.prefill.queue import Chunk, PromptQueue, schedule
 from replicas.request import ServingRequest
 from replicas.settings import ReplicaSettings
+from replicas.states import KEEPS_IMAGE_REQUESTS, ReplicaState
 from replicas.step.apply import apply_tokens, refuse
 from replicas.step.compute import Compute
 from replicas.step.plan import Held, PrefillCall
+
+S = ReplicaState
 
 
 @final
@@ -96,7 +99,7 @@ class PrefillWork:
                 )
                 return
             self._embeddings.start(request)
-        elif request.pull_from is not None and self._puller is not None:
+        elif request.pull_from is not None and self._puller is not None and self._actor.state is S.PREFILL:
             self._puller.start(request)
 
     def return_queued(self, why: str) -> None:
@@ -109,6 +112,17 @@ class PrefillWork:
             self._restart(request)
             request.holder = None
             self._returned(request)
+
+    def pull_ended(self, request: ServingRequest) -> None:
+        """`request`'s pull ended (`replicas.prefill.pull`): it may run — or, when the replica stopped
+        taking prompts meanwhile (`return_queued` kept it while its blocks were landing), it goes back to
+        the router."""
+        if request in self.queue and self._actor.state not in KEEPS_IMAGE_REQUESTS:
+            self.queue.remove(request)
+            self._restart(request)
+            request.holder = None
+            self._returned(request)
+        self._changed()
 
     def cancel_sweep(self) -> None:
         """Finish queued requests that were cancelled (their embedding transfers end on their own)."""
