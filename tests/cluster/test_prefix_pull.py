@@ -2,7 +2,8 @@
 is routed to this node's replica, which pulls those blocks over the transfer protocol instead of computing
 them — the output is the model's run in one piece, and the result names where the cached tokens came
 from. A holder killed mid-pull: the prompt is computed here instead, with the model's tokens, and every
-block goes back."""
+block goes back. The nodes then stop with exit code 0: their shutdown's leak check counts the caches'
+borrowings too (the holder's for the send, the puller's for the prompt)."""
 
 from __future__ import annotations
 
@@ -67,6 +68,8 @@ async def test_a_prefix_cached_on_another_node_is_pulled(
             metrics = samples((await http.get("/metrics")).text)
         started = {e["request_id"]: e for e in nodes["b"].events("prefill_started")}
         pulls = nodes["b"].events("transfer_finished")
+        for node in ("b", "a"):  # exit code 0: no block and no borrowing of either cache left behind
+            nodes[node].stop()
     assert pulled.result.cached_tokens == 80
     assert pulled.result.cached_from == "a/prefill-0"
     event = started[pulled.result.request_id]
@@ -109,6 +112,7 @@ async def test_a_holder_killed_mid_pull_leaves_the_prompt_computed(tmp_path: Pat
         async with nodes["b"].client() as client:
             await wait_idle(client, nodes={"b"})
         (pull,) = [e for e in nodes["b"].events("transfer_finished") if e["kind"] == "pull"]
+        nodes["b"].stop()  # exit code 0: nothing leaked
     (computed,) = outcomes
     assert pull["status"] == "failed"
     assert computed.result.cached_tokens == 0 and computed.result.cached_from is None
