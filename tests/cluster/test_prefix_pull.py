@@ -1,4 +1,4 @@
-"""Pulls across nodes (docs/prefix-cache.md, "Pulls"): a prompt whose prefix another node's replica caches
+"""Pulls across nodes, and within one (docs/prefix-cache.md, "Pulls"): a prompt whose prefix another node's replica caches
 is routed to this node's replica, which pulls those blocks over the transfer protocol instead of computing
 them — the output is the model's run in one piece, and the result names where the cached tokens came
 from. A holder killed mid-pull: the prompt is computed here instead, with the model's tokens, and every
@@ -18,7 +18,15 @@ from engine.cluster.local_etcd import LocalEtcd
 from replicas.model import tiny_model
 from tests.cluster.harness import cluster_nodes, cluster_transport
 from tests.http.test_metrics import samples
-from tests.node.harness import by_name, wait_idle, wait_status
+from tests.node.harness import (
+    by_name,
+    default_transport,
+    node_process,
+    wait_idle,
+    wait_serving,
+    wait_states,
+    wait_status,
+)
 from tests.node.workload import Ask, Outcome, check_outcome, send
 
 # `a` computes the first prompt (one token: it ends there, its blocks stay in a's cache); `b` gets the
@@ -117,3 +125,37 @@ async def test_a_holder_killed_mid_pull_leaves_the_prompt_computed(tmp_path: Pat
     assert pull["status"] == "failed"
     assert computed.result.cached_tokens == 0 and computed.result.cached_from is None
     assert check_outcome(model, computed, transport=cluster_transport()) == []
+
+
+async def test_a_prefix_is_pulled_from_another_replica_of_the_node(tmp_path: Path) -> None:
+    """The replica that computed a prompt became a decode replica, its cache kept: the next prompt with
+    that prefix runs on the other prefill replica, which pulls the prefix from it (one node, its own
+    transport)."""
+    tiny = tiny_model()
+    rng = random.Random(11)
+    vocabulary = [i for i in range(tiny.config.vocab_size) if i != tiny.config.image_token_id]
+    first = tuple(rng.choice(vocabulary) for _ in range(70))  # 4 full blocks and 6 tokens
+    follow_up = (*first, *(rng.choice(vocabulary) for _ in range(30)))
+    options = ("--replicas", "prefill=2,decode=1", "--prefix-pull", "always")
+    with node_process(tmp_path, *options) as node:
+        async with node.client() as client:
+            await wait_serving(client)
+            computed = await send(client, Ask(input_ids=first, max_tokens=3, ignore_eos=True))
+            await wait_idle(client)
+            await client.transition("prefill-0", "MutatingToDecode")  # the holder stops prefilling
+            status = await wait_states(client, {"prefill-0": "Decode"})
+            assert by_name(status)["prefill-0"].prefix_blocks == 4
+            pulled = await send(client, Ask(input_ids=follow_up, max_tokens=4, seed=2, temperature=0.7))
+            await wait_idle(client)
+        started = {e["request_id"]: e for e in node.events("prefill_started")}
+        (pull,) = [e for e in node.events("transfer_finished") if e["kind"] == "pull"]
+    assert (pulled.result.cached_tokens, pulled.result.cached_from) == (64, "prefill-0")
+    assert started[pulled.result.request_id]["replica"] == "prefill-1"
+    assert (pull["status"], pull["source"], pull["destination"], pull["tokens"]) == (
+        "success",
+        "prefill-0",
+        "prefill-1",
+        64,
+    )
+    for outcome in (computed, pulled):
+        assert check_outcome(tiny, outcome, transport=default_transport()) == []
