@@ -8,7 +8,8 @@ captures its decode graphs before it serves (`Executor.prepare`). A prefill repl
 decode replica captures them on entering `MutatingToDecode` (or `AusDecode`, revived as decode) with
 `prepare_for_decode`, and does not step before they are ready: graphs are captured at the load or at the
 role change, never inside a step. When the load is done, `loaded` (given by the
-actor) moves the replica on.
+actor) moves the replica on; the layers an own copy installed plain are then packed for the CPU's faster
+kernels in the background (`_pack`), the replica serving them plain meanwhile.
 
 Cancellation: the helpers run in the actor's nursery; a capture in a worker thread runs to its end.
 A load's failure raises out of its helper: the replica fails with its message.
@@ -20,6 +21,7 @@ import time
 from collections.abc import Callable
 from typing import final
 
+import structlog
 import trio
 
 from messages.control import SourceChoice, WeightsSource
@@ -28,6 +30,7 @@ from messages.log.scaling import ExecutorReady
 from replicas.loading.copy import CopyTarget, copy_weights
 from replicas.loading.progress import PieceLoaded, WeightsStatus
 from replicas.model import Executor, KVCache, Model
+from replicas.model.layers import packed_layer
 from replicas.ports import Actor
 from replicas.settings import ReplicaSettings
 from replicas.states import ReplicaState
@@ -35,6 +38,7 @@ from replicas.step.compute import Compute
 from replicas.weights import ModelHost
 
 S = ReplicaState
+_log = structlog.get_logger("replicas.loading")
 
 
 @final
@@ -96,6 +100,7 @@ class Loader:
             )
             executor = await self._prepared(outcome.model)
             actor.later(lambda: self._done(outcome.model, outcome.source, executor))
+            actor.spawn(self._pack, outcome.model)
             return
         started = time.monotonic()
 
@@ -121,6 +126,26 @@ class Loader:
         model = await self._host.acquire(actor.name, progress)
         executor = await self._prepared(model)
         actor.later(lambda: self._done(model, "resident", executor))
+
+    async def _pack(self, model: Model) -> None:
+        """Pack the layers a copy installed plain for the CPU's faster kernels (`packed_layer`), one at a
+        time in a worker thread, while the replica serves them plain: each layer is swapped whole, so a
+        step sees it either plain or packed (an exact reordering). Stops when the replica let the model
+        go. Cancellation: the layer in the thread is packed to its end, then `Cancelled` propagates."""
+        started, packed = time.monotonic(), 0
+        for index, layer in enumerate(model.layers):
+            if self._compute.model is not model:
+                return
+            if layer is None:
+                continue
+            new = await trio.to_thread.run_sync(packed_layer, layer, model.kernels)
+            if new is not None and model.layers[index] is layer:
+                model.set_layer(index, new)
+                packed += 1
+        if packed:
+            _log.info(
+                "weights.packed", replica=self._actor.name, layers=packed, seconds=time.monotonic() - started
+            )
 
     def _new_executor(self, model: Model, kv: KVCache) -> Executor:
         """An executor of `model` on the replica's KV cache, run as the node's `[executor]` says."""

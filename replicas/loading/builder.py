@@ -57,8 +57,11 @@ class ModelFrame:
 class ModelBuilder:
     """See the module docstring. `model` is None until the embeddings landed."""
 
-    def __init__(self, frame: ModelFrame) -> None:
+    def __init__(self, frame: ModelFrame, *, pack_later: bool = False) -> None:
         self.frame = frame
+        # A replica's own copy installs its layers plain; the replica packs them once the copy is done
+        # (`replicas.model.layers.packed_layer`), so no reorder sits on the copy's path.
+        self.layer_kernels: Kernels = "plain" if pack_later else frame.weight_kernels
         self.dtype = torch_dtype(frame.config.dtype)
         self.pieces = checkpoint_pieces(frame.config)
         self.landed = 0
@@ -91,7 +94,7 @@ class ModelBuilder:
             case "layer":
                 assert piece.layer is not None
                 layer = {relative(piece, name): tensor for name, tensor in tensors.items()}
-                weights = fuse_layer(layer, self.dtype, self.frame.device, kernels=self.frame.weight_kernels)
+                weights = fuse_layer(layer, self.dtype, self.frame.device, kernels=self.layer_kernels)
                 self._model().set_layer(piece.layer, weights)
             case "norm":
                 model = self._model()

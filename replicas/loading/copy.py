@@ -18,7 +18,9 @@ checkpoint order (`replicas.loading.pieces`): embeddings, layers 0 … L−1, fi
 Before anything moves, a copy that would not fit in the device's available memory is refused
 (`replicas.loading.memory`; `memory_probe` is injectable). `on_model(model)` is called once the
 embeddings landed: the `Model` is usable from then on for its leading loaded layers (`Model.loaded_layers`;
-ZigZag runs them); `on_piece(PieceLoaded)` after every piece. Both are called in the caller's Trio
+ZigZag runs them); `on_piece(PieceLoaded)` after every piece. Layers that come as checkpoint tensors
+(peer, disk) are installed in the plain layout: the caller packs them once the copy is done
+(`replicas.model.layers.packed_layer`), off the copy's path. Both are called in the caller's Trio
 thread. With `emulated` (the node's `--emulated-speed`, `replicas.emulation`) each piece is padded with a
 sleep to `bytes / (X·1e9)` seconds from its start, X being the emulated speed of the source it came from
 (`peer_gb_per_s`, `host_gb_per_s`, `disk_gb_per_s`, else `weights_gb_per_s`); the real copy still
@@ -257,7 +259,7 @@ class _Copy:
                 *plan_sources(requested, found, host.host_copy is not None),
             ]
         self.peer: PeerReplica | None = None  # the peer read from last
-        self.builder = ModelBuilder(host.frame())
+        self.builder = ModelBuilder(host.frame(), pack_later=True)
         self.fallbacks: list[WeightsFallback] = []
         self.used: list[WeightsSourceName] = []
         self.loaded_bytes = 0

@@ -45,6 +45,32 @@ class LayerWeights:
         return norms + sum(p.nbytes for p in (self.qkv, self.o, self.gate_up, self.down))
 
 
+def packed_layer(layer: LayerWeights, kernels: Kernels) -> LayerWeights | None:
+    """`layer` with its plain projections packed as `kernels` asks (`Linear` decides per weight, as at a
+    load), its small tensors cloned out of a piece buffer they shared with the weights; None when
+    nothing would change (the kernels are plain, the weights are not CPU float32, or already packed).
+    A replica's own weight copy installs its layers plain and packs them afterwards, off the copy's path
+    (`replicas.actor.loader`); the packed weight is an exact reordering of the plain one."""
+    if kernels == "plain":
+        return None
+    linears = {}
+    for name in ("qkv", "o", "gate_up", "down"):
+        linear: Linear = getattr(layer, name)
+        linears[name] = linear if linear.packed else Linear(linear.weight, linear.bias, kernels=kernels)
+    if all(linears[name] is getattr(layer, name) or not linears[name].packed for name in linears):
+        return None
+    return _own_storage(
+        LayerWeights(
+            input_norm=layer.input_norm,
+            qkv=linears["qkv"],
+            o=linears["o"],
+            post_norm=layer.post_norm,
+            gate_up=linears["gate_up"],
+            down=linears["down"],
+        )
+    )
+
+
 def expected_layer_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     """HF tensor names (relative to `model.layers.{i}.`) and their shapes; biases only where the config has them."""
     hidden, inter = config.hidden_size, config.intermediate_size
