@@ -1,10 +1,12 @@
 """The receiving side of a peer weight copy (blitz): a loading replica pulls pieces from a replica that
 holds them, over the replicas' transport links.
 
-`PeerSource.fetch(piece)` moves one piece as one or more *parts* — a part is at most what the sender's
-staging pool holds (`replicas.loading.peer_send`): for each it takes the link from its own
+`PeerSource.fetch(piece)` moves one piece as one or more *parts* — a part is at most half what the
+sender's staging pool holds (`replicas.loading.peer_send`): it takes the link from its own
 `{replica}/weights` endpoint to the peer's (`Fabric.link`, made once per pair), asks the peer with
-`SendWeights(piece, byte_offset)` and receives the transfer in the consumed mode: its staging blocks are
+`SendWeights(piece, byte_offset)` for the first part and, as soon as a part's first round landed (its
+header tells where it ends), for the next one, so the sender stages a part while the last one is on the
+wire; it receives each transfer in the consumed mode: its staging blocks are
 granted, each landed round is copied out into the piece's byte buffer and the blocks are granted again
 (REQUEST_MORE_CACHE rounds), so a part larger than this replica's pool still lands. The header is checked
 on every round against the tensor table this side computes from its own config (names, dtype, shapes,
@@ -20,6 +22,7 @@ quarantines its blocks) and `Cancelled` propagates.
 from __future__ import annotations
 
 import itertools
+from collections.abc import Awaitable, Callable
 from typing import Final, final
 
 import torch
@@ -73,9 +76,14 @@ class PartLanding:
         self._raw: bytes | None = None
         self.rows = 0
         self.copied = 0
+        # Called once, when the part's header first landed and checked (the receiver asks ahead).
+        self.on_header: Callable[[WeightsHeader], Awaitable[None]] | None = None
 
     async def consume(self, landed: LandedRound) -> None:
+        first = self.header is None
         header = self._check(landed)
+        if first and self.on_header is not None:
+            await self.on_header(header)
         if landed.offset != self.rows:
             raise WeightsMismatch(
                 f"{self.piece.label}: a round starts at row {landed.offset}, {self.rows} landed"
@@ -187,29 +195,46 @@ class PeerSource:
         buffer = torch.empty(total, dtype=torch.uint8, device=self.device)
         if self._changes is not None:
             await self._landed_there(piece, self._changes)
+        link = await self._fabric.link(endpoint, weights_endpoint_name(self.peer.name))
+        asked = await self._ask(piece, 0)
         offset = 0
         while offset < total:
-            link = await self._fabric.link(endpoint, weights_endpoint_name(self.peer.name))
-            # Looked at in the step that posts the command (a local `ask` posts before it checkpoints): a
-            # peer that stops after it refuses what it was sent (`replica_failed`) instead of timing out.
-            if not self.peer.snapshot().running:
-                raise PeerGone(f"{self.peer.name} is not running (state {self.peer.state.value})")
-            transfer_id = f"{self.replica}/weights/{next(_transfer_numbers)}"
-            command = SendWeights(
-                command_id=new_command_id(),
-                transfer_id=transfer_id,
-                piece=piece,
-                destination_endpoint=endpoint.name,
-                byte_offset=offset,
-            )
-            await self.peer.ask(command, timeout=self._timeout)
+            transfer_id = asked
             landing = PartLanding(buffer, self.model_name, piece, table, offset)
+
+            async def ahead(header: WeightsHeader) -> None:
+                # The sender stages the next part while this one lands (pipelined parts).
+                nonlocal asked
+                following = header.offset + header.nbytes
+                if following < total:
+                    asked = await self._ask(piece, following)
+
+            landing.on_header = ahead
             await endpoint.receive(transfer_id, peer=link, consume=landing.consume)
             nbytes = landing.finish()
             self._fabric.count_bytes(self.peer.name, self.replica, "weights", nbytes)
             self.bytes += nbytes
             offset += nbytes
+            if offset < total and asked == transfer_id:
+                raise WeightsMismatch(f"{piece.label}: the next part from byte {offset} was not asked for")
         return _cut(buffer, table)
+
+    async def _ask(self, piece: WeightPiece, offset: int) -> str:
+        """Ask the peer to send the part of `piece` from byte `offset`; the transfer's id."""
+        # Looked at in the step that posts the command (a local `ask` posts before it checkpoints): a
+        # peer that stops after it refuses what it was sent (`replica_failed`) instead of timing out.
+        if not self.peer.snapshot().running:
+            raise PeerGone(f"{self.peer.name} is not running (state {self.peer.state.value})")
+        transfer_id = f"{self.replica}/weights/{next(_transfer_numbers)}"
+        command = SendWeights(
+            command_id=new_command_id(),
+            transfer_id=transfer_id,
+            piece=piece,
+            destination_endpoint=self._endpoint.name,
+            byte_offset=offset,
+        )
+        await self.peer.ask(command, timeout=self._timeout)
+        return transfer_id
 
     async def _landed_there(self, piece: WeightPiece, changes: NodeSignal) -> None:
         """Until the peer — loading too, before this replica in a chain — holds `piece`. Raises

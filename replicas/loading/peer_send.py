@@ -7,13 +7,15 @@ command's outcome) and starts a helper task in the replica's nursery. The helper
 sending session first (so the receiver's grant finds it, and any failure reaches the receiver as an
 abort), takes the piece's checkpoint tensors from the model (`replicas.loading.split`: fused weights
 split back, packed ones made dense), allocates staging blocks (a bounded wait when other copies hold
-them), stages bytes `[byte_offset, byte_offset + n)` of the piece — `n` as many as the staging pool holds,
-at most the rest of the piece — and sends them; the header (`messages.weights.WeightsHeader`) carries the
-piece's tensor table. The receiver asks for the next part when this one has landed.
+them), stages bytes `[byte_offset, byte_offset + n)` of the piece — `n` as many as half the staging pool
+holds (`part_bytes`: two parts are staged at once when the receiver asks ahead), at most the rest of the
+piece — and sends them; the header (`messages.weights.WeightsHeader`) carries the
+piece's tensor table. The receiver asks for the next part as soon as the first round of this one has landed.
 
 The helper keeps a reference to the model it sends from, so a replica scaled down meanwhile still
 finishes the part. The split tensors of the last pieces asked for are cached per model (a piece of
-several parts is split once).
+several parts is split once), and a piece's first part starts splitting the next piece in a worker
+thread, so the unpacking of packed weights runs while the previous piece is on the wire.
 
 Cancellation: when the replica stops, the helper is cancelled; leaving the session aborts the transfer
 (the receiver learns why) and the staging blocks are freed on every path. Transfer failures are the
@@ -24,7 +26,7 @@ from __future__ import annotations
 
 import weakref
 from collections import OrderedDict
-from typing import Final
+from typing import Final, final
 
 import structlog
 import torch
@@ -34,9 +36,9 @@ from messages.commands import SendWeights
 from messages.peer_codec import encode_header
 from messages.weights import WeightPiece, WeightsHeader, WeightTensor
 from replicas.inbox import CommandRefused
-from replicas.loading.pieces import tensor_table
+from replicas.loading.pieces import checkpoint_pieces, tensor_table
 from replicas.loading.split import model_piece
-from replicas.loading.staging import WeightStaging, rows_for, stage
+from replicas.loading.staging import ROW_BYTES, WeightStaging, rows_for, stage
 from replicas.model.llama import Model
 from replicas.ports import Actor
 from transport.config import TransferConfig
@@ -46,11 +48,21 @@ from transport.memory.blocks import AllocationTimeout
 
 _log = structlog.get_logger("replicas.loading")
 THREAD_BYTES: Final = 1 << 20  # staging copies at least this large run in a worker thread
-CACHED_PIECES: Final = 2
+CACHED_PIECES: Final = 3  # the piece being sent, the next one (split ahead), one spare
 Tensors = list[tuple[str, torch.Tensor]]
-_split_cache: weakref.WeakKeyDictionary[Model, OrderedDict[WeightPiece, Tensors]] = (
-    weakref.WeakKeyDictionary()
-)
+
+
+@final
+class _Split:
+    """A piece's checkpoint tensors, split in a worker thread; `done` is set when `tensors` is (None: the
+    split failed or was cancelled, a later request splits again)."""
+
+    def __init__(self) -> None:
+        self.done = trio.Event()
+        self.tensors: Tensors | None = None
+
+
+_split_cache: weakref.WeakKeyDictionary[Model, OrderedDict[WeightPiece, _Split]] = weakref.WeakKeyDictionary()
 
 
 def send_weights(
@@ -80,6 +92,23 @@ def send_weights(
             f"{replica.name}: {command.piece.label} has {total} bytes; asked from byte {command.byte_offset}",
         )
     replica.spawn(_send, replica.name, model, staging, endpoint, transfer, command, table)
+    if command.byte_offset == 0:  # the piece's first part: split the next piece while this one moves
+        following = _following(model, command.piece)
+        if following is not None and holds(model, following):
+            replica.spawn(_split, model, following)
+
+
+def _following(model: Model, piece: WeightPiece) -> WeightPiece | None:
+    """The piece a copy asks for after `piece` (checkpoint order), or None after the last."""
+    pieces = checkpoint_pieces(model.config)
+    at = pieces.index(piece) if piece in pieces else len(pieces)
+    return pieces[at + 1] if at + 1 < len(pieces) else None
+
+
+def part_bytes(staging: WeightStaging) -> int:
+    """The most bytes one part carries: half the staging pool, so the next part is staged while the
+    last one is on the wire (the receiver asks for it as soon as the last one's first round landed)."""
+    return max(ROW_BYTES, staging.capacity_bytes // 2 // ROW_BYTES * ROW_BYTES)
 
 
 def holds(model: Model, piece: WeightPiece) -> bool:
@@ -112,7 +141,7 @@ async def _send(
 ) -> None:
     """One part of one piece (see the module docstring)."""
     total = table[-1].offset + table[-1].nbytes
-    nbytes = min(total - command.byte_offset, staging.capacity_bytes)
+    nbytes = min(total - command.byte_offset, part_bytes(staging))
     rows = rows_for(nbytes)
     header = encode_header(
         WeightsHeader(
@@ -153,14 +182,21 @@ async def _send(
 
 
 async def _split(model: Model, piece: WeightPiece) -> Tensors:
-    """The piece's checkpoint tensors, split once per piece (a small per-model cache)."""
+    """The piece's checkpoint tensors, split once per piece (a small per-model cache; the first part of a
+    piece splits the next one ahead, so a copy finds it split). A request that finds the split under
+    way waits for it."""
     cache = _split_cache.setdefault(model, OrderedDict())
-    tensors = cache.get(piece)
-    if tensors is None:
-        tensors = await trio.to_thread.run_sync(model_piece, model, piece)
-        cache[piece] = tensors
-        while len(cache) > CACHED_PIECES:
-            cache.popitem(last=False)
-    else:
+    entry = cache.get(piece)
+    if entry is not None:
         cache.move_to_end(piece)
-    return tensors
+        await entry.done.wait()
+        if entry.tensors is not None:
+            return entry.tensors
+    entry = cache[piece] = _Split()
+    while len(cache) > CACHED_PIECES:
+        cache.popitem(last=False)
+    try:
+        entry.tensors = await trio.to_thread.run_sync(model_piece, model, piece)
+    finally:
+        entry.done.set()
+    return entry.tensors
