@@ -22,6 +22,10 @@ released (`Inactive`) again, and the node's `weights_copy_finished` event gives 
 benchmark's process. `--hosts 2`: a peer copy between two nodes on two hosts against raw TCP between them
 (`weights_copy_peer_hosts`, engine/bench/zigzag_hosts.py).
 
+`--hosts 3` (`--only ttft`): the emulated burst on three hosts — prefill on one, decode on another, the
+third empty until the scale places the new prefill replica there, its weights from a peer
+(`burst3x-hosts3-emulated`, engine/bench/zigzag_hosts.py).
+
 Multicast chain (`--only chain`, case `weights_chain_3`): three replicas one `scale` loads from one peer
 against one, on one node with emulated peer copies (`--chain-gb-per-s`), or with `--hosts 2` on a
 second host whose source's link is shaped to `--chain-mbit` (`weights_chain_3_hosts`).
@@ -131,8 +135,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--hosts",
         type=int,
         default=1,
-        help="2: the copy rows across two hosts (network namespaces; a peer copy against raw TCP), "
-        "engine/bench/zigzag_hosts.py",
+        help="2: the copy and chain rows across two hosts (network namespaces; a peer copy against raw TCP); "
+        "3: the burst (ttft) on three hosts, the new prefill replica on an empty one; engine/bench/zigzag_hosts.py",
     )
     parser.add_argument("--seed", type=int, default=7)
     parser.add_argument("--plot", type=Path, default=None, help="draw TTFT around the scale into this file")
@@ -150,7 +154,9 @@ def run(args: argparse.Namespace) -> Iterable[Row]:
     directory = Path(tempfile.mkdtemp(prefix="zigzag-bench-")) if args.logs is None else args.logs
     directory.mkdir(parents=True, exist_ok=True)
     try:
-        if "ttft" in only:
+        if "ttft" in only and args.hosts == 3:
+            yield from _host_ttft_rows(args, directory)
+        elif "ttft" in only:
             yield from _ttft_rows(args, directory)
         if "copy" in only and args.hosts > 1:
             from engine.bench.zigzag_hosts import host_copy_rows
@@ -251,6 +257,76 @@ def _ttft_rows_of(args: argparse.Namespace, directory: Path, model: str) -> Iter
             args.plot,
             subtitle=f"emulated: {speed}; rate {args.rate:g} -> {3 * args.rate:g} req/s",
         )
+
+
+def _host_ttft_rows(args: argparse.Namespace, directory: Path) -> Iterator[Row]:
+    """`--hosts 3`: the emulated burst on three hosts (engine/bench/zigzag_hosts.py), the new replica's
+    weights from a peer at the emulated speed; ZigZag runs first, so that a build that pairs within a node
+    only is found before any stop-the-world run, and both ways then scale onto the serving node."""
+    from engine.bench.e2e import _model_source
+
+    with _model_source(args.ttft_model) as model:
+        yield from _host_ttft_rows_of(args, directory, model)
+
+
+def _host_ttft_rows_of(args: argparse.Namespace, directory: Path, model: str) -> Iterator[Row]:
+    from engine.bench.zigzag_hosts import EMPTY_NODE, SERVING_NODE, PairingRefused, burst_hosts_run
+
+    trace = [(a.at, a.prompt) for a in make_trace(args)]
+    speed = emulated_speed(args, model)
+    peer_speed = speed.rpartition("weights_gb_per_s=")[2]
+    options = [
+        "--model",
+        model,
+        "--max-batch-tokens",
+        str(args.max_batch_tokens),
+        "--emulated-speed",
+        f"{speed},peer_gb_per_s={peer_speed}",
+    ]
+    if not args.old_prefill_serves_queue:
+        options.append("--no-old-prefill-serves-queue")
+    node, why = EMPTY_NODE, f"onto the empty host c (node {EMPTY_NODE})"
+    samples: dict[ScaleMode, list[Sample]] = {PROJECT: [], BASELINE: []}
+    pairs: set[str] = set()
+    for repeat in range(args.repeats):
+        for mode in (PROJECT, BASELINE):
+            while True:
+                run_dir = directory / f"burst-hosts3-{mode}-{repeat + 1}"
+                shutil.rmtree(run_dir, ignore_errors=True)
+                try:
+                    outcomes, paired = burst_hosts_run(trace, mode, node, options, run_dir, args)
+                except PairingRefused as exc:
+                    node = SERVING_NODE
+                    why = (
+                        f"onto node {SERVING_NODE} next to the serving prefill replica: ZigZag onto the empty "
+                        f"host was refused ({exc})"
+                    )
+                    continue
+                break
+            samples[mode].extend(Sample(*outcome) for outcome in outcomes)
+            pairs.update(paired)
+    start, stop = args.burst_at, args.burst_at + args.window
+    window = {mode: [s for s in samples[mode] if start <= s.at < stop] for mode in samples}
+    failed = {mode: sum(s.ttft is None for s in window[mode]) for mode in window}
+    relayed = sum(s.relay_layer is not None for s in samples[PROJECT])
+    note = (
+        f"emulated ({speed}, peer the same); {args.ttft_model} model; three hosts (network namespaces on a bridge, --transport tcp): "
+        f"pre prefill=1 on a, dec decode=1 on b, cap empty on c; scale prefill +1 at {args.burst_at:g} s "
+        f"{why}, source peer, as the rate goes {args.rate:g} -> {3 * args.rate:g} req/s; pairs (new <- old): "
+        f"{', '.join(sorted(pairs)) or 'none'}; requests arriving in [{start:g}, {stop:g}) s: "
+        f"{len(window[PROJECT]) // max(1, args.repeats)} per run, {args.repeats} run(s) of each way; relayed in "
+        f"the zigzag runs: {relayed}; failed: zigzag {failed[PROJECT]}, stop_the_world {failed[BASELINE]}"
+    )
+    for quantile, goal in ((0.5, ""), (0.99, "; goal <= 0.5")):
+        project = _quantile([s.ttft for s in window[PROJECT] if s.ttft is not None], quantile)
+        baseline = _quantile([s.ttft for s in window[BASELINE] if s.ttft is not None], quantile)
+        case = (
+            "burst3x-hosts3-emulated"
+            if args.ttft_model == "tiny"
+            else f"burst3x-hosts3-{args.ttft_model}-emulated"
+        )
+        yield row(BENCH, case, f"ttft_p{int(quantile * 100)}_s", "lower", project,
+                  baseline, BASELINE, unit="s", note=note + goal)  # fmt: skip
 
 
 def _quantile(values: list[float], q: float) -> float:

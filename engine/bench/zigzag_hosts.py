@@ -10,9 +10,16 @@ the parked replica to `Inactive`, so the next round copies again. Right after ea
 a and a receiver on host b (plain Python sockets, `sendall` of one buffer, `recv_into` a preallocated
 one) move the same number of bytes; its seconds run from the receiver's connect to its last byte.
 
-`--hosts N` with N > 2 is refused (only two hosts take part in a copy from one source); a machine that
-does not allow namespaces (no root, no `ip`) stops the benchmark, saying why. GB/s per copy, the median
-over the rounds. Goal: ≥ 0.8 of the raw path.
+With `--hosts 3` the copy rows still take two hosts (only two take part in a copy from one source); a
+machine that does not allow namespaces (no root, no `ip`) stops the benchmark, saying why. GB/s per copy,
+the median over the rounds. Goal: ≥ 0.8 of the raw path.
+
+`--only ttft --hosts 3` (`burst_hosts_run`, rows made by `engine.bench.zigzag`): the burst on three
+hosts — `pre` serving prefill on host a, `dec` decode on host b, `cap` on host c holding nothing — with
+the new prefill replica scaled onto `cap` (its weights from a peer on another host). ZigZag there needs a
+NewPrefill on `cap` paired with `pre`'s OldPrefill across nodes; where the node refuses that (pairs
+within a node only), both ways scale onto `pre` instead (a pair within `pre`, the copy from its peer)
+and the row says so.
 """
 
 from __future__ import annotations
@@ -21,15 +28,16 @@ import argparse
 import statistics
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Final
+from typing import TYPE_CHECKING, Final, final
 
 import trio
 
 from engine.bench.nodes import read_events
 from engine.bench.rows import Row, row
 from engine.bench.zigzag_copy import copy_checkpoint
+from messages.control import ScaleMode
 
 if TYPE_CHECKING:
     from engine.client import ControlClient
@@ -60,7 +68,7 @@ with socket.create_connection((sys.argv[1], int(sys.argv[2]))) as c: c.sendall(d
 def host_copy_rows(args: argparse.Namespace, directory: Path) -> Iterator[Row]:
     from engine.hosts.network import unavailable
 
-    if args.hosts != 2:
+    if args.hosts < 2:
         raise SystemExit("--hosts: the copy rows across hosts take 2 hosts (one source, one new node)")
     reason = unavailable()
     if reason is not None:
@@ -231,3 +239,104 @@ async def _load_k(client: ControlClient, log_file: Path, k: int) -> float:
         await client.transition(name, "Inactive")
         await _wait_state(client, name, "Inactive")
     return span
+
+
+# ------------------------------------------------------------------------------- the burst on three hosts
+# `--only ttft --hosts 3`: node `pre` on host a serves prefill, `dec` on host b decode, `cap` on host c
+# holds nothing (`--replicas prefill=0,decode=0`): the capacity the scale fills.
+BURST_SPECS: Final = (
+    ("pre", "a", "prefill=1,decode=0"),
+    ("dec", "b", "prefill=0,decode=1"),
+    ("cap", "c", "prefill=0,decode=0"),
+)
+EMPTY_NODE: Final = "cap"
+SERVING_NODE: Final = "pre"
+# One request's outcome: (arrival s, TTFT s or None, the layer it was relayed after or None, error code or None).
+Outcome = tuple[float, float | None, int | None, str | None]
+
+
+@final
+class PairingRefused(Exception):
+    """The ZigZag scale onto the empty node was refused for want of a partner on that node (this build
+    pairs within a node only); the message is the node's."""
+
+
+def burst_hosts_run(
+    trace: Sequence[tuple[float, list[int]]],
+    mode: ScaleMode,
+    node: str,
+    options: Sequence[str],
+    directory: Path,
+    args: argparse.Namespace,
+) -> tuple[list[Outcome], list[str]]:
+    """One run of the burst on three hosts: a fresh cluster (`BURST_SPECS`, `--transport tcp`, the
+    nodes' `options`), the trace sent to `pre` (its router places each request on the cluster's
+    replicas), and at `--burst-at` `scale prefill +1` onto `node` (`cap`: the empty host; `pre`: next to
+    the serving prefill replica) with `mode` and source `peer`. Returns every request's outcome and the
+    pairs the scale formed (`new <- old`, from the node's `replicas_paired` events). Raises
+    `PairingRefused` when ZigZag onto `cap` is refused for want of a partner on that node."""
+    from engine.hosts.network import unavailable
+
+    reason = unavailable()
+    if reason is not None:
+        raise SystemExit(f"--hosts needs hosts in network namespaces: {reason}")
+    return trio.run(_burst, trace, mode, node, options, directory, args)
+
+
+async def _burst(
+    trace: Sequence[tuple[float, list[int]]],
+    mode: ScaleMode,
+    node: str,
+    options: Sequence[str],
+    directory: Path,
+    args: argparse.Namespace,
+) -> tuple[list[Outcome], list[str]]:
+    from engine.client import ControlClient, ControlError
+    from engine.hosts.cluster import NodeSpec, open_host_cluster
+
+    specs = [NodeSpec(*spec) for spec in BURST_SPECS]
+    outcomes: list[Outcome] = []
+    refused: list[str] = []
+    async with open_host_cluster(directory, specs, options=["--transport", "tcp", *options]) as cluster:
+        pre = cluster.nodes[SERVING_NODE].address
+        assert pre is not None
+        async with ControlClient.connect(pre, token=cluster.token) as client:
+            await _wait_state(client, "pre/prefill-0", "Prefill")
+            await _wait_state(client, "dec/decode-0", "Decode")
+            for _, prompt in trace[:2]:  # warm-up, unrecorded
+                await client.generate_result(input_ids=prompt, max_tokens=args.max_tokens, ignore_eos=True)
+            started = trio.current_time() + 0.1
+            serving = 1 if node == SERVING_NODE else 0
+
+            async def scale() -> None:
+                await trio.sleep_until(started + args.burst_at)
+                try:
+                    await client.scale("prefill", serving + 1, mode=mode, source="peer", node=node)
+                except ControlError as exc:
+                    if exc.code == "bad_request" and mode == "zigzag" and node == EMPTY_NODE:
+                        refused.append(exc.message)
+                        nursery.cancel_scope.cancel()
+                        return
+                    raise
+
+            async def one(at: float, prompt: list[int]) -> None:
+                await trio.sleep_until(started + at)
+                try:
+                    result = await client.generate_result(
+                        input_ids=prompt, max_tokens=args.max_tokens, ignore_eos=True
+                    )
+                except ControlError as exc:
+                    outcomes.append((at, None, None, exc.code))
+                    return
+                layer = None if result.relay is None else result.relay.layer
+                outcomes.append((at, result.timings.ttft_s, layer, None))
+
+            with trio.fail_after(args.duration + STATE_SECONDS):
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(scale)
+                    for at, prompt in trace:
+                        nursery.start_soon(one, at, prompt)
+        if refused:
+            raise PairingRefused(refused[0])
+        paired = read_events(cluster.nodes[node].log_files[-1], "replicas_paired")
+    return outcomes, [f"{e['new_prefill']} <- {e['old_prefill']}" for e in paired]
