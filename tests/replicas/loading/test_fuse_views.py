@@ -65,3 +65,24 @@ def test_tensors_not_back_to_back_are_concatenated() -> None:
     q, k, v = (views[f"self_attn.{p}_proj.weight"] for p in "qkv")
     assert torch.equal(fused.qkv.weight, torch.cat([q, k, v]))
     assert fused.qkv.weight.untyped_storage().data_ptr() != q.untyped_storage().data_ptr()
+
+
+def test_a_layer_installed_plain_and_packed_afterwards_equals_one_packed_at_once() -> None:
+    """A copy installs layers plain and packs them once it is done: the same weights as packing at the
+    load, the buffer no longer kept by the small tensors, and nothing left to pack a second time."""
+    from replicas.model.layers import packed_layer
+
+    buffer, views = _views(expected_layer_shapes(TINY_CONFIG))
+    plain = fuse_layer(views, torch.float32, torch.device("cpu"), kernels="plain")
+    assert packed_layer(plain, "plain") is None
+    packed = packed_layer(plain, "packed")
+    assert packed is not None
+    reference = fuse_layer(_owned(views), torch.float32, torch.device("cpu"), kernels="packed")
+    assert [p.packed for p in (packed.qkv, packed.o, packed.gate_up, packed.down)] == [
+        p.packed for p in (reference.qkv, reference.o, reference.gate_up, reference.down)
+    ]
+    for got, want in zip(_dense(packed), _dense(reference), strict=True):
+        assert torch.equal(got, want)
+    if packed.qkv.packed:
+        assert packed.input_norm.untyped_storage().data_ptr() != buffer.untyped_storage().data_ptr()
+        assert packed_layer(packed, "packed") is None
