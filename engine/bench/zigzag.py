@@ -270,7 +270,7 @@ def _host_ttft_rows(args: argparse.Namespace, directory: Path) -> Iterator[Row]:
 
 
 def _host_ttft_rows_of(args: argparse.Namespace, directory: Path, model: str) -> Iterator[Row]:
-    from engine.bench.zigzag_hosts import EMPTY_NODE, SERVING_NODE, PairingRefused, burst_hosts_run
+    from engine.bench.zigzag_hosts import PairingRefused, burst_hosts_run
 
     trace = [(a.at, a.prompt) for a in make_trace(args)]
     speed = emulated_speed(args, model)
@@ -285,7 +285,8 @@ def _host_ttft_rows_of(args: argparse.Namespace, directory: Path, model: str) ->
     ]
     if not args.old_prefill_serves_queue:
         options.append("--no-old-prefill-serves-queue")
-    node, why = EMPTY_NODE, f"onto the empty host c (node {EMPTY_NODE})"
+    layout = "cross"
+    why = "pre prefill=1 on a, dec decode=1 on b, cap empty on c; the scale onto cap (a pair across nodes)"
     samples: dict[ScaleMode, list[Sample]] = {PROJECT: [], BASELINE: []}
     pairs: set[str] = set()
     for repeat in range(args.repeats):
@@ -294,12 +295,12 @@ def _host_ttft_rows_of(args: argparse.Namespace, directory: Path, model: str) ->
                 run_dir = directory / f"burst-hosts3-{mode}-{repeat + 1}"
                 shutil.rmtree(run_dir, ignore_errors=True)
                 try:
-                    outcomes, paired = burst_hosts_run(trace, mode, node, options, run_dir, args)
+                    outcomes, paired = burst_hosts_run(trace, mode, layout, options, run_dir, args)
                 except PairingRefused as exc:
-                    node = SERVING_NODE
+                    layout = "within"
                     why = (
-                        f"onto node {SERVING_NODE} next to the serving prefill replica: ZigZag onto the empty "
-                        f"host was refused ({exc})"
+                        "pre prefill=1,decode=1 on a, dec decode=1 on b, cap empty on c; the scale onto pre (a pair "
+                        f"within pre: ZigZag onto the empty cap was refused: {exc})"
                     )
                     continue
                 break
@@ -311,8 +312,7 @@ def _host_ttft_rows_of(args: argparse.Namespace, directory: Path, model: str) ->
     relayed = sum(s.relay_layer is not None for s in samples[PROJECT])
     note = (
         f"emulated ({speed}, peer the same); {args.ttft_model} model; three hosts (network namespaces on a bridge, --transport tcp): "
-        f"pre prefill=1 on a, dec decode=1 on b, cap empty on c; scale prefill +1 at {args.burst_at:g} s "
-        f"{why}, source peer, as the rate goes {args.rate:g} -> {3 * args.rate:g} req/s; pairs (new <- old): "
+        f"{why}; scale prefill +1 at {args.burst_at:g} s, source peer, as the rate goes {args.rate:g} -> {3 * args.rate:g} req/s; pairs (new <- old): "
         f"{', '.join(sorted(pairs)) or 'none'}; requests arriving in [{start:g}, {stop:g}) s: "
         f"{len(window[PROJECT]) // max(1, args.repeats)} per run, {args.repeats} run(s) of each way; relayed in "
         f"the zigzag runs: {relayed}; failed: zigzag {failed[PROJECT]}, stop_the_world {failed[BASELINE]}"

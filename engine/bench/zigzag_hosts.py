@@ -17,9 +17,9 @@ the median over the rounds. Goal: ≥ 0.8 of the raw path.
 `--only ttft --hosts 3` (`burst_hosts_run`, rows made by `engine.bench.zigzag`): the burst on three
 hosts — `pre` serving prefill on host a, `dec` decode on host b, `cap` on host c holding nothing — with
 the new prefill replica scaled onto `cap` (its weights from a peer on another host). ZigZag there needs a
-NewPrefill on `cap` paired with `pre`'s OldPrefill across nodes; where the node refuses that (pairs
-within a node only), both ways scale onto `pre` instead (a pair within `pre`, the copy from its peer)
-and the row says so.
+NewPrefill on `cap` paired with `pre`'s OldPrefill across nodes, its KV halves into `dec`; where the node
+refuses that (pairs within a node only), both ways run the "within" layout (`LAYOUTS`) and the row says
+so.
 """
 
 from __future__ import annotations
@@ -242,15 +242,25 @@ async def _load_k(client: ControlClient, log_file: Path, k: int) -> float:
 
 
 # ------------------------------------------------------------------------------- the burst on three hosts
-# `--only ttft --hosts 3`: node `pre` on host a serves prefill, `dec` on host b decode, `cap` on host c
-# holds nothing (`--replicas prefill=0,decode=0`): the capacity the scale fills.
-BURST_SPECS: Final = (
-    ("pre", "a", "prefill=1,decode=0"),
-    ("dec", "b", "prefill=0,decode=1"),
-    ("cap", "c", "prefill=0,decode=0"),
-)
-EMPTY_NODE: Final = "cap"
-SERVING_NODE: Final = "pre"
+# `--only ttft --hosts 3`, two layouts of three hosts. "cross": node `pre` serves prefill on host a,
+# `dec` decode on host b, `cap` on host c holds nothing (`--replicas prefill=0,decode=0`), and the scale
+# places the new prefill replica on `cap` — a ZigZag pair across nodes, its KV halves into `dec`.
+# "within" (where a node pairs only within itself and keeps a relayed request's KV halves there): `pre`
+# serves prefill and decode, and the scale places the new replica on `pre`, paired there; `dec` and the
+# empty `cap` serve as in "cross".
+LAYOUTS: Final = {
+    "cross": (
+        ("pre", "a", "prefill=1,decode=0"),
+        ("dec", "b", "prefill=0,decode=1"),
+        ("cap", "c", "prefill=0,decode=0"),
+    ),
+    "within": (
+        ("pre", "a", "prefill=1,decode=1"),
+        ("dec", "b", "prefill=0,decode=1"),
+        ("cap", "c", "prefill=0,decode=0"),
+    ),
+}
+SCALED: Final = {"cross": "cap", "within": "pre"}  # the node the scale places the new replica on
 # One request's outcome: (arrival s, TTFT s or None, the layer it was relayed after or None, error code or None).
 Outcome = tuple[float, float | None, int | None, str | None]
 
@@ -264,29 +274,29 @@ class PairingRefused(Exception):
 def burst_hosts_run(
     trace: Sequence[tuple[float, list[int]]],
     mode: ScaleMode,
-    node: str,
+    layout: str,
     options: Sequence[str],
     directory: Path,
     args: argparse.Namespace,
 ) -> tuple[list[Outcome], list[str]]:
-    """One run of the burst on three hosts: a fresh cluster (`BURST_SPECS`, `--transport tcp`, the
+    """One run of the burst on three hosts: a fresh cluster (`LAYOUTS[layout]`, `--transport tcp`, the
     nodes' `options`), the trace sent to `pre` (its router places each request on the cluster's
-    replicas), and at `--burst-at` `scale prefill +1` onto `node` (`cap`: the empty host; `pre`: next to
-    the serving prefill replica) with `mode` and source `peer`. Returns every request's outcome and the
-    pairs the scale formed (`new <- old`, from the node's `replicas_paired` events). Raises
-    `PairingRefused` when ZigZag onto `cap` is refused for want of a partner on that node."""
+    replicas), and at `--burst-at` `scale prefill +1` onto `SCALED[layout]` with `mode` and source
+    `peer`. Returns every request's outcome and the pairs the scale formed (`new <- old`, from the
+    node's `replicas_paired` events). Raises `PairingRefused` when ZigZag onto the empty node is refused
+    for want of a partner on that node."""
     from engine.hosts.network import unavailable
 
     reason = unavailable()
     if reason is not None:
         raise SystemExit(f"--hosts needs hosts in network namespaces: {reason}")
-    return trio.run(_burst, trace, mode, node, options, directory, args)
+    return trio.run(_burst, trace, mode, layout, options, directory, args)
 
 
 async def _burst(
     trace: Sequence[tuple[float, list[int]]],
     mode: ScaleMode,
-    node: str,
+    layout: str,
     options: Sequence[str],
     directory: Path,
     args: argparse.Namespace,
@@ -294,11 +304,12 @@ async def _burst(
     from engine.client import ControlClient, ControlError
     from engine.hosts.cluster import NodeSpec, open_host_cluster
 
-    specs = [NodeSpec(*spec) for spec in BURST_SPECS]
+    specs = [NodeSpec(*spec) for spec in LAYOUTS[layout]]
+    node = SCALED[layout]
     outcomes: list[Outcome] = []
     refused: list[str] = []
     async with open_host_cluster(directory, specs, options=["--transport", "tcp", *options]) as cluster:
-        pre = cluster.nodes[SERVING_NODE].address
+        pre = cluster.nodes["pre"].address
         assert pre is not None
         async with ControlClient.connect(pre, token=cluster.token) as client:
             await _wait_state(client, "pre/prefill-0", "Prefill")
@@ -306,14 +317,14 @@ async def _burst(
             for _, prompt in trace[:2]:  # warm-up, unrecorded
                 await client.generate_result(input_ids=prompt, max_tokens=args.max_tokens, ignore_eos=True)
             started = trio.current_time() + 0.1
-            serving = 1 if node == SERVING_NODE else 0
+            serving = 1 if node == "pre" else 0
 
             async def scale() -> None:
                 await trio.sleep_until(started + args.burst_at)
                 try:
                     await client.scale("prefill", serving + 1, mode=mode, source="peer", node=node)
                 except ControlError as exc:
-                    if exc.code == "bad_request" and mode == "zigzag" and node == EMPTY_NODE:
+                    if exc.code == "bad_request" and mode == "zigzag" and layout == "cross":
                         refused.append(exc.message)
                         nursery.cancel_scope.cancel()
                         return
