@@ -100,8 +100,12 @@ class LocalEtcd:
 
     def pause(self) -> None:
         """Freeze the process (SIGSTOP): its port still accepts connections but nothing answers, as an
-        etcd that is unreachable."""
+        etcd that is unreachable. Returns once every thread of it has stopped — the kernel stops them one
+        by one, and on a loaded machine a thread still running could answer after `pause` returned: it
+        waits for the child's stop notice (`waitid`, which also returns if the process has exited; the
+        notice is left in place, so reaping it later is unaffected)."""
         self.process.send_signal(signal.SIGSTOP)
+        os.waitid(os.P_PID, self.process.pid, os.WSTOPPED | os.WEXITED | os.WNOWAIT)
 
     def resume(self) -> None:
         """Let a paused process run again (SIGCONT)."""
