@@ -18,6 +18,8 @@ only once started (`NodeCore.add_replica`), so the scale's own command is the fi
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import trio
 
 from engine.control.errors import RequestFailed
@@ -30,6 +32,7 @@ from replicas.actor import Replica
 from replicas.actor.supervisor import ReplicaStartFailed
 from replicas.inbox import CommandRefused, new_command_id
 from replicas.loading.copy import choose_peer
+from replicas.ports import PeerReplica, peer_named
 from replicas.states import (
     ACTIVE_STATES,
     LOADING_STATE,
@@ -52,7 +55,7 @@ def active(node: NodeCore, role: Role) -> list[Replica]:
     return [r for r in node.directory.local() if r.state in ACTIVE_STATES[role]]
 
 
-def _load(replica: Replica) -> int:
+def _load(replica: PeerReplica) -> int:
     return replica.snapshot().load
 
 
@@ -92,14 +95,12 @@ async def _scale(node: NodeCore, request: ScaleRequest) -> ScaleResult:
     if mode is None:
         zigzag = role == "prefill" and any(r.state is S.PREFILL for r in serving)
         mode = "zigzag" if zigzag else "stop_the_world"
-    if mode == "zigzag" and len(serving) < target and not any(r.state is S.PREFILL for r in serving):
-        raise RequestFailed(
-            "bad_request", "mode zigzag needs a serving Prefill replica to pair with; none is in Prefill"
-        )
+    if mode == "zigzag" and len(serving) < target:
+        partners(node, request.partner)  # raises `bad_request` when no replica can be the partner
     started: list[StartedReplica] = []
     try:
         if len(serving) < target:
-            await _scale_up(node, role, target - len(serving), mode, request.source, started)
+            await _scale_up(node, role, target - len(serving), mode, request.source, request.partner, started)
         elif len(serving) > target:
             await _wait_for_episode(node, role)
             for replica in sorted(active(node, role), key=_load)[: len(serving) - target]:
@@ -148,6 +149,7 @@ async def _scale_up(
     needed: int,
     mode: ScaleMode,
     source: SourceChoice,
+    partner: str,
     started: list[StartedReplica],
 ) -> None:
     # Replicas configured for the role first: reviving another role's replica changes its role.
@@ -169,11 +171,11 @@ async def _scale_up(
             # adding a new replica instead left the idle one holding its pools for good.
             await replica.ask(Transition(command_id=new_command_id(), to=S.INACTIVE.value, origin="planner"))
         if replica.state is S.INACTIVE:
-            await _start(node, replica, role, mode, source, started, chain)
+            await _start(node, replica, role, mode, source, partner, started, chain)
             needed -= 1
     while needed:
         replica = await node.add_replica(role)
-        await _start(node, replica, role, mode, source, started, chain)
+        await _start(node, replica, role, mode, source, partner, started, chain)
         needed -= 1
 
 
@@ -183,6 +185,7 @@ async def _start(
     role: Role,
     mode: ScaleMode,
     source: SourceChoice,
+    partner: str,
     started: list[StartedReplica],
     chain: list[str],
 ) -> None:
@@ -203,7 +206,7 @@ async def _start(
     if planned == "peer":
         chain.append(replica.name)
     if mode == "zigzag" and replica.state is S.LOADING_PREFILL:
-        await pair(node, replica, None)
+        await pair(node, replica, choose_old_prefill(node, partner))
     started.append(StartedReplica(replica=replica.name, mode=mode, source=planned))
 
 
@@ -217,25 +220,48 @@ def planned_source(node: NodeCore, replica: Replica, source: SourceChoice) -> We
     return "host" if node.host.host_copy is not None else "disk"
 
 
-def choose_old_prefill(node: NodeCore) -> Replica | None:
-    """The partner for a new NewPrefill: the least-loaded `Prefill` replica not yet paired, else the
-    least-loaded `OldPrefill` (partners are shared when there are not enough)."""
-    replicas = node.directory.local()
-    free = [r for r in replicas if r.state is S.PREFILL]
-    if free:
-        return min(free, key=_load)
-    paired = [r for r in replicas if r.state is S.OLD_PREFILL]
-    return min(paired, key=_load) if paired else None
+def partners(node: NodeCore, partner: str = "auto") -> list[PeerReplica]:
+    """The replicas a new NewPrefill may pair with, best first: with `partner` a replica's name, that
+    replica (this node's or another's), which must be in `Prefill` or `OldPrefill`; with `auto`, this
+    node's, then the other nodes' as last reported — in each, the `Prefill` replicas (not yet paired)
+    least loaded first, then the `OldPrefill` ones (partners are shared when there are not enough).
+    Raises `RequestFailed` (`bad_request`) when there is none."""
+    pairable = (S.PREFILL, S.OLD_PREFILL)
+    if partner != "auto":
+        named = peer_named(node.directory, partner)
+        if named is None or named.state not in pairable:
+            state = "not known" if named is None else f"{named.state.value}"
+            raise RequestFailed(
+                "bad_request",
+                f"partner {partner!r} is {state}; a ZigZag partner is a Prefill or OldPrefill replica",
+            )
+        return [named]
+
+    def ranked(replicas: Sequence[PeerReplica]) -> list[PeerReplica]:
+        return [r for state in pairable for r in sorted((r for r in replicas if r.state is state), key=_load)]
+
+    found = ranked(node.directory.local()) + ranked(node.directory.remote())
+    if not found:
+        raise RequestFailed(
+            "bad_request",
+            "mode zigzag needs a Prefill or OldPrefill replica to pair with, of this node or another; "
+            "there is none",
+        )
+    return found
 
 
-async def pair(node: NodeCore, new: Replica, old: Replica | None) -> Replica | None:
+def choose_old_prefill(node: NodeCore, partner: str = "auto") -> PeerReplica:
+    """The partner for a new NewPrefill (`partners`' first)."""
+    return partners(node, partner)[0]
+
+
+async def pair(node: NodeCore, new: Replica, old: PeerReplica | None) -> PeerReplica | None:
     """Move `new` (LoadingPrefill) into NewPrefill and `old` (Prefill, or an OldPrefill that takes one
-    more partner) into OldPrefill, each naming the other. Returns the partner, or None when `new`
-    finished loading before it could be paired (it then serves as a plain Prefill replica). Raises
-    `RequestFailed` when no replica can be the partner, `CommandRefused` when one refuses."""
+    more partner; of this node or another) into OldPrefill, each naming the other. Returns the partner,
+    or None when `new` finished loading before it could be paired (it then serves as a plain Prefill
+    replica). Raises `RequestFailed` when no replica can be the partner, `CommandRefused` when one
+    refuses (a partner on another node: also when its node does not answer)."""
     old = old or choose_old_prefill(node)
-    if old is None:
-        raise RequestFailed("bad_request", f"{new.name}: no Prefill or OldPrefill replica to pair with")
     try:
         await new.ask(
             Transition(

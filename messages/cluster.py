@@ -19,7 +19,7 @@ from typing import Annotated, Literal
 import msgspec
 
 from messages.base import Message, Record
-from messages.commands import ReplicaCommand
+from messages.commands import RelayOffer, ReplicaCommand
 from messages.control import ControlRequest, ErrorCode, ReplicaRole
 from messages.control_replies import RelayInfo, ReplicaStatus, TokenLogprob, TransferSummary
 
@@ -222,6 +222,10 @@ class CommandOutcome(Message, frozen=True, tag="command_outcome"):
     result: str | int | list[str] | None = None  # int: `SendCachedKV`'s block count
     error_code: ErrorCode | None = None
     error_message: str | None = None
+    # A `Relay` answered across nodes (ZigZag): the offer, and the offered requests, which the asking
+    # node adopts as mirrors held by its OldPrefill replica.
+    relay: RelayOffer | None = None
+    requests: list[RequestSnapshot] = msgspec.field(default_factory=list)
 
 
 class Holding(Message, frozen=True, tag="holding"):

@@ -197,6 +197,9 @@ class ScaleRequest(ControlRequestBase, frozen=True, tag="scale"):
     source: SourceChoice = "auto"
     # In a cluster: the node whose replicas to scale (default: this one while it has a free replica slot).
     node: Annotated[str, msgspec.Meta(max_length=32, pattern=r"^[a-z0-9][a-z0-9_-]*$")] | None = None
+    # ZigZag: the OldPrefill partner of each new replica. `auto`: a replica of the node the scale runs
+    # on, else (`mode: zigzag` named) one of another node; or a replica by name, of any node.
+    partner: Annotated[str, msgspec.Meta(min_length=1, max_length=100)] = "auto"
 
 
 class MetricsRequest(ControlRequestBase, frozen=True, tag="metrics"):

@@ -13,7 +13,7 @@ from typing import Any, Protocol
 
 from messages.commands import ReplicaCommand
 from messages.log.events import LogEvent
-from replicas.inbox import InboxItem
+from replicas.inbox import CommandRefused, InboxItem
 from replicas.request import ServingRequest
 from replicas.snapshot import ReplicaSnapshot
 from replicas.states import ReplicaState
@@ -108,3 +108,35 @@ class Actor(Protocol):
         ...
 
     def spawn(self, fn: Callable[..., Any], *args: Any) -> None: ...
+
+
+def peer_named(directory: Directory, name: str) -> PeerReplica | None:
+    """Replica `name`: this node's, else another node's as last reported (a ZigZag partner may live on
+    another node); None when neither is known now."""
+    local = directory.get(name)
+    if local is not None:
+        return local
+    return next((peer for peer in directory.remote() if peer.name == name), None)
+
+
+def tell_peer(actor: Actor, directory: Directory, name: str, command: ReplicaCommand) -> bool:
+    """Tell replica `name` `command` without waiting for it: this node's through its inbox, another
+    node's by an `ask` in a helper task of `actor` whose refusal (the replica or its node gone, no answer
+    within the default timeout) is dropped — as a local replica that is gone hears nothing. False when
+    no such replica is known."""
+    local = directory.get(name)
+    if local is not None:
+        local.tell(command)
+        return True
+    peer = peer_named(directory, name)
+    if peer is None:
+        return False
+
+    async def ask() -> None:
+        try:
+            await peer.ask(command)
+        except CommandRefused:
+            pass  # see the docstring: a told command has no answer
+
+    actor.spawn(ask)
+    return True

@@ -160,6 +160,11 @@ def build_parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
         "--source", choices=get_args(SourceChoice), default="auto", help="where weights come from"
     )
     scale.add_argument("--node", help="in a cluster: the node whose replicas to scale")
+    scale.add_argument(
+        "--partner",
+        default="auto",
+        help="zigzag: the OldPrefill partner (a replica name, of any node; default auto: this node's first)",
+    )
     ops.add_parser("metrics", help="counters and gauges")
     ops.add_parser("release", help="end the hold_weights holds in progress (a test hook)")
     shutdown = ops.add_parser("shutdown", help="drain and stop the node")
@@ -203,7 +208,12 @@ async def run(args: argparse.Namespace, inputs: GenerateInputs | None, out: Text
                     result = await client.unlock(args.replica)
                 case "scale":
                     result = await client.scale(
-                        args.role, args.replicas, mode=args.mode, source=args.source, node=args.node
+                        args.role,
+                        args.replicas,
+                        mode=args.mode,
+                        source=args.source,
+                        node=args.node,
+                        partner=args.partner,
                     )
                 case "metrics":
                     result = await client.metrics()

@@ -274,9 +274,16 @@ class ControlClient:
         mode: ScaleMode | None = None,
         source: SourceChoice = "auto",
         node: str | None = None,
+        partner: str = "auto",
     ) -> ScaleResult:
         request = ScaleRequest(
-            id=self._next_id(), role=role, replicas=replicas, mode=mode, source=source, node=node
+            id=self._next_id(),
+            role=role,
+            replicas=replicas,
+            mode=mode,
+            source=source,
+            node=node,
+            partner=partner,
         )
         return await self._call(request, ScaleResult)
 

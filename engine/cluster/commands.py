@@ -19,7 +19,7 @@ from engine.cluster.remote import RemoteReplica
 from engine.cluster.requests import snapshot
 from engine.router import Router
 from messages.cluster import CommandOutcome, Holding, PeerFrame, RequestSnapshot, RunCommand
-from messages.commands import Lock, ReplicaCommand, ReserveKV, Unlock
+from messages.commands import Lock, Relay, RelayOffer, ReplicaCommand, ReserveKV, Unlock
 from replicas.actor import Replica
 from replicas.directory import ReplicaDirectory
 from replicas.fabric import Fabric, UnknownEndpoint
@@ -87,7 +87,23 @@ async def run_command(
             request.holder = replica.name
         if request is not None and request.request_id not in member.mirrors:
             member.holders[command.request_id] = replica.node
+    if isinstance(command, Relay):
+        return _take_relay(member, command, outcome)
     return outcome.result
+
+
+def _take_relay(member: ClusterMember, command: Relay, outcome: CommandOutcome) -> RelayOffer:
+    """A batch another node's NewPrefill replica handed over (ZigZag across nodes): its requests are
+    adopted here, held by the asking OldPrefill replica (their origin hears of it, `Holding`); one that
+    ended meanwhile is left out of the adoption, and the OldPrefill replica skips it."""
+    if outcome.relay is None:
+        raise CommandRefused("internal", f"the answer to a relay ask of {command.old_prefill} held no offer")
+    for snap in outcome.requests:
+        request = member.adopt(snap)
+        if request is not None:
+            request.holder = command.old_prefill
+            _now_holding(member, snap.request_id, command.old_prefill)
+    return outcome.relay
 
 
 async def serve_command(member: ClusterMember, frame: PeerFrame, message: RunCommand) -> None:
@@ -97,8 +113,11 @@ async def serve_command(member: ClusterMember, frame: PeerFrame, message: RunCom
     try:
         replica = _command_target(member, frame, message)
         result = await replica.ask(command)
-        plain = msgspec.to_builtins(result.value if isinstance(result, ReplicaState) else result)
-        outcome = CommandOutcome(correlation=message.correlation, result=plain)
+        if isinstance(result, RelayOffer):
+            outcome = _relay_outcome(member, frame, message.correlation, result)
+        else:
+            plain = msgspec.to_builtins(result.value if isinstance(result, ReplicaState) else result)
+            outcome = CommandOutcome(correlation=message.correlation, result=plain)
         if isinstance(command, ReserveKV):
             # The KV starts to move now: stamped here, beside the landing's stamp (one clock).
             request = member.router.requests.get(command.request_id)
@@ -143,6 +162,24 @@ def _command_target(member: ClusterMember, frame: PeerFrame, message: RunCommand
     if message.request is not None and member.adopt(message.request) is None:
         raise CommandRefused("not_found", f"request {message.request.request_id} has ended")
     return replica
+
+
+def _relay_outcome(
+    member: ClusterMember, frame: PeerFrame, correlation: str, offer: RelayOffer
+) -> CommandOutcome:
+    """The answer to a `Relay` from another node's OldPrefill replica: the offer and its requests as
+    they are now. The node that asked holds them from here on: a request this node is the origin of
+    fails when that node leaves (`holders`), as for a decode replica's `ReserveKV`."""
+    snaps = []
+    for relayed in offer.requests:
+        request = member.router.requests.get(relayed.request_id)
+        if request is None or request.ended:
+            continue
+        if request.request_id not in member.mirrors:
+            member.track(request)
+            member.holders[request.request_id] = frame.sender
+        snaps.append(snapshot(request, member.origin_of(request), images=False))
+    return CommandOutcome(correlation=correlation, relay=offer, requests=snaps)
 
 
 def _now_holding(member: ClusterMember, request_id: str, replica: str) -> None:

@@ -193,7 +193,7 @@ class LanguageRoles:
         zigzag = {"prefill": self.prefill, "kv": kv, "relay_endpoint": endpoints.relay, "fabric": fabric}
         zigzag |= {"settings": settings, "compute": compute, "directory": directory}
         self.new_prefill = NewPrefillWork(actor, kv_endpoint=endpoints.kv, changed=changed, **zigzag)  # type: ignore[arg-type]
-        self.old_prefill = OldPrefillWork(actor, requests=requests, **zigzag)  # type: ignore[arg-type]
+        self.old_prefill = OldPrefillWork(actor, requests=requests, changes=changes, **zigzag)  # type: ignore[arg-type]
 
     def start(self) -> None:
         self._actor.spawn(self.migrator.run)

@@ -26,7 +26,7 @@ from messages.commands import KVHalf, ReserveKV, SendKVHalf
 from messages.log.events import RequestQueued
 from replicas.inbox import CommandRefused, new_command_id
 from replicas.model import KVCache
-from replicas.ports import Actor, Directory, NodeSignal, PeerReplica
+from replicas.ports import Actor, Directory, NodeSignal, PeerReplica, peer_named
 from replicas.settings import ReplicaSettings
 from replicas.states import MIGRATES_KV, ReplicaState
 from replicas.step.plan import Held
@@ -181,9 +181,9 @@ class Migrator:
         decoders: list[PeerReplica] = [
             r for r in directory.local() if r.state is S.DECODE and not r.lock_reasons
         ]
-        # The other nodes' decode replicas (a cluster); a ZigZag half stays within this node.
-        if item.relay is None:
-            decoders += [p for p in directory.remote() if p.state is S.DECODE and not p.lock_reasons]
+        # The other nodes' decode replicas (a cluster); a ZigZag half comes from wherever its NewPrefill
+        # partner is (`other_half.source_endpoint`).
+        decoders += [p for p in directory.remote() if p.state is S.DECODE and not p.lock_reasons]
         if not decoders:
             return None
         start = self._next_decode % len(decoders)
@@ -258,7 +258,7 @@ class Migrator:
         when it cannot — it failed, or no longer holds the half."""
         assert item.relay is not None
         request = item.request
-        partner = self._directory.get(item.relay.new_prefill)
+        partner = peer_named(self._directory, item.relay.new_prefill)
         command = SendKVHalf(
             command_id=new_command_id(), request_id=request.request_id, transfer_id=transfer_id
         )

@@ -32,7 +32,7 @@ from messages.commands import DropKVHalf
 from messages.log.events import PrefillStarted
 from replicas.inbox import new_command_id
 from replicas.model import KVCache, ModelInputError, PrefillResult, PrefillSequence
-from replicas.ports import Actor, Directory
+from replicas.ports import Actor, Directory, tell_peer
 from replicas.prefill.embeddings import EmbeddingReceives, release_input
 from replicas.prefill.prefix import PrefixLookup
 from replicas.prefill.pull import Puller
@@ -294,9 +294,8 @@ class PrefillWork:
         item.request.prefilled = 0
         relay = item.relay
         if relay is not None and relay.layer > 0:
-            partner = self._directory.get(relay.new_prefill)
-            if partner is not None:
-                partner.tell(DropKVHalf(command_id=new_command_id(), request_id=item.request.request_id))
+            drop = DropKVHalf(command_id=new_command_id(), request_id=item.request.request_id)
+            tell_peer(self._actor, self._directory, relay.new_prefill, drop)  # of this node or another
 
 
 def _sequence(item: Held, chunk: Chunk) -> PrefillSequence:

@@ -31,7 +31,7 @@ from messages.log.events import RelayHandedOver
 from replicas.fabric import Fabric
 from replicas.inbox import CommandRefused, new_command_id
 from replicas.model import KVCache, ModelInputError, PrefillResult, PrefillSequence
-from replicas.ports import Actor, Directory
+from replicas.ports import Actor, Directory, tell_peer
 from replicas.prefill.work import PrefillWork
 from replicas.request import ServingRequest
 from replicas.settings import ReplicaSettings
@@ -212,6 +212,8 @@ class NewPrefillWork:
         self._kv.release(item.table, item.request.request_id)
 
     def wake_partners(self) -> None:
+        """Wake this node's partners to look at this replica's state; a partner on another node sees it
+        in this node's next report (`OldPrefillWork.pair`)."""
         for name in self.partners:
             partner = self._directory.get(name)
             if partner is not None:
@@ -248,11 +250,8 @@ class NewPrefillWork:
         if ready is not None:
             oldest = min(item.request.stamps.arrived for item in ready.items)
         for name in self.partners:
-            partner = self._directory.get(name)
-            if partner is not None:
-                partner.tell(
-                    RelayHint(command_id=new_command_id(), new_prefill=self._actor.name, oldest=oldest)
-                )
+            hint = RelayHint(command_id=new_command_id(), new_prefill=self._actor.name, oldest=oldest)
+            tell_peer(self._actor, self._directory, name, hint)
 
     def _drop_cancelled_batches(self) -> None:
         for batch in [b for b in self.batches if not b.computing]:

@@ -18,8 +18,11 @@ from __future__ import annotations
 
 import functools
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, final
+
+import trio
 
 from messages.commands import AddRelayPartner, Relay, RelayOffer
 from messages.control import ErrorCode
@@ -28,7 +31,7 @@ from messages.log.events import RelayReceived
 from replicas.fabric import Fabric, UnknownEndpoint
 from replicas.inbox import CommandRefused, new_command_id
 from replicas.model import KVCache, ModelInputError, PrefillResult, PrefillSequence
-from replicas.ports import Actor, Directory, LiveRequests
+from replicas.ports import Actor, Directory, LiveRequests, NodeSignal, peer_named, tell_peer
 from replicas.prefill.work import PrefillWork
 from replicas.settings import ReplicaSettings
 from replicas.states import ZIGZAG_NEW, ReplicaState
@@ -43,6 +46,9 @@ if TYPE_CHECKING:
     import torch
 
 S = ReplicaState
+# How long a partner on another node may go unreported as NewPrefill after the pairing: a few of its
+# node's report heartbeats (one a second).
+REPORT_GRACE = 5.0
 
 
 @final
@@ -71,6 +77,7 @@ class OldPrefillWork:
         compute: Compute,
         directory: Directory,
         requests: LiveRequests,
+        changes: NodeSignal,
     ) -> None:
         self._actor = actor
         self._prefill = prefill
@@ -81,6 +88,9 @@ class OldPrefillWork:
         self._compute = compute
         self._directory = directory
         self._requests = requests
+        self._changes = changes
+        self._unwatch: Callable[[], None] | None = None  # while a partner lives on another node
+        self._reported_by: dict[str, float] = {}  # partner on another node → when its report is due
         self.partners: list[str] = []
         self.asking = False
         self.hinted = True
@@ -95,13 +105,18 @@ class OldPrefillWork:
         return self.asking or self.receiving is not None or bool(self.ready) or self.running is not None
 
     def pair(self, partner: str | None) -> None:
-        """Relay with `partner` too (a NewPrefill replica), which hears of it (`AddRelayPartner`)."""
+        """Relay with `partner` too (a NewPrefill replica, of this node or another), which hears of it
+        (`AddRelayPartner`). A partner on another node changes state in its node's reports: while one is
+        paired, every node-wide change (a report taken is one) wakes this replica to look again."""
         if partner is not None and partner not in self.partners:
             self.partners.append(partner)
         if partner is not None:
-            new = self._directory.get(partner)
-            if new is not None:
-                new.tell(AddRelayPartner(command_id=new_command_id(), old_prefill=self._actor.name))
+            command = AddRelayPartner(command_id=new_command_id(), old_prefill=self._actor.name)
+            tell_peer(self._actor, self._directory, partner, command)
+            if self._directory.get(partner) is None:
+                self._reported_by[partner] = trio.current_time() + REPORT_GRACE
+                if self._unwatch is None:
+                    self._unwatch = self._changes.watch(self._actor.post)
         self.hinted = True
 
     def hint(self, partner: str, oldest: float | None) -> None:
@@ -122,7 +137,7 @@ class OldPrefillWork:
         return not any(self._state_of(p) is S.NEW_PREFILL for p in self.partners)
 
     def _state_of(self, name: str) -> ReplicaState | None:
-        partner = self._directory.get(name)
+        partner = peer_named(self._directory, name)
         return None if partner is None else partner.state
 
     def relay_first(self) -> bool:
@@ -135,8 +150,27 @@ class OldPrefillWork:
         return min(self.waiting.values()) <= own.stamps.arrived
 
     def live_partners(self) -> list[str]:
-        self.partners = [p for p in self.partners if self._state_of(p) in ZIGZAG_NEW]
+        """The partners still in the episode. One on another node is known from its node's reports,
+        which lag: paired as it moved to NewPrefill, it may still be reported `LoadingPrefill`, or not
+        listed yet; it counts as in the episode until a report says NewPrefill, for up to
+        `REPORT_GRACE` seconds after the pairing (its node may have died meanwhile)."""
+        self.partners = [p for p in self.partners if self._in_episode(p)]
+        if self._unwatch is not None and all(self._directory.get(p) is not None for p in self.partners):
+            self._unwatch()  # no partner on another node any more
+            self._unwatch = None
         return self.partners
+
+    def _in_episode(self, name: str) -> bool:
+        state = self._state_of(name)
+        if state in ZIGZAG_NEW:
+            self._reported_by.pop(name, None)
+            return True
+        # Not yet reported NewPrefill by its node (still `LoadingPrefill`, or not listed yet).
+        by = self._reported_by.get(name)
+        if by is not None and state in (None, S.LOADING_PREFILL) and trio.current_time() < by:
+            return True
+        self._reported_by.pop(name, None)
+        return False
 
     def episode_over(self) -> bool:
         return not self.live_partners() and not self.in_hand
@@ -154,7 +188,7 @@ class OldPrefillWork:
     async def _ask(self, partners: list[str], room_tokens: int) -> None:
         timeout = self._settings.kv_transfer.handshake_timeout
         for name in partners:
-            partner = self._directory.get(name)
+            partner = peer_named(self._directory, name)
             if partner is None:
                 continue
             command = Relay(

@@ -1,0 +1,100 @@
+"""ZigZag pairs across hosts: a NewPrefill replica on one host pairs with an OldPrefill replica on
+another; the relays (hidden states and positions after the layers NewPrefill holds) move between the
+two hosts, and both KV halves into one decode reservation on a third, over the transfer links between
+their `--cluster-host` addresses. Every output equals the model run in one piece. The OldPrefill's node
+killed mid-episode: every request ends correct or with a code, no block stays held on the survivors,
+and they serve on.
+
+`new` joins empty; `scale prefill 1 node=new mode=zigzag` gives it a replica whose weight copy is held
+before layer 2 (the `hold_weights` fault hook), so every relay happens at layer 2 of the tiny model's 4.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from engine.client import ControlClient
+from engine.hosts.cluster import HostCluster, NodeSpec
+from messages.control_replies import StatusResult
+from replicas.model import tiny_model
+from tests.hosts.conftest import host_cluster, wait_cluster_serving
+from tests.node.harness import by_name, wait_idle, wait_status
+from tests.node.workload import assert_correct, distinct_asks, send_all
+
+LEASE_TTL = 2
+LAYER = 2  # the relays' boundary: the new replica holds layers [0, 2) of 4
+NEW = "new/prefill-0"
+OLD = "old/prefill-0"
+DECODE = "dec/decode-0"
+HOLD = ("--fault", f"hold_weights:before_layer={LAYER},seconds=120,nth=1")
+LAYOUT = (
+    NodeSpec("new", "a", "prefill=0,decode=0", HOLD),
+    NodeSpec("old", "b", "prefill=1,decode=0"),
+    NodeSpec("dec", "c", "prefill=0,decode=1"),
+)
+
+
+def _events(cluster: HostCluster, node: str, kind: str) -> list[dict[str, object]]:
+    found = []
+    for path in cluster.nodes[node].log_files:
+        if path.exists():
+            found += [e for line in path.read_text().splitlines() if (e := json.loads(line))["event"] == kind]
+    return found
+
+
+async def _start_episode(client: ControlClient) -> None:
+    """Scale `new` up by ZigZag, paired with `old`'s replica, and wait until it holds `LAYER` layers."""
+    result = await client.scale("prefill", 1, node="new", mode="zigzag", source="disk")
+    assert [(s.replica, s.mode, s.source) for s in result.started] == [(NEW, "zigzag", "disk")]
+
+    def holding(status: StatusResult) -> bool:
+        replica = by_name(status).get(NEW)
+        return replica is not None and replica.state == "NewPrefill" and replica.loaded_layers == LAYER
+
+    status = by_name(await wait_status(client, holding, f"{NEW} NewPrefill holding {LAYER} layers"))
+    assert status[NEW].paired_with == [OLD]
+    await wait_status(
+        client,
+        lambda s: by_name(s)[OLD].state == "OldPrefill" and by_name(s)[OLD].paired_with == [NEW],
+        f"{OLD} OldPrefill paired with {NEW}, as the new node sees it",
+    )
+
+
+@pytest.mark.slow
+async def test_a_pair_across_hosts_relays_and_merges_both_halves_token_exact(tmp_path: Path) -> None:
+    model = tiny_model()
+    options = ("--transport", "tcp", "--lease-ttl", str(LEASE_TTL))
+    async with host_cluster(tmp_path, LAYOUT, *options) as cluster:
+        await wait_cluster_serving(cluster, 2)
+        new = cluster.nodes["new"].address
+        assert new is not None
+        async with ControlClient.connect(new, token=cluster.token) as client:
+            await _start_episode(client)
+            outcomes = await send_all(client, distinct_asks(6, max_tokens=5))
+            assert_correct(model, outcomes)  # token-exact, and the KV halves [0, 2) from NEW, [2, 4) from OLD
+            for outcome in outcomes:
+                result = outcome.result
+                assert result.relay is not None, result
+                assert (result.relay.new_prefill, result.relay.old_prefill, result.relay.layer) == (
+                    NEW,
+                    OLD,
+                    LAYER,
+                )
+                moves = {(t.kind, t.source, t.destination) for t in result.transfers}
+                assert moves == {("relay", NEW, OLD), ("kv", NEW, DECODE), ("kv", OLD, DECODE)}, moves
+            relayed = _events(cluster, "old", "relay_received")
+            assert relayed and {e["layer"] for e in relayed} == {LAYER}
+            assert {e["new_prefill"] for e in relayed} == {NEW}
+            # Loading finishes: NewPrefill → RefractoryPrefill → Prefill; the OldPrefill sees it in the
+            # new node's reports and returns to Prefill by itself.
+            assert (await client.release()).released == 1
+            await wait_status(
+                client,
+                lambda s: by_name(s)[NEW].state == "Prefill" and by_name(s)[OLD].state == "Prefill",
+                "both replicas of the pair back in Prefill",
+            )
+            await wait_idle(client)
+        assert not _events(cluster, "old", "replica_failed")
