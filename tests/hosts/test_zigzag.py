@@ -15,14 +15,16 @@ import json
 from pathlib import Path
 
 import pytest
+import trio
 
-from engine.client import ControlClient
+from engine.client import ControlClient, ControlError
 from engine.hosts.cluster import HostCluster, NodeSpec
 from messages.control_replies import StatusResult
 from replicas.model import tiny_model
 from tests.hosts.conftest import host_cluster, wait_cluster_serving
 from tests.node.harness import by_name, wait_idle, wait_status
-from tests.node.workload import assert_correct, distinct_asks, send_all
+from tests.node.workload import Ask, Outcome, assert_correct, distinct_asks, send, send_all
+from tests.waiting import wait_until
 
 LEASE_TTL = 2
 LAYER = 2  # the relays' boundary: the new replica holds layers [0, 2) of 4
@@ -98,3 +100,49 @@ async def test_a_pair_across_hosts_relays_and_merges_both_halves_token_exact(tmp
             )
             await wait_idle(client)
         assert not _events(cluster, "old", "replica_failed")
+
+
+@pytest.mark.slow
+async def test_the_old_prefill_node_killed_mid_episode(tmp_path: Path) -> None:
+    """`old` killed (SIGKILL) once its OldPrefill received a relay, requests in flight: each ends with
+    the model's tokens or an error code a client can act on (those `old` held: `replica_failed` once its
+    lease ended; those still on the NewPrefill finish there once its weights landed); the survivors hold
+    no block, and serve on token-exact."""
+    model = tiny_model()
+    options = ("--transport", "tcp", "--lease-ttl", str(LEASE_TTL))
+    async with host_cluster(tmp_path, LAYOUT, *options) as cluster:
+        await wait_cluster_serving(cluster, 2)
+        new = cluster.nodes["new"].address
+        assert new is not None
+        async with ControlClient.connect(new, token=cluster.token) as client:
+            await _start_episode(client)
+            outcomes: list[Outcome] = []
+            errors: list[ControlError] = []
+
+            async def one(ask: Ask) -> None:
+                try:
+                    outcomes.append(await send(client, ask))
+                except ControlError as exc:
+                    errors.append(exc)
+
+            async with trio.open_nursery() as nursery:
+                for ask in distinct_asks(10, max_tokens=30):
+                    nursery.start_soon(one, ask)
+                await wait_until(lambda: _events(cluster, "old", "relay_received"), "a relay received on old")
+                await cluster.kill("old")
+                await cluster.wait_record("old", present=False, seconds=30)
+                assert (await client.release()).released == 1
+            assert len(outcomes) + len(errors) == 10
+            assert_correct(model, outcomes)
+            assert all(e.code in ("replica_failed", "transfer_failed") and e.message for e in errors), errors
+            await wait_status(client, lambda s: by_name(s)[NEW].state == "Prefill", f"{NEW} serving plainly")
+            await wait_idle(client, nodes={"new", "dec"})
+            again = await send_all(client, distinct_asks(3, max_tokens=4, offset=20))
+            assert_correct(model, again)
+            for outcome in again:
+                assert [(t.source, t.destination) for t in outcome.result.transfers] == [(NEW, DECODE)]
+            await wait_idle(client, nodes={"new", "dec"})
+        dec = cluster.nodes["dec"].address
+        assert dec is not None
+        async with ControlClient.connect(dec, token=cluster.token) as client:
+            await wait_idle(client, nodes={"new", "dec"})
