@@ -102,16 +102,32 @@ async def test_a_pair_across_hosts_relays_and_merges_both_halves_token_exact(tmp
         assert not _events(cluster, "old", "replica_failed")
 
 
+# For a decode node killed: `new` has a decode replica too, which serves on.
+DECODE_TOO = (
+    NodeSpec("new", "a", "prefill=0,decode=1", HOLD),
+    NodeSpec("old", "b", "prefill=1,decode=0"),
+    NodeSpec("dec", "c", "prefill=0,decode=1"),
+)
+
+
 @pytest.mark.slow
-async def test_the_old_prefill_node_killed_mid_episode(tmp_path: Path) -> None:
-    """`old` killed (SIGKILL) once its OldPrefill received a relay, requests in flight: each ends with
-    the model's tokens or an error code a client can act on (those `old` held: `replica_failed` once its
-    lease ended; those still on the NewPrefill finish there once its weights landed); the survivors hold
-    no block, and serve on token-exact."""
+@pytest.mark.parametrize(
+    ("victim", "layout", "survivor_decode"),
+    [("old", LAYOUT, DECODE), ("dec", DECODE_TOO, "new/decode-0")],
+    ids=["old_prefill", "decode"],
+)
+async def test_a_node_of_the_episode_killed_mid_episode(
+    tmp_path: Path, victim: str, layout: tuple[NodeSpec, ...], survivor_decode: str
+) -> None:
+    """`victim` — the OldPrefill's node once it received a relay, or a decode node once it holds a
+    reservation — killed (SIGKILL), requests in flight: each ends with the model's tokens or an error code a client can act on
+    (those the victim held: `replica_failed` once its lease ended; those still on the NewPrefill finish
+    there once its weights landed); the survivors hold no block, and serve on token-exact."""
     model = tiny_model()
     options = ("--transport", "tcp", "--lease-ttl", str(LEASE_TTL))
-    async with host_cluster(tmp_path, LAYOUT, *options) as cluster:
-        await wait_cluster_serving(cluster, 2)
+    survivors = {spec.node_id for spec in layout} - {victim}
+    async with host_cluster(tmp_path, layout, *options) as cluster:
+        await wait_cluster_serving(cluster, len([s for s in layout if s.replicas != "prefill=0,decode=0"]))
         new = cluster.nodes["new"].address
         assert new is not None
         async with ControlClient.connect(new, token=cluster.token) as client:
@@ -126,23 +142,34 @@ async def test_the_old_prefill_node_killed_mid_episode(tmp_path: Path) -> None:
                     errors.append(exc)
 
             async with trio.open_nursery() as nursery:
-                for ask in distinct_asks(10, max_tokens=30):
+                for ask in distinct_asks(10, max_tokens=60):
                     nursery.start_soon(one, ask)
-                await wait_until(lambda: _events(cluster, "old", "relay_received"), "a relay received on old")
-                await cluster.kill("old")
-                await cluster.wait_record("old", present=False, seconds=30)
+                if victim == "old":
+                    await wait_until(lambda: _events(cluster, "old", "relay_received"), "a relay on old")
+                else:  # a request's halves landed in its reservation there
+                    await wait_status(
+                        client,
+                        lambda s: by_name(s)[DECODE].used_blocks > 0,
+                        f"a reservation on {DECODE}",
+                        interval=0.01,
+                    )
+                await cluster.kill(victim)
+                await cluster.wait_record(victim, present=False, seconds=30)
                 assert (await client.release()).released == 1
+            print(f"{len(outcomes)} correct, {len(errors)} failed: {[e.code for e in errors]}")
             assert len(outcomes) + len(errors) == 10
             assert_correct(model, outcomes)
             assert all(e.code in ("replica_failed", "transfer_failed") and e.message for e in errors), errors
             await wait_status(client, lambda s: by_name(s)[NEW].state == "Prefill", f"{NEW} serving plainly")
-            await wait_idle(client, nodes={"new", "dec"})
+            await wait_idle(client, nodes=survivors)
             again = await send_all(client, distinct_asks(3, max_tokens=4, offset=20))
             assert_correct(model, again)
             for outcome in again:
-                assert [(t.source, t.destination) for t in outcome.result.transfers] == [(NEW, DECODE)]
-            await wait_idle(client, nodes={"new", "dec"})
-        dec = cluster.nodes["dec"].address
-        assert dec is not None
-        async with ControlClient.connect(dec, token=cluster.token) as client:
-            await wait_idle(client, nodes={"new", "dec"})
+                transfers = [(t.source, t.destination) for t in outcome.result.transfers]
+                assert transfers in ([(NEW, survivor_decode)], [(OLD, survivor_decode)]), transfers
+            await wait_idle(client, nodes=survivors)
+        for node in survivors - {"new"}:
+            address = cluster.nodes[node].address
+            assert address is not None
+            async with ControlClient.connect(address, token=cluster.token) as client:
+                await wait_idle(client, nodes=survivors)
