@@ -414,7 +414,9 @@ class ClusterMember:
         if existing is not None:
             merge_snapshot(existing, snap)
             return None if existing.ended else existing
-        if snap.request_id in self._forgotten:
+        if snap.request_id in self._forgotten or snap.origin == self.node_id:
+            # Forgotten here, or this node's own request that ended: a node that still held it (a
+            # ZigZag OldPrefill reserving a decode replica here, say) had not heard of its end yet.
             return None
         request = mirror(snap)
         self.mirrors[snap.request_id] = request

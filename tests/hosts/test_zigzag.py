@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import trio
 
-from engine.client import ControlClient, ControlError
+from engine.client import ControlClient, ControlClientError, ControlError
 from engine.hosts.cluster import HostCluster, NodeSpec
 from messages.control_replies import StatusResult
 from replicas.model import tiny_model
@@ -173,3 +173,102 @@ async def test_a_node_of_the_episode_killed_mid_episode(
             assert address is not None
             async with ControlClient.connect(address, token=cluster.token) as client:
                 await wait_idle(client, nodes=survivors)
+
+
+async def _load(client: ControlClient, count: int, outcomes: list[Outcome], errors: list[Exception]) -> None:
+    """`count` requests at once; each ends in `outcomes`, or in `errors` (a coded error, or the node's
+    connection lost)."""
+
+    async def one(ask: Ask) -> None:
+        try:
+            outcomes.append(await send(client, ask))
+        except ControlClientError as exc:
+            errors.append(exc)
+
+    async with trio.open_nursery() as nursery:
+        for ask in distinct_asks(count, max_tokens=60):
+            nursery.start_soon(one, ask)
+
+
+@pytest.mark.slow
+async def test_the_new_prefill_node_killed_mid_episode(tmp_path: Path) -> None:
+    """`new` killed once its partner received a relay: its clients lose their connection; `old` and
+    `dec` end the mirrors of its requests, free their blocks, and serve on (old back in Prefill)."""
+    model = tiny_model()
+    options = ("--transport", "tcp", "--lease-ttl", str(LEASE_TTL))
+    async with host_cluster(tmp_path, LAYOUT, *options) as cluster:
+        await wait_cluster_serving(cluster, 2)
+        new, old = cluster.nodes["new"].address, cluster.nodes["old"].address
+        assert new is not None and old is not None
+        outcomes: list[Outcome] = []
+        errors: list[Exception] = []
+        async with ControlClient.connect(new, token=cluster.token) as client:
+            await _start_episode(client)
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(_load, client, 10, outcomes, errors)
+                await wait_until(lambda: _events(cluster, "old", "relay_received"), "a relay on old")
+                await cluster.kill("new")
+        assert len(outcomes) + len(errors) == 10
+        assert_correct(model, outcomes)
+        async with ControlClient.connect(old, token=cluster.token) as client:
+            await wait_status(
+                client, lambda s: by_name(s)[OLD].state == "Prefill", f"{OLD} back in Prefill", timeout=30
+            )
+            await wait_idle(client, nodes={"old", "dec"})
+            again = await send_all(client, distinct_asks(3, max_tokens=4, offset=20))
+            assert_correct(model, again)
+            for outcome in again:
+                assert [(t.source, t.destination) for t in outcome.result.transfers] == [(OLD, DECODE)]
+            await wait_idle(client, nodes={"old", "dec"})
+
+
+@pytest.mark.slow
+async def test_the_old_prefill_host_cut_off_mid_episode(tmp_path: Path) -> None:
+    """Host b (`old`) cut off once it received a relay, for longer than the lease TTL: the requests it
+    held end `replica_failed` at `new` (or `transfer_failed`, a half that could not cross), the rest
+    end correct; once its link is back `old` rejoins, the
+    episode ends with both replicas in Prefill, no node holds a block, and the cluster serves on."""
+    model = tiny_model()
+    options = ("--transport", "tcp", "--lease-ttl", str(LEASE_TTL))
+    async with host_cluster(tmp_path, LAYOUT, *options) as cluster:
+        await wait_cluster_serving(cluster, 2)
+        new = cluster.nodes["new"].address
+        assert new is not None
+        outcomes: list[Outcome] = []
+        errors: list[Exception] = []
+        async with ControlClient.connect(new, token=cluster.token) as client:
+            await _start_episode(client)
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(_load, client, 10, outcomes, errors)
+                await wait_until(lambda: _events(cluster, "old", "relay_received"), "a relay on old")
+                await cluster.cut("b")
+                await wait_status(
+                    client,
+                    lambda s: s.cluster is not None and "old" not in s.cluster.nodes,
+                    "new seeing old leave once its lease ended",
+                    timeout=30,
+                )
+                await cluster.restore("b")
+                await wait_status(
+                    client,
+                    lambda s: s.cluster is not None and "old" in s.cluster.nodes and OLD in by_name(s),
+                    "old back in the cluster",
+                    timeout=60,
+                )
+                assert (await client.release()).released == 1
+            assert len(outcomes) + len(errors) == 10
+            assert_correct(model, outcomes)
+            coded = ("replica_failed", "transfer_failed")
+            assert all(isinstance(e, ControlError) and e.code in coded and e.message for e in errors), errors
+            await wait_status(
+                client,
+                lambda s: by_name(s)[NEW].state == "Prefill" and by_name(s)[OLD].state == "Prefill",
+                "both replicas of the pair back in Prefill",
+            )
+            again = await send_all(client, distinct_asks(3, max_tokens=4, offset=20))
+            assert_correct(model, again)
+        for node in ("new", "old", "dec"):
+            address = cluster.nodes[node].address
+            assert address is not None
+            async with ControlClient.connect(address, token=cluster.token) as client:
+                await wait_idle(client, nodes={"new", "old", "dec"})
