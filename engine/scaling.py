@@ -237,10 +237,7 @@ def partners(node: NodeCore, partner: str = "auto") -> list[PeerReplica]:
             )
         return [named]
 
-    def ranked(replicas: Sequence[PeerReplica]) -> list[PeerReplica]:
-        return [r for state in pairable for r in sorted((r for r in replicas if r.state is state), key=_load)]
-
-    found = ranked(node.directory.local()) + ranked(node.directory.remote())
+    found = _pairable(node)
     if not found:
         raise RequestFailed(
             "bad_request",
@@ -248,6 +245,16 @@ def partners(node: NodeCore, partner: str = "auto") -> list[PeerReplica]:
             "there is none",
         )
     return found
+
+
+def _pairable(node: NodeCore) -> list[PeerReplica]:
+    """`partners`' `auto` order (possibly empty)."""
+
+    def ranked(replicas: Sequence[PeerReplica]) -> list[PeerReplica]:
+        states = (S.PREFILL, S.OLD_PREFILL)
+        return [r for state in states for r in sorted((r for r in replicas if r.state is state), key=_load)]
+
+    return ranked(node.directory.local()) + ranked(node.directory.remote())
 
 
 def choose_old_prefill(node: NodeCore, partner: str = "auto") -> PeerReplica:
@@ -261,7 +268,11 @@ async def pair(node: NodeCore, new: Replica, old: PeerReplica | None) -> PeerRep
     or None when `new` finished loading before it could be paired (it then serves as a plain Prefill
     replica). Raises `RequestFailed` when no replica can be the partner, `CommandRefused` when one
     refuses (a partner on another node: also when its node does not answer)."""
-    old = old or choose_old_prefill(node)
+    if old is None:
+        found = _pairable(node)
+        if not found:
+            raise RequestFailed("bad_request", f"{new.name}: no Prefill or OldPrefill replica to pair with")
+        old = found[0]
     try:
         await new.ask(
             Transition(

@@ -119,11 +119,13 @@ def peer_named(directory: Directory, name: str) -> PeerReplica | None:
     return next((peer for peer in directory.remote() if peer.name == name), None)
 
 
-def tell_peer(actor: Actor, directory: Directory, name: str, command: ReplicaCommand) -> bool:
+def tell_peer(
+    actor: Actor, directory: Directory, name: str, command: ReplicaCommand, *, timeout: float = 5.0
+) -> bool:
     """Tell replica `name` `command` without waiting for it: this node's through its inbox, another
     node's by an `ask` in a helper task of `actor` whose refusal (the replica or its node gone, no answer
-    within the default timeout) is dropped — as a local replica that is gone hears nothing. False when
-    no such replica is known."""
+    within `timeout` seconds: a link cut off) is dropped — as a local replica that is gone hears nothing.
+    False when no such replica is known."""
     local = directory.get(name)
     if local is not None:
         local.tell(command)
@@ -134,7 +136,7 @@ def tell_peer(actor: Actor, directory: Directory, name: str, command: ReplicaCom
 
     async def ask() -> None:
         try:
-            await peer.ask(command)
+            await peer.ask(command, timeout=timeout)
         except CommandRefused:
             pass  # see the docstring: a told command has no answer
 

@@ -49,6 +49,9 @@ def _events(cluster: HostCluster, node: str, kind: str) -> list[dict[str, object
 
 async def _start_episode(client: ControlClient) -> None:
     """Scale `new` up by ZigZag, paired with `old`'s replica, and wait until it holds `LAYER` layers."""
+    with pytest.raises(ControlError, match="a ZigZag partner is a Prefill or OldPrefill replica") as refused:
+        await client.scale("prefill", 1, node="new", mode="zigzag", partner=DECODE)
+    assert refused.value.code == "bad_request"
     result = await client.scale("prefill", 1, node="new", mode="zigzag", source="disk")
     assert [(s.replica, s.mode, s.source) for s in result.started] == [(NEW, "zigzag", "disk")]
 
