@@ -15,8 +15,9 @@ resolves to inproc, and `kind` (each replica's `transport` in `status`) says so.
 In a cluster (`engine.cluster`, `clustered=True`) endpoints are reached from other processes and hosts:
 `inproc` and `auto` become `tcp`, every endpoint listens on `host`, and the addresses of the other
 nodes' endpoints arrive with their reports (`remote`); when a node leaves, or comes back as another
-incarnation, `forget_remote` drops its endpoints' addresses and closes the links to them, so the next
-transfer dials the new process instead of waiting on a link to the old one.
+incarnation, `forget_remote` drops its endpoints' addresses, closes the links to them and stops the
+connects in progress to them, so the next transfer dials the new process instead of waiting on a link to
+the old one, and a transfer from a node cut off fails at once.
 """
 
 from __future__ import annotations
@@ -63,6 +64,9 @@ class Fabric:
         self._addresses: dict[str, str] = {}
         self._endpoints: dict[str, TransferEndpoint] = {}
         self._connecting: dict[tuple[str, str], trio.Lock] = {}
+        # Connects in progress → the sending endpoint each dials (`forget_remote` stops them).
+        self._dialing: dict[trio.CancelScope, str] = {}
+        self._stopped: dict[trio.CancelScope, str] = {}  # a stopped connect → why
         self.bytes_between: dict[tuple[str, str, str], int] = {}
 
     async def listen(self, endpoint: TransferEndpoint) -> str:
@@ -96,6 +100,11 @@ class Fabric:
             for link in endpoint.links():
                 if link.peer is not None and link.peer.startswith(prefix):
                     link.close(LinkClosed(f"{link.describe()}: {why}"))
+        # A connect to a host cut off waits for TCP's connect timeout (minutes): stopped here too.
+        for scope, sender in list(self._dialing.items()):
+            if sender.startswith(prefix):
+                self._stopped[scope] = why
+                scope.cancel()
 
     @property
     def local_addresses(self) -> dict[str, str]:
@@ -118,10 +127,18 @@ class Fabric:
                 if link.role == "receiver" and not link.is_closed:
                     return link
             address = self.address(sender)
-            try:
-                return await endpoint.connect(address)
-            except OSError as exc:
-                raise LinkError(f"{endpoint.name}: cannot connect to {sender} at {address}: {exc}") from exc
+            with trio.CancelScope() as scope:
+                self._dialing[scope] = sender
+                try:
+                    return await endpoint.connect(address)
+                except OSError as exc:
+                    raise LinkError(
+                        f"{endpoint.name}: cannot connect to {sender} at {address}: {exc}"
+                    ) from exc
+                finally:
+                    del self._dialing[scope]
+                    why = self._stopped.pop(scope, "stopped")
+            raise LinkError(f"{endpoint.name}: connecting to {sender} at {address} stopped: {why}")
 
     def count_bytes(self, source: str, destination: str, kind: str, nbytes: int) -> None:
         """Account `nbytes` of `kind` (kv, embedding) moved from replica `source` to `destination`."""

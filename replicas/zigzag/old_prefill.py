@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import functools
 from collections import deque
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, final
 
@@ -89,7 +88,7 @@ class OldPrefillWork:
         self._directory = directory
         self._requests = requests
         self._changes = changes
-        self._unwatch: Callable[[], None] | None = None  # while a partner lives on another node
+        self._no_remote: trio.Event | None = None  # set once no partner lives on another node
         self._reported_by: dict[str, float] = {}  # partner on another node → when its report is due
         self.partners: list[str] = []
         self.asking = False
@@ -115,8 +114,9 @@ class OldPrefillWork:
             tell_peer(self._actor, self._directory, partner, command)
             if self._directory.get(partner) is None:
                 self._reported_by[partner] = trio.current_time() + REPORT_GRACE
-                if self._unwatch is None:
-                    self._unwatch = self._changes.watch(self._actor.post)
+                if self._no_remote is None:
+                    self._no_remote = trio.Event()
+                    self._actor.spawn(self._follow_reports, self._no_remote)
         self.hinted = True
 
     def hint(self, partner: str, oldest: float | None) -> None:
@@ -155,10 +155,19 @@ class OldPrefillWork:
         listed yet; it counts as in the episode until a report says NewPrefill, for up to
         `REPORT_GRACE` seconds after the pairing (its node may have died meanwhile)."""
         self.partners = [p for p in self.partners if self._in_episode(p)]
-        if self._unwatch is not None and all(self._directory.get(p) is not None for p in self.partners):
-            self._unwatch()  # no partner on another node any more
-            self._unwatch = None
+        if self._no_remote is not None and all(self._directory.get(p) is not None for p in self.partners):
+            self._no_remote.set()
+            self._no_remote = None
         return self.partners
+
+    async def _follow_reports(self, no_remote: trio.Event) -> None:
+        """Wake this replica at every node-wide change (a report taken is one) until `no_remote` is set
+        or the replica stops (see `pair`)."""
+        unwatch = self._changes.watch(self._actor.post)
+        try:
+            await no_remote.wait()
+        finally:
+            unwatch()
 
     def _in_episode(self, name: str) -> bool:
         state = self._state_of(name)

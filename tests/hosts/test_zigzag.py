@@ -189,7 +189,7 @@ async def _load(client: ControlClient, count: int, outcomes: list[Outcome], erro
             errors.append(exc)
 
     async with trio.open_nursery() as nursery:
-        for ask in distinct_asks(count, max_tokens=60):
+        for ask in distinct_asks(count, max_tokens=30):
             nursery.start_soon(one, ask)
 
 
