@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from engine.bench.trace.ceiling import model_hit_rate
 from engine.bench.trace.prefix import SLICE, bound, load
 
 
@@ -27,3 +28,29 @@ def test_the_vendored_slice_loads() -> None:
     assert len(requests) == 300
     rate, distinct = bound(requests)
     assert 0.55 < rate < 0.65 and distinct == 5244
+
+
+def test_the_cache_model_lru_and_beladys_rule(tmp_path: Path) -> None:
+    """Two blocks of room; A, B, C (each 2 blocks), then A again: LRU has evicted A for C, Belady's rule
+    kept A (needed again) and did not keep C (never needed again). Unbounded, both reach the bound."""
+    trace = tmp_path / "t.jsonl"
+    lines = [(1, 2), (3, 4), (5, 6), (1, 2)]
+    trace.write_text(
+        "".join(
+            f'{{"timestamp": {i}, "input_length": 1200, "output_length": 1, "hash_ids": [{a}, {b}, {100 + i}]}}\n'
+            for i, (a, b) in enumerate(lines)
+        )
+    )
+    requests = load(trace, limit=10, time_scale=1.0, block_tokens=4, output_divisor=1)
+    assert [len(r.prompt) for r in requests] == [9] * 4  # two full blocks and a partial one each
+    assert model_hit_rate(requests, 4, 2, "lru") == 0.0
+    assert model_hit_rate(requests, 4, 2, "belady") == 2 / 12
+    assert model_hit_rate(requests, 4, 100, "lru") == model_hit_rate(requests, 4, 100, "belady") == 2 / 12
+    assert bound(requests)[0] == 2 / 12
+
+
+def test_on_the_slice_beladys_rule_bounds_lru() -> None:
+    requests = load(SLICE, limit=300, time_scale=1.0, block_tokens=16, output_divisor=16)
+    for room in (1311, 2622):
+        assert model_hit_rate(requests, 16, room, "lru") < model_hit_rate(requests, 16, room, "belady")
+    assert model_hit_rate(requests, 16, 5244, "belady") <= bound(requests)[0]
