@@ -59,6 +59,7 @@ class ReplicaSnapshot:
     executor: ExecutorPath | None = None
     executor_fallbacks: tuple[str, ...] = ()
     prefix_blocks: int = 0  # KV blocks its prefix cache holds (docs/prefix-cache.md)
+    prefix_evicted: int = 0  # KV blocks its prefix cache evicted since it started
 
     def takes(self, prompt_tokens: int, *, images: bool) -> bool:
         """Whether its state takes a new request of `prompt_tokens` tokens (`images`: with images)."""
@@ -88,4 +89,6 @@ class ReplicaSnapshot:
             cached_blocks=self.cached_blocks,
             total_blocks=self.total_blocks,
             locked=self.locked,
+            prefix_blocks=self.prefix_blocks,
+            prefix_evicted=self.prefix_evicted,
         )

@@ -289,6 +289,8 @@ class ReplicaBlocks(msgspec.Struct, frozen=True, kw_only=True):
     cached_blocks: int
     total_blocks: int
     locked: bool
+    prefix_blocks: int = 0  # KV blocks its prefix cache holds (docs/prefix-cache.md)
+    prefix_evicted: int = 0  # KV blocks its prefix cache evicted since it started
 
 
 class BlocksReport(Event, frozen=True, kw_only=True, tag="blocks_report"):

@@ -78,6 +78,10 @@ class _Pools:
         """KV blocks the prefix cache holds; 0 without a KV cache."""
         return 0
 
+    def prefix_evicted(self) -> int:
+        """KV blocks the prefix cache has evicted since the replica started; 0 without a KV cache."""
+        return 0
+
     def free_everything(self) -> int:
         """Return every block to its pool (after a crash, once no transfer can write any more)."""
         freed = 0
@@ -175,6 +179,9 @@ class LanguagePools(_Pools):
 
     def prefix_blocks(self) -> int:
         return self.kv.prefix.cached_blocks
+
+    def prefix_evicted(self) -> int:
+        return self.kv.prefix.evicted_blocks
 
     def leaks(self) -> dict[str, dict[str, int]]:
         """As `_Pools.leaks`, but the prefix cache's own blocks are kept on purpose: only a borrowing

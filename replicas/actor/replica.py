@@ -240,6 +240,7 @@ class Replica:
             executor=None if executor is None else executor.path,
             executor_fallbacks=() if executor is None else tuple(executor.fallbacks),
             prefix_blocks=pools.prefix_blocks(),
+            prefix_evicted=pools.prefix_evicted(),
         )
 
     def leaks(self) -> dict[str, dict[str, int]]:
