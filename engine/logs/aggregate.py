@@ -209,6 +209,7 @@ class Aggregator:
                         replica.enter(report.state, ts)
                     replica.used_blocks, replica.total_blocks = report.used_blocks, report.total_blocks
                     replica.locked = report.locked
+                    replica.prefix_reported(report.prefix_blocks, report.prefix_evicted)
             case FlowReport():
                 for flow in event.flows:
                     self.reported_flows[(flow.source, flow.destination, flow.kind)] += flow.bytes
@@ -281,6 +282,8 @@ class Aggregator:
             case EncodeFinished():
                 request.encode.close(ts)
             case PrefillStarted():
+                if event.replica is not None:  # each start, as Prometheus counts prefix-cache queries
+                    self._replica(event.replica).prompt_started(event.tokens, event.cached_tokens)
                 request.start_work(ts)
                 request.prefill.open(ts, event.replica)
                 request.prompt_tokens = request.prompt_tokens or event.tokens

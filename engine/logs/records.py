@@ -155,6 +155,29 @@ class ReplicaRecord:
         # The latest word on the lock, from lock events or the controller's reports (which also show the
         # standing lock of non-decode replicas, for which no event is logged).
         self.locked = False
+        # Its prefix cache (docs/prefix-cache.md): the prompts that started prefill here, their tokens
+        # and those found cached (`prefill_started`); the blocks cached and evicted, as last reported.
+        self.prompts = 0
+        self.prompt_tokens = 0
+        self.cached_tokens = 0
+        self.prefix_blocks: int | None = None
+        self.prefix_evicted = 0
+        self._evicted_before = 0  # evictions counted by caches the replica had before (its count fell)
+        self._evicted_last = 0
+
+    def prompt_started(self, tokens: int, cached_tokens: int) -> None:
+        self.prompts += 1
+        self.prompt_tokens += tokens
+        self.cached_tokens += cached_tokens
+
+    def prefix_reported(self, blocks: int, evicted: int) -> None:
+        """A report of its prefix cache: `evicted` counts since the cache began, so a count lower than
+        the last one is a new cache's (the replica's pools were made again), added to the earlier."""
+        if evicted < self._evicted_last:
+            self._evicted_before += self._evicted_last
+        self._evicted_last = evicted
+        self.prefix_blocks = blocks
+        self.prefix_evicted = self._evicted_before + evicted
 
     def enter(self, state: ReplicaStateName, ts: float) -> None:
         if self.segments and self.segments[-1][2] is None:

@@ -96,6 +96,20 @@ class ErrorRow(Report, frozen=True, kw_only=True):
     example: str
 
 
+class PrefixRow(Report, frozen=True, kw_only=True):
+    """One replica's prefix cache: the prompts that started prefill there, their tokens, those whose KV
+    came from the cache (`hit_tokens`; `hit_rate` = hit_tokens / prompt_tokens), and the blocks cached
+    and evicted as the controller last reported them (`cached_blocks` None: never reported)."""
+
+    replica: str
+    prompts: int
+    prompt_tokens: int
+    hit_tokens: int
+    hit_rate: float
+    cached_blocks: int | None
+    evicted_blocks: int
+
+
 class LogRow(Report, frozen=True, kw_only=True):
     path: str
     events: int
@@ -122,6 +136,7 @@ class Summary(Report, frozen=True, kw_only=True):
     errors: list[ErrorRow]
     problems: list[str]
     events: dict[str, int]
+    prefix: list[PrefixRow] = []
 
 
 def percentile(sorted_values: Sequence[float], p: float) -> float:
@@ -294,4 +309,22 @@ def summarize(
         ],
         problems=_problems(aggregator),
         events=dict(sorted(aggregator.events.items())),
+        prefix=prefix_rows(aggregator),
     )
+
+
+def prefix_rows(aggregator: Aggregator) -> list[PrefixRow]:
+    """Per replica where prompts started prefill: its prefix cache's hits and blocks."""
+    return [
+        PrefixRow(
+            replica=name,
+            prompts=replica.prompts,
+            prompt_tokens=replica.prompt_tokens,
+            hit_tokens=replica.cached_tokens,
+            hit_rate=replica.cached_tokens / replica.prompt_tokens if replica.prompt_tokens else 0.0,
+            cached_blocks=replica.prefix_blocks,
+            evicted_blocks=replica.prefix_evicted,
+        )
+        for name, replica in sorted(aggregator.replicas.items(), key=lambda item: replica_order(item[0]))
+        if replica.prompts
+    ]

@@ -158,6 +158,25 @@ def render_summary(summary: Summary) -> str:
                 title="lock periods (accepting no new KV migrations)",
             )
         )
+    if summary.prefix:
+        blocks.append(
+            table(
+                ["replica", "prompts", "tokens", "hit tokens", "hit rate", "cached blocks", "evicted"],
+                [
+                    [
+                        row.replica,
+                        row.prompts,
+                        row.prompt_tokens,
+                        row.hit_tokens,
+                        f"{row.hit_rate:.1%}",
+                        "-" if row.cached_blocks is None else row.cached_blocks,
+                        row.evicted_blocks,
+                    ]
+                    for row in summary.prefix
+                ],
+                title="prefix cache (prompts that started prefill; blocks as last reported)",
+            )
+        )
     if summary.flows:
         blocks.append(flow_matrix(summary.flows, title="network flow (bytes, from transfer rounds)"))
     if summary.reported_flows:

@@ -184,6 +184,7 @@ class _Node:
         image_tokens: int = 0,
         output_tokens: int = 4,
         outcome: str = "length",
+        cached_tokens: int = 0,
     ) -> None:
         expected = self.expected
         expected.requests += 1
@@ -217,7 +218,9 @@ class _Node:
             )
         log.emit(RequestQueued(ts=tick(0.001), queue="work", position=0))
         language = log.bind(replica=prefill)
-        language.emit(PrefillStarted(ts=tick(0.001), tokens=prompt, batch_size=1))
+        language.emit(
+            PrefillStarted(ts=tick(0.001), tokens=prompt, batch_size=1, cached_tokens=cached_tokens)
+        )
         language.emit(PrefillFinished(ts=tick(0.010), tokens=prompt, seconds=0.010))
         language.emit(FirstToken(ts=tick(0.0005), token_id=42, ttft_s=0.0))
         if outcome == "failed":
@@ -292,7 +295,7 @@ def write_scenario(path: Path, *, start_ts: float = START_TS, prefix: str = "r")
     expected.locked.add("decode-1")
     node.request(f"{prefix}4", prefill="prefill-1")
     log.emit(ReplicaUnlocked(ts=clock.tick(0.02), replica="decode-1", reason="manual", still_locked=False))
-    node.request(f"{prefix}5", outcome="cancelled")
+    node.request(f"{prefix}5", outcome="cancelled", cached_tokens=8)  # two 4-token blocks of the cache
     node.request(f"{prefix}6", outcome="failed")
     log.emit(
         ControlBadLine(
@@ -315,6 +318,8 @@ def write_scenario(path: Path, *, start_ts: float = START_TS, prefix: str = "r")
                     cached_blocks=0,
                     total_blocks=64,
                     locked=not name.startswith("decode"),
+                    prefix_blocks=5 if name == "prefill-0" else 0,
+                    prefix_evicted=2 if name == "prefill-0" else 0,
                 )
                 for name in REPLICAS
             ],

@@ -112,7 +112,7 @@ def test_the_summary_examples_in_the_docs_are_what_the_command_prints(
     docs = (Path(__file__).resolve().parents[2] / "docs" / "logs.md").read_text()
     section = docs[docs.index("## `summary`") : docs.index("## `timeline`")]
     examples = section.split("```")[1::2]
-    assert len(examples) == 6
+    assert len(examples) == 7
     path = tmp_path / "node.jsonl"
     write_scenario(path)
     assert main(["summary", str(path)]) == 0

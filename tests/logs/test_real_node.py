@@ -7,7 +7,9 @@ Two nodes run as subprocesses (`python -m engine.node --log-file ...`) on unix s
   16 embedding rows — needs 4 REQUEST_MORE_CACHE rounds): text and image generates, decode-1 locked and
   unlocked, shut down (ShuttingDecode → ShuttingNull) and revived (AusDecode → Decode), a generate the node
   refuses (a token id outside the vocabulary), a line that is not JSON, then `metrics` and `shutdown`;
-- node B (prefill=1, decode=1): two text generates, then `shutdown`.
+- node B (prefill=1, decode=1, a prefix cache of 2 blocks): two text generates, a 40-token prompt twice (the
+  second borrows its two full 16-token blocks), another 40-token prompt (its blocks evict those two), then
+  `shutdown` once a `blocks_report` shows the evictions.
 
 What the node must log for these to hold (docs/logging.md): `request_arrived` for every generate it
 admits to parsing (the refused one included), `request_failed` with the error code it replies with,
@@ -42,6 +44,7 @@ from engine.logs.summary import Summary, summarize
 from engine.logs.timeline import Timeline, build_timeline
 from messages.control import ImageInput, ReplicaStateName
 from messages.control_replies import GenerateResult, MetricsResult
+from messages.log.events import BlocksReport
 from tests.waiting import deadline, wait_until
 
 STARTUP_TIMEOUT = 60.0
@@ -168,8 +171,25 @@ async def _drive_b(socket: Path, run: NodeRun) -> None:
         await _wait_for_states(client, {"prefill-0": SERVING, "decode-0": SERVING})
         for index in range(2):
             await _generate(client, run, prompt=f"other node {index}", max_tokens=3)
+        for ids in (SHARED, SHARED, OTHER):
+            await _generate(client, run, input_ids=ids, max_tokens=2)
+        await wait_until(
+            partial(_evictions_reported, run.log), "node b's report of 2 evictions", STEP_TIMEOUT
+        )
         with deadline("node b's shutdown reply", STEP_TIMEOUT):
             await client.shutdown()
+
+
+SHARED = list(range(1, 41))
+OTHER = list(range(101, 141))
+
+
+async def _evictions_reported(log: Path) -> bool:
+    entries, _ = read_entries([log])
+    return any(
+        isinstance(entry.event, BlocksReport) and any(r.prefix_evicted >= 2 for r in entry.event.replicas)
+        for entry in entries
+    )
 
 
 async def _run_node(
@@ -225,7 +245,11 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[NodeRun, No
                 _drive_a,
             )
             nursery.start_soon(
-                _run_node, second, sockets / "b.sock", ["--replicas", "prefill=1,decode=1"], _drive_b
+                _run_node,
+                second,
+                sockets / "b.sock",
+                ["--replicas", "prefill=1,decode=1", "--prefix-cache-blocks", "2"],
+                _drive_b,
             )
 
     try:
@@ -349,3 +373,18 @@ def test_timeline_has_the_states_the_test_drove_and_the_png_is_written(
     picture = tmp_path / "timeline.png"
     assert main(["timeline", str(run.log), "-o", str(picture)]) == 0
     assert picture.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and os.path.getsize(picture) > 1000
+
+
+def test_the_prefix_cache_table_counts_the_hits_and_evictions_of_the_run(
+    runs: tuple[NodeRun, NodeRun],
+) -> None:
+    _, run = runs
+    summary = _summary([run.log])
+    [row] = summary.prefix
+    assert row.replica == "prefill-0" and row.prompts == run.generates == 5
+    assert row.hit_tokens == 32  # the repeated prompt's two full blocks (its last token always runs)
+    assert row.prompt_tokens == sum(result.prompt_tokens for result in run.results)
+    assert row.hit_tokens == sum(result.cached_tokens for result in run.results)
+    assert row.hit_rate == 32 / row.prompt_tokens
+    assert row.evicted_blocks == 2 and row.cached_blocks == 2  # the last prompt's blocks
+    assert main(["summary", str(run.log)]) == 0
