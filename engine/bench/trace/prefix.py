@@ -40,6 +40,7 @@ import trio
 from engine.bench.nodes import node_process, read_events
 from engine.bench.rows import Row, row
 from engine.bench.trace.ceiling import model_hit_rate
+from engine.bench.trace.prefix_cluster import run_cluster
 
 BENCH: Final = "prefix"
 SLICE: Final = Path(__file__).resolve().parent / "data" / "mooncake_synthetic_slice.jsonl"
@@ -76,6 +77,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cache-fraction", type=float, default=0.25, help="of the trace's distinct blocks")
     parser.add_argument("--kv-pool-blocks", type=int, default=4096)
     parser.add_argument("--logs", type=Path, default=None, help="keep the nodes' logs here")
+    parser.add_argument(
+        "--nodes",
+        type=int,
+        default=1,
+        help="2 or more: N nodes, KV-aware against round-robin (prefix_cluster.py)",
+    )
 
 
 def load(
@@ -118,18 +125,18 @@ def bound(requests: Sequence[Request]) -> tuple[float, int]:
 
 
 def run(args: argparse.Namespace) -> Iterator[Row]:
+    if args.nodes < 1:
+        raise SystemExit(f"--nodes must be 1 or more, not {args.nodes}")
     requests = load(
         args.trace,
         limit=args.limit,
-        time_scale=args.time_scale,
+        time_scale=args.time_scale / args.nodes,
         block_tokens=args.block_tokens,
         output_divisor=args.output_divisor,
     )
     limit, distinct = bound(requests)
     cache_blocks = math.ceil(args.cache_fraction * distinct)
     common = [
-        "--replicas",
-        "prefill=1,decode=1",
         "--kv-block-size",
         str(args.block_tokens),
         "--kv-pool-blocks",
@@ -139,9 +146,17 @@ def run(args: argparse.Namespace) -> Iterator[Row]:
         "--max-queue",
         str(len(requests) + 8),
     ]
+    cached = [*common, "--prefix-cache", "on", "--prefix-cache-blocks", str(cache_blocks)]
+    if args.nodes > 1:
+        case = (
+            f"{args.trace.name}[:{len(requests)}] {args.block_tokens} tok/block x{args.time_scale / args.nodes:.3g}, "
+            f"{args.nodes} nodes, cache {cache_blocks} blocks each"
+        )
+        yield from run_cluster(args, requests, cached, case=case, bound=limit)
+        return
     ways = {
-        "on": [*common, "--prefix-cache", "on", "--prefix-cache-blocks", str(cache_blocks)],
-        "off": [*common, "--prefix-cache", "off"],
+        "on": [*cached, "--replicas", "prefill=1,decode=1"],
+        "off": [*common, "--prefix-cache", "off", "--replicas", "prefill=1,decode=1"],
     }
     with tempfile.TemporaryDirectory(prefix="zigzag-prefix-") as scratch:
         directory = args.logs or Path(scratch)
