@@ -5,8 +5,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from engine.bench.trace.ceiling import model_hit_rate
+from engine.bench.trace.ceiling import chained_keys, model_hit_rate
 from engine.bench.trace.prefix import SLICE, bound, load
+from transport.memory.blocks import BlockPool
+from transport.memory.prefix_cache import PrefixCache
 
 
 def test_equal_hash_ids_give_equal_blocks_and_the_bound_counts_repeats(tmp_path: Path) -> None:
@@ -54,3 +56,23 @@ def test_on_the_slice_beladys_rule_bounds_lru() -> None:
     for room in (1311, 2622):
         assert model_hit_rate(requests, 16, room, "lru") < model_hit_rate(requests, 16, room, "belady")
     assert model_hit_rate(requests, 16, 5244, "belady") <= bound(requests)[0]
+
+
+def test_the_models_lru_is_the_prefix_cache() -> None:
+    """The slice's requests one at a time through the real `PrefixCache` (keys from the model's chains,
+    blocks from a pool with room for the bound and one prompt) borrow exactly what the model's LRU says."""
+    requests = load(SLICE, limit=300, time_scale=1.0, block_tokens=16, output_divisor=16)
+    room = 1311
+    pool = BlockPool(room + max(len(r.hash_ids) for r in requests) + 1, 16)
+    cache = PrefixCache(pool, max_blocks=room)
+    borrowed = 0
+    for index, (request, chain) in enumerate(zip(requests, chained_keys(requests, 16), strict=True)):
+        owner = f"r{index}"
+        keys = [key.to_bytes(8, "little") for key in chain]
+        table = cache.acquire(owner, keys, limit=(len(request.prompt) - 1) // 16)
+        borrowed += len(table)
+        table = table + pool.allocate(-(-len(request.prompt) // 16) - len(table), owner)
+        cache.publish(owner, table)
+        cache.release(owner, table)
+    cache.check_invariants()
+    assert borrowed / sum(len(r.hash_ids) for r in requests) == model_hit_rate(requests, 16, room, "lru")
