@@ -20,6 +20,9 @@ rate (cached blocks / prompt blocks) against the trace's own bound (the fraction
 before, with an unbounded cache) and against the best a cache of that size can reach — Belady's offline
 rule replayed through a model of the cache (engine/bench/trace/ceiling.py; the note adds the model's LRU,
 what the node runs). Goals: hit rate ≥ 0.9 × the bound; TTFT p50 ≤ 0.6 × cache off.
+
+`--nodes N` (2 or more) replays the trace on N nodes instead, KV-aware routing across one cluster against
+round-robin over separate nodes (engine/bench/trace/prefix_cluster.py).
 """
 
 from __future__ import annotations
