@@ -12,6 +12,7 @@ import trio
 
 from engine.logs.__main__ import main
 from tests.node.harness import NodeProcess, node_process, wait_serving
+from tests.waiting import wait_until
 
 REQUEST_EVENTS = (
     "request_arrived",
@@ -20,6 +21,7 @@ REQUEST_EVENTS = (
     "first_token",
     "request_finished",
 )
+SUMMARY_TIMEOUT = 30.0
 CONSOLE_LINE = re.compile(r"^\d\d:\d\d:\d\d\.\d{3} \[(?P<level>\w+)\s*\] (?P<event>\S+)")
 
 
@@ -37,8 +39,12 @@ async def serve_requests(node: NodeProcess, count: int) -> None:
         async with trio.open_nursery() as nursery:
             for index in range(count):
                 nursery.start_soon(lambda i=index: client.generate_result(prompt=f"hello {i}", max_tokens=6))
-        # One summary line covers these requests: wait for it in the log (every 0.2 s while busy).
-        await node.wait_event("serving_summary", lambda event: event["finished"] > 0 or event["running"] > 0)
+    # The summary lines (one every 0.2 s while busy) count every finished request: wait until they do.
+    await wait_until(
+        lambda: sum(event["finished"] for event in node.events("serving_summary")) >= count,
+        f"serving summaries counting {count} finished requests",
+        SUMMARY_TIMEOUT,
+    )
 
 
 @pytest.mark.slow
