@@ -12,9 +12,10 @@ the requests to the nodes in turn (request i to node i mod N). Two ways:
 - **round-robin**: N separate nodes, each with only its own cache: a request is served where it was dealt.
 
 Rows (kv-aware against round-robin): prefill tokens computed, TTFT p50 and p99, hit rate (blocks borrowed /
-the trace's blocks, from every node's `prefill_started` events), and the kv-aware hit rate against the
-trace's bound. Pulls of a prefix held by another node (docs/prefix-cache.md) are the nodes' own choice:
-the kv-aware way uses them as soon as the nodes make them.
+the trace's blocks, from every node's `prefill_started` events), the prompts whose cached prefix was
+pulled from another replica (`prefill_started.cached_from` naming a replica; docs/prefix-cache.md), and
+the kv-aware hit rate against the trace's bound. Pulls are the nodes' own choice: the kv-aware way makes
+them wherever the nodes do.
 """
 
 from __future__ import annotations
@@ -90,13 +91,17 @@ def run_cluster(
     yield row(BENCH, case, "TTFT p50", "lower", aware.ttft_p50, spread.ttft_p50, "round-robin", unit="s")
     yield row(BENCH, case, "TTFT p99", "lower", aware.ttft_p99, spread.ttft_p99, "round-robin", unit="s")
     yield row(BENCH, case, "hit rate (blocks)", "higher", aware.hit_rate, spread.hit_rate, "round-robin")
+    yield row(
+        BENCH, case, "prompts with a pulled prefix", "higher", aware.pulled, spread.pulled, "round-robin"
+    )
     yield row(BENCH, case, "hit rate vs bound", "higher", aware.hit_rate, bound, "trace's bound")
 
 
 class _Figures:
-    def __init__(self, computed: float, ttfts: list[float], hit_rate: float) -> None:
+    def __init__(self, computed: float, ttfts: list[float], hit_rate: float, pulled: int) -> None:
         ttfts = sorted(ttfts)
         self.computed = computed
+        self.pulled = pulled
         self.ttft_p50 = statistics.median(ttfts)
         self.ttft_p99 = ttfts[min(len(ttfts) - 1, -(-99 * len(ttfts) // 100) - 1)]
         self.hit_rate = hit_rate
@@ -196,4 +201,5 @@ def _figures(
         computed=float(sum(e["tokens"] - e.get("cached_tokens", 0) for e in ours)),
         ttfts=list(ttfts.values()),
         hit_rate=cached / sum(len(r.hash_ids) for r in requests),
+        pulled=sum(e.get("cached_from") not in (None, "local") for e in ours),
     )
