@@ -194,12 +194,13 @@ def test_each_weight_source_copies_at_its_emulated_speed() -> None:
         trace_speed(parser.parse_args(["--disk-slowdown", "0"]))
 
 
+@pytest.mark.timeout(600)  # a minute alone (a node per way, one after another), minutes on a loaded machine
 def test_quick_run_prints_the_rows(tmp_path: Path) -> None:
     pytest.importorskip("matplotlib")
     picture = tmp_path / "trace.svg"
     command = [sys.executable, "-m", "engine.bench", "trace", "--json", "--quick"]
     command += ["--logs", str(tmp_path / "logs"), "--plot", str(picture)]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=240)
+    done = subprocess.run(command, capture_output=True, text=True, timeout=540)
     assert done.returncode == 0, done.stderr[-4000:]
     rows = [json.loads(line) for line in done.stdout.splitlines() if line.strip()]
     assert {field for r in rows for field in r} == set(Row.__struct_fields__)
