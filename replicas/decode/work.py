@@ -8,7 +8,9 @@ while decoding, so decoding never deadlocks on blocks and never truncates.
 
 Plan → execute → apply: `schedule` picks the step's sequences (the first `max_batch_size` running), the
 step runs in a worker thread (`replicas.step.compute`), `replicas.step.apply.apply_tokens` appends each
-token and frees the requests that ended; the batch then rotates, so a batch larger than
+token and releases the requests that ended (a turn that ended normally keeps its full blocks — prompt and
+answer — in the replica's prefix cache, `_ended`: the next turn's prefix, which a prefill replica can
+pull from here); the batch then rotates, so a batch larger than
 `max_batch_size` shares the steps fairly. A step the model refuses fails its requests (`internal`).
 
 Whether the replica may take a migration at all (its state, its lock) is the actor's to check before
@@ -31,11 +33,13 @@ from replicas.faults import FaultHooks
 from replicas.inbox import CommandRefused
 from replicas.model import DecodeResult, DecodeSequence, ModelInputError
 from replicas.ports import Actor, LiveRequests
+from replicas.prefill.prefix import model_identity
 from replicas.settings import ReplicaSettings
 from replicas.step.apply import apply_tokens, refuse
 from replicas.step.compute import Compute
 from replicas.step.plan import DecodeCall, Held
 from transport.errors import TransferError
+from transport.memory.prefix_cache import block_keys
 
 
 def schedule(running: Sequence[Held], max_batch_size: int) -> list[Held]:
@@ -248,7 +252,7 @@ class DecodeWork:
             batch,
             result.tokens,
             context_length=self._compute.context_length,
-            release=self._free,
+            release=self._ended,
             log=self._actor.log,
             logprobs=result.logprobs,
         )
@@ -261,6 +265,29 @@ class DecodeWork:
         stepped = {id(s) for s in batch}
         self.running = [s for s in self.running if id(s) not in stepped]
         refuse(batch, code="internal", message=f"decode step refused its inputs: {error}", release=self._free)
+
+    def _ended(self, held: Held) -> None:
+        """A step ended `held` (released before it finishes): a turn that ended normally keeps its full
+        blocks, prompt and answer, in the prefix cache (the next turn's prefix: docs/prefix-cache.md);
+        a cancelled one, one a stop string ended, frees them."""
+        request, model = held.request, self._compute.model
+        cache = self._kv.prefix
+        if (
+            not cache.enabled
+            or model is None
+            or request.cancelled
+            or request.ended
+            or request.has_images  # its keys cover image digests this replica does not have
+            or request.relay is not None  # as a relayed prefill's blocks, a ZigZag request's are not kept
+        ):
+            self._free(held)
+            return
+        # The KV written: the prompt and every generated token but the newest (never fed back).
+        tokens = [*request.token_ids, *request.generated[:-1]]
+        cache.keep(
+            request.request_id, block_keys(model_identity(model), tokens, cache.pool.block_size), held.table
+        )
+        self._changed()
 
     def _free(self, held: Held) -> None:
         """Blocks back to the pool: room for another migration (a migration queue waiting for it hears)."""

@@ -159,3 +159,34 @@ async def test_a_prefix_is_pulled_from_another_replica_of_the_node(tmp_path: Pat
     )
     for outcome in (computed, pulled):
         assert check_outcome(tiny, outcome, transport=default_transport()) == []
+
+
+async def test_the_next_turn_pulls_its_prefix_from_the_decode_replica(tmp_path: Path) -> None:
+    """A finished turn's prompt *and* answer stay in its decode replica's cache: the next turn — that
+    prompt, that answer and a new message — pulls them from there, past the end of the first prompt."""
+    tiny = tiny_model()
+    rng = random.Random(13)
+    vocabulary = [i for i in range(tiny.config.vocab_size) if i != tiny.config.image_token_id]
+    first = tuple(rng.choice(vocabulary) for _ in range(40))  # 2 full blocks and 8 tokens
+    options = ("--replicas", "prefill=1,decode=1", "--prefix-pull", "always")
+    with node_process(tmp_path, *options) as node:
+        async with node.client() as client:
+            await wait_serving(client)
+            turn = await send(client, Ask(input_ids=first, max_tokens=30, ignore_eos=True))
+            await wait_idle(client)
+            # The KV written: the 40 prompt tokens and 29 of the 30 generated — 4 full blocks.
+            status = await wait_status(
+                client,
+                lambda status: by_name(status)["decode-0"].prefix_blocks == 4,
+                "the decode replica keeping the first turn's blocks",
+            )
+            assert by_name(status)["prefill-0"].prefix_blocks == 2
+            answer = tuple(turn.result.token_ids)
+            second = (*first, *answer, *(rng.choice(vocabulary) for _ in range(20)))
+            next_turn = await send(client, Ask(input_ids=second, max_tokens=4, seed=3, temperature=0.7))
+            await wait_idle(client)
+        (pull,) = [e for e in node.events("transfer_finished") if e["kind"] == "pull"]
+    assert (next_turn.result.cached_tokens, next_turn.result.cached_from) == (64, "decode-0")
+    assert (pull["status"], pull["source"], pull["destination"]) == ("success", "decode-0", "prefill-0")
+    for outcome in (turn, next_turn):
+        assert check_outcome(tiny, outcome, transport=default_transport()) == []

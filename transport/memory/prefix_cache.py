@@ -9,8 +9,9 @@ Cached blocks are owned in the pool by `CACHE_OWNER`. A request *borrows* the lo
 its keys (`acquire`: a reference per block; a borrowed block's ancestors are borrowed too, so an
 unreferenced block's descendants are all unreferenced). Once its whole prompt is computed, `publish`
 puts its new full blocks in the cache at once, still referenced by it (a key already cached keeps its
-first block); when it ends, `release` drops its references and frees the rest. Only `publish` adds
-blocks: KV is cached only once every layer of it was written.
+first block); when it ends, `release` drops its references and frees the rest — or `keep` (a decode
+replica's finished turn) adds its full blocks, prompt and answer, unreferenced, then releases. Only
+`publish` and `keep` add blocks: KV is cached only once every layer of it was written.
 
 Eviction: only unreferenced blocks, least recently used first, leaves before parents — when an
 allocation of the pool is short of blocks (the cache is the pool's `Reclaimer`), or to keep the cache
@@ -238,6 +239,44 @@ class PrefixCache:
         if self.max_blocks is not None and len(self._entries) > self.max_blocks:
             self.evict(len(self._entries) - self.max_blocks)
         self.pool.reclaimable_changed()
+
+    def keep(self, owner: str, keys: Sequence[bytes], table: Sequence[int]) -> int:
+        """`owner`'s request ended and its first `len(keys)` blocks of `table` hold the KV `keys` name (a
+        decode replica's finished turn: its prompt and its answer): those not cached yet join the cache,
+        unreferenced (a key already cached keeps that copy and `owner`'s block is freed); then the rest
+        goes back as in `release` (what `owner` borrowed or published keeps its place). Returns how many
+        joined. Disabled, or keys that disagree with what `owner` borrowed: just `release`."""
+        record = self._borrowings.get(owner)
+        start = 0 if record is None else record.borrowed
+        if (
+            not self.enabled
+            or len(keys) > len(table)
+            or (record is not None and record.keys[:start] != list(keys[:start]))
+            or (record is not None and list(table[:start]) != record.blocks)
+        ):
+            self.release(owner, table)
+            return 0
+        tick = next(self._clock)
+        parent = keys[start - 1] if start else None
+        joined: list[bytes] = []
+        for key, block in zip(keys[start:], table[start : len(keys)], strict=True):
+            if key not in self._entries:
+                self._entries[key] = _Entry(block, parent, tick=tick)
+                self._note(True, key)
+                self._unreferenced += 1
+                if parent is not None:
+                    self._entries[parent].children += 1
+                joined.append(key)
+            parent = key
+        blocks = {self._entries[key].block for key in joined}
+        self.pool.hand_over(list(blocks), owner, CACHE_OWNER)
+        for key in joined:
+            self._push_if_leaf(key)
+        self.release(owner, [block for block in table if block not in blocks])
+        if self.max_blocks is not None and len(self._entries) > self.max_blocks:
+            self.evict(len(self._entries) - self.max_blocks)
+        self.pool.reclaimable_changed()  # (`release` without a borrowing does not say it)
+        return len(joined)
 
     # ------------------------------------------------------------------ eviction
     def reclaim(self, n_blocks: int) -> int:

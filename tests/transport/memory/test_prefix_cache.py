@@ -134,6 +134,7 @@ class CacheMachine(RuleBasedStateMachine):
         self.live: dict[str, tuple[list[bytes], int, list[int]]] = {}
         self.numbers = 0
         self.cache_off_used = 0
+        self.arrived: set[str] = set()
 
     def _model_evict(self, n: int) -> None:
         for _ in range(n):
@@ -184,10 +185,29 @@ class CacheMachine(RuleBasedStateMachine):
             self.model[key][1] -= 1
             self.model[key][2] = self.tick
 
+    @rule(target=requests, tokens=st.lists(st.integers(0, 2), min_size=1, max_size=9))
+    def arrive(self, tokens: list[int]) -> str:
+        """A request whose KV arrived from elsewhere (a decode replica's migration): no borrowing."""
+        self.numbers += 1
+        owner = f"r{self.numbers}"
+        need = self.pool.blocks_for(len(tokens))
+        short = need - self.pool.free_blocks
+        evictable = sum(1 for e in self.model.values() if e[1] == 0)
+        table = self.pool.try_allocate(need, owner)
+        if short > 0 and evictable >= short:
+            self._model_evict(short)
+        if self.cache_off_used + need <= NUM_BLOCKS:
+            assert table is not None, "a request that fits without the cache was refused"
+        if table is not None:
+            self.live[owner] = (block_keys(MODEL, tokens, BLOCK), 0, table)
+            self.arrived.add(owner)
+            self.cache_off_used += need
+        return owner
+
     @rule(owner=requests)
     def publish(self, owner: str) -> None:
         """Its prompt ran: its full blocks join the cache, still referenced by it."""
-        if owner not in self.live:
+        if owner not in self.live or owner in self.arrived:
             return
         keys, count, table = self.live[owner]
         joined = self.cache.publish(owner, table)
@@ -218,6 +238,26 @@ class CacheMachine(RuleBasedStateMachine):
         keys, count, table = self.live.pop(owner)
         self.cache_off_used -= len(table)
         self.cache.release(owner, table)
+        self._model_release(keys[:count], keys, count, len(table))
+
+    @rule(owner=consumes(requests))
+    def keep(self, owner: str) -> None:
+        """It ended and its full blocks are worth keeping (a decode replica's finished turn): those not
+        cached join the cache unreferenced, then it releases."""
+        if owner not in self.live:
+            return
+        keys, count, table = self.live.pop(owner)
+        self.cache_off_used -= len(table)
+        joined = self.cache.keep(owner, keys, table)
+        self.tick += 1
+        parent = keys[count - 1] if count else None
+        expected = 0
+        for key in keys[count:]:
+            if key not in self.model:
+                self.model[key] = [parent, 0, self.tick]
+                expected += 1
+            parent = key
+        assert joined == expected
         self._model_release(keys[:count], keys, count, len(table))
 
     @rule(n=st.integers(0, 4))
