@@ -81,6 +81,8 @@ async def test_an_image_changes_the_key_from_its_block_on(tmp_path: Path, tiny: 
             hot = await _image(client, prompt, 1)
             other = await _image(client, prompt, 2)
             await wait_idle(client)
+            status = await client.status()
+    assert by_name(status)["decode-0"].prefix_blocks == 0  # it has no image digests: it keeps nothing
     assert cold.cached_tokens == 0
     assert hot.cached_tokens == (expanded - 1) // BLOCK * BLOCK  # all its full blocks but the last token's
     assert other.cached_tokens == before_image  # the blocks before the image's rows only
@@ -100,6 +102,7 @@ async def test_cache_off(tmp_path: Path, tiny: Model) -> None:
     assert (first.result.cached_tokens, second.result.cached_tokens) == (0, 0)
     assert check_outcome(tiny, second, transport=default_transport()) == []
     assert by_name(status)["prefill-0"].prefix_blocks == 0
+    assert by_name(status)["decode-0"].prefix_blocks == 0  # a finished turn is not kept either
 
 
 async def test_the_router_sends_a_prompt_to_the_replica_holding_its_prefix(
