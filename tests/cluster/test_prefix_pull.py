@@ -1,7 +1,8 @@
 """Pulls (docs/prefix-cache.md, "Pulls"): a prompt whose prefix another node's replica caches is routed to
 this node's replica, which pulls those blocks over the transfer protocol instead of computing them — the
 output is the model's run in one piece, and the result names where the cached tokens came from; the same
-within one node. A holder killed mid-pull: the prompt is computed here instead, with the model's tokens,
+within one node. A decode replica keeps a finished turn's prompt and answer: the next turn pulls them from
+there, on its node or from another. A holder killed mid-pull: the prompt is computed here instead, with the model's tokens,
 and every block goes back. The nodes then stop with exit code 0: their shutdown's leak check counts the
 caches' borrowings too (the holder's for the send, the puller's for the prompt)."""
 
@@ -190,3 +191,35 @@ async def test_the_next_turn_pulls_its_prefix_from_the_decode_replica(tmp_path: 
     assert (pull["status"], pull["source"], pull["destination"]) == ("success", "decode-0", "prefill-0")
     for outcome in (turn, next_turn):
         assert check_outcome(tiny, outcome, transport=default_transport()) == []
+
+
+async def test_the_next_turn_pulls_its_prefix_from_another_nodes_decode_replica(
+    tmp_path: Path, etcd: LocalEtcd
+) -> None:
+    """The decode replica's cache is reported to the other nodes like any replica's: the next turn, sent
+    to node b, pulls the first turn's prompt and answer from a's decode replica."""
+    tiny = tiny_model()
+    rng = random.Random(17)
+    vocabulary = [i for i in range(tiny.config.vocab_size) if i != tiny.config.image_token_id]
+    first = tuple(rng.choice(vocabulary) for _ in range(40))
+    layout = (("a", "encode=0,prefill=1,decode=1"), ("b", "encode=0,prefill=1,decode=0"))
+    async with cluster_nodes(tmp_path, etcd, layout, "--prefix-pull=always") as nodes:
+        async with nodes["a"].client() as client:
+            turn = await send(client, Ask(input_ids=first, max_tokens=30, ignore_eos=True))
+            await wait_idle(client)
+        async with nodes["b"].client() as client:
+            await wait_status(
+                client,
+                lambda status: by_name(status)["a/decode-0"].prefix_blocks == 4,
+                "node a's report of its decode replica's cache reaching node b",
+            )
+            second = (*first, *turn.result.token_ids, *(rng.choice(vocabulary) for _ in range(20)))
+            next_turn = await send(client, Ask(input_ids=second, max_tokens=4, seed=3, temperature=0.7))
+            await wait_idle(client)
+        (pull,) = [e for e in nodes["b"].events("transfer_finished") if e["kind"] == "pull"]
+        for node in ("b", "a"):  # exit code 0: no block and no borrowing of either cache left behind
+            nodes[node].stop()
+    assert (next_turn.result.cached_tokens, next_turn.result.cached_from) == (64, "a/decode-0")
+    assert (pull["status"], pull["source"], pull["destination"]) == ("success", "a/decode-0", "b/prefill-0")
+    for outcome in (turn, next_turn):
+        assert check_outcome(tiny, outcome, transport=cluster_transport()) == []
