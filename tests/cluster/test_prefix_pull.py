@@ -1,9 +1,9 @@
 """Pulls (docs/prefix-cache.md, "Pulls"): a prompt whose prefix another node's replica caches is routed to
 this node's replica, which pulls those blocks over the transfer protocol instead of computing them — the
 output is the model's run in one piece, and the result names where the cached tokens came from; the same
-within one node. A decode replica keeps a finished turn's prompt and answer: the next turn pulls them from
-there, on its node or from another. A holder killed mid-pull: the prompt is computed here instead, with the model's tokens,
-and every block goes back. The nodes then stop with exit code 0: their shutdown's leak check counts the
+within one node. A decode replica keeps a finished turn's prompt and answer: the next turn pulls them
+from there, on its node or from another. A holder killed mid-pull: the prompt is computed here instead,
+with the model's tokens, and every block goes back. The nodes then stop with exit code 0: their shutdown's leak check counts the
 caches' borrowings too (the holder's for the send, the puller's for the prompt)."""
 
 from __future__ import annotations
