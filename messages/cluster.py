@@ -96,6 +96,8 @@ class ReplicaReport(Record, frozen=True):
         False  # holds fully loaded weights another node's replica may copy (docs/weights.md)
     )
     prefix: PrefixDelta | None = None  # a language replica's prefix cache
+    # The longest prompt a NewPrefill takes now (with `takes_work`); None: any (docs/zigzag.md).
+    prefill_limit: int | None = None
 
 
 class StampsRecord(Record, frozen=True):

@@ -85,11 +85,13 @@ class RemoteReplica:
 
     def snapshot(self) -> ReplicaSnapshot:
         """The replica as its node last reported it. It takes prefill work while its node says so (a
-        replica serving plainly, `takes_work`); its queue counts as holding prompts while it holds tokens
-        (the report carries tokens, not prompts)."""
+        replica serving plainly, or a NewPrefill: `takes_work`), a NewPrefill prompts up to its reported
+        limit less the tokens sent since, as its own node's router would; its queue counts as holding
+        prompts while it holds tokens (the report carries tokens, not prompts)."""
         report, status = self.report, self.report.status
         role: Role = report.role
         queued = report.queued_prompt_tokens + self.submitted_tokens
+        limit = None if report.prefill_limit is None else report.prefill_limit - self.submitted_tokens
         return ReplicaSnapshot(
             name=status.name,
             role=role,
@@ -107,7 +109,7 @@ class RemoteReplica:
             encode_load=report.encode_load,
             embedding_pool=report.embedding_pool,
             takes_prefill=report.takes_work and status.role == "prefill",
-            prefill_limit=None,
+            prefill_limit=limit,
             used_blocks=status.used_blocks,
             cached_blocks=status.cached_blocks,
             kv_blocks=report.kv_total,

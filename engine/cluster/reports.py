@@ -19,7 +19,7 @@ from messages.cluster import (
     Report,
 )
 from replicas.snapshot import ReplicaSnapshot
-from replicas.states import SETTLED, STATES
+from replicas.states import SETTLED, STATES, ReplicaState
 
 
 def replica_report(
@@ -32,10 +32,16 @@ def replica_report(
         queued_prompt_tokens=snap.queued_prompt_tokens,
         encode_load=snap.encode_load,
         embedding_pool=snap.embedding_pool,
-        # Cross-node work goes to replicas serving plainly (ZigZag pairs stay within their node).
-        takes_work=snap.state in SETTLED and STATES[snap.state].role != "decode" and snap.running,
+        # Cross-node work goes to replicas serving plainly and to a NewPrefill, prompts up to its limit,
+        # as this node's router sends them (an OldPrefill takes only its own node's, while its episode lets it).
+        takes_work=snap.running
+        and (
+            (snap.state in SETTLED and STATES[snap.state].role != "decode")
+            or (snap.state is ReplicaState.NEW_PREFILL and snap.takes_prefill)
+        ),
         serves_weights=snap.serves_weights,
         prefix=prefix,
+        prefill_limit=snap.prefill_limit,
     )
 
 

@@ -79,6 +79,12 @@ async def test_a_pair_across_hosts_relays_and_merges_both_halves_token_exact(tmp
         async with ControlClient.connect(new, token=cluster.token) as client:
             await _start_episode(client)
             outcomes = await send_all(client, distinct_asks(6, max_tokens=5))
+            # Prompts entering at `dec` (no prefill replica) go to the NewPrefill as `new`'s router
+            # sends them, from `new`'s reports (an OldPrefill takes only its own node's).
+            dec = cluster.nodes["dec"].address
+            assert dec is not None
+            async with ControlClient.connect(dec, token=cluster.token) as elsewhere:
+                outcomes += await send_all(elsewhere, distinct_asks(2, max_tokens=5, offset=6))
             assert_correct(model, outcomes)  # token-exact, and the KV halves [0, 2) from NEW, [2, 4) from OLD
             for outcome in outcomes:
                 result = outcome.result
