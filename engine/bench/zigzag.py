@@ -261,8 +261,9 @@ def _ttft_rows_of(args: argparse.Namespace, directory: Path, model: str) -> Iter
 
 def _host_ttft_rows(args: argparse.Namespace, directory: Path) -> Iterator[Row]:
     """`--hosts 3`: the emulated burst on three hosts (engine/bench/zigzag_hosts.py), the new replica's
-    weights from a peer at the emulated speed; ZigZag runs first, so that a build that pairs within a node
-    only is found before any stop-the-world run, and both ways then scale onto the serving node."""
+    weights from a peer at the emulated speed; ZigZag runs first, so that a ZigZag scale onto the empty
+    node that is refused is found before any stop-the-world run, and both ways then scale onto the
+    serving node."""
     from engine.bench.e2e import _model_source
 
     with _model_source(args.ttft_model) as model:

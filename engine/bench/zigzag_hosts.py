@@ -16,10 +16,10 @@ the median over the rounds. Goal: ≥ 0.8 of the raw path.
 
 `--only ttft --hosts 3` (`burst_hosts_run`, rows made by `engine.bench.zigzag`): the burst on three
 hosts — `pre` serving prefill on host a, `dec` decode on host b, `cap` on host c holding nothing — with
-the new prefill replica scaled onto `cap` (its weights from a peer on another host). ZigZag there needs a
-NewPrefill on `cap` paired with `pre`'s OldPrefill across nodes, its KV halves into `dec`; where the node
-refuses that (pairs within a node only), both ways run the "within" layout (`LAYOUTS`) and the row says
-so.
+the new prefill replica scaled onto `cap` (its weights from a peer on another host). ZigZag there pairs a
+NewPrefill on `cap` with `pre`'s OldPrefill across nodes, `pre`'s router sending the NewPrefill prompts
+from `cap`'s reports, its KV halves into `dec`; where the ZigZag scale onto `cap` is refused all the same
+(`bad_request`), both ways run the "within" layout (`LAYOUTS`) and the row says so.
 """
 
 from __future__ import annotations
@@ -245,9 +245,8 @@ async def _load_k(client: ControlClient, log_file: Path, k: int) -> float:
 # `--only ttft --hosts 3`, two layouts of three hosts. "cross": node `pre` serves prefill on host a,
 # `dec` decode on host b, `cap` on host c holds nothing (`--replicas prefill=0,decode=0`), and the scale
 # places the new prefill replica on `cap` — a ZigZag pair across nodes, its KV halves into `dec`.
-# "within" (where a node pairs only within itself and keeps a relayed request's KV halves there): `pre`
-# serves prefill and decode, and the scale places the new replica on `pre`, paired there; `dec` and the
-# empty `cap` serve as in "cross".
+# "within" (where the ZigZag scale onto `cap` is refused): `pre` serves prefill and decode, and the scale
+# places the new replica on `pre`, paired there; `dec` and the empty `cap` serve as in "cross".
 LAYOUTS: Final = {
     "cross": (
         ("pre", "a", "prefill=1,decode=0"),
@@ -267,8 +266,7 @@ Outcome = tuple[float, float | None, int | None, str | None]
 
 @final
 class PairingRefused(Exception):
-    """The ZigZag scale onto the empty node was refused for want of a partner on that node (this build
-    pairs within a node only); the message is the node's."""
+    """The ZigZag scale onto the empty node was refused (`bad_request`); the message is the node's."""
 
 
 def burst_hosts_run(
@@ -283,8 +281,8 @@ def burst_hosts_run(
     nodes' `options`), the trace sent to `pre` (its router places each request on the cluster's
     replicas), and at `--burst-at` `scale prefill +1` onto `SCALED[layout]` with `mode` and source
     `peer`. Returns every request's outcome and the pairs the scale formed (`new <- old`, from the
-    node's `replicas_paired` events). Raises `PairingRefused` when ZigZag onto the empty node is refused
-    for want of a partner on that node."""
+    node's `replicas_paired` events). Raises `PairingRefused` when ZigZag onto the empty node is
+    refused."""
     from engine.hosts.network import unavailable
 
     reason = unavailable()
