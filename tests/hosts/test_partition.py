@@ -1,19 +1,23 @@
 """A host cut off for longer than the lease TTL, on separate network stacks: its node loses its lease,
 the others end what they shared with it; once its link is back it rejoins under a new lease with the
-same replicas, and the cluster places KV across hosts again (token-exact), with no block held after."""
+same replicas, and the cluster places KV across hosts again (token-exact), with no block held after.
+Once for the prefill host, once for the decode host with streams in flight."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 import pytest
+import trio
 
-from engine.client import ControlClient
+from engine.client import ControlClient, ControlError
 from engine.hosts.cluster import NodeSpec
+from messages.control_replies import TokenReply
 from replicas.model import tiny_model
 from tests.hosts.conftest import host_cluster, wait_cluster_serving
 from tests.node.harness import wait_idle, wait_status
 from tests.node.workload import assert_correct, distinct_asks, send
+from tests.waiting import wait_until
 
 LEASE_TTL = 2
 LAYOUT = (NodeSpec("pre", "a", "prefill=1,decode=0"), NodeSpec("dec", "b", "prefill=0,decode=1"))
@@ -55,6 +59,89 @@ async def test_a_prefill_host_cut_off_rejoins_and_places_kv_again(tmp_path: Path
         await wait_cluster_serving(cluster, 2)
         async with ControlClient.connect(pre, token=cluster.token) as client:
             outcomes = [await send(client, ask) for ask in distinct_asks(3, max_tokens=5, offset=1)]
+            assert_correct(model, outcomes)
+            for outcome in outcomes:
+                assert [(t.source, t.destination) for t in outcome.result.transfers] == [
+                    ("pre/prefill-0", "dec/decode-0")
+                ]
+        for address in (pre, dec):
+            async with ControlClient.connect(address, token=cluster.token) as client:
+                await wait_idle(client)
+
+
+@pytest.mark.slow
+async def test_a_decode_host_cut_off_mid_stream_ends_its_requests_with_codes_and_rejoins(
+    tmp_path: Path,
+) -> None:
+    """Streams in flight from host b's decode replica when b's link is cut: each ends, within the lease
+    TTL and the time to notice it, with an error code a client can act on (not a hang, not `internal`);
+    pre holds no block; once the link is back, dec rejoins under a new lease and serves token-exact."""
+    model = tiny_model()
+    # Decode steps slowed to 10 a second, so that 200 tokens stream for 20 s: the cut falls mid-stream.
+    options = (
+        "--transport",
+        "tcp",
+        "--lease-ttl",
+        str(LEASE_TTL),
+        "--emulated-speed",
+        "decode_steps_per_s=10",
+    )
+    async with host_cluster(tmp_path, LAYOUT, *options) as cluster:
+        await wait_cluster_serving(cluster, 2)
+        pre, dec = cluster.nodes["pre"].address, cluster.nodes["dec"].address
+        assert pre is not None and dec is not None
+        async with ControlClient.connect(dec, token=cluster.token) as client:
+            status = await client.status()
+            assert status.cluster is not None
+            lease = status.cluster.lease
+
+        asks = distinct_asks(3, max_tokens=200)
+        streamed = [0] * len(asks)
+        ended: dict[int, str] = {}
+
+        async def stream(index: int) -> None:
+            ask = asks[index]
+            try:
+                async with ControlClient.connect(pre, token=cluster.token) as client:
+                    async for reply in client.generate(
+                        input_ids=ask.input_ids, max_tokens=ask.max_tokens, ignore_eos=True, stream=True
+                    ):
+                        if isinstance(reply, TokenReply):
+                            streamed[index] += 1
+                        else:
+                            ended[index] = "finished"
+            except ControlError as error:
+                assert error.code not in ("internal", "shutting_down") and error.message, error
+                ended[index] = error.code
+
+        async with trio.open_nursery() as nursery:
+            for index in range(len(asks)):
+                nursery.start_soon(stream, index)
+            await wait_until(lambda: all(streamed), "every request streaming from dec/decode-0", 30)
+            assert not ended, ended
+            await cluster.cut("b")
+            await wait_until(
+                lambda: len(ended) == len(asks),
+                "every request ending once dec's lease ran out",
+                LEASE_TTL + 30,
+                detail=lambda: ended,
+            )
+        assert set(ended.values()) <= {"replica_failed", "transfer_failed"}, ended
+        assert all(0 < count < 200 for count in streamed), streamed
+        async with ControlClient.connect(pre, token=cluster.token) as client:
+            await wait_idle(client)
+
+        await cluster.restore("b")
+        async with ControlClient.connect(dec, token=cluster.token) as client:
+            await wait_status(
+                client,
+                lambda s: s.cluster is not None and s.cluster.state == "ok" and s.cluster.lease != lease,
+                "dec back under a new lease",
+                timeout=60,
+            )
+        await wait_cluster_serving(cluster, 2)
+        async with ControlClient.connect(pre, token=cluster.token) as client:
+            outcomes = [await send(client, ask) for ask in distinct_asks(2, max_tokens=5, offset=7)]
             assert_correct(model, outcomes)
             for outcome in outcomes:
                 assert [(t.source, t.destination) for t in outcome.result.transfers] == [
