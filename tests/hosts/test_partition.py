@@ -11,12 +11,12 @@ import pytest
 import trio
 
 from engine.client import ControlClient, ControlError
-from engine.hosts.cluster import NodeSpec
+from engine.hosts.cluster import HostCluster, NodeSpec
 from messages.control_replies import TokenReply
 from replicas.model import tiny_model
 from tests.hosts.conftest import host_cluster, wait_cluster_serving
 from tests.node.harness import wait_idle, wait_status
-from tests.node.workload import assert_correct, distinct_asks, send
+from tests.node.workload import Ask, assert_correct, distinct_asks, send
 from tests.waiting import wait_until
 
 LEASE_TTL = 2
@@ -48,25 +48,7 @@ async def test_a_prefill_host_cut_off_rejoins_and_places_kv_again(tmp_path: Path
                 timeout=30,
             )
         await cluster.restore("a")
-
-        async with ControlClient.connect(pre, token=cluster.token) as client:
-            await wait_status(
-                client,
-                lambda s: s.cluster is not None and s.cluster.state == "ok" and s.cluster.lease != lease,
-                "pre back under a new lease",
-                timeout=60,
-            )
-        await wait_cluster_serving(cluster, 2)
-        async with ControlClient.connect(pre, token=cluster.token) as client:
-            outcomes = [await send(client, ask) for ask in distinct_asks(3, max_tokens=5, offset=1)]
-            assert_correct(model, outcomes)
-            for outcome in outcomes:
-                assert [(t.source, t.destination) for t in outcome.result.transfers] == [
-                    ("pre/prefill-0", "dec/decode-0")
-                ]
-        for address in (pre, dec):
-            async with ControlClient.connect(address, token=cluster.token) as client:
-                await wait_idle(client)
+        await _rejoined_and_serving(cluster, "pre", lease, distinct_asks(3, max_tokens=5, offset=1))
 
 
 @pytest.mark.slow
@@ -76,7 +58,6 @@ async def test_a_decode_host_cut_off_mid_stream_ends_its_requests_with_codes_and
     """Streams in flight from host b's decode replica when b's link is cut: each ends, within the lease
     TTL and the time to notice it, with an error code a client can act on (not a hang, not `internal`);
     pre holds no block; once the link is back, dec rejoins under a new lease and serves token-exact."""
-    model = tiny_model()
     # Decode steps slowed to 10 a second, so that 200 tokens stream for 20 s: the cut falls mid-stream.
     options = (
         "--transport",
@@ -132,21 +113,32 @@ async def test_a_decode_host_cut_off_mid_stream_ends_its_requests_with_codes_and
             await wait_idle(client)
 
         await cluster.restore("b")
-        async with ControlClient.connect(dec, token=cluster.token) as client:
-            await wait_status(
-                client,
-                lambda s: s.cluster is not None and s.cluster.state == "ok" and s.cluster.lease != lease,
-                "dec back under a new lease",
-                timeout=60,
-            )
-        await wait_cluster_serving(cluster, 2)
-        async with ControlClient.connect(pre, token=cluster.token) as client:
-            outcomes = [await send(client, ask) for ask in distinct_asks(2, max_tokens=5, offset=7)]
-            assert_correct(model, outcomes)
-            for outcome in outcomes:
-                assert [(t.source, t.destination) for t in outcome.result.transfers] == [
-                    ("pre/prefill-0", "dec/decode-0")
-                ]
-        for address in (pre, dec):
-            async with ControlClient.connect(address, token=cluster.token) as client:
-                await wait_idle(client)
+        await _rejoined_and_serving(cluster, "dec", lease, distinct_asks(2, max_tokens=5, offset=7))
+
+
+async def _rejoined_and_serving(cluster: HostCluster, node_id: str, lease: int, asks: list[Ask]) -> None:
+    """Once its link is back: `node_id` holds a lease other than `lease`, both nodes serve, `asks` sent to
+    pre come back token-exact with their KV moved from pre's prefill replica to dec's decode replica, and
+    neither node holds a block."""
+    pre, rejoined = cluster.nodes["pre"].address, cluster.nodes[node_id].address
+    assert pre is not None and rejoined is not None
+    async with ControlClient.connect(rejoined, token=cluster.token) as client:
+        await wait_status(
+            client,
+            lambda s: s.cluster is not None and s.cluster.state == "ok" and s.cluster.lease != lease,
+            f"{node_id} back under a new lease",
+            timeout=60,
+        )
+    await wait_cluster_serving(cluster, 2)
+    async with ControlClient.connect(pre, token=cluster.token) as client:
+        outcomes = [await send(client, ask) for ask in asks]
+        assert_correct(tiny_model(), outcomes)
+        for outcome in outcomes:
+            assert [(t.source, t.destination) for t in outcome.result.transfers] == [
+                ("pre/prefill-0", "dec/decode-0")
+            ]
+    for node in ("pre", "dec"):
+        address = cluster.nodes[node].address
+        assert address is not None
+        async with ControlClient.connect(address, token=cluster.token) as client:
+            await wait_idle(client)
