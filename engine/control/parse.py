@@ -42,15 +42,22 @@ class _IdProbe(msgspec.Struct):
 
 
 def parse_request(line: bytes) -> ControlRequest | BadLine:
-    """Decode `line` (one JSON object, UTF-8) into a request, or describe what is wrong with it."""
+    """Decode `line` (one JSON object, UTF-8) into a request, or describe what is wrong with it.
+
+    The line's UTF-8 is checked here, before msgspec sees it, so the message (the first bad byte and its
+    offset) and the id it answers with do not depend on how a msgspec release words its own error.
+    """
+    bad_utf8 = _first_bad_utf8(line)
+    if bad_utf8 is not None:
+        return BadLine(id=_probe_id_despite(line, bad_utf8), message=_utf8_message(line, bad_utf8))
     try:
         return _DECODER.decode(line)
     except msgspec.ValidationError as exc:
         return BadLine(id=_probe_id(line), message=_validation_message(str(exc), line))
+    except UnicodeDecodeError:  # Python accepted the bytes; msgspec refused a string within them
+        return BadLine(id=_probe_id(line), message="the line is not valid UTF-8")
     except msgspec.DecodeError as exc:
         return BadLine(id=None, message=f"the line is not valid JSON: {exc}")
-    except UnicodeDecodeError:
-        return BadLine(id=_probe_id(line), message=_utf8_message(line))
     except RecursionError:  # msgspec's own depth guard: a line of `[[[[...` must not take the node down
         return BadLine(id=None, message=TOO_DEEP)
 
@@ -87,10 +94,28 @@ def _validation_message(text: str, line: bytes) -> str:
     return message
 
 
-def _utf8_message(line: bytes) -> str:
+def _first_bad_utf8(line: bytes) -> int | None:
+    """The offset of the first byte that is not part of valid UTF-8 (Python's strict codec), or None."""
     try:
         line.decode("utf-8")
     except UnicodeDecodeError as exc:
-        return f"the line is not valid UTF-8: byte 0x{line[exc.start]:02x} at offset {exc.start}"
-    # msgspec refused a string that Python accepts (e.g. a surrogate code point written raw).
-    return "the line is not valid UTF-8"
+        return exc.start
+    return None
+
+
+def _probe_id_despite(line: bytes, bad: int) -> str | None:
+    """The id of a line with invalid UTF-8 from `bad` on, when the id itself is intact.
+
+    Every invalid byte becomes `?` (ASCII, valid inside a JSON string) so the rest of the line can be
+    read; the id found counts only when its bytes stand in the original line as written — an id that
+    held a bad byte is not the client's id, and the answer goes out without one.
+    """
+    repaired = line[:bad] + line[bad:].decode("utf-8", errors="replace").replace("\ufffd", "?").encode()
+    found = _probe_id(repaired)
+    if found is None or f'"{found}"'.encode() not in line:
+        return None
+    return found
+
+
+def _utf8_message(line: bytes, bad: int) -> str:
+    return f"the line is not valid UTF-8: byte 0x{line[bad]:02x} at offset {bad}"

@@ -33,7 +33,11 @@ def test_a_good_line_is_a_request() -> None:
             BadLine(id=None, message="the line is not valid JSON: Input data was truncated"),
         ),
         (
-            b"\x00\x01\x02\xff garbage",
+            b"\x00\x01\x02\xff garbage",  # UTF-8 is checked first, whatever else is wrong
+            BadLine(id=None, message="the line is not valid UTF-8: byte 0xff at offset 3"),
+        ),
+        (
+            b"\x00\x01\x02 garbage",
             BadLine(
                 id=None, message="the line is not valid JSON: JSON is malformed: invalid character (byte 0)"
             ),
@@ -80,6 +84,10 @@ def test_a_good_line_is_a_request() -> None:
         (
             b'{"op":"status","id":"\xff"}',
             BadLine(id=None, message="the line is not valid UTF-8: byte 0xff at offset 21"),
+        ),
+        (  # a bad byte before the id, and a truncated sequence after it: the id still answers
+            b'{"prompt":"\xc3(","op":"generate","id":"w1","stop":["\xe2\x82"]}',
+            BadLine(id="w1", message="the line is not valid UTF-8: byte 0xc3 at offset 11"),
         ),
         (
             b'{"op":"transition","id":"t2","replica":"decode-0","to":"Sleeping"}',

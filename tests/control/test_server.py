@@ -35,7 +35,7 @@ BAD_LINES: list[tuple[bytes, str | None, str]] = [
     (
         b"\x89PNG\r\x1a\x00\x00\xff\xfe binary",
         None,
-        "the line is not valid JSON: JSON is malformed: invalid character (byte 0)",
+        "the line is not valid UTF-8: byte 0x89 at offset 0",
     ),
     (
         b'{"op":"generate","id":"u","prompt":"\xc3\x28"}',

@@ -196,10 +196,10 @@ BAD_LINES: list[tuple[bytes, str | None, str, str, str | None]] = [
         None,
     ),
     (
-        GARBAGE,
+        GARBAGE,  # every byte but CR and LF: the first that is not UTF-8 is 0x80, after 0x00-0x7f less two
         None,
         "bad_request",
-        "the line is not valid JSON: JSON is malformed: invalid character (byte 0)",
+        "the line is not valid UTF-8: byte 0x80 at offset 126",
         None,
     ),
     (
