@@ -62,7 +62,7 @@ from replicas.directory import ReplicaDirectory
 from replicas.model import ModelLoadError
 from replicas.weights import ModelHost
 from transport.auth.credentials import CredentialError
-from transport.memory.host_memory import return_large_frees
+from transport.memory.host_memory import tune_allocator
 
 VERSION = "0.1.0"
 # What stops a node from coming up; `main` prints it in one line and exits 2.
@@ -236,7 +236,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"engine.node: {exc}", file=sys.stderr)
         return 2
     configure_diagnostics(config.log.level, stream_level=node_console_level(config.log.level))
-    return_large_frees()  # a batch's large temporaries go back to the system when it ends
+    tune_allocator()  # a step's temporaries reuse the heap; the heap stays bounded
     if config.demo and config.listen == NodeConfig().listen:
         config = msgspec.structs.replace(config, listen="127.0.0.1:0")
     if config.demo and config.http == NodeConfig().http and config.port is None:

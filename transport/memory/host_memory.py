@@ -50,18 +50,38 @@ def zeroed_host_tensor(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tens
     return region.view(dtype).view(shape)
 
 
-_M_MMAP_THRESHOLD: Final = -3  # glibc's mallopt parameter
-LARGE_ALLOCATION: Final = 1 << 20
+# glibc's mallopt parameters
+_M_TRIM_THRESHOLD: Final = -1
+_M_MMAP_THRESHOLD: Final = -3
+_M_ARENA_MAX: Final = -8
+MMAP_THRESHOLD: Final = 32 << 20  # glibc's own ceiling for its dynamic threshold on 64-bit
+TRIM_THRESHOLD: Final = 2 * MMAP_THRESHOLD  # what glibc pairs with it
+ARENA_MAX: Final = 2
 
 
-def return_large_frees() -> bool:
-    """glibc: map every allocation of `LARGE_ALLOCATION` bytes or more on its own, and unmap it when it is
-    freed (`mallopt(M_MMAP_THRESHOLD)`). glibc's own threshold adapts upwards — to 32 MiB — after the
-    first large free, after which a prefill batch's activations and logits stay in the heap, resident
-    for the process's life, long after the batch. Called once by the node at start; True when set
-    (False where the C library is not glibc)."""
+def tune_allocator() -> bool:
+    """glibc: fix the heap's behaviour at what it settles to on its own, from the start, and bound it.
+
+    An allocation of `MMAP_THRESHOLD` bytes or more is mapped on its own and unmapped when freed; smaller
+    ones come from the heap, which keeps up to `TRIM_THRESHOLD` bytes free at its top for the next
+    allocations instead of returning them; the threads share `ARENA_MAX` heaps (glibc's default: 8 per
+    core, each keeping its own free memory). A decode step or a prefill batch allocates the same
+    temporaries every time — a gather of every sequence's KV rows, activations of a few MiB — and a
+    temporary that is mapped afresh costs a page fault per 4 KiB page at its first touch: with a 1 MiB
+    threshold those faults made a tiny model's decode steps three times slower (docs/model.md). The
+    mallopt calls also keep glibc from moving the thresholds on its own. Called once by the node at
+    start; True when set (False where the C library is not glibc)."""
     if sys.platform != "linux":
         return False
     libc = ctypes.CDLL(None)
     mallopt = getattr(libc, "mallopt", None)
-    return bool(mallopt is not None and mallopt(_M_MMAP_THRESHOLD, LARGE_ALLOCATION))
+    if mallopt is None:
+        return False
+    return all(
+        mallopt(parameter, value) == 1
+        for parameter, value in (
+            (_M_MMAP_THRESHOLD, MMAP_THRESHOLD),
+            (_M_TRIM_THRESHOLD, TRIM_THRESHOLD),
+            (_M_ARENA_MAX, ARENA_MAX),
+        )
+    )
