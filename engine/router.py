@@ -2,7 +2,9 @@
 
 Admitted requests wait in one FCFS queue until a replica in `Prefill` takes them; the cheapest replica
 gets the next one — KV-aware (docs/prefix-cache.md): cost = `route_weight` × the prompt's blocks it would
-compute (those not in its prefix cache) + the blocks queued there, fewest queued prompt tokens on a tie —
+compute (those not in its prefix cache) + the blocks of the prompts ahead of it there (queued, and in the
+batch it computes now: an idle replica has none, so a prompt never waits behind a busy replica while an
+idle one could take it), fewest such prompt tokens on a tie —
 a replica that would pull the prefix another one holds counts those blocks as `1 − ratio` held
 (`engine.prefix_pull`; `--prefix-pull`), and is told to pull them (`ServingRequest.pull_from`) —
 and a replica's own queue holds at most its next batch
@@ -238,7 +240,7 @@ class Router:
 
     def _choose_prefill(self, request: ServingRequest) -> tuple[PeerReplica | None, tuple[str, int] | None]:
         """The cheapest prefill replica that takes `request` and has room (see the module docstring;
-        fewest queued prompt tokens, then this node's, on a tie), and the replica it should pull its
+        fewest prompt tokens ahead, then this node's, on a tie), and the replica it should pull its
         prefix from with how many blocks that one holds (None: no pull)."""
         tokens, images = request.prompt_tokens or len(request.prompt_ids), request.needs_embeddings
         candidates = []
@@ -247,7 +249,7 @@ class Router:
         for index, peer in enumerate(everyone):
             snap = peer.snapshot()
             if snap.has_room(tokens, self._budget) and snap.takes(tokens, images=images):
-                candidates.append((snap.queued_prompt_tokens, index >= local, peer))
+                candidates.append((snap.prompt_tokens_ahead, index >= local, peer))
         pulls = self.pull is not None and not request.has_images and request.prompt_logprobs is None
         discount = self.pull.discount() if self.pull is not None and pulls else 0.0
         if len(candidates) < 2 and not (candidates and discount > 0):
@@ -266,11 +268,11 @@ class Router:
                     holder, most = peer.name, held
         blocks = -(-tokens // self._block_size)
         best: tuple[float, int, bool, PeerReplica, int] | None = None
-        for queued, remote, peer in candidates:
+        for ahead, remote, peer in candidates:
             held = peer.prefix_match(keys) if keys else 0
             pulled = most - held if most > held and peer.name != holder else 0
-            cost = self._route_weight * (blocks - held - discount * pulled) + -(-queued // self._block_size)
-            key = (cost, queued, remote, peer, held)
+            cost = self._route_weight * (blocks - held - discount * pulled) + -(-ahead // self._block_size)
+            key = (cost, ahead, remote, peer, held)
             if best is None or key[:3] < best[:3]:
                 best = key
         if best is None:

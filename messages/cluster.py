@@ -98,6 +98,7 @@ class ReplicaReport(Record, frozen=True):
     prefix: PrefixDelta | None = None  # a language replica's prefix cache
     # The longest prompt a NewPrefill takes now (with `takes_work`); None: any (docs/zigzag.md).
     prefill_limit: int | None = None
+    running_prompt_tokens: int = 0  # the prompt tokens of the batch it computes now
 
 
 class StampsRecord(Record, frozen=True):

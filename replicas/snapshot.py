@@ -41,6 +41,7 @@ class ReplicaSnapshot:
     migration_queue: int
     queued_prompts: int
     queued_prompt_tokens: int
+    running_prompt_tokens: int = 0  # the prompt tokens of the batch it computes now
     decoding: int  # requests in its decode batch
     encode_load: int  # pixels of the images queued or in flight (an encode replica)
     embedding_pool: bool
@@ -74,6 +75,12 @@ class ReplicaSnapshot:
         rest waits at the router, so a replica that starts serving later (a scale-up) takes its share
         of a backlog instead of finding it committed to the replicas that were there first."""
         return not self.queued_prompts or self.queued_prompt_tokens + prompt_tokens <= budget
+
+    @property
+    def prompt_tokens_ahead(self) -> int:
+        """The prompt tokens a new prompt would wait behind here: those queued and those computing now.
+        An idle replica has none, so a router choosing by it never leaves one idle for a busy one."""
+        return self.queued_prompt_tokens + self.running_prompt_tokens
 
     @property
     def load(self) -> int:

@@ -105,6 +105,7 @@ class RemoteReplica:
             migration_queue=status.migration_queue,
             queued_prompts=1 if queued else 0,
             queued_prompt_tokens=queued,
+            running_prompt_tokens=report.running_prompt_tokens,
             decoding=0,
             encode_load=report.encode_load,
             embedding_pool=report.embedding_pool,

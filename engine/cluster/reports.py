@@ -42,6 +42,7 @@ def replica_report(
         serves_weights=snap.serves_weights,
         prefix=prefix,
         prefill_limit=snap.prefill_limit,
+        running_prompt_tokens=snap.running_prompt_tokens,
     )
 
 

@@ -222,6 +222,7 @@ class Replica:
             migration_queue=0 if facts is None else facts.migration_queue,
             queued_prompts=0 if facts is None else facts.queued_prompts,
             queued_prompt_tokens=0 if facts is None else facts.queued_prompt_tokens,
+            running_prompt_tokens=0 if facts is None else facts.running_prompt_tokens,
             decoding=0 if facts is None else facts.decoding,
             encode_load=0 if facts is None else facts.encode_load,
             embedding_pool=facts is not None and facts.embedding_pool,

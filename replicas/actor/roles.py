@@ -56,6 +56,7 @@ class RoleFacts:
     migration_queue: int = 0
     queued_prompts: int = 0
     queued_prompt_tokens: int = 0
+    running_prompt_tokens: int = 0
     decoding: int = 0
     encode_load: int = 0
     embedding_pool: bool = False
@@ -213,6 +214,7 @@ class LanguageRoles:
             migration_queue=self.migrator.queued + self.decode.queued,
             queued_prompts=len(queue),
             queued_prompt_tokens=queue.tokens,
+            running_prompt_tokens=self.prefill.running_tokens,
             decoding=len(self.decode.running),
             embedding_pool=self._endpoints.emb is not None,
             takes_prefill=takes,

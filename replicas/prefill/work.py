@@ -10,8 +10,8 @@ requests with `bad_request`.
 Chunked prefill (`ReplicaSettings.chunk_tokens`): `replicas.prefill.queue.schedule` cuts a long prompt
 into chunks; a batch runs each chunk from its start position over the KV of the chunks before it (in
 the request's blocks, allocated with the first chunk and kept in `_tables` between chunks); a chunk
-that does not end its prompt samples nothing — its request goes back to the queue, behind the others —
-and the one that does is applied like a whole prompt. The KV moves to the decode replica once the
+that does not end its prompt samples nothing — its request goes back to the front of the queue, its
+next chunk first in the next batch — and the one that does is applied like a whole prompt. The KV moves to the decode replica once the
 whole prompt ran (not chunk by chunk).
 
 Image requests: enqueued, they start receiving their embeddings at once (`replicas.prefill.embeddings`);
@@ -84,6 +84,11 @@ class PrefillWork:
         self.running: list[Held] = []
         self._chunks: list[Chunk] = []  # the running batch's, item for item
         self._tables: dict[str, list[int]] = {}  # the blocks of queued requests whose first chunks ran
+
+    @property
+    def running_tokens(self) -> int:
+        """The prompt tokens of the batch computing now (0: none)."""
+        return sum(chunk.tokens for chunk in self._chunks)
 
     def enqueue(self, request: ServingRequest) -> None:
         request.holder = self._actor.name
@@ -242,15 +247,17 @@ class PrefillWork:
         batch, self.running = self.running, []
         chunks, self._chunks = self._chunks, []
         ended = [index for index, chunk in enumerate(chunks) if chunk.last]
+        going_on: list[ServingRequest] = []
         for index, (item, chunk) in enumerate(zip(batch, chunks, strict=True)):
             if chunk.last:
                 continue
-            request = item.request  # a chunk that does not end its prompt: to the back of the queue
+            request = item.request  # a chunk that does not end its prompt: its next one runs first
             if result.prompt_logprobs is not None and (scored := result.prompt_logprobs[index]) is not None:
                 request.prompt_scores = [*(request.prompt_scores or [None]), *scored]
             request.prefilled = chunk.stop
             self._tables[request.request_id] = item.table
-            self.queue.append(request)
+            going_on.append(request)
+        self.queue.push_front(going_on)
         if len(ended) < len(batch):
             self._changed()  # queued prompt tokens changed
             result = _rows(result, ended)
