@@ -22,7 +22,7 @@ import math
 import os
 import time
 from collections.abc import Callable
-from typing import final
+from typing import Final, final
 
 import torch
 import trio
@@ -100,10 +100,15 @@ def replica_settings(
     )
 
 
+DEFAULT_CHUNK_TOKENS: Final = 8192
+
+
 def _chunk_tokens(chunk: int | None, max_batch_tokens: int) -> int | None:
-    """`--prefill-chunk-tokens`: none — chunks of the batch budget, as vLLM's chunked prefill; 0 — off."""
+    """`--prefill-chunk-tokens`: none — chunks of the batch budget, at least `DEFAULT_CHUNK_TOKENS`
+    (docs/serving.md#chunked-prefill: on a prefill replica a chunk buys nothing below that and costs a
+    batch each); 0 — off; else that many tokens, at most the batch budget."""
     if chunk is None:
-        return max_batch_tokens
+        return max(max_batch_tokens, DEFAULT_CHUNK_TOKENS)
     return min(chunk, max_batch_tokens) or None
 
 

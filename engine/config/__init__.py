@@ -90,8 +90,8 @@ class SchedulerConfig(Section, frozen=True, kw_only=True):
     prefill_chunk_tokens: Annotated[
         Annotated[int, msgspec.Meta(ge=0, le=1 << 20)] | None,
         _doc(
-            "chunked prefill: a longer prompt runs in chunks of at most this many tokens, other requests' "
-            "prompts between them (none: max_batch_tokens, as vLLM; 0: off, whole prompts)"
+            "chunked prefill: a longer prompt runs in chunks of at most this many tokens, each started "
+            "prompt's next chunk first (none: max_batch_tokens, at least 8192; 0: off, whole prompts)"
         ),
     ] = None
     max_batch_size: Annotated[int, msgspec.Meta(ge=1, le=4096), _doc("sequences per batch")] = 64

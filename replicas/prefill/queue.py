@@ -12,9 +12,12 @@ or cancelled, are skipped, and a request that does not fit is not overtaken.
 
 Chunked prefill (`chunk_tokens`): a prompt longer than that runs as `Chunk`s of at most `chunk_tokens`
 tokens, one per batch; a request whose first chunks ran (`ServingRequest.prefilled`) is queued again at
-the back — behind the requests that came meanwhile — so one long prompt cannot hold back every other
-request's first token. Its blocks (the whole prompt's) are allocated with its first chunk; the queue's
-`tokens` counts what is left to prefill.
+the front (`push_front`), ahead of the requests that came meanwhile, as vLLM schedules a running
+prefill first: a started prompt finishes in as many batches as it has chunks, and the budget its last
+chunk leaves goes to the prompts behind it. Queued again at the back, a long prompt's chunks each waited
+behind every newer arrival, and a trace's long prompts missed their SLO for it (docs/serving.md). Its
+blocks (the whole prompt's) are allocated with its first chunk; the queue's `tokens` counts what is left
+to prefill.
 """
 
 from __future__ import annotations
@@ -53,6 +56,10 @@ class PromptQueue:
 
     def append(self, request: ServingRequest) -> None:
         self._queue.append(request)
+
+    def push_front(self, requests: Iterable[ServingRequest]) -> None:
+        """Queue `requests` ahead of every other, in their order (started prompts' next chunks)."""
+        self._queue.extendleft(reversed(list(requests)))
 
     def remove(self, request: ServingRequest) -> None:
         self._queue.remove(request)
