@@ -20,6 +20,7 @@ BENCHMARKS = {
     "trace": "engine.bench.trace",
     "chaos": "engine.bench.chaos",
     "prefix": "engine.bench.trace.prefix",
+    "compare": "engine.bench.compare",
 }
 
 

@@ -210,7 +210,7 @@ def test_quick_run_prints_the_rows(tmp_path: Path) -> None:
     for r in rows:
         by_case.setdefault(r["case"], set()).add(r["metric"])
     assert by_case == {
-        "static": {"prefill_replicas", "replica_seconds"},
+        "static": {"prefill_replicas", "replica_seconds", "slo_attainment", "ttft_p50_s", "ttft_p99_s"},
         "kalman": metrics,
         "serverless": metrics,
         "oracle": metrics,

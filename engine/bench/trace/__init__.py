@@ -60,6 +60,7 @@ from engine.bench.trace.gen import (
     source,
     trace_from,
     window,
+    write_csv,
 )
 from engine.bench.trace.gen import add_arguments as add_trace_arguments
 from engine.bench.trace.oracle import player, schedule
@@ -159,6 +160,8 @@ def run(args: argparse.Namespace) -> Iterable[Row]:
         raise SystemExit(f"trace: {exc}") from None
     if not trace:
         raise SystemExit("trace: no request in the trace")
+    if args.save_trace is not None:
+        write_csv(trace, args.save_trace)
     directory = Path(tempfile.mkdtemp(prefix="trace-bench-")) if args.logs is None else args.logs
     directory.mkdir(parents=True, exist_ok=True)
     try:
@@ -405,6 +408,10 @@ def _way_rows(
         yield row(BENCH, BASELINE, "replica_seconds", "lower", base.replica_seconds, unit="replica-s",
                   note=f"{common}; attainment {base.attainment:.1%}, TTFT p50/p99 {base.ttft_p50:.3f}/"
                   f"{base.ttft_p99:.3f} s")  # fmt: skip
+        # Static's own figures, with no baseline: what `engine.bench compare` sets against another tree's.
+        yield row(BENCH, BASELINE, "slo_attainment", "higher", base.attainment, note=common)
+        yield row(BENCH, BASELINE, "ttft_p50_s", "lower", base.ttft_p50, unit="s", note=common)
+        yield row(BENCH, BASELINE, "ttft_p99_s", "lower", base.ttft_p99, unit="s", note=common)
     for way in WAYS:
         mine = summaries.get(way)
         if mine is None or way == BASELINE:

@@ -24,6 +24,9 @@ are kept, shifted to start at 0 and multiplied by `--time-scale` (0.5 replays th
 Prompt and output lengths are multiplied by `--length-scale` (rounded, at least 1), then clipped as above
 (an output of 0, a failed request in BurstGPT, becomes 1). A CSV file's defaults: `--duration` 60,
 `--time-scale` and `--length-scale` 1.
+
+`--save-trace FILE` also writes the requests a run replays to a CSV of Azure's columns: `--trace-csv FILE`
+replays exactly them — on another tree too, whose options may differ (`engine.bench compare`).
 """
 
 from __future__ import annotations
@@ -292,6 +295,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="CSV: the window's start, s of the trace (azure-conv 1920)",
     )
+    group.add_argument(
+        "--save-trace",
+        type=Path,
+        default=None,
+        help="also write the replayed requests to this CSV (Azure's columns), to replay them elsewhere",
+    )
+
+
+def write_csv(trace: Sequence[TraceRequest], path: Path) -> None:
+    """`trace` as a CSV with Azure's columns (`AZURE_COLUMNS`): read back with `--trace-csv` (its
+    defaults: no offset, time and lengths × 1) it is the same requests."""
+    with path.open("w", encoding="utf-8", newline="") as file:
+        writer = csv.writer(file)
+        writer.writerow(["TIMESTAMP", "ContextTokens", "GeneratedTokens"])
+        for request in trace:
+            writer.writerow([f"{request.at:.6f}", request.prompt_tokens, request.output_tokens])
 
 
 def lengths_from(args: argparse.Namespace) -> Lengths:
