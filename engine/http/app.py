@@ -22,7 +22,7 @@ import msgspec
 import trio
 from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.responses import Response, StreamingResponse
+from starlette.responses import Response
 from starlette.routing import Route
 
 from engine.control.errors import RequestFailed
@@ -34,6 +34,7 @@ from engine.http.logprobs import token_text
 from engine.http.metrics import CONTENT_TYPE, NodeMetrics
 from engine.http.requests import BadBody, chat_request, completion_request
 from engine.http.responses import SseStream, chat_completion, completion
+from engine.http.streaming import ClosingStreamingResponse
 from messages.control import GenerateRequest
 from messages.openai import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList, Reply
 from replicas.ports import EventSink
@@ -171,7 +172,7 @@ class HttpApi:
                 include_usage=usage,
                 text=self._token_text,
             )
-            return StreamingResponse(
+            return ClosingStreamingResponse(
                 self._events(generation, encoder, echo),
                 media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache"},
