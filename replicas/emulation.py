@@ -7,6 +7,14 @@ real compute and each weight copy runs for real — outputs stay token-exact —
 sleep to the duration the emulated speed gives. A compute that is already slower than its emulated
 duration is not shortened. This is an emulation, documented as such; bench rows that use it say so.
 
+The replicas of one node share the host's cores, which separate accelerators would not: so their
+emulated computes run one at a time (`replicas.step.compute.host_cores`), each with every core, its
+duration counted from when it was asked for. Run together instead, six replicas' worker threads each
+spread every operation over the same two cores, and a compute that alone takes 40 % of its emulated
+time took longer than it: the emulation then measured the host's thrashing, and a router that spread
+prompts over idle replicas looked worse than one that piled them on one. While the host keeps up (its
+real compute per second below one), every compute still ends at its emulated time.
+
 Weight copies may run at a speed per source, as on real hardware, where a peer GPU's weights come over
 NVLink or RDMA far faster than host memory comes over PCIe or a checkpoint off an SSD:
 `peer_gb_per_s`, `host_gb_per_s`, `disk_gb_per_s`; a source without its own key copies at

@@ -8,7 +8,10 @@ while nothing is loaded; an encode replica has no executor); the loader sets the
 replica and, in the replica's main loop, applies the result with `done(output)` — or `refused(error)`
 when the model refused the inputs (`ModelInputError`: raised before anything was written). Any other
 exception fails the replica (its supervisor). With an emulated duration (`replicas.emulation`) the
-result is applied no earlier than that many seconds after the call started.
+result is applied no earlier than that many seconds after the call was asked for, and the node's
+emulated calls take the host's cores one at a time (`host_cores`): each real compute runs with every
+core, as on an accelerator of its own, instead of several replicas' threads thrashing the same cores;
+a call waiting its turn is still due at its emulated time.
 
 Invariants: at most one call runs (`busy` from `run` until its result is applied); the result is applied
 in the main loop, never in the helper. Cancellation: a call in a worker thread runs to its end (threads
@@ -28,6 +31,18 @@ from replicas.ports import Actor
 
 Out = TypeVar("Out")
 V = TypeVar("V")
+
+_HOST_CORES: trio.lowlevel.RunVar[trio.CapacityLimiter] = trio.lowlevel.RunVar("emulated_host_cores")
+
+
+def host_cores() -> trio.CapacityLimiter:
+    """The node's one slot for emulated compute (one per Trio run: every replica of the node shares it)."""
+    try:
+        return _HOST_CORES.get()
+    except LookupError:
+        limiter = trio.CapacityLimiter(1)
+        _HOST_CORES.set(limiter)
+        return limiter
 
 
 @final
@@ -78,8 +93,9 @@ class Compute:
         emulated: float | None,
     ) -> None:
         started = trio.current_time()
+        limiter = None if emulated is None else host_cores()
         try:
-            output = await trio.to_thread.run_sync(call)
+            output = await trio.to_thread.run_sync(call, limiter=limiter)
         except ModelInputError as error:  # the inputs were refused before any write
             failure = error
             await self._pad(started, emulated)
