@@ -30,6 +30,7 @@ from engine.bench.trace.gen import (
     trace_from,
     window,
 )
+from engine.bench.trace.ideal import ideal_static
 from engine.bench.trace.oracle import schedule
 from engine.bench.trace.slo import (
     Outcome,
@@ -241,3 +242,15 @@ def test_quick_run_prints_the_rows(tmp_path: Path) -> None:
         d["forecast"]["predictor"] == "kalman" for d in decided if d["action"] != "release"
     )
     assert "planner_decision" not in (logs / "oracle.jsonl").read_text()
+
+
+def test_the_ideal_static_model_by_hand() -> None:
+    """Two ideal replicas at 1,000 tokens/s: three 1,000-token prompts at 0 s end at 1, 1 and 2 s (the
+    third waits for the first free replica); a fourth at 5 s finds both idle. SLO floor 1.5 s."""
+    trace = [TraceRequest(0.0, 1000, 1), TraceRequest(0.0, 1000, 1), TraceRequest(0.0, 1000, 1)]
+    trace.append(TraceRequest(5.0, 500, 1))
+    attainment, p50, p99 = ideal_static(trace, 2, 1000.0, Slo(floor=1.5, per_token=0.0))
+    assert attainment == 0.75
+    assert (p50, p99) == (1.0, 2.0)
+    with pytest.raises(ValueError):
+        ideal_static(trace, 0, 1000.0, Slo())
