@@ -308,8 +308,10 @@ PeerMessage = (
 
 class PeerFrame(Record, frozen=True):
     """One frame of a peer link: `sender` and its `lease` (checked for messages that act on a
-    reservation or a lock), and the message."""
+    reservation or a lock), the message, and `to_lease`: the lease the sender knows the receiver under
+    (0: none yet). A frame meant for an earlier incarnation of the receiver is not acted on."""
 
     sender: str
     lease: int
     message: PeerMessage
+    to_lease: int = 0

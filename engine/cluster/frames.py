@@ -1,8 +1,12 @@
 """What a member does with each frame it receives from a peer (`ClusterMember`, docs/cluster.md).
 
 An answer to one of this node's own `ask`s is delivered whatever the lease (its correlation id matches
-it). Any other frame counts only under the lease its sender is known under (`ClusterMember.incarnations`):
-then it is dispatched by type. Under another lease it is:
+it). A frame addressed to an earlier incarnation of this node (`PeerFrame.to_lease`, set and not this
+node's lease now) is not acted on: its sender ended what it shared with that incarnation when it saw the
+new lease — a `Submit` then would start a request its origin already failed, and hold its blocks for
+nobody — so a `Submit` is answered `Returned`, anything else dropped (logged). Any other frame counts
+only under the lease its sender is known under (`ClusterMember.incarnations`): then it is dispatched by
+type. Under another lease it is:
 - a command (`RunCommand`) from a known node: handled, and refused `stale_lease` if it acts on a
   reservation or a lock (`engine.cluster.commands`);
 - a `Submit` from a known node: returned at once (`Returned`), so the sender routes the request again;
@@ -18,6 +22,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Final, Protocol, assert_never, final
 
+import structlog
 import trio
 
 from engine.cluster.peers import PeerLinks
@@ -41,6 +46,7 @@ from messages.cluster import (
 from replicas.directory import ReplicaDirectory
 from replicas.request import ServingRequest
 
+_log = structlog.get_logger("engine.cluster")
 HELD_FRAMES: Final = 10_000  # frames held per sender until its new lease is known
 HELD_SECONDS: Final = 10.0
 
@@ -53,6 +59,12 @@ class FrameOwner(Protocol):
     directory: ReplicaDirectory
     peers: PeerLinks
     incarnations: dict[str, int]  # node -> the lease it is known under
+
+    @property
+    def lease(self) -> int:
+        """This node's lease now."""
+        ...
+
     mirrors: dict[str, ServingRequest]
     holders: dict[str, str]
 
@@ -83,9 +95,25 @@ class Frames:
         if isinstance(message, CommandOutcome | ClientOpResult):
             member.peers.answer(message)  # an answer to this node's own `ask` (matched by correlation)
             return
+        if frame.to_lease and frame.to_lease != member.lease:
+            self._to_old_incarnation(frame)
+            return
         if member.incarnations.get(frame.sender) != frame.lease and not self._stale(frame):
             return
         self._dispatch(frame)
+
+    def _to_old_incarnation(self, frame: PeerFrame) -> None:
+        message = frame.message
+        _log.info(
+            "cluster.frame_to_old_incarnation",
+            sender=frame.sender,
+            message=type(message).__name__,
+            to_lease=f"{frame.to_lease:x}",
+            lease=f"{self.member.lease:x}",
+        )
+        if isinstance(message, Submit):
+            reply = Returned(request_id=message.request.request_id, replica=message.replica)
+            self.member.peers.send(frame.sender, reply)
 
     def release(self, node: str) -> None:
         """`node` is known under a new lease: handle its frames held under that lease, drop the rest."""

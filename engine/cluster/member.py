@@ -103,7 +103,13 @@ class ClusterMember:
         self.membership = membership
         membership.on_change = self._members_changed
         self.frames = Frames(self)
-        self.peers = PeerLinks(self.node_id, lambda: membership.lease, self.frames.on_frame, credentials)
+        self.peers = PeerLinks(
+            self.node_id,
+            lambda: membership.lease,
+            self.frames.on_frame,
+            credentials,
+            known_lease=lambda node: self.incarnations.get(node, 0),
+        )
         self.ops = ClusterOps(self, handle)
         self.remote: dict[str, RemoteReplica] = {}
         self.reported: dict[str, Report] = {}
@@ -143,6 +149,11 @@ class ClusterMember:
             finally:
                 await self.membership.leave()
                 nursery.cancel_scope.cancel()
+
+    @property
+    def lease(self) -> int:
+        """This node's lease now (the incarnation other nodes know it as)."""
+        return self.membership.lease
 
     @property
     def reachable(self) -> bool:

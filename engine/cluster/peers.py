@@ -104,10 +104,14 @@ class PeerLinks:
         lease: Callable[[], int],
         on_frame: Callable[[PeerFrame], None],
         credentials: Credentials = NO_CREDENTIALS,
+        known_lease: Callable[[str], int] = lambda node_id: 0,
     ) -> None:
+        """`lease()`: this node's lease now; `known_lease(node)`: the lease `node` is known under here
+        (0: none), which every frame to it carries (`PeerFrame.to_lease`)."""
         self.node_id = node_id
         self._credentials = credentials
         self._lease = lease
+        self._known_lease = known_lease
         self._on_frame = on_frame
         self._addresses: dict[str, str] = {}
         self._queues: dict[str, _Queue] = {}
@@ -170,7 +174,10 @@ class PeerLinks:
         False: the frame is longer than `MAX_FRAME_BYTES` and was not sent (logged)."""
         if node_id == self.node_id or self._nursery is None:
             return True
-        body = _encoder.encode(PeerFrame(sender=self.node_id, lease=self._lease(), message=message))
+        frame = PeerFrame(
+            sender=self.node_id, lease=self._lease(), message=message, to_lease=self._known_lease(node_id)
+        )
+        body = _encoder.encode(frame)
         if len(body) > MAX_FRAME_BYTES:
             _log.error(
                 "cluster.peer_frame_too_long",
