@@ -15,6 +15,11 @@ import pytest
 from engine.bench.rows import Row
 
 TTFT_CASES = {"burst3x-emulated", "burst3x-uncapped"}
+MODEL_CASES = {  # the emulated runs against the ideal models of the same arrivals (baseline: the model)
+    "burst3x-emulated-vs-ideal": "ideal-zigzag-model",
+    "burst3x-emulated-vs-instant": "instant-model",
+    "burst3x-emulated-stw-vs-model": "stop-the-world-model",
+}
 COPY_CASES = {"weights_copy_peer", "weights_copy_host", "weights_copy_disk"}
 
 
@@ -35,11 +40,14 @@ def test_quick_run_prints_the_rows(tmp_path: Path) -> None:
         assert math.isfinite(r["project"]) and math.isfinite(r["baseline"]) and r["project"] > 0
         assert r["ratio"] == pytest.approx(r["project"] / r["baseline"])
     assert by_case == {
-        **{case: {"ttft_p50_s", "ttft_p99_s"} for case in TTFT_CASES},
+        **{case: {"ttft_p50_s", "ttft_p99_s"} for case in TTFT_CASES | set(MODEL_CASES)},
         **{case: {"GB/s"} for case in COPY_CASES},
     }
     for r in rows:
-        if r["case"] in TTFT_CASES:
+        if r["case"] in MODEL_CASES:
+            assert (r["better"], r["baseline_name"], r["unit"]) == ("lower", MODEL_CASES[r["case"]], "s")
+            assert "each run's own copy" in r["note"]
+        elif r["case"] in TTFT_CASES:
             assert (r["better"], r["baseline_name"], r["unit"]) == ("lower", "stop_the_world", "s")
             assert ("emulated" in r["note"]) == r["case"].endswith("-emulated")
         else:

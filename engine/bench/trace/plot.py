@@ -19,7 +19,7 @@ from typing import Final
 
 from engine.bench.trace.gen import TraceRequest
 from engine.bench.trace.replay import Run
-from engine.bench.zigzag_plot import _without_logs, cpu_name
+from engine.bench.zigzag.plot import _without_logs, cpu_name
 
 COLOURS: Final = ("#222222", "#d1495b", "#2f6db5", "#2e9e4f", "#7b4fa0", "#e08a1e", "#17becf", "#8c564b")
 BIN_S: Final = 1.0

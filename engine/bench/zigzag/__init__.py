@@ -18,28 +18,31 @@ rate and saturates at the tripled one), decode `--decode-steps-per-s`, and a wei
 Weight copy (cases `weights_copy_{peer,host,disk}`, `_100m` with `--copy-model 100m`; `--only copy`): one
 uncapped node; a second prefill replica is scaled up (`stop_the_world`) with each `source` in turn and
 released (`Inactive`) again, and the node's `weights_copy_finished` event gives bytes / seconds
-(engine/bench/zigzag_copy.py); baselines are raw copies of the same bytes on the same path in the
+(engine/bench/zigzag/copy.py); baselines are raw copies of the same bytes on the same path in the
 benchmark's process. `--hosts 2`: a peer copy between two nodes on two hosts against raw TCP between them
-(`weights_copy_peer_hosts`, engine/bench/zigzag_hosts.py).
+(`weights_copy_peer_hosts`, engine/bench/zigzag/hosts.py).
 
 `--hosts 3` (`--only ttft`): the emulated burst on three hosts — prefill on one, decode on another, the
 third empty until the scale places the new prefill replica there, its weights from a peer
-(`burst3x-hosts3-emulated`, engine/bench/zigzag_hosts.py).
+(`burst3x-hosts3-emulated`, engine/bench/zigzag/hosts.py).
 
 Multicast chain (`--only chain`, case `weights_chain_3`): three replicas one `scale` loads from one peer
 against one, on one node with emulated peer copies (`--chain-gb-per-s`), or with `--hosts 2` on a
 second host whose source's link is shaped to `--chain-mbit` (`weights_chain_3_hosts`).
 
-`--plot FILE` draws TTFT around the scale of the last emulated runs (engine/bench/zigzag_plot.py); `--logs
+`--plot FILE` draws TTFT around the scale of the last emulated runs (engine/bench/zigzag/plot.py); `--logs
 DIR` keeps the nodes' logs.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import random
 import shutil
+import statistics
 import tempfile
+import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -49,6 +52,7 @@ import trio
 
 from engine.bench.nodes import node_process
 from engine.bench.rows import Row, row
+from engine.bench.zigzag.ideal import MODEL_WAYS, Copy, ModelWay, Prompt, ttfts
 from messages.control import ScaleMode
 
 BENCH: Final = "zigzag"
@@ -136,7 +140,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=1,
         help="2: the copy and chain rows across two hosts (network namespaces; a peer copy against raw TCP); "
-        "3: the burst (ttft) on three hosts, the new prefill replica on an empty one; engine/bench/zigzag_hosts.py",
+        "3: the burst (ttft) on three hosts, the new prefill replica on an empty one; engine/bench/zigzag/hosts.py",
     )
     parser.add_argument("--seed", type=int, default=7)
     parser.add_argument("--plot", type=Path, default=None, help="draw TTFT around the scale into this file")
@@ -159,19 +163,19 @@ def run(args: argparse.Namespace) -> Iterable[Row]:
         elif "ttft" in only:
             yield from _ttft_rows(args, directory)
         if "copy" in only and args.hosts > 1:
-            from engine.bench.zigzag_hosts import host_copy_rows
+            from engine.bench.zigzag.hosts import host_copy_rows
 
             yield from host_copy_rows(args, directory)
         elif "copy" in only:
-            from engine.bench.zigzag_copy import copy_rows
+            from engine.bench.zigzag.copy import copy_rows
 
             yield from copy_rows(args, directory)
         if "chain" in only and args.hosts > 1:
-            from engine.bench.zigzag_hosts import host_chain_rows
+            from engine.bench.zigzag.hosts import host_chain_rows
 
             yield from host_chain_rows(args, directory)
         elif "chain" in only:
-            from engine.bench.zigzag_copy import chain_rows
+            from engine.bench.zigzag.copy import chain_rows
 
             yield from chain_rows(args, directory)
     finally:
@@ -220,15 +224,17 @@ def _ttft_rows_of(args: argparse.Namespace, directory: Path, model: str) -> Iter
     cases = {f"{name}-emulated": speed, f"{name}-uncapped": None}
     samples: dict[tuple[str, ScaleMode], list[Sample]] = {}
     last_logs: dict[ScaleMode, Path] = {}
+    copies: dict[ScaleMode, list[Copy]] = {}  # the emulated runs' copies of the new replica
     for repeat in range(args.repeats):
         for case, emulated in cases.items():
             for mode in MODES:
                 log_file = directory / f"{case}-{mode}-{repeat + 1}.jsonl"
                 log_file.unlink(missing_ok=True)
-                found = run_way(trace, Way(mode, emulated, model), log_file, args)
+                found, started_wall = run_way(trace, Way(mode, emulated, model), log_file, args)
                 samples.setdefault((case, mode), []).extend(found)
                 if emulated is not None:
                     last_logs[mode] = log_file
+                    copies.setdefault(mode, []).append(new_replica_copy(log_file, started_wall))
     start, stop = args.burst_at, args.burst_at + args.window
     for case, emulated in cases.items():
         window = {
@@ -249,8 +255,9 @@ def _ttft_rows_of(args: argparse.Namespace, directory: Path, model: str) -> Iter
             baseline = _quantile([s.ttft for s in theirs if s.ttft is not None], quantile)
             yield row(BENCH, case, f"ttft_p{int(quantile * 100)}_s", "lower", project, baseline, BASELINE,
                       unit="s", note=note + (goal if emulated else ""))  # fmt: skip
+    yield from _model_rows(args, trace, name, samples, copies)
     if args.plot is not None and len(last_logs) == 2:
-        from engine.bench.zigzag_plot import draw_ttft
+        from engine.bench.zigzag.plot import draw_ttft
 
         draw_ttft(
             {"stop-the-world": last_logs[BASELINE], "ZigZag": last_logs[PROJECT]},
@@ -260,7 +267,7 @@ def _ttft_rows_of(args: argparse.Namespace, directory: Path, model: str) -> Iter
 
 
 def _host_ttft_rows(args: argparse.Namespace, directory: Path) -> Iterator[Row]:
-    """`--hosts 3`: the emulated burst on three hosts (engine/bench/zigzag_hosts.py), the new replica's
+    """`--hosts 3`: the emulated burst on three hosts (engine/bench/zigzag/hosts.py), the new replica's
     weights from a peer at the emulated speed; ZigZag runs first, so that a ZigZag scale onto the empty
     node that is refused is found before any stop-the-world run, and both ways then scale onto the
     serving node."""
@@ -271,7 +278,7 @@ def _host_ttft_rows(args: argparse.Namespace, directory: Path) -> Iterator[Row]:
 
 
 def _host_ttft_rows_of(args: argparse.Namespace, directory: Path, model: str) -> Iterator[Row]:
-    from engine.bench.zigzag_hosts import PairingRefused, burst_hosts_run
+    from engine.bench.zigzag.hosts import PairingRefused, burst_hosts_run
 
     trace = [(a.at, a.prompt) for a in make_trace(args)]
     speed = emulated_speed(args, model)
@@ -330,14 +337,84 @@ def _host_ttft_rows_of(args: argparse.Namespace, directory: Path, model: str) ->
                   baseline, BASELINE, unit="s", note=note + goal)  # fmt: skip
 
 
+def new_replica_copy(log_file: Path, started_wall: float) -> Copy:
+    """The copy of the replica the scale added (`prefill-1`) as the run's log has it: when it started and
+    when each layer landed, in seconds from the trace's start."""
+    scale_at, layers = None, []
+    with log_file.open(encoding="utf-8") as lines:
+        for line in lines:
+            event = json.loads(line)
+            if event.get("replica") != "prefill-1":
+                continue
+            if event["event"] == "weights_copy_started" and scale_at is None:
+                scale_at = event["ts"] - started_wall
+            elif event["event"] == "weights_progress" and event.get("piece") == "layer":
+                layers.append(event["ts"] - started_wall)
+    if scale_at is None or not layers:
+        raise RuntimeError(
+            f"{log_file}: no copy of prefill-1 in the log (weights_copy_started, weights_progress)"
+        )
+    return Copy(scale_at, tuple(sorted(layers)))
+
+
+def _model_rows(
+    args: argparse.Namespace,
+    trace: list[Arrival],
+    name: str,
+    samples: dict[tuple[str, ScaleMode], list[Sample]],
+    copies: dict[ScaleMode, list[Copy]],
+) -> Iterator[Row]:
+    """The emulated runs against the ideal models of the same arrivals (engine/bench/zigzag/ideal.py):
+    measured ZigZag against ideal ZigZag and against an instant copy, measured stop-the-world against its
+    model — each model run once per run, with that run's own copy, pooled like the measurements."""
+    if PROJECT not in copies or BASELINE not in copies:
+        return
+    prompts = [Prompt(a.at, len(a.prompt)) for a in trace]
+    start, stop = args.burst_at, args.burst_at + args.window
+    in_window = [index for index, p in enumerate(sorted(prompts, key=lambda p: p.at)) if start <= p.at < stop]
+    modelled: dict[ModelWay, list[float]] = {way: [] for way in MODEL_WAYS}
+    for way in MODEL_WAYS:
+        for copy in copies[BASELINE if way == "stop_the_world" else PROJECT]:
+            times = ttfts(prompts, copy, speed=args.prefill_tokens_per_s, way=way)
+            modelled[way].extend(times[index] for index in in_window)
+    case = f"{name}-emulated"
+    measured = {
+        mode: [s.ttft for s in samples[(case, mode)] if start <= s.at < stop and s.ttft is not None]
+        for mode in (PROJECT, BASELINE)
+    }
+    layers = len(copies[PROJECT][0].layer_times)
+    copy_s = statistics.median(c.done - c.scale_at for c in copies[PROJECT])
+    note = (
+        f"the ideal models (engine/bench/zigzag/ideal.py) of the same arrivals at {args.prefill_tokens_per_s:g} "
+        f"prompt tokens/s, each run's own copy ({layers} layers, {copy_s:.2f} s median), no overheads; "
+        f"model p50/p99: stop-the-world {_quantile(modelled['stop_the_world'], 0.5):.3f}/"
+        f"{_quantile(modelled['stop_the_world'], 0.99):.3f} s, instant {_quantile(modelled['instant'], 0.5):.3f}/"
+        f"{_quantile(modelled['instant'], 0.99):.3f} s, ideal zigzag {_quantile(modelled['ideal_zigzag'], 0.5):.3f}/"
+        f"{_quantile(modelled['ideal_zigzag'], 0.99):.3f} s"
+    )
+    against: tuple[tuple[str, ScaleMode, ModelWay, str, str], ...] = (
+        (f"{case}-vs-ideal", PROJECT, "ideal_zigzag", "ideal-zigzag-model", "; goal p99 <= 1.25"),
+        (f"{case}-vs-instant", PROJECT, "instant", "instant-model", ""),
+        (f"{case}-stw-vs-model", BASELINE, "stop_the_world", "stop-the-world-model", ""),
+    )
+    for row_case, mode, model_way, model_name, goal in against:
+        for quantile in (0.5, 0.99):
+            yield row(BENCH, row_case, f"ttft_p{int(quantile * 100)}_s", "lower",
+                      _quantile(measured[mode], quantile), _quantile(modelled[model_way], quantile), model_name,
+                      unit="s", note=note + (goal if quantile == 0.99 else ""))  # fmt: skip
+
+
 def _quantile(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else float("nan")
 
 
 # ---------------------------------------------------------------------------------------------- one run
-def run_way(trace: list[Arrival], way: Way, log_file: Path, args: argparse.Namespace) -> list[Sample]:
-    """One node process running `trace`, scaled up `way.mode` at the burst; the samples of every request."""
+def run_way(
+    trace: list[Arrival], way: Way, log_file: Path, args: argparse.Namespace
+) -> tuple[list[Sample], float]:
+    """One node process running `trace`, scaled up `way.mode` at the burst; the samples of every request,
+    and the wall-clock time the trace started (`time.time()`: the log's clock)."""
     options = ["--replicas", "prefill=1,decode=1", "--max-batch-tokens", str(args.max_batch_tokens)]
     options += ["--model", way.model]
     if not args.old_prefill_serves_queue:
@@ -350,7 +427,7 @@ def run_way(trace: list[Arrival], way: Way, log_file: Path, args: argparse.Names
 
 async def _drive(
     address: str, trace: list[Arrival], mode: ScaleMode, args: argparse.Namespace
-) -> list[Sample]:
+) -> tuple[list[Sample], float]:
     from engine.client import ControlClient, ControlError
 
     samples: list[Sample] = []
@@ -363,6 +440,7 @@ async def _drive(
                 input_ids=arrival.prompt, max_tokens=args.max_tokens, ignore_eos=True
             )
         started = trio.current_time() + 0.1
+        started_wall = time.time() + 0.1
 
         async def scale() -> None:
             await trio.sleep_until(started + args.burst_at)
@@ -388,4 +466,4 @@ async def _drive(
                 for arrival in trace:
                     nursery.start_soon(one, arrival)
         await client.shutdown()
-    return samples
+    return samples, started_wall

@@ -36,7 +36,7 @@ import trio
 
 from engine.bench.nodes import read_events
 from engine.bench.rows import Row, row
-from engine.bench.zigzag_copy import copy_checkpoint
+from engine.bench.zigzag.copy import copy_checkpoint
 from messages.control import ScaleMode
 
 if TYPE_CHECKING:
@@ -175,7 +175,7 @@ def host_chain_rows(args: argparse.Namespace, directory: Path) -> Iterator[Row]:
     """`--only chain --hosts 2`: `CHAIN` replicas on cap loaded by one `scale` from src's replica across
     src's link shaped to `--chain-mbit` (`tc tbf`, each way) — a multicast chain: only the first copy
     crosses the link, the others read the replica before them on cap — against one replica loaded the
-    same way; spans as `engine.bench.zigzag_copy.chain_rows` takes them. Goal: ≤ 1.3."""
+    same way; spans as `engine.bench.zigzag.copy.chain_rows` takes them. Goal: ≤ 1.3."""
     from engine.hosts.network import unavailable
 
     reason = unavailable()
