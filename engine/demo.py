@@ -24,7 +24,7 @@ import numpy as np
 import trio
 
 from engine.client import ControlClient, ControlError
-from engine.cluster.demo import node_lines, shutdown_cluster, wait_serving
+from engine.client.cluster import node_lines, shutdown_cluster, wait_serving
 from engine.config import NodeConfig
 from engine.control.address import Address
 from engine.generate.served import ServedModel

@@ -19,12 +19,14 @@ only once started (`NodeCore.add_replica`), so the scale's own command is the fi
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import final
 
 import trio
 
 from engine.control.errors import RequestFailed
 from engine.core import NodeCore
-from messages.commands import Transition
+from messages.commands import Origin, Transition
 from messages.control import ScaleMode, ScaleRequest, SourceChoice, WeightsSource
 from messages.control_replies import ScaleResult, StartedReplica
 from messages.log.scaling import ReplicasPaired
@@ -36,10 +38,12 @@ from replicas.ports import PeerReplica, peer_named
 from replicas.states import (
     ACTIVE_STATES,
     LOADING_STATE,
+    PAIRABLE,
     REVIVING_STATE,
     SETTLED,
     SHUTTING_STATE,
     ZIGZAG,
+    ZIGZAG_OLD,
     ReplicaState,
     Role,
 )
@@ -69,7 +73,9 @@ def _fits(node: NodeCore, replica: Replica, role: Role) -> bool:
     return snap.kv_blocks > 0
 
 
-async def scale(node: NodeCore, request: ScaleRequest) -> ScaleResult:
+async def scale(node: NodeCore, request: ScaleRequest, *, origin: Origin = "manual") -> ScaleResult:
+    """Apply `request` (see the module docstring); `origin` says who asked — the `scale` op (`manual`) or
+    the planner — in every transition it commands, as the replicas log them."""
     try:
         with trio.fail_after(SCALE_WAIT):
             await node.scale_lock.acquire()
@@ -80,12 +86,12 @@ async def scale(node: NodeCore, request: ScaleRequest) -> ScaleResult:
             "send this one again once it answers",
         ) from None
     try:
-        return await _scale(node, request)
+        return await _scale(node, request, origin)
     finally:
         node.scale_lock.release()
 
 
-async def _scale(node: NodeCore, request: ScaleRequest) -> ScaleResult:
+async def _scale(node: NodeCore, request: ScaleRequest, origin: Origin) -> ScaleResult:
     role: Role = request.role
     target = request.replicas
     serving = active(node, role)
@@ -100,18 +106,17 @@ async def _scale(node: NodeCore, request: ScaleRequest) -> ScaleResult:
     started: list[StartedReplica] = []
     try:
         if len(serving) < target:
-            await _scale_up(node, role, target - len(serving), mode, request.source, request.partner, started)
+            steps = _Steps(mode, request.source, request.partner, origin)
+            await _scale_up(node, role, target - len(serving), steps, started)
         elif len(serving) > target:
             await _wait_for_episode(node, role)
             for replica in sorted(active(node, role), key=_load)[: len(serving) - target]:
                 if replica.state in SETTLED:
                     await replica.ask(
-                        Transition(
-                            command_id=new_command_id(), to=SHUTTING_STATE[role].value, origin="planner"
-                        )
+                        Transition(command_id=new_command_id(), to=SHUTTING_STATE[role].value, origin=origin)
                     )
     except CommandRefused as exc:
-        raise RequestFailed(exc.code, str(exc)) from None  # type: ignore[arg-type]
+        raise RequestFailed(exc.code, str(exc)) from None
     except ReplicaStartFailed as exc:
         raise RequestFailed("replica_failed", str(exc)) from None
     return ScaleResult(
@@ -143,14 +148,19 @@ async def _wait_for_episode(node: NodeCore, role: Role) -> None:
         )
 
 
+@final
+@dataclass(frozen=True, slots=True)
+class _Steps:
+    """How a scale-up starts each replica: the mode, the weights' source, the ZigZag partner, who asked."""
+
+    mode: ScaleMode
+    source: SourceChoice
+    partner: str
+    origin: Origin
+
+
 async def _scale_up(
-    node: NodeCore,
-    role: Role,
-    needed: int,
-    mode: ScaleMode,
-    source: SourceChoice,
-    partner: str,
-    started: list[StartedReplica],
+    node: NodeCore, role: Role, needed: int, steps: _Steps, started: list[StartedReplica]
 ) -> None:
     # Replicas configured for the role first: reviving another role's replica changes its role.
     replicas = sorted(node.directory.local(), key=lambda r: r.role != role)
@@ -159,9 +169,11 @@ async def _scale_up(
         for replica in replicas:
             if needed and replica.state is S.SHUTTING_NULL and _fits(node, replica, role):
                 await replica.ask(
-                    Transition(command_id=new_command_id(), to=REVIVING_STATE[role].value, origin="planner")
+                    Transition(
+                        command_id=new_command_id(), to=REVIVING_STATE[role].value, origin=steps.origin
+                    )
                 )
-                started.append(StartedReplica(replica=replica.name, mode=mode, source="resident"))
+                started.append(StartedReplica(replica=replica.name, mode=steps.mode, source="resident"))
                 needed -= 1
     for replica in replicas:
         if not needed or replica.role != role:
@@ -169,13 +181,15 @@ async def _scale_up(
         if replica.state is S.SHUTTING_NULL and role not in REVIVING_STATE:
             # A role without an Aus state (encode) comes back through Inactive, loading its weights again;
             # adding a new replica instead left the idle one holding its pools for good.
-            await replica.ask(Transition(command_id=new_command_id(), to=S.INACTIVE.value, origin="planner"))
+            await replica.ask(
+                Transition(command_id=new_command_id(), to=S.INACTIVE.value, origin=steps.origin)
+            )
         if replica.state is S.INACTIVE:
-            await _start(node, replica, role, mode, source, partner, started, chain)
+            await _start(node, replica, role, steps, started, chain)
             needed -= 1
     while needed:
         replica = await node.add_replica(role)
-        await _start(node, replica, role, mode, source, partner, started, chain)
+        await _start(node, replica, role, steps, started, chain)
         needed -= 1
 
 
@@ -183,31 +197,29 @@ async def _start(
     node: NodeCore,
     replica: Replica,
     role: Role,
-    mode: ScaleMode,
-    source: SourceChoice,
-    partner: str,
+    steps: _Steps,
     started: list[StartedReplica],
     chain: list[str],
 ) -> None:
     """Command `replica` into Loading*; with ZigZag, straight on into NewPrefill, paired. Replicas one
     scale starts from a peer form a multicast chain (`chain`, in order): each copies every piece from
     the one before it as soon as it landed there, the first from the peer (docs/weights.md)."""
-    planned = planned_source(node, replica, source)
+    planned = planned_source(node, replica, steps.source)
     chain_from = chain[-1] if planned == "peer" and chain else None
     await replica.ask(
         Transition(
             command_id=new_command_id(),
             to=LOADING_STATE[role].value,
-            origin="planner",
-            source=source,
+            origin=steps.origin,
+            source=steps.source,
             chain_from=chain_from,
         )
     )
     if planned == "peer":
         chain.append(replica.name)
-    if mode == "zigzag" and replica.state is S.LOADING_PREFILL:
-        await pair(node, replica, choose_old_prefill(node, partner))
-    started.append(StartedReplica(replica=replica.name, mode=mode, source=planned))
+    if steps.mode == "zigzag" and replica.state is S.LOADING_PREFILL:
+        await pair(node, replica, choose_old_prefill(node, steps.partner), origin=steps.origin)
+    started.append(StartedReplica(replica=replica.name, mode=steps.mode, source=planned))
 
 
 def planned_source(node: NodeCore, replica: Replica, source: SourceChoice) -> WeightsSource:
@@ -226,10 +238,9 @@ def partners(node: NodeCore, partner: str = "auto") -> list[PeerReplica]:
     node's, then the other nodes' as last reported — in each, the `Prefill` replicas (not yet paired)
     least loaded first, then the `OldPrefill` ones (partners are shared when there are not enough).
     Raises `RequestFailed` (`bad_request`) when there is none."""
-    pairable = (S.PREFILL, S.OLD_PREFILL)
     if partner != "auto":
         named = peer_named(node.directory, partner)
-        if named is None or named.state not in pairable:
+        if named is None or named.state not in PAIRABLE:
             state = "not known" if named is None else f"{named.state.value}"
             raise RequestFailed(
                 "bad_request",
@@ -251,8 +262,9 @@ def _pairable(node: NodeCore) -> list[PeerReplica]:
     """`partners`' `auto` order (possibly empty)."""
 
     def ranked(replicas: Sequence[PeerReplica]) -> list[PeerReplica]:
-        states = (S.PREFILL, S.OLD_PREFILL)
-        return [r for state in states for r in sorted((r for r in replicas if r.state is state), key=_load)]
+        """Serving plainly before already paired, then the least loaded first."""
+        found = (r for r in replicas if r.state in PAIRABLE)
+        return sorted(found, key=lambda r: (r.state in ZIGZAG_OLD, _load(r)))
 
     return ranked(node.directory.local()) + ranked(node.directory.remote())
 
@@ -262,7 +274,9 @@ def choose_old_prefill(node: NodeCore, partner: str = "auto") -> PeerReplica:
     return partners(node, partner)[0]
 
 
-async def pair(node: NodeCore, new: Replica, old: PeerReplica | None) -> PeerReplica | None:
+async def pair(
+    node: NodeCore, new: Replica, old: PeerReplica | None, *, origin: Origin = "manual"
+) -> PeerReplica | None:
     """Move `new` (LoadingPrefill) into NewPrefill and `old` (Prefill, or an OldPrefill that takes one
     more partner; of this node or another) into OldPrefill, each naming the other. Returns the partner,
     or None when `new` finished loading before it could be paired (it then serves as a plain Prefill
@@ -276,7 +290,7 @@ async def pair(node: NodeCore, new: Replica, old: PeerReplica | None) -> PeerRep
     try:
         await new.ask(
             Transition(
-                command_id=new_command_id(), to=S.NEW_PREFILL.value, origin="planner", paired_with=old.name
+                command_id=new_command_id(), to=S.NEW_PREFILL.value, origin=origin, paired_with=old.name
             )
         )
     except CommandRefused:
@@ -284,9 +298,7 @@ async def pair(node: NodeCore, new: Replica, old: PeerReplica | None) -> PeerRep
             return None  # it finished loading first: nothing to relay, it serves as a Prefill replica
         raise
     await old.ask(
-        Transition(
-            command_id=new_command_id(), to=S.OLD_PREFILL.value, origin="planner", paired_with=new.name
-        )
+        Transition(command_id=new_command_id(), to=S.OLD_PREFILL.value, origin=origin, paired_with=new.name)
     )
     node.log.bind(replica=new.name).emit(ReplicasPaired(new_prefill=new.name, old_prefill=old.name))
     return old

@@ -351,7 +351,7 @@ class NodeService:
         try:
             return await replica.ask(command)
         except CommandRefused as exc:
-            raise RequestFailed(exc.code, str(exc)) from None  # type: ignore[arg-type]
+            raise RequestFailed(exc.code, str(exc)) from None
 
     def statuses(self) -> list[ReplicaStatus]:
         cluster = self.cluster

@@ -10,6 +10,7 @@ from typing import Any, final
 import trio
 
 from messages.commands import ReplicaCommand
+from messages.control import ErrorCode
 from transport.protocol.link import Link
 
 _command_ids = itertools.count(1)
@@ -20,17 +21,12 @@ def new_command_id() -> str:
 
 
 @final
-class InjectedFault(Exception):
-    """Raised by the `fail_replica` fault hook inside a replica's loop."""
-
-
-@final
 class CommandRefused(Exception):
     """A command the replica declined; `code` is the control protocol's error code."""
 
-    def __init__(self, code: str, message: str) -> None:
+    def __init__(self, code: ErrorCode, message: str) -> None:
         super().__init__(message)
-        self.code = code
+        self.code: ErrorCode = code
 
 
 @final

@@ -150,6 +150,9 @@ SETTLED = _states(lambda row: row.serving and row.settles_to is None)
 ZIGZAG = _states(lambda row: row.zigzag is not None)
 ZIGZAG_NEW = _states(lambda row: row.zigzag == "new")
 ZIGZAG_OLD = _states(lambda row: row.zigzag == "old")
+# A ZigZag partner for a new NewPrefill: a replica a command may move into OldPrefill, or an OldPrefill
+# (which takes one more partner).
+PAIRABLE = frozenset(a for a, b in COMMANDED if STATES[b].zigzag == "old") | ZIGZAG_OLD
 # What the main loop runs: prefill batches from the own queue (the new side runs its part batches),
 # decode steps, encode jobs; a prefill-side state also migrates its prompts' KV.
 PREFILL_BATCHES = _states(lambda row: row.runs == "prefill" and row.zigzag != "new")
@@ -160,20 +163,10 @@ MIGRATES_KV = _states(lambda row: row.runs == "prefill")
 KEEPS_IMAGE_REQUESTS = _states(lambda row: row.runs == "prefill" and row.zigzag is None)
 
 
-class TransitionError(Exception):
-    """Base class of refused transitions."""
-
-    code: str = "invalid_transition"
-
-
 @final
-class InvalidTransition(TransitionError):
-    code = "invalid_transition"
-
-
-@final
-class TransitionNotSupported(TransitionError):
-    code = "not_supported"
+class InvalidTransition(Exception):
+    """A transition the state table does not allow (the message names both states and why); the
+    replica refuses the command with `invalid_transition`."""
 
 
 def parse_state(name: str) -> ReplicaState:

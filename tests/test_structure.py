@@ -11,8 +11,10 @@ below the parts the entry point composes — `engine.cluster`, `engine.http`, `e
 and clusters: the benchmarks (`engine.bench`), the test hosts (`engine.hosts`: a node per network
 namespace) and the chaos run (`engine.chaos`).
 
-A part that needs a little of a higher one takes a small protocol it owns; the composition happens in
-the entry point. A folder is a room: at most `ROOM` modules, split by concept, whatever their length.
+Parts of one floor do not import each other: the cluster, the HTTP API, the planner and the demo share
+only what lies below them, and among what runs whole nodes the benchmarks may use the chaos run and the
+test hosts, the chaos run the test hosts. A part that needs a little of a higher one takes a small
+protocol it owns; the composition happens in the entry point. A folder is a room: at most `ROOM` modules, split by concept, whatever their length.
 """
 
 from __future__ import annotations
@@ -171,6 +173,36 @@ def test_no_import_circle() -> None:
 def test_imports_go_down_the_floors() -> None:
     found = upward(graph())
     assert not found, "imports that go up a floor:\n  " + "\n  ".join(found)
+
+
+# What runs whole nodes, from the bottom: the test hosts, the chaos run on them, the benchmarks on both.
+RUNNER_ORDER = ("engine.hosts", "engine.chaos", "engine.bench")
+
+
+def sideways(edges: dict[str, dict[str, int]]) -> list[str]:
+    """Every import between two parts of one floor, as `module:line -> imported`: the parts the entry
+    point composes (`ENGINE_PARTS`) know none of each other — what two of them share lives below them —
+    and what runs whole nodes imports only down `RUNNER_ORDER`."""
+
+    def part(module: str, parts: tuple[str, ...]) -> str | None:
+        return next((p for p in parts if _within(module, p)), None)
+
+    found = []
+    for module, targets in sorted(edges.items()):
+        for target, line in sorted(targets.items()):
+            here, there = part(module, ENGINE_PARTS), part(target, ENGINE_PARTS)
+            if here and there and here != there:
+                found.append(f"{module}:{line} -> {target}")
+            here, there = part(module, RUNNER_ORDER), part(target, RUNNER_ORDER)
+            if here and there and RUNNER_ORDER.index(there) > RUNNER_ORDER.index(here):
+                found.append(f"{module}:{line} -> {target}")
+    return found
+
+
+def test_parts_of_one_floor_do_not_import_each_other() -> None:
+    assert set(RUNNER_ORDER) == set(NODE_RUNNERS)
+    found = sideways(graph())
+    assert not found, "imports between parts of one floor:\n  " + "\n  ".join(found)
 
 
 def test_a_folder_is_a_room() -> None:

@@ -127,7 +127,7 @@ async def serve_command(member: ClusterMember, frame: PeerFrame, message: RunCom
     except CommandRefused as exc:
         outcome = CommandOutcome(
             correlation=message.correlation,
-            error_code=exc.code,  # type: ignore[arg-type]
+            error_code=exc.code,
             error_message=str(exc),
         )
         request = member.mirrors.get(message.request.request_id) if message.request else None

@@ -29,7 +29,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from engine.planner.signals import LoadCounters
+from engine.logs.load import LoadCounters
 from engine.summary import ServingTally
 from messages.control import ErrorCode
 from messages.log.events import (

@@ -33,6 +33,7 @@ import trio
 
 from engine.control.errors import RequestFailed
 from engine.core import NodeCore
+from engine.logs.load import LoadCounters
 from engine.planner.floor import decode_floor, lead_source, planner_forecast, prefill_floor, with_floor
 from engine.planner.forecast import Forecast, Forecaster
 from engine.planner.formulas import (
@@ -43,7 +44,7 @@ from engine.planner.formulas import (
     prefill_by_tokens,
     target,
 )
-from engine.planner.signals import LoadCounters, Rates, RateWindow, add, with_capacity
+from engine.planner.signals import Rates, RateWindow, add, with_capacity
 from engine.planner.slo import SloRule
 from engine.scaling import scale
 from messages.cluster import LoadTotals, Report
@@ -371,7 +372,7 @@ class Planner:
                 request = msgspec.structs.replace(
                     request, mode="stop_the_world"
                 )  # ZigZag needs a serving one
-            await scale(node, request)
+            await scale(node, request, origin="planner")
         except RequestFailed as exc:
             self._log(
                 role, "skip", current, chosen, Range(chosen, chosen), f"the scale failed: {exc.message}", None
@@ -423,7 +424,10 @@ class Planner:
             except CommandRefused:
                 continue  # revived meanwhile (a scale-up took it back)
             self._idle_since.pop(name, None)
-            role: Role = "decode" if "decode" in name.rpartition("/")[2] else "prefill"
+            configured = replica.snapshot().role  # the role its pools were made for, not its name
+            if configured == "encode":
+                continue  # decisions are logged per prefill or decode role; its state change logs this one
+            role: Role = configured
             self._log(
                 role, "release", 0, 0, Range(0, 0), f"{name} idle past the keep-alive: weights released", None
             )

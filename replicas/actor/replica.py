@@ -72,7 +72,6 @@ from replicas.states import (
     InvalidTransition,
     ReplicaState,
     Role,
-    TransitionNotSupported,
     check_automatic,
     check_command,
     parse_state,
@@ -498,8 +497,6 @@ class Replica:
         previous = self._state
         try:
             check_command(self.name, previous, target)
-        except TransitionNotSupported as exc:
-            raise CommandRefused("not_supported", str(exc)) from None
         except InvalidTransition as exc:
             raise CommandRefused("invalid_transition", str(exc)) from None
         missing = self._missing_pool(target)

@@ -38,7 +38,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal, final
+from typing import Literal, assert_never, final
 
 import torch
 import trio
@@ -114,16 +114,29 @@ def _host_of(address: str) -> str:
     return rest.rpartition(":")[0].strip("[]")
 
 
-def peers(directory: Directory, fabric: Fabric, name: str) -> list[tuple[PeerReplica, str]]:
-    """The replicas holding a fully loaded model that replica `name` may copy from, fastest first, each
-    with where it is: this node's (by name), then other nodes' on the same host (the same
-    `--cluster-host` address), then other nodes' elsewhere (by name)."""
+Proximity = Literal["node", "host", "network"]
+
+
+@final
+@dataclass(frozen=True, slots=True)
+class FoundPeer:
+    """A replica a copy may read from: how near it is (`proximity`), and where, for people (`where`)."""
+
+    replica: PeerReplica
+    proximity: Proximity
+    where: str
+
+
+def peers(directory: Directory, fabric: Fabric, name: str) -> list[FoundPeer]:
+    """The replicas holding a fully loaded model that replica `name` may copy from, fastest first: this
+    node's (by name), then other nodes' on the same host (the same `--cluster-host` address), then other
+    nodes' elsewhere (by name)."""
     local = sorted(
         (r for r in directory.local() if r.name != name and r.snapshot().serves_weights), key=lambda r: r.name
     )
-    found: list[tuple[PeerReplica, str]] = [(r, "this node") for r in local]
-    same: list[tuple[PeerReplica, str]] = []
-    elsewhere: list[tuple[PeerReplica, str]] = []
+    found = [FoundPeer(r, "node", "this node") for r in local]
+    same: list[FoundPeer] = []
+    elsewhere: list[FoundPeer] = []
     for remote in sorted(directory.remote(), key=lambda r: r.name):
         if remote.name == name or not remote.snapshot().serves_weights:
             continue
@@ -133,34 +146,35 @@ def peers(directory: Directory, fabric: Fabric, name: str) -> list[tuple[PeerRep
             continue  # its node has not reported its weights endpoint: not reachable yet
         node = remote.name.partition("/")[0]
         if host and host == fabric.host:
-            same.append((remote, f"node {node} on this host ({host})"))
+            same.append(FoundPeer(remote, "host", f"node {node} on this host ({host})"))
         else:
-            elsewhere.append((remote, f"node {node} at {host or 'an unknown host'}"))
+            elsewhere.append(FoundPeer(remote, "network", f"node {node} at {host or 'an unknown host'}"))
     return [*found, *same, *elsewhere]
 
 
 def choose_peer(directory: Directory, fabric: Fabric, name: str) -> PeerReplica | None:
     """The peer a copy into replica `name` reads from first (`peers`), or None."""
     found = peers(directory, fabric, name)
-    return found[0][0] if found else None
+    return found[0].replica if found else None
 
 
-def plan_sources(
-    requested: SourceChoice, found: list[tuple[PeerReplica, str]], host_copy: bool
-) -> list[Candidate]:
+def plan_sources(requested: SourceChoice, found: list[FoundPeer], host_copy: bool) -> list[Candidate]:
     """The sources a copy tries, in order. `auto`: every peer (`peers`' order: within this node's
     memory first, then over the links of this host, then over the network), then this node's host copy,
     then disk — the fastest source known first; an explicit source: that one alone (a peer: the first)."""
     candidates: list[Candidate] = []
-    for peer, where in found:
-        what = f"replica {peer.name} ({where})"
-        if where == "this node":
-            why = f"{what} holds the whole model: a copy within the node's memory"
-        elif "this host" in where:
-            why = f"{what} holds the whole model and no replica of this node does"
-        else:
-            why = f"{what} holds the whole model and no replica of this node or this host does"
-        candidates.append(Candidate("peer", what, why, peer))
+    for peer in found:
+        what = f"replica {peer.replica.name} ({peer.where})"
+        match peer.proximity:
+            case "node":
+                why = f"{what} holds the whole model: a copy within the node's memory"
+            case "host":
+                why = f"{what} holds the whole model and no replica of this node does"
+            case "network":
+                why = f"{what} holds the whole model and no replica of this node or this host does"
+            case _:
+                assert_never(peer.proximity)
+        candidates.append(Candidate("peer", what, why, peer.replica))
     nobody = "no replica in the cluster holds the whole model"
     if host_copy:
         candidates.append(
@@ -246,7 +260,7 @@ class _Copy:
         if before is not None and requested in ("auto", "peer") and found:
             # A multicast chain: the replica before this one in the same scale forwards each piece as it
             # lands; the sources after it serve from the piece reached should it fail.
-            first = found[0][0]
+            first = found[0].replica
             self.order = [
                 Candidate(
                     "peer",

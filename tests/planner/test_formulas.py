@@ -6,6 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from engine.logs.load import LoadCounters
 from engine.planner.formulas import (
     Bounds,
     Range,
@@ -15,7 +16,7 @@ from engine.planner.formulas import (
     prefill_by_tokens,
     target,
 )
-from engine.planner.signals import LoadCounters, RateWindow
+from engine.planner.signals import RateWindow
 from messages.cluster import LoadTotals
 from messages.log.events import FirstToken, PrefillFinished, RequestArrived, TransferFinished
 

@@ -26,7 +26,8 @@ from typing import Final
 from engine.bench.e2e.sides import BENCH, E2eRow, Sample, Side, drive, with_nodes
 from engine.bench.rows import row
 from engine.client import ControlClient
-from engine.cluster.demo import ClusterDemoFailed, local_cluster, role_plan, shutdown_cluster, wait_serving
+from engine.client.cluster import ClusterDemoFailed, shutdown_cluster, wait_serving
+from engine.cluster.demo import local_cluster, role_plan
 
 ONE_PROCESS: Final = "one-process-node"
 TRANSPORT: Final = "tcp"

@@ -33,13 +33,8 @@ import trio
 from engine.bench.nodes import node_process, read_events
 from engine.bench.rows import Row, row
 from engine.client import ControlClient
-from engine.cluster.demo import (
-    ClusterDemoFailed,
-    local_cluster,
-    node_log_file,
-    shutdown_cluster,
-    wait_serving,
-)
+from engine.client.cluster import ClusterDemoFailed, shutdown_cluster, wait_serving
+from engine.cluster.demo import local_cluster, node_log_file
 from engine.config import ReplicaCounts
 
 BENCH: Final = "prefix"

@@ -1,7 +1,7 @@
 """The provisioning lead time: how long a replica takes from the start of its weight copy until it serves,
 measured per weight source from the node's own event log (docs/planner.md).
 
-`LeadTimes` is fed the log's events (through `engine.planner.signals.LoadCounters`, under the log's
+`LeadTimes` is fed the log's events (through `engine.logs.load.LoadCounters`, under the log's
 lock; it never blocks, never emits). A replica's `WeightsCopyStarted` names the sources its copy will
 try, the first being the one it copies from (`auto` picks peer, then host, then disk); when that
 replica next reaches `Prefill` or `Decode` the seconds since the copy started — the copy, the
