@@ -55,21 +55,7 @@ async def test_a_lock_under_a_stale_lease_is_refused(tmp_path: Path, etcd: Local
 
         links = PeerLinks("probe", lambda: sent_lease, on_frame)
         address = await nursery.start(links.run, "127.0.0.1")
-        record = NodeRecord(
-            node_id="probe",
-            pid=0,
-            lease=lease.id,
-            peer_address=address,
-            control_address="",
-            http_url=None,
-            identity=ClusterIdentity(
-                model="tiny", dtype="float32", kv_block_size=16, embedding_block_size=128
-            ),
-            capacity=NodeCapacity(devices=[], memory_bytes=0, free_replica_slots=0),
-            replicas=[],
-            weights=[],
-            started=time.time(),
-        )
+        record = _probe_record(lease.id, address)
         await store.put("/zigzag/default/nodes/probe", msgspec.json.encode(record), lease=lease.id)
         await wait_status(
             client, lambda s: s.cluster is not None and "probe" in s.cluster.nodes, "holder seeing probe"
