@@ -114,9 +114,13 @@ class _Parser(argparse.ArgumentParser):
 
 
 def argument_parser(
-    root: type[msgspec.Struct], prefixes: Mapping[str, str], prog: str
+    root: type[msgspec.Struct],
+    prefixes: Mapping[str, str],
+    prog: str,
+    aliases: Mapping[str, Sequence[str]] | None = None,
 ) -> argparse.ArgumentParser:
-    """The flags of every option (values kept as strings, absent flags absent from the namespace)."""
+    """The flags of every option (values kept as strings, absent flags absent from the namespace);
+    `aliases`: more flags for an option, by its dotted path (another program's spelling of it)."""
     parser = _Parser(prog=prog, description=(root.__doc__ or "").strip(), argument_default=argparse.SUPPRESS)
     parser.add_argument(
         "--config", metavar="FILE.toml", help=f"read options from this TOML file (also ${CONFIG_ENV})"
@@ -132,16 +136,15 @@ def argument_parser(
         help_text = f"{option.description} ({default}{source})"
         help_text = help_text.replace("%", "%%")
         dest = ".".join(option.path)
+        flags = [option.flag, *(aliases or {}).get(dest, ())]
         if option.boolean:
             groups[section].add_argument(
-                option.flag, dest=dest, action=argparse.BooleanOptionalAction, help=help_text
+                *flags, dest=dest, action=argparse.BooleanOptionalAction, help=help_text
             )
         elif option.repeatable:
-            groups[section].add_argument(
-                option.flag, dest=dest, action="append", metavar="SPEC", help=help_text
-            )
+            groups[section].add_argument(*flags, dest=dest, action="append", metavar="SPEC", help=help_text)
         else:
-            groups[section].add_argument(option.flag, dest=dest, metavar=_metavar(option), help=help_text)
+            groups[section].add_argument(*flags, dest=dest, metavar=_metavar(option), help=help_text)
     return parser
 
 
@@ -165,10 +168,11 @@ def load_config(
     environ: Mapping[str, str],
     *,
     prog: str,
+    aliases: Mapping[str, Sequence[str]] | None = None,
 ) -> T:
     """Defaults < TOML (``--config`` or ``$ZIGZAG_CONFIG``) < environment < flags, validated into `root`."""
     known = options(root, prefixes)
-    namespace = vars(argument_parser(root, prefixes, prog).parse_args(list(argv)))
+    namespace = vars(argument_parser(root, prefixes, prog, aliases).parse_args(list(argv)))
     values: dict[tuple[str, ...], tuple[Any, str]] = {}
     config_path = namespace.pop("config", None) or environ.get(CONFIG_ENV)
     if config_path:

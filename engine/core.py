@@ -134,7 +134,7 @@ class NodeCore:
         this node's measured load (the pull estimate's speeds, `engine.prefix_pull`)."""
         self.config = config
         self.log = log
-        dtype = config.dtype or ("float32" if config.device == "cpu" else "bfloat16")
+        dtype = config.compute_dtype
         self.host = ModelHost(
             config.model,
             device=config.device,

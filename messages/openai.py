@@ -53,7 +53,8 @@ class StreamOptions(Body, frozen=True, kw_only=True):
 class SamplingFields(Body, frozen=True, kw_only=True):
     """What completions and chat completions share."""
 
-    model: Annotated[str, msgspec.Meta(min_length=1, max_length=1024)]
+    # None: the served model, as vLLM takes a body without one.
+    model: Annotated[str, msgspec.Meta(min_length=1, max_length=1024)] | None = None
     temperature: Temperature | None = None
     top_p: TopP | None = None
     n: Annotated[int, msgspec.Meta(ge=1, le=128)] = 1
@@ -235,6 +236,38 @@ class ModelCard(Reply, frozen=True, kw_only=True):
 class ModelList(Reply, frozen=True, kw_only=True):
     object: Literal["list"] = "list"
     data: list[ModelCard]
+
+
+class TokenizeRequest(Body, frozen=True, kw_only=True):
+    """`POST /tokenize`, as vLLM takes it: a `prompt`, or chat `messages` rendered by the chat template."""
+
+    model: Annotated[str, msgspec.Meta(min_length=1, max_length=1024)] | None = None
+    prompt: Annotated[str, msgspec.Meta(max_length=MAX_TEXT_CHARS)] | None = None
+    messages: Annotated[list[ChatMessage], msgspec.Meta(min_length=1, max_length=MAX_MESSAGES)] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+
+
+class DetokenizeRequest(Body, frozen=True, kw_only=True):
+    """`POST /detokenize`: token ids back to text."""
+
+    model: Annotated[str, msgspec.Meta(min_length=1, max_length=1024)] | None = None
+    tokens: Annotated[list[int], msgspec.Meta(max_length=MAX_TEXT_CHARS)]
+
+
+class TokenizeReply(Reply, frozen=True, kw_only=True):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeReply(Reply, frozen=True, kw_only=True):
+    prompt: str
+
+
+class VersionReply(Reply, frozen=True, kw_only=True):
+    version: str
 
 
 class ErrorDetail(Reply, frozen=True, kw_only=True):

@@ -216,7 +216,9 @@ def cluster_options(config: NodeConfig, transport: str) -> list[str]:
 def _has_vision(config: NodeConfig) -> bool:
     from replicas.weights import ModelHost
 
-    host = ModelHost(config.model, device=config.device, dtype=config.dtype, cache_dir=config.model_cache)
+    host = ModelHost(
+        config.model, device=config.device, dtype=config.compute_dtype, cache_dir=config.model_cache
+    )
     return host.config.image_token_id is not None
 
 

@@ -10,7 +10,7 @@ Errors name the option, where its value came from, and the bad value (`ConfigErr
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Annotated, Final, Literal
+from typing import Annotated, Final, Literal, assert_never
 
 import msgspec
 
@@ -270,9 +270,19 @@ class NodeConfig(Section, frozen=True, kw_only=True):
         "cpu"
     )
     dtype: Annotated[
-        Literal["float32", "float16", "bfloat16"] | None,
-        _doc("compute dtype (default: float32 on cpu, bfloat16 on cuda)"),
+        Literal["auto", "float32", "float", "float16", "half", "bfloat16"] | None,
+        _doc(
+            "compute dtype, as vLLM spells it: auto (float32 on cpu, bfloat16 on cuda), float32 or float, "
+            "float16 or half, bfloat16"
+        ),
     ] = None
+    tensor_parallel_size: Annotated[
+        int,
+        msgspec.Meta(ge=1, le=1024),
+        _doc(
+            "vLLM's option: 1 (a replica runs on one device; more replicas scale out, not tensor parallelism)"
+        ),
+    ] = 1
     transport: Annotated[
         TransportChoice,
         _doc("how replicas move blocks: inproc, tcp, ucx, cuda-ipc or auto (docs/transports.md)"),
@@ -327,8 +337,29 @@ class NodeConfig(Section, frozen=True, kw_only=True):
                 f"--replicas {self.replicas}: no replica to start; only a node that joins a cluster "
                 "(--cluster) may start with none, as capacity that `scale … node=` fills"
             )
+        if self.tensor_parallel_size != 1:
+            raise ValueError(
+                f"--tensor-parallel-size {self.tensor_parallel_size}: zigzag runs each replica on one device "
+                "and has no tensor parallelism; serve more with more replicas (--replicas, the scale op) "
+                "or nodes, and leave the flag at 1"
+            )
         if self.executor.batch_invariant and self.device == "cpu":
             raise ValueError("--batch-invariant runs Triton GPU kernels: it needs --device cuda")
+
+    @property
+    def compute_dtype(self) -> Literal["float32", "float16", "bfloat16"]:
+        """`dtype` resolved: vLLM's synonyms mapped, `auto` (or none) by device."""
+        match self.dtype:
+            case None | "auto":
+                return "float32" if self.device == "cpu" else "bfloat16"
+            case "float32" | "float":
+                return "float32"
+            case "float16" | "half":
+                return "float16"
+            case "bfloat16":
+                return "bfloat16"
+            case _:
+                assert_never(self.dtype)
 
     @property
     def listen_address(self) -> Address:
@@ -395,10 +426,19 @@ FLAG_PREFIXES: Final[dict[str, str]] = {
 }
 
 
+# vLLM's spellings of the same options (docs/configuration.md).
+FLAG_ALIASES: Final[dict[str, tuple[str, ...]]] = {
+    "scheduler.max_batch_size": ("--max-num-seqs",),
+    "scheduler.max_batch_tokens": ("--max-num-batched-tokens",),
+}
+
+
 def parse_node_config(argv: Sequence[str], environ: Mapping[str, str] | None = None) -> NodeConfig:
     """The node's config from `argv` (without the program name) and `environ` (the entry point passes
     ``os.environ``; None reads no environment). Raises `ConfigError`; ``--help`` exits 0 after printing
     every option with its default."""
     from engine.cli import load_config  # engine.cli builds on the types of `engine.config.base`
 
-    return load_config(NodeConfig, FLAG_PREFIXES, argv, environ or {}, prog="python -m engine.node")
+    return load_config(
+        NodeConfig, FLAG_PREFIXES, argv, environ or {}, prog="python -m engine.node", aliases=FLAG_ALIASES
+    )

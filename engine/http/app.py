@@ -1,7 +1,8 @@
 """The OpenAI-compatible HTTP API of a node (docs/http-api.md), as a Starlette app on the node's Trio loop.
 
 Routes: `POST /v1/completions`, `POST /v1/chat/completions`, `GET /v1/models`, `GET /health`,
-`GET /metrics`. Requests go through the same `Generation` as the control socket's `generate`, so they
+`GET /metrics`, and vLLM's `POST /tokenize`, `POST /detokenize`, `GET /version` (`engine.http.tokens`);
+any other path answers OpenAI's JSON error with 404. Requests go through the same `Generation` as the control socket's `generate`, so they
 share admission, routing, logging and token identity.
 
 Cancellation: a client that disconnects cancels its request — for a stream, Starlette cancels the body
@@ -35,6 +36,7 @@ from engine.http.metrics import CONTENT_TYPE, NodeMetrics
 from engine.http.requests import BadBody, chat_request, completion_request
 from engine.http.responses import SseStream, chat_completion, completion
 from engine.http.streaming import ClosingStreamingResponse
+from engine.http.tokens import TokenRoutes, not_found
 from messages.control import GenerateRequest
 from messages.openai import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList, Reply
 from replicas.ports import EventSink
@@ -67,14 +69,19 @@ class HttpApi:
         self._connections = itertools.count(1)
         self._render = renderer(core.served.chat_template, core.served.name)
         self._token_text = token_text(core.host.tokenizer)
+        tokens = TokenRoutes(core.served, core.host.tokenizer, self._render)
         self.app = Starlette(
             routes=[
                 Route("/v1/completions", self.completions, methods=["POST"]),
                 Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
                 Route("/v1/models", self.models, methods=["GET"]),
+                Route("/tokenize", tokens.tokenize, methods=["POST"]),
+                Route("/detokenize", tokens.detokenize, methods=["POST"]),
+                Route("/version", tokens.version, methods=["GET"]),
                 Route("/health", self.health, methods=["GET"]),
                 Route("/metrics", self.prometheus, methods=["GET"]),
-            ]
+            ],
+            exception_handlers={404: not_found, 405: not_found},
         )
 
     @property
@@ -132,7 +139,7 @@ class HttpApi:
             self.metrics.refused("bad_request")
             return error_response(400, f"the body is not valid JSON: {exc}", None)
         names = self.node.served.names
-        if body.model not in names:
+        if body.model is not None and body.model not in names:
             self.metrics.refused("not_found")
             served = " or ".join(repr(name) for name in names)
             return error_response(

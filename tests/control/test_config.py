@@ -240,3 +240,19 @@ def test_a_device_this_host_lacks_is_refused_at_configuration() -> None:
         parse_node_config(["--device", device, "--transport", "cuda-ipc"])
     assert str(info.value) == f"[node] options: --device {device}: {reason}"
     assert parse_node_config(["--device", "cpu"]).device == "cpu"
+
+
+def test_vllm_spellings_of_dtype_and_batch_limits() -> None:
+    """`--dtype` takes vLLM's synonyms; `--max-num-seqs` and `--max-num-batched-tokens` set the batch
+    limits; `--tensor-parallel-size` is accepted at 1 and refused otherwise, saying why."""
+    spelled = {"auto": "float32", "float": "float32", "half": "float16", "bfloat16": "bfloat16"}
+    for flag, resolved in spelled.items():
+        assert parse_node_config(["--dtype", flag]).compute_dtype == resolved
+    assert parse_node_config([]).compute_dtype == "float32"
+    config = parse_node_config(["--max-num-seqs", "8", "--max-num-batched-tokens", "1024"])
+    assert (config.scheduler.max_batch_size, config.scheduler.max_batch_tokens) == (8, 1024)
+    assert parse_node_config(["--tensor-parallel-size", "1"]).tensor_parallel_size == 1
+    with pytest.raises(
+        ConfigError, match=r"--tensor-parallel-size 2: zigzag runs each replica on one device"
+    ):
+        parse_node_config(["--tensor-parallel-size", "2"])

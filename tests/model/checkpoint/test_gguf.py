@@ -235,3 +235,23 @@ def test_the_node_stops_at_once_when_the_package_is_missing(
     assert code == 2
     err = capsys.readouterr().err
     assert "zigzag_test_no_such_package" in err and PIP_LINE in err
+
+
+def test_a_hub_id_names_a_packaged_model_or_is_refused_saying_nothing_is_downloaded(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`--model HuggingFaceTB/SmolLM2-135M-Instruct` is the packaged smollm2 (here its package is
+    missing, so the node stops naming the pip line — the same resolution); another hub id stops the
+    node with what to pass instead."""
+    from engine.node import main
+
+    missing = dataclasses.replace(PACKAGED_MODELS["smollm2"], package="zigzag_test_no_such_package")
+    monkeypatch.setitem(PACKAGED_MODELS, "smollm2", missing)
+    hub = ["--model", "HuggingFaceTB/SmolLM2-135M-Instruct", "--model-cache", str(tmp_path)]
+    assert main([*hub, "--listen", "127.0.0.1:0"]) == 2
+    assert PIP_LINE in capsys.readouterr().err
+    other = ["--model", "meta-llama/Llama-3.1-8B-Instruct", "--model-cache", str(tmp_path)]
+    assert main([*other, "--listen", "127.0.0.1:0"]) == 2
+    err = capsys.readouterr().err
+    assert "reads as a Hugging Face hub id, and zigzag downloads nothing" in err
+    assert "smollm2 (HuggingFaceTB/SmolLM2-135M-Instruct)" in err
