@@ -230,8 +230,8 @@ class NodeConfig(Section, frozen=True, kw_only=True):
     max_model_len: Annotated[
         Annotated[int, msgspec.Meta(ge=2, le=1 << 24)] | None,
         _doc(
-            "the context a request may fill, prompt + max_tokens; at most the model's, which it caps "
-            "(default: the model's context)"
+            "the context a request may fill, prompt + max_tokens; at most the model's (a larger value is "
+            "refused at start, naming the model's) (default: the model's context)"
         ),
     ] = None
     seed: Annotated[

@@ -13,7 +13,7 @@ from its bound context (`engine.logging.EventLog.bind`), so call sites need not 
 
 from __future__ import annotations
 
-from typing import Any, ClassVar, Literal
+from typing import Any, ClassVar, Final, Literal
 
 import msgspec
 
@@ -341,9 +341,19 @@ class Diagnostic(Event, frozen=True, kw_only=True, tag="diagnostic"):
     fields: dict[str, str]
 
 
+# Codes that say the client sent something to fix (HTTP 4xx): the node is fine, the line is not an error.
+CLIENT_MISTAKES: Final[frozenset[ErrorCode]] = frozenset(
+    {"bad_request", "not_found", "not_supported", "unauthorized"}
+)
+
+
 def level_of(event: Event) -> Level:
-    """The level `event` is written at."""
-    return event.severity if isinstance(event, Diagnostic) else event.level
+    """The level `event` is written at: a request refused for the client's mistake at `info`."""
+    if isinstance(event, Diagnostic):
+        return event.severity
+    if isinstance(event, RequestFailed) and event.code in CLIENT_MISTAKES:
+        return "info"
+    return event.level
 
 
 LogEvent = (

@@ -83,3 +83,14 @@ async def test_the_console_shows_every_event_at_debug(tmp_path: Path) -> None:
         await serve_requests(node, 1)
     names = {event for _, event in console_events(node)}
     assert set(REQUEST_EVENTS) <= names
+
+
+def test_a_clients_mistake_is_not_an_error_line() -> None:
+    """A request refused for what its client sent (a 4xx) is logged at info, so the console (warnings
+    and up) stays quiet about it; a failure of the node's own stays an error."""
+    from messages.log.events import CLIENT_MISTAKES, RequestFailed, level_of
+
+    for code in CLIENT_MISTAKES:
+        assert level_of(RequestFailed(code=code, message="the client's")) == "info"
+    for code in ("replica_failed", "transfer_failed", "internal", "overloaded"):
+        assert level_of(RequestFailed(code=code, message="the node's")) == "error"
