@@ -7,7 +7,8 @@ a newline per event, flushed at once (so a crash loses nothing and a reader may 
 console gets structlog's `ConsoleRenderer` output. Events below the configured level go nowhere. The
 console may have a level of its own (`console_level`), higher than the file's: the node's console shows
 warnings and errors only (`node_console_level`), except at `debug`, and always the events of
-`CONSOLE_ALWAYS` — the start and stop lines and the periodic serving summary — so it stays readable
+`CONSOLE_ALWAYS` — the start and stop lines, the periodic serving summary and one access line per HTTP
+request (unless `--disable-log-requests`) — so it stays readable
 while the file holds every request's events.
 
 Writes are synchronous and small (one line each); emitting from worker threads is safe (structlog's
@@ -36,7 +37,9 @@ from messages.log.events import Diagnostic, Event, Level, LogEvent, level_of
 LEVELS: Final[dict[Level, int]] = {"debug": 10, "info": 20, "warning": 30, "error": 40}
 CONTEXT_KEYS: Final = ("request_id", "replica")
 # Shown on a console whatever its level: what a person at the node's terminal always wants to see.
-CONSOLE_ALWAYS: Final = frozenset({"node_started", "node_stopping", "node_stopped", "serving_summary"})
+CONSOLE_ALWAYS: Final = frozenset(
+    {"node_started", "node_stopping", "node_stopped", "serving_summary", "http_access"}
+)
 
 
 def node_console_level(level: Level) -> Level:

@@ -248,6 +248,9 @@ class NodeConfig(Section, frozen=True, kw_only=True):
     api_key: Annotated[
         str | None, _doc("when set, HTTP /v1 requests must send `Authorization: Bearer <key>`")
     ] = None
+    disable_log_requests: Annotated[
+        bool, _doc("no access line per HTTP request (on the console and in the log file)")
+    ] = False
     model: Annotated[
         str,
         msgspec.Meta(min_length=1),
