@@ -96,6 +96,11 @@ class Fabric:
         close this node's links to them (`why` goes into the links' error)."""
         for name in [n for n in self.remote if n.startswith(prefix)]:
             del self.remote[name]
+        self.close_links(prefix, why)
+
+    def close_links(self, prefix: str, why: str) -> None:
+        """Close this node's links to the endpoints named `prefix…` and stop dials to them (`why` goes
+        into their error); their addresses stay known. The transfers on them fail at once."""
         for endpoint in self._endpoints.values():
             for link in endpoint.links():
                 if link.peer is not None and link.peer.startswith(prefix):

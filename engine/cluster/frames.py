@@ -2,7 +2,7 @@
 
 An answer to one of this node's own `ask`s is delivered whatever the lease (its correlation id matches
 it). A frame addressed to an earlier incarnation of this node (`PeerFrame.to_lease`, set and not this
-node's lease now) is not acted on: its sender ended what it shared with that incarnation when it saw the
+node's lease now — or this node's lease, once it was lost and before a new one is taken) is not acted on: its sender ended what it shared with that incarnation when it saw the
 new lease — a `Submit` then would start a request its origin already failed, and hold its blocks for
 nobody — so a `Submit` is answered `Returned`, anything else dropped (logged). Any other frame counts
 only under the lease its sender is known under (`ClusterMember.incarnations`): then it is dispatched by
@@ -95,7 +95,7 @@ class Frames:
         if isinstance(message, CommandOutcome | ClientOpResult):
             member.peers.answer(message)  # an answer to this node's own `ask` (matched by correlation)
             return
-        if frame.to_lease and frame.to_lease != member.lease:
+        if frame.to_lease and (frame.to_lease != member.lease or member.lease_lost):
             self._to_old_incarnation(frame)
             return
         if member.incarnations.get(frame.sender) != frame.lease and not self._stale(frame):

@@ -378,11 +378,19 @@ class ClusterMember:
             await self.membership.rejoin()
             self.core.changes.notify()
 
+    @property
+    def lease_lost(self) -> bool:
+        """This node's lease ended and no new one is taken yet: nothing addressed to it is acted on."""
+        return self.membership.state == "rejoining"
+
     def _lease_lost(self) -> None:
-        """This node's lease ended: the others ended what they shared with it; so does it."""
+        """This node's lease ended: the others ended what they shared with it; so does it — its requests
+        and mirrors, and the transfer links to their nodes (a migration or pull under the old lease ends by
+        this event, not by its wait running out; links are dialled again under the new lease)."""
         why = f"node {self.node_id} lost its cluster lease (it was cut off from etcd for over the lease TTL)"
         for node in list(self.incarnations):
             self._end_shared(node, why)
+            self.fabric.close_links(f"{node}/", why)
 
     # ------------------------------------------------------------------ origin side
     def submit(self, replica: RemoteReplica, request: ServingRequest) -> bool:

@@ -5,6 +5,7 @@ Once for the prefill host, once for the decode host with streams in flight."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -114,6 +115,67 @@ async def test_a_decode_host_cut_off_mid_stream_ends_its_requests_with_codes_and
 
         await cluster.restore("b")
         await _rejoined_and_serving(cluster, "dec", lease, distinct_asks(2, max_tokens=5, offset=7))
+
+
+@pytest.mark.slow
+async def test_work_accepted_under_a_lost_lease_ends_with_it(tmp_path: Path) -> None:
+    """Prompts that dec admitted queue on pre's prefill replica (slowed to 300 tokens a second) when
+    pre's link is cut: dec ends them with codes once pre's lease runs out; pre, back, ends what it
+    accepted under the lost lease at once — nothing of it is prefilled after the loss — takes a new
+    lease, holds no block and serves token-exact."""
+    options = (
+        *("--transport", "tcp", "--lease-ttl", str(LEASE_TTL)),
+        *("--emulated-speed", "prefill_tokens_per_s=40"),
+    )
+    async with host_cluster(tmp_path, LAYOUT, *options) as cluster:
+        await wait_cluster_serving(cluster, 2)
+        pre, dec = cluster.nodes["pre"].address, cluster.nodes["dec"].address
+        assert pre is not None and dec is not None
+        async with ControlClient.connect(pre, token=cluster.token) as client:
+            status = await client.status()
+            assert status.cluster is not None
+            lease = status.cluster.lease
+
+        asks = distinct_asks(8, max_tokens=4, offset=20)
+        ended: dict[int, str] = {}
+
+        async def ask(index: int) -> None:
+            try:
+                async with ControlClient.connect(dec, token=cluster.token) as client:
+                    await send(client, asks[index])
+                ended[index] = "finished"
+            except ControlError as error:
+                assert error.code not in ("internal", "shutting_down") and error.message, error
+                ended[index] = error.code
+
+        def events(name: str) -> list[dict[str, object]]:
+            lines = cluster.nodes["pre"].log_files[-1].read_text().splitlines()
+            return [e for e in map(json.loads, lines) if e.get("event") == name]
+
+        async with trio.open_nursery() as nursery:
+            for index in range(len(asks)):
+                nursery.start_soon(ask, index)
+            await wait_until(lambda: events("prefill_started"), "pre prefilling dec's prompts", 30)
+            await cluster.cut("a")
+            await wait_until(
+                lambda: len(ended) == len(asks),
+                "every request ending once pre's lease ran out",
+                LEASE_TTL + 30,
+                detail=lambda: ended,
+            )
+        assert set(ended.values()) <= {"finished", "replica_failed", "transfer_failed"}, ended
+
+        await cluster.restore("a")
+        await _rejoined_and_serving(cluster, "pre", lease, distinct_asks(2, max_tokens=5, offset=40))
+        lost = [
+            e["ts"]
+            for e in events("diagnostic")
+            if e["name"] == "cluster.lease_lost"  # type: ignore[index]
+        ]
+        assert lost, "pre never noticed it lost its lease"
+        ids = {e["request_id"] for e in events("request_arrived")}
+        late = [e for e in events("prefill_started") if e["ts"] > lost[0] and e["request_id"] not in ids]  # type: ignore[operator]
+        assert not late, f"prefilled for an origin that ended the request: {late}"
 
 
 async def _rejoined_and_serving(cluster: HostCluster, node_id: str, lease: int, asks: list[Ask]) -> None:
