@@ -61,6 +61,11 @@ class FrameOwner(Protocol):
     incarnations: dict[str, int]  # node -> the lease it is known under
 
     @property
+    def lease_lost(self) -> bool:
+        """This node's lease ended and no new one is taken yet."""
+        ...
+
+    @property
     def lease(self) -> int:
         """This node's lease now."""
         ...

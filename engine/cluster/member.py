@@ -60,7 +60,7 @@ from messages.cluster import (
     Submit,
     TokensForward,
 )
-from messages.commands import Lock, ReplicaCommand, ReserveKV, Unlock
+from messages.commands import ReplicaCommand
 from messages.control import ControlRequest
 from messages.control_replies import ClusterTotals, ClusterView, MetricsResult, ReplicaStatus
 from replicas.request import ServingRequest
@@ -73,7 +73,6 @@ _log = structlog.get_logger("engine.cluster")
 REPORT_PERIOD: Final = 0.05
 REPORT_HEARTBEAT: Final = 1.0
 REMEMBERED_IDS: Final = 10_000
-LEASED = (ReserveKV, Lock, Unlock)  # commands refused from a stale lease
 
 
 @final

@@ -440,12 +440,14 @@ class Replica:
         assert roles is not None
         match command:
             case Transition(to=to):
-                self._weights.commanded(to, command.source, command.chain_from)  # what Loading* loads from
                 target = parse_state(to)
                 if target is S.OLD_PREFILL and self._state is S.OLD_PREFILL and command.paired_with:
                     roles.paired(target, command.paired_with)  # one more partner (shared)
                     return self._state
-                previous = self._commanded(target, command.origin)
+                self._check_command(target)  # refused: nothing about the replica changes
+                self._weights.commanded(to, command.source, command.chain_from)  # what Loading* loads from
+                previous = self._state
+                self._enter(target, "command", f"{command.origin} command")
                 roles.paired(target, command.paired_with)
                 return previous
             case Lock(reason=reason):
@@ -493,7 +495,8 @@ class Replica:
             case _:
                 assert_never(command)
 
-    def _commanded(self, target: ReplicaState, origin: str) -> ReplicaState:
+    def _check_command(self, target: ReplicaState) -> None:
+        """Raises `CommandRefused` when a commanded move to `target` may not happen now."""
         previous = self._state
         try:
             check_command(self.name, previous, target)
@@ -506,8 +509,6 @@ class Replica:
                 f"{self.name}: cannot move from {previous.value} to {target.value}: {missing} "
                 f"(it was configured as {'an' if self.role == 'encode' else 'a'} {self.role} replica)",
             )
-        self._enter(target, "command", f"{origin} command")
-        return previous
 
     def _missing_pool(self, target: ReplicaState) -> str | None:
         """Why this replica's pools cannot serve the role `target` leads to (None: they can).

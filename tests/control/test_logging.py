@@ -23,9 +23,9 @@ from engine.logs.aggregate import Aggregator
 from engine.logs.summary import summarize
 from messages.log.events import (
     ClientConnected,
-    HttpAccess,
     Diagnostic,
     FirstToken,
+    HttpAccess,
     NodeStarted,
     NodeStopped,
     PrefillStarted,

@@ -367,7 +367,8 @@ async def test_a_role_change_by_revival_needs_pools_that_serve_the_role(
         await transition(client, "prefill-1", "AusPrefill", "ShuttingNull")
 
         await transition(client, "decode-2", "ShuttingDecode", "Decode")
-        await wait_states(client, {"decode-2": "ShuttingNull"})
+        shut = await wait_states(client, {"decode-2": "ShuttingNull"})
+        source = by_name(shut)["decode-2"].weights_source
         with pytest.raises(ControlError) as refused:
             await client.transition("decode-2", "AusPrefill")
         assert (refused.value.code, refused.value.message) == (
@@ -375,7 +376,8 @@ async def test_a_role_change_by_revival_needs_pools_that_serve_the_role(
             "decode-2: cannot move from ShuttingNull to AusPrefill: it has no embedding landing pool for the "
             "model's images, so it cannot serve prefill (it was configured as a decode replica)",
         )
-        assert by_name(await client.status())["decode-2"].state == "ShuttingNull"
+        refused_status = by_name(await client.status())["decode-2"]
+        assert (refused_status.state, refused_status.weights_source) == ("ShuttingNull", source)  # untouched
         await transition(client, "decode-2", "AusDecode", "ShuttingNull")
         await wait_serving(client)
         await wait_idle(client)
