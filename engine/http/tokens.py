@@ -139,6 +139,6 @@ async def not_found(request: Request, exc: Exception) -> Response:
     else:
         message = (
             f"no route {request.method} {request.url.path}; this node serves /v1/completions, "
-            "/v1/chat/completions, /v1/models, /tokenize, /detokenize, /version, /health and /metrics"
+            "/v1/chat/completions, /v1/responses, /v1/models, /tokenize, /detokenize, /version, /health and /metrics"
         )
     return error_response(status, message, None)

@@ -21,7 +21,13 @@ from messages.openai import ToolCallIn, ToolDefinition
 def template_tools(tools: list[ToolDefinition] | None) -> list[dict[str, Any]] | None:
     if not tools:
         return None
-    return [msgspec.to_builtins(tool) for tool in tools]
+    rendered = []
+    for tool in tools:
+        function = {
+            key: value for key, value in msgspec.to_builtins(tool.function).items() if value is not None
+        }
+        rendered.append({"type": tool.type, "function": function})
+    return rendered
 
 
 def template_tool_calls(calls: list[ToolCallIn]) -> list[dict[str, Any]]:
