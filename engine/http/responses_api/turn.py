@@ -22,7 +22,7 @@ from typing import Any, Literal, final
 import msgspec
 
 from engine.http.requests import BadBody
-from engine.http.responses_api.store import ResponseStore
+from engine.http.responses_api.store import MAX_RESPONSES, TTL_SECONDS, ResponseStore
 from engine.http.tools.choice import tool_parser
 from engine.http.tools.parsers import ParserName
 from messages.openai import (
@@ -57,7 +57,8 @@ class UnknownResponse(Exception):
         super().__init__(response_id)
         self.message = (
             f"Previous response with id {response_id!r} not found: it was never stored (store: false), "
-            "or it expired or was evicted (the node keeps the last 1024 responses for an hour)"
+            f"or it expired or was evicted (the node keeps the last {MAX_RESPONSES} responses, each for "
+            f"{TTL_SECONDS:.0f} s)"
         )
 
 
