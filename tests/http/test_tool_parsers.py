@@ -126,6 +126,9 @@ def test_tool_choice_against_the_configured_parser() -> None:
     assert tool_parser(TOOLS, "auto", "llama3_json") == "llama3_json"
     assert tool_parser(TOOLS, "none", None) is None
     assert tool_parser(None, None, None) is None
+    assert tool_parser(None, "none", "hermes") is None
+    with pytest.raises(BadBody, match="needs tools"):
+        tool_parser(None, "auto", "hermes")
     with pytest.raises(BadBody, match="--tool-call-parser") as refused:
         tool_parser(TOOLS, None, None)
     assert refused.value.param == "tool_choice"

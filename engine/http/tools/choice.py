@@ -6,8 +6,8 @@
   `--tool-call-parser` the request is a 400 that says to pass it, as vLLM's is.
 - `required` and a named function need constrained decoding: a 400 saying they are not supported yet.
   `tools_schema` is the JSON schema such decoding would hold the output to.
-- A named function or tool messages that name a tool not in `tools` are the client's to get right; a
-  named function must be one of `tools`.
+- A `tool_choice` other than `none` needs `tools` (as on OpenAI and vLLM), and a named function must
+  be one of them.
 """
 
 from __future__ import annotations
@@ -25,12 +25,12 @@ def tool_parser(
     """The parser the reply goes through (None: plain text), or `BadBody` naming `tool_choice` or `tools`."""
     if choice is None:
         choice = "auto" if tools else "none"
+    if choice != "none" and not tools:
+        raise BadBody("tool_choice other than none needs tools: give the functions in tools", "tool_choice")
     match choice:
         case "none":
             return None
         case "auto":
-            if not tools:
-                return None
             if configured is None:
                 raise BadBody(
                     'tool_choice "auto" needs a tool-call parser: start the node with --tool-call-parser '
@@ -44,7 +44,7 @@ def tool_parser(
                 "tool_choice",
             )
         case NamedToolChoice():
-            if not any(tool.function.name == choice.function.name for tool in tools or []):
+            if not any(tool.function.name == choice.function.name for tool in tools or ()):
                 raise BadBody(
                     f"tool_choice names {choice.function.name!r}, which is not in tools", "tool_choice"
                 )
