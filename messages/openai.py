@@ -321,6 +321,7 @@ class TokenizeRequest(Body, frozen=True, kw_only=True):
     model: Annotated[str, msgspec.Meta(min_length=1, max_length=1024)] | None = None
     prompt: Annotated[str, msgspec.Meta(max_length=MAX_TEXT_CHARS)] | None = None
     messages: Annotated[list[ChatMessage], msgspec.Meta(min_length=1, max_length=MAX_MESSAGES)] | None = None
+    tools: list[ToolDefinition] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
 

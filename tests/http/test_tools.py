@@ -10,6 +10,7 @@ import json
 from collections.abc import Iterator
 from typing import Any
 
+import httpx
 import openai
 import pytest
 
@@ -117,3 +118,11 @@ async def test_tool_choice_none_keeps_the_text_as_it_is(client: openai.AsyncOpen
         await client.chat.completions.create(
             model="tiny", messages=MESSAGES, tools=[WEATHER_TOOL], tool_choice="required", max_tokens=2
         )
+
+
+async def test_tokenize_renders_tools_as_chat_does(http: httpx.AsyncClient) -> None:
+    counted = await http.post(
+        "/tokenize", json={"messages": MESSAGES, "tools": [WEATHER_TOOL], "add_special_tokens": False}
+    )
+    assert counted.status_code == 200, counted.text
+    assert counted.json()["tokens"] == list(rendered().encode())
