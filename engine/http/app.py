@@ -1,7 +1,8 @@
 """The OpenAI-compatible HTTP API of a node (docs/http-api.md), as a Starlette app on the node's Trio loop.
 
-Routes: `POST /v1/completions`, `POST /v1/chat/completions`, `POST /v1/responses` (OpenAI's Responses
-API, run as a chat completion: `engine.http.responses_api`), `GET /v1/models`, `GET /health`,
+Routes: `POST /v1/completions`, `POST /v1/chat/completions`, `POST /v1/responses` and
+`GET /v1/responses/{id}` (OpenAI's Responses API, run as a chat completion: `engine.http.responses_api`),
+`GET /v1/models`, `GET /health`,
 `GET /metrics`, and vLLM's `POST /tokenize`, `POST /detokenize`, `GET /version` (`engine.http.tokens`);
 any other path answers OpenAI's JSON error with 404. Requests go through the same `Generation` as the control socket's `generate`, so they
 share admission, routing, logging and token identity.
@@ -100,6 +101,7 @@ class HttpApi:
                 Route("/v1/completions", self.completions, methods=["POST"]),
                 Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
                 Route("/v1/responses", self.responses, methods=["POST"]),
+                Route("/v1/responses/{response_id}", self.stored_response, methods=["GET"]),
                 Route("/v1/models", self.models, methods=["GET"]),
                 Route("/tokenize", tokens.tokenize, methods=["POST"]),
                 Route("/detokenize", tokens.detokenize, methods=["POST"]),
@@ -148,6 +150,15 @@ class HttpApi:
 
     async def responses(self, request: Request) -> Response:
         return await self._serve(request, ResponsesRequest)
+
+    async def stored_response(self, request: Request) -> Response:
+        if (refused := self._refuse_key(request)) is not None:
+            return refused
+        response_id = request.path_params["response_id"]
+        stored = self.stored.response(response_id)
+        if stored is None:
+            return error_response(404, f"Response with id {response_id!r} not found", "response_id")
+        return Response(msgspec.json.encode(stored), media_type=JSON)
 
     # ------------------------------------------------------------------ serving
     async def _serve(

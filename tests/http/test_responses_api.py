@@ -1,8 +1,9 @@
 """OpenAI's Responses API through a real node and the `openai` client (`client.responses.create`): a
 string or items as input, instructions, streamed events that add up to the whole response, stored
-responses continued by `previous_response_id`, and function tools parsed as on chat. The node has
-Qwen2.5's chat template and `--tool-call-parser hermes`; a response runs as the chat completion of the
-same conversation, so each is checked against that chat completion (greedy, token for token)."""
+responses continued by `previous_response_id` and read back by id, and function tools parsed as on
+chat. The node has Qwen2.5's chat template and `--tool-call-parser hermes`; a response runs as the chat
+completion of the same conversation, so each is checked against that chat completion (greedy, token
+for token)."""
 
 from __future__ import annotations
 
@@ -126,9 +127,18 @@ async def test_previous_response_id_continues_the_conversation(client: openai.As
     assert second.usage is not None and chat.usage is not None
     assert second.usage.input_tokens == chat.usage.prompt_tokens
 
+    retrieved = await client.responses.retrieve(first.id)
+    assert (retrieved.id, retrieved.output_text, retrieved.status) == (
+        first.id,
+        first.output_text,
+        first.status,
+    )
+
     unstored = await client.responses.create(
         model="tiny", input="forget me", store=False, max_output_tokens=2
     )
+    with pytest.raises(openai.NotFoundError):
+        await client.responses.retrieve(unstored.id)
     with pytest.raises(openai.NotFoundError, match="not found"):
         await client.responses.create(
             model="tiny", input="again", previous_response_id=unstored.id, max_output_tokens=2

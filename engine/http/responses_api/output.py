@@ -130,24 +130,25 @@ class ResponseBuilder:
             output_tokens=generated,
             total_tokens=outcome.prompt_tokens + generated,
         )
-        if body.store:
-            self._keep()
-        return msgspec.structs.replace(
+        ended = msgspec.structs.replace(
             started,
             status=status,
             output=list(self.output),
             usage=usage,
             incomplete_details=IncompleteDetails(reason="max_output_tokens") if incomplete else None,
         )
+        if body.store:
+            self._keep(ended)
+        return ended
 
-    def _keep(self) -> None:
+    def _keep(self, response: ResponseObject) -> None:
         calls = [
             ToolCallIn(id=item.call_id, function=CalledFunction(name=item.name, arguments=item.arguments))
             for item in self.output
             if isinstance(item, OutputFunctionCall)
         ]
         answer = ChatMessage(role="assistant", content=self.text or None, tool_calls=calls or None)
-        self._store.keep(self.response_id, [*self.turn.conversation, answer])
+        self._store.keep(self.response_id, [*self.turn.conversation, answer], response)
 
 
 def whole(builder: ResponseBuilder, outcome: Outcome) -> ResponseObject:
