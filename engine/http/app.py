@@ -46,7 +46,7 @@ from engine.http.tools.choice import tool_parser
 from engine.http.tools.parsers import ParserName
 from messages.control import GenerateRequest
 from messages.openai import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList, Reply
-from messages.openai_responses import ResponsesRequest
+from messages.responses_api.requests import ResponsesRequest
 from replicas.ports import EventSink
 from replicas.request import ServingRequest
 from replicas.states import ReplicaState

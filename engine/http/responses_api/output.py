@@ -29,7 +29,7 @@ from engine.http.responses_api.turn import Turn
 from engine.http.tools.calls import call_id
 from engine.http.tools.parsers import CallStream, Item, ParsedCall, call_stream
 from messages.openai import CalledFunction, ChatMessage, ToolCallIn
-from messages.openai_responses import (
+from messages.responses_api.replies import (
     ArgumentsDeltaEvent,
     ArgumentsDoneEvent,
     ContentPartEvent,

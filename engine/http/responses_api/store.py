@@ -16,7 +16,7 @@ from collections.abc import Callable
 from typing import Final, final
 
 from messages.openai import ChatMessage
-from messages.openai_responses import ResponseObject
+from messages.responses_api.replies import ResponseObject
 
 MAX_RESPONSES: Final = 1024
 TTL_SECONDS: Final = 3600.0

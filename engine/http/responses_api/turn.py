@@ -36,7 +36,7 @@ from messages.openai import (
     ToolChoice,
     ToolDefinition,
 )
-from messages.openai_responses import (
+from messages.responses_api.requests import (
     FunctionCallItem,
     FunctionCallOutputItem,
     FunctionTool,

@@ -2,7 +2,7 @@
 Qwen2.5's chat template and `--tool-call-parser hermes`. The tools, an assistant message's calls and a
 tool message reach the template (the prompt is what the template renders from them, token for token),
 and the reply is the model's text through the parser — streamed and not alike. The tiny model rarely
-writes a call; which calls parse from fixed text is tests/http/test_tool_parsers.py's to show."""
+writes a call; which calls parse from fixed text is tests/http/tools/test_tool_parsers.py's to show."""
 
 from __future__ import annotations
 

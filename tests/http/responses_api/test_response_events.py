@@ -13,8 +13,8 @@ from engine.http.responses_api.output import ResponseBuilder, ResponseEvents, wh
 from engine.http.responses_api.store import ResponseStore
 from engine.http.responses_api.turn import turn
 from messages.control_replies import Timings
-from messages.openai_responses import ResponsesRequest
-from tests.http.test_tool_parsers import HERMES
+from messages.responses_api.requests import ResponsesRequest
+from tests.http.tools.test_tool_parsers import HERMES
 
 TOOL = {"type": "function", "name": "get_weather", "parameters": {"type": "object"}}
 
