@@ -7,7 +7,9 @@ a newline per event, flushed at once (so a crash loses nothing and a reader may 
 console gets structlog's `ConsoleRenderer` output. Events below the configured level go nowhere. The
 console may have a level of its own (`console_level`), higher than the file's: the node's console shows
 warnings and errors only (`node_console_level`), except at `debug`, and always the events of
-`CONSOLE_ALWAYS` — the start and stop lines and the periodic serving summary — so it stays readable
+`CONSOLE_ALWAYS` — the start and stop lines, the periodic serving summary and one access line per HTTP
+request (unless `--disable-log-requests`), and the progress diagnostics of `CONSOLE_PROGRESS` (a GGUF
+conversion, a weight load) — so it stays readable
 while the file holds every request's events.
 
 Writes are synchronous and small (one line each); emitting from worker threads is safe (structlog's
@@ -36,7 +38,11 @@ from messages.log.events import Diagnostic, Event, Level, LogEvent, level_of
 LEVELS: Final[dict[Level, int]] = {"debug": 10, "info": 20, "warning": 30, "error": 40}
 CONTEXT_KEYS: Final = ("request_id", "replica")
 # Shown on a console whatever its level: what a person at the node's terminal always wants to see.
-CONSOLE_ALWAYS: Final = frozenset({"node_started", "node_stopping", "node_stopped", "serving_summary"})
+CONSOLE_ALWAYS: Final = frozenset(
+    {"node_started", "node_stopping", "node_stopped", "serving_summary", "http_access"}
+)
+# Diagnostics shown on a console whatever its level: the progress of what makes a start take seconds.
+CONSOLE_PROGRESS: Final = frozenset({"model.converting", "model.converted", "weights.loaded"})
 
 
 def node_console_level(level: Level) -> Level:
@@ -163,7 +169,9 @@ class EventLog:
         if sinks.file_logger is not None:
             getattr(sinks.file_logger, level)(tag, typed=event)
         if sinks.console_logger is not None and (
-            LEVELS[level] >= sinks.console_threshold or tag in CONSOLE_ALWAYS
+            LEVELS[level] >= sinks.console_threshold
+            or tag in CONSOLE_ALWAYS
+            or (isinstance(event, Diagnostic) and event.name in CONSOLE_PROGRESS)
         ):
             getattr(sinks.console_logger, level)(tag, typed=event)
 
@@ -268,7 +276,8 @@ def configure_diagnostics(
     threshold = LEVELS[stream_level or level]
 
     def quiet_stream(_logger: Any, method: str, event_dict: MutableMapping[str, Any]) -> Any:
-        if LEVELS[_DIAGNOSTIC_LEVELS.get(method, "warning")] < threshold:
+        shown = LEVELS[_DIAGNOSTIC_LEVELS.get(method, "warning")] >= threshold
+        if not shown and event_dict.get("event") not in CONSOLE_PROGRESS:
             raise structlog.DropEvent
         return event_dict
 

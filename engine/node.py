@@ -163,7 +163,8 @@ class Node:
                     api_key=config.api_key,
                     tool_call_parser=config.tool_call_parser,
                 )
-                core.http_url = await nursery.start(partial(serve_http, api, *http))
+                access = None if config.disable_log_requests else self.log
+                core.http_url = await nursery.start(partial(serve_http, api, *http, access=access))
             self.log.emit(NodeConfigured(config=msgspec.to_builtins(config)))
             self.log.emit(
                 NodeStarted(

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Literal, final
 
 import msgspec
+import structlog
 import torch
 import trio
 
@@ -35,6 +36,8 @@ from replicas.model.checkpoint.resolve import DEFAULT_CACHE_DIR, resolve_model
 from replicas.model.config import ModelDType
 from replicas.model.layers import LayerWeights
 from replicas.model.text.chat_template import ChatTemplate, checkpoint_chat_template
+
+_log = structlog.get_logger("replicas.weights")
 
 Progress = Callable[[PieceLoaded], None]
 
@@ -169,6 +172,7 @@ class ModelHost:
         source: Literal["host", "disk"] = "disk" if host is None else "host"
         builder = ModelBuilder(self.frame())
         reader = DiskReader(self.checkpoint, self.config)
+        load_started = time.monotonic()
         try:
             for piece in builder.pieces:
                 started = time.monotonic()
@@ -199,4 +203,12 @@ class ModelHost:
         finally:
             reader.close()
         assert builder.model is not None and builder.done
+        _log.info(
+            "weights.loaded",
+            model=self._name,
+            source=source,
+            bytes=builder.model.parameter_bytes(),
+            seconds=round(time.monotonic() - load_started, 2),
+            device=self.device,
+        )
         return builder.model

@@ -36,8 +36,10 @@ import msgspec
 import trio
 
 from engine.client.cluster import ClusterDemoFailed
-from engine.cluster.local_etcd import NO_ETCD, LocalEtcdError, find_etcd, start_local_etcd
-from engine.config import NodeConfig, ReplicaCounts
+from engine.cluster.certificates import Authority, make_ca, make_certificate
+from engine.cluster.etcd import EtcdTls
+from engine.cluster.local_etcd import NO_ETCD, LocalEtcdError, LocalEtcdTls, find_etcd, start_local_etcd
+from engine.config import ClusterConfig, NodeConfig, ReplicaCounts
 from engine.control.listening import listening_address
 
 START_SECONDS: Final = 60.0  # a child: interpreter, imports, joining the cluster, binding its socket
@@ -105,11 +107,30 @@ class LocalCluster:
     """What `local_cluster` yields: etcd's `url` and the `children`. Set `stopping` once the cluster was
     asked to stop (`shutdown_cluster`); after the block, `failures` names each child that failed."""
 
-    def __init__(self, url: str) -> None:
+    def __init__(self, url: str, certs: Path | None = None, ca: Authority | None = None) -> None:
         self.url = url
+        self._certs, self._ca = certs, ca
         self.children: list[ChildNode] = []
         self.stopping = False
         self.failures: list[str] = []
+
+    def etcd_tls(self, node_id: str) -> EtcdTls | None:
+        """A client certificate of the run's CA for `node_id` (made now), or None when etcd runs
+        without TLS."""
+        if self._ca is None or self._certs is None:
+            return None
+        made = make_certificate(self._certs, self._ca, f"etcd-client-{node_id}")
+        return EtcdTls(ca_file=str(made.ca_file), cert_file=str(made.cert_file), key_file=str(made.key_file))
+
+
+def etcd_tls_options(tls: EtcdTls | None) -> list[str]:
+    """The node flags of an etcd client certificate (none for None)."""
+    if tls is None:
+        return []
+    return [
+        *("--etcd-ca-file", str(tls.ca_file), "--etcd-cert-file", str(tls.cert_file)),
+        *("--etcd-key-file", str(tls.key_file)),
+    ]
 
 
 @asynccontextmanager
@@ -119,17 +140,35 @@ async def local_cluster(
     options: Sequence[str],
     *,
     log_file: str | None = None,
+    secure: bool = False,
 ) -> AsyncIterator[LocalCluster]:
     """Start etcd (data in `directory/etcd`) and one child node per `(node_id, counts)`, with `options`
     added to each command line — and, with `log_file`, each its own event log (`node_log_file`); yield
-    once every child listens. Raises `LocalEtcdError` when etcd does not start, `ClusterDemoFailed` when
-    a child does not listen."""
-    etcd = await start_local_etcd(str(directory / "etcd"))
-    cluster = LocalCluster(etcd.url)
+    once every child listens. With `secure`, etcd serves https and takes only clients with a certificate
+    of a CA made for the run in `directory/certs` (`engine.cluster.certificates`); each child gets its own
+    (`LocalCluster.etcd_tls` makes one for another node). Raises `LocalEtcdError` when etcd does not
+    start, `ClusterDemoFailed` when a child does not listen."""
+    certs = directory / "certs"
+    ca = make_ca(certs) if secure else None
+    tls = None
+    if ca is not None:
+        server = make_certificate(certs, ca, "etcd", dns=["localhost"], ips=["127.0.0.1"])
+        operator = make_certificate(certs, ca, "operator")
+        tls = LocalEtcdTls(
+            ca_file=str(ca.cert_file),
+            cert_file=str(server.cert_file),
+            key_file=str(server.key_file),
+            client=EtcdTls(
+                ca_file=str(ca.cert_file), cert_file=str(operator.cert_file), key_file=str(operator.key_file)
+            ),
+        )
+    etcd = await start_local_etcd(str(directory / "etcd"), tls=tls)
+    cluster = LocalCluster(etcd.url, certs, ca)
     try:
         try:
             for node_id, counts in children:
                 logged = [] if log_file is None else ["--log-file", node_log_file(log_file, node_id)]
+                logged += etcd_tls_options(cluster.etcd_tls(node_id))
                 child = await _start_child(directory, etcd.url, node_id, counts, [*options, *logged])
                 cluster.children.append(child)
             for child in cluster.children:
@@ -239,8 +278,12 @@ async def run_cluster_demo(
     cluster: LocalCluster | None = None
     with tempfile.TemporaryDirectory(prefix="zigzag-demo-") as directory:
         try:
-            async with local_cluster(Path(directory), children, options, log_file=log_file) as cluster:
-                print(f"demo: local etcd at {cluster.url}", file=out)
+            secure = config.cluster.secure
+            async with local_cluster(
+                Path(directory), children, options, log_file=log_file, secure=secure
+            ) as cluster:
+                kind = " (TLS; clients need a certificate of the run's CA)" if secure else ""
+                print(f"demo: local etcd at {cluster.url}{kind}", file=out)
                 for child in cluster.children:
                     print(
                         f"demo: started {child.node_id} (pid {child.process.pid}; {child.counts}), "
@@ -252,7 +295,10 @@ async def run_cluster_demo(
                     config,
                     transport=transport,
                     replicas=plan[0],
-                    cluster=msgspec.structs.replace(config.cluster, cluster=cluster.url, node_id="node-0"),
+                    cluster=_with_etcd_tls(
+                        msgspec.structs.replace(config.cluster, cluster=cluster.url, node_id="node-0"),
+                        cluster.etcd_tls("node-0"),
+                    ),
                     log=msgspec.structs.replace(config.log, file=own_log),
                 )
                 code = await run_node(parent)
@@ -269,6 +315,14 @@ async def run_cluster_demo(
             names = ", ".join(child.node_id for child in cluster.children)
             print(f"demo: child nodes exited with code 0: {names}", file=out)
     return code
+
+
+def _with_etcd_tls(config: ClusterConfig, tls: EtcdTls | None) -> ClusterConfig:
+    if tls is None:
+        return config
+    return msgspec.structs.replace(
+        config, etcd_ca_file=tls.ca_file, etcd_cert_file=tls.cert_file, etcd_key_file=tls.key_file
+    )
 
 
 def _leaves(group: BaseExceptionGroup[BaseException]) -> list[BaseException]:

@@ -219,8 +219,12 @@ def _remaining_ttl(url: str, kept: _Line) -> int:
 
 
 def _verify(tls: EtcdTls | None) -> ssl.SSLContext | bool:
-    if tls is None:
-        return True
+    return True if tls is None else ssl_context(tls)
+
+
+def ssl_context(tls: EtcdTls) -> ssl.SSLContext:
+    """The client's TLS context for `tls`: the server verified by `ca_file` (the system's CAs when
+    None), `cert_file` presented when given."""
     context = ssl.create_default_context(cafile=tls.ca_file)
     if tls.cert_file is not None:
         context.load_cert_chain(tls.cert_file, tls.key_file)

@@ -9,6 +9,11 @@ On another host (`engine.hosts`): `host` is the address to listen on, `ports` th
 (a fresh network namespace has every port free) and `wrap` the command prefix that runs etcd there
 (`ip netns exec NAME`). `LocalEtcd.restart` stops the process (SIGKILL when `hard`) and starts it again
 on the same ports with the same data: leases and keys survive, as they do in a real etcd restart.
+
+With `tls` (`LocalEtcdTls`) etcd serves https and requires a client certificate signed by the CA
+(`--client-cert-auth`): a client without one is refused in the TLS handshake and reads nothing. The
+peer URL stays plain http (a single member has no peers). `LocalEtcd.client_tls` is what a client of
+this etcd needs (the health checks here use it).
 """
 
 from __future__ import annotations
@@ -24,7 +29,10 @@ from pathlib import Path
 from typing import final
 
 import httpx
+import msgspec
 import trio
+
+from engine.cluster.etcd import EtcdTls, ssl_context
 
 _LOG_NAME = "etcd.log"
 _TAIL_CHARS = 2000
@@ -36,6 +44,18 @@ NO_ETCD = (
     "clone of zigzag)"
 )
 _PORT_ATTEMPTS = 3  # a free port may be taken by someone else between probing it and etcd binding it
+
+
+@final
+class LocalEtcdTls(msgspec.Struct, frozen=True):
+    """etcd's own certificate (`cert_file`, `key_file`, naming the address it listens on), the CA that
+    signs the client certificates it accepts (`ca_file`), and `client`: a certificate of that CA for
+    this process's own calls (health checks, the caller's reads)."""
+
+    ca_file: str
+    cert_file: str
+    key_file: str
+    client: EtcdTls
 
 
 def find_etcd() -> str | None:
@@ -80,8 +100,10 @@ class LocalEtcd:
         log_start: int,
         process: trio.Process,
         command: list[str],
+        client_tls: EtcdTls | None = None,
     ) -> None:
         self.binary = binary
+        self.client_tls = client_tls
         self.url = url
         self.data_dir = data_dir
         self.log_path = log_path
@@ -145,7 +167,10 @@ class LocalEtcd:
     async def _wait_ready(self, ready_timeout: float) -> None:
         """Return once /health answers {"health": "true"}; raise `LocalEtcdError` when the process exits
         first or `ready_timeout` seconds pass."""
-        async with httpx.AsyncClient(base_url=self.url, timeout=1.0, trust_env=False) as client:
+        verify = True if self.client_tls is None else ssl_context(self.client_tls)
+        async with httpx.AsyncClient(
+            base_url=self.url, timeout=1.0, trust_env=False, verify=verify
+        ) as client:
             with trio.move_on_after(ready_timeout):
                 while self.process.poll() is None:
                     try:
@@ -166,10 +191,15 @@ class LocalEtcd:
 
 
 async def _start_once(
-    binary: str, data_dir: str, host: str, ports: tuple[int, int] | None, wrap: Sequence[str]
+    binary: str,
+    data_dir: str,
+    host: str,
+    ports: tuple[int, int] | None,
+    wrap: Sequence[str],
+    tls: LocalEtcdTls | None,
 ) -> LocalEtcd:
     client_port, peer_port = ports or _free_ports(2)
-    url = f"http://{host}:{client_port}"
+    url = f"{'http' if tls is None else 'https'}://{host}:{client_port}"
     peer = f"http://{host}:{peer_port}"
     name = "local"
     command = [
@@ -183,6 +213,13 @@ async def _start_once(
         f"--initial-advertise-peer-urls={peer}",
         f"--initial-cluster={name}={peer}",
     ]
+    if tls is not None:
+        command += [
+            f"--cert-file={tls.cert_file}",
+            f"--key-file={tls.key_file}",
+            "--client-cert-auth",
+            f"--trusted-ca-file={tls.ca_file}",
+        ]
     log_path = os.path.join(data_dir, _LOG_NAME)
     process, log_start = await _spawn(binary, command, log_path)
     return LocalEtcd(
@@ -193,6 +230,7 @@ async def _start_once(
         log_start=log_start,
         process=process,
         command=command,
+        client_tls=None if tls is None else tls.client,
     )
 
 
@@ -220,18 +258,19 @@ async def start_local_etcd(
     host: str = "127.0.0.1",
     ports: tuple[int, int] | None = None,
     wrap: Sequence[str] = (),
+    tls: LocalEtcdTls | None = None,
 ) -> LocalEtcd:
     """Start etcd (`binary`, or `find_etcd()`'s) with its data in `data_dir` (created when missing) and
     return it once healthy, within `ready_timeout` seconds. Raises `LocalEtcdError` naming the binary
     and the tail of its log when it does not start (it is tried again, on other ports, when a port was
     taken and `ports` were not given). Cancellation stops the process it started (shielded, bounded)
-    before it propagates. `host`, `ports`, `wrap`: see the module docstring."""
+    before it propagates. `host`, `ports`, `wrap`, `tls`: see the module docstring."""
     found = binary or find_etcd()
     if found is None:
         raise LocalEtcdError(NO_ETCD)
     os.makedirs(data_dir, mode=0o700, exist_ok=True)
     for attempt in range(1, _PORT_ATTEMPTS + 1):
-        local = await _start_once(found, data_dir, host, ports, wrap)
+        local = await _start_once(found, data_dir, host, ports, wrap, tls)
         try:
             await local._wait_ready(ready_timeout)
         except LocalEtcdError:

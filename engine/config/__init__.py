@@ -257,6 +257,9 @@ class NodeConfig(Section, frozen=True, kw_only=True):
             "refused (docs/http-api.md#tools)"
         ),
     ] = None
+    disable_log_requests: Annotated[
+        bool, _doc("no access line per HTTP request (on the console and in the log file)")
+    ] = False
     model: Annotated[
         str,
         msgspec.Meta(min_length=1),

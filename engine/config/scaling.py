@@ -61,6 +61,13 @@ class ClusterConfig(Section, frozen=True, kw_only=True):
         msgspec.Meta(ge=1, le=16),
         _doc("--demo: run the demo across this many node processes and a local etcd"),
     ] = 1
+    secure: Annotated[
+        bool,
+        _doc(
+            "--demo --nodes N: the local etcd takes only clients with a certificate of a CA made for the run "
+            "(each node gets its own; needs the openssl command)"
+        ),
+    ] = False
 
     def __post_init__(self) -> None:
         tls = {"--peer-ca-file": self.peer_ca_file, "--peer-cert-file": self.peer_cert_file}

@@ -16,6 +16,12 @@ their hosts' addresses, so each takes `--control-token-file` (one random token f
 `directory`; `HostCluster.token`). `restart` waits (up to `lease_seconds`) for the node's old record to
 leave etcd — its lease ended — then starts it again, as an operator restarting a crashed node would.
 
+With `secure_etcd`, etcd serves https and takes only clients with a certificate of the cluster's CA
+(`engine.cluster.local_etcd.LocalEtcdTls`): the CA, etcd's certificate (naming its address) and one
+client certificate per node are made in `directory/certs` (`engine.cluster.certificates`), and each
+node gets `--etcd-ca-file`, `--etcd-cert-file` and `--etcd-key-file`. `HostCluster.etcd_client()` is
+an etcd client with the operator's certificate, whichever way etcd runs.
+
 Leaving the block kills every node, stops etcd and removes the network, also when it raised.
 `HostsUnavailable` (from `open_network`) says why when the machine does not allow namespaces.
 """
@@ -31,8 +37,9 @@ from typing import Final, final
 
 import trio
 
-from engine.cluster.etcd import Etcd, EtcdError, EtcdUnavailable
-from engine.cluster.local_etcd import LocalEtcd, find_etcd, start_local_etcd
+from engine.cluster.certificates import Authority, Certificate, make_ca, make_certificate, openssl_missing
+from engine.cluster.etcd import Etcd, EtcdError, EtcdTls, EtcdUnavailable
+from engine.cluster.local_etcd import LocalEtcd, LocalEtcdTls, find_etcd, start_local_etcd
 from engine.hosts.network import HostsUnavailable, Network, open_network
 from engine.hosts.nodes import HostNode
 
@@ -57,11 +64,23 @@ class NodeSpec:
 class HostCluster:
     """See the module docstring."""
 
-    def __init__(self, network: Network, etcd: LocalEtcd, nodes: dict[str, HostNode], token: bytes) -> None:
+    def __init__(
+        self,
+        network: Network,
+        etcd: LocalEtcd,
+        nodes: dict[str, HostNode],
+        token: bytes,
+        ca: Authority | None = None,
+    ) -> None:
         self.network = network
+        self.ca = ca  # the CA of etcd's certificates (`secure_etcd`), else None
         self.etcd = etcd
         self.nodes = nodes
         self.token = token  # every node's control token
+
+    def etcd_client(self, *, timeout: float = 2.0) -> Etcd:
+        """A client of the cluster's etcd (with the operator's certificate when etcd requires one)."""
+        return Etcd(self.etcd.url, timeout=timeout, tls=self.etcd.client_tls)
 
     def host_of(self, node_id: str) -> str:
         return self.nodes[node_id].host
@@ -86,7 +105,7 @@ class HostCluster:
     async def wait_record(self, node_id: str, *, present: bool, seconds: float) -> None:
         """Until etcd holds (or no longer holds) `node_id`'s record; `TimeoutError` after `seconds`."""
         key = f"/zigzag/{CLUSTER_NAME}/nodes/{node_id}"
-        async with Etcd(self.etcd.url, timeout=2.0) as etcd:
+        async with self.etcd_client() as etcd:
             with trio.fail_after(seconds):
                 while True:
                     try:
@@ -103,7 +122,7 @@ class HostCluster:
 
 @asynccontextmanager
 async def open_host_cluster(
-    directory: Path, specs: Sequence[NodeSpec], *, options: Sequence[str] = ()
+    directory: Path, specs: Sequence[NodeSpec], *, options: Sequence[str] = (), secure_etcd: bool = False
 ) -> AsyncIterator[HostCluster]:
     """See the module docstring; every node listens when the block starts."""
     binary = find_etcd()
@@ -116,26 +135,55 @@ async def open_host_cluster(
     token_file = directory / "control-token"
     token_file.write_bytes(token)
     token_file.chmod(0o600)
+    if secure_etcd and (why := openssl_missing()) is not None:
+        raise HostsUnavailable(why)
     with open_network(hosts) as network:
+        address = network.address(ETCD_HOST)
+        certs = directory / "certs"
+        ca = make_ca(certs) if secure_etcd else None
+        tls = None
+        if ca is not None:
+            server = make_certificate(certs, ca, ETCD_HOST, ips=[address])
+            operator = make_certificate(certs, ca, "operator")
+            tls = LocalEtcdTls(
+                ca_file=str(ca.cert_file),
+                cert_file=str(server.cert_file),
+                key_file=str(server.key_file),
+                client=_etcd_tls(operator),
+            )
         etcd = await start_local_etcd(
             str(directory / "etcd"),
             binary=binary,
-            host=network.address(ETCD_HOST),
+            host=address,
             ports=ETCD_PORTS,
             wrap=network.command(ETCD_HOST, []),
+            tls=tls,
         )
         nodes: dict[str, HostNode] = {}
         try:
             for spec in specs:
                 node_options = ["--cluster", etcd.url, "--replicas", spec.replicas, *options, *spec.options]
                 node_options += ["--control-token-file", str(token_file)]
+                if ca is not None:
+                    client = _etcd_tls(make_certificate(certs, ca, f"etcd-client-{spec.node_id}"))
+                    node_options += ["--etcd-ca-file", str(client.ca_file)]
+                    node_options += ["--etcd-cert-file", str(client.cert_file)]
+                    node_options += ["--etcd-key-file", str(client.key_file)]
                 nodes[spec.node_id] = HostNode(network, spec.host, spec.node_id, node_options, logs)
             async with trio.open_nursery() as nursery:
                 for node in nodes.values():
                     nursery.start_soon(node.start)
-            yield HostCluster(network, etcd, nodes, token)
+            yield HostCluster(network, etcd, nodes, token, ca)
         finally:
             with trio.CancelScope(shield=True):
                 for node in nodes.values():
                     await node.kill()
                 await etcd.stop()
+
+
+def _etcd_tls(certificate: Certificate) -> EtcdTls:
+    return EtcdTls(
+        ca_file=str(certificate.ca_file),
+        cert_file=str(certificate.cert_file),
+        key_file=str(certificate.key_file),
+    )

@@ -31,6 +31,7 @@ from starlette.routing import Route
 from engine.control.errors import RequestFailed
 from engine.core import NodeCore
 from engine.generate.generation import Generation, Outcome, Piece
+from engine.http.access import note_generation
 from engine.http.chat import renderer
 from engine.http.errors import error_response, failed_response, validation_response
 from engine.http.logprobs import token_text
@@ -219,6 +220,7 @@ class HttpApi:
             )
         except RequestFailed as exc:
             return failed_response(exc)
+        note_generation(request.scope, generation.serving)
         generation.cancel_reason = lambda: "client_disconnected" if self.node.router.accepting else "shutdown"
         request_id = f"{'chatcmpl' if kind is ChatCompletionRequest else 'cmpl'}-{uuid.uuid4().hex}"
         chat = isinstance(body, ChatCompletionRequest)

@@ -5,8 +5,9 @@ serves until cancelled (the node cancels it after draining). The socket is bound
 serves it, so an address that cannot be had — in use, not permitted, a host that does not resolve or is
 not this machine's — is one `HttpServerError` naming the address and what to change, which the node
 prints as its one line before exiting 2. Hypercorn's error log goes to the stdlib logger
-`hypercorn.error`, which the node routes into its event log as diagnostics; there is no access log (every
-request is an event already).
+`hypercorn.error`, which the node routes into its event log as diagnostics. Hypercorn's own access log is
+off: the access line is ours (`engine.http.access`), an event in the node's log, unless `access` is None
+(`--disable-log-requests`).
 """
 
 from __future__ import annotations
@@ -21,7 +22,9 @@ from hypercorn.config import Config, Sockets
 from hypercorn.trio.run import worker_serve
 from hypercorn.utils import wrap_app
 
+from engine.http.access import AccessLog
 from engine.http.app import HttpApi
+from replicas.ports import EventSink
 
 
 @final
@@ -50,16 +53,25 @@ def open_sockets(config: Config, host: str, port: int) -> Sockets:
     return sockets
 
 
-async def serve_http(api: HttpApi, host: str, port: int, *, task_status: trio.TaskStatus[str]) -> None:
-    """Serve `api` on `host:port`; `task_status` gets the URL (`http://127.0.0.1:8000`). Raises
-    `HttpServerError` before starting when the address cannot be bound."""
+async def serve_http(
+    api: HttpApi,
+    host: str,
+    port: int,
+    *,
+    access: EventSink | None = None,
+    task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Serve `api` on `host:port`, one access line per request to `access` (None: none); `task_status`
+    gets the URL (`http://127.0.0.1:8000`). Raises `HttpServerError` before starting when the address
+    cannot be bound."""
     config = Config()
     config.bind = [http_bind(host, port)]
     config.accesslog = None
     config.errorlog = logging.getLogger("hypercorn.error")
     config.graceful_timeout = 1.0
     sockets = open_sockets(config, host, port)
-    app = wrap_app(api.app, config.wsgi_max_body_size, "asgi")  # type: ignore[arg-type]
+    asgi = api.app if access is None else AccessLog(api.app, access)
+    app = wrap_app(asgi, config.wsgi_max_body_size, "asgi")  # type: ignore[arg-type]
     async with trio.open_nursery() as nursery:
         urls: list[str] = await nursery.start(partial(worker_serve, app, config, sockets=sockets))
         task_status.started(urls[0])

@@ -37,6 +37,7 @@ from messages.log.events import (
     FirstToken,
     FlowReport,
     GpuReport,
+    HttpAccess,
     LogEvent,
     NodeConfigured,
     NodeStarted,
@@ -218,7 +219,7 @@ class Aggregator:
                     key = (event.severity, event.name)
                     self.diagnostics[key] += 1
                     self.diagnostic_examples.setdefault(key, event.fields)
-            case NodeConfigured() | WeightsProgress() | GpuReport() | ServingSummary():
+            case NodeConfigured() | WeightsProgress() | GpuReport() | ServingSummary() | HttpAccess():
                 pass
             case scaling.WeightsCopyStarted() | scaling.WeightsCopyFinished() | scaling.ExecutorReady():
                 pass

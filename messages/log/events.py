@@ -81,6 +81,21 @@ class ClientDisconnected(Event, frozen=True, kw_only=True, tag="client_disconnec
     cancelled_requests: int
 
 
+class HttpAccess(Event, frozen=True, kw_only=True, tag="http_access"):
+    """One HTTP request answered (the access line; none with `--disable-log-requests`). `status` is the
+    response's (499: the client left before one was sent); `seconds` from the request's arrival to its
+    last byte; `request_id`, `prompt_tokens` and `completion_tokens` where it generated."""
+
+    method: str
+    path: str
+    status: int
+    seconds: float
+    peer: str | None = None
+    request_id: str | None = None
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+
+
 class ControlBadLine(Event, frozen=True, kw_only=True, tag="control_bad_line"):
     """A request line that got a `bad_request` error; `id` is the client's id when it could be read."""
 
@@ -363,6 +378,7 @@ LogEvent = (
     | NodeStopped
     | ClientConnected
     | ClientDisconnected
+    | HttpAccess
     | ControlBadLine
     | SlowClient
     | ControlHandlerError

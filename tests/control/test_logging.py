@@ -23,6 +23,7 @@ from engine.logs.aggregate import Aggregator
 from engine.logs.summary import summarize
 from messages.log.events import (
     ClientConnected,
+    HttpAccess,
     Diagnostic,
     FirstToken,
     NodeStarted,
@@ -123,10 +124,16 @@ def test_the_console_may_be_quieter_than_the_file_and_still_shows_the_start_line
     log.emit(started)
     log.emit(ClientConnected(connection="c1", peer="p"))
     log.bind(request_id="r9").emit(RequestFailed(code="overloaded", message="queue full"))
+    log.emit(HttpAccess(method="GET", path="/v1/models", status=404, seconds=0.001))
+    log.emit(Diagnostic(severity="info", name="weights.loaded", fields={"seconds": "1.5"}))
+    log.emit(Diagnostic(severity="info", name="transport.connected", fields={}))
     log.close()
-    assert [type(event) for event in _events(path)] == [NodeStarted, ClientConnected, RequestFailed]
+    kinds = [NodeStarted, ClientConnected, RequestFailed, HttpAccess, Diagnostic, Diagnostic]
+    assert [type(event) for event in _events(path)] == kinds
     shown = console.getvalue()
     assert "node_started" in shown and "request_failed" in shown and "client_connected" not in shown
+    assert "[info     ] http_access" in shown and "status=404" in shown  # the access line, at info
+    assert "weights.loaded" in shown and "transport.connected" not in shown  # progress, not chatter
     assert [node_console_level(level) for level in ("debug", "info", "warning", "error")] == [
         "debug",
         "warning",

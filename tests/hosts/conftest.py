@@ -38,10 +38,10 @@ def require_hosts() -> None:
 
 @asynccontextmanager
 async def host_cluster(
-    directory: Path, specs: Sequence[NodeSpec], *options: str
+    directory: Path, specs: Sequence[NodeSpec], *options: str, secure_etcd: bool = False
 ) -> AsyncIterator[HostCluster]:
     require_hosts()
-    async with open_host_cluster(directory, specs, options=options) as cluster:
+    async with open_host_cluster(directory, specs, options=options, secure_etcd=secure_etcd) as cluster:
         yield cluster
 
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import struct
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Final, final
 
@@ -281,10 +282,16 @@ def unpermute_rotary(weight: torch.Tensor, heads: int) -> torch.Tensor:
     return weight.reshape(heads, half, 2, *tail).transpose(1, 2).reshape(rows, *tail).contiguous()
 
 
-def write_checkpoint(file: GGUFFile, directory: Path, extra_files: dict[str, str]) -> None:
+def write_checkpoint(
+    file: GGUFFile,
+    directory: Path,
+    extra_files: dict[str, str],
+    progress: Callable[[int, int], None] | None = None,
+) -> None:
     """Write `file` as an HF checkpoint into the existing, empty `directory`: `config.json`,
     `generation_config.json`, safetensors weights (one file, or ~2 GiB shards with an index) and
-    `extra_files` (name → text: the tokenizer's files)."""
+    `extra_files` (name → text: the tokenizer's files). `progress(done, total)` after each tensor read,
+    in stored bytes."""
     config = file.hf_config()
     shards = _plan_shards(file)
     names = (
@@ -293,6 +300,8 @@ def write_checkpoint(file: GGUFFile, directory: Path, extra_files: dict[str, str
         else [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
     )
     weight_map: dict[str, str] = {}
+    total = sum(file.stored_bytes(gguf_name) for shard in shards for gguf_name, _ in shard)
+    done = 0
     for shard, shard_name in zip(shards, names):
         tensors: dict[str, torch.Tensor] = {}
         quantized: dict[str, tuple[str, tuple[int, ...]]] = {}
@@ -300,6 +309,9 @@ def write_checkpoint(file: GGUFFile, directory: Path, extra_files: dict[str, str
             tensors[hf_name], kind = file.stored_tensor(gguf_name)
             if kind is not None:
                 quantized[hf_name] = (kind, file.hf_shape(gguf_name))
+            done += file.stored_bytes(gguf_name)
+            if progress is not None:
+                progress(done, total)
         metadata = {"format": "pt"}
         if quantized:
             metadata[QUANTIZED_KEY] = quantized_metadata(quantized)

@@ -38,6 +38,7 @@ import re
 import shutil
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final, final
@@ -161,8 +162,10 @@ def gguf_checkpoint(path: str | Path, *, cache_dir: str | Path = DEFAULT_CACHE_D
         staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=root))
     except OSError as exc:
         raise CheckpointError(f"{root}: cannot create the GGUF conversion cache here: {exc}") from exc
+    started = time.monotonic()
+    _log.info("model.converting", file=str(path), bytes=key.size, into=str(target))
     try:
-        convert_gguf(path, staging)
+        convert_gguf(path, staging, _ConversionProgress(path.name))
         _write_source(staging, {"converter": CONVERTER_VERSION, **_key_fields(key), "sources": [str(path)]})
         try:
             os.rename(staging, target)
@@ -174,8 +177,24 @@ def gguf_checkpoint(path: str | Path, *, cache_dir: str | Path = DEFAULT_CACHE_D
         raise CheckpointError(f"{target}: cannot write the converted checkpoint: {exc}") from exc
     finally:
         shutil.rmtree(staging, ignore_errors=True)
+    _log.info("model.converted", file=path.name, seconds=round(time.monotonic() - started, 1))
     prune_gguf_cache(root)
     return target
+
+
+@final
+class _ConversionProgress:
+    """A `model.converting` line at each further quarter of a conversion's bytes."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.quarter = 0
+
+    def __call__(self, done: int, total: int) -> None:
+        quarter = 4 * done // max(total, 1)
+        if quarter > self.quarter and quarter < 4:
+            self.quarter = quarter
+            _log.info("model.converting", file=self.name, percent=25 * quarter)
 
 
 def _key_fields(key: GGUFKey) -> dict[str, object]:
@@ -254,8 +273,11 @@ def prune_gguf_cache(root: str | Path) -> list[Path]:
     return pruned
 
 
-def convert_gguf(path: str | Path, directory: str | Path) -> None:
-    """Write GGUF file `path` as an HF checkpoint into the existing empty `directory`."""
+def convert_gguf(
+    path: str | Path, directory: str | Path, progress: Callable[[int, int], None] | None = None
+) -> None:
+    """Write GGUF file `path` as an HF checkpoint into the existing empty `directory`; `progress(done,
+    total)` in stored bytes as tensors are read."""
     file = GGUFFile(path)
     config = file.hf_config()
     tokenizer = gguf_tokenizer(file) if file.value("tokenizer.ggml.tokens", None) is not None else None
@@ -264,4 +286,4 @@ def convert_gguf(path: str | Path, directory: str | Path) -> None:
         extra["tokenizer.json"] = tokenizer.to_str(pretty=False)
         tokenizer_config = gguf_tokenizer_config(file, config["max_position_embeddings"])
         extra["tokenizer_config.json"] = json.dumps(tokenizer_config, indent=2, ensure_ascii=False) + "\n"
-    write_checkpoint(file, Path(directory), extra)
+    write_checkpoint(file, Path(directory), extra, progress)

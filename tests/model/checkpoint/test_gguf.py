@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
+import structlog.testing
 import torch
 from safetensors.torch import load_file
 
@@ -92,6 +93,26 @@ def test_a_large_model_is_written_in_shards_with_an_index(
     model = load_model(directory)
     assert model.loaded_layers == 3
     assert torch.equal(model.embed_tokens, expected["model.embed_tokens.weight"])
+
+
+async def test_a_conversion_and_a_load_say_how_far_they_are(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The progress a console shows while a start takes seconds (engine.logging.CONSOLE_PROGRESS): the
+    conversion's start, each further quarter of its bytes, its end; the load's end with its size."""
+    source = tmp_path / "sharded.gguf"
+    write_gguf(source, layers=3)
+    monkeypatch.setattr(gguf_module, "SHARD_BYTES", 200_000)
+    with structlog.testing.capture_logs() as logs:
+        host = ModelHost(str(source), device="cpu", dtype="float32", cache_dir=str(tmp_path / "cache"))
+        await host.acquire("r0")
+    names = [entry["event"] for entry in logs]
+    assert names[0] == "model.converting" and logs[0]["into"] == str(host.checkpoint)
+    percents = [entry["percent"] for entry in logs if "percent" in entry]
+    assert percents == sorted(set(percents)) and set(percents) <= {25, 50, 75} and percents
+    assert names.index("model.converted") < names.index("weights.loaded")
+    loaded = next(entry for entry in logs if entry["event"] == "weights.loaded")
+    assert loaded["source"] == "disk" and loaded["bytes"] > 0 and loaded["model"] == "sharded"
 
 
 def test_the_tokenizer_and_chat_template_come_from_the_metadata(tmp_path: Path) -> None:
