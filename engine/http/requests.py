@@ -7,13 +7,13 @@
 - Chat: the messages are rendered with the model's chat template (`replicas.model.text.chat_template`). An
   image part (`image_url` with a `data:` URL, PNG or JPEG) becomes the model's image marker in the text
   and an `ImageInput`, so images go through the encode replicas exactly as on the socket.
+- Tools: `tools` reach the chat template as its `tools` variable, an assistant message's `tool_calls`
+  and a tool message's `tool_call_id` as transformers passes them (`engine.http.tools.template`); which
+  `tool_choice` a request may use is `engine.http.tools.choice`'s to say.
 - Log-probabilities: chat's `logprobs` (with `top_logprobs` alternatives) and completions' `logprobs`
   (that many alternatives) ask for each generated token's; completions' `echo` puts the prompt before the
   text and, with `logprobs`, the prompt tokens' log-probabilities before the generated ones' (a stream's
   first chunk carries them, once the prompt ran).
-- Tools: `tools` reach the chat template as its `tools` variable, an assistant message's `tool_calls`
-  and a tool message's `tool_call_id` as transformers passes them (`engine.http.tools.template`); which
-  `tool_choice` a request may use is `engine.http.tools.choice`'s to say.
 - Known fields the node does not support are refused by name (`unsupported`), never dropped.
 """
 
