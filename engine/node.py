@@ -156,7 +156,13 @@ class Node:
             core.control_address = str(address)
             http = config.http_address
             if http is not None:
-                api = HttpApi(core, self.service.log_end, self.metrics, api_key=config.api_key)
+                api = HttpApi(
+                    core,
+                    self.service.log_end,
+                    self.metrics,
+                    api_key=config.api_key,
+                    tool_call_parser=config.tool_call_parser,
+                )
                 access = None if config.disable_log_requests else self.log
                 core.http_url = await nursery.start(partial(serve_http, api, *http, access=access))
             self.log.emit(NodeConfigured(config=msgspec.to_builtins(config)))

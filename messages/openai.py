@@ -2,7 +2,7 @@
 
 Unlike the control socket's messages, request bodies ignore fields they do not know, as OpenAI's and
 vLLM's servers do: clients and load generators send many optional fields. Fields that are known but not
-supported (`n` > 1, penalties, tools, `suffix`, ...) are refused with a 400 that names them
+supported (`n` > 1, penalties, `suffix`, ...) are refused with a 400 that names them
 (`engine.http.requests.unsupported`), never silently dropped. Numbers are bounded here, so a bad body is
 a 400 naming the field, not an error deep inside the node.
 """
@@ -100,10 +100,58 @@ class ImagePart(Body, frozen=True, kw_only=True, tag="image_url", tag_field="typ
 ContentPart = TextPart | ImagePart
 
 
+FunctionName = Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9_.\-]{1,64}$")]
+
+
+class FunctionDefinition(Body, frozen=True, kw_only=True):
+    """A function the model may call: its name, what it does, and a JSON schema of its arguments."""
+
+    name: FunctionName
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ToolDefinition(Body, frozen=True, kw_only=True):
+    """One of `tools`: only function tools exist in the chat API."""
+
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class NamedFunction(Body, frozen=True, kw_only=True):
+    name: FunctionName
+
+
+class NamedToolChoice(Body, frozen=True, kw_only=True):
+    """`tool_choice` naming the function the model must call."""
+
+    type: Literal["function"] = "function"
+    function: NamedFunction
+
+
+ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
+
+
+class CalledFunction(Body, frozen=True, kw_only=True):
+    name: Annotated[str, msgspec.Meta(min_length=1, max_length=1024)]
+    arguments: Annotated[str, msgspec.Meta(max_length=MAX_TEXT_CHARS)] = ""
+
+
+class ToolCallIn(Body, frozen=True, kw_only=True):
+    """A call an earlier assistant message made (`messages[].tool_calls`), as sent back by the client."""
+
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
+
 class ChatMessage(Body, frozen=True, kw_only=True):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Annotated[str, msgspec.Meta(max_length=MAX_TEXT_CHARS)] | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallIn] | None = None  # an assistant message's calls
+    tool_call_id: str | None = None  # a tool message: the call it answers
 
 
 class ChatCompletionRequest(SamplingFields, frozen=True, kw_only=True):
@@ -116,8 +164,8 @@ class ChatCompletionRequest(SamplingFields, frozen=True, kw_only=True):
     continue_final_message: bool = False
     logprobs: bool = False
     top_logprobs: Logprobs | None = None
-    tools: list[Any] | None = None
-    tool_choice: Any = None
+    tools: list[ToolDefinition] | None = None
+    tool_choice: ToolChoice | None = None  # None: "auto" with tools, else "none" (OpenAI's)
     response_format: dict[str, Any] | None = None
 
 
@@ -183,9 +231,23 @@ class ChatLogprobs(Reply, frozen=True, kw_only=True):
     content: list[ChatTokenLogprob] | None
 
 
+class FunctionCall(Reply, frozen=True, kw_only=True):
+    name: str
+    arguments: str  # a JSON object, as text
+
+
+class ToolCall(Reply, frozen=True, kw_only=True):
+    """A call the model made, parsed from its text (`engine.http.tools`)."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class AssistantMessage(Reply, frozen=True, kw_only=True):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None  # None: the reply is tool calls only
+    tool_calls: list[ToolCall] = msgspec.field(default_factory=list)
 
 
 class ChatChoice(Reply, frozen=True, kw_only=True):
@@ -204,9 +266,24 @@ class ChatCompletion(Reply, frozen=True, kw_only=True):
     usage: Usage
 
 
+class DeltaFunction(Reply, frozen=True, kw_only=True, omit_defaults=True):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(Reply, frozen=True, kw_only=True, omit_defaults=True):
+    """A stream's piece of a tool call: the first for a call has its `id`, `type` and name."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunction
+
+
 class Delta(Reply, frozen=True, kw_only=True, omit_defaults=True):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatChunkChoice(Reply, frozen=True, kw_only=True):
@@ -244,6 +321,7 @@ class TokenizeRequest(Body, frozen=True, kw_only=True):
     model: Annotated[str, msgspec.Meta(min_length=1, max_length=1024)] | None = None
     prompt: Annotated[str, msgspec.Meta(max_length=MAX_TEXT_CHARS)] | None = None
     messages: Annotated[list[ChatMessage], msgspec.Meta(min_length=1, max_length=MAX_MESSAGES)] | None = None
+    tools: list[ToolDefinition] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
 

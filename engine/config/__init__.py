@@ -28,6 +28,7 @@ from transport.kinds import TransportChoice
 from transport.kinds import unavailable as transport_unavailable
 
 Level = Literal["debug", "info", "warning", "error"]
+ToolCallParser = Literal["hermes", "llama3_json"]  # engine.http.tools.parsers
 MIB: Final = 1024 * 1024
 TLS_TRANSPORTS: Final = ("tcp", "inproc", "auto")  # inproc and auto become tcp in a cluster
 Blocks = Annotated[int, msgspec.Meta(ge=1, le=1 << 24)]
@@ -247,6 +248,14 @@ class NodeConfig(Section, frozen=True, kw_only=True):
     ] = None
     api_key: Annotated[
         str | None, _doc("when set, HTTP /v1 requests must send `Authorization: Bearer <key>`")
+    ] = None
+    tool_call_parser: Annotated[
+        ToolCallParser | None,
+        _doc(
+            "parse HTTP replies for function calls when a request has tools and tool_choice auto: hermes "
+            "(<tool_call> tags: Qwen2.5, Hermes) or llama3_json (Llama 3.x); without it such requests are "
+            "refused (docs/http-api.md#tools)"
+        ),
     ] = None
     disable_log_requests: Annotated[
         bool, _doc("no access line per HTTP request (on the console and in the log file)")

@@ -1,6 +1,8 @@
 """The OpenAI-compatible HTTP API of a node (docs/http-api.md), as a Starlette app on the node's Trio loop.
 
-Routes: `POST /v1/completions`, `POST /v1/chat/completions`, `GET /v1/models`, `GET /health`,
+Routes: `POST /v1/completions`, `POST /v1/chat/completions`, `POST /v1/responses` and
+`GET /v1/responses/{id}` (OpenAI's Responses API, run as a chat completion: `engine.http.responses_api`),
+`GET /v1/models`, `GET /health`,
 `GET /metrics`, and vLLM's `POST /tokenize`, `POST /detokenize`, `GET /version` (`engine.http.tokens`);
 any other path answers OpenAI's JSON error with 404. Requests go through the same `Generation` as the control socket's `generate`, so they
 share admission, routing, logging and token identity.
@@ -17,7 +19,7 @@ import itertools
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
-from typing import final
+from typing import Protocol, final
 
 import msgspec
 import trio
@@ -28,24 +30,45 @@ from starlette.routing import Route
 
 from engine.control.errors import RequestFailed
 from engine.core import NodeCore
-from engine.generate.generation import Generation, Outcome
+from engine.generate.generation import Generation, Outcome, Piece
 from engine.http.access import note_generation
 from engine.http.chat import renderer
-from engine.http.errors import error_response, failed_response, sse_error, validation_response
+from engine.http.errors import error_response, failed_response, validation_response
 from engine.http.logprobs import token_text
 from engine.http.metrics import CONTENT_TYPE, NodeMetrics
 from engine.http.requests import BadBody, chat_request, completion_request
 from engine.http.responses import SseStream, chat_completion, completion
+from engine.http.responses_api.output import ResponseBuilder, ResponseEvents, new_id, whole
+from engine.http.responses_api.store import ResponseStore
+from engine.http.responses_api.turn import Turn, UnknownResponse, turn
 from engine.http.streaming import ClosingStreamingResponse
 from engine.http.tokens import TokenRoutes, not_found
+from engine.http.tools.choice import tool_parser
+from engine.http.tools.parsers import ParserName
 from messages.control import GenerateRequest
 from messages.openai import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList, Reply
+from messages.responses_api.requests import ResponsesRequest
 from replicas.ports import EventSink
 from replicas.request import ServingRequest
 from replicas.states import ReplicaState
 
 JSON = "application/json"
 MAX_BODY_BYTES = 256 * 1024 * 1024
+
+
+class Encoder(Protocol):
+    """A stream's events: a chat or completion stream's chunks (`SseStream`), or a response's
+    (`ResponseEvents`)."""
+
+    def start(self) -> bytes: ...
+
+    def piece(self, piece: Piece) -> bytes: ...
+
+    def finish(self, outcome: Outcome) -> bytes: ...
+
+    def error(self, exc: RequestFailed) -> bytes: ...
+
+    def done(self) -> bytes: ...
 
 
 @final
@@ -60,12 +83,15 @@ class HttpApi:
         metrics: NodeMetrics,
         *,
         api_key: str | None,
+        tool_call_parser: ParserName | None = None,
     ) -> None:
         self.node = core
         self._log_end = log_end
         self._log: EventSink = core.log
         self.metrics = metrics
         self.api_key = api_key
+        self.tool_call_parser = tool_call_parser
+        self.stored = ResponseStore()
         self.created = int(time.time())
         self._connections = itertools.count(1)
         self._render = renderer(core.served.chat_template, core.served.name)
@@ -75,6 +101,8 @@ class HttpApi:
             routes=[
                 Route("/v1/completions", self.completions, methods=["POST"]),
                 Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
+                Route("/v1/responses", self.responses, methods=["POST"]),
+                Route("/v1/responses/{response_id}", self.stored_response, methods=["GET"]),
                 Route("/v1/models", self.models, methods=["GET"]),
                 Route("/tokenize", tokens.tokenize, methods=["POST"]),
                 Route("/detokenize", tokens.detokenize, methods=["POST"]),
@@ -121,9 +149,23 @@ class HttpApi:
     async def chat_completions(self, request: Request) -> Response:
         return await self._serve(request, ChatCompletionRequest)
 
+    async def responses(self, request: Request) -> Response:
+        return await self._serve(request, ResponsesRequest)
+
+    async def stored_response(self, request: Request) -> Response:
+        if (refused := self._refuse_key(request)) is not None:
+            return refused
+        response_id = request.path_params["response_id"]
+        stored = self.stored.response(response_id)
+        if stored is None:
+            return error_response(404, f"Response with id {response_id!r} not found", "response_id")
+        return Response(msgspec.json.encode(stored), media_type=JSON)
+
     # ------------------------------------------------------------------ serving
     async def _serve(
-        self, request: Request, kind: type[CompletionRequest] | type[ChatCompletionRequest]
+        self,
+        request: Request,
+        kind: type[CompletionRequest] | type[ChatCompletionRequest] | type[ResponsesRequest],
     ) -> Response:
         if (refused := self._refuse_key(request)) is not None:
             return refused
@@ -146,11 +188,23 @@ class HttpApi:
             return error_response(
                 404, f"the model {body.model!r} does not exist; this node serves {served}", "model"
             )
+        asked: Turn | None = None
+        parser: ParserName | None = None
         try:
-            generate = self._generate_request(body)
+            if isinstance(body, ResponsesRequest):
+                asked = turn(body, self.stored, self.tool_call_parser)
+                parser = asked.parser
+            elif isinstance(body, ChatCompletionRequest):
+                parser = tool_parser(body.tools, body.tool_choice, self.tool_call_parser)
+            generated = asked.chat if asked is not None else body
+            assert not isinstance(generated, ResponsesRequest)
+            generate = self._generate_request(generated)
         except BadBody as exc:
             self.metrics.refused("bad_request")
             return error_response(400, exc.message, exc.param)
+        except UnknownResponse as exc:
+            self.metrics.refused("not_found")
+            return error_response(404, exc.message, "previous_response_id")
         connection = f"http-{next(self._connections)}"
         try:
             generation = Generation.start(
@@ -171,16 +225,25 @@ class HttpApi:
         request_id = f"{'chatcmpl' if kind is ChatCompletionRequest else 'cmpl'}-{uuid.uuid4().hex}"
         chat = isinstance(body, ChatCompletionRequest)
         echo = self._echo(body) if isinstance(body, CompletionRequest) and body.echo else None
+        built = None
+        if asked is not None:
+            built = ResponseBuilder(asked, new_id("resp"), self.model_name, int(time.time()), self.stored)
         if body.stream:
-            usage = body.stream_options is not None and body.stream_options.include_usage
-            encoder = SseStream(
-                request_id,
-                self.model_name,
-                int(time.time()),
-                chat=chat,
-                include_usage=usage,
-                text=self._token_text,
-            )
+            encoder: Encoder
+            if built is not None:
+                encoder = ResponseEvents(built)
+            else:
+                assert not isinstance(body, ResponsesRequest)
+                usage = body.stream_options is not None and body.stream_options.include_usage
+                encoder = SseStream(
+                    request_id,
+                    self.model_name,
+                    int(time.time()),
+                    chat=chat,
+                    include_usage=usage,
+                    text=self._token_text,
+                    tools=parser,
+                )
             return ClosingStreamingResponse(
                 self._events(generation, encoder, echo),
                 media_type="text/event-stream",
@@ -205,8 +268,10 @@ class HttpApi:
         if outcome is None:  # the client went away: nobody reads this
             return Response(b"", status_code=499)
         created = int(time.time())
-        if isinstance(body, ChatCompletionRequest):
-            reply: Reply = chat_completion(request_id, self.model_name, created, outcome, self._token_text)
+        if built is not None:
+            reply: Reply = whole(built, outcome)
+        elif isinstance(body, ChatCompletionRequest):
+            reply = chat_completion(request_id, self.model_name, created, outcome, self._token_text, parser)
         else:
             reply = completion(request_id, self.model_name, created, outcome, self._token_text, echo)
         return Response(msgspec.json.encode(reply), media_type=JSON)
@@ -225,7 +290,7 @@ class HttpApi:
         return chat_request(body, self._render)
 
     async def _events(
-        self, generation: Generation, encoder: SseStream, echo: str | None
+        self, generation: Generation, encoder: Encoder, echo: str | None
     ) -> AsyncIterator[bytes]:
         """The SSE body; with `echo` (a completion's prompt text) the prompt's chunk comes first, once
         its prefill ended. Cancelled when the client disconnects: `close` then cancels the request."""
@@ -243,15 +308,16 @@ class HttpApi:
                     yield self._echoed(generation, encoder, echo)
                 outcome = generation.outcome()
             except RequestFailed as exc:
-                yield sse_error(exc)
+                yield encoder.error(exc)
             else:
                 yield encoder.finish(outcome)
-            yield b"data: [DONE]\n\n"
+            yield encoder.done()
         finally:
             generation.close()
 
     @staticmethod
-    def _echoed(generation: Generation, encoder: SseStream, echo: str) -> bytes:
+    def _echoed(generation: Generation, encoder: Encoder, echo: str) -> bytes:
+        assert isinstance(encoder, SseStream)  # echo: completions only
         serving = generation.serving
         scored = None if serving.prompt_logprobs is None else generation.prompt_logprobs()
         return encoder.echo(echo, serving.token_ids or serving.prompt_ids, scored)

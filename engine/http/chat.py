@@ -7,27 +7,29 @@ The rendered prompt already holds the template's special tokens: it is tokenized
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
-from engine.http.requests import BadBody
+from engine.http.requests import BadBody, Render
 from replicas.model.text.chat_template import ChatTemplate, ChatTemplateError
-
-Render = Callable[[list[dict[str, Any]], bool, bool], str]
 
 
 def renderer(template: ChatTemplate | None, model: str) -> Render:
-    """A `render(messages, add_generation_prompt, continue_final_message)` for `template`; one that
+    """A `render(messages, add_generation_prompt, continue_final_message, tools)` for `template`; one that
     refuses with a 400 when the model has none."""
 
-    def render(messages: list[dict[str, Any]], add_generation_prompt: bool, continue_final: bool) -> str:
+    def render(
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool,
+        continue_final_message: bool,
+        tools: list[dict[str, Any]] | None = None,
+    ) -> str:
         if template is None:
             raise BadBody(f"model {model!r} has no chat template: use /v1/completions", "messages")
         try:
-            text = template.render(messages, add_generation_prompt=add_generation_prompt)
+            text = template.render(messages, add_generation_prompt=add_generation_prompt, tools=tools)
         except ChatTemplateError as exc:
             raise BadBody(str(exc), "messages") from None
-        if not continue_final:
+        if not continue_final_message:
             return text
         final = str(messages[-1].get("content") or "")
         if not final.strip() or final.strip() not in text:

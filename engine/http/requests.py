@@ -7,6 +7,9 @@
 - Chat: the messages are rendered with the model's chat template (`replicas.model.text.chat_template`). An
   image part (`image_url` with a `data:` URL, PNG or JPEG) becomes the model's image marker in the text
   and an `ImageInput`, so images go through the encode replicas exactly as on the socket.
+- Tools: `tools` reach the chat template as its `tools` variable, an assistant message's `tool_calls`
+  and a tool message's `tool_call_id` as transformers passes them (`engine.http.tools.template`); which
+  `tool_choice` a request may use is `engine.http.tools.choice`'s to say.
 - Log-probabilities: chat's `logprobs` (with `top_logprobs` alternatives) and completions' `logprobs`
   (that many alternatives) ask for each generated token's; completions' `echo` puts the prompt before the
   text and, with `logprobs`, the prompt tokens' log-probabilities before the generated ones' (a stream's
@@ -19,14 +22,26 @@ from __future__ import annotations
 import base64
 import binascii
 import io
-from collections.abc import Callable
-from typing import Any, Final, final
+from typing import Any, Final, Protocol, final
 
+from engine.http.tools.template import template_tool_calls, template_tools
 from messages.control import MAX_IMAGE_SIDE, MAX_IMAGES, GenerateRequest, ImageInput
 from messages.openai import ChatCompletionRequest, ChatMessage, CompletionRequest, ImagePart, SamplingFields
 
 DEFAULT_TEMPERATURE: Final = 1.0
 IMAGE_MARKER: Final = "<image>"  # where `replicas.model.encode_prompt` puts the next image
+
+
+class Render(Protocol):
+    """Chat messages → the prompt text (`engine.http.chat.renderer`); `tools` as the template sees them."""
+
+    def __call__(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool,
+        continue_final_message: bool,
+        tools: list[dict[str, Any]] | None = None,
+    ) -> str: ...
 
 
 @final
@@ -60,8 +75,6 @@ def unsupported(body: SamplingFields) -> BadBody | None:
                 body.top_logprobs is not None and not body.logprobs,
                 "top_logprobs needs logprobs set to true",
             ),
-            ("tools", bool(body.tools), "tools are not supported"),
-            ("tool_choice", body.tool_choice not in (None, "none"), "tool_choice is not supported"),
             (
                 "response_format",
                 body.response_format is not None and body.response_format.get("type") != "text",
@@ -121,11 +134,9 @@ def completion_request(body: CompletionRequest, vocab_size: int) -> GenerateRequ
     return GenerateRequest(id="http", input_ids=list(prompt), **sampling)
 
 
-def chat_request(
-    body: ChatCompletionRequest, render: Callable[[list[dict[str, Any]], bool, bool], str]
-) -> GenerateRequest:
-    """`/v1/chat/completions`: the messages rendered by `render(messages, add_generation_prompt,
-    continue_final_message)` into one prompt, images in order."""
+def chat_request(body: ChatCompletionRequest, render: Render) -> GenerateRequest:
+    """`/v1/chat/completions`: the messages (and `tools`) rendered by `render(messages,
+    add_generation_prompt, continue_final_message, tools)` into one prompt, images in order."""
     problem = unsupported(body)
     if problem is not None:
         raise problem
@@ -135,7 +146,8 @@ def chat_request(
         raise BadBody(
             "continue_final_message and add_generation_prompt cannot both be true", "add_generation_prompt"
         )
-    prompt = render(messages, body.add_generation_prompt, body.continue_final_message)
+    tools = template_tools(body.tools)
+    prompt = render(messages, body.add_generation_prompt, body.continue_final_message, tools)
     max_tokens = body.max_completion_tokens or body.max_tokens  # None: what the context leaves
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     return GenerateRequest(
@@ -166,6 +178,10 @@ def _flatten(message: ChatMessage, index: int, images: list[ImageInput]) -> dict
     flat: dict[str, Any] = {"role": message.role, "content": content if content is not None else ""}
     if message.name is not None:
         flat["name"] = message.name
+    if message.tool_calls:
+        flat["tool_calls"] = template_tool_calls(message.tool_calls)
+    if message.tool_call_id is not None:
+        flat["tool_call_id"] = message.tool_call_id
     return flat
 
 

@@ -6,6 +6,10 @@ the usage (and every chunk has `"usage": null`), as OpenAI's streams do. A compl
 without the role chunk. The finish reason `cancelled` is reported as vLLM does: `abort`. Where the request
 asked for log-probabilities, each choice (and each stream chunk) carries those of its tokens
 (`engine.http.logprobs`); `echo` puts the prompt, and its tokens' log-probabilities, first.
+
+With a tool-call parser (`engine.http.tools`), a chat reply's calls come back as `message.tool_calls`
+and the finish reason `tool_calls`; a stream holds back text that may be a call until it is known
+(from `<tool_call>` to `</tool_call>`) and sends each call whole, in one `delta.tool_calls` chunk.
 """
 
 from __future__ import annotations
@@ -14,8 +18,13 @@ from typing import final
 
 import msgspec
 
+from engine.control.errors import RequestFailed
 from engine.generate.generation import Outcome, Piece
+from engine.http.errors import sse_error
 from engine.http.logprobs import CompletionScores, TokenText, chat_logprobs
+from engine.http.tools.calls import ToolDeltas, assistant_message
+from engine.http.tools.calls import finish_reason as tools_finish_reason
+from engine.http.tools.parsers import ParserName
 from messages.openai import (
     AssistantMessage,
     ChatChoice,
@@ -69,13 +78,22 @@ def completion(
 
 
 def chat_completion(
-    request_id: str, model: str, created: int, outcome: Outcome, text: TokenText
+    request_id: str,
+    model: str,
+    created: int,
+    outcome: Outcome,
+    text: TokenText,
+    tools: ParserName | None = None,
 ) -> ChatCompletion:
+    """The whole chat completion; with `tools` (a parser), its text parsed for tool calls."""
+    message = (
+        AssistantMessage(content=outcome.text) if tools is None else assistant_message(outcome.text, tools)
+    )
     choice = ChatChoice(
         index=0,
-        message=AssistantMessage(content=outcome.text),
+        message=message,
         logprobs=None if outcome.logprobs is None else chat_logprobs(outcome.logprobs, text),
-        finish_reason=finish_reason(outcome),
+        finish_reason=tools_finish_reason(finish_reason(outcome), message),
     )
     return ChatCompletion(id=request_id, created=created, model=model, choices=[choice], usage=usage(outcome))
 
@@ -97,11 +115,13 @@ class SseStream:
         chat: bool,
         include_usage: bool,
         text: TokenText,
+        tools: ParserName | None = None,
     ) -> None:
         self.request_id, self.model, self.created = request_id, model, created
         self.chat, self.include_usage = chat, include_usage
         self._token_text = text
         self._scores = CompletionScores(text)
+        self._tools = None if tools is None else ToolDeltas(tools)
 
     def _chunk(
         self, text: str | None, reason: str | None, *, role: bool = False, piece: Piece | None = None
@@ -131,7 +151,23 @@ class SseStream:
         return self._chunk("", None, role=True) if self.chat else b""
 
     def piece(self, piece: Piece) -> bytes:
-        return self._chunk(piece.text, None, piece=piece)
+        if self._tools is None:
+            return self._chunk(piece.text, None, piece=piece)
+        deltas = self._tools.feed(piece.text)
+        if not deltas and piece.logprobs:  # the text is held back; its tokens' scores are not
+            deltas = [Delta()]
+        return b"".join(
+            self._delta(delta, piece if index == 0 else None) for index, delta in enumerate(deltas)
+        )
+
+    def _delta(self, delta: Delta, piece: Piece | None, reason: str | None = None) -> bytes:
+        """A chat chunk with `delta`, the log-probabilities of `piece`'s tokens, and `reason`."""
+        scored = None if piece is None else piece.logprobs
+        logprobs = None if scored is None else chat_logprobs(scored, self._token_text)
+        choices = [ChatChunkChoice(index=0, delta=delta, logprobs=logprobs, finish_reason=reason)]
+        return event(
+            ChatCompletionChunk(id=self.request_id, created=self.created, model=self.model, choices=choices)
+        )
 
     def echo(self, text: str, prompt_ids: list[int], scored: list[TokenLogprobs | None] | None) -> bytes:
         """A completion stream's first chunk with `echo`: the prompt's text, and its tokens' scores."""
@@ -140,7 +176,12 @@ class SseStream:
         return event(Completion(id=self.request_id, created=self.created, model=self.model, choices=[choice]))
 
     def finish(self, outcome: Outcome) -> bytes:
-        last = self._chunk(None, finish_reason(outcome))
+        if self._tools is None:
+            last = self._chunk(None, finish_reason(outcome))
+        else:
+            held = b"".join(self._delta(delta, None) for delta in self._tools.finish())
+            reason = "tool_calls" if self._tools.calls else finish_reason(outcome)
+            last = held + self._delta(Delta(), None, reason)
         if not self.include_usage:
             return last
         kind = ChatCompletionChunk if self.chat else Completion
@@ -148,3 +189,11 @@ class SseStream:
             id=self.request_id, created=self.created, model=self.model, choices=[], usage=usage(outcome)
         )
         return last + event(body)
+
+    @staticmethod
+    def error(exc: RequestFailed) -> bytes:
+        return sse_error(exc)
+
+    @staticmethod
+    def done() -> bytes:
+        return b"data: [DONE]\n\n"

@@ -2,7 +2,7 @@
 unknown route answers.
 
 `/tokenize` takes a `prompt` (special tokens added unless `add_special_tokens` is false) or chat
-`messages` (rendered by the chat template, as `/v1/chat/completions` renders them; text only) and answers
+`messages` and `tools` (rendered by the chat template, as `/v1/chat/completions` renders them; text only) and answers
 `count`, `max_model_len` and `tokens`, as vLLM does; `/detokenize` answers `prompt` for `tokens`. Both
 take an optional `model`, one the node serves. `/version` answers zigzag's version. A path no route
 serves gets OpenAI's JSON error with 404 (a known path with another method: 405), never plain text.
@@ -10,7 +10,6 @@ serves gets OpenAI's JSON error with 404 (a known path with another method: 405)
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
 from importlib import metadata
 from typing import Any, final
 
@@ -21,8 +20,10 @@ from starlette.responses import Response
 
 from engine.generate.served import ServedModel
 from engine.http.errors import error_response, validation_response
-from engine.http.requests import BadBody
+from engine.http.requests import BadBody, Render
+from engine.http.tools.template import template_tool_calls, template_tools
 from messages.openai import (
+    ChatMessage,
     DetokenizeReply,
     DetokenizeRequest,
     TextPart,
@@ -33,7 +34,6 @@ from messages.openai import (
 from replicas.model import Tokenizer
 
 JSON = "application/json"
-Render = Callable[[list[dict[str, Any]], bool, bool], str]
 
 
 def version() -> str:
@@ -80,8 +80,8 @@ class TokenRoutes:
         if body.prompt is not None:
             return list(tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens))
         assert body.messages is not None
-        messages = [_text_message(m.role, m.content, index) for index, m in enumerate(body.messages)]
-        text = self._render(messages, body.add_generation_prompt, False)
+        messages = [_text_message(message, index) for index, message in enumerate(body.messages)]
+        text = self._render(messages, body.add_generation_prompt, False, template_tools(body.tools))
         return list(tokenizer.encode(text, add_special_tokens=False))
 
     def _text(self, body: DetokenizeRequest) -> str:
@@ -120,15 +120,21 @@ async def _decode(request: Request, kind: type[Any]) -> Any:
         return error_response(400, f"the body is not valid JSON: {exc}", None)
 
 
-def _text_message(role: str, content: str | Sequence[Any] | None, index: int) -> dict[str, Any]:
+def _text_message(message: ChatMessage, index: int) -> dict[str, Any]:
+    flat: dict[str, Any] = {"role": message.role}
+    if message.tool_calls:
+        flat["tool_calls"] = template_tool_calls(message.tool_calls)
+    if message.tool_call_id is not None:
+        flat["tool_call_id"] = message.tool_call_id
+    content = message.content
     if content is None or isinstance(content, str):
-        return {"role": role, "content": content or ""}
+        return {**flat, "content": content or ""}
     texts = []
     for part_index, part in enumerate(content):
         if not isinstance(part, TextPart):
             raise BadBody("/tokenize takes text messages only", f"messages[{index}].content[{part_index}]")
         texts.append(part.text)
-    return {"role": role, "content": "".join(texts)}
+    return {**flat, "content": "".join(texts)}
 
 
 async def not_found(request: Request, exc: Exception) -> Response:
@@ -139,6 +145,6 @@ async def not_found(request: Request, exc: Exception) -> Response:
     else:
         message = (
             f"no route {request.method} {request.url.path}; this node serves /v1/completions, "
-            "/v1/chat/completions, /v1/models, /tokenize, /detokenize, /version, /health and /metrics"
+            "/v1/chat/completions, /v1/responses, /v1/models, /tokenize, /detokenize, /version, /health and /metrics"
         )
     return error_response(status, message, None)

@@ -4,12 +4,14 @@
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
 import openai
 import pytest
 
+from tests.model.text.test_chat_template import QWEN2_TEMPLATE
 from tests.node.harness import NodeProcess, node_process
 from tests.waiting import wait_until
 
@@ -20,6 +22,19 @@ API_KEY = "zz-test-key"
 def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NodeProcess]:
     directory: Path = tmp_path_factory.mktemp("http")
     with node_process(directory, "--api-key", API_KEY) as served:
+        assert served.http_url is not None
+        yield served
+
+
+@contextmanager
+def tool_node(directory: Path) -> Iterator[NodeProcess]:
+    """A node whose chat template is Qwen2.5's (it renders `tools`, calls and tool results) and whose
+    replies are parsed for `<tool_call>` tags (`--tool-call-parser hermes`)."""
+    template = directory / "qwen2.jinja"
+    template.write_text(QWEN2_TEMPLATE)
+    with node_process(
+        directory, "--api-key", API_KEY, "--chat-template", str(template), "--tool-call-parser", "hermes"
+    ) as served:
         assert served.http_url is not None
         yield served
 

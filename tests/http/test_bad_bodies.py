@@ -1,5 +1,6 @@
 """Malformed and unsupported bodies: each is a 400 in vLLM's error shape naming what is wrong (never a
-500), and the node keeps serving."""
+500), and the node keeps serving. This node has no `--tool-call-parser`: tools with `tool_choice` auto
+are refused, saying to pass it."""
 
 from __future__ import annotations
 
@@ -13,6 +14,8 @@ from PIL import Image
 
 GOOD = {"model": "tiny", "prompt": "hello", "max_tokens": 2, "temperature": 0}
 CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+RESPONSE = {"model": "tiny", "input": "hi", "max_output_tokens": 2}
+TOOL = {"type": "function", "function": {"name": "f"}}
 
 
 def png(width: int, height: int) -> str:
@@ -101,7 +104,41 @@ CASES: list[tuple[str, Any, str | None]] = [
         chat(messages=[image_message(png(17, 9))]),
         None,
     ),  # sides not a multiple of the patch
-    ("/v1/chat/completions", chat(tools=[{"type": "function", "function": {"name": "f"}}]), "tools"),
+    ("/v1/chat/completions", chat(tools=[TOOL]), "tool_choice"),  # auto needs --tool-call-parser
+    ("/v1/chat/completions", chat(tools=[TOOL], tool_choice="auto"), "tool_choice"),
+    ("/v1/chat/completions", chat(tools=[TOOL], tool_choice="required"), "tool_choice"),
+    (
+        "/v1/chat/completions",
+        chat(tools=[TOOL], tool_choice={"type": "function", "function": {"name": "f"}}),
+        "tool_choice",
+    ),
+    ("/v1/chat/completions", chat(tools=[TOOL], tool_choice="sometimes"), "tool_choice"),
+    ("/v1/chat/completions", chat(tools=[{"type": "retrieval"}], tool_choice="none"), "tools[0].type"),
+    (
+        "/v1/chat/completions",
+        chat(tools=[{"type": "function", "function": {"name": "a b"}}]),
+        "tools[0].function.name",
+    ),
+    (
+        "/v1/chat/completions",
+        chat(messages=[{"role": "assistant", "tool_calls": [{"type": "function"}]}]),
+        "messages[0].tool_calls[0]",
+    ),
+    ("/v1/responses", RESPONSE | {"background": True}, "background"),
+    ("/v1/responses", RESPONSE | {"include": ["reasoning.encrypted_content"]}, "include"),
+    ("/v1/responses", RESPONSE | {"reasoning": {"effort": "low"}}, "reasoning"),
+    ("/v1/responses", RESPONSE | {"text": {"format": {"type": "json_object"}}}, "text.format"),
+    ("/v1/responses", RESPONSE | {"truncation": "auto"}, "truncation"),
+    ("/v1/responses", RESPONSE | {"tools": [{"type": "web_search"}]}, "tools[0].type"),
+    ("/v1/responses", RESPONSE | {"tools": [{"type": "function", "name": "f"}]}, "tool_choice"),
+    ("/v1/responses", RESPONSE | {"input": [{"type": "input_image", "image_url": "x"}]}, "input[0].type"),
+    (
+        "/v1/responses",
+        RESPONSE | {"input": [{"role": "user", "content": [{"type": "input_file"}]}]},
+        "input[0].content[0].type",
+    ),
+    ("/v1/responses", RESPONSE | {"input": []}, "input"),
+    ("/v1/responses", RESPONSE | {"max_output_tokens": 0}, "max_output_tokens"),
     ("/v1/chat/completions", chat(top_logprobs=2), "top_logprobs"),
     ("/v1/chat/completions", chat(logprobs=True, top_logprobs=21), "top_logprobs"),
     ("/v1/chat/completions", chat(response_format={"type": "json_object"}), "response_format"),
@@ -155,3 +192,20 @@ async def test_an_image_in_chat_goes_through_the_encoder(http: httpx.AsyncClient
     )
     assert reply.status_code == 200, reply.text
     assert reply.json()["usage"]["completion_tokens"] == 2
+
+
+async def test_tools_without_a_parser_need_the_flag_or_tool_choice_none(http: httpx.AsyncClient) -> None:
+    refused = await http.post("/v1/chat/completions", json=chat(tools=[TOOL]))
+    assert refused.status_code == 400 and "--tool-call-parser" in refused.json()["error"]["message"]
+    plain = await http.post("/v1/chat/completions", json=chat(tools=[TOOL], tool_choice="none"))
+    assert plain.status_code == 200, plain.text
+    message = plain.json()["choices"][0]["message"]
+    assert message["tool_calls"] == [] and isinstance(message["content"], str)
+
+
+async def test_an_unknown_previous_response_is_a_404(http: httpx.AsyncClient) -> None:
+    reply = await http.post("/v1/responses", json=RESPONSE | {"previous_response_id": "resp_nope"})
+    assert reply.status_code == 404
+    error = reply.json()["error"]
+    assert (error["type"], error["param"]) == ("NotFoundError", "previous_response_id")
+    assert "resp_nope" in error["message"]

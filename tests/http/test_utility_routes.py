@@ -49,10 +49,10 @@ async def test_bad_token_requests_get_json_errors(http: httpx.AsyncClient) -> No
 
 async def test_version_and_unknown_routes(http: httpx.AsyncClient) -> None:
     assert (await http.get("/version")).json() == {"version": metadata.version("zigzag")}
-    missing = await http.get("/v1/responses")
+    missing = await http.get("/v1/embeddings")
     assert missing.status_code == 404
     assert missing.headers["content-type"] == "application/json"
-    assert missing.json()["error"]["message"].startswith("no route GET /v1/responses;")
+    assert missing.json()["error"]["message"].startswith("no route GET /v1/embeddings;")
     wrong = await http.get("/v1/completions")
     assert wrong.status_code == 405
     assert wrong.json()["error"]["message"] == "GET is not allowed on /v1/completions"
