@@ -4,8 +4,9 @@ blocks of finished requests freed; a refused call fails its requests.
 `apply_tokens(items, tokens, ...)` gives each held request its sampled token (and its log-probability,
 where the step scored it) — a prefill's first token
 (`first`: the prefill's end and the first token are logged) or a decode step's next one — and ends the
-requests that a stop token, `max_tokens` or the context ends, or that were cancelled meanwhile (no token
-then). An ended request's blocks go back through `release` before it finishes, so a client that hears
+requests that a stop token, `max_tokens`, the context or a finished grammar (`stop`: nothing but EOS may
+follow) ends, or that were cancelled meanwhile (no token then); a grammar the output left fails its
+request (`internal`). An ended request's blocks go back through `release` before it finishes, so a client that hears
 of the end finds the blocks free. It returns the items that go on (to a decode replica, or to the next
 step), in order. `refuse(items, ...)` does the same for a call the model refused before writing anything
 (`ModelInputError`): every request fails with the role's code.
@@ -58,6 +59,13 @@ def apply_tokens(
         if first:
             request_log.emit(FirstToken(token_id=token, ttft_s=now - request.stamps.arrived))
         reason = finish_reason(request.generated, request.sampling, request.eos_token_ids, request.max_tokens)
+        grammar = request.grammar_state
+        if grammar is not None and grammar.error is not None:
+            release(item)
+            request.fail("internal", f"the output left its grammar: {grammar.error}")
+            continue
+        if reason is None and grammar is not None and grammar.finished:
+            reason = "stop"
         if reason is None and request.context_tokens + 1 > context_length:
             reason = "length"
         if reason is not None:

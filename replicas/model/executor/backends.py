@@ -2,7 +2,8 @@
 
 A backend answers the questions whose answer depends on the path, and nothing else: how a prefill call
 attends (`prefill_attend`), how a decode step runs (`decode`), where tokens are sampled (`sample`), and
-the layer ops the model runs with (`ops`). The executor validates the inputs, drives the layers and
+the layer ops the model runs with (`ops`). Every path applies a sequence's `token_mask` (structured
+outputs) to the logits before its token is chosen, greedy or sampled. The executor validates the inputs, drives the layers and
 holds exactly one backend, chosen at construction (`Executor`); capturing the decode graphs turns a
 `KernelBackend` into a `GraphBackend` (`KernelBackend.capture`, called by `Executor.prepare` — at the
 load or at a role change, never inside a step).
@@ -56,7 +57,13 @@ class Backend(Protocol):
 
     def prefill_attend(self, spans: Sequence[SequenceSpan]) -> Attend: ...
 
-    def sample(self, logits: torch.Tensor, params: list[SamplingParams], indices: list[int]) -> list[int]: ...
+    def sample(
+        self,
+        logits: torch.Tensor,
+        params: list[SamplingParams],
+        indices: list[int],
+        masks: Sequence[torch.Tensor | None] | None = None,
+    ) -> list[int]: ...
 
     def decode(self, sequences: Sequence[DecodeSequence]) -> tuple[torch.Tensor, list[int]]: ...
 
@@ -89,8 +96,14 @@ class EagerBackend:
     def prefill_attend(self, spans: Sequence[SequenceSpan]) -> Attend:
         return _sdpa_attend(self.cache, spans)
 
-    def sample(self, logits: torch.Tensor, params: list[SamplingParams], indices: list[int]) -> list[int]:
-        return sample_tokens(logits, params, indices)
+    def sample(
+        self,
+        logits: torch.Tensor,
+        params: list[SamplingParams],
+        indices: list[int],
+        masks: Sequence[torch.Tensor | None] | None = None,
+    ) -> list[int]:
+        return sample_tokens(logits, params, indices, masks)
 
     def decode(self, sequences: Sequence[DecodeSequence]) -> tuple[torch.Tensor, list[int]]:
         model, cache = self.model, self.cache
@@ -110,7 +123,10 @@ class EagerBackend:
         )
         logits = model.logits(hidden)
         tokens = sample_tokens(
-            logits, [s.sampling for s in sequences], [s.cached_tokens + 1 for s in sequences]
+            logits,
+            [s.sampling for s in sequences],
+            [s.cached_tokens + 1 for s in sequences],
+            [s.token_mask for s in sequences],
         )
         return logits, tokens
 
@@ -136,8 +152,14 @@ class _Kernels:
 
         return attend
 
-    def sample(self, logits: torch.Tensor, params: list[SamplingParams], indices: list[int]) -> list[int]:
-        return sample_tokens_on_device(logits, params, indices)
+    def sample(
+        self,
+        logits: torch.Tensor,
+        params: list[SamplingParams],
+        indices: list[int],
+        masks: Sequence[torch.Tensor | None] | None = None,
+    ) -> list[int]:
+        return sample_tokens_on_device(logits, params, indices, masks)
 
     def decode(self, sequences: Sequence[DecodeSequence]) -> tuple[torch.Tensor, list[int]]:
         self.model.check_token_ids(torch.tensor([s.token_id for s in sequences]), "decode")
