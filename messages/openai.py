@@ -79,7 +79,8 @@ ResponseFormat = TextFormat | JsonObjectFormat | JsonSchemaResponseFormat
 
 class StructuredOutputs(Body, frozen=True, kw_only=True):
     """vLLM's `structured_outputs`: exactly one of these constrains the answer. `grammar` is a Lark
-    grammar (llguidance's dialect); `structural_tag` is known and refused."""
+    grammar (llguidance's dialect); `structural_tag`, `whitespace_pattern` and
+    `disable_additional_properties` are known and refused."""
 
     json: Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_GRAMMAR_CHARS)] | dict[str, Any] | None = (
         None
@@ -94,7 +95,13 @@ class StructuredOutputs(Body, frozen=True, kw_only=True):
     ) = None
     grammar: Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_GRAMMAR_CHARS)] | None = None
     json_object: bool | None = None
+    # Accepted: JSON never has free whitespace here, and there is no other backend to fall back to.
+    disable_any_whitespace: bool = False
+    disable_fallback: bool = False
+    # Refused when set (engine.http.requests).
     structural_tag: Any = None
+    whitespace_pattern: str | None = None
+    disable_additional_properties: bool = False
 
 
 class SamplingFields(Body, frozen=True, kw_only=True):

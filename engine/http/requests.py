@@ -96,16 +96,19 @@ def grammar(body: SamplingFields) -> Grammar | None:
             pass
         case JsonObjectFormat():
             found.append(("response_format", JsonGrammar()))
-        case JsonSchemaResponseFormat(json_schema=spec):
-            found.append(("response_format.json_schema.schema", _json(spec.json_schema)))
+        case JsonSchemaResponseFormat(json_schema=schema):
+            found.append(("response_format.json_schema.schema", _json(schema.json_schema)))
         case _:
             assert_never(body.response_format)
     outputs = body.structured_outputs
     if outputs is not None:
-        if outputs.structural_tag is not None:
-            raise BadBody(
-                "structured_outputs.structural_tag is not supported", "structured_outputs.structural_tag"
-            )
+        for name, wrong in (
+            ("structural_tag", outputs.structural_tag is not None),
+            ("whitespace_pattern", outputs.whitespace_pattern is not None),
+            ("disable_additional_properties", outputs.disable_additional_properties),
+        ):
+            if wrong:
+                raise BadBody(f"structured_outputs.{name} is not supported", f"structured_outputs.{name}")
         if outputs.json is not None:
             found.append(("structured_outputs.json", _json(outputs.json)))
         if outputs.regex is not None:

@@ -184,6 +184,11 @@ async def test_a_grammar_that_does_not_compile_is_a_400_saying_why(http: httpx.A
         ({"structured_outputs": {"regex": "a(b"}}, "structured_outputs.regex", "unclosed group"),
         ({"structured_outputs": {"grammar": "start: missing"}}, "structured_outputs.grammar", "missing"),
         ({"guided_json": "{not json"}, "guided_json", "not JSON"),
+        (
+            {"structured_outputs": {"structural_tag": {"type": "structural_tag"}}},
+            "structured_outputs.structural_tag",
+            "not supported",
+        ),
     ]
     for extra, param, reason in cases:
         reply = await http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 4, **extra})

@@ -21,10 +21,11 @@ call); the tokenizer cache is safe to share.
 
 from __future__ import annotations
 
-import functools
 import json
+import threading
+import weakref
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, assert_never, final
+from typing import TYPE_CHECKING, Any, assert_never, final
 
 import llguidance
 import numpy as np
@@ -48,10 +49,11 @@ _JSON_OPTIONS: JsonCompileOptions = {
 def compile_grammar(spec: Grammar) -> str:
     """llguidance's grammar text for `spec`. Raises ValueError for a JSON schema that is not JSON."""
     match spec:
-        case JsonGrammar(schema=None):
-            return llguidance.LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=_JSON_OPTIONS)
         case JsonGrammar(schema=schema):
-            return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=_JSON_OPTIONS)
+            any_object: dict[str, Any] = {"type": "object"}
+            return llguidance.LLMatcher.grammar_from_json_schema(
+                any_object if schema is None else schema, defaults=_JSON_OPTIONS
+            )
         case RegexGrammar(pattern=pattern):
             return llguidance.LLMatcher.grammar_from_regex(pattern)
         case ChoiceGrammar(choices=choices):
@@ -100,13 +102,28 @@ def grammar_problem(spec: Grammar) -> str | None:
     return problem.strip() or None
 
 
-@functools.lru_cache(maxsize=8)
+_BUILT: weakref.WeakKeyDictionary[Tokenizer, dict[tuple[int, tuple[int, ...]], llguidance.LLTokenizer]] = (
+    weakref.WeakKeyDictionary()
+)
+_BUILDING = threading.Lock()
+
+
 def grammar_tokenizer(
     tokenizer: Tokenizer, vocab_size: int, eos_token_ids: tuple[int, ...]
 ) -> llguidance.LLTokenizer:
     """`tokenizer` for llguidance, over the model's `vocab_size` (the logits' width); `eos_token_ids`
-    are what a finished grammar allows. Raises ValueError for a tokenizer it cannot take."""
-    eos = list(eos_token_ids)
+    are what a finished grammar allows. Built once per tokenizer object and kept while it lives (a lock:
+    the replicas of a node share one model, and its tokenizer). Raises ValueError for a tokenizer it
+    cannot take."""
+    with _BUILDING:
+        built = _BUILT.setdefault(tokenizer, {})
+        key = (vocab_size, eos_token_ids)
+        if key not in built:
+            built[key] = _build(tokenizer, vocab_size, list(eos_token_ids))
+        return built[key]
+
+
+def _build(tokenizer: Tokenizer, vocab_size: int, eos: list[int]) -> llguidance.LLTokenizer:
     if isinstance(tokenizer, HFTokenizer):
         return llguidance.LLTokenizer(tokenizer.json_text(), n_vocab=vocab_size, eos_token=eos or None)
     if isinstance(tokenizer, ByteTokenizer):
