@@ -154,6 +154,13 @@ def test_a_token_outside_the_mask_puts_the_state_in_error(model: Model) -> None:
     assert choice.error is not None and choice.finished
 
 
+def test_a_choice_is_taken_literally(model: Model) -> None:
+    for text in ['a "quoted" word', "café", "back\\slash", "/not a regex/"]:
+        choice = state(model, ChoiceGrammar(choices=[text, "other"]))
+        choice.catch_up(list(text.encode()))
+        assert choice.finished and choice.error is None, text
+
+
 def test_what_does_not_compile_is_named() -> None:
     assert grammar_problem(RegexGrammar(pattern="[0-9]+")) is None
     assert "unclosed" in (grammar_problem(RegexGrammar(pattern="(ab")) or "")

@@ -4,7 +4,7 @@
   says why one does not compile (None when it does) — the node asks before it admits a request.
 - `grammar_tokenizer(tokenizer, vocab_size, eos_token_ids)` is the model's tokenizer as llguidance sees it: a
   `tokenizer.json` (`HFTokenizer`, GGUF files included) is handed over as its JSON text, the tiny model's
-  byte tokenizer through `llguidance.TokenizerWrapper`. Built once per tokenizer (about 0.2 s for
+  byte tokenizer through `llguidance.TokenizerWrapper`. Built once per tokenizer (about 0.3 s for
   SmolLM2's 49152 tokens) and cached.
 - `GrammarState` matches one request's output. It is rebuilt wherever the request is sampled, from the
   spec and the tokens generated so far (`catch_up`), so it never crosses a process: a prefill replica,
@@ -15,8 +15,8 @@ Invariants: `GrammarState.consumed` tokens of the request's `generated` were fed
 `mask()` is the allowed set for the token after them — a bool `[vocab_size]` tensor, True = allowed, EOS
 allowed exactly where the grammar accepts; `finished` once the grammar allows nothing but EOS (the
 request then ends `stop`). A matcher that is fed a token its mask did not allow goes into an error state
-(`error`) and stays there; so does one whose grammar the matcher refused. Thread safety: one state is used by one thread at a time (the holder's compute
-call); the tokenizer cache is safe to share.
+(`error`) and stays there; so does one whose grammar the matcher refused. Thread safety: one state is
+used by one thread at a time (the holder's compute call); the tokenizer cache is safe to share.
 """
 
 from __future__ import annotations
