@@ -29,24 +29,26 @@ def grammar_rows(
     requests: Sequence[ServingRequest], samples: Sequence[bool] | None = None
 ) -> list[ServingRequest | None]:
     """The `grammars` of a call over `requests`: each request with a grammar whose row samples a kept
-    token (`samples[b]`; default: every row)."""
+    token (`samples[b]`; default: every row), None for the others; empty when no row is constrained (the
+    call then costs nothing more)."""
     kept = samples if samples is not None else [True] * len(requests)
-    return [
+    rows = [
         r if keep and r.sampling.grammar is not None else None for r, keep in zip(requests, kept, strict=True)
     ]
+    return rows if any(row is not None for row in rows) else []
 
 
 def constrain(rows: Sequence[Row], grammars: Sequence[ServingRequest | None], model: Model) -> list[Row]:
-    """`rows` with the mask of each constrained one (worker thread; see the module docstring)."""
-    if not any(request is not None for request in grammars):
-        return list(rows)
-    out: list[Row] = []
-    for row, request in zip(rows, grammars, strict=True):
+    """`rows` with the mask of each constrained one (worker thread; see the module docstring). A state
+    in error constrains nothing: `apply_tokens` fails its request."""
+    live: list[tuple[int, GrammarState]] = []
+    for row, request in enumerate(grammars):
         state = None if request is None else _state(request, model)
-        if state is None or state.error is not None:
-            out.append(row)
-        else:
-            out.append(dataclasses.replace(row, token_mask=state.mask()))
+        if state is not None and state.error is None:
+            live.append((row, state))
+    out = list(rows)
+    for row, state in live:
+        out[row] = dataclasses.replace(rows[row], token_mask=state.mask())
     return out
 
 

@@ -159,7 +159,7 @@ class GrammarState:
 
     def __init__(self, spec: Grammar, tokenizer: llguidance.LLTokenizer) -> None:
         self.spec = spec
-        self._vocab = tokenizer.vocab_size
+        self.vocab_size = tokenizer.vocab_size
         self._matcher = llguidance.LLMatcher(tokenizer, compile_grammar(spec), log_level=0)
         self.consumed = 0
 
@@ -186,4 +186,4 @@ class GrammarState:
     def mask(self) -> torch.Tensor:
         """The tokens allowed next: bool `[vocab_size]`, True = allowed (see the module docstring)."""
         bits = np.frombuffer(self._matcher.compute_bitmask(), dtype=np.uint8)
-        return torch.from_numpy(np.unpackbits(bits, bitorder="little")[: self._vocab].astype(np.bool_))
+        return torch.from_numpy(np.unpackbits(bits, bitorder="little")[: self.vocab_size].astype(np.bool_))
