@@ -4,12 +4,14 @@ blocks of finished requests freed; a refused call fails its requests.
 `apply_tokens(items, tokens, ...)` gives each held request its sampled token (and its log-probability,
 where the step scored it) — a prefill's first token
 (`first`: the prefill's end and the first token are logged) or a decode step's next one — and ends the
-requests that a stop token, `max_tokens`, the context or a finished grammar (`stop`: nothing but EOS may
-follow) ends, or that were cancelled meanwhile (no token then); a grammar the output left fails its
-request (`internal`). An ended request's blocks go back through `release` before it finishes, so a client that hears
+requests that a stop token, `max_tokens` or the context ends, or that were cancelled meanwhile (no token
+then). An ended request's blocks go back through `release` before it finishes, so a client that hears
 of the end finds the blocks free. It returns the items that go on (to a decode replica, or to the next
 step), in order. `refuse(items, ...)` does the same for a call the model refused before writing anything
 (`ModelInputError`): every request fails with the role's code.
+
+A request whose grammar finished (nothing but EOS may follow) ends `stop`; one whose output left its
+grammar fails (`internal`).
 
 Invariant: each item is released exactly once, by whichever of the two ends it, or kept by the caller.
 Runs in the replica's main loop; nothing here waits.

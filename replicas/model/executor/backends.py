@@ -2,11 +2,13 @@
 
 A backend answers the questions whose answer depends on the path, and nothing else: how a prefill call
 attends (`prefill_attend`), how a decode step runs (`decode`), where tokens are sampled (`sample`), and
-the layer ops the model runs with (`ops`). Every path applies a sequence's `token_mask` (structured
-outputs) to the logits before its token is chosen, greedy or sampled. The executor validates the inputs, drives the layers and
+the layer ops the model runs with (`ops`). The executor validates the inputs, drives the layers and
 holds exactly one backend, chosen at construction (`Executor`); capturing the decode graphs turns a
 `KernelBackend` into a `GraphBackend` (`KernelBackend.capture`, called by `Executor.prepare` — at the
 load or at a role change, never inside a step).
+
+Every path applies a sequence's `token_mask` (structured outputs) to the logits before its token is
+chosen, greedy or sampled.
 
 - `eager`: torch's SDPA over the gathered context; sampling on the host. The CPU path.
 - `kernels`: the Triton paged-attention kernels read K/V in place through the block tables (one launch

@@ -3,8 +3,9 @@
 `KernelDecoder.step` fills the step's inputs into preallocated device buffers (`DecodeInputs`), runs the
 model over them — every layer writes the fed tokens' K/V through `write_kv` and attends through
 `paged_decode_attention`, reading the context in place through the block tables — samples on the
-device (`sample_on_device`, each sequence's `token_mask` applied to the logits the step or its graph
-returned: a graph never samples, so no row escapes its mask) and reads the sampled tokens once: the only host sync of a step.
+device (`sample_on_device`) and reads the sampled tokens once: the only host sync of a step.
+Each sequence's `token_mask` is applied to the logits the step or its graph returned: a graph never
+samples, so no row escapes its mask.
 
 Graphs (`capture`, on a CUDA device): one per batch-size bucket (`graph_buckets`), captured after the
 weights loaded, largest first, sharing one memory pool (one replay at a time, outputs read before the

@@ -124,8 +124,9 @@ def sample_on_device(
     logits: torch.Tensor, inputs: SamplingInputs, masks: Sequence[torch.Tensor | None] | None = None
 ) -> torch.Tensor:
     """[B, V] float32 logits on any device → int64 [B] tokens on that device, the same tokens
-    `sample_tokens` picks (`masks`: each row's allowed tokens, as there; one copy to the device). No host sync inside (no .item()/.tolist()/.cpu(), no Python branch on tensor
-    values): the caller reads the result once.
+    `sample_tokens` picks. No host sync inside (no .item()/.tolist()/.cpu(), no Python branch on tensor
+    values): the caller reads the result once. `masks`: each row's allowed tokens, as `sample_tokens`
+    takes them (one copy to the device).
 
     Python branches here only on host-known sizes (S, K, B, V). Raises ValueError when the logits do not fit
     `inputs` (shape, device) and IndexError for a banned id outside the vocabulary, as `sample_tokens`

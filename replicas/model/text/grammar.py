@@ -1,7 +1,8 @@
 """Structured outputs with llguidance: a request's `Grammar` compiled, checked and matched token by token.
 
-- `compile_grammar(spec)` turns the spec (`messages.grammar`) into llguidance's grammar text; `grammar_problem`
-  says why one does not compile (None when it does) — the node asks before it admits a request.
+- `compile_grammar(spec)` turns the spec (`messages.grammar`) into llguidance's grammar text;
+  `grammar_problem` says why one does not compile (None when it does) — the node asks before it admits
+  a request.
 - `grammar_tokenizer(tokenizer, vocab_size, eos_token_ids)` is the model's tokenizer as llguidance sees it: a
   `tokenizer.json` (`HFTokenizer`, GGUF files included) is handed over as its JSON text, the tiny model's
   byte tokenizer through `llguidance.TokenizerWrapper`. Built once per tokenizer (about 0.3 s for
