@@ -87,18 +87,14 @@ def constrained(
     return outputs
 
 
-def paths() -> list[str]:
-    return ["torch", "kernels", "graphs"] if DEVICE.type == "cuda" else ["torch", "kernels"]
-
-
-def test_every_path_gives_only_what_the_grammar_allows_and_the_same_tokens(model: Model) -> None:
-    """One greedy row and one sampled row in each batch."""
+def answers_on(model: Model, paths: list[str]) -> dict[str, list[list[int]]]:
+    """One greedy row and one sampled row, constrained, on each executor path; every answer checked."""
     prompts = [[(7 * j + 3 * i) % 250 + 5 for j in range(n)] for i, n in enumerate([5, 9])]
     sampling = [SamplingParams(ignore_eos=True), SamplingParams(temperature=1.5, seed=9, ignore_eos=True)]
     tokenizer = ByteTokenizer(model.config.vocab_size)
     answers = {}
-    for path in paths():
-        cache = KVCache.create(model.config, 16, device=DEVICE)
+    for path in paths:
+        cache = KVCache.create(model.config, 16, device=model.device)
         attention = "torch" if path == "torch" else "kernels"
         executor = Executor(
             model, cache, attention=attention, cuda_graphs="auto" if path == "graphs" else "off"
@@ -108,7 +104,21 @@ def test_every_path_gives_only_what_the_grammar_allows_and_the_same_tokens(model
         answers[path] = constrained(executor, prompts, sampling, 8)
         for tokens in answers[path]:
             assert re.fullmatch(PATTERN, tokenizer.decode(tokens)), tokenizer.decode(tokens)
-    assert all(answer == answers["torch"] for answer in answers.values())
+    return answers
+
+
+def test_every_path_gives_only_what_the_grammar_allows_and_the_same_tokens(model: Model) -> None:
+    answers = answers_on(model, ["torch", "kernels"])
+    assert answers["kernels"] == answers["torch"]
+
+
+@pytest.mark.gpu
+def test_the_decode_graphs_mask_the_logits_they_return() -> None:
+    """A graph replays the forward only; the masks apply to its logits before the choice."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device: torch.cuda.is_available() is false")
+    answers = answers_on(tiny_model(kernels="plain", device="cuda"), ["torch", "graphs"])
+    assert answers["graphs"] == answers["torch"]
 
 
 @pytest.mark.parametrize("temperature", [0.0, 0.7])
