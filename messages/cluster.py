@@ -22,6 +22,7 @@ from messages.base import Message, Record
 from messages.commands import RelayOffer, ReplicaCommand
 from messages.control import ControlRequest, ErrorCode, ReplicaRole
 from messages.control_replies import RelayInfo, ReplicaStatus, TokenLogprob, TransferSummary
+from messages.grammar import Grammar
 
 PROTOCOL_VERSION = 1
 NodeId = Annotated[str, msgspec.Meta(min_length=1, max_length=32, pattern=r"^[a-z0-9][a-z0-9_-]*$")]
@@ -133,6 +134,9 @@ class SamplingRecord(Record, frozen=True):
     eos_token_ids: list[int]
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    # The output's grammar (structured outputs): the spec only; each node rebuilds its matcher from it
+    # and the tokens generated so far.
+    grammar: Grammar | None = None
 
 
 class RequestSnapshot(Record, frozen=True):

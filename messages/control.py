@@ -13,6 +13,7 @@ from typing import Annotated, Literal, get_args
 import msgspec
 
 from messages.base import Record
+from messages.grammar import Grammar
 
 # ---------------------------------------------------------------------------------------------- bounds
 MAX_ID_CHARS = 256
@@ -127,6 +128,8 @@ class GenerateRequest(ControlRequestBase, frozen=True, tag="generate"):
     sampling randomness is a function of (`seed`, position). `logprobs`: each generated token's
     log-probability with that many most likely alternatives; `prompt_logprobs`: the same for each prompt
     token (the first one's is null) — the model's raw distribution, before temperature and top-p.
+    `grammar`: the output's structure (`messages.grammar`: a JSON schema, a regex, a choice, a grammar);
+    one that does not compile is a `bad_request` naming why.
     """
 
     prompt: Annotated[str, msgspec.Meta(max_length=MAX_PROMPT_CHARS)] | None = None
@@ -145,6 +148,7 @@ class GenerateRequest(ControlRequestBase, frozen=True, tag="generate"):
     request_id: RequestId | None = None
     logprobs: Annotated[int, msgspec.Meta(ge=0, le=MAX_LOGPROBS)] | None = None
     prompt_logprobs: Annotated[int, msgspec.Meta(ge=0, le=MAX_LOGPROBS)] | None = None
+    grammar: Grammar | None = None
 
     def __post_init__(self) -> None:
         if (self.prompt is None) == (self.input_ids is None):

@@ -21,6 +21,7 @@ from messages.control import (
     MAX_STOP_STRINGS,
     MAX_TEMPERATURE,
 )
+from messages.grammar import MAX_CHOICE_CHARS, MAX_CHOICES, MAX_GRAMMAR_CHARS
 
 MAX_MESSAGES = 4096
 MAX_TEXT_CHARS = 16 * 1024 * 1024
@@ -50,6 +51,59 @@ class StreamOptions(Body, frozen=True, kw_only=True):
     continuous_usage_stats: bool = False
 
 
+class JsonSchemaFormat(Body, frozen=True, kw_only=True):
+    """OpenAI's `response_format.json_schema`: the answer validates against `schema` (`strict` is taken
+    as true: the grammar enforces the schema in every case)."""
+
+    name: Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
+    # `schema` on the wire; None: any JSON object
+    json_schema: dict[str, Any] | bool | None = msgspec.field(default=None, name="schema")
+    strict: bool | None = None
+    description: str | None = None
+
+
+class TextFormat(Body, frozen=True, kw_only=True, tag="text", tag_field="type"):
+    """Free text (no constraint)."""
+
+
+class JsonObjectFormat(Body, frozen=True, kw_only=True, tag="json_object", tag_field="type"):
+    """Any JSON object."""
+
+
+class JsonSchemaResponseFormat(Body, frozen=True, kw_only=True, tag="json_schema", tag_field="type"):
+    json_schema: JsonSchemaFormat
+
+
+ResponseFormat = TextFormat | JsonObjectFormat | JsonSchemaResponseFormat
+
+
+class StructuredOutputs(Body, frozen=True, kw_only=True):
+    """vLLM's `structured_outputs`: exactly one of these constrains the answer. `grammar` is a Lark
+    grammar (llguidance's dialect); `structural_tag`, `whitespace_pattern` and
+    `disable_additional_properties` are known and refused."""
+
+    json: Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_GRAMMAR_CHARS)] | dict[str, Any] | None = (
+        None
+    )
+    regex: Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_GRAMMAR_CHARS)] | None = None
+    choice: (
+        Annotated[
+            list[Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_CHOICE_CHARS)]],
+            msgspec.Meta(min_length=1, max_length=MAX_CHOICES),
+        ]
+        | None
+    ) = None
+    grammar: Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_GRAMMAR_CHARS)] | None = None
+    json_object: bool | None = None
+    # Accepted: JSON never has free whitespace here, and there is no other backend to fall back to.
+    disable_any_whitespace: bool = False
+    disable_fallback: bool = False
+    # Refused when set (engine.http.requests).
+    structural_tag: Any = None
+    whitespace_pattern: str | None = None
+    disable_additional_properties: bool = False
+
+
 class SamplingFields(Body, frozen=True, kw_only=True):
     """What completions and chat completions share."""
 
@@ -71,6 +125,14 @@ class SamplingFields(Body, frozen=True, kw_only=True):
     logit_bias: dict[str, float] | None = None
     best_of: int | None = None
     user: str | None = None
+    # Structured outputs (engine.http.requests): OpenAI's `response_format`, vLLM's `structured_outputs`
+    # and its older `guided_*` spellings; at most one of them.
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
 
 class CompletionRequest(SamplingFields, frozen=True, kw_only=True):
@@ -166,7 +228,6 @@ class ChatCompletionRequest(SamplingFields, frozen=True, kw_only=True):
     top_logprobs: Logprobs | None = None
     tools: list[ToolDefinition] | None = None
     tool_choice: ToolChoice | None = None  # None: "auto" with tools, else "none" (OpenAI's)
-    response_format: dict[str, Any] | None = None
 
 
 # ---------------------------------------------------------------------- responses

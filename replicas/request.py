@@ -22,6 +22,7 @@ import trio
 from messages.control import ErrorCode
 from messages.control_replies import RelayInfo, Timings, TransferSummary
 from replicas.model import ImageGrid, SamplingParams, TokenLogprobs
+from replicas.model.text.grammar import GrammarState
 
 FinishReason = Literal["stop", "length", "cancelled"]
 CancelReason = Literal["cancel_op", "client_disconnected", "client_too_slow", "shutdown"]
@@ -148,6 +149,9 @@ class ServingRequest:
         self.stop_at: int | None = None
         self.holder: str | None = None  # the replica holding it (None: the router or a migration)
         self.relay: RelayInfo | None = None  # set when its prefill was relayed (ZigZag)
+        # The matcher of `sampling.grammar` on this node, rebuilt from the spec and `generated` wherever
+        # the request is sampled (`replicas.step.grammar`); only the holder's compute call touches it.
+        self.grammar_state: GrammarState | None = None
         self._update_send, self.updates = trio.open_memory_channel[RequestUpdate](max_tokens + 4)
         self.cancel_hooks: list[trio.CancelScope] = []
         self.on_end: list[Callable[[ServingRequest], None]] = []

@@ -62,6 +62,7 @@ from messages.control_replies import (
     TransitionResult,
     reply_decoder,
 )
+from messages.grammar import Grammar
 from transport.protocol.scope import open_task_scope
 
 DEFAULT_MAX_LINE_BYTES: Final = 64 * 1024 * 1024
@@ -176,6 +177,7 @@ class ControlClient:
         request_id: str | None = None,
         logprobs: int | None = None,
         prompt_logprobs: int | None = None,
+        grammar: Grammar | None = None,
     ) -> AsyncGenerator[TokenReply | GenerateResult, None]:
         """Token replies (when `stream`) and then the result. `request_id` defaults to a fresh uuid."""
         request = GenerateRequest(
@@ -195,6 +197,7 @@ class ControlClient:
             request_id=request_id or uuid.uuid4().hex,
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
+            grammar=grammar,
         )
         async for reply in self.replies(request):
             match reply:
@@ -219,6 +222,7 @@ class ControlClient:
         request_id: str | None = None,
         logprobs: int | None = None,
         prompt_logprobs: int | None = None,
+        grammar: Grammar | None = None,
     ) -> GenerateResult:
         """`generate` without streaming: the result alone."""
         replies = self.generate(
@@ -235,6 +239,7 @@ class ControlClient:
             request_id=request_id,
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
+            grammar=grammar,
         )
         async for reply in replies:
             if isinstance(reply, GenerateResult):

@@ -2,7 +2,8 @@
 
 The control messages already bound every number; here come the model's limits: the vocabulary, the
 context, the KV pool a request must fit in, images only for a model with a vision encoder and with
-sides that are multiples of the patch size. Each refusal is a `RequestFailed` whose message names the
+sides that are multiples of the patch size, a grammar (structured outputs) that compiles, for a
+tokenizer llguidance reads. Each refusal is a `RequestFailed` whose message names the
 value and the limit.
 
 The context is vLLM's: the prompt and `max_tokens` together must fit in it (the model's context, or
@@ -19,7 +20,9 @@ import numpy as np
 from engine.control.errors import RequestFailed
 from engine.generate.served import ServedModel
 from messages.control import GenerateRequest, ImageInput
+from messages.grammar import Grammar
 from replicas.model import ImageSizeError, InvalidBatchError, SamplingParams, check_image, encode_prompt
+from replicas.model.text.grammar import grammar_name, grammar_problem, supports_grammars
 from replicas.request import ServingRequest
 from replicas.settings import ReplicaSettings
 from replicas.weights import ModelHost
@@ -41,6 +44,8 @@ def build_request(
         )
     if request.stop and host.tokenizer is None:
         raise RequestFailed("bad_request", f"model {host.name!r} has no tokenizer: `stop` strings need one")
+    if request.grammar is not None:
+        _check_grammar(request.grammar, host)
     prompt_ids = _prompt_ids(request, host, len(images))
     context = served.context
     if len(prompt_ids) >= context:
@@ -81,12 +86,26 @@ def build_request(
             ignore_eos=request.ignore_eos,
             eos_banned_before=len(prompt_ids) + request.min_tokens,
             eos_token_ids=tuple(sorted(config.eos_token_ids)) if request.min_tokens else (),
+            grammar=request.grammar,
         ),
         max_tokens=max_tokens,
         eos_token_ids=config.eos_token_ids,
         logprobs=request.logprobs,
         prompt_logprobs=request.prompt_logprobs,
     )
+
+
+def _check_grammar(grammar: Grammar, host: ModelHost) -> None:
+    """A grammar needs a tokenizer llguidance reads, and must compile (before anything is queued)."""
+    if not supports_grammars(host.tokenizer):
+        raise RequestFailed(
+            "not_supported",
+            f"model {host.name!r} has no tokenizer structured outputs can use (a tokenizer.json or a GGUF "
+            "file's vocabulary): send the request without a grammar",
+        )
+    problem = grammar_problem(grammar)
+    if problem is not None:
+        raise RequestFailed("bad_request", f"the {grammar_name(grammar)} does not compile: {problem}")
 
 
 def _prompt_ids(request: GenerateRequest, host: ModelHost, image_count: int) -> list[int]:

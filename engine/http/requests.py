@@ -14,6 +14,11 @@
   (that many alternatives) ask for each generated token's; completions' `echo` puts the prompt before the
   text and, with `logprobs`, the prompt tokens' log-probabilities before the generated ones' (a stream's
   first chunk carries them, once the prompt ran).
+- Structured outputs (`grammar`): OpenAI's `response_format` (`json_object`, `json_schema`), vLLM's
+  `structured_outputs` (`json`, `regex`, `choice`, `grammar` — Lark —, `json_object`) and its older
+  `guided_json` / `guided_regex` / `guided_choice` / `guided_grammar`: at most one, compiled here
+  (`replicas.model.text.grammar`) so that one that does not compile is a 400 saying why, before
+  anything is queued.
 - Known fields the node does not support are refused by name (`unsupported`), never dropped.
 """
 
@@ -22,11 +27,24 @@ from __future__ import annotations
 import base64
 import binascii
 import io
-from typing import Any, Final, Protocol, final
+from typing import Any, Final, Protocol, assert_never, final
+
+import msgspec
 
 from engine.http.tools.template import template_tool_calls, template_tools
 from messages.control import MAX_IMAGE_SIDE, MAX_IMAGES, GenerateRequest, ImageInput
-from messages.openai import ChatCompletionRequest, ChatMessage, CompletionRequest, ImagePart, SamplingFields
+from messages.grammar import ChoiceGrammar, Grammar, JsonGrammar, LarkGrammar, RegexGrammar
+from messages.openai import (
+    ChatCompletionRequest,
+    ChatMessage,
+    CompletionRequest,
+    ImagePart,
+    JsonObjectFormat,
+    JsonSchemaResponseFormat,
+    SamplingFields,
+    TextFormat,
+)
+from replicas.model.text.grammar import grammar_name, grammar_problem
 
 DEFAULT_TEMPERATURE: Final = 1.0
 IMAGE_MARKER: Final = "<image>"  # where `replicas.model.encode_prompt` puts the next image
@@ -75,16 +93,76 @@ def unsupported(body: SamplingFields) -> BadBody | None:
                 body.top_logprobs is not None and not body.logprobs,
                 "top_logprobs needs logprobs set to true",
             ),
-            (
-                "response_format",
-                body.response_format is not None and body.response_format.get("type") != "text",
-                "response_format other than text is not supported",
-            ),
         ]
     for param, wrong, message in checks:
         if wrong:
             return BadBody(message, param)
     return None
+
+
+def grammar(body: SamplingFields) -> Grammar | None:
+    """The body's output grammar (see the module docstring); a `BadBody` naming the field when two
+    are given, or when one does not compile."""
+    found: list[tuple[str, Grammar]] = []
+    match body.response_format:
+        case None | TextFormat():
+            pass
+        case JsonObjectFormat():
+            found.append(("response_format", JsonGrammar()))
+        case JsonSchemaResponseFormat(json_schema=schema):
+            found.append(("response_format.json_schema.schema", _json(schema.json_schema)))
+        case _:
+            assert_never(body.response_format)
+    outputs = body.structured_outputs
+    if outputs is not None:
+        for name, wrong in (
+            ("structural_tag", outputs.structural_tag is not None),
+            ("whitespace_pattern", outputs.whitespace_pattern is not None),
+            ("disable_additional_properties", outputs.disable_additional_properties),
+        ):
+            if wrong:
+                raise BadBody(f"structured_outputs.{name} is not supported", f"structured_outputs.{name}")
+        if outputs.json is not None:
+            found.append(("structured_outputs.json", _json(outputs.json)))
+        if outputs.regex is not None:
+            found.append(("structured_outputs.regex", RegexGrammar(pattern=outputs.regex)))
+        if outputs.choice is not None:
+            found.append(("structured_outputs.choice", ChoiceGrammar(choices=outputs.choice)))
+        if outputs.grammar is not None:
+            found.append(("structured_outputs.grammar", LarkGrammar(grammar=outputs.grammar)))
+        if outputs.json_object:
+            found.append(("structured_outputs.json_object", JsonGrammar()))
+    if body.guided_json is not None:
+        found.append(("guided_json", _json(body.guided_json)))
+    if body.guided_regex is not None:
+        found.append(("guided_regex", RegexGrammar(pattern=body.guided_regex)))
+    if body.guided_choice is not None:
+        found.append(("guided_choice", ChoiceGrammar(choices=body.guided_choice)))
+    if body.guided_grammar is not None:
+        found.append(("guided_grammar", LarkGrammar(grammar=body.guided_grammar)))
+    if not found:
+        return None
+    if len(found) > 1:
+        names = ", ".join(param for param, _ in found)
+        raise BadBody(
+            f"at most one structured output may be asked for; this body asks for {names}", found[1][0]
+        )
+    param, spec = found[0]
+    try:
+        spec = msgspec.convert(msgspec.to_builtins(spec), type=Grammar)  # the message's own bounds
+    except msgspec.ValidationError as exc:
+        raise BadBody(f"{param}: {exc}", param) from None
+    problem = grammar_problem(spec)
+    if problem is not None:
+        raise BadBody(f"the {grammar_name(spec)} in {param} does not compile: {problem}", param)
+    return spec
+
+
+def _json(schema: str | dict[str, Any] | bool | None) -> JsonGrammar:
+    """A JSON schema given as text or as an object (None: any JSON object)."""
+    if schema is None:
+        return JsonGrammar()
+    return JsonGrammar(schema=schema if isinstance(schema, str) else msgspec.json.encode(schema).decode())
 
 
 def _sampling(body: SamplingFields, max_tokens: int | None) -> dict[str, Any]:
@@ -102,6 +180,7 @@ def _sampling(body: SamplingFields, max_tokens: int | None) -> dict[str, Any]:
         "min_tokens": body.min_tokens,
         "stop": stop,
         "stream": body.stream,
+        "grammar": grammar(body),
     }
 
 

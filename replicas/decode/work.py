@@ -37,6 +37,7 @@ from replicas.prefill.prefix import model_identity
 from replicas.settings import ReplicaSettings
 from replicas.step.apply import apply_tokens, refuse
 from replicas.step.compute import Compute
+from replicas.step.grammar import grammar_rows
 from replicas.step.plan import DecodeCall, Held
 from transport.errors import TransferError
 from transport.memory.prefix_cache import block_keys
@@ -233,7 +234,8 @@ class DecodeWork:
                     logprobs=s.request.logprobs,
                 )
                 for s in batch
-            ]
+            ],
+            grammars=grammar_rows([s.request for s in batch]),
         )
         self.stepping = batch
         self._compute.run(

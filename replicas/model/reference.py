@@ -3,7 +3,9 @@
 `generate_in_one_piece` prefills the whole prompt (images encoded by the model's own vision encoder and
 placed at their markers), samples the first token, then decodes one token at a time — no batching, no
 layer split, no migration. Disaggregated serving must produce exactly these token ids (up to genuine
-greedy ties, where two logits are within rounding of each other).
+greedy ties, where two logits are within rounding of each other). A request's grammar (`sampling.grammar`)
+is matched by one `GrammarState` from the first token to the last, its mask on every sampled row, and
+ends the generation when it finishes.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from replicas.model.executor import DecodeSequence, Executor, PrefillSequence
 from replicas.model.kv_cache import DEFAULT_KV_BLOCK_SIZE, KVCache
 from replicas.model.llama import Model
 from replicas.model.sampling import GREEDY, SamplingParams, finish_reason
+from replicas.model.text.grammar import GrammarState, grammar_tokenizer
 from replicas.model.text.prompt import layout_prompt
 
 REFERENCE_OWNER = "reference"
@@ -63,6 +66,14 @@ def generate_in_one_piece(
         model.config, -(-total // block_size), block_size=block_size, device=model.device, name="reference-kv"
     )
     table = cache.pool.allocate(cache.blocks_for(total), REFERENCE_OWNER)
+    grammar = None
+    if sampling.grammar is not None:
+        if model.tokenizer is None:
+            raise InvalidBatchError(f"model {model.name!r} has no tokenizer: a grammar needs one")
+        eos = tuple(sorted(model.eos_token_ids))
+        grammar = GrammarState(
+            sampling.grammar, grammar_tokenizer(model.tokenizer, model.config.vocab_size, eos)
+        )
     try:
         executor = Executor(model, cache)
         first = executor.prefill(
@@ -74,12 +85,17 @@ def generate_in_one_piece(
                     embeds=embeds,
                     embed_indices=embed_indices,
                     sampling=sampling,
+                    token_mask=None if grammar is None else grammar.mask(),
                 )
             ]
         )
         assert first.tokens is not None
         generated = [first.tokens[0]]
+        if grammar is not None:
+            grammar.feed(generated[-1])
         while finish_reason(generated, sampling, model.eos_token_ids, max_tokens) is None:
+            if grammar is not None and grammar.finished:
+                break
             cached = len(tokens) + len(generated) - 1
             if cached + 1 > total:
                 break
@@ -91,10 +107,13 @@ def generate_in_one_piece(
                         token_id=generated[-1],
                         position=next_position + len(generated) - 1,
                         sampling=sampling,
+                        token_mask=None if grammar is None else grammar.mask(),
                     )
                 ]
             )
             generated.append(step.tokens[0])
+            if grammar is not None:
+                grammar.feed(generated[-1])
         return generated
     finally:
         cache.pool.free(table, REFERENCE_OWNER)

@@ -17,6 +17,7 @@ from typing import Literal, final
 import msgspec
 import torch
 
+from messages.grammar import Grammar
 from replicas.model.errors import ModelInputError
 
 FinishReason = Literal["stop", "length"]
@@ -34,6 +35,9 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     `min_tokens`: the tokens at indices below `eos_banned_before` (the prompt's length plus the request's
     `min_tokens`) are never one of `eos_token_ids` — their logits are masked before greedy or sampled
     choice, as vLLM's `min_tokens` does — so a generation runs at least that long.
+
+    `grammar`: the output's structure (`messages.grammar`); each step's allowed tokens come as a mask
+    (`replicas.model.text.grammar`), applied to the logits after the EOS ban, before the choice.
     """
 
     temperature: float = 0.0
@@ -42,6 +46,7 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     ignore_eos: bool = False
     eos_banned_before: int = 0
     eos_token_ids: tuple[int, ...] = ()
+    grammar: Grammar | None = None
 
     def __post_init__(self) -> None:
         if not self.temperature >= 0.0:
@@ -63,10 +68,31 @@ def uniform_draw(seed: int, token_index: int) -> float:
     return (int.from_bytes(digest, "little") >> 11) / float(1 << 53)
 
 
+def mask_logits(logits: torch.Tensor, masks: Sequence[torch.Tensor | None] | None) -> torch.Tensor:
+    """`logits` `[batch, vocab]` with the tokens `masks[b]` (bool `[vocab]`, True = allowed; None: all)
+    disallows set to -inf in row b — a copy when any row has a mask, on the logits' device."""
+    if masks is None or all(mask is None for mask in masks):
+        return logits
+    if len(masks) != logits.shape[0]:
+        raise ValueError(f"mask_logits: {len(masks)} masks for logits {list(logits.shape)}")
+    rows = [row for row, mask in enumerate(masks) if mask is not None]
+    allowed = torch.stack([mask for mask in masks if mask is not None])
+    if allowed.shape[1] != logits.shape[1]:
+        raise ValueError(f"mask_logits: masks of {allowed.shape[1]} tokens for logits {list(logits.shape)}")
+    index = torch.tensor(rows, dtype=torch.int64).to(logits.device, non_blocking=True)
+    allowed = allowed.to(logits.device, non_blocking=True)
+    picked = logits.index_select(0, index).masked_fill_(~allowed, float("-inf"))
+    return logits.index_copy(0, index, picked)
+
+
 def sample_tokens(
-    logits: torch.Tensor, params: Sequence[SamplingParams], token_indices: Sequence[int]
+    logits: torch.Tensor,
+    params: Sequence[SamplingParams],
+    token_indices: Sequence[int],
+    masks: Sequence[torch.Tensor | None] | None = None,
 ) -> list[int]:
-    """One token per row of `logits` `[batch, vocab]`; row b is the token at `token_indices[b]`."""
+    """One token per row of `logits` `[batch, vocab]`; row b is the token at `token_indices[b]`, chosen
+    among the tokens `masks[b]` allows (`mask_logits`; None: all)."""
     if logits.dim() != 2 or logits.shape[0] != len(params) or len(params) != len(token_indices):
         raise ValueError(
             f"sample_tokens: logits {list(logits.shape)}, {len(params)} params, {len(token_indices)} indices"
@@ -80,6 +106,7 @@ def sample_tokens(
         logits = logits.clone()
         for row in banned:
             logits[row, list(params[row].eos_token_ids)] = float("-inf")
+    logits = mask_logits(logits, masks)
     chosen = logits.argmax(dim=-1).tolist()
     for row, (p, index) in enumerate(zip(params, token_indices, strict=True)):
         if not p.greedy:

@@ -42,6 +42,7 @@ from replicas.settings import ReplicaSettings
 from replicas.states import KEEPS_IMAGE_REQUESTS, ReplicaState
 from replicas.step.apply import apply_tokens, refuse
 from replicas.step.compute import Compute
+from replicas.step.grammar import grammar_rows
 from replicas.step.plan import Held, PrefillCall
 
 S = ReplicaState
@@ -160,7 +161,8 @@ class PrefillWork:
         batch, sequences = taken
         self.running = batch
         tokens = sum(sequence.num_tokens for sequence in sequences)
-        call = PrefillCall(sequences)
+        grammars = grammar_rows([item.request for item in batch], [chunk.last for chunk in self._chunks])
+        call = PrefillCall(sequences, grammars=grammars)
         self._compute.run(
             lambda: call.run(executor),
             self._finished,

@@ -10,6 +10,9 @@ of the end finds the blocks free. It returns the items that go on (to a decode r
 step), in order. `refuse(items, ...)` does the same for a call the model refused before writing anything
 (`ModelInputError`): every request fails with the role's code.
 
+A request whose grammar finished (nothing but EOS may follow) ends `stop`; one whose output left its
+grammar fails (`internal`).
+
 Invariant: each item is released exactly once, by whichever of the two ends it, or kept by the caller.
 Runs in the replica's main loop; nothing here waits.
 """
@@ -58,6 +61,13 @@ def apply_tokens(
         if first:
             request_log.emit(FirstToken(token_id=token, ttft_s=now - request.stamps.arrived))
         reason = finish_reason(request.generated, request.sampling, request.eos_token_ids, request.max_tokens)
+        grammar = request.grammar_state
+        if grammar is not None and grammar.error is not None:
+            release(item)
+            request.fail("internal", f"the output left its grammar: {grammar.error}")
+            continue
+        if reason is None and grammar is not None and grammar.finished:
+            reason = "stop"
         if reason is None and request.context_tokens + 1 > context_length:
             reason = "length"
         if reason is not None:

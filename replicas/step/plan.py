@@ -2,7 +2,9 @@
 
 `Held` is a request whose KV sits in the replica's blocks; a step's model call is one of `PrefillCall`
 (any layer range, from hidden states or the prompt), `DecodeCall` or `EncodeCall`, each run by `run` on
-the replica's executor or vision encoder in a worker thread. Plain values: nothing to cancel.
+the replica's executor or vision encoder in a worker thread. Plain values: nothing to cancel. A call
+that samples takes `grammars`, row for row the request whose grammar constrains the row's token
+(`replicas.step.grammar`; empty: none does); `run` masks those rows and feeds their grammars.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from replicas.model import (
     VisionEncoder,
 )
 from replicas.request import ServingRequest
+from replicas.step.grammar import constrain, feed
 
 
 @final
@@ -50,9 +53,17 @@ class PrefillCall:
     layers: range | None = None
     hidden: torch.Tensor | None = None
     head: bool = True
+    grammars: Sequence[ServingRequest | None] = ()
 
     def run(self, executor: Executor) -> PrefillResult:
-        return executor.prefill(self.sequences, layers=self.layers, hidden=self.hidden, head=self.head)
+        num_layers = executor.model.config.num_layers
+        samples = self.head and (self.layers is None or self.layers.stop == num_layers)
+        grammars = self.grammars if samples else ()
+        sequences = constrain(self.sequences, grammars, executor.model) if grammars else self.sequences
+        result = executor.prefill(sequences, layers=self.layers, hidden=self.hidden, head=self.head)
+        if grammars and result.tokens is not None:
+            feed(grammars, result.tokens)
+        return result
 
 
 @final
@@ -61,9 +72,14 @@ class DecodeCall:
     """One decode step of a batch."""
 
     sequences: Sequence[DecodeSequence]
+    grammars: Sequence[ServingRequest | None] = ()
 
     def run(self, executor: Executor) -> DecodeResult:
-        return executor.decode(self.sequences)
+        if not self.grammars:
+            return executor.decode(self.sequences)
+        result = executor.decode(constrain(self.sequences, self.grammars, executor.model))
+        feed(self.grammars, result.tokens)
+        return result
 
 
 @final

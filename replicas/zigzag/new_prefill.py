@@ -38,6 +38,7 @@ from replicas.settings import ReplicaSettings
 from replicas.states import ReplicaState
 from replicas.step.apply import refuse
 from replicas.step.compute import Compute
+from replicas.step.grammar import grammar_rows
 from replicas.step.plan import Held, PrefillCall
 from replicas.zigzag import wire
 from replicas.zigzag.limits import batch_limit
@@ -186,7 +187,10 @@ class NewPrefillWork:
         executor = self._compute.executor
         assert executor is not None  # `start_next` checked it
         batch.computing = True
-        call = PrefillCall(batch.sequences, layers=range(start, stop), hidden=batch.hidden, head=head)
+        grammars = grammar_rows([item.request for item in batch.items]) if head else ()
+        call = PrefillCall(
+            batch.sequences, layers=range(start, stop), hidden=batch.hidden, head=head, grammars=grammars
+        )
         self._compute.run(
             lambda: call.run(executor),
             lambda result: self._ran(batch, stop, result),

@@ -36,6 +36,7 @@ from replicas.settings import ReplicaSettings
 from replicas.states import ZIGZAG_NEW, ReplicaState
 from replicas.step.apply import refuse
 from replicas.step.compute import Compute
+from replicas.step.grammar import grammar_rows
 from replicas.step.plan import Held, PrefillCall
 from replicas.zigzag import wire
 from transport.endpoint import TransferEndpoint
@@ -328,7 +329,9 @@ class OldPrefillWork:
         layers = range(incoming.offer.layer, self._compute.num_layers)
         incoming.items = live
         self.running = incoming
-        call = PrefillCall(sequences, layers=layers, hidden=hidden)
+        call = PrefillCall(
+            sequences, layers=layers, hidden=hidden, grammars=grammar_rows([item.request for item in live])
+        )
         self._compute.run(
             lambda: call.run(executor),
             lambda result: self._ran(incoming, result),

@@ -2,11 +2,12 @@
 cluster, 32 mixed requests (text, token ids, images; greedy and seeded; streamed or not) sent to one
 node, each output equal to the model run in one piece, every transfer over tcp (or ucx), none inproc;
 a request's log-probabilities (its prompt's from the prefill node, its tokens' from both) reach the
-node it was sent to.
+node it was sent to; a structured output (a JSON schema) decoded on another node than its prefill.
 """
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -15,7 +16,16 @@ import trio
 from engine.client import ControlClient
 from engine.cluster.local_etcd import LocalEtcd
 from messages.control_replies import GenerateResult
-from replicas.model import Executor, KVCache, Model, PrefillSequence, tiny_model
+from messages.grammar import JsonGrammar
+from replicas.model import (
+    Executor,
+    KVCache,
+    Model,
+    PrefillSequence,
+    SamplingParams,
+    generate_in_one_piece,
+    tiny_model,
+)
 from tests.cluster.harness import cluster_nodes, cluster_transport
 from tests.epd.images import image_input, image_with_rows, reference
 from tests.node.harness import wait_idle
@@ -81,6 +91,7 @@ async def test_three_processes_give_the_tokens_of_the_model_in_one_piece(
             ("enc/encode-0", "pre/prefill-0")
         }
         await _logprobs_cross_nodes(client, model)
+        await _grammar_cross_nodes(client, model)
         for node in nodes.values():
             async with node.client() as each:
                 await wait_idle(each)  # every block back in its pool, on every node
@@ -106,6 +117,35 @@ async def _logprobs_cross_nodes(client: ControlClient, model: Model) -> None:
     expected = [entry.logprob for entry in whole.prompt_logprobs[0]]
     got = [entry.logprob for entry in [*result.prompt_logprobs[1:], *result.logprobs] if entry is not None]
     assert np.allclose(got, expected, atol=1e-4), (got, expected)
+
+
+async def _grammar_cross_nodes(client: ControlClient, model: Model) -> None:
+    """A structured output prefilled on one node and decoded on another, each rebuilding the grammar's
+    matcher from the spec and the tokens so far: the tokens of the model in one piece, a JSON answer."""
+    schema = {
+        "type": "object",
+        "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer", "minimum": 0, "maximum": 99}},
+        "required": ["ok", "n"],
+        "additionalProperties": False,
+    }
+    grammar = JsonGrammar(schema=json.dumps(schema))
+    for temperature, seed in ((0.0, 0), (1.0, 11)):
+        with deadline("the reply to a generate with a grammar", 120):
+            result = await client.generate_result(
+                input_ids=list(range(70, 90)),
+                max_tokens=40,
+                temperature=temperature,
+                seed=seed,
+                grammar=grammar,
+            )
+        sampling = SamplingParams(temperature=temperature, seed=seed, grammar=grammar)
+        assert result.token_ids == generate_in_one_piece(
+            model, list(range(70, 90)), max_tokens=40, sampling=sampling
+        )
+        assert result.finish_reason == "stop" and set(json.loads(result.text)) == {"ok", "n"}
+        assert [(t.source, t.destination) for t in result.transfers if t.kind == "kv"] == [
+            ("pre/prefill-0", "dec/decode-0")
+        ]
 
 
 async def _with_images(client: ControlClient, prompt: str, images: list[np.ndarray]) -> GenerateResult:

@@ -141,7 +141,20 @@ CASES: list[tuple[str, Any, str | None]] = [
     ("/v1/responses", RESPONSE | {"max_output_tokens": 0}, "max_output_tokens"),
     ("/v1/chat/completions", chat(top_logprobs=2), "top_logprobs"),
     ("/v1/chat/completions", chat(logprobs=True, top_logprobs=21), "top_logprobs"),
-    ("/v1/chat/completions", chat(response_format={"type": "json_object"}), "response_format"),
+    (
+        "/v1/chat/completions",
+        chat(
+            response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nope"}}}
+        ),
+        "response_format.json_schema.schema",
+    ),
+    ("/v1/completions", completion(response_format={"type": "xml"}), None),
+    ("/v1/completions", completion(structured_outputs={"regex": "(unclosed"}), "structured_outputs.regex"),
+    (
+        "/v1/completions",
+        completion(structured_outputs={"choice": ["a"]}, guided_regex="b+"),
+        "guided_regex",
+    ),
     ("/v1/chat/completions", chat(max_completion_tokens=0), "max_completion_tokens"),
     ("/v1/chat/completions", chat(continue_final_message=True), "add_generation_prompt"),
 ]

@@ -160,6 +160,21 @@ BAD_LINES: list[tuple[bytes, str | None, str, str, str | None]] = [
         "bad-oov",
     ),
     (
+        b'{"op":"generate","id":"gr","input_ids":[1],"request_id":"bad-grammar",'
+        b'"grammar":{"type":"json","schema":"{\\"type\\": \\"nope\\"}"}}',
+        "gr",
+        "bad_request",
+        "the JSON schema does not compile: Invalid type: nope",
+        "bad-grammar",
+    ),
+    (
+        b'{"op":"generate","id":"gk","input_ids":[1],"grammar":{"type":"yaml"}}',
+        "gk",
+        "bad_request",
+        "invalid request: Invalid value 'yaml' - at `$.grammar.type`",
+        None,
+    ),
+    (
         b'{"op":"generate","id":"ep","prompt":"","request_id":"bad-empty"}',
         "ep",
         "bad_request",
@@ -243,11 +258,13 @@ async def test_every_bad_line_gets_an_error_and_the_connection_keeps_working(
             transport="inproc",
         )
     unreadable = sum(
-        1 for _, _, _, message, _ in BAD_LINES if not message.startswith(("no ", "input_ids[", "prompt is"))
+        1
+        for _, _, _, message, _ in BAD_LINES
+        if not message.startswith(("no ", "input_ids[", "prompt is", "the JSON schema"))
     )
     assert len(node.events("control_bad_line")) - bad_lines_before == unreadable
     failed = {e["request_id"]: e["code"] for e in node.events("request_failed")}
-    assert failed["bad-oov"] == failed["bad-empty"] == "bad_request"
+    assert failed["bad-oov"] == failed["bad-empty"] == failed["bad-grammar"] == "bad_request"
     await still_serving(node, tiny, offset=100)
 
 

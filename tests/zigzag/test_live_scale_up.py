@@ -12,6 +12,7 @@ with both replicas back in `Prefill` by themselves; the new replica is then scal
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import httpx
@@ -25,7 +26,8 @@ from engine.logs.__main__ import main as logs_main
 from engine.logs.timeline import Timeline
 from messages.control import SourceChoice
 from messages.control_replies import GenerateResult, StatusResult
-from replicas.model import Model
+from messages.grammar import RegexGrammar
+from replicas.model import Model, SamplingParams, generate_in_one_piece
 from tests.epd.images import image_input, image_with_rows, reference
 from tests.node.harness import (
     by_name,
@@ -48,6 +50,8 @@ EPISODES: tuple[tuple[int, SourceChoice], ...] = (
 )
 HOLD_SECONDS = 600.0  # a bound only: each test releases its holds (`release`) when it has seen them
 PER_EPISODE = 10  # requests sent while the new replica holds K layers (32+ over the whole test)
+GRAMMAR_PROMPT = [40, 41, 42, 43, 44]
+GRAMMAR_PATTERN = r"(zig|zag)-[0-9]{2,4}"
 
 
 def transports() -> list[str]:
@@ -138,7 +142,9 @@ async def test_image_requests_relayed_token_exact(
 ) -> None:
     """With images (EPD: an encode replica sends the embeddings to the NewPrefill replica), the relay
     carries the merged input rows and their 3-D rotary positions. `--no-old-prefill-serves-queue`: the
-    router hands new requests to the NewPrefill alone during the episode, so they are all relayed."""
+    router hands new requests to the NewPrefill alone during the episode, so they are all relayed — a
+    structured output (a regex) among them: OldPrefill builds the grammar's matcher to sample its first
+    token, the decode replica rebuilds it from that token."""
     transport = default_transport()
     options = ["--replicas", "encode=1,prefill=1,decode=1", "--no-old-prefill-serves-queue"]
     options += ["--fault", f"hold_weights:before_layer=2,seconds={HOLD_SECONDS}"]
@@ -168,9 +174,19 @@ async def test_image_requests_relayed_token_exact(
                     ignore_eos=True,
                 )
 
+            structured: list[GenerateResult] = []
+
+            async def constrained() -> None:
+                structured.append(
+                    await client.generate_result(
+                        input_ids=GRAMMAR_PROMPT, max_tokens=12, grammar=RegexGrammar(pattern=GRAMMAR_PATTERN)
+                    )
+                )
+
             async with trio.open_nursery() as nursery:
                 for index in range(len(prompts)):
                     nursery.start_soon(one, index)
+                nursery.start_soon(constrained)
             assert (await client.release()).released == 1
             await wait_states(client, {new: "Prefill", "prefill-0": "Prefill"})
             await wait_idle(client)
@@ -181,6 +197,11 @@ async def test_image_requests_relayed_token_exact(
         assert relay is not None and (relay.new_prefill, relay.layer) == (new, 2)
         kinds = [t.kind for t in results[index].transfers]
         assert kinds.count("embedding") >= 1 and "relay" in kinds and kinds.count("kv") == 2
+    (answer,) = structured
+    grammar = SamplingParams(grammar=RegexGrammar(pattern=GRAMMAR_PATTERN))
+    assert answer.token_ids == generate_in_one_piece(tiny, GRAMMAR_PROMPT, max_tokens=12, sampling=grammar)
+    assert re.fullmatch(GRAMMAR_PATTERN, answer.text) and answer.finish_reason == "stop", answer.text
+    assert answer.relay is not None and (answer.relay.new_prefill, answer.relay.layer) == (new, 2)
     assert transport in {t.transport for r in results.values() for t in r.transfers}
     # `python -m engine.logs timeline` draws the relays between the two lanes.
     picture = tmp_path / "timeline.png"

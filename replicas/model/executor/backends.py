@@ -7,6 +7,9 @@ holds exactly one backend, chosen at construction (`Executor`); capturing the de
 `KernelBackend` into a `GraphBackend` (`KernelBackend.capture`, called by `Executor.prepare` — at the
 load or at a role change, never inside a step).
 
+Every path applies a sequence's `token_mask` (structured outputs) to the logits before its token is
+chosen, greedy or sampled.
+
 - `eager`: torch's SDPA over the gathered context; sampling on the host. The CPU path.
 - `kernels`: the Triton paged-attention kernels read K/V in place through the block tables (one launch
   per layer for a prefill batch, unless it is fresh prompts of one length on a model that need not be
@@ -56,7 +59,13 @@ class Backend(Protocol):
 
     def prefill_attend(self, spans: Sequence[SequenceSpan]) -> Attend: ...
 
-    def sample(self, logits: torch.Tensor, params: list[SamplingParams], indices: list[int]) -> list[int]: ...
+    def sample(
+        self,
+        logits: torch.Tensor,
+        params: list[SamplingParams],
+        indices: list[int],
+        masks: Sequence[torch.Tensor | None] | None = None,
+    ) -> list[int]: ...
 
     def decode(self, sequences: Sequence[DecodeSequence]) -> tuple[torch.Tensor, list[int]]: ...
 
@@ -89,8 +98,14 @@ class EagerBackend:
     def prefill_attend(self, spans: Sequence[SequenceSpan]) -> Attend:
         return _sdpa_attend(self.cache, spans)
 
-    def sample(self, logits: torch.Tensor, params: list[SamplingParams], indices: list[int]) -> list[int]:
-        return sample_tokens(logits, params, indices)
+    def sample(
+        self,
+        logits: torch.Tensor,
+        params: list[SamplingParams],
+        indices: list[int],
+        masks: Sequence[torch.Tensor | None] | None = None,
+    ) -> list[int]:
+        return sample_tokens(logits, params, indices, masks)
 
     def decode(self, sequences: Sequence[DecodeSequence]) -> tuple[torch.Tensor, list[int]]:
         model, cache = self.model, self.cache
@@ -110,7 +125,10 @@ class EagerBackend:
         )
         logits = model.logits(hidden)
         tokens = sample_tokens(
-            logits, [s.sampling for s in sequences], [s.cached_tokens + 1 for s in sequences]
+            logits,
+            [s.sampling for s in sequences],
+            [s.cached_tokens + 1 for s in sequences],
+            [s.token_mask for s in sequences],
         )
         return logits, tokens
 
@@ -136,8 +154,14 @@ class _Kernels:
 
         return attend
 
-    def sample(self, logits: torch.Tensor, params: list[SamplingParams], indices: list[int]) -> list[int]:
-        return sample_tokens_on_device(logits, params, indices)
+    def sample(
+        self,
+        logits: torch.Tensor,
+        params: list[SamplingParams],
+        indices: list[int],
+        masks: Sequence[torch.Tensor | None] | None = None,
+    ) -> list[int]:
+        return sample_tokens_on_device(logits, params, indices, masks)
 
     def decode(self, sequences: Sequence[DecodeSequence]) -> tuple[torch.Tensor, list[int]]:
         self.model.check_token_ids(torch.tensor([s.token_id for s in sequences]), "decode")

@@ -26,7 +26,8 @@ class PrefillSequence:
     `logprobs`: score the sampled token with that many alternatives (`replicas.model.executor.logprobs`;
     None: not scored). `prompt_logprobs`: score every token of `token_ids` but the first from the row
     before it, with that many alternatives, and `next_token` — the prompt's token after these (a chunk
-    that does not end its prompt) — from the last row.
+    that does not end its prompt) — from the last row. `token_mask`: the tokens the sampled one may be
+    (bool `[vocab]`, True = allowed; None: any), as a request's grammar allows them.
     """
 
     block_table: Sequence[int]
@@ -39,6 +40,7 @@ class PrefillSequence:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     next_token: int | None = None
+    token_mask: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -65,7 +67,8 @@ class PrefillResult:
 class DecodeSequence:
     """Feed `token_id` at index `cached_tokens` (its KV lands there) and sample the token after it.
     `position` is its rotary position (default `cached_tokens`; differs after images). `logprobs`: score
-    the sampled token with that many alternatives (None: not scored)."""
+    the sampled token with that many alternatives (None: not scored). `token_mask`: the tokens the sampled
+    one may be (bool `[vocab]`, True = allowed; None: any)."""
 
     block_table: Sequence[int]
     cached_tokens: int
@@ -73,6 +76,7 @@ class DecodeSequence:
     position: int | None = None
     sampling: SamplingParams = GREEDY
     logprobs: int | None = None
+    token_mask: torch.Tensor | None = None
 
 
 @final

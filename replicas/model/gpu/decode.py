@@ -4,6 +4,8 @@
 model over them — every layer writes the fed tokens' K/V through `write_kv` and attends through
 `paged_decode_attention`, reading the context in place through the block tables — samples on the
 device (`sample_on_device`) and reads the sampled tokens once: the only host sync of a step.
+Each sequence's `token_mask` is applied to the logits the step or its graph returned: a graph never
+samples, so no row escapes its mask.
 
 Graphs (`capture`, on a CUDA device): one per batch-size bucket (`graph_buckets`), captured after the
 weights loaded, largest first, sharing one memory pool (one replay at a time, outputs read before the
@@ -101,7 +103,8 @@ class KernelDecoder:
         sampling = SamplingInputs.build(
             [s.sampling for s in sequences], [s.cached_tokens + 1 for s in sequences], logits.device
         )
-        return logits, sample_on_device(logits, sampling).tolist()
+        masks = [s.token_mask for s in sequences]
+        return logits, sample_on_device(logits, sampling, masks).tolist()
 
     # ------------------------------------------------------------------ graphs
     def capture(self) -> str | None:

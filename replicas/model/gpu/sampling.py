@@ -33,7 +33,7 @@ from typing import final
 
 import torch
 
-from replicas.model.sampling import SamplingParams, uniform_draw
+from replicas.model.sampling import SamplingParams, mask_logits, uniform_draw
 
 __all__ = ["SamplingInputs", "sample_on_device", "sample_tokens_on_device"]
 
@@ -120,10 +120,13 @@ class SamplingInputs:
         )
 
 
-def sample_on_device(logits: torch.Tensor, inputs: SamplingInputs) -> torch.Tensor:
+def sample_on_device(
+    logits: torch.Tensor, inputs: SamplingInputs, masks: Sequence[torch.Tensor | None] | None = None
+) -> torch.Tensor:
     """[B, V] float32 logits on any device → int64 [B] tokens on that device, the same tokens
     `sample_tokens` picks. No host sync inside (no .item()/.tolist()/.cpu(), no Python branch on tensor
-    values): the caller reads the result once.
+    values): the caller reads the result once. `masks`: each row's allowed tokens, as `sample_tokens`
+    takes them (one copy to the device).
 
     Python branches here only on host-known sizes (S, K, B, V). Raises ValueError when the logits do not fit
     `inputs` (shape, device) and IndexError for a banned id outside the vocabulary, as `sample_tokens`
@@ -143,6 +146,7 @@ def sample_on_device(logits: torch.Tensor, inputs: SamplingInputs) -> torch.Tens
         logits = logits.clone(memory_format=torch.contiguous_format)
         flat = inputs.ban_rows * vocab + torch.remainder(inputs.ban_ids, vocab)
         logits.view(-1).index_fill_(0, flat, float("-inf"))
+    logits = mask_logits(logits, masks)
     chosen = logits.argmax(dim=-1)
     if inputs.num_sampled:
         picks = _sample_rows(logits.index_select(0, inputs.sampled_rows), inputs)
@@ -151,7 +155,10 @@ def sample_on_device(logits: torch.Tensor, inputs: SamplingInputs) -> torch.Tens
 
 
 def sample_tokens_on_device(
-    logits: torch.Tensor, params: Sequence[SamplingParams], token_indices: Sequence[int]
+    logits: torch.Tensor,
+    params: Sequence[SamplingParams],
+    token_indices: Sequence[int],
+    masks: Sequence[torch.Tensor | None] | None = None,
 ) -> list[int]:
     """Convenience: build + sample + one .tolist()."""
     if logits.dim() != 2 or logits.shape[0] != len(params) or len(params) != len(token_indices):
@@ -160,7 +167,7 @@ def sample_tokens_on_device(
             f"{len(token_indices)} indices"
         )
     tokens: list[int] = sample_on_device(
-        logits, SamplingInputs.build(params, token_indices, logits.device)
+        logits, SamplingInputs.build(params, token_indices, logits.device), masks
     ).tolist()
     return tokens
 

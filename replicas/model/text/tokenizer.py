@@ -87,6 +87,10 @@ class HFTokenizer:
                 raise TokenIdError(f"token id {token} is negative")
         return str(self._impl.decode(list(token_ids), skip_special_tokens=True))
 
+    def json_text(self) -> str:
+        """The tokenizer as `tokenizer.json` text (what llguidance reads)."""
+        return str(self._impl.to_str())
+
     def token_id(self, token: str) -> int | None:
         found = self._impl.token_to_id(token)
         return None if found is None else int(found)

@@ -5,13 +5,15 @@ its first."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import trio
 
-from replicas.model import Model
+from messages.grammar import RegexGrammar
+from replicas.model import Model, SamplingParams, generate_in_one_piece
 from tests.epd.images import image_input, image_with_rows, reference
 from tests.node.harness import NodeProcess, default_transport, node_process, wait_idle, wait_serving
 from tests.node.test_identity import assert_identical, assert_only_prefill_replicas_ran_prompts
@@ -80,3 +82,20 @@ async def test_a_chunk_boundary_inside_an_image_is_token_identical(chunked: Node
         await wait_idle(client)
     assert result.prompt_tokens > 3 * CHUNK
     assert result.token_ids == reference(tiny, prompt, images, 6)
+
+
+async def test_a_structured_output_over_chunks_is_token_identical(chunked: NodeProcess, tiny: Model) -> None:
+    """A regex-constrained request whose 70-token prompt runs in 5 chunks: only the last chunk's token is
+    masked and fed to the grammar; the answer is the model run in one piece under the same grammar."""
+    grammar = RegexGrammar(pattern=r"(zig|zag)-[0-9]{2,4}")
+    prompt = [3 + (7 * i) % 200 for i in range(70)]
+    async with chunked.client() as client:
+        await wait_serving(client)
+        with deadline("the reply to a structured request", 60):
+            result = await client.generate_result(
+                input_ids=prompt, max_tokens=12, seed=3, temperature=1.0, grammar=grammar
+            )
+        await wait_idle(client)
+    sampling = SamplingParams(temperature=1.0, seed=3, grammar=grammar)
+    assert result.token_ids == generate_in_one_piece(tiny, prompt, max_tokens=12, sampling=sampling)
+    assert re.fullmatch(grammar.pattern, result.text) and result.finish_reason == "stop", result.text
