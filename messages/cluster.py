@@ -133,6 +133,10 @@ class SamplingRecord(Record, frozen=True):
     eos_token_ids: list[int]
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
 
 class RequestSnapshot(Record, frozen=True):

@@ -4,7 +4,8 @@ Public API (import from here):
 - `Model` (shared weights), `tiny_model()`, `load_model()` / `ModelLoader` (HF checkpoints, layer by layer)
 - `KVCache`, `kv_layout()` — the paged cache: a `BlockPool` plus `PoolStorage` with buffers `k{i}`, `v{i}`
 - `Executor` with `PrefillSequence` / `DecodeSequence` — batched prefill (any layer range) and decode
-- `SamplingParams`, `sample_tokens`, `finish_reason` — greedy and (seed, index)-determined sampling
+- `SamplingParams`, `sample_tokens`, `finish_reason` — greedy and (seed, index)-determined sampling, with
+  vLLM's penalties and logit bias over a sequence's `TokenHistory` (`token_history`)
 - `VisionEncoder`, `ImageEmbedding`, `ImageGrid`, `layout_prompt` — images for the tiny model
 - `generate_in_one_piece` — the reference output of a request
 - `resolve_model()` — what a `--model` value names (`tiny`, `smollm2`, a `.gguf` file converted once into a
@@ -53,8 +54,10 @@ from replicas.model.sampling import (
     GREEDY,
     SamplingError,
     SamplingParams,
+    TokenHistory,
     finish_reason,
     sample_tokens,
+    token_history,
     uniform_draw,
 )
 from replicas.model.text.chat_template import ChatTemplate, ChatTemplateError, checkpoint_chat_template
@@ -114,6 +117,7 @@ __all__ = [
     "SamplingError",
     "SamplingParams",
     "TextStream",
+    "TokenHistory",
     "TokenIdError",
     "TokenLogprobs",
     "Tokenizer",
@@ -139,5 +143,6 @@ __all__ = [
     "resolve_model",
     "sample_tokens",
     "tiny_model",
+    "token_history",
     "uniform_draw",
 ]

@@ -17,7 +17,7 @@ from replicas.model.errors import ContextLengthError, InvalidBatchError
 from replicas.model.executor import DecodeSequence, Executor, PrefillSequence
 from replicas.model.kv_cache import DEFAULT_KV_BLOCK_SIZE, KVCache
 from replicas.model.llama import Model
-from replicas.model.sampling import GREEDY, SamplingParams, finish_reason
+from replicas.model.sampling import GREEDY, SamplingParams, finish_reason, token_history
 from replicas.model.text.prompt import layout_prompt
 
 REFERENCE_OWNER = "reference"
@@ -74,6 +74,7 @@ def generate_in_one_piece(
                     embeds=embeds,
                     embed_indices=embed_indices,
                     sampling=sampling,
+                    history=token_history(sampling, tokens, ()),
                 )
             ]
         )
@@ -91,6 +92,7 @@ def generate_in_one_piece(
                         token_id=generated[-1],
                         position=next_position + len(generated) - 1,
                         sampling=sampling,
+                        history=token_history(sampling, tokens, generated),
                     )
                 ]
             )

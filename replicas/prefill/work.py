@@ -31,7 +31,7 @@ import torch
 from messages.commands import DropKVHalf
 from messages.log.events import PrefillStarted
 from replicas.inbox import new_command_id
-from replicas.model import KVCache, ModelInputError, PrefillResult, PrefillSequence
+from replicas.model import KVCache, ModelInputError, PrefillResult, PrefillSequence, token_history
 from replicas.ports import Actor, Directory, tell_peer
 from replicas.prefill.embeddings import EmbeddingReceives, release_input
 from replicas.prefill.prefix import PrefixLookup
@@ -330,6 +330,7 @@ def _sequence(item: Held, chunk: Chunk) -> PrefillSequence:
         logprobs=request.logprobs if chunk.last else None,
         prompt_logprobs=request.prompt_logprobs,
         next_token=None if chunk.last else request.token_ids[stop],
+        history=token_history(request.sampling, request.token_ids, request.generated) if chunk.last else None,
     )
 
 

@@ -39,7 +39,7 @@ from replicas.model.gpu.sampling import sample_tokens_on_device
 from replicas.model.kv_cache import KVCache
 from replicas.model.llama import Attend, Model
 from replicas.model.ops import LayerOps
-from replicas.model.sampling import SamplingParams, sample_tokens
+from replicas.model.sampling import SamplingParams, TokenHistory, sample_tokens
 
 
 class Backend(Protocol):
@@ -56,7 +56,13 @@ class Backend(Protocol):
 
     def prefill_attend(self, spans: Sequence[SequenceSpan]) -> Attend: ...
 
-    def sample(self, logits: torch.Tensor, params: list[SamplingParams], indices: list[int]) -> list[int]: ...
+    def sample(
+        self,
+        logits: torch.Tensor,
+        params: list[SamplingParams],
+        indices: list[int],
+        histories: list[TokenHistory | None] | None = None,
+    ) -> list[int]: ...
 
     def decode(self, sequences: Sequence[DecodeSequence]) -> tuple[torch.Tensor, list[int]]: ...
 
@@ -89,8 +95,14 @@ class EagerBackend:
     def prefill_attend(self, spans: Sequence[SequenceSpan]) -> Attend:
         return _sdpa_attend(self.cache, spans)
 
-    def sample(self, logits: torch.Tensor, params: list[SamplingParams], indices: list[int]) -> list[int]:
-        return sample_tokens(logits, params, indices)
+    def sample(
+        self,
+        logits: torch.Tensor,
+        params: list[SamplingParams],
+        indices: list[int],
+        histories: list[TokenHistory | None] | None = None,
+    ) -> list[int]:
+        return sample_tokens(logits, params, indices, histories)
 
     def decode(self, sequences: Sequence[DecodeSequence]) -> tuple[torch.Tensor, list[int]]:
         model, cache = self.model, self.cache
@@ -110,7 +122,10 @@ class EagerBackend:
         )
         logits = model.logits(hidden)
         tokens = sample_tokens(
-            logits, [s.sampling for s in sequences], [s.cached_tokens + 1 for s in sequences]
+            logits,
+            [s.sampling for s in sequences],
+            [s.cached_tokens + 1 for s in sequences],
+            [s.history for s in sequences],
         )
         return logits, tokens
 
@@ -136,8 +151,14 @@ class _Kernels:
 
         return attend
 
-    def sample(self, logits: torch.Tensor, params: list[SamplingParams], indices: list[int]) -> list[int]:
-        return sample_tokens_on_device(logits, params, indices)
+    def sample(
+        self,
+        logits: torch.Tensor,
+        params: list[SamplingParams],
+        indices: list[int],
+        histories: list[TokenHistory | None] | None = None,
+    ) -> list[int]:
+        return sample_tokens_on_device(logits, params, indices, histories)
 
     def decode(self, sequences: Sequence[DecodeSequence]) -> tuple[torch.Tensor, list[int]]:
         self.model.check_token_ids(torch.tensor([s.token_id for s in sequences]), "decode")

@@ -12,7 +12,7 @@ from typing import final
 import torch
 
 from replicas.model.executor.logprobs import TokenLogprobs
-from replicas.model.sampling import GREEDY, SamplingParams
+from replicas.model.sampling import GREEDY, SamplingParams, TokenHistory
 
 
 @final
@@ -27,6 +27,8 @@ class PrefillSequence:
     None: not scored). `prompt_logprobs`: score every token of `token_ids` but the first from the row
     before it, with that many alternatives, and `next_token` — the prompt's token after these (a chunk
     that does not end its prompt) — from the last row.
+    `history`: the prompt's ids and the generated ones, which the sampling's penalties read; set only
+    when `sampling.penalized` (None otherwise: no copy for requests that do not need one).
     """
 
     block_table: Sequence[int]
@@ -39,6 +41,7 @@ class PrefillSequence:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     next_token: int | None = None
+    history: TokenHistory | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -65,7 +68,8 @@ class PrefillResult:
 class DecodeSequence:
     """Feed `token_id` at index `cached_tokens` (its KV lands there) and sample the token after it.
     `position` is its rotary position (default `cached_tokens`; differs after images). `logprobs`: score
-    the sampled token with that many alternatives (None: not scored)."""
+    the sampled token with that many alternatives (None: not scored). `history`: as `PrefillSequence`'s
+    (its generated ids end with `token_id`)."""
 
     block_table: Sequence[int]
     cached_tokens: int
@@ -73,6 +77,7 @@ class DecodeSequence:
     position: int | None = None
     sampling: SamplingParams = GREEDY
     logprobs: int | None = None
+    history: TokenHistory | None = None
 
 
 @final
