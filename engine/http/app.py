@@ -17,7 +17,7 @@ import itertools
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
-from typing import final
+from typing import Final, assert_never, final
 
 import msgspec
 import trio
@@ -30,21 +30,36 @@ from engine.control.errors import RequestFailed
 from engine.core import NodeCore
 from engine.generate.generation import Generation, Outcome
 from engine.http.chat import renderer
+from engine.http.choices import ChoiceEnded, ChoiceEvent, ChoiceFailed, ChoicePiece, Choices
 from engine.http.errors import error_response, failed_response, sse_error, validation_response
 from engine.http.logprobs import token_text
 from engine.http.metrics import CONTENT_TYPE, NodeMetrics
-from engine.http.requests import BadBody, chat_request, completion_request
-from engine.http.responses import SseStream, chat_completion, completion
+from engine.http.requests import BadBody, chat_request, completion_requests, prompt_choices
+from engine.http.requests import prompts as prompts_of
+from engine.http.responses import (
+    SseStream,
+    chat_choice,
+    chat_completion,
+    completion,
+    completion_choice,
+    usage,
+)
 from engine.http.streaming import ClosingStreamingResponse
 from engine.http.tokens import TokenRoutes, not_found
 from messages.control import GenerateRequest
-from messages.openai import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList, Reply
+from messages.openai import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList, Reply, Usage
 from replicas.ports import EventSink
 from replicas.request import ServingRequest
 from replicas.states import ReplicaState
 
 JSON = "application/json"
 MAX_BODY_BYTES = 256 * 1024 * 1024
+CHOICE_EVENTS: Final = 64  # events of a body's choices waiting for the client
+
+
+def _usage(ordered: list[Outcome], n: int) -> Usage:
+    """The usage of a body's choices, in index order: each prompt once (its choice 0), every choice's tokens."""
+    return usage(ordered[::n], [outcome for index, outcome in enumerate(ordered) if index % n])
 
 
 @final
@@ -146,113 +161,158 @@ class HttpApi:
                 404, f"the model {body.model!r} does not exist; this node serves {served}", "model"
             )
         try:
-            generate = self._generate_request(body)
+            prompts = self._generate_requests(body)
         except BadBody as exc:
             self.metrics.refused("bad_request")
             return error_response(400, exc.message, exc.param)
         connection = f"http-{next(self._connections)}"
+        choices = Choices(prompt_choices(prompts, body.n), lambda generate: self._start(generate, connection))
         try:
-            generation = Generation.start(
-                self.node.host,
-                self.node.settings,
-                self.node.router,
-                self._log,
-                generate,
-                self.node.served,
-                connection=connection,
-                on_end=self._log_end,
-                token_gap=self.metrics.token_gap,
-            )
+            choices.open()
         except RequestFailed as exc:
+            choices.close()
             return failed_response(exc)
-        generation.cancel_reason = lambda: "client_disconnected" if self.node.router.accepting else "shutdown"
         request_id = f"{'chatcmpl' if kind is ChatCompletionRequest else 'cmpl'}-{uuid.uuid4().hex}"
-        chat = isinstance(body, ChatCompletionRequest)
-        echo = self._echo(body) if isinstance(body, CompletionRequest) and body.echo else None
+        echoes = self._echoes(body) if isinstance(body, CompletionRequest) and body.echo else None
+        send, receive = trio.open_memory_channel[ChoiceEvent](CHOICE_EVENTS)
         if body.stream:
             usage = body.stream_options is not None and body.stream_options.include_usage
             encoder = SseStream(
                 request_id,
                 self.model_name,
                 int(time.time()),
-                chat=chat,
+                chat=isinstance(body, ChatCompletionRequest),
                 include_usage=usage,
                 text=self._token_text,
             )
             return ClosingStreamingResponse(
-                self._events(generation, encoder, echo),
+                self._events(choices, receive, encoder, echoes),
                 media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache"},
+                beside=lambda: choices.run(send),
             )
-        outcome: Outcome | None = None
+        outcomes: dict[int, Outcome] = {}
         failure: RequestFailed | None = None
         try:
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(self._until_disconnected, request, nursery.cancel_scope)
-                try:
-                    async for _piece in generation.pieces():
-                        pass
-                    outcome = generation.outcome()
-                except RequestFailed as exc:
-                    failure = exc
+                nursery.start_soon(choices.run, send)
+                async for event in receive:  # not closed: the cancel below ends the choices' relays
+                    match event:
+                        case ChoicePiece():
+                            pass
+                        case ChoiceEnded(index=index, outcome=outcome):
+                            outcomes[index] = outcome
+                        case ChoiceFailed(error=error):
+                            failure = error
+                            break
+                        case _:
+                            assert_never(event)
                 nursery.cancel_scope.cancel()
         finally:
-            generation.close()
+            choices.close()
         if failure is not None:
             return failed_response(failure)
-        if outcome is None:  # the client went away: nobody reads this
+        if len(outcomes) < choices.count:  # the client went away: nobody reads this
             return Response(b"", status_code=499)
         created = int(time.time())
+        ordered = [outcomes[index] for index in range(choices.count)]
+        total = _usage(ordered, choices.n)
         if isinstance(body, ChatCompletionRequest):
-            reply: Reply = chat_completion(request_id, self.model_name, created, outcome, self._token_text)
+            chat = [chat_choice(index, outcome, self._token_text) for index, outcome in enumerate(ordered)]
+            reply: Reply = chat_completion(request_id, self.model_name, created, chat, total)
         else:
-            reply = completion(request_id, self.model_name, created, outcome, self._token_text, echo)
+            texts = [
+                completion_choice(
+                    index, outcome, self._token_text, None if echoes is None else echoes[index // choices.n]
+                )
+                for index, outcome in enumerate(ordered)
+            ]
+            reply = completion(request_id, self.model_name, created, texts, total)
         return Response(msgspec.json.encode(reply), media_type=JSON)
 
-    def _echo(self, body: CompletionRequest) -> str:
-        """The prompt's text, as `echo` puts it before the completion: as sent, or its ids decoded."""
-        if isinstance(body.prompt, str):
-            return body.prompt
-        tokenizer = self.node.host.tokenizer
-        return tokenizer.decode(body.prompt) if tokenizer is not None else ""
+    def _start(self, generate: GenerateRequest, connection: str) -> Generation:
+        """Admit one choice's request (`RequestFailed` when refused)."""
+        generation = Generation.start(
+            self.node.host,
+            self.node.settings,
+            self.node.router,
+            self._log,
+            generate,
+            self.node.served,
+            connection=connection,
+            on_end=self._log_end,
+            token_gap=self.metrics.token_gap,
+        )
+        generation.cancel_reason = lambda: "client_disconnected" if self.node.router.accepting else "shutdown"
+        return generation
 
-    def _generate_request(self, body: CompletionRequest | ChatCompletionRequest) -> GenerateRequest:
-        host = self.node.host
+    def _echoes(self, body: CompletionRequest) -> list[str]:
+        """Each prompt's text, as `echo` puts it before its completions: as sent, or its ids decoded."""
+        tokenizer = self.node.host.tokenizer
+        return [
+            prompt if isinstance(prompt, str) else tokenizer.decode(prompt) if tokenizer is not None else ""
+            for prompt in prompts_of(body)
+        ]
+
+    def _generate_requests(self, body: CompletionRequest | ChatCompletionRequest) -> list[GenerateRequest]:
+        """One request per prompt (choice 0's)."""
+        vocab_size = self.node.host.config.vocab_size
         if isinstance(body, CompletionRequest):
-            return completion_request(body, host.config.vocab_size)
-        return chat_request(body, self._render)
+            return completion_requests(body, vocab_size)
+        return [chat_request(body, self._render, vocab_size)]
 
     async def _events(
-        self, generation: Generation, encoder: SseStream, echo: str | None
+        self,
+        choices: Choices,
+        receive: trio.MemoryReceiveChannel[ChoiceEvent],
+        encoder: SseStream,
+        echoes: list[str] | None,
     ) -> AsyncIterator[bytes]:
-        """The SSE body; with `echo` (a completion's prompt text) the prompt's chunk comes first, once
-        its prefill ended. Cancelled when the client disconnects: `close` then cancels the request."""
+        """The SSE body: each choice's chunks as they come, its finish chunk, then the usage once all
+        ended. With `echoes` (a completion's prompt texts) a choice's prompt chunk comes first, once its
+        prefill ended. Cancelled when the client disconnects: `close` then cancels the choices."""
+        echoed: set[int] = set()
+
+        def echo(index: int, generation: Generation) -> bytes:
+            if echoes is None or index in echoed:
+                return b""
+            echoed.add(index)
+            serving = generation.serving
+            scored = None if serving.prompt_logprobs is None else generation.prompt_logprobs()
+            prompt_ids = serving.token_ids or serving.prompt_ids
+            return encoder.echo(index, echoes[index // choices.n], prompt_ids, scored)
+
+        outcomes: dict[int, Outcome] = {}
         try:
-            if first := encoder.start():
+            if first := encoder.start(choices.count):
                 yield first
-            try:
-                async for piece in generation.pieces():
-                    if echo is not None:
-                        yield self._echoed(generation, encoder, echo)
-                        echo = None
-                    if piece.text or piece.logprobs:
-                        yield encoder.piece(piece)
-                if echo is not None:
-                    yield self._echoed(generation, encoder, echo)
-                outcome = generation.outcome()
+            try:  # `receive` is left open: the stream's end cancels the choices' relays
+                async for event in receive:
+                    match event:
+                        case ChoicePiece(index=index, generation=generation, piece=piece):
+                            if opening := echo(index, generation):
+                                yield opening
+                            if piece.text or piece.logprobs:
+                                yield encoder.piece(index, piece)
+                        case ChoiceEnded(index=index, generation=generation, outcome=outcome):
+                            if opening := echo(index, generation):
+                                yield opening
+                            outcomes[index] = outcome
+                            yield encoder.finish(index, outcome)
+                        case ChoiceFailed(error=error):
+                            raise error
+                        case _:
+                            assert_never(event)
             except RequestFailed as exc:
                 yield sse_error(exc)
             else:
-                yield encoder.finish(outcome)
+                ordered = [outcomes[index] for index in range(choices.count)]
+                if closing := encoder.close(_usage(ordered, choices.n)):
+                    yield closing
             yield b"data: [DONE]\n\n"
         finally:
-            generation.close()
-
-    @staticmethod
-    def _echoed(generation: Generation, encoder: SseStream, echo: str) -> bytes:
-        serving = generation.serving
-        scored = None if serving.prompt_logprobs is None else generation.prompt_logprobs()
-        return encoder.echo(echo, serving.token_ids or serving.prompt_ids, scored)
+            choices.close()
 
     @staticmethod
     async def _until_disconnected(request: Request, scope: trio.CancelScope) -> None:

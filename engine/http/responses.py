@@ -6,6 +6,11 @@ the usage (and every chunk has `"usage": null`), as OpenAI's streams do. A compl
 without the role chunk. The finish reason `cancelled` is reported as vLLM does: `abort`. Where the request
 asked for log-probabilities, each choice (and each stream chunk) carries those of its tokens
 (`engine.http.logprobs`); `echo` puts the prompt, and its tokens' log-probabilities, first.
+
+Several choices (`n`, a list of prompts): a whole response lists them by index; a stream's chunks each
+carry one choice's index (a chat stream opens every choice with its role), each choice ends with its own
+finish chunk, and the usage chunk comes once, after the last. Usage counts each prompt once and every
+choice's generated tokens, as OpenAI and vLLM do.
 """
 
 from __future__ import annotations
@@ -36,20 +41,29 @@ def finish_reason(outcome: Outcome) -> str:
     return "abort" if outcome.finish_reason == "cancelled" else outcome.finish_reason
 
 
-def usage(outcome: Outcome) -> Usage:
-    generated = len(outcome.token_ids)
+def usage(firsts: list[Outcome], others: list[Outcome]) -> Usage:
+    """`firsts`: each prompt's choice 0 (its prompt and cached tokens counted); `others`: the other
+    choices (only their generated tokens counted)."""
+    prompt = sum(outcome.prompt_tokens for outcome in firsts)
+    generated = sum(len(outcome.token_ids) for outcome in [*firsts, *others])
     return Usage(
-        prompt_tokens=outcome.prompt_tokens,
+        prompt_tokens=prompt,
         completion_tokens=generated,
-        total_tokens=outcome.prompt_tokens + generated,
-        prompt_tokens_details=PromptTokensDetails(cached_tokens=outcome.cached_tokens),
+        total_tokens=prompt + generated,
+        prompt_tokens_details=PromptTokensDetails(cached_tokens=sum(o.cached_tokens for o in firsts)),
     )
 
 
 def completion(
-    request_id: str, model: str, created: int, outcome: Outcome, text: TokenText, echo: str | None = None
+    request_id: str, model: str, created: int, choices: list[CompletionChoice], total: Usage
 ) -> Completion:
-    """The whole completion; `echo`: the prompt's text, put before the generated text."""
+    return Completion(id=request_id, created=created, model=model, choices=choices, usage=total)
+
+
+def completion_choice(
+    index: int, outcome: Outcome, text: TokenText, echo: str | None = None
+) -> CompletionChoice:
+    """One choice of a whole completion; `echo`: the prompt's text, put before the generated text."""
     logprobs = None
     if outcome.logprobs is not None:
         scores = CompletionScores(text)
@@ -59,25 +73,27 @@ def completion(
             scored = [*outcome.prompt_logprobs, *scored]
             token_ids = [*outcome.prompt_ids, *token_ids]
         logprobs = scores.scores(scored, token_ids)
-    choice = CompletionChoice(
-        index=0,
+    return CompletionChoice(
+        index=index,
         text=(echo or "") + outcome.text,
         logprobs=logprobs,
         finish_reason=finish_reason(outcome),
     )
-    return Completion(id=request_id, created=created, model=model, choices=[choice], usage=usage(outcome))
 
 
 def chat_completion(
-    request_id: str, model: str, created: int, outcome: Outcome, text: TokenText
+    request_id: str, model: str, created: int, choices: list[ChatChoice], total: Usage
 ) -> ChatCompletion:
-    choice = ChatChoice(
-        index=0,
+    return ChatCompletion(id=request_id, created=created, model=model, choices=choices, usage=total)
+
+
+def chat_choice(index: int, outcome: Outcome, text: TokenText) -> ChatChoice:
+    return ChatChoice(
+        index=index,
         message=AssistantMessage(content=outcome.text),
         logprobs=None if outcome.logprobs is None else chat_logprobs(outcome.logprobs, text),
         finish_reason=finish_reason(outcome),
     )
-    return ChatCompletion(id=request_id, created=created, model=model, choices=[choice], usage=usage(outcome))
 
 
 def event(body: Reply) -> bytes:
@@ -104,15 +120,21 @@ class SseStream:
         self._scores = CompletionScores(text)
 
     def _chunk(
-        self, text: str | None, reason: str | None, *, role: bool = False, piece: Piece | None = None
+        self,
+        index: int,
+        text: str | None,
+        reason: str | None,
+        *,
+        role: bool = False,
+        piece: Piece | None = None,
     ) -> bytes:
-        """One chunk with one choice: `text` (None: no content), `reason`, and the log-probabilities of
-        `piece`'s tokens where it has them."""
+        """One chunk with choice `index`: `text` (None: no content), `reason`, and the log-probabilities
+        of `piece`'s tokens where it has them."""
         scored = None if piece is None else piece.logprobs
         if self.chat:
             delta = Delta(role="assistant" if role else None, content=text)
             logprobs = None if scored is None else chat_logprobs(scored, self._token_text)
-            choices = [ChatChunkChoice(index=0, delta=delta, logprobs=logprobs, finish_reason=reason)]
+            choices = [ChatChunkChoice(index=index, delta=delta, logprobs=logprobs, finish_reason=reason)]
             return event(
                 ChatCompletionChunk(
                     id=self.request_id, created=self.created, model=self.model, choices=choices
@@ -122,29 +144,38 @@ class SseStream:
         if scored is not None and piece is not None:
             completion_logprobs = self._scores.scores(list(scored), piece.token_ids)
         choice = CompletionChoice(
-            index=0, text=text or "", logprobs=completion_logprobs, finish_reason=reason
+            index=index, text=text or "", logprobs=completion_logprobs, finish_reason=reason
         )
         return event(Completion(id=self.request_id, created=self.created, model=self.model, choices=[choice]))
 
-    def start(self) -> bytes:
-        """A chat stream opens with the role; a completion stream has no opening chunk."""
-        return self._chunk("", None, role=True) if self.chat else b""
+    def start(self, choices: int) -> bytes:
+        """A chat stream opens each choice with the role; a completion stream has no opening chunk."""
+        return (
+            b"".join(self._chunk(index, "", None, role=True) for index in range(choices))
+            if self.chat
+            else b""
+        )
 
-    def piece(self, piece: Piece) -> bytes:
-        return self._chunk(piece.text, None, piece=piece)
+    def piece(self, index: int, piece: Piece) -> bytes:
+        return self._chunk(index, piece.text, None, piece=piece)
 
-    def echo(self, text: str, prompt_ids: list[int], scored: list[TokenLogprobs | None] | None) -> bytes:
-        """A completion stream's first chunk with `echo`: the prompt's text, and its tokens' scores."""
+    def echo(
+        self, index: int, text: str, prompt_ids: list[int], scored: list[TokenLogprobs | None] | None
+    ) -> bytes:
+        """A completion choice's first chunk with `echo`: the prompt's text, and its tokens' scores."""
         logprobs = None if scored is None else self._scores.scores(scored, prompt_ids)
-        choice = CompletionChoice(index=0, text=text, logprobs=logprobs, finish_reason=None)
+        choice = CompletionChoice(index=index, text=text, logprobs=logprobs, finish_reason=None)
         return event(Completion(id=self.request_id, created=self.created, model=self.model, choices=[choice]))
 
-    def finish(self, outcome: Outcome) -> bytes:
-        last = self._chunk(None, finish_reason(outcome))
+    def finish(self, index: int, outcome: Outcome) -> bytes:
+        """Choice `index`'s last chunk: its finish reason."""
+        return self._chunk(index, None, finish_reason(outcome))
+
+    def close(self, total: Usage) -> bytes:
+        """After every choice finished: the usage chunk, when the request asked for it."""
         if not self.include_usage:
-            return last
+            return b""
         kind = ChatCompletionChunk if self.chat else Completion
-        body = kind(
-            id=self.request_id, created=self.created, model=self.model, choices=[], usage=usage(outcome)
+        return event(
+            kind(id=self.request_id, created=self.created, model=self.model, choices=[], usage=total)
         )
-        return last + event(body)
