@@ -105,9 +105,10 @@ def reference(
 
 
 async def completion_scores(
-    client: openai.AsyncOpenAI, prompt: Any, **fields: Any
+    client: openai.AsyncOpenAI, prompt: Any, *, stream: bool = True, **fields: Any
 ) -> tuple[dict[int, list[float]], dict[int, list[float]]]:
-    """Each choice's token log-probabilities, by index: from the whole reply, and from the stream."""
+    """Each choice's token log-probabilities, by index: from the whole reply, and from the stream (the
+    whole reply's again when `stream` is false)."""
     name = (await client.models.list()).data[0].id
     extra = {key: fields.pop(key) for key in VLLM_ONLY if key in fields}  # not in OpenAI's API
     options = dict(model=name, prompt=prompt, max_tokens=TOKENS, logprobs=0, extra_body=extra, **fields)
@@ -117,6 +118,8 @@ async def completion_scores(
         assert choice.logprobs is not None and choice.logprobs.token_logprobs is not None
         by_index[choice.index] = choice.logprobs.token_logprobs
     assert sorted(by_index) == list(range(len(whole.choices)))
+    if not stream:
+        return by_index, by_index
     streamed: dict[int, list[float]] = {}
     finished: set[int] = set()
     stream = await client.completions.create(**options, stream=True, stream_options={"include_usage": True})
@@ -215,10 +218,10 @@ async def test_n_choices_with_a_seed_differ_repeat_and_are_n1_under_seed_plus_i(
     whole, streamed = await completion_scores(client, PROMPT, n=3, **fields)
     assert same(streamed, whole) and sorted(whole) == [0, 1, 2]
     assert not any(close(whole[i], whole[j]) for i, j in ((0, 1), (0, 2), (1, 2)))  # three distinct choices
-    again, _ = await completion_scores(client, PROMPT, n=3, **fields)
+    again, _ = await completion_scores(client, PROMPT, stream=False, n=3, **fields)
     assert same(again, whole)
     for i in range(3):
-        single, _ = await completion_scores(client, PROMPT, **{**fields, "seed": 11 + i})
+        single, _ = await completion_scores(client, PROMPT, stream=False, **{**fields, "seed": 11 + i})
         assert same(single, {0: whole[i]})
     name = (await client.models.list()).data[0].id
     chat = dict(model=name, messages=[{"role": "user", "content": "the cat sat"}], max_tokens=4, n=2, seed=3)
@@ -260,7 +263,7 @@ async def test_a_list_of_prompts_answers_each_n_times_in_openais_order(client: o
     assert same(streamed, whole) and sorted(whole) == [0, 1, 2, 3]
     for number, prompt in enumerate([PROMPT, OTHER]):
         for i in range(2):
-            single, _ = await completion_scores(client, prompt, **{**fields, "seed": 4 + i})
+            single, _ = await completion_scores(client, prompt, stream=False, **{**fields, "seed": 4 + i})
             assert same(single, {0: whole[number * 2 + i]})
     name = (await client.models.list()).data[0].id
     texts = ["hello world", "the cat sat on"]
