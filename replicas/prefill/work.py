@@ -330,7 +330,9 @@ def _sequence(item: Held, chunk: Chunk) -> PrefillSequence:
         logprobs=request.logprobs if chunk.last else None,
         prompt_logprobs=request.prompt_logprobs,
         next_token=None if chunk.last else request.token_ids[stop],
-        history=token_history(request.sampling, request.token_ids, request.generated) if chunk.last else None,
+        # Every chunk samples a token (a chunk that does not end its prompt drops it), so each carries the
+        # history its penalties read.
+        history=token_history(request.sampling, request.token_ids, request.generated),
     )
 
 

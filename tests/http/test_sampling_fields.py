@@ -2,7 +2,8 @@
 and `logit_bias` (greedy: transformers' own `generate` for the repetition penalty, a reference loop over
 transformers' logits for the others; seeded sampling too), `n` choices with a seed (distinct,
 reproducible, choice i the n=1 answer under seed + i), and a list of prompts — each streamed and not.
-The node runs a prefill and a decode replica: the first token is sampled on one, the rest on the other.
+The node runs a prefill and a decode replica: the first token is sampled on one, the rest on the other;
+its prefill runs in chunks of 8 tokens.
 
 The HTTP replies carry no token ids: a choice's tokens are pinned by their log-probabilities (`logprobs`),
 which equal those of the control socket's reply, whose ids are compared with the reference.
@@ -29,6 +30,7 @@ PROMPT = [5, 6, 7, 8, 5, 9, 3, 4, 10, 11, 3, 200, 17, 301]
 OTHER = [12, 13, 14, 15, 16, 12, 13]
 TOLERANCE = 1e-4
 TOKENS = 10
+CHUNK = 8
 VLLM_ONLY = ("repetition_penalty",)
 TEMPLATE = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
 
@@ -47,6 +49,8 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[NodeProce
         str(template),
         "--replicas",
         "prefill=1,decode=1",
+        "--prefill-chunk-tokens",
+        str(CHUNK),  # PROMPT runs in two chunks: only the last one's token is kept
     )
     with node_process(root, *options) as node:
         yield node, hf
