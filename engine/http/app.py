@@ -224,7 +224,11 @@ class HttpApi:
         else:
             texts = [
                 completion_choice(
-                    index, outcome, self._token_text, None if echoes is None else echoes[index // choices.n]
+                    index,
+                    outcome,
+                    self._token_text,
+                    None if echoes is None else echoes[index // choices.n],
+                    ordered[index - index % choices.n],
                 )
                 for index, outcome in enumerate(ordered)
             ]
@@ -278,8 +282,11 @@ class HttpApi:
             if echoes is None or index in echoed:
                 return b""
             echoed.add(index)
+            # The prompt's scores are its choice 0's (it alone asked; it ran the prompt before the others
+            # started).
+            first = choices.generations[index - index % choices.n]
+            scored = None if first.serving.prompt_logprobs is None else first.prompt_logprobs()
             serving = generation.serving
-            scored = None if serving.prompt_logprobs is None else generation.prompt_logprobs()
             prompt_ids = serving.token_ids or serving.prompt_ids
             return encoder.echo(index, echoes[index // choices.n], prompt_ids, scored)
 

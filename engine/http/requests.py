@@ -192,15 +192,20 @@ def _check_choices(prompt_count: int, n: int) -> None:
 
 def prompt_choices(requests: list[GenerateRequest], n: int) -> list[list[GenerateRequest]]:
     """For each prompt's request, its `n` choices: choice i samples with `seed + i` when a seed is set
-    (wrapping past the largest seed), else with a seed of the node's own, as any request without one."""
+    (wrapping past the largest seed), else with a seed of the node's own, as any request without one.
+    Only choice 0 asks for the prompt's log-probabilities (`echo`): the others show choice 0's, and so
+    may borrow the prompt's KV instead of computing it."""
     choices = []
     for request in requests:
         seed = request.seed
+        others = msgspec.structs.replace(request, prompt_logprobs=None)
         choices.append(
             [
                 request
-                if i == 0 or seed is None
-                else msgspec.structs.replace(request, seed=(seed + i) % (MAX_SEED + 1))
+                if i == 0
+                else others
+                if seed is None
+                else msgspec.structs.replace(others, seed=(seed + i) % (MAX_SEED + 1))
                 for i in range(n)
             ]
         )

@@ -61,17 +61,20 @@ def completion(
 
 
 def completion_choice(
-    index: int, outcome: Outcome, text: TokenText, echo: str | None = None
+    index: int, outcome: Outcome, text: TokenText, echo: str | None = None, prompt: Outcome | None = None
 ) -> CompletionChoice:
-    """One choice of a whole completion; `echo`: the prompt's text, put before the generated text."""
+    """One choice of a whole completion; `echo`: the prompt's text, put before the generated text, with
+    the prompt tokens' log-probabilities of `prompt` (the outcome that scored them: its prompt's choice 0;
+    default `outcome`)."""
     logprobs = None
+    scoring = outcome if prompt is None else prompt
     if outcome.logprobs is not None:
         scores = CompletionScores(text)
         scored: list[TokenLogprobs | None] = list(outcome.logprobs)
         token_ids = list(outcome.token_ids)
-        if echo is not None and outcome.prompt_logprobs is not None and outcome.prompt_ids is not None:
-            scored = [*outcome.prompt_logprobs, *scored]
-            token_ids = [*outcome.prompt_ids, *token_ids]
+        if echo is not None and scoring.prompt_logprobs is not None and scoring.prompt_ids is not None:
+            scored = [*scoring.prompt_logprobs, *scored]
+            token_ids = [*scoring.prompt_ids, *token_ids]
         logprobs = scores.scores(scored, token_ids)
     return CompletionChoice(
         index=index,

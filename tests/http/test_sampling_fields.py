@@ -247,7 +247,7 @@ async def test_the_choices_after_the_first_borrow_its_prompts_kv(
     client: openai.AsyncOpenAI, served: tuple[NodeProcess, Any]
 ) -> None:
     """n=4 on a fresh 40-token prompt: choice 0 computes it; choices 1-3 find its two full KV blocks (32
-    tokens) in the prefix cache and compute only the last 8."""
+    tokens) in the prefix cache and compute only the last 8. With `echo` and `logprobs` too."""
     node = served[0]
     assert node.http_url is not None
     async with httpx.AsyncClient(base_url=node.http_url, timeout=30) as http:
@@ -256,9 +256,29 @@ async def test_the_choices_after_the_first_borrow_its_prompts_kv(
         prompt = list(range(100, 140))
         reply = await client.completions.create(model=name, prompt=prompt, max_tokens=3, n=4, seed=1)
         after = samples((await http.get("/metrics")).text)
-    assert len(reply.choices) == 4 and reply.usage is not None and reply.usage.prompt_tokens == 40
-    hits = ("zigzag:prefix_cache_hits_total", ())
-    assert after[hits] - before.get(hits, 0.0) == 3 * 32
+        assert len(reply.choices) == 4 and reply.usage is not None and reply.usage.prompt_tokens == 40
+        hits = ("zigzag:prefix_cache_hits_total", ())
+        assert after[hits] - before.get(hits, 0.0) == 3 * 32
+        # With echo and logprobs, choice 0 scores the prompt (no cache lookup: it computes every row) and
+        # the others show its scores, borrowing its KV.
+        echo = dict(
+            model=name, prompt=list(range(150, 190)), max_tokens=3, n=3, seed=2, echo=True, logprobs=1
+        )
+        whole = await client.completions.create(**echo)
+        stream = await client.completions.create(**echo, stream=True)
+        streamed: dict[int, list[float | None]] = {}
+        async for chunk in stream:
+            for choice in chunk.choices:
+                if choice.logprobs is not None and choice.logprobs.token_logprobs:
+                    streamed.setdefault(choice.index, []).extend(choice.logprobs.token_logprobs)
+        last = samples((await http.get("/metrics")).text)
+    assert last[hits] - after[hits] == 2 * 2 * 32
+    for choice in whole.choices:
+        assert choice.logprobs is not None and choice.logprobs.token_logprobs is not None
+        scores = choice.logprobs.token_logprobs
+        assert len(scores) == 43 and scores[0] is None
+        assert scores[:40] == whole.choices[0].logprobs.token_logprobs[:40]  # type: ignore[union-attr]
+        assert streamed[choice.index][:40] == scores[:40]
 
 
 async def test_a_list_of_prompts_answers_each_n_times_in_openais_order(client: openai.AsyncOpenAI) -> None:
