@@ -52,9 +52,11 @@ from replicas.model.llama import Model
 from replicas.model.reference import generate_in_one_piece
 from replicas.model.sampling import (
     GREEDY,
+    LogitAdjustments,
     SamplingError,
     SamplingParams,
     TokenHistory,
+    adjust_logits,
     finish_reason,
     sample_tokens,
     token_history,
@@ -101,6 +103,7 @@ __all__ = [
     "Kernels",
     "Linear",
     "LoadProgress",
+    "LogitAdjustments",
     "Model",
     "ModelConfig",
     "ModelError",
@@ -124,6 +127,7 @@ __all__ = [
     "UnsupportedModelError",
     "VisionEncoder",
     "WeightShapeError",
+    "adjust_logits",
     "check_image",
     "checkpoint_chat_template",
     "convert_gguf",
