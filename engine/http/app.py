@@ -5,9 +5,11 @@ Routes: `POST /v1/completions`, `POST /v1/chat/completions`, `GET /v1/models`, `
 any other path answers OpenAI's JSON error with 404. Requests go through the same `Generation` as the control socket's `generate`, so they
 share admission, routing, logging and token identity.
 
-Cancellation: a client that disconnects cancels its request — for a stream, Starlette cancels the body
-iterator; otherwise `_until_disconnected` does — and `Generation.close` (in `finally`, no await) frees
-its blocks. Errors have vLLM's shape with an HTTP status (`engine.http.errors`); an error after a stream
+A body's choices (`n`, a list of prompts) are one generation each, relayed by `engine.http.choices`.
+
+Cancellation: a client that disconnects cancels its requests — for a stream, Starlette cancels the body
+iterator; otherwise `_until_disconnected` does — and `Choices.close` (in `finally`, no await) frees
+their blocks. Errors have vLLM's shape with an HTTP status (`engine.http.errors`); an error after a stream
 has started is one SSE `error` event, then `data: [DONE]`.
 """
 
@@ -176,13 +178,13 @@ class HttpApi:
         echoes = self._echoes(body) if isinstance(body, CompletionRequest) and body.echo else None
         send, receive = trio.open_memory_channel[ChoiceEvent](CHOICE_EVENTS)
         if body.stream:
-            usage = body.stream_options is not None and body.stream_options.include_usage
+            include_usage = body.stream_options is not None and body.stream_options.include_usage
             encoder = SseStream(
                 request_id,
                 self.model_name,
                 int(time.time()),
                 chat=isinstance(body, ChatCompletionRequest),
-                include_usage=usage,
+                include_usage=include_usage,
                 text=self._token_text,
             )
             return ClosingStreamingResponse(
