@@ -30,7 +30,7 @@ from replicas.model.errors import ModelInputError
 
 FinishReason = Literal["stop", "length"]
 
-MAX_PRESENCE_PENALTY: Final = 2.0  # presence and frequency penalties lie in [-2, 2], as OpenAI's
+MAX_PENALTY: Final = 2.0  # presence and frequency penalties lie in [-2, 2], as OpenAI's
 MAX_LOGIT_BIAS: Final = 100.0  # a logit bias lies in [-100, 100], as OpenAI's
 
 
@@ -72,7 +72,7 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
             raise SamplingError(f"top_p must be in (0, 1], got {self.top_p}")
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
-            if not -MAX_PRESENCE_PENALTY <= value <= MAX_PRESENCE_PENALTY:
+            if not -MAX_PENALTY <= value <= MAX_PENALTY:
                 raise SamplingError(f"{name} must be in [-2, 2], got {value}")
         if not (self.repetition_penalty > 0.0 and self.repetition_penalty < float("inf")):
             raise SamplingError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
