@@ -2,8 +2,9 @@
 
 `compare` runs `generate_in_one_piece` for the same prompt, images and sampling, and reports whether
 the node's tokens are identical. A divergence is forgiven only when it is a genuine greedy tie: at the
-first differing position the reference's top-2 logits are within `TIE_TOLERANCE` of each other (two
-equally good tokens; which one wins depends on rounding, not on a bug).
+first differing position the reference's top-2 logits (after the request's bias and penalties) are
+within `TIE_TOLERANCE` of each other (two equally good tokens; which one wins depends on rounding, not
+on a bug).
 """
 
 from __future__ import annotations
@@ -19,10 +20,13 @@ from replicas.model import (
     DEFAULT_KV_BLOCK_SIZE,
     Executor,
     KVCache,
+    LogitAdjustments,
     Model,
     PrefillSequence,
     SamplingParams,
+    adjust_logits,
     generate_in_one_piece,
+    token_history,
 )
 
 TIE_TOLERANCE = 1e-4
@@ -59,12 +63,16 @@ def compare(
     first = next((i for i, (a, b) in enumerate(zip(got, reference)) if a != b), min(len(got), len(reference)))
     tie = False
     if sampling.greedy and not images and first < min(len(got), len(reference)):
-        tie = top2_gap(model, [*prompt_ids, *reference[:first]]) <= TIE_TOLERANCE
+        tie = top2_gap(model, prompt_ids, reference[:first], sampling) <= TIE_TOLERANCE
     return Verdict(False, tie, reference, first)
 
 
-def top2_gap(model: Model, token_ids: Sequence[int]) -> float:
-    """The gap between the two largest next-token logits after `token_ids` (one sequence, one piece)."""
+def top2_gap(
+    model: Model, prompt_ids: Sequence[int], generated: Sequence[int], sampling: SamplingParams
+) -> float:
+    """The gap between the two largest next-token logits after the prompt and `generated` (one sequence,
+    one piece), `sampling`'s bias and penalties applied."""
+    token_ids = [*prompt_ids, *generated]
     total = len(token_ids)
     block_size = DEFAULT_KV_BLOCK_SIZE
     cache = KVCache.create(model.config, -(-total // block_size), block_size=block_size, device=model.device)
@@ -74,7 +82,12 @@ def top2_gap(model: Model, token_ids: Sequence[int]) -> float:
             [PrefillSequence(block_table=table, token_ids=list(token_ids))]
         )
         assert result.logits is not None
-        top = torch.topk(result.logits[0].float(), 2).values
+        logits = result.logits[:1].float()
+        history = token_history(sampling, prompt_ids, generated)
+        adjustments = LogitAdjustments.build([sampling], [history], logits.device)
+        if adjustments is not None:
+            logits = adjust_logits(logits, adjustments)
+        top = torch.topk(logits[0], 2).values
         return float(top[0] - top[1])
     finally:
         cache.pool.free(table, "tie-check")

@@ -137,6 +137,10 @@ class SamplingRecord(Record, frozen=True):
     # The output's grammar (structured outputs): the spec only; each node rebuilds its matcher from it
     # and the tokens generated so far.
     grammar: Grammar | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
 
 class RequestSnapshot(Record, frozen=True):

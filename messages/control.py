@@ -38,6 +38,11 @@ ReplicaName = Annotated[
     str, msgspec.Meta(max_length=64, pattern=r"^(?:[a-z0-9][a-z0-9_-]{0,31}/)?[a-z]+-[0-9]+$")
 ]
 TokenId = Annotated[int, msgspec.Meta(ge=0, le=MAX_TOKEN_ID)]
+MAX_LOGIT_BIAS = 1024  # token ids one logit_bias may name
+# vLLM's ranges: presence and frequency in [-2, 2], repetition > 0 (1: off), a bias in [-100, 100].
+Penalty = Annotated[float, msgspec.Meta(ge=-2.0, le=2.0)]
+RepetitionPenalty = Annotated[float, msgspec.Meta(gt=0.0, le=1e6)]
+LogitBias = Annotated[float, msgspec.Meta(ge=-100.0, le=100.0)]
 StopString = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_STOP_CHARS)]
 Count = Annotated[int, msgspec.Meta(ge=0)]
 Seconds = Annotated[float, msgspec.Meta(ge=0)]
@@ -127,7 +132,9 @@ class GenerateRequest(ControlRequestBase, frozen=True, tag="generate"):
     that any connection can `cancel` it; the node assigns one when it is absent. `temperature` 0 is greedy;
     sampling randomness is a function of (`seed`, position). `logprobs`: each generated token's
     log-probability with that many most likely alternatives; `prompt_logprobs`: the same for each prompt
-    token (the first one's is null) — the model's raw distribution, before temperature and top-p.
+    token (the first one's is null) — the model's raw distribution, before temperature and top-p. `presence_penalty`,
+    `frequency_penalty` (over the generated tokens), `repetition_penalty` (over prompt and generated
+    tokens) and `logit_bias` (token id → value added to its logit) adjust the logits as vLLM's do.
     `grammar`: the output's structure (`messages.grammar`: a JSON schema, a regex, a choice, a grammar);
     one that does not compile is a `bad_request` naming why.
     """
@@ -148,6 +155,10 @@ class GenerateRequest(ControlRequestBase, frozen=True, tag="generate"):
     request_id: RequestId | None = None
     logprobs: Annotated[int, msgspec.Meta(ge=0, le=MAX_LOGPROBS)] | None = None
     prompt_logprobs: Annotated[int, msgspec.Meta(ge=0, le=MAX_LOGPROBS)] | None = None
+    presence_penalty: Penalty = 0.0
+    frequency_penalty: Penalty = 0.0
+    repetition_penalty: RepetitionPenalty = 1.0
+    logit_bias: Annotated[dict[TokenId, LogitBias], msgspec.Meta(max_length=MAX_LOGIT_BIAS)] = {}
     grammar: Grammar | None = None
 
     def __post_init__(self) -> None:

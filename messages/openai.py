@@ -2,7 +2,7 @@
 
 Unlike the control socket's messages, request bodies ignore fields they do not know, as OpenAI's and
 vLLM's servers do: clients and load generators send many optional fields. Fields that are known but not
-supported (`n` > 1, penalties, `suffix`, ...) are refused with a 400 that names them
+supported (`suffix`, `best_of` other than `n`, ...) are refused with a 400 that names them
 (`engine.http.requests.unsupported`), never silently dropped. Numbers are bounded here, so a bad body is
 a 400 naming the field, not an error deep inside the node.
 """
@@ -14,12 +14,15 @@ from typing import Annotated, Any, Literal
 import msgspec
 
 from messages.control import (
+    MAX_LOGIT_BIAS,
     MAX_LOGPROBS,
     MAX_NEW_TOKENS,
     MAX_SEED,
     MAX_STOP_CHARS,
     MAX_STOP_STRINGS,
     MAX_TEMPERATURE,
+    Penalty,
+    RepetitionPenalty,
 )
 from messages.grammar import MAX_CHOICE_CHARS, MAX_CHOICES, MAX_GRAMMAR_CHARS
 
@@ -118,11 +121,13 @@ class SamplingFields(Body, frozen=True, kw_only=True):
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
     min_tokens: Annotated[int, msgspec.Meta(ge=0, le=MAX_NEW_TOKENS)] = 0
-    # Known, supported only at their neutral values (a 400 names them otherwise).
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    logit_bias: dict[str, float] | None = None
+    # vLLM's ranges; logit_bias maps token ids (as strings) to the value added to their logits.
+    presence_penalty: Penalty = 0.0
+    frequency_penalty: Penalty = 0.0
+    repetition_penalty: RepetitionPenalty = 1.0
+    # (its keys and values are checked in `engine.http.requests`, so a 400 names the token).
+    logit_bias: Annotated[dict[str, float], msgspec.Meta(max_length=MAX_LOGIT_BIAS)] | None = None
+    # Accepted only equal to n (a 400 names it otherwise).
     best_of: int | None = None
     user: str | None = None
     # Structured outputs (engine.http.requests): OpenAI's `response_format`, vLLM's `structured_outputs`
@@ -136,9 +141,9 @@ class SamplingFields(Body, frozen=True, kw_only=True):
 
 
 class CompletionRequest(SamplingFields, frozen=True, kw_only=True):
-    """`POST /v1/completions`: one prompt, as text or token ids (a list of prompts is refused)."""
+    """`POST /v1/completions`: a prompt as text or token ids, or a list of prompts (each text or token ids)."""
 
-    # Text, or token ids; a list of prompts is refused (`engine.http.requests`): one prompt per request.
+    # Text, token ids, or a list of either (`engine.http.requests.prompts` checks the shapes).
     prompt: Annotated[str, msgspec.Meta(max_length=MAX_TEXT_CHARS)] | list[Any]
     max_tokens: Tokens | None = 16
     echo: bool = False

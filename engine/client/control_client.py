@@ -18,7 +18,7 @@ from __future__ import annotations
 import itertools
 import math
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Mapping, Sequence
 from contextlib import asynccontextmanager
 from typing import Final, Literal, TypeVar, final
 
@@ -178,6 +178,10 @@ class ControlClient:
         logprobs: int | None = None,
         prompt_logprobs: int | None = None,
         grammar: Grammar | None = None,
+        presence_penalty: float = 0.0,
+        frequency_penalty: float = 0.0,
+        repetition_penalty: float = 1.0,
+        logit_bias: Mapping[int, float] | None = None,
     ) -> AsyncGenerator[TokenReply | GenerateResult, None]:
         """Token replies (when `stream`) and then the result. `request_id` defaults to a fresh uuid."""
         request = GenerateRequest(
@@ -198,6 +202,10 @@ class ControlClient:
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
             grammar=grammar,
+            presence_penalty=presence_penalty,
+            frequency_penalty=frequency_penalty,
+            repetition_penalty=repetition_penalty,
+            logit_bias=dict(logit_bias or {}),
         )
         async for reply in self.replies(request):
             match reply:
@@ -223,6 +231,10 @@ class ControlClient:
         logprobs: int | None = None,
         prompt_logprobs: int | None = None,
         grammar: Grammar | None = None,
+        presence_penalty: float = 0.0,
+        frequency_penalty: float = 0.0,
+        repetition_penalty: float = 1.0,
+        logit_bias: Mapping[int, float] | None = None,
     ) -> GenerateResult:
         """`generate` without streaming: the result alone."""
         replies = self.generate(
@@ -240,6 +252,10 @@ class ControlClient:
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
             grammar=grammar,
+            presence_penalty=presence_penalty,
+            frequency_penalty=frequency_penalty,
+            repetition_penalty=repetition_penalty,
+            logit_bias=logit_bias,
         )
         async for reply in replies:
             if isinstance(reply, GenerateResult):

@@ -74,6 +74,12 @@ def build_request(
             f"prompt ({len(prompt_ids)} tokens) + max_tokens ({max_tokens}) needs {blocks} KV blocks, "
             f"but a replica's KV pool has {settings.kv_pool_blocks} (lower max_tokens or raise --kv-pool-blocks)",
         )
+    for token in request.logit_bias:
+        if token >= config.vocab_size:
+            raise RequestFailed(
+                "bad_request",
+                f"logit_bias names token {token}, outside the vocabulary of {config.vocab_size} tokens",
+            )
     seed = request.seed if request.seed is not None else served.next_seed()
     return ServingRequest(
         request_id=request.request_id or new_request_id(),
@@ -87,6 +93,10 @@ def build_request(
             eos_banned_before=len(prompt_ids) + request.min_tokens,
             eos_token_ids=tuple(sorted(config.eos_token_ids)) if request.min_tokens else (),
             grammar=request.grammar,
+            presence_penalty=request.presence_penalty,
+            frequency_penalty=request.frequency_penalty,
+            repetition_penalty=request.repetition_penalty,
+            logit_bias=tuple(sorted(request.logit_bias.items())),
         ),
         max_tokens=max_tokens,
         eos_token_ids=config.eos_token_ids,

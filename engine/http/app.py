@@ -7,9 +7,11 @@ Routes: `POST /v1/completions`, `POST /v1/chat/completions`, `POST /v1/responses
 any other path answers OpenAI's JSON error with 404. Requests go through the same `Generation` as the control socket's `generate`, so they
 share admission, routing, logging and token identity.
 
-Cancellation: a client that disconnects cancels its request — for a stream, Starlette cancels the body
-iterator; otherwise `_until_disconnected` does — and `Generation.close` (in `finally`, no await) frees
-its blocks. Errors have vLLM's shape with an HTTP status (`engine.http.errors`); an error after a stream
+A body's choices (`n`, a list of prompts) are one generation each, relayed by `engine.http.choices`.
+
+Cancellation: a client that disconnects cancels its requests — for a stream, Starlette cancels the body
+iterator; otherwise `_until_disconnected` does — and `Choices.close` (in `finally`, no await) frees
+their blocks. Errors have vLLM's shape with an HTTP status (`engine.http.errors`); an error after a stream
 has started is one SSE `error` event, then `data: [DONE]`.
 """
 
@@ -19,7 +21,7 @@ import itertools
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
-from typing import Protocol, final
+from typing import Final, assert_never, final
 
 import msgspec
 import trio
@@ -30,14 +32,23 @@ from starlette.routing import Route
 
 from engine.control.errors import RequestFailed
 from engine.core import NodeCore
-from engine.generate.generation import Generation, Outcome, Piece
-from engine.http.access import note_generation
+from engine.generate.generation import Generation, Outcome
+from engine.http.access import Scope, note_generation
 from engine.http.chat import renderer
-from engine.http.errors import error_response, failed_response, validation_response
+from engine.http.choices import ChoiceEnded, ChoiceEvent, ChoiceFailed, ChoicePiece, Choices
+from engine.http.errors import error_response, failed_response, sse_error, validation_response
 from engine.http.logprobs import token_text
 from engine.http.metrics import CONTENT_TYPE, NodeMetrics
-from engine.http.requests import BadBody, chat_request, completion_request
-from engine.http.responses import SseStream, chat_completion, completion
+from engine.http.requests import BadBody, chat_request, completion_requests, prompt_choices
+from engine.http.requests import prompts as prompts_of
+from engine.http.responses import (
+    SseStream,
+    chat_choice,
+    chat_completion,
+    completion,
+    completion_choice,
+    usage,
+)
 from engine.http.responses_api.output import ResponseBuilder, ResponseEvents, new_id, whole
 from engine.http.responses_api.store import ResponseStore
 from engine.http.responses_api.turn import Turn, UnknownResponse, turn
@@ -46,7 +57,7 @@ from engine.http.tokens import TokenRoutes, not_found
 from engine.http.tools.choice import tool_parser
 from engine.http.tools.parsers import ParserName
 from messages.control import GenerateRequest
-from messages.openai import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList, Reply
+from messages.openai import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList, Reply, Usage
 from messages.responses_api.requests import ResponsesRequest
 from replicas.ports import EventSink
 from replicas.request import ServingRequest
@@ -54,21 +65,12 @@ from replicas.states import ReplicaState
 
 JSON = "application/json"
 MAX_BODY_BYTES = 256 * 1024 * 1024
+CHOICE_EVENTS: Final = 64  # events of a body's choices waiting for the client
 
 
-class Encoder(Protocol):
-    """A stream's events: a chat or completion stream's chunks (`SseStream`), or a response's
-    (`ResponseEvents`)."""
-
-    def start(self) -> bytes: ...
-
-    def piece(self, piece: Piece) -> bytes: ...
-
-    def finish(self, outcome: Outcome) -> bytes: ...
-
-    def error(self, exc: RequestFailed) -> bytes: ...
-
-    def done(self) -> bytes: ...
+def _usage(ordered: list[Outcome], n: int) -> Usage:
+    """The usage of a body's choices, in index order: each prompt once (its choice 0), every choice's tokens."""
+    return usage(ordered[::n], [outcome for index, outcome in enumerate(ordered) if index % n])
 
 
 @final
@@ -198,7 +200,7 @@ class HttpApi:
                 parser = tool_parser(body.tools, body.tool_choice, self.tool_call_parser)
             generated = asked.chat if asked is not None else body
             assert not isinstance(generated, ResponsesRequest)
-            generate = self._generate_request(generated)
+            prompts = self._generate_requests(generated)
         except BadBody as exc:
             self.metrics.refused("bad_request")
             return error_response(400, exc.message, exc.param)
@@ -206,121 +208,207 @@ class HttpApi:
             self.metrics.refused("not_found")
             return error_response(404, exc.message, "previous_response_id")
         connection = f"http-{next(self._connections)}"
+        choices = Choices(
+            prompt_choices(prompts, generated.n),
+            lambda generate: self._start(generate, connection, request.scope),
+        )
         try:
-            generation = Generation.start(
-                self.node.host,
-                self.node.settings,
-                self.node.router,
-                self._log,
-                generate,
-                self.node.served,
-                connection=connection,
-                on_end=self._log_end,
-                token_gap=self.metrics.token_gap,
-            )
+            choices.open()
         except RequestFailed as exc:
+            choices.close()
             return failed_response(exc)
-        note_generation(request.scope, generation.serving)
-        generation.cancel_reason = lambda: "client_disconnected" if self.node.router.accepting else "shutdown"
         request_id = f"{'chatcmpl' if kind is ChatCompletionRequest else 'cmpl'}-{uuid.uuid4().hex}"
-        chat = isinstance(body, ChatCompletionRequest)
-        echo = self._echo(body) if isinstance(body, CompletionRequest) and body.echo else None
+        echoes = self._echoes(body) if isinstance(body, CompletionRequest) and body.echo else None
         built = None
         if asked is not None:
             built = ResponseBuilder(asked, new_id("resp"), self.model_name, int(time.time()), self.stored)
+        send, receive = trio.open_memory_channel[ChoiceEvent](CHOICE_EVENTS)
         if body.stream:
-            encoder: Encoder
+            events: AsyncIterator[bytes]
             if built is not None:
-                encoder = ResponseEvents(built)
+                events = self._response_events(choices, receive, ResponseEvents(built))
             else:
                 assert not isinstance(body, ResponsesRequest)
-                usage = body.stream_options is not None and body.stream_options.include_usage
+                include_usage = body.stream_options is not None and body.stream_options.include_usage
                 encoder = SseStream(
                     request_id,
                     self.model_name,
                     int(time.time()),
-                    chat=chat,
-                    include_usage=usage,
+                    chat=isinstance(body, ChatCompletionRequest),
+                    include_usage=include_usage,
                     text=self._token_text,
                     tools=parser,
                 )
+                events = self._events(choices, receive, encoder, echoes)
             return ClosingStreamingResponse(
-                self._events(generation, encoder, echo),
+                events,
                 media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache"},
+                beside=lambda: choices.run(send),
             )
-        outcome: Outcome | None = None
+        outcomes: dict[int, Outcome] = {}
         failure: RequestFailed | None = None
         try:
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(self._until_disconnected, request, nursery.cancel_scope)
-                try:
-                    async for _piece in generation.pieces():
-                        pass
-                    outcome = generation.outcome()
-                except RequestFailed as exc:
-                    failure = exc
+                nursery.start_soon(choices.run, send)
+                async for event in receive:  # not closed: the cancel below ends the choices' relays
+                    match event:
+                        case ChoicePiece():
+                            pass
+                        case ChoiceEnded(index=index, outcome=outcome):
+                            outcomes[index] = outcome
+                        case ChoiceFailed(error=error):
+                            failure = error
+                            break
+                        case _:
+                            assert_never(event)
                 nursery.cancel_scope.cancel()
         finally:
-            generation.close()
+            choices.close()
         if failure is not None:
             return failed_response(failure)
-        if outcome is None:  # the client went away: nobody reads this
+        if len(outcomes) < choices.count:  # the client went away: nobody reads this
             return Response(b"", status_code=499)
         created = int(time.time())
+        ordered = [outcomes[index] for index in range(choices.count)]
+        total = _usage(ordered, choices.n)
         if built is not None:
-            reply: Reply = whole(built, outcome)
+            reply: Reply = whole(built, ordered[0])
         elif isinstance(body, ChatCompletionRequest):
-            reply = chat_completion(request_id, self.model_name, created, outcome, self._token_text, parser)
+            chat = [
+                chat_choice(index, outcome, self._token_text, parser) for index, outcome in enumerate(ordered)
+            ]
+            reply = chat_completion(request_id, self.model_name, created, chat, total)
         else:
-            reply = completion(request_id, self.model_name, created, outcome, self._token_text, echo)
+            texts = [
+                completion_choice(
+                    index,
+                    outcome,
+                    self._token_text,
+                    None if echoes is None else echoes[index // choices.n],
+                    ordered[index - index % choices.n],
+                )
+                for index, outcome in enumerate(ordered)
+            ]
+            reply = completion(request_id, self.model_name, created, texts, total)
         return Response(msgspec.json.encode(reply), media_type=JSON)
 
-    def _echo(self, body: CompletionRequest) -> str:
-        """The prompt's text, as `echo` puts it before the completion: as sent, or its ids decoded."""
-        if isinstance(body.prompt, str):
-            return body.prompt
-        tokenizer = self.node.host.tokenizer
-        return tokenizer.decode(body.prompt) if tokenizer is not None else ""
+    def _start(self, generate: GenerateRequest, connection: str, scope: Scope) -> Generation:
+        """Admit one choice's request (`RequestFailed` when refused); the access line of the HTTP request
+        in `scope` counts it."""
+        generation = Generation.start(
+            self.node.host,
+            self.node.settings,
+            self.node.router,
+            self._log,
+            generate,
+            self.node.served,
+            connection=connection,
+            on_end=self._log_end,
+            token_gap=self.metrics.token_gap,
+        )
+        generation.cancel_reason = lambda: "client_disconnected" if self.node.router.accepting else "shutdown"
+        note_generation(scope, generation.serving)
+        return generation
 
-    def _generate_request(self, body: CompletionRequest | ChatCompletionRequest) -> GenerateRequest:
-        host = self.node.host
+    def _echoes(self, body: CompletionRequest) -> list[str]:
+        """Each prompt's text, as `echo` puts it before its completions: as sent, or its ids decoded."""
+        tokenizer = self.node.host.tokenizer
+        return [
+            prompt if isinstance(prompt, str) else tokenizer.decode(prompt) if tokenizer is not None else ""
+            for prompt in prompts_of(body)
+        ]
+
+    def _generate_requests(self, body: CompletionRequest | ChatCompletionRequest) -> list[GenerateRequest]:
+        """One request per prompt (choice 0's)."""
+        vocab_size = self.node.host.config.vocab_size
         if isinstance(body, CompletionRequest):
-            return completion_request(body, host.config.vocab_size)
-        return chat_request(body, self._render)
+            return completion_requests(body, vocab_size)
+        return [chat_request(body, self._render, vocab_size)]
 
     async def _events(
-        self, generation: Generation, encoder: Encoder, echo: str | None
+        self,
+        choices: Choices,
+        receive: trio.MemoryReceiveChannel[ChoiceEvent],
+        encoder: SseStream,
+        echoes: list[str] | None,
     ) -> AsyncIterator[bytes]:
-        """The SSE body; with `echo` (a completion's prompt text) the prompt's chunk comes first, once
-        its prefill ended. Cancelled when the client disconnects: `close` then cancels the request."""
+        """The SSE body: each choice's chunks as they come, its finish chunk, then the usage once all
+        ended. With `echoes` (a completion's prompt texts) a choice's prompt chunk comes first, once its
+        prefill ended. Cancelled when the client disconnects: `close` then cancels the choices."""
+        echoed: set[int] = set()
+
+        def echo(index: int, generation: Generation) -> bytes:
+            if echoes is None or index in echoed:
+                return b""
+            echoed.add(index)
+            # The prompt's scores are its choice 0's (it alone asked; it ran the prompt before the others
+            # started).
+            first = choices.generations[index - index % choices.n]
+            scored = None if first.serving.prompt_logprobs is None else first.prompt_logprobs()
+            serving = generation.serving
+            prompt_ids = serving.token_ids or serving.prompt_ids
+            return encoder.echo(index, echoes[index // choices.n], prompt_ids, scored)
+
+        outcomes: dict[int, Outcome] = {}
         try:
-            if first := encoder.start():
+            if first := encoder.start(choices.count):
                 yield first
-            try:
-                async for piece in generation.pieces():
-                    if echo is not None:
-                        yield self._echoed(generation, encoder, echo)
-                        echo = None
-                    if piece.text or piece.logprobs:
-                        yield encoder.piece(piece)
-                if echo is not None:
-                    yield self._echoed(generation, encoder, echo)
-                outcome = generation.outcome()
+            try:  # `receive` is left open: the stream's end cancels the choices' relays
+                async for event in receive:
+                    match event:
+                        case ChoicePiece(index=index, generation=generation, piece=piece):
+                            if opening := echo(index, generation):
+                                yield opening
+                            if piece.text or piece.logprobs:
+                                yield encoder.piece(index, piece)
+                        case ChoiceEnded(index=index, generation=generation, outcome=outcome):
+                            if opening := echo(index, generation):
+                                yield opening
+                            outcomes[index] = outcome
+                            yield encoder.finish(index, outcome)
+                        case ChoiceFailed(error=error):
+                            raise error
+                        case _:
+                            assert_never(event)
+            except RequestFailed as exc:
+                yield sse_error(exc)
+            else:
+                ordered = [outcomes[index] for index in range(choices.count)]
+                if closing := encoder.close(_usage(ordered, choices.n)):
+                    yield closing
+            yield b"data: [DONE]\n\n"
+        finally:
+            choices.close()
+
+    async def _response_events(
+        self,
+        choices: Choices,
+        receive: trio.MemoryReceiveChannel[ChoiceEvent],
+        encoder: ResponseEvents,
+    ) -> AsyncIterator[bytes]:
+        """The SSE body of a streamed response (`/v1/responses`: one choice), its events as OpenAI names
+        them. Cancelled when the client disconnects: `close` then cancels the request."""
+        try:
+            yield encoder.start()
+            try:  # `receive` is left open: the stream's end cancels the choice's relay
+                async for event in receive:
+                    match event:
+                        case ChoicePiece(piece=piece):
+                            if piece.text or piece.logprobs:
+                                yield encoder.piece(piece)
+                        case ChoiceEnded(outcome=outcome):
+                            yield encoder.finish(outcome)
+                        case ChoiceFailed(error=error):
+                            raise error
+                        case _:
+                            assert_never(event)
             except RequestFailed as exc:
                 yield encoder.error(exc)
-            else:
-                yield encoder.finish(outcome)
             yield encoder.done()
         finally:
-            generation.close()
-
-    @staticmethod
-    def _echoed(generation: Generation, encoder: Encoder, echo: str) -> bytes:
-        assert isinstance(encoder, SseStream)  # echo: completions only
-        serving = generation.serving
-        scored = None if serving.prompt_logprobs is None else generation.prompt_logprobs()
-        return encoder.echo(echo, serving.token_ids or serving.prompt_ids, scored)
+            choices.close()
 
     @staticmethod
     async def _until_disconnected(request: Request, scope: trio.CancelScope) -> None:

@@ -1,4 +1,12 @@
-"""OpenAI request bodies → the node's `GenerateRequest`, with every refusal a `BadBody` naming its field.
+"""OpenAI request bodies → the node's `GenerateRequest`s, with every refusal a `BadBody` naming its field.
+
+- Choices: a body asks for `n` choices of each of its prompts (completions take a list of prompts: strings
+  or token-id lists), `n × prompts` at most `MAX_CHOICES`; `prompt_choices` gives one `GenerateRequest`
+  per choice, choice `p * n + i` being prompt p's i-th, as OpenAI and vLLM index them. With a `seed`,
+  choice i of a prompt samples with `seed + i` (vLLM's rule): the choices differ and are reproducible,
+  and choice 0 is what `n=1` gives. `best_of` is accepted only where it changes nothing (equal to `n`).
+- Penalties and `logit_bias` go to the node as they come (vLLM's ranges are checked on the body); the
+  bias's keys must be token ids of the vocabulary.
 
 - Sampling: `temperature` defaults to 1.0 and `top_p` to 1.0, as OpenAI's do; a missing `seed` gets one
   from the node (random, or `--seed`'s sequence; as on the socket). `max_tokens` (completions: default 16)
@@ -32,7 +40,7 @@ from typing import Any, Final, Protocol, assert_never, final
 import msgspec
 
 from engine.http.tools.template import template_tool_calls, template_tools
-from messages.control import MAX_IMAGE_SIDE, MAX_IMAGES, GenerateRequest, ImageInput
+from messages.control import MAX_IMAGE_SIDE, MAX_IMAGES, MAX_SEED, GenerateRequest, ImageInput
 from messages.grammar import ChoiceGrammar, Grammar, JsonGrammar, LarkGrammar, RegexGrammar
 from messages.openai import (
     ChatCompletionRequest,
@@ -48,6 +56,7 @@ from replicas.model.text.grammar import grammar_name, grammar_problem
 
 DEFAULT_TEMPERATURE: Final = 1.0
 IMAGE_MARKER: Final = "<image>"  # where `replicas.model.encode_prompt` puts the next image
+MAX_CHOICES: Final = 256  # n × prompts of one body
 
 
 class Render(Protocol):
@@ -75,12 +84,11 @@ class BadBody(Exception):
 def unsupported(body: SamplingFields) -> BadBody | None:
     """The first known field set to a value the node does not support, as a `BadBody`; None if none."""
     checks: list[tuple[str, bool, str]] = [
-        ("n", body.n != 1, "only n=1 is supported: send one request per choice"),
-        ("best_of", body.best_of not in (None, 1), "best_of is not supported"),
-        ("presence_penalty", body.presence_penalty != 0.0, "presence_penalty is not supported (use 0)"),
-        ("frequency_penalty", body.frequency_penalty != 0.0, "frequency_penalty is not supported (use 0)"),
-        ("repetition_penalty", body.repetition_penalty != 1.0, "repetition_penalty is not supported (use 1)"),
-        ("logit_bias", bool(body.logit_bias), "logit_bias is not supported"),
+        (
+            "best_of",
+            body.best_of is not None and body.best_of != body.n,
+            f"best_of other than n ({body.n}) is not supported: ask for n choices instead",
+        ),
     ]
     if isinstance(body, CompletionRequest):
         checks += [
@@ -165,13 +173,36 @@ def _json(schema: str | dict[str, Any] | bool | None) -> JsonGrammar:
     return JsonGrammar(schema=schema if isinstance(schema, str) else msgspec.json.encode(schema).decode())
 
 
-def _sampling(body: SamplingFields, max_tokens: int | None) -> dict[str, Any]:
+def _logit_bias(body: SamplingFields, vocab_size: int) -> dict[int, float]:
+    bias: dict[int, float] = {}
+    for key, value in (body.logit_bias or {}).items():
+        try:
+            token = int(key)
+        except ValueError:
+            raise BadBody(
+                f"logit_bias keys are token ids (integers as strings), not {key!r}", "logit_bias"
+            ) from None
+        if not 0 <= token < vocab_size:
+            raise BadBody(
+                f"logit_bias names token {token}, outside the vocabulary of {vocab_size} tokens", "logit_bias"
+            )
+        if not -100.0 <= value <= 100.0:
+            raise BadBody(f"logit_bias[{key!r}] is {value}; a bias must be in [-100, 100]", "logit_bias")
+        bias[token] = value
+    return bias
+
+
+def _sampling(body: SamplingFields, max_tokens: int | None, vocab_size: int) -> dict[str, Any]:
     if max_tokens is not None and body.min_tokens > max_tokens:
         raise BadBody(
             f"min_tokens ({body.min_tokens}) must not exceed max_tokens ({max_tokens})", "min_tokens"
         )
     stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
     return {
+        "presence_penalty": body.presence_penalty,
+        "frequency_penalty": body.frequency_penalty,
+        "repetition_penalty": body.repetition_penalty,
+        "logit_bias": _logit_bias(body, vocab_size),
         "max_tokens": max_tokens,
         "temperature": DEFAULT_TEMPERATURE if body.temperature is None else body.temperature,
         "top_p": 1.0 if body.top_p is None else body.top_p,
@@ -184,36 +215,94 @@ def _sampling(body: SamplingFields, max_tokens: int | None) -> dict[str, Any]:
     }
 
 
-def completion_request(body: CompletionRequest, vocab_size: int) -> GenerateRequest:
-    """`/v1/completions`: one prompt, text or token ids."""
-    problem = unsupported(body)
-    if problem is not None:
-        raise problem
-    sampling = _sampling(body, body.max_tokens or 16)
-    sampling["logprobs"] = body.logprobs
-    sampling["prompt_logprobs"] = body.logprobs if body.echo else None
+def prompts(body: CompletionRequest) -> list[str | list[int]]:
+    """A completion body's prompts: a string, a list of token ids, or a list of either (not mixed with
+    bare ids), as OpenAI takes them. Each is checked non-empty; ids are checked by `completion_requests`."""
     prompt = body.prompt
     if isinstance(prompt, str):
         if not prompt:
             raise BadBody("prompt is empty", "prompt")
-        return GenerateRequest(id="http", prompt=prompt, **sampling)
+        return [prompt]
     if not prompt:
         raise BadBody("prompt is an empty list", "prompt")
-    if not all(isinstance(token, int) and not isinstance(token, bool) for token in prompt):
-        raise BadBody(
-            "prompt must be a string or a list of token ids; a list of prompts is not supported "
-            "(send one request per prompt)",
-            "prompt",
-        )
-    for index, token in enumerate(prompt):
-        if not 0 <= token < vocab_size:
+    if all(_is_id(token) for token in prompt):
+        return [list(prompt)]
+    found: list[str | list[int]] = []
+    for index, item in enumerate(prompt):
+        if isinstance(item, str) and item:
+            found.append(item)
+        elif isinstance(item, list) and item and all(_is_id(token) for token in item):
+            found.append(list(item))
+        else:
             raise BadBody(
-                f"prompt[{index}] = {token} is outside the vocabulary of {vocab_size} tokens", "prompt"
+                f"prompt[{index}] is neither a non-empty string nor a non-empty list of token ids: a prompt "
+                "is a string, a list of token ids, or a list of either",
+                "prompt",
             )
-    return GenerateRequest(id="http", input_ids=list(prompt), **sampling)
+    return found
 
 
-def chat_request(body: ChatCompletionRequest, render: Render) -> GenerateRequest:
+def _is_id(token: object) -> bool:
+    return isinstance(token, int) and not isinstance(token, bool)
+
+
+def completion_requests(body: CompletionRequest, vocab_size: int) -> list[GenerateRequest]:
+    """`/v1/completions`: one request per prompt (text or token ids), for its choice 0."""
+    problem = unsupported(body)
+    if problem is not None:
+        raise problem
+    sampling = _sampling(body, body.max_tokens or 16, vocab_size)
+    sampling["logprobs"] = body.logprobs
+    sampling["prompt_logprobs"] = body.logprobs if body.echo else None
+    found = prompts(body)
+    _check_choices(len(found), body.n)
+    requests = []
+    for number, prompt in enumerate(found):
+        if isinstance(prompt, str):
+            requests.append(GenerateRequest(id="http", prompt=prompt, **sampling))
+            continue
+        where = "prompt" if len(found) == 1 and not isinstance(body.prompt[0], list) else f"prompt[{number}]"
+        for index, token in enumerate(prompt):
+            if not 0 <= token < vocab_size:
+                raise BadBody(
+                    f"{where}[{index}] = {token} is outside the vocabulary of {vocab_size} tokens", "prompt"
+                )
+        requests.append(GenerateRequest(id="http", input_ids=prompt, **sampling))
+    return requests
+
+
+def _check_choices(prompt_count: int, n: int) -> None:
+    if prompt_count * n > MAX_CHOICES:
+        raise BadBody(
+            f"{prompt_count} prompts × n={n} is {prompt_count * n} choices, over the {MAX_CHOICES} one request "
+            "may ask for: send fewer prompts or a smaller n per request",
+            "n",
+        )
+
+
+def prompt_choices(requests: list[GenerateRequest], n: int) -> list[list[GenerateRequest]]:
+    """For each prompt's request, its `n` choices: choice i samples with `seed + i` when a seed is set
+    (wrapping past the largest seed), else with a seed of the node's own, as any request without one.
+    Only choice 0 asks for the prompt's log-probabilities (`echo`): the others show choice 0's, and so
+    may borrow the prompt's KV instead of computing it."""
+    choices = []
+    for request in requests:
+        seed = request.seed
+        others = msgspec.structs.replace(request, prompt_logprobs=None)
+        choices.append(
+            [
+                request
+                if i == 0
+                else others
+                if seed is None
+                else msgspec.structs.replace(others, seed=(seed + i) % (MAX_SEED + 1))
+                for i in range(n)
+            ]
+        )
+    return choices
+
+
+def chat_request(body: ChatCompletionRequest, render: Render, vocab_size: int) -> GenerateRequest:
     """`/v1/chat/completions`: the messages (and `tools`) rendered by `render(messages,
     add_generation_prompt, continue_final_message, tools)` into one prompt, images in order."""
     problem = unsupported(body)
@@ -235,7 +324,7 @@ def chat_request(body: ChatCompletionRequest, render: Render) -> GenerateRequest
         images=images,
         add_special_tokens=False,
         logprobs=logprobs,
-        **_sampling(body, max_tokens),
+        **_sampling(body, max_tokens, vocab_size),
     )
 
 

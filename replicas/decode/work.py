@@ -31,7 +31,7 @@ from messages.control_replies import TransferSummary
 from replicas.decode.receive import KVLanding, KVPart, KVReceived, receive_kv_part
 from replicas.faults import FaultHooks
 from replicas.inbox import CommandRefused
-from replicas.model import DecodeResult, DecodeSequence, ModelInputError
+from replicas.model import DecodeResult, DecodeSequence, ModelInputError, token_history
 from replicas.ports import Actor, LiveRequests
 from replicas.prefill.prefix import model_identity
 from replicas.settings import ReplicaSettings
@@ -232,6 +232,7 @@ class DecodeWork:
                     position=s.request.decode_position(),
                     sampling=s.request.sampling,
                     logprobs=s.request.logprobs,
+                    history=token_history(s.request.sampling, s.request.token_ids, s.request.generated),
                 )
                 for s in batch
             ],

@@ -4,7 +4,8 @@ Public API (import from here):
 - `Model` (shared weights), `tiny_model()`, `load_model()` / `ModelLoader` (HF checkpoints, layer by layer)
 - `KVCache`, `kv_layout()` — the paged cache: a `BlockPool` plus `PoolStorage` with buffers `k{i}`, `v{i}`
 - `Executor` with `PrefillSequence` / `DecodeSequence` — batched prefill (any layer range) and decode
-- `SamplingParams`, `sample_tokens`, `finish_reason` — greedy and (seed, index)-determined sampling
+- `SamplingParams`, `sample_tokens`, `finish_reason` — greedy and (seed, index)-determined sampling, with
+  vLLM's penalties and logit bias over a sequence's `TokenHistory` (`token_history`)
 - `VisionEncoder`, `ImageEmbedding`, `ImageGrid`, `layout_prompt` — images for the tiny model
 - `generate_in_one_piece` — the reference output of a request
 - `resolve_model()` — what a `--model` value names (`tiny`, `smollm2`, a `.gguf` file converted once into a
@@ -51,10 +52,14 @@ from replicas.model.llama import Model
 from replicas.model.reference import generate_in_one_piece
 from replicas.model.sampling import (
     GREEDY,
+    LogitAdjustments,
     SamplingError,
     SamplingParams,
+    TokenHistory,
+    adjust_logits,
     finish_reason,
     sample_tokens,
+    token_history,
     uniform_draw,
 )
 from replicas.model.text.chat_template import ChatTemplate, ChatTemplateError, checkpoint_chat_template
@@ -98,6 +103,7 @@ __all__ = [
     "Kernels",
     "Linear",
     "LoadProgress",
+    "LogitAdjustments",
     "Model",
     "ModelConfig",
     "ModelError",
@@ -114,12 +120,14 @@ __all__ = [
     "SamplingError",
     "SamplingParams",
     "TextStream",
+    "TokenHistory",
     "TokenIdError",
     "TokenLogprobs",
     "Tokenizer",
     "UnsupportedModelError",
     "VisionEncoder",
     "WeightShapeError",
+    "adjust_logits",
     "check_image",
     "checkpoint_chat_template",
     "convert_gguf",
@@ -139,5 +147,6 @@ __all__ = [
     "resolve_model",
     "sample_tokens",
     "tiny_model",
+    "token_history",
     "uniform_draw",
 ]

@@ -19,7 +19,7 @@ from replicas.model.errors import ContextLengthError, InvalidBatchError
 from replicas.model.executor import DecodeSequence, Executor, PrefillSequence
 from replicas.model.kv_cache import DEFAULT_KV_BLOCK_SIZE, KVCache
 from replicas.model.llama import Model
-from replicas.model.sampling import GREEDY, SamplingParams, finish_reason
+from replicas.model.sampling import GREEDY, SamplingParams, finish_reason, token_history
 from replicas.model.text.grammar import GrammarState, grammar_tokenizer
 from replicas.model.text.prompt import layout_prompt
 
@@ -86,6 +86,7 @@ def generate_in_one_piece(
                     embed_indices=embed_indices,
                     sampling=sampling,
                     token_mask=None if grammar is None else grammar.mask(),
+                    history=token_history(sampling, tokens, ()),
                 )
             ]
         )
@@ -108,6 +109,7 @@ def generate_in_one_piece(
                         position=next_position + len(generated) - 1,
                         sampling=sampling,
                         token_mask=None if grammar is None else grammar.mask(),
+                        history=token_history(sampling, tokens, generated),
                     )
                 ]
             )

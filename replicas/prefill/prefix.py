@@ -87,15 +87,17 @@ class PrefixLookup:
     def __init__(self, cache: PrefixCache) -> None:
         self.cache = cache
 
-    def borrow(self, request: ServingRequest, model: Model) -> list[int]:
+    def borrow(self, request: ServingRequest, model: Model, *, share: bool = True) -> list[int]:
         """Borrow the cached prefix of `request`'s prompt (its block ids; empty when the cache is off)
-        and remember its full blocks' keys for `release`."""
+        and remember its full blocks' keys for `publish` and `release`. `share` false: borrow nothing (a
+        prompt whose every row must run, to score its tokens), but its computed blocks still join."""
         cache = self.cache
         if not cache.enabled:
             return []
         block_size = cache.pool.block_size
         keys = prompt_keys(request, model_identity(model), block_size)
-        return cache.acquire(request.request_id, keys, limit=(request.prompt_tokens - 1) // block_size)
+        limit = (request.prompt_tokens - 1) // block_size if share else 0
+        return cache.acquire(request.request_id, keys, limit=limit)
 
     def counted(self, request: ServingRequest, cached_tokens: int) -> None:
         """`request` started with `cached_tokens` from the cache: count it (Prometheus, `status`)."""

@@ -31,7 +31,7 @@ import torch
 from messages.commands import DropKVHalf
 from messages.log.events import PrefillStarted
 from replicas.inbox import new_command_id
-from replicas.model import KVCache, ModelInputError, PrefillResult, PrefillSequence
+from replicas.model import KVCache, ModelInputError, PrefillResult, PrefillSequence, token_history
 from replicas.ports import Actor, Directory, tell_peer
 from replicas.prefill.embeddings import EmbeddingReceives, release_input
 from replicas.prefill.prefix import PrefixLookup
@@ -194,15 +194,22 @@ class PrefillWork:
             request = chunk.request
             table = self._tables.pop(request.request_id, None)
             if table is None:
-                lookup = cached and model is not None and request.prompt_logprobs is None
+                lookup = cached and model is not None
+                # A prompt that scores its tokens runs every row: it borrows nothing (its blocks still
+                # join the cache, so later prompts — the other choices of its body — borrow them).
+                scored = request.prompt_logprobs is not None
                 pulled = self._puller.take(request.request_id) if self._puller is not None else None
-                if pulled is not None and not lookup:  # a batch that borrows nothing (ZigZag)
+                if pulled is not None and (not lookup or scored):  # a batch that borrows nothing (ZigZag)
                     self._kv.release(pulled[0], request.request_id)
                     pulled = None
                 if pulled is not None:  # its prefix is borrowed already (pulled, or its own)
                     borrowed, source = pulled
                 else:
-                    borrowed = self._prefix.borrow(request, model) if lookup and model is not None else []
+                    borrowed = (
+                        self._prefix.borrow(request, model, share=not scored)
+                        if lookup and model is not None
+                        else []
+                    )
                     source = None
                 table = kv.pool.try_allocate(
                     kv.blocks_for(request.prompt_tokens) - len(borrowed), request.request_id
@@ -213,7 +220,7 @@ class PrefillWork:
                 table = borrowed + table
                 request.cached_tokens = request.prefilled = len(borrowed) * kv.block_size
                 request.cached_from = (source or "local") if borrowed else None
-                if lookup:
+                if lookup and not scored:
                     self._prefix.counted(request, request.cached_tokens)
                 if borrowed:  # the chunk starts after the borrowed prefix, as long as planned
                     stop = min(request.prompt_tokens, request.prefilled + chunk.tokens)
@@ -332,6 +339,9 @@ def _sequence(item: Held, chunk: Chunk) -> PrefillSequence:
         logprobs=request.logprobs if chunk.last else None,
         prompt_logprobs=request.prompt_logprobs,
         next_token=None if chunk.last else request.token_ids[stop],
+        # Every chunk samples a token (a chunk that does not end its prompt drops it), so each carries the
+        # history its penalties read.
+        history=token_history(request.sampling, request.token_ids, request.generated),
     )
 
 

@@ -29,7 +29,7 @@ from messages.control_replies import RelayInfo, TransferSummary
 from messages.log.events import RelayReceived
 from replicas.fabric import Fabric, UnknownEndpoint
 from replicas.inbox import CommandRefused, new_command_id
-from replicas.model import KVCache, ModelInputError, PrefillResult, PrefillSequence
+from replicas.model import KVCache, ModelInputError, PrefillResult, PrefillSequence, token_history
 from replicas.ports import Actor, Directory, LiveRequests, NodeSignal, peer_named, tell_peer
 from replicas.prefill.work import PrefillWork
 from replicas.settings import ReplicaSettings
@@ -323,6 +323,7 @@ class OldPrefillWork:
                     sampling=request.sampling,
                     logprobs=request.logprobs,
                     prompt_logprobs=request.prompt_logprobs,
+                    history=token_history(request.sampling, request.token_ids, request.generated),
                 )
             )
         hidden = incoming.hidden if len(rows) == incoming.hidden.shape[0] else incoming.hidden[rows]

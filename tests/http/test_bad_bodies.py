@@ -1,6 +1,6 @@
-"""Malformed and unsupported bodies: each is a 400 in vLLM's error shape naming what is wrong (never a
-500), and the node keeps serving. This node has no `--tool-call-parser`: tools with `tool_choice` auto
-are refused, saying to pass it."""
+"""Malformed and unsupported bodies (and values out of vLLM's ranges): each is a 400 in vLLM's error shape
+naming what is wrong (never a 500), and the node keeps serving. This node has no `--tool-call-parser`:
+tools with `tool_choice` auto are refused, saying to pass it."""
 
 from __future__ import annotations
 
@@ -50,7 +50,10 @@ CASES: list[tuple[str, Any, str | None]] = [
     ("/v1/completions", without(GOOD, "prompt"), None),
     ("/v1/completions", completion(prompt=5), "prompt"),
     ("/v1/completions", completion(prompt=""), "prompt"),
-    ("/v1/completions", completion(prompt=["one", "two"]), "prompt"),
+    ("/v1/completions", completion(prompt=["one", 2]), "prompt"),
+    ("/v1/completions", completion(prompt=[[1, 2], []]), "prompt"),
+    ("/v1/completions", completion(prompt=[[1, 999_999]]), "prompt"),
+    ("/v1/completions", completion(prompt=["a"] * 3, n=100), "n"),  # over 256 choices
     ("/v1/completions", completion(prompt=[]), "prompt"),
     ("/v1/completions", completion(prompt=[999_999]), "prompt"),
     ("/v1/completions", completion(prompt=[-1]), "prompt"),
@@ -61,7 +64,7 @@ CASES: list[tuple[str, Any, str | None]] = [
     ("/v1/completions", completion(temperature=100), "temperature"),
     ("/v1/completions", completion(top_p=0), "top_p"),
     ("/v1/completions", completion(top_p=1.5), "top_p"),
-    ("/v1/completions", completion(n=2), "n"),
+    ("/v1/completions", completion(n=0), "n"),
     ("/v1/completions", completion(stop=[f"s{i}" for i in range(20)]), "stop"),
     ("/v1/completions", completion(stop=""), "stop"),
     ("/v1/completions", completion(stop=7), "stop"),
@@ -70,10 +73,19 @@ CASES: list[tuple[str, Any, str | None]] = [
     ("/v1/completions", completion(stream="yes"), "stream"),
     ("/v1/completions", completion(stream_options=3), "stream_options"),
     ("/v1/completions", completion(min_tokens=5, max_tokens=2), "min_tokens"),
-    ("/v1/completions", completion(presence_penalty=0.5), "presence_penalty"),
+    ("/v1/completions", completion(presence_penalty=2.5), "presence_penalty"),
+    ("/v1/completions", completion(frequency_penalty=-3), "frequency_penalty"),
+    ("/v1/completions", completion(repetition_penalty=0), "repetition_penalty"),
+    ("/v1/completions", completion(repetition_penalty=-1.0), "repetition_penalty"),
     ("/v1/completions", completion(logprobs=21), "logprobs"),
     ("/v1/completions", completion(best_of=3), "best_of"),
-    ("/v1/completions", completion(logit_bias={"5": 1.0}), "logit_bias"),
+    ("/v1/completions", completion(best_of=3, n=2), "best_of"),
+    ("/v1/completions", completion(logit_bias={"5": 101.0}), "logit_bias"),
+    ("/v1/completions", completion(logit_bias={"five": 1.0}), "logit_bias"),
+    ("/v1/completions", completion(logit_bias={"999999": 1.0}), "logit_bias"),
+    ("/v1/completions", completion(logit_bias={"-1": 1.0}), "logit_bias"),
+    ("/v1/chat/completions", chat(logit_bias={"999999": 1.0}), "logit_bias"),
+    ("/v1/chat/completions", chat(presence_penalty=-2.5), "presence_penalty"),
     ("/v1/completions", completion(prompt=[65] * 40_000), None),  # over the context
     ("/v1/chat/completions", without(CHAT, "messages"), None),
     ("/v1/chat/completions", chat(messages=[]), "messages"),

@@ -66,7 +66,7 @@ async def test_refused_bodies_count_as_failed_requests(http: httpx.AsyncClient) 
     before = samples((await http.get("/metrics")).text)
     bodies = [
         ({"model": "tiny", "prompt": "hi", "temperature": "hot"}, 400),  # does not validate
-        ({"model": "tiny", "prompt": "hi", "n": 2}, 400),  # not supported
+        ({"model": "tiny", "prompt": "hi", "best_of": 3}, 400),  # not supported
         ({"model": "gpt-4", "prompt": "hi"}, 404),  # another model
     ]
     for body, status in bodies:

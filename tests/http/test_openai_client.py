@@ -4,6 +4,8 @@ outputs equal to the model run in one piece."""
 
 from __future__ import annotations
 
+import json
+
 import httpx
 import openai
 import pytest
@@ -173,6 +175,40 @@ async def test_a_client_that_disconnects_cancels_its_request(
     )
     cancelled = node.events("request_cancelled")[-1]
     assert cancelled["reason"] == "client_disconnected"
+
+    async def no_blocks() -> bool:
+        return await used_blocks(http) == 0
+
+    await wait_until(no_blocks, "every block back in its pool")
+
+
+async def test_a_client_that_disconnects_cancels_every_choice(
+    http: httpx.AsyncClient, node: NodeProcess
+) -> None:
+    """n=3, streamed: the client goes away once every choice has sent a chunk; all three are cancelled."""
+    body = {
+        "model": "tiny",
+        "prompt": "y" * 40,
+        "max_tokens": 4000,
+        "temperature": 1.0,
+        "seed": 8,
+        "n": 3,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    before = len(node.events("request_cancelled"))
+    seen: set[int] = set()
+    async with http.stream("POST", "/v1/completions", json=body) as reply:
+        async for line in reply.aiter_lines():
+            if line.startswith("data: {"):
+                seen.update(choice["index"] for choice in json.loads(line[len("data: ") :])["choices"])
+            if seen == {0, 1, 2}:
+                break
+    await wait_until(
+        lambda: len(node.events("request_cancelled")) >= before + 3,
+        "the three choices to be cancelled after the disconnect",
+    )
+    assert {event["reason"] for event in node.events("request_cancelled")[before:]} == {"client_disconnected"}
 
     async def no_blocks() -> bool:
         return await used_blocks(http) == 0

@@ -145,3 +145,32 @@ def first_real_divergence(
             top2 = torch.topk(logits[index].float(), 2).values
             return index if float(top2[0] - top2[1]) > TIE_TOLERANCE else None
     return None
+
+
+def vllm_apply_penalties(
+    logits: torch.Tensor,
+    prompt: list[list[int]],
+    output: list[list[int]],
+    presence: list[float],
+    frequency: list[float],
+    repetition: list[float],
+) -> torch.Tensor:
+    """vLLM's `apply_penalties` (model_executor/layers/utils.py), written as vLLM writes it: bin counts
+    of the output tokens, masks of prompt and output tokens, then in-place updates of the logits."""
+    logits = logits.clone()
+    num_seqs, vocab = logits.shape
+    output_counts = torch.zeros(num_seqs, vocab)
+    prompt_mask = torch.zeros(num_seqs, vocab, dtype=torch.bool)
+    for row in range(num_seqs):
+        for token in output[row]:
+            output_counts[row, token] += 1
+        for token in prompt[row]:
+            prompt_mask[row, token] = True
+    output_mask = output_counts > 0
+    penalties = torch.tensor(repetition).unsqueeze(1).repeat(1, vocab)
+    scale = torch.where(prompt_mask | output_mask, penalties, 1.0)
+    logits[logits > 0] /= scale[logits > 0]
+    logits[logits <= 0] *= scale[logits <= 0]
+    logits -= torch.tensor(frequency).unsqueeze(1) * output_counts
+    logits -= torch.tensor(presence).unsqueeze(1) * output_mask
+    return logits

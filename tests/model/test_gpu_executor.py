@@ -6,7 +6,15 @@ import pytest
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from replicas.model import DecodeSequence, Executor, KVCache, PrefillSequence
+from replicas.model import (
+    GREEDY,
+    DecodeSequence,
+    Executor,
+    KVCache,
+    PrefillSequence,
+    SamplingParams,
+    token_history,
+)
 from replicas.model.tiny import tiny_model
 
 pytestmark = pytest.mark.gpu
@@ -43,16 +51,31 @@ def test_bfloat16_decode_on_a_gpu_does_not_go_through_cudnn_attention(cuda: torc
     assert len(tokens) == 8
 
 
-def _generate_on(executor: Executor, prompts: list[list[int]], steps: int) -> list[list[int]]:
+def _generate_on(
+    executor: Executor, prompts: list[list[int]], steps: int, sampling: SamplingParams = GREEDY
+) -> list[list[int]]:
     cache = executor.cache
     tables = [cache.pool.allocate(cache.blocks_for(len(p) + steps), f"r{i}") for i, p in enumerate(prompts)]
-    first = executor.prefill([PrefillSequence(block_table=t, token_ids=p) for t, p in zip(tables, prompts)])
+    first = executor.prefill(
+        [
+            PrefillSequence(
+                block_table=t, token_ids=p, sampling=sampling, history=token_history(sampling, p, ())
+            )
+            for t, p in zip(tables, prompts)
+        ]
+    )
     assert first.tokens is not None
     outputs = [[token] for token in first.tokens]
     for step in range(steps - 1):
         decoded = executor.decode(
             [
-                DecodeSequence(block_table=t, cached_tokens=len(p) + step, token_id=out[-1])
+                DecodeSequence(
+                    block_table=t,
+                    cached_tokens=len(p) + step,
+                    token_id=out[-1],
+                    sampling=sampling,
+                    history=token_history(sampling, p, out),
+                )
                 for t, p, out in zip(tables, prompts, outputs)
             ]
         )
@@ -66,9 +89,23 @@ def _generate_on(executor: Executor, prompts: list[list[int]], steps: int) -> li
 PROMPTS = [[(7 * j + 3 * i) % 250 + 5 for j in range(n)] for i, n in enumerate([5, 23, 16, 41, 9, 30, 2])]
 
 
+PENALIZED = SamplingParams(
+    temperature=0.8,
+    seed=5,
+    repetition_penalty=1.4,
+    presence_penalty=0.5,
+    frequency_penalty=0.3,
+    logit_bias=((17, 2.0),),
+)
+
+
+@pytest.mark.parametrize("sampling", [SamplingParams(), PENALIZED], ids=["greedy", "penalized"])
 @pytest.mark.parametrize("batch", [1, 3, 7])
-def test_decode_graphs_replay_the_tokens_of_the_eager_kernels(cuda: torch.device, batch: int) -> None:
-    """float32: graphs (bucket padding included) and the eager kernels give the same tokens."""
+def test_decode_graphs_replay_the_tokens_of_the_eager_kernels(
+    cuda: torch.device, batch: int, sampling: SamplingParams
+) -> None:
+    """float32: graphs (bucket padding included) and the eager kernels give the same tokens; with
+    penalties and bias too (the graph returns logits; the rows are sampled after the replay)."""
     model = tiny_model(device=cuda)
     graphs = Executor(model, KVCache.create(model.config, 64, device=cuda), cuda_graphs="auto", max_batch=8)
     assert graphs.needs_prepare
@@ -76,7 +113,7 @@ def test_decode_graphs_replay_the_tokens_of_the_eager_kernels(cuda: torch.device
     eager = Executor(model, KVCache.create(model.config, 64, device=cuda), cuda_graphs="off")
     assert eager.path == "kernels"
     prompts = PROMPTS[:batch]
-    assert _generate_on(graphs, prompts, 6) == _generate_on(eager, prompts, 6)
+    assert _generate_on(graphs, prompts, 6, sampling) == _generate_on(eager, prompts, 6, sampling)
     graphs.release()
     assert graphs.path == "kernels"
 

@@ -17,6 +17,7 @@ from replicas.model import (
     SamplingParams,
     generate_in_one_piece,
     tiny_model,
+    token_history,
 )
 from replicas.model.gpu.decode import KernelDecoder
 from replicas.model.gpu.options import bucket_for, graph_buckets
@@ -24,6 +25,15 @@ from tests.model.helpers import allocate
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 SAMPLED = SamplingParams(temperature=0.8, top_p=0.9, seed=5, ignore_eos=True)
+PENALIZED = SamplingParams(
+    temperature=0.8,
+    seed=5,
+    ignore_eos=True,
+    repetition_penalty=1.4,
+    presence_penalty=0.5,
+    frequency_penalty=0.3,
+    logit_bias=((17, 2.0), (40, -3.0)),
+)
 
 
 @pytest.fixture(scope="module")
@@ -55,7 +65,12 @@ def _generate(
     cache = executor.cache
     tables = [allocate(cache, f"r{i}", len(p) + steps) for i, p in enumerate(prompts)]
     first = executor.prefill(
-        [PrefillSequence(block_table=t, token_ids=p, sampling=sampling) for t, p in zip(tables, prompts)]
+        [
+            PrefillSequence(
+                block_table=t, token_ids=p, sampling=sampling, history=token_history(sampling, p, ())
+            )
+            for t, p in zip(tables, prompts)
+        ]
     )
     assert first.tokens is not None
     outputs = [[token] for token in first.tokens]
@@ -63,7 +78,11 @@ def _generate(
         decoded = executor.decode(
             [
                 DecodeSequence(
-                    block_table=t, cached_tokens=len(p) + step, token_id=out[-1], sampling=sampling
+                    block_table=t,
+                    cached_tokens=len(p) + step,
+                    token_id=out[-1],
+                    sampling=sampling,
+                    history=token_history(sampling, p, out),
                 )
                 for t, p, out in zip(tables, prompts, outputs)
             ]
@@ -97,7 +116,9 @@ def test_the_path_follows_the_device_and_the_options(plain: Model) -> None:
         assert kernels.prepare() == "kernels"  # nothing to capture without CUDA
 
 
-@pytest.mark.parametrize("sampling", [SamplingParams(ignore_eos=True), SAMPLED], ids=["greedy", "sampled"])
+@pytest.mark.parametrize(
+    "sampling", [SamplingParams(ignore_eos=True), SAMPLED, PENALIZED], ids=["greedy", "sampled", "penalized"]
+)
 def test_the_kernel_path_generates_the_tokens_of_the_torch_path(
     plain: Model, sampling: SamplingParams
 ) -> None:

@@ -1,7 +1,7 @@
 """Requests for the end-to-end tests, sent through a `ControlClient`, and their checks against the model.
 
 `mixed_workload` makes prompts of many lengths (block boundaries included), as text or token ids,
-greedy or seeded sampling, streamed or not. `send_all` runs them concurrently on one connection and
+greedy or seeded sampling, some with vLLM's penalties and a logit bias, streamed or not. `send_all` runs them concurrently on one connection and
 keeps what was streamed. `check_outcome` holds a result to the model run in one piece
 (`engine.verify.compare`: token identity, a divergence forgiven only past a genuine greedy tie), to
 the streamed replies, and to the KV transfer the request must show.
@@ -44,10 +44,21 @@ class Ask:
     seed: int | None = None
     ignore_eos: bool = False
     stream: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     def sampling(self) -> SamplingParams:
         return SamplingParams(
-            temperature=self.temperature, top_p=self.top_p, seed=self.seed or 0, ignore_eos=self.ignore_eos
+            temperature=self.temperature,
+            top_p=self.top_p,
+            seed=self.seed or 0,
+            ignore_eos=self.ignore_eos,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            repetition_penalty=self.repetition_penalty,
+            logit_bias=self.logit_bias,
         )
 
     def prompt_ids(self, model: Model) -> list[int]:
@@ -84,6 +95,13 @@ def mixed_workload(model: Model, count: int, *, text: bool, seed: int = 11) -> l
             ignore_eos=index % 4 == 0,
             stream=index % 2 == 0,
         )
+        if index % 6 in (1, 5):  # one greedy, one sampled in every six (drawing nothing from `rng`)
+            common.update(
+                repetition_penalty=1.3,
+                presence_penalty=0.5,
+                frequency_penalty=0.25,
+                logit_bias=((vocabulary[(37 * index) % len(vocabulary)], 2.0),),
+            )
         if text and index % 2:
             words = " ".join(rng.choice(WORDS) for _ in range(max(1, length // 2)))
             asks.append(Ask(prompt=words, **common))  # type: ignore[arg-type]
@@ -107,6 +125,10 @@ async def send(client: ControlClient, ask: Ask, *, request_id: str | None = None
             ignore_eos=ask.ignore_eos,
             stream=ask.stream,
             request_id=request_id,
+            presence_penalty=ask.presence_penalty,
+            frequency_penalty=ask.frequency_penalty,
+            repetition_penalty=ask.repetition_penalty,
+            logit_bias=dict(ask.logit_bias),
         ):
             if isinstance(reply, TokenReply):
                 streamed.append(reply)

@@ -42,7 +42,7 @@ from replicas.model.gpu.sampling import sample_tokens_on_device
 from replicas.model.kv_cache import KVCache
 from replicas.model.llama import Attend, Model
 from replicas.model.ops import LayerOps
-from replicas.model.sampling import SamplingParams, sample_tokens
+from replicas.model.sampling import SamplingParams, TokenHistory, sample_tokens
 
 
 class Backend(Protocol):
@@ -64,6 +64,7 @@ class Backend(Protocol):
         logits: torch.Tensor,
         params: list[SamplingParams],
         indices: list[int],
+        histories: list[TokenHistory | None] | None = None,
         masks: Sequence[torch.Tensor | None] | None = None,
     ) -> list[int]: ...
 
@@ -103,9 +104,10 @@ class EagerBackend:
         logits: torch.Tensor,
         params: list[SamplingParams],
         indices: list[int],
+        histories: list[TokenHistory | None] | None = None,
         masks: Sequence[torch.Tensor | None] | None = None,
     ) -> list[int]:
-        return sample_tokens(logits, params, indices, masks)
+        return sample_tokens(logits, params, indices, histories, masks)
 
     def decode(self, sequences: Sequence[DecodeSequence]) -> tuple[torch.Tensor, list[int]]:
         model, cache = self.model, self.cache
@@ -128,7 +130,8 @@ class EagerBackend:
             logits,
             [s.sampling for s in sequences],
             [s.cached_tokens + 1 for s in sequences],
-            [s.token_mask for s in sequences],
+            histories=[s.history for s in sequences],
+            masks=[s.token_mask for s in sequences],
         )
         return logits, tokens
 
@@ -159,9 +162,10 @@ class _Kernels:
         logits: torch.Tensor,
         params: list[SamplingParams],
         indices: list[int],
+        histories: list[TokenHistory | None] | None = None,
         masks: Sequence[torch.Tensor | None] | None = None,
     ) -> list[int]:
-        return sample_tokens_on_device(logits, params, indices, masks)
+        return sample_tokens_on_device(logits, params, indices, histories, masks)
 
     def decode(self, sequences: Sequence[DecodeSequence]) -> tuple[torch.Tensor, list[int]]:
         self.model.check_token_ids(torch.tensor([s.token_id for s in sequences]), "decode")

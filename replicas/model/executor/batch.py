@@ -12,7 +12,7 @@ from typing import final
 import torch
 
 from replicas.model.executor.logprobs import TokenLogprobs
-from replicas.model.sampling import GREEDY, SamplingParams
+from replicas.model.sampling import GREEDY, SamplingParams, TokenHistory
 
 
 @final
@@ -28,6 +28,8 @@ class PrefillSequence:
     before it, with that many alternatives, and `next_token` — the prompt's token after these (a chunk
     that does not end its prompt) — from the last row. `token_mask`: the tokens the sampled one may be
     (bool `[vocab]`, True = allowed; None: any), as a request's grammar allows them.
+    `history`: the prompt's ids and the generated ones, which the sampling's penalties read; set only
+    when `sampling.penalized` (None otherwise: no copy for requests that do not need one).
     """
 
     block_table: Sequence[int]
@@ -41,6 +43,7 @@ class PrefillSequence:
     prompt_logprobs: int | None = None
     next_token: int | None = None
     token_mask: torch.Tensor | None = None
+    history: TokenHistory | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -68,7 +71,8 @@ class DecodeSequence:
     """Feed `token_id` at index `cached_tokens` (its KV lands there) and sample the token after it.
     `position` is its rotary position (default `cached_tokens`; differs after images). `logprobs`: score
     the sampled token with that many alternatives (None: not scored). `token_mask`: the tokens the sampled
-    one may be (bool `[vocab]`, True = allowed; None: any)."""
+    one may be (bool `[vocab]`, True = allowed; None: any). `history`: as `PrefillSequence`'s (its
+    generated ids end with `token_id`)."""
 
     block_table: Sequence[int]
     cached_tokens: int
@@ -77,6 +81,7 @@ class DecodeSequence:
     sampling: SamplingParams = GREEDY
     logprobs: int | None = None
     token_mask: torch.Tensor | None = None
+    history: TokenHistory | None = None
 
 
 @final

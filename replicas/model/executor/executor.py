@@ -199,7 +199,13 @@ class Executor:
             logits = model.logits(out.index_select(0, last.to(out.device)), self.ops)
             params = [s.sampling for s in sequences]
             indices = [s.cached_tokens + s.num_tokens for s in sequences]
-            tokens = self.backend.sample(logits, params, indices, [s.token_mask for s in sequences])
+            tokens = self.backend.sample(
+                logits,
+                params,
+                indices,
+                [s.history for s in sequences],
+                [s.token_mask for s in sequences],
+            )
             logprobs = _scored(logits, tokens, [s.logprobs for s in sequences])
             prompt_logprobs = None
             if any(s.prompt_logprobs is not None for s in sequences):

@@ -101,7 +101,10 @@ class KernelDecoder:
         else:
             logits = self.forward(n)
         sampling = SamplingInputs.build(
-            [s.sampling for s in sequences], [s.cached_tokens + 1 for s in sequences], logits.device
+            [s.sampling for s in sequences],
+            [s.cached_tokens + 1 for s in sequences],
+            logits.device,
+            [s.history for s in sequences],
         )
         masks = [s.token_mask for s in sequences]
         return logits, sample_on_device(logits, sampling, masks).tolist()

@@ -3,7 +3,7 @@
 `sample_tokens` (replicas/model/sampling.py) reads every sampled row back to the host and picks one row at a
 time; a GPU decode step cannot afford those syncs. Here the host builds the step's small inputs once
 (`SamplingInputs.build`: the (seed, index) draws, temperatures, top-p, which rows are sampled, the EOS
-bans; it reads no device memory) and `sample_on_device` picks every row with tensor ops on the logits'
+bans, the bias and penalties' `LogitAdjustments`; it reads no device memory) and `sample_on_device` picks every row with tensor ops on the logits'
 device; the caller reads the `[batch]` result once.
 
 Invariants:
@@ -12,7 +12,8 @@ Invariants:
 - A row's pick depends on its own logits and parameters only, never on the other rows of the batch.
 - Greedy rows are `argmax` of the (EOS-banned) logits, first maximum wins, as in `sample_tokens`; only the
   sampled rows go through the float64 softmax and sort, so an all-greedy batch costs one argmax.
-- The caller's logits are never modified (the EOS ban writes into a copy).
+- The caller's logits are never modified (bias, penalties and the EOS ban write into a copy).
+- Bias and penalties are `adjust_logits`, the very function `sample_tokens` calls, applied first.
 
 On a GPU the float64 softmax and cumsum may round differently from the CPU's in the last bit (another
 reduction order, another `exp`), so a pick can differ from `sample_tokens`'s only where the draw lands
@@ -33,7 +34,14 @@ from typing import final
 
 import torch
 
-from replicas.model.sampling import SamplingParams, mask_logits, uniform_draw
+from replicas.model.sampling import (
+    LogitAdjustments,
+    SamplingParams,
+    TokenHistory,
+    adjust_logits,
+    mask_logits,
+    uniform_draw,
+)
 
 __all__ = ["SamplingInputs", "sample_on_device", "sample_tokens_on_device"]
 
@@ -49,7 +57,9 @@ class SamplingInputs:
     - `ban_rows`, `ban_ids` int64 `[K]`: the (row, token id) pairs whose logits are set to -inf first — the
       EOS ids of rows whose token index is below `eos_banned_before`; `ban_id_min` / `ban_id_max` are
       their extremes on the host (0 when K = 0), to check the ids against the vocabulary without a read.
-    Greedy rows without a ban add nothing to any tensor.
+    - `adjustments`: the rows' bias and penalties (`replicas.model.sampling.LogitAdjustments`), None when
+      no row sets any.
+    Greedy rows without a ban, a bias or a penalty add nothing to any tensor.
     """
 
     batch_size: int
@@ -62,6 +72,7 @@ class SamplingInputs:
     ban_ids: torch.Tensor
     ban_id_min: int
     ban_id_max: int
+    adjustments: LogitAdjustments | None = None
 
     @property
     def num_sampled(self) -> int:
@@ -75,9 +86,14 @@ class SamplingInputs:
 
     @classmethod
     def build(
-        cls, params: Sequence[SamplingParams], token_indices: Sequence[int], device: torch.device
+        cls,
+        params: Sequence[SamplingParams],
+        token_indices: Sequence[int],
+        device: torch.device,
+        histories: Sequence[TokenHistory | None] | None = None,
     ) -> SamplingInputs:
-        """The inputs for a batch where row b samples the token at `token_indices[b]` under `params[b]`.
+        """The inputs for a batch where row b samples the token at `token_indices[b]` under `params[b]`
+        (its penalties reading `histories[b]`).
 
         Two host tensors (float64 per-row values, int64 rows and ids), pinned when `device` is CUDA, each
         moved with one non-blocking copy; the per-row tensors are views of those copies.
@@ -117,6 +133,7 @@ class SamplingInputs:
             ban_ids=ints[s + k :],
             ban_id_min=min(ban_ids, default=0),
             ban_id_max=max(ban_ids, default=0),
+            adjustments=LogitAdjustments.build(params, histories, floats.device),
         )
 
 
@@ -137,6 +154,8 @@ def sample_on_device(
     if not _same_device(logits.device, inputs.device):
         raise ValueError(f"sample_on_device: logits on {logits.device}, inputs on {inputs.device}")
     vocab = int(logits.shape[1])
+    if inputs.adjustments is not None:
+        logits = adjust_logits(logits, inputs.adjustments)
     if inputs.num_bans:
         if not -vocab <= inputs.ban_id_min <= inputs.ban_id_max < vocab:
             raise IndexError(
@@ -158,6 +177,7 @@ def sample_tokens_on_device(
     logits: torch.Tensor,
     params: Sequence[SamplingParams],
     token_indices: Sequence[int],
+    histories: Sequence[TokenHistory | None] | None = None,
     masks: Sequence[torch.Tensor | None] | None = None,
 ) -> list[int]:
     """Convenience: build + sample + one .tolist()."""
@@ -167,7 +187,7 @@ def sample_tokens_on_device(
             f"{len(token_indices)} indices"
         )
     tokens: list[int] = sample_on_device(
-        logits, SamplingInputs.build(params, token_indices, logits.device), masks
+        logits, SamplingInputs.build(params, token_indices, logits.device, histories), masks
     ).tolist()
     return tokens
 
