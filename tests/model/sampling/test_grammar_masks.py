@@ -130,8 +130,8 @@ def test_host_and_device_sampling_pick_the_same_allowed_tokens(temperature: floa
     ]
     params = [SamplingParams(temperature=temperature, seed=row) for row in range(6)]
     indices = list(range(10, 16))
-    host = sample_tokens(logits, params, indices, masks)
-    assert sample_tokens_on_device(logits.to(DEVICE), params, indices, masks) == host
+    host = sample_tokens(logits, params, indices, masks=masks)
+    assert sample_tokens_on_device(logits.to(DEVICE), params, indices, masks=masks) == host
     for row, mask in enumerate(masks):
         if mask is not None:
             assert mask[host[row]]

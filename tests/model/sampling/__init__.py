@@ -1,0 +1,1 @@
+"""Sampling: the host and device samplers, penalties and bias, grammar masks."""
