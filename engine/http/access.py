@@ -3,8 +3,9 @@
 `AccessLog` is ASGI middleware around the node's app (`engine.http.server.serve_http` puts it there
 unless `--disable-log-requests`). It sees the method, path and client address, the status the app sent
 (499 when the client left before a response started) and the time from arrival to the last byte; a
-route that generated tells it which request through `note_generation`, and the line carries that
-request's id and token counts. The event is `info`, and the node's console shows it at any level
+route that generated tells it which requests through `note_generation` (one per choice), and the line
+carries the first one's id, the prompt tokens of the distinct prompts and every choice's generated
+tokens (what `usage` counts). The event is `info`, and the node's console shows it at any level
 (`engine.logging.CONSOLE_ALWAYS`); the log file keeps it beside the request's own events.
 
 Cancellation: the line is emitted in `finally`, synchronously, so a request cancelled by shutdown or a
@@ -34,17 +35,26 @@ _KEY = "zigzag.access"
 class _Record:
     """What a route tells the access line (the request it generated, if any)."""
 
-    __slots__ = ("serving",)
+    __slots__ = ("servings",)
 
     def __init__(self) -> None:
-        self.serving: ServingRequest | None = None
+        self.servings: list[ServingRequest] = []
+
+    def counts(self) -> tuple[str | None, int | None, int | None]:
+        """(the first request's id, the distinct prompts' tokens, every request's generated tokens)."""
+        if not self.servings:
+            return None, None, None
+        prompts = {tuple(serving.prompt_ids) for serving in self.servings}
+        generated = sum(len(serving.generated) for serving in self.servings)
+        return self.servings[0].request_id, sum(len(prompt) for prompt in prompts), generated
 
 
 def note_generation(scope: Scope, serving: ServingRequest) -> None:
-    """Tell the access line of the request in `scope` (if one is kept) that it generated `serving`."""
+    """Tell the access line of the request in `scope` (if one is kept) that it generated `serving` (one
+    call per choice)."""
     record = scope.get("state", {}).get(_KEY)
     if isinstance(record, _Record):
-        record.serving = serving
+        record.servings.append(serving)
 
 
 @final
@@ -74,7 +84,7 @@ class AccessLog:
             await self.app(scope, receive, sending)
         finally:
             client = scope.get("client")
-            serving = record.serving
+            request_id, prompt_tokens, completion_tokens = record.counts()
             self._log.emit(
                 HttpAccess(
                     method=str(scope.get("method", "")),
@@ -82,8 +92,8 @@ class AccessLog:
                     status=status,
                     seconds=round(time.monotonic() - started, 6),
                     peer=f"{client[0]}:{client[1]}" if client else None,
-                    request_id=serving.request_id if serving is not None else None,
-                    prompt_tokens=len(serving.prompt_ids) if serving is not None else None,
-                    completion_tokens=len(serving.generated) if serving is not None else None,
+                    request_id=request_id,
+                    prompt_tokens=prompt_tokens,
+                    completion_tokens=completion_tokens,
                 )
             )

@@ -54,8 +54,8 @@ from engine.http.responses_api.store import ResponseStore
 from engine.http.responses_api.turn import Turn, UnknownResponse, turn
 from engine.http.streaming import ClosingStreamingResponse
 from engine.http.tokens import TokenRoutes, not_found
-from engine.http.tools.choice import tool_parser
-from engine.http.tools.parsers import ParserName
+from engine.http.tools.choice import forced_calls, tool_parser
+from engine.http.tools.parsers import ParserName, Reading
 from messages.control import GenerateRequest
 from messages.openai import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList, Reply, Usage
 from messages.responses_api.requests import ResponsesRequest
@@ -191,7 +191,7 @@ class HttpApi:
                 404, f"the model {body.model!r} does not exist; this node serves {served}", "model"
             )
         asked: Turn | None = None
-        parser: ParserName | None = None
+        parser: Reading | None = None
         try:
             if isinstance(body, ResponsesRequest):
                 asked = turn(body, self.stored, self.tool_call_parser)
@@ -201,6 +201,8 @@ class HttpApi:
             generated = asked.chat if asked is not None else body
             assert not isinstance(generated, ResponsesRequest)
             prompts = self._generate_requests(generated)
+            if isinstance(generated, ChatCompletionRequest):
+                prompts = forced_calls(prompts, generated.tools, generated.tool_choice)
         except BadBody as exc:
             self.metrics.refused("bad_request")
             return error_response(400, exc.message, exc.param)

@@ -28,7 +28,7 @@ from engine.generate.generation import Outcome, Piece
 from engine.http.logprobs import CompletionScores, TokenText, chat_logprobs
 from engine.http.tools.calls import ToolDeltas, assistant_message
 from engine.http.tools.calls import finish_reason as tools_finish_reason
-from engine.http.tools.parsers import ParserName
+from engine.http.tools.parsers import Reading
 from messages.openai import (
     AssistantMessage,
     ChatChoice,
@@ -98,7 +98,7 @@ def chat_completion(
     return ChatCompletion(id=request_id, created=created, model=model, choices=choices, usage=total)
 
 
-def chat_choice(index: int, outcome: Outcome, text: TokenText, tools: ParserName | None = None) -> ChatChoice:
+def chat_choice(index: int, outcome: Outcome, text: TokenText, tools: Reading | None = None) -> ChatChoice:
     """One choice of a whole chat completion; with `tools` (a parser), its text parsed for tool calls."""
     message = (
         AssistantMessage(content=outcome.text) if tools is None else assistant_message(outcome.text, tools)
@@ -128,7 +128,7 @@ class SseStream:
         chat: bool,
         include_usage: bool,
         text: TokenText,
-        tools: ParserName | None = None,
+        tools: Reading | None = None,
     ) -> None:
         self.request_id, self.model, self.created = request_id, model, created
         self.chat, self.include_usage = chat, include_usage

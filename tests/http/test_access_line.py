@@ -16,12 +16,13 @@ from tests.waiting import wait_until
 CHAT = [{"role": "user", "content": "hi there"}]
 
 
-async def _access(node: NodeProcess, request_id: str | None, path: str) -> dict:
+async def _access(node: NodeProcess, path: str, *, seen: int = 0) -> dict:
+    """The access line of the next request to `path`, once more than `seen` are logged (each request's
+    line is written as its response ends: a client may read the response first)."""
+
     async def logged() -> dict | None:
         lines = [e for e in node.events("http_access") if e["path"] == path]
-        if request_id is not None:
-            lines = [e for e in lines if e["request_id"] == request_id]
-        return lines[-1] if lines else None
+        return lines[-1] if len(lines) > seen else None
 
     return await wait_until(logged, f"the access line of {path}", 30, interval=0.05)
 
@@ -32,7 +33,7 @@ async def test_each_request_gets_one_access_line(node: NodeProcess, http: httpx.
     )
     assert reply.status_code == 200, reply.text
     usage = reply.json()["usage"]
-    line = await _access(node, None, "/v1/completions")
+    line = await _access(node, "/v1/completions")
     assert line["method"] == "POST" and line["status"] == 200 and line["seconds"] > 0
     assert line["prompt_tokens"] == usage["prompt_tokens"]
     assert line["completion_tokens"] == usage["completion_tokens"] == 3
@@ -47,16 +48,25 @@ async def test_each_request_gets_one_access_line(node: NodeProcess, http: httpx.
         assert streamed.status_code == 200
         body = b"".join([chunk async for chunk in streamed.aiter_bytes()])
     assert body.endswith(b"data: [DONE]\n\n")
-    line = await _access(node, None, "/v1/chat/completions")
+    line = await _access(node, "/v1/chat/completions")
     assert line["status"] == 200 and line["completion_tokens"] == 2
+
+    two = await http.post(
+        "/v1/completions",
+        json={"prompt": ["one", "and two"], "n": 2, "max_tokens": 2, "ignore_eos": True, "temperature": 0},
+    )
+    assert two.status_code == 200, two.text
+    line = await _access(node, "/v1/completions", seen=1)  # four choices: the line counts them all
+    assert line["prompt_tokens"] == two.json()["usage"]["prompt_tokens"]
+    assert line["completion_tokens"] == two.json()["usage"]["completion_tokens"] == 8
 
     missing = await http.get("/v1/nowhere")
     assert missing.status_code == 404
-    line = await _access(node, None, "/v1/nowhere")
+    line = await _access(node, "/v1/nowhere")
     assert line["method"] == "GET" and line["status"] == 404 and line["request_id"] is None
     unauthorized = await http.get("/v1/models", headers={"Authorization": "Bearer wrong"})
     assert unauthorized.status_code == 401
-    assert (await _access(node, None, "/v1/models"))["status"] == 401
+    assert (await _access(node, "/v1/models"))["status"] == 401
 
 
 @pytest.fixture(scope="module")

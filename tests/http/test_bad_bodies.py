@@ -118,10 +118,14 @@ CASES: list[tuple[str, Any, str | None]] = [
     ),  # sides not a multiple of the patch
     ("/v1/chat/completions", chat(tools=[TOOL]), "tool_choice"),  # auto needs --tool-call-parser
     ("/v1/chat/completions", chat(tools=[TOOL], tool_choice="auto"), "tool_choice"),
-    ("/v1/chat/completions", chat(tools=[TOOL], tool_choice="required"), "tool_choice"),
+    (  # forced calls and a structured output of its own
+        "/v1/chat/completions",
+        chat(tools=[TOOL], tool_choice="required", response_format={"type": "json_object"}),
+        "tool_choice",
+    ),
     (
         "/v1/chat/completions",
-        chat(tools=[TOOL], tool_choice={"type": "function", "function": {"name": "f"}}),
+        chat(tools=[TOOL], tool_choice={"type": "function", "function": {"name": "g"}}),  # not in tools
         "tool_choice",
     ),
     ("/v1/chat/completions", chat(tools=[TOOL], tool_choice="sometimes"), "tool_choice"),

@@ -24,7 +24,7 @@ import msgspec
 from engine.http.requests import BadBody
 from engine.http.responses_api.store import MAX_RESPONSES, TTL_SECONDS, ResponseStore
 from engine.http.tools.choice import tool_parser
-from engine.http.tools.parsers import ParserName
+from engine.http.tools.parsers import ParserName, Reading
 from messages.openai import (
     CalledFunction,
     ChatCompletionRequest,
@@ -72,7 +72,7 @@ class Turn:
     body: ResponsesRequest
     chat: ChatCompletionRequest
     conversation: list[ChatMessage]
-    parser: ParserName | None
+    parser: Reading | None
     tools: list[FunctionTool]
     tool_choice: Literal["none", "auto", "required"] | NamedFunctionChoice
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import uuid
 from typing import final
 
-from engine.http.tools.parsers import CallStream, Item, ParsedCall, ParserName, call_stream, parse
+from engine.http.tools.parsers import CallStream, Item, ParsedCall, Reading, call_stream, parse
 from messages.openai import AssistantMessage, Delta, DeltaFunction, DeltaToolCall, FunctionCall, ToolCall
 
 
@@ -21,7 +21,7 @@ def tool_call(parsed: ParsedCall) -> ToolCall:
     return ToolCall(id=call_id(), function=FunctionCall(name=parsed.name, arguments=parsed.arguments))
 
 
-def assistant_message(text: str, parser: ParserName | None) -> AssistantMessage:
+def assistant_message(text: str, parser: Reading | None) -> AssistantMessage:
     """A whole reply's message: `text` as it is without a parser, else its calls and the rest."""
     if parser is None:
         return AssistantMessage(content=text)
@@ -37,7 +37,7 @@ def finish_reason(reason: str, message: AssistantMessage) -> str:
 class ToolDeltas:
     """A stream's text through `parser`, as deltas: text as `content`, each call as one `tool_calls`."""
 
-    def __init__(self, parser: ParserName) -> None:
+    def __init__(self, parser: Reading) -> None:
         self._stream: CallStream = call_stream(parser)
         self.calls = 0
 

@@ -9,7 +9,11 @@
 A call whose JSON does not parse, or lacks a string `name` or an object of arguments, stays text: the
 client sees what the model wrote. Whitespace between text and a call belongs to neither.
 
-Both parse incrementally (`feed` each piece of text, then `finish`) and return `Item`s in order: text
+`forced` reads a reply that `tool_choice` `required` or a named function held to a JSON list of calls
+(`engine.http.tools.choice`): `[{"name": ..., "parameters": {...}}, ...]`; all of it is held back until
+the end, then each element is a call (a reply that is not such a list — cut by `max_tokens` — stays text).
+
+All parse incrementally (`feed` each piece of text, then `finish`) and return `Item`s in order: text
 to show now, or a whole call. Text that may still turn out to be part of a call — from the start of a
 `<tool_call>` (or a prefix of it) to its end; for `llama3_json` a reply that starts like JSON — is held
 back until that is known, so a stream shows each call whole, once. Feeding a text in any pieces gives
@@ -23,6 +27,8 @@ from dataclasses import dataclass
 from typing import Any, Final, Literal, Protocol, assert_never, final
 
 from engine.config import ToolCallParser as ParserName
+
+Reading = ParserName | Literal["forced"]  # how a reply is read for calls: a family's parser, or forced
 
 HERMES_START: Final = "<tool_call>"
 HERMES_END: Final = "</tool_call>"
@@ -56,17 +62,19 @@ class CallStream(Protocol):
     def finish(self) -> list[Item]: ...
 
 
-def call_stream(name: ParserName) -> CallStream:
+def call_stream(name: Reading) -> CallStream:
     match name:
         case "hermes":
             return HermesStream()
         case "llama3_json":
             return Llama3JsonStream()
+        case "forced":
+            return ForcedStream()
         case _:
             assert_never(name)
 
 
-def parse(name: ParserName, text: str) -> Parsed:
+def parse(name: Reading, text: str) -> Parsed:
     """`text`, a whole reply, parsed by the parser `name`."""
     stream = call_stream(name)
     return joined([*stream.feed(text), *stream.finish()])
@@ -199,6 +207,29 @@ class Llama3JsonStream:
             return [pending] if pending else []
         calls = _json_calls(pending)
         return [pending] if calls is None else list(calls)
+
+
+@final
+class ForcedStream:
+    """A reply held to a JSON list of calls (see the module docstring): nothing until the end."""
+
+    def __init__(self) -> None:
+        self._pending = ""
+
+    def feed(self, text: str) -> list[Item]:
+        self._pending += text
+        return []
+
+    def finish(self) -> list[Item]:
+        pending, self._pending = self._pending, ""
+        try:
+            value = json.loads(pending)
+        except json.JSONDecodeError:
+            return [pending] if pending else []
+        calls = [call(item, "parameters") for item in value] if isinstance(value, list) else [None]
+        if not calls or any(parsed is None for parsed in calls):
+            return [pending]
+        return [parsed for parsed in calls if parsed is not None]
 
 
 def _json_calls(text: str) -> list[ParsedCall] | None:

@@ -7,6 +7,7 @@ for token)."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from typing import Any
 
@@ -191,3 +192,28 @@ async def test_function_tools_and_call_items_run_as_on_chat(client: openai.Async
     assert all(call.call_id.startswith("call_") for call in calls)
     assert [tool.name for tool in response.tools] == ["get_weather"]  # type: ignore[union-attr]
     assert response.tool_choice == "auto"
+
+
+async def test_a_required_tool_choice_answers_with_function_call_items(client: openai.AsyncOpenAI) -> None:
+    """`tool_choice: "required"` holds the reply to calls (`engine.http.tools.choice`), as on chat."""
+    short = {
+        **FLAT_TOOL,
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "maxLength": 6}},
+            "required": ["city"],
+            "additionalProperties": False,
+        },
+    }
+    response = await client.responses.create(
+        model="tiny",
+        input="Weather in Paris?",
+        tools=[short],  # type: ignore[list-item]
+        tool_choice="required",
+        max_output_tokens=80,
+        temperature=0,
+    )
+    calls = [item for item in response.output if item.type == "function_call"]
+    assert calls and all(call.name == "get_weather" for call in calls), response.output
+    assert all(set(json.loads(call.arguments)) == {"city"} for call in calls)
+    assert response.output_text == ""

@@ -11,10 +11,13 @@ from collections.abc import Iterator
 from typing import Any
 
 import httpx
+import msgspec
 import openai
 import pytest
 
+from engine.http.tools.choice import tools_schema
 from engine.http.tools.parsers import parse
+from messages.openai import ToolDefinition
 from replicas.model import ChatTemplate
 from tests.http.conftest import tool_node
 from tests.model.text.test_chat_template import QWEN2_TEMPLATE, WEATHER_TOOL
@@ -114,10 +117,96 @@ async def test_tool_choice_none_keeps_the_text_as_it_is(client: openai.AsyncOpen
     )
     assert reply.choices[0].message.content == raw.choices[0].text
     assert not reply.choices[0].message.tool_calls
-    with pytest.raises(openai.BadRequestError, match="not supported yet"):
-        await client.chat.completions.create(
-            model="tiny", messages=MESSAGES, tools=[WEATHER_TOOL], tool_choice="required", max_tokens=2
-        )
+
+
+# Arguments short enough that a forced reply always ends within its max_tokens (a free string could run on).
+CITY_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "maxLength": 6}},
+            "required": ["city"],
+            "additionalProperties": False,
+        },
+    },
+}
+TIME_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_time",
+        "parameters": {
+            "type": "object",
+            "properties": {"zone": {"type": "string", "enum": ["UTC", "CET"]}},
+            "required": ["zone"],
+            "additionalProperties": False,
+        },
+    },
+}
+ASK = [{"role": "user", "content": "Weather in Paris?"}]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_tool_choice_required_always_answers_with_calls(
+    client: openai.AsyncOpenAI, stream: bool
+) -> None:
+    """`required`: the reply is held to a JSON list of calls to the tools — whatever the model would have
+    written — and comes back as `tool_calls`, the same tokens as a completion of the rendered prompt held
+    to that list's schema (the structured-output machinery)."""
+    asked: dict[str, Any] = {
+        "model": "tiny",
+        "messages": ASK,
+        "tools": [CITY_TOOL, TIME_TOOL],
+        "tool_choice": "required",
+        "max_tokens": 120,
+        "temperature": 0,
+    }
+    if stream:
+        chunks = [chunk async for chunk in await client.chat.completions.create(**asked, stream=True)]
+        deltas = [chunk.choices[0].delta for chunk in chunks if chunk.choices]
+        calls = [call.function for delta in deltas for call in delta.tool_calls or [] if call.function]
+        assert "".join(delta.content or "" for delta in deltas) == ""
+        assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    else:
+        reply = await client.chat.completions.create(**asked)
+        message = reply.choices[0].message
+        assert reply.choices[0].finish_reason == "tool_calls" and message.content is None
+        calls = [call.function for call in message.tool_calls or []]
+    assert calls
+    for call in calls:
+        assert call.name in ("get_weather", "get_time")
+        arguments = json.loads(call.arguments)
+        assert set(arguments) == ({"city"} if call.name == "get_weather" else {"zone"}), arguments
+
+    prompt = ChatTemplate(QWEN2_TEMPLATE).render(
+        ASK, add_generation_prompt=True, tools=[CITY_TOOL, TIME_TOOL]
+    )
+    schema = tools_schema([msgspec.convert(tool, ToolDefinition) for tool in (CITY_TOOL, TIME_TOOL)])
+    raw = await client.completions.create(
+        model="tiny",
+        prompt=list(prompt.encode()),
+        max_tokens=120,
+        temperature=0,
+        extra_body={"structured_outputs": {"json": schema}},
+    )
+    held = parse("forced", raw.choices[0].text).calls
+    assert [(c.name, c.arguments) for c in held] == [(c.name, c.arguments) for c in calls]
+
+
+async def test_a_named_tool_choice_calls_that_function(client: openai.AsyncOpenAI) -> None:
+    reply = await client.chat.completions.create(
+        model="tiny",
+        messages=ASK,
+        tools=[CITY_TOOL, TIME_TOOL],
+        tool_choice={"type": "function", "function": {"name": "get_time"}},
+        max_tokens=120,
+        temperature=0,
+    )
+    calls = reply.choices[0].message.tool_calls or []
+    assert reply.choices[0].finish_reason == "tool_calls" and calls
+    assert {call.function.name for call in calls} == {"get_time"}
+    assert all(json.loads(call.function.arguments)["zone"] in ("UTC", "CET") for call in calls)
 
 
 async def test_tokenize_renders_tools_as_chat_does(http: httpx.AsyncClient) -> None:

@@ -12,7 +12,7 @@ import pytest
 from engine.http.requests import BadBody
 from engine.http.tools.calls import ToolDeltas, assistant_message
 from engine.http.tools.choice import tool_parser, tools_schema
-from engine.http.tools.parsers import ParsedCall, ParserName, call_stream, joined, parse
+from engine.http.tools.parsers import Parsed, ParsedCall, ParserName, call_stream, joined, parse
 from messages.openai import NamedFunction, NamedToolChoice, ToolDefinition
 
 WEATHER = ParsedCall(name="get_weather", arguments='{"city": "Paris"}')
@@ -132,13 +132,25 @@ def test_tool_choice_against_the_configured_parser() -> None:
     with pytest.raises(BadBody, match="--tool-call-parser") as refused:
         tool_parser(TOOLS, None, None)
     assert refused.value.param == "tool_choice"
-    with pytest.raises(BadBody, match="not supported yet"):
-        tool_parser(TOOLS, "required", "hermes")
+    assert tool_parser(TOOLS, "required", None) == "forced"  # held to calls: no parser flag needed
     named = NamedToolChoice(function=NamedFunction(name="get_weather"))
-    with pytest.raises(BadBody, match="not supported yet"):
-        tool_parser(TOOLS, named, "hermes")
+    assert tool_parser(TOOLS, named, "hermes") == "forced"
     with pytest.raises(BadBody, match="not in tools"):
         tool_parser(TOOLS, NamedToolChoice(function=NamedFunction(name="other")), "hermes")
+
+
+def test_a_forced_reply_is_read_as_its_list_of_calls() -> None:
+    text = '[{"name": "get_weather", "parameters": {"city": "Paris"}}, {"name": "f", "parameters": {}}]'
+    for pieces in ([text], [text[:7], text[7:30], text[30:]]):
+        stream = call_stream("forced")
+        assert [item for piece in pieces for item in stream.feed(piece)] == []  # held to the end
+        assert stream.finish() == [
+            ParsedCall("get_weather", '{"city": "Paris"}'),
+            ParsedCall("f", "{}"),
+        ]
+    cut = text[:40]  # max_tokens ended it mid-list: the text as the model wrote it
+    assert parse("forced", cut) == Parsed(content=cut, calls=())
+    assert parse("forced", '{"name": "f"}') == Parsed(content='{"name": "f"}', calls=())
 
 
 def test_the_schema_of_required_calls_names_each_tool() -> None:
