@@ -31,7 +31,12 @@ from replicas.loading.pieces import piece_bytes
 from replicas.loading.progress import PieceLoaded
 from replicas.loading.tiny_checkpoint import tiny_checkpoint, tiny_vision_seed
 from replicas.model import ByteTokenizer, Model, ModelConfig, Tokenizer, read_hf_config
-from replicas.model.checkpoint.loader import check_checkpoint, checkpoint_tokenizer, generation_eos_ids
+from replicas.model.checkpoint.loader import (
+    check_checkpoint,
+    checkpoint_tokenizer,
+    generation_eos_ids,
+    packs_tied_head,
+)
 from replicas.model.checkpoint.resolve import DEFAULT_CACHE_DIR, resolve_model
 from replicas.model.config import ModelDType
 from replicas.model.layers import LayerWeights
@@ -70,6 +75,7 @@ class ModelHost:
         self.batch_invariant = batch_invariant
         self.config: ModelConfig = self._read_config()
         self._vision_seed: int | None = None
+        self._pack_tied_head = True
         if resolved.directory is None:
             self.checkpoint = tiny_checkpoint(cache_dir)
             self._vision_seed = tiny_vision_seed(self.checkpoint)
@@ -78,6 +84,7 @@ class ModelHost:
             # Every tensor's presence and shape, from the file headers: a checkpoint that would fail its
             # first load stops the node at start-up instead of leaving every replica Inactive.
             check_checkpoint(self.checkpoint, self.config)
+            self._pack_tied_head = packs_tied_head(self.checkpoint)
         self.tokenizer: Tokenizer | None = self._read_tokenizer()
         self.chat_template: ChatTemplate | None = self._read_chat_template()
         self._eos = () if self.source == "tiny" else generation_eos_ids(self.checkpoint)
@@ -124,6 +131,7 @@ class ModelHost:
             eos_token_ids=self._eos,
             vision_seed=self._vision_seed,
             batch_invariant=self.batch_invariant,
+            pack_tied_head=self._pack_tied_head,
         )
 
     async def acquire(self, holder: str, progress: Progress | None = None) -> Model:

@@ -36,8 +36,9 @@ from transport.memory.storage import torch_dtype
 @dataclass(frozen=True, slots=True)
 class ModelFrame:
     """What a `Model` is besides its weights: config (its dtype is the serving dtype), device, name,
-    tokenizer, end-of-sequence ids, the seed of its vision encoder (None: it has none), kernels, and
-    whether it runs the batch-invariant kernels (then its weights are plain: `kernels` is ignored)."""
+    tokenizer, end-of-sequence ids, the seed of its vision encoder (None: it has none), kernels,
+    whether it runs the batch-invariant kernels (then its weights are plain: `kernels` is ignored), and
+    whether a tied head is packed (`Model.pack_tied_head`)."""
 
     config: ModelConfig
     device: torch.device
@@ -47,6 +48,7 @@ class ModelFrame:
     vision_seed: int | None = None
     kernels: Kernels = "auto"
     batch_invariant: bool = False
+    pack_tied_head: bool = True
 
     @property
     def weight_kernels(self) -> Kernels:
@@ -150,4 +152,5 @@ class ModelBuilder:
             name=frame.name,
             kernels=frame.weight_kernels,
             batch_invariant=frame.batch_invariant,
+            pack_tied_head=frame.pack_tied_head,
         )

@@ -51,9 +51,11 @@ class Model:
         name: str = "model",
         kernels: Kernels = "auto",
         batch_invariant: bool = False,
+        pack_tied_head: bool = True,
     ) -> None:
         """`batch_invariant`: run the batch-invariant Triton kernels (`replicas.model.ops`); the weights
-        must then be plain (`kernels="plain"`), which the loaders do when asked for it."""
+        must then be plain (`kernels="plain"`), which the loaders do when asked for it. `pack_tied_head`:
+        whether a tied output head may multiply with a packed copy of the embedding table (`set_head`)."""
         self.config = config
         self.name = name
         self.device = torch.device(device)
@@ -61,6 +63,7 @@ class Model:
         self.embed_tokens = embed_tokens
         self.kernels = "plain" if batch_invariant else kernels
         self.batch_invariant = batch_invariant
+        self.pack_tied_head = pack_tied_head
         self.ops: LayerOps = invariant_ops() if batch_invariant else TORCH_OPS
         self.final_norm: torch.Tensor | None = None
         self.lm_head: Linear | None = None
@@ -78,12 +81,14 @@ class Model:
     def set_head(self, final_norm: torch.Tensor, lm_head: torch.Tensor) -> None:
         """Install the final norm and the output projection (`lm_head` may be `embed_tokens`: tied).
 
-        A tied head multiplies with the embedding table itself, never a packed copy of it
-        (`replicas.model.linear`): the table is needed plain for the lookups, and a packed copy would
-        hold the model's largest matrix twice (a fifth of SmolLM2's weights) for a faster product."""
+        The lookups need the embedding table plain, so a tied head packed (`replicas.model.linear`)
+        multiplies with a packed copy of it: the model's largest matrix held twice, for a product two to
+        four times faster at decode batch sizes. With `pack_tied_head` False a tied head multiplies with
+        the table itself (`F.linear`), holding it once. The packed copy's values are the table's."""
         self.final_norm = final_norm
         tied = lm_head.data_ptr() == self.embed_tokens.data_ptr()
-        self.lm_head = Linear(lm_head, None, kernels="plain" if tied else self.kernels)
+        kernels = "plain" if tied and not self.pack_tied_head else self.kernels
+        self.lm_head = Linear(lm_head, None, kernels=kernels)
 
     @property
     def loaded_layers(self) -> int:

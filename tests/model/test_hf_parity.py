@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 from replicas.model import Executor, KVCache, PrefillSequence, load_model
-from replicas.model.checkpoint.loader import INDEX_FILE
+from replicas.model.checkpoint.loader import INDEX_FILE, packs_tied_head
 from replicas.model.linear import Kernels
 from tests.model.helpers import VOCAB, allocate, first_real_divergence, generate_batch
 
@@ -106,3 +108,24 @@ def test_tokenizer_json_encodes_and_decodes_through_the_loader(
     assert model.tokenizer.decode(ids) == text
     assert model.tokenizer.decode([1, 3, 2]) == "hello"
     assert model.tokenizer.encode("dog") == [0]
+
+
+def test_a_tied_head_is_packed_only_where_the_checkpoint_stores_the_table_as_float32(
+    hf_checkpoints: dict[str, tuple[Path, Any]], tmp_path: Path
+) -> None:
+    directory, _ = hf_checkpoints["qwen2"]
+    assert packs_tied_head(directory)
+    packed = load_model(directory, kernels="packed")
+    assert packed.lm_head is not None and packed.embed_tokens.layout == torch.strided
+    shared = load_model(directory, kernels="packed", pack_tied_head=False)
+    assert shared.lm_head is not None and not shared.lm_head.packed
+    assert shared.lm_head.weight.data_ptr() == shared.embed_tokens.data_ptr()
+    if packed.lm_head.packed:  # this build and CPU run oneDNN: the packed copy is counted
+        assert packed.parameter_bytes() == shared.parameter_bytes() + shared.lm_head.nbytes
+    narrow = tmp_path / "qwen2-bf16"
+    shutil.copytree(directory, narrow)
+    tensors = load_file(narrow / "model.safetensors")
+    save_file({name: t.to(torch.bfloat16) for name, t in tensors.items()}, narrow / "model.safetensors")
+    assert not packs_tied_head(narrow)
+    head = load_model(narrow, dtype="float32", kernels="packed").lm_head
+    assert head is not None and not head.packed

@@ -104,6 +104,14 @@ class CheckpointFiles:
             tensor = dequantize_stored(tensor, quantized[0], shape, f"{path.name}: tensor {name!r}")
         return tensor
 
+    def stored_as_float32(self, name: str) -> bool:
+        """Whether tensor `name` is stored as float32 (not 16-bit, not as quantized blocks)."""
+        path = self._where.get(name)
+        if path is None:
+            raise CheckpointError(f"{self.directory}: tensor {name!r} is in no safetensors file")
+        handle = self._handle(path)
+        return name not in self._quantized[path] and handle.get_slice(name).get_dtype() == "F32"
+
     def check(self, name: str, shape: tuple[int, ...]) -> Path:
         """The file holding tensor `name`, after checking from its header that it has `shape`."""
         path = self._where.get(name)
@@ -127,7 +135,8 @@ class CheckpointFiles:
 class ModelLoader:
     """Builds a `Model` from a checkpoint directory piece by piece. `model` is usable for the layers
     loaded so far (see `Model.loaded_layers`). Validation of config and file list happens in `__init__`.
-    `name` is the model's name (default: the directory's)."""
+    `name` is the model's name (default: the directory's). `pack_tied_head` as in `Model`; None: as
+    `packs_tied_head` decides for the checkpoint."""
 
     def __init__(
         self,
@@ -138,6 +147,7 @@ class ModelLoader:
         kernels: Kernels = "auto",
         name: str | None = None,
         batch_invariant: bool = False,
+        pack_tied_head: bool | None = None,
     ) -> None:
         if batch_invariant:
             kernels = "plain"
@@ -153,6 +163,8 @@ class ModelLoader:
         self.files = CheckpointFiles(self.directory)
         tokenizer = checkpoint_tokenizer(self.directory)
         self._outer = outer_tensor_shapes(config)
+        if pack_tied_head is None:
+            pack_tied_head = self.files.stored_as_float32(EMBED)
         self._embed = self._place(self.files.read(EMBED, self._outer[EMBED]))
         self.model = Model(
             config,
@@ -163,6 +175,7 @@ class ModelLoader:
             name=name or self.directory.name,
             kernels=kernels,
             batch_invariant=batch_invariant,
+            pack_tied_head=pack_tied_head,
         )
         self.kernels = kernels
 
@@ -188,6 +201,17 @@ class ModelLoader:
 
     def _place(self, tensor: torch.Tensor) -> torch.Tensor:
         return tensor.to(device=self.device, dtype=self.dtype).contiguous()
+
+
+def packs_tied_head(directory: Path) -> bool:
+    """Whether a model of this checkpoint packs a tied output head (`Model.pack_tied_head`): where the
+    checkpoint stores its embedding table as float32. One stored narrower (16-bit, GGUF blocks) was
+    chosen for its memory: the table is then held once and the head multiplies with it."""
+    files = CheckpointFiles(directory)
+    try:
+        return files.stored_as_float32(EMBED)
+    finally:
+        files.close()
 
 
 def outer_tensor_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -246,14 +270,20 @@ def load_model(
     progress: Callable[[LoadProgress], None] | None = None,
     kernels: Kernels = "auto",
     batch_invariant: bool = False,
+    pack_tied_head: bool | None = None,
 ) -> Model:
     """Load a whole checkpoint (see `ModelLoader` to interleave serving with loading).
 
     `kernels` picks the projection kernels (see `replicas.model.linear.Kernels`); `batch_invariant` as in
-    `Model`.
+    `Model`; `pack_tied_head` as in `ModelLoader`.
     """
     loader = ModelLoader(
-        directory, dtype=dtype, device=device, kernels=kernels, batch_invariant=batch_invariant
+        directory,
+        dtype=dtype,
+        device=device,
+        kernels=kernels,
+        batch_invariant=batch_invariant,
+        pack_tied_head=pack_tied_head,
     )
     for step in loader.steps():
         if progress is not None:
