@@ -264,13 +264,27 @@ def _into_event_log(_logger: Any, method: str, event_dict: MutableMapping[str, A
     raise structlog.DropEvent
 
 
+@final
+class _CurrentStderr:
+    """`sys.stderr` as it is at each write, not as it was when diagnostics were configured: an entry
+    point run in-process (a test's, while its output is captured) must not leave the diagnostics of
+    later code writing to a stream that has been closed since."""
+
+    def write(self, text: str) -> int:
+        return sys.stderr.write(text)
+
+    def flush(self) -> None:
+        sys.stderr.flush()
+
+
 def configure_diagnostics(
-    level: Level = "info", stream: TextIO = sys.stderr, *, stream_level: Level | None = None
+    level: Level = "info", stream: TextIO | None = None, *, stream_level: Level | None = None
 ) -> None:
     """Route the untyped diagnostics of library code (`structlog.get_logger(...)` in `transport/` and
     the controller: a link closed, a handshake refused) at `level` and above to the event log
     `route_diagnostics` names (which writes each to its sinks at their levels), or, while none is, to
-    `stream` at `stream_level` (default: `level`) and above. Entry points call this once; without it
+    `stream` (default: standard error, as it is at each write) at `stream_level` (default: `level`) and
+    above. Entry points call this once; without it
     structlog's default prints them on stdout, where the node's `listening` line and the benchmarks'
     JSON rows go."""
     threshold = LEVELS[stream_level or level]
@@ -282,7 +296,7 @@ def configure_diagnostics(
         return event_dict
 
     structlog.configure(
-        logger_factory=structlog.PrintLoggerFactory(stream),
+        logger_factory=structlog.PrintLoggerFactory(stream or _CurrentStderr()),  # type: ignore[arg-type]
         wrapper_class=structlog.make_filtering_bound_logger(LEVELS[level]),
         processors=[
             _into_event_log,
