@@ -277,6 +277,7 @@ def sample_tokens(
     logits: torch.Tensor,
     params: Sequence[SamplingParams],
     token_indices: Sequence[int],
+    *,
     histories: Sequence[TokenHistory | None] | None = None,
     masks: Sequence[torch.Tensor | None] | None = None,
 ) -> list[int]:

@@ -64,6 +64,7 @@ class Backend(Protocol):
         logits: torch.Tensor,
         params: list[SamplingParams],
         indices: list[int],
+        *,
         histories: list[TokenHistory | None] | None = None,
         masks: Sequence[torch.Tensor | None] | None = None,
     ) -> list[int]: ...
@@ -104,10 +105,11 @@ class EagerBackend:
         logits: torch.Tensor,
         params: list[SamplingParams],
         indices: list[int],
+        *,
         histories: list[TokenHistory | None] | None = None,
         masks: Sequence[torch.Tensor | None] | None = None,
     ) -> list[int]:
-        return sample_tokens(logits, params, indices, histories, masks)
+        return sample_tokens(logits, params, indices, histories=histories, masks=masks)
 
     def decode(self, sequences: Sequence[DecodeSequence]) -> tuple[torch.Tensor, list[int]]:
         model, cache = self.model, self.cache
@@ -162,10 +164,11 @@ class _Kernels:
         logits: torch.Tensor,
         params: list[SamplingParams],
         indices: list[int],
+        *,
         histories: list[TokenHistory | None] | None = None,
         masks: Sequence[torch.Tensor | None] | None = None,
     ) -> list[int]:
-        return sample_tokens_on_device(logits, params, indices, histories, masks)
+        return sample_tokens_on_device(logits, params, indices, histories=histories, masks=masks)
 
     def decode(self, sequences: Sequence[DecodeSequence]) -> tuple[torch.Tensor, list[int]]:
         self.model.check_token_ids(torch.tensor([s.token_id for s in sequences]), "decode")

@@ -203,8 +203,8 @@ class Executor:
                 logits,
                 params,
                 indices,
-                [s.history for s in sequences],
-                [s.token_mask for s in sequences],
+                histories=[s.history for s in sequences],
+                masks=[s.token_mask for s in sequences],
             )
             logprobs = _scored(logits, tokens, [s.logprobs for s in sequences])
             prompt_logprobs = None

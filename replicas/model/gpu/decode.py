@@ -104,10 +104,10 @@ class KernelDecoder:
             [s.sampling for s in sequences],
             [s.cached_tokens + 1 for s in sequences],
             logits.device,
-            [s.history for s in sequences],
+            histories=[s.history for s in sequences],
         )
         masks = [s.token_mask for s in sequences]
-        return logits, sample_on_device(logits, sampling, masks).tolist()
+        return logits, sample_on_device(logits, sampling, masks=masks).tolist()
 
     # ------------------------------------------------------------------ graphs
     def capture(self) -> str | None:

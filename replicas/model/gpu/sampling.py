@@ -90,6 +90,7 @@ class SamplingInputs:
         params: Sequence[SamplingParams],
         token_indices: Sequence[int],
         device: torch.device,
+        *,
         histories: Sequence[TokenHistory | None] | None = None,
     ) -> SamplingInputs:
         """The inputs for a batch where row b samples the token at `token_indices[b]` under `params[b]`
@@ -138,7 +139,7 @@ class SamplingInputs:
 
 
 def sample_on_device(
-    logits: torch.Tensor, inputs: SamplingInputs, masks: Sequence[torch.Tensor | None] | None = None
+    logits: torch.Tensor, inputs: SamplingInputs, *, masks: Sequence[torch.Tensor | None] | None = None
 ) -> torch.Tensor:
     """[B, V] float32 logits on any device → int64 [B] tokens on that device, the same tokens
     `sample_tokens` picks. No host sync inside (no .item()/.tolist()/.cpu(), no Python branch on tensor
@@ -177,6 +178,7 @@ def sample_tokens_on_device(
     logits: torch.Tensor,
     params: Sequence[SamplingParams],
     token_indices: Sequence[int],
+    *,
     histories: Sequence[TokenHistory | None] | None = None,
     masks: Sequence[torch.Tensor | None] | None = None,
 ) -> list[int]:
@@ -187,7 +189,7 @@ def sample_tokens_on_device(
             f"{len(token_indices)} indices"
         )
     tokens: list[int] = sample_on_device(
-        logits, SamplingInputs.build(params, token_indices, logits.device, histories), masks
+        logits, SamplingInputs.build(params, token_indices, logits.device, histories=histories), masks=masks
     ).tolist()
     return tokens
 

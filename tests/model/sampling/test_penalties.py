@@ -92,8 +92,8 @@ def test_the_host_and_the_device_sampler_agree(
     case: tuple[torch.Tensor, list[SamplingParams], list[TokenHistory | None], list[int]],
 ) -> None:
     logits, params, histories, indices = case
-    host = sample_tokens(logits, params, indices, histories)
-    assert sample_tokens_on_device(logits, params, indices, histories) == host
+    host = sample_tokens(logits, params, indices, histories=histories)
+    assert sample_tokens_on_device(logits, params, indices, histories=histories) == host
     greedy = [row for row, p in enumerate(params) if p.greedy]
     adjusted = expected(logits, params, histories)
     for row in greedy:
@@ -104,10 +104,12 @@ def test_a_repeated_token_is_penalised_and_a_bias_wins() -> None:
     logits = torch.tensor([[2.0, 1.9, -1.0, 0.0]])
     history = TokenHistory(prompt=(0,), generated=())
     rep = SamplingParams(repetition_penalty=2.0)
-    assert sample_tokens(logits, [rep], [1], [history]) == [1]  # 2.0 / 2 < 1.9
+    assert sample_tokens(logits, [rep], [1], histories=[history]) == [1]  # 2.0 / 2 < 1.9
     freq = SamplingParams(frequency_penalty=1.0)
-    assert sample_tokens(logits, [freq], [1], [TokenHistory((), (0,))]) == [1]
-    assert sample_tokens(logits, [freq], [1], [TokenHistory((0,), ())]) == [0]  # the prompt is not counted
+    assert sample_tokens(logits, [freq], [1], histories=[TokenHistory((), (0,))]) == [1]
+    assert sample_tokens(logits, [freq], [1], histories=[TokenHistory((0,), ())]) == [
+        0
+    ]  # the prompt is not counted
     bias = SamplingParams(logit_bias=((2, 100.0),))
     assert sample_tokens(logits, [bias], [1]) == [2]  # bias alone needs no history
 
