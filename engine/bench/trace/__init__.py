@@ -53,6 +53,7 @@ from pathlib import Path
 from typing import Final
 
 from engine.bench.rows import Row, row
+from engine.bench.trace.bound import feasible_bound
 from engine.bench.trace.gen import (
     TraceRequest,
     peak_window,
@@ -65,6 +66,8 @@ from engine.bench.trace.gen import (
 from engine.bench.trace.gen import add_arguments as add_trace_arguments
 from engine.bench.trace.ideal import ideal_static
 from engine.bench.trace.oracle import player, schedule
+from engine.bench.trace.queueing import ReplicaModel, first_tokens
+from engine.bench.trace.queueing import attainment as modelled_attainment
 from engine.bench.trace.replay import Run, replay_on_node
 from engine.bench.trace.slo import Slo, Summary, attainment, summarize
 
@@ -74,6 +77,8 @@ PREDICTORS: Final = ("constant", "ewma", "kalman", "periodic")
 WAYS: Final = ("static", "reactive", *PREDICTORS, "serverless", "oracle")
 UPPER: Final = 0.7  # the prefill band's upper utilisation (the planner's default), for the oracle
 ORACLE_WINDOW_S: Final = 2.0
+BOUND_WINDOW_S: Final = 1.0  # the feasible bound's schedules change count at most this often
+MODEL_POINTS: Final = 2.0  # the queueing model's attainment within this many points of static's measured
 ATTAINMENT_POINTS: Final = 1.0  # the goal: attainment within this many points of static's
 SECONDS_GOAL: Final = 0.55  # ... at no more than this share of its replica-seconds
 P99_GOAL: Final = 0.5  # blitz's p99 TTFT against serverless's
@@ -109,6 +114,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--disk-slowdown", type=float, default=8.0, help="a copy from disk is this much slower (default 8)"
     )
     group.add_argument("--max-batch-tokens", type=int, default=512, help="prompt tokens per batch (512)")
+    group.add_argument(
+        "--model-overhead-s",
+        type=float,
+        default=0.0,
+        help="the queueing model's cost per prefill batch, beside the emulated speed (default 0)",
+    )
     group.add_argument(
         "--max-prefill-replicas", type=int, default=6, help="static search's, planner's and oracle's cap (6)"
     )
@@ -339,6 +350,62 @@ def _rows(
         )
 
 
+def _bound_rows(
+    args: argparse.Namespace,
+    trace: Sequence[TraceRequest],
+    summaries: dict[str, Summary],
+    static: int,
+    common: str,
+) -> Iterator[Row]:
+    """The queueing model at static's count against static's measured attainment (the model's check),
+    and the feasible bound (engine/bench/trace/bound.py) against static's replica-seconds; the bound's
+    note names any way that measured at least static's attainment on fewer replica-seconds (it should
+    be none: such a way would show the bound wrong)."""
+    base = summaries[BASELINE]
+    slo = Slo(args.slo_ttft_floor, args.slo_ttft_per_token)
+    replica = ReplicaModel(args.prefill_tokens_per_s, args.max_batch_tokens, args.model_overhead_s)
+    ordered = sorted(trace, key=lambda r: r.at)
+    target = modelled_attainment(ordered, first_tokens(ordered, ((0.0, static),), replica), slo)
+    points = (target - base.attainment) * 100
+    model = (
+        f"queueing model: {static} replicas, {args.prefill_tokens_per_s:g} tokens/s, batches of "
+        f"{args.max_batch_tokens} tokens, {args.model_overhead_s:g} s a batch"
+    )
+    yield row(BENCH, "bound", "slo_attainment_model", "higher", target, base.attainment,
+              f"static prefill={static}, measured",
+              note=f"{common}; {model}; within {MODEL_POINTS:g} points of the measured: {points:+.1f} points, "
+              f"{_goal(abs(points) <= MODEL_POINTS)}")  # fmt: skip
+    lead = args.load_seconds / args.peer_speedup + 0.1
+    bound = feasible_bound(
+        ordered,
+        replica,
+        slo,
+        target=target,
+        span=base.span,
+        window=BOUND_WINDOW_S,
+        lead=lead,
+        cap=args.max_prefill_replicas,
+    )
+    total = bound.replica_seconds + base.spent.decode  # the decode replica, as static measured it
+    beaten = [
+        f"{way} ({mine.replica_seconds:.0f} replica-s, {mine.attainment:.1%})"
+        for way, mine in summaries.items()
+        if mine.attainment >= base.attainment and mine.replica_seconds < total
+    ]
+    yield row(BENCH, "bound", "replica_seconds", "lower", total, base.replica_seconds,
+              f"static prefill={static}", unit="replica-s",
+              note=f"{common}; the fewest replica-seconds of a schedule meeting static's modelled attainment "
+              f"({target:.1%}) under the {model.split(':')[0]}: prefill counts per {BOUND_WINDOW_S:g} s "
+              f"{_steps(bound.counts)}, {bound.loading_seconds:.1f} replica-s loading ({lead:.2f} s a "
+              f"replica), plus the decode replica's {base.spent.decode:.0f}; ways below it at static's "
+              f"attainment: {', '.join(beaten) or 'none'}")  # fmt: skip
+
+
+def _steps(counts: Sequence[tuple[float, int]]) -> str:
+    shown = " ".join(f"{at:g}s:{n}" for at, n in counts[:12])
+    return shown + (f" … ({len(counts)} steps)" if len(counts) > 12 else "")
+
+
 def _goal(met: bool) -> str:
     return "met" if met else "missed"
 
@@ -421,6 +488,7 @@ def _way_rows(
             ("ttft_p99_s", base.ttft_p99, ideal[2]),
         ):
             yield row(BENCH, BASELINE, metric, "lower", measured, bound, model, unit="s", note=common)
+        yield from _bound_rows(args, trace, summaries, static or 1, common)
     for way in WAYS:
         mine = summaries.get(way)
         if mine is None or way == BASELINE:
