@@ -7,6 +7,9 @@ A production cluster brings its own CA; nothing here is used by a node.
 Keys are EC P-256, unencrypted, written 0600; certificates last `days` (2 by default: these are for a
 run, not for keeping). `make_certificate` names its subject by `name` (the commonName) and by the
 `dns` names and `ips` given as subjectAltNames — a client that dials an address checks it against them.
+With `common_name=False` the subject has no commonName (`/O=zigzag`): etcd's JSON gateway, when etcd
+requires both client certificates and a user and password, refuses any client certificate with one (it
+would name a user the gateway cannot pass on).
 `CertificatesUnavailable` when there is no `openssl` command.
 """
 
@@ -77,9 +80,10 @@ def make_certificate(
     dns: Sequence[str] = (),
     ips: Sequence[str] = (),
     days: int = 2,
+    common_name: bool = True,
 ) -> Certificate:
     """A certificate for `name` signed by `ca`, valid for server and client use; its subjectAltNames are
-    `dns` (default: `name`) and `ips`."""
+    `dns` (default: `name`) and `ips`; its subject `/CN=name`, or `/O=zigzag` without `common_name`."""
     directory.mkdir(parents=True, exist_ok=True)
     key, request, cert = directory / f"{name}.key", directory / f"{name}.csr", directory / f"{name}.crt"
     names = [f"DNS:{entry}" for entry in (dns or [name])] + [f"IP:{entry}" for entry in ips]
@@ -89,7 +93,7 @@ def make_certificate(
     )
     _openssl(
         "req", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
-        "-keyout", key.name, "-out", request.name, "-subj", f"/CN={name}",
+        "-keyout", key.name, "-out", request.name, "-subj", f"/CN={name}" if common_name else "/O=zigzag",
         cwd=directory,
     )  # fmt: skip
     _openssl(

@@ -24,6 +24,7 @@ not start or exited with a non-zero code. `local_cluster` also serves the benchm
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import tempfile
@@ -38,7 +39,15 @@ import trio
 from engine.client.cluster import ClusterDemoFailed
 from engine.cluster.certificates import Authority, make_ca, make_certificate
 from engine.cluster.etcd import EtcdTls
-from engine.cluster.local_etcd import NO_ETCD, LocalEtcdError, LocalEtcdTls, find_etcd, start_local_etcd
+from engine.cluster.local_etcd import (
+    NO_ETCD,
+    LocalEtcdAuth,
+    LocalEtcdError,
+    LocalEtcdTls,
+    find_etcd,
+    new_auth,
+    start_local_etcd,
+)
 from engine.config import ClusterConfig, NodeConfig, ReplicaCounts
 from engine.control.listening import listening_address
 
@@ -104,11 +113,19 @@ class ChildNode:
 
 @final
 class LocalCluster:
-    """What `local_cluster` yields: etcd's `url` and the `children`. Set `stopping` once the cluster was
-    asked to stop (`shutdown_cluster`); after the block, `failures` names each child that failed."""
+    """What `local_cluster` yields: etcd's `url`, its `auth` (None without `secure`) and the `children`.
+    Set `stopping` once the cluster was asked to stop (`shutdown_cluster`); after the block, `failures`
+    names each child that failed."""
 
-    def __init__(self, url: str, certs: Path | None = None, ca: Authority | None = None) -> None:
+    def __init__(
+        self,
+        url: str,
+        certs: Path | None = None,
+        ca: Authority | None = None,
+        auth: LocalEtcdAuth | None = None,
+    ) -> None:
         self.url = url
+        self.auth = auth
         self._certs, self._ca = certs, ca
         self.children: list[ChildNode] = []
         self.stopping = False
@@ -119,7 +136,8 @@ class LocalCluster:
         without TLS."""
         if self._ca is None or self._certs is None:
             return None
-        made = make_certificate(self._certs, self._ca, f"etcd-client-{node_id}")
+        name = f"etcd-client-{node_id}"
+        made = make_certificate(self._certs, self._ca, name, common_name=self.auth is None)
         return EtcdTls(ca_file=str(made.ca_file), cert_file=str(made.cert_file), key_file=str(made.key_file))
 
 
@@ -145,15 +163,19 @@ async def local_cluster(
     """Start etcd (data in `directory/etcd`) and one child node per `(node_id, counts)`, with `options`
     added to each command line — and, with `log_file`, each its own event log (`node_log_file`); yield
     once every child listens. With `secure`, etcd serves https and takes only clients with a certificate
-    of a CA made for the run in `directory/certs` (`engine.cluster.certificates`); each child gets its own
-    (`LocalCluster.etcd_tls` makes one for another node). Raises `LocalEtcdError` when etcd does not
-    start, `ClusterDemoFailed` when a child does not listen."""
+    of a CA made for the run in `directory/certs` (`engine.cluster.certificates`), and requires a user and
+    password as well (`engine.cluster.local_etcd.new_auth`: a user that reads and writes only `/zigzag/`,
+    its password made for the run); each child gets its own certificate (`LocalCluster.etcd_tls` makes one
+    for another node), `--etcd-username` and, in its environment, `ZIGZAG_ETCD_PASSWORD`. Raises
+    `LocalEtcdError` when etcd does not start, `ClusterDemoFailed` when a child does not listen."""
     certs = directory / "certs"
     ca = make_ca(certs) if secure else None
+    auth = new_auth("/zigzag/") if secure else None
     tls = None
     if ca is not None:
         server = make_certificate(certs, ca, "etcd", dns=["localhost"], ips=["127.0.0.1"])
-        operator = make_certificate(certs, ca, "operator")
+        # No commonName: etcd's gateway refuses a client certificate with one once a user is required.
+        operator = make_certificate(certs, ca, "operator", common_name=False)
         tls = LocalEtcdTls(
             ca_file=str(ca.cert_file),
             cert_file=str(server.cert_file),
@@ -162,14 +184,18 @@ async def local_cluster(
                 ca_file=str(ca.cert_file), cert_file=str(operator.cert_file), key_file=str(operator.key_file)
             ),
         )
-    etcd = await start_local_etcd(str(directory / "etcd"), tls=tls)
-    cluster = LocalCluster(etcd.url, certs, ca)
+    etcd = await start_local_etcd(str(directory / "etcd"), tls=tls, auth=auth)
+    cluster = LocalCluster(etcd.url, certs, ca, auth)
+    env: dict[str, str] = {}
+    if auth is not None:
+        options = [*options, "--etcd-username", auth.user]
+        env["ZIGZAG_ETCD_PASSWORD"] = auth.password  # never on a command line
     try:
         try:
             for node_id, counts in children:
                 logged = [] if log_file is None else ["--log-file", node_log_file(log_file, node_id)]
                 logged += etcd_tls_options(cluster.etcd_tls(node_id))
-                child = await _start_child(directory, etcd.url, node_id, counts, [*options, *logged])
+                child = await _start_child(directory, etcd.url, node_id, counts, [*options, *logged], env)
                 cluster.children.append(child)
             for child in cluster.children:
                 child.address = await child.read_listening()
@@ -188,7 +214,12 @@ def node_log_file(log_file: str, node_id: str) -> str:
 
 
 async def _start_child(
-    directory: Path, url: str, node_id: str, counts: ReplicaCounts, options: Sequence[str]
+    directory: Path,
+    url: str,
+    node_id: str,
+    counts: ReplicaCounts,
+    options: Sequence[str],
+    env: dict[str, str],
 ) -> ChildNode:
     command = [
         *(sys.executable, "-m", "engine.node", "--cluster", url, "--node-id", node_id),
@@ -198,7 +229,7 @@ async def _start_child(
     stderr_path = directory / f"{node_id}.stderr"
     with stderr_path.open("wb") as stderr:  # a local file, handed to the child
         process = await trio.lowlevel.open_process(
-            command, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=stderr
+            command, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=stderr, env=os.environ | env
         )
     return ChildNode(node_id, counts, process, stderr_path)
 
@@ -282,7 +313,8 @@ async def run_cluster_demo(
             async with local_cluster(
                 Path(directory), children, options, log_file=log_file, secure=secure
             ) as cluster:
-                kind = " (TLS; clients need a certificate of the run's CA)" if secure else ""
+                kind = " (TLS and users; clients need a certificate of the run's CA and a password)"
+                kind = kind if secure else ""
                 print(f"demo: local etcd at {cluster.url}{kind}", file=out)
                 for child in cluster.children:
                     print(
@@ -295,9 +327,12 @@ async def run_cluster_demo(
                     config,
                     transport=transport,
                     replicas=plan[0],
-                    cluster=_with_etcd_tls(
-                        msgspec.structs.replace(config.cluster, cluster=cluster.url, node_id="node-0"),
-                        cluster.etcd_tls("node-0"),
+                    cluster=_with_etcd_auth(
+                        _with_etcd_tls(
+                            msgspec.structs.replace(config.cluster, cluster=cluster.url, node_id="node-0"),
+                            cluster.etcd_tls("node-0"),
+                        ),
+                        cluster.auth,
                     ),
                     log=msgspec.structs.replace(config.log, file=own_log),
                 )
@@ -323,6 +358,12 @@ def _with_etcd_tls(config: ClusterConfig, tls: EtcdTls | None) -> ClusterConfig:
     return msgspec.structs.replace(
         config, etcd_ca_file=tls.ca_file, etcd_cert_file=tls.cert_file, etcd_key_file=tls.key_file
     )
+
+
+def _with_etcd_auth(config: ClusterConfig, auth: LocalEtcdAuth | None) -> ClusterConfig:
+    if auth is None:
+        return config
+    return msgspec.structs.replace(config, etcd_username=auth.user, etcd_password=auth.password)
 
 
 def _leaves(group: BaseExceptionGroup[BaseException]) -> list[BaseException]:

@@ -138,7 +138,7 @@ def _key_str(key: bytes) -> str:
     return key.decode("utf-8", "surrogateescape")
 
 
-def _prefix_range(prefix: str) -> dict[str, Any]:
+def prefix_range(prefix: str) -> dict[str, Any]:
     """Every key starting with `prefix`: up to the prefix with its last byte below 0xff incremented."""
     key = prefix.encode("utf-8", "surrogateescape")
     end = b"\x00"
@@ -207,8 +207,12 @@ def _failure(url: str, call: str, failure: _Reply, status: str) -> EtcdUnavailab
 
 def _answer(url: str, call: str, response: httpx.Response, kind: type[T]) -> T:
     if response.status_code != 200:
-        failure = _decode(call, response.content or b"{}", _Reply)
-        raise _failure(url, call, failure, f"HTTP {response.status_code}: {response.text[:200]}")
+        status = f"HTTP {response.status_code}: {response.text.strip()[:200]}"
+        try:  # etcd's gateway answers errors in JSON; in front of it, etcd answers some in plain text
+            failure = msgspec.json.decode(response.content or b"{}", type=_Reply, strict=False)
+        except msgspec.DecodeError:
+            raise EtcdError(call, status) from None
+        raise _failure(url, call, failure, status)
     return _decode(call, response.content, kind)
 
 
@@ -341,7 +345,7 @@ class Etcd:
     async def get_prefix(self, prefix: str) -> tuple[list[KeyValue], int]:
         """Every key under `prefix`, sorted by key, and the revision they were read at (watch from the
         next one to miss nothing)."""
-        body = _prefix_range(prefix) | {"sort_order": "ASCEND", "sort_target": "KEY"}
+        body = prefix_range(prefix) | {"sort_order": "ASCEND", "sort_target": "KEY"}
         found = await self._call("kv/range", body, _Reply)
         return [_key_value(kv) for kv in found.kvs], found.header.revision
 
@@ -365,7 +369,7 @@ class Etcd:
         An async generator: close it (`contextlib.aclosing`) or cancel its consumer to end the stream.
         Waiting for the next event has no timeout: an etcd that stops answering without closing the
         connection is noticed by other means (a failing lease keepalive)."""
-        request = {"create_request": _prefix_range(prefix) | {"start_revision": start_revision}}
+        request = {"create_request": prefix_range(prefix) | {"start_revision": start_revision}}
         token = await self.auth_token()
         timeout = httpx.Timeout(self._timeout, read=None)
         content = msgspec.json.encode(request)

@@ -14,11 +14,20 @@ With `tls` (`LocalEtcdTls`) etcd serves https and requires a client certificate 
 (`--client-cert-auth`): a client without one is refused in the TLS handshake and reads nothing. The
 peer URL stays plain http (a single member has no peers). `LocalEtcd.client_tls` is what a client of
 this etcd needs (the health checks here use it).
+
+With `auth` (`LocalEtcdAuth`, `new_auth` makes one with fresh passwords) etcd requires a user and
+password for every key: once etcd first answers, its JSON gateway adds the `root` user, a user whose role
+reads and writes only the keys under `auth.prefix`, and enables authentication (`/v3/auth/...`). A
+client without a token is refused ("user name is empty"), one with a wrong password gets no token. The
+users live in etcd's data: a `restart` keeps them (and ends every token handed out: clients
+authenticate again). `/health` answers without a token. `LocalEtcd.operator` is a client as `root`, with
+`client_tls`. Works with `tls` as well.
 """
 
 from __future__ import annotations
 
 import os
+import secrets
 import shutil
 import signal
 import socket
@@ -32,7 +41,7 @@ import httpx
 import msgspec
 import trio
 
-from engine.cluster.etcd import EtcdTls, ssl_context
+from engine.cluster.etcd import Etcd, EtcdTls, prefix_range, ssl_context
 
 _LOG_NAME = "etcd.log"
 _TAIL_CHARS = 2000
@@ -44,6 +53,8 @@ NO_ETCD = (
     "clone of zigzag)"
 )
 _PORT_ATTEMPTS = 3  # a free port may be taken by someone else between probing it and etcd binding it
+ROOT_USER = "root"  # etcd's administrator: `auth enable` requires it, with the `root` role
+_AUTH_SECONDS = 10.0  # each call that sets up authentication
 
 
 @final
@@ -56,6 +67,25 @@ class LocalEtcdTls(msgspec.Struct, frozen=True):
     cert_file: str
     key_file: str
     client: EtcdTls
+
+
+@final
+class LocalEtcdAuth(msgspec.Struct, frozen=True):
+    """etcd's user/password authentication: `root_password` is the `root` user's (the operator's);
+    `user` and `password` a user whose role reads and writes the keys under `prefix` and nothing else
+    (a cluster's members: `/zigzag/{cluster_name}/`)."""
+
+    root_password: str
+    user: str
+    password: str
+    prefix: str
+
+
+def new_auth(prefix: str, *, user: str = "zigzag") -> LocalEtcdAuth:
+    """Authentication with fresh random passwords (`secrets.token_urlsafe`) for `user` on `prefix`."""
+    if user == ROOT_USER:
+        raise ValueError(f"the members' user must not be {ROOT_USER!r}: that one may do anything")
+    return LocalEtcdAuth(secrets.token_urlsafe(18), user, secrets.token_urlsafe(18), prefix)
 
 
 def find_etcd() -> str | None:
@@ -101,15 +131,29 @@ class LocalEtcd:
         process: trio.Process,
         command: list[str],
         client_tls: EtcdTls | None = None,
+        auth: LocalEtcdAuth | None = None,
     ) -> None:
         self.binary = binary
         self.client_tls = client_tls
+        self.auth = auth
         self.url = url
         self.data_dir = data_dir
         self.log_path = log_path
         self.process = process
         self.command = command
         self._log_start = log_start
+
+    def operator(self, *, timeout: float = 5.0) -> Etcd:
+        """A client of this etcd with everything it requires: `client_tls`, and `root` when `auth`."""
+        if self.auth is None:
+            return Etcd(self.url, timeout=timeout, tls=self.client_tls)
+        return Etcd(
+            self.url,
+            timeout=timeout,
+            tls=self.client_tls,
+            username=ROOT_USER,
+            password=self.auth.root_password,
+        )
 
     def log_tail(self) -> str:
         """The end of what this process wrote to the log."""
@@ -189,6 +233,35 @@ class LocalEtcd:
             f"{self.log_path} ends:\n{self.log_tail()}"
         )
 
+    async def _enable_auth(self, auth: LocalEtcdAuth) -> None:
+        """Add `root` and `auth.user` (its role: read-write on `auth.prefix`), then enable authentication;
+        raises `LocalEtcdError` naming the call etcd refused (or could not be asked)."""
+        role = auth.user
+        permission = {"permType": "READWRITE"} | prefix_range(auth.prefix)
+        calls = [
+            ("user/add", {"name": ROOT_USER, "password": auth.root_password}),
+            ("user/grant", {"user": ROOT_USER, "role": ROOT_USER}),  # etcd's built-in root role
+            ("user/add", {"name": auth.user, "password": auth.password}),
+            ("role/add", {"name": role}),
+            ("role/grant", {"name": role, "perm": permission}),
+            ("user/grant", {"user": auth.user, "role": role}),
+            ("enable", {}),
+        ]
+        verify = True if self.client_tls is None else ssl_context(self.client_tls)
+        async with httpx.AsyncClient(
+            base_url=self.url, timeout=_AUTH_SECONDS, trust_env=False, verify=verify
+        ) as client:
+            for call, body in calls:
+                try:
+                    response = await client.post(f"/v3/auth/{call}", json=body)
+                except httpx.TransportError as error:
+                    raise LocalEtcdError(f"etcd at {self.url}: auth/{call} failed: {error!r}") from error
+                if response.status_code != 200:
+                    raise LocalEtcdError(
+                        f"etcd at {self.url} refused auth/{call} (HTTP {response.status_code}): "
+                        f"{response.text[:300]}; its log {self.log_path} ends:\n{self.log_tail()}"
+                    )
+
 
 async def _start_once(
     binary: str,
@@ -197,6 +270,7 @@ async def _start_once(
     ports: tuple[int, int] | None,
     wrap: Sequence[str],
     tls: LocalEtcdTls | None,
+    auth: LocalEtcdAuth | None,
 ) -> LocalEtcd:
     client_port, peer_port = ports or _free_ports(2)
     url = f"{'http' if tls is None else 'https'}://{host}:{client_port}"
@@ -231,6 +305,7 @@ async def _start_once(
         process=process,
         command=command,
         client_tls=None if tls is None else tls.client,
+        auth=auth,
     )
 
 
@@ -259,18 +334,20 @@ async def start_local_etcd(
     ports: tuple[int, int] | None = None,
     wrap: Sequence[str] = (),
     tls: LocalEtcdTls | None = None,
+    auth: LocalEtcdAuth | None = None,
 ) -> LocalEtcd:
     """Start etcd (`binary`, or `find_etcd()`'s) with its data in `data_dir` (created when missing) and
     return it once healthy, within `ready_timeout` seconds. Raises `LocalEtcdError` naming the binary
     and the tail of its log when it does not start (it is tried again, on other ports, when a port was
     taken and `ports` were not given). Cancellation stops the process it started (shielded, bounded)
-    before it propagates. `host`, `ports`, `wrap`, `tls`: see the module docstring."""
+    before it propagates. `host`, `ports`, `wrap`, `tls`, `auth`: see the module docstring (`auth` is set
+    up in a fresh `data_dir`; one that has it already is refused by etcd: `LocalEtcdError`)."""
     found = binary or find_etcd()
     if found is None:
         raise LocalEtcdError(NO_ETCD)
     os.makedirs(data_dir, mode=0o700, exist_ok=True)
     for attempt in range(1, _PORT_ATTEMPTS + 1):
-        local = await _start_once(found, data_dir, host, ports, wrap, tls)
+        local = await _start_once(found, data_dir, host, ports, wrap, tls, auth)
         try:
             await local._wait_ready(ready_timeout)
         except LocalEtcdError:
@@ -281,5 +358,11 @@ async def start_local_etcd(
         except BaseException:
             await local.stop()
             raise
+        if auth is not None:
+            try:
+                await local._enable_auth(auth)
+            except BaseException:
+                await local.stop()
+                raise
         return local
     raise AssertionError("unreachable: the last attempt returns or raises")

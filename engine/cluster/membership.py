@@ -42,7 +42,18 @@ State = Literal["ok", "degraded", "rejoining"]
 
 @final
 class JoinRefused(Exception):
-    """This node cannot join: etcd is unreachable, or the cluster serves something else."""
+    """This node cannot join: etcd is unreachable or refuses it (its credentials, its permissions), or
+    the cluster serves something else."""
+
+
+def _cannot_join(error: EtcdUnavailable | EtcdError) -> str:
+    """The one line a node that cannot reach, or is refused by, etcd stops with."""
+    if isinstance(error, EtcdError) and error.call == "auth/authenticate":
+        return (
+            f"cannot join the cluster: {error}; give the user and password etcd knows "
+            "(--etcd-username, $ZIGZAG_ETCD_PASSWORD)"
+        )
+    return f"cannot join the cluster: {error}"
 
 
 @final
@@ -96,8 +107,8 @@ class Membership:
             if await self.etcd.create(key, msgspec.json.encode(identity)):
                 return
             stored = await self.etcd.get(key)
-        except EtcdUnavailable as exc:
-            raise JoinRefused(f"cannot join the cluster: {exc}") from None
+        except (EtcdUnavailable, EtcdError) as exc:
+            raise JoinRefused(_cannot_join(exc)) from None
         if stored is None:
             raise JoinRefused(f"cannot join the cluster: its identity at {key} vanished")
         theirs = msgspec.json.decode(stored.value, type=ClusterIdentity)
@@ -121,8 +132,8 @@ class Membership:
             ):
                 await self.etcd.revoke(lease.id)
                 raise JoinRefused(f"node id {self.node_id!r} is in use by a live member of {self.prefix}")
-        except EtcdUnavailable as exc:
-            raise JoinRefused(f"cannot join the cluster: {exc}") from None
+        except (EtcdUnavailable, EtcdError) as exc:
+            raise JoinRefused(_cannot_join(exc)) from None
         self.lease, self._record = lease.id, record
         self._joined_at = time.monotonic()
         self.members[self.node_id] = record

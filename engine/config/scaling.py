@@ -65,7 +65,7 @@ class ClusterConfig(Section, frozen=True, kw_only=True):
         bool,
         _doc(
             "--demo --nodes N: the local etcd takes only clients with a certificate of a CA made for the run "
-            "(each node gets its own; needs the openssl command)"
+            "and a user's password (each node gets its own certificate; needs the openssl command)"
         ),
     ] = False
 

@@ -22,6 +22,13 @@ client certificate per node are made in `directory/certs` (`engine.cluster.certi
 node gets `--etcd-ca-file`, `--etcd-cert-file` and `--etcd-key-file`. `HostCluster.etcd_client()` is
 an etcd client with the operator's certificate, whichever way etcd runs.
 
+With `etcd_auth` (alone or with `secure_etcd`), etcd requires a user and password
+(`engine.cluster.local_etcd.LocalEtcdAuth`, passwords made afresh for the cluster): every node gets
+`--etcd-username` and, in its environment, `ZIGZAG_ETCD_PASSWORD` (never on a command line) of a user
+that reads and writes only `/zigzag/{CLUSTER_NAME}/`; `HostCluster.etcd_client()` is `root`. With both,
+the client certificates have no commonName (`engine.cluster.certificates`: etcd's gateway refuses one
+then).
+
 Leaving the block kills every node, stops etcd and removes the network, also when it raised.
 `HostsUnavailable` (from `open_network`) says why when the machine does not allow namespaces.
 """
@@ -39,7 +46,7 @@ import trio
 
 from engine.cluster.certificates import Authority, Certificate, make_ca, make_certificate, openssl_missing
 from engine.cluster.etcd import Etcd, EtcdError, EtcdTls, EtcdUnavailable
-from engine.cluster.local_etcd import LocalEtcd, LocalEtcdTls, find_etcd, start_local_etcd
+from engine.cluster.local_etcd import LocalEtcd, LocalEtcdTls, find_etcd, new_auth, start_local_etcd
 from engine.hosts.network import HostsUnavailable, Network, open_network
 from engine.hosts.nodes import HostNode
 
@@ -79,8 +86,9 @@ class HostCluster:
         self.token = token  # every node's control token
 
     def etcd_client(self, *, timeout: float = 2.0) -> Etcd:
-        """A client of the cluster's etcd (with the operator's certificate when etcd requires one)."""
-        return Etcd(self.etcd.url, timeout=timeout, tls=self.etcd.client_tls)
+        """A client of the cluster's etcd (with the operator's certificate and user when etcd requires
+        them)."""
+        return self.etcd.operator(timeout=timeout)
 
     def host_of(self, node_id: str) -> str:
         return self.nodes[node_id].host
@@ -122,7 +130,12 @@ class HostCluster:
 
 @asynccontextmanager
 async def open_host_cluster(
-    directory: Path, specs: Sequence[NodeSpec], *, options: Sequence[str] = (), secure_etcd: bool = False
+    directory: Path,
+    specs: Sequence[NodeSpec],
+    *,
+    options: Sequence[str] = (),
+    secure_etcd: bool = False,
+    etcd_auth: bool = False,
 ) -> AsyncIterator[HostCluster]:
     """See the module docstring; every node listens when the block starts."""
     binary = find_etcd()
@@ -144,7 +157,7 @@ async def open_host_cluster(
         tls = None
         if ca is not None:
             server = make_certificate(certs, ca, ETCD_HOST, ips=[address])
-            operator = make_certificate(certs, ca, "operator")
+            operator = make_certificate(certs, ca, "operator", common_name=not etcd_auth)
             tls = LocalEtcdTls(
                 ca_file=str(ca.cert_file),
                 cert_file=str(server.cert_file),
@@ -158,18 +171,26 @@ async def open_host_cluster(
             ports=ETCD_PORTS,
             wrap=network.command(ETCD_HOST, []),
             tls=tls,
+            auth=new_auth(f"/zigzag/{CLUSTER_NAME}/") if etcd_auth else None,
         )
+        env: dict[str, str] = {}
+        if etcd.auth is not None:
+            options = [*options, "--etcd-username", etcd.auth.user]
+            env["ZIGZAG_ETCD_PASSWORD"] = etcd.auth.password
         nodes: dict[str, HostNode] = {}
         try:
             for spec in specs:
                 node_options = ["--cluster", etcd.url, "--replicas", spec.replicas, *options, *spec.options]
                 node_options += ["--control-token-file", str(token_file)]
                 if ca is not None:
-                    client = _etcd_tls(make_certificate(certs, ca, f"etcd-client-{spec.node_id}"))
+                    made = make_certificate(
+                        certs, ca, f"etcd-client-{spec.node_id}", common_name=not etcd_auth
+                    )
+                    client = _etcd_tls(made)
                     node_options += ["--etcd-ca-file", str(client.ca_file)]
                     node_options += ["--etcd-cert-file", str(client.cert_file)]
                     node_options += ["--etcd-key-file", str(client.key_file)]
-                nodes[spec.node_id] = HostNode(network, spec.host, spec.node_id, node_options, logs)
+                nodes[spec.node_id] = HostNode(network, spec.host, spec.node_id, node_options, logs, env=env)
             async with trio.open_nursery() as nursery:
                 for node in nodes.values():
                     nursery.start_soon(node.start)

@@ -7,7 +7,7 @@
 
 The node listens (control socket and peer links) on its host's address (`--listen ADDR:0`,
 `--cluster-host ADDR`), HTTP off, its log in `logs/{node_id}-{n}.jsonl` (n counts its starts) and
-stderr beside it. `start` waits for the `{"listening": ...}` stdout line; a node that exits first or
+stderr beside it; `env` is added to its environment (`ZIGZAG_ETCD_PASSWORD`). `start` waits for the `{"listening": ...}` stdout line; a node that exits first or
 prints none within `START_SECONDS` raises `NodeStartFailed` with its exit code and the tail of its
 stderr (`exit_code` tells, e.g. 2 for a node id still in use by a lease that has not ended).
 
@@ -16,10 +16,11 @@ Cancellation: `start` kills the process it started when it is cancelled; `kill` 
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Final, final
 
@@ -47,8 +48,18 @@ class NodeStartFailed(Exception):
 class HostNode:
     """See the module docstring."""
 
-    def __init__(self, network: Network, host: str, node_id: str, options: Sequence[str], logs: Path) -> None:
+    def __init__(
+        self,
+        network: Network,
+        host: str,
+        node_id: str,
+        options: Sequence[str],
+        logs: Path,
+        *,
+        env: Mapping[str, str] | None = None,
+    ) -> None:
         self.network = network
+        self.env = dict(env or {})  # added to this process's environment (secrets kept off the command line)
         self.host = host
         self.node_id = node_id
         self.options = list(options)
@@ -99,6 +110,7 @@ class HostNode:
                 stdout=subprocess.PIPE,
                 stderr=stderr,
                 cwd=REPO_ROOT,
+                env=os.environ | self.env,
             )
         try:
             self.address = await self._listening(stderr_path)

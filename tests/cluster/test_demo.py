@@ -1,8 +1,8 @@
 """`python -m engine.node --demo --nodes 3 --secure`: a local etcd that takes only clients with a
-certificate of the run's CA, two child nodes and the demo's own node-0 serve the demo workload in three
-processes — decode on node-0, encode on node-1, prefill on node-2 — and the report says so: one line
-per node with its own pid, every request finished and matched, every node exited with code 0. Skipped
-without an etcd binary or the openssl command. (The plain etcd of `local_cluster` runs in
+certificate of the run's CA and a user's password, two child nodes and the demo's own node-0 serve the
+demo workload in three processes — decode on node-0, encode on node-1, prefill on node-2 — and the report
+says so: one line per node with its own pid, every request finished and matched, every node exited with
+code 0. Skipped without an etcd binary or the openssl command. (The plain etcd of `local_cluster` runs in
 tests/bench/test_e2e_cluster.py.)
 
 The demo runs in a session of its own, so a run past the deadline is ended with its children and etcd.
@@ -59,7 +59,7 @@ def test_the_demo_runs_across_three_node_processes(tmp_path: Path) -> None:
     lines = out.splitlines()
     assert any(
         line.startswith("demo: local etcd at https://127.0.0.1:")
-        and line.endswith("(TLS; clients need a certificate of the run's CA)")
+        and line.endswith("(TLS and users; clients need a certificate of the run's CA and a password)")
         for line in lines
     ), out
     nodes = {m[1]: (int(m[2]), m[3]) for line in lines if (m := NODE_LINE.match(line))}

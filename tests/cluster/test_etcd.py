@@ -1,5 +1,8 @@
 """`engine.cluster.etcd` against a real etcd (the `etcd` fixture): keys, transactions, leases, watches,
-and the two failures — etcd unreachable and etcd answering an error. No mocks."""
+and the two failures — etcd unreachable and etcd answering an error; and an etcd requiring a user and
+password (`etcd_with_users`), plain and behind client certificates: the members' user reads and writes
+its prefix and nothing else, a client without a user or with a wrong password is refused, a restarted
+etcd (which forgets every token) answers once the client authenticates again. No mocks."""
 
 from __future__ import annotations
 
@@ -14,15 +17,18 @@ import trio
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from engine.cluster.certificates import make_certificate
 from engine.cluster.etcd import (
     Etcd,
     EtcdError,
+    EtcdTls,
     EtcdUnavailable,
     KeyValue,
     WatchEvent,
     keepalive_blocking,
 )
 from engine.cluster.local_etcd import LocalEtcd, LocalEtcdError, start_local_etcd
+from tests.cluster.conftest import etcd_with_users
 from tests.waiting import deadline, wait_until
 
 
@@ -230,3 +236,61 @@ async def test_any_key_and_value_round_trip(etcd: LocalEtcd) -> None:
 async def test_an_etcd_that_cannot_start_names_its_binary(tmp_path: Path) -> None:
     with pytest.raises(LocalEtcdError, match=r"^etcd \(/bin/false\) exited with code 1 before it was ready"):
         await start_local_etcd(str(tmp_path), binary="/bin/false")
+
+
+PREFIX = "/zigzag/auth-test/"
+DENIED = "etcdserver: permission denied"
+
+
+async def _refused(etcd: Etcd) -> EtcdError:
+    with pytest.raises(EtcdError) as info:
+        await etcd.get(PREFIX + "key")
+    return info.value
+
+
+@pytest.mark.parametrize("tls", [False, True], ids=["http", "client certificates"])
+async def test_only_the_users_etcd_knows_read_and_only_what_their_role_allows(
+    tmp_path: Path, tls: bool
+) -> None:
+    async with etcd_with_users(tmp_path, PREFIX, tls=tls) as (local, ca):
+        auth, client_tls = local.auth, local.client_tls
+        assert auth is not None
+        async with Etcd(local.url, tls=client_tls, username=auth.user, password=auth.password) as member:
+            await member.put(PREFIX + "key", b"value")
+            stored = await member.get(PREFIX + "key")
+            assert stored is not None and stored.value == b"value"
+            with pytest.raises(EtcdError) as outside:
+                await member.put("/zigzag/another-cluster/key", b"value")
+            assert (outside.value.call, outside.value.message) == ("kv/put", DENIED)
+
+            async with local.operator() as operator:  # root reads what the member wrote
+                stored = await operator.get(PREFIX + "key")
+                assert stored is not None and stored.value == b"value"
+
+            async with Etcd(local.url, tls=client_tls) as anonymous:
+                refused = await _refused(anonymous)
+            assert (refused.call, refused.message) == ("kv/range", "etcdserver: user name is empty")
+            async with Etcd(
+                local.url, tls=client_tls, username=auth.user, password=auth.password + "x"
+            ) as wrong:
+                refused = await _refused(wrong)
+            assert (refused.call, refused.message) == (
+                "auth/authenticate",
+                "etcdserver: authentication failed, invalid user ID or password",
+            )
+            if ca is not None:
+                # A certificate of the CA with a commonName is refused by etcd's gateway once users are
+                # required (it cannot pass the name on): clients of such an etcd need one without.
+                made = make_certificate(tmp_path / "named", ca, "named")
+                named = EtcdTls(str(made.ca_file), str(made.cert_file), str(made.key_file))
+                async with Etcd(local.url, tls=named, username=auth.user, password=auth.password) as holder:
+                    refused = await _refused(holder)
+                assert refused.message.startswith("HTTP 400: CommonName of client"), refused
+
+            # etcd keeps its tokens in memory: restarted, it refuses the member's token, and the member
+            # authenticates again and is answered.
+            token = await member.auth_token()
+            await local.restart()
+            stored = await member.get(PREFIX + "key")
+            assert stored is not None and stored.value == b"value"
+            assert await member.auth_token() != token

@@ -5,6 +5,8 @@ the test, with the reason, where the machine does not allow namespaces (not root
 kernel or container that refuses `ip netns add`, no etcd binary), and every node of it listens when the
 block starts. `wait_cluster_serving(cluster, replicas)` waits until every node lists that many replicas
 of the cluster serving. `hosts_reason()` is the reason alone, for tests that open a bare network.
+`serves_token_exact(cluster, offset)` sends two requests to `pre` of a `pre` (prefill) / `dec` (decode)
+layout and checks the tokens and the one transfer, `pre` to `dec`, of each.
 """
 
 from __future__ import annotations
@@ -19,7 +21,9 @@ from engine.client import ControlClient
 from engine.cluster.local_etcd import find_etcd
 from engine.hosts.cluster import HostCluster, NodeSpec, open_host_cluster
 from engine.hosts.network import unavailable
+from replicas.model import tiny_model
 from tests.cluster.harness import wait_cluster_serving as wait_serving_on
+from tests.node.workload import assert_correct, distinct_asks, send
 
 
 def hosts_reason() -> str | None:
@@ -38,10 +42,16 @@ def require_hosts() -> None:
 
 @asynccontextmanager
 async def host_cluster(
-    directory: Path, specs: Sequence[NodeSpec], *options: str, secure_etcd: bool = False
+    directory: Path,
+    specs: Sequence[NodeSpec],
+    *options: str,
+    secure_etcd: bool = False,
+    etcd_auth: bool = False,
 ) -> AsyncIterator[HostCluster]:
     require_hosts()
-    async with open_host_cluster(directory, specs, options=options, secure_etcd=secure_etcd) as cluster:
+    async with open_host_cluster(
+        directory, specs, options=options, secure_etcd=secure_etcd, etcd_auth=etcd_auth
+    ) as cluster:
         yield cluster
 
 
@@ -54,3 +64,17 @@ async def wait_cluster_serving(
         assert address is not None, f"{node_id} is not running"
         async with ControlClient.connect(address, token=cluster.token) as client:
             await wait_serving_on(client, replicas)
+
+
+async def serves_token_exact(cluster: HostCluster, offset: int) -> None:
+    """Two requests (`distinct_asks` from `offset`) sent to `pre` end with the model's tokens, each
+    prefilled by `pre` and decoded by `dec` (one transfer between them)."""
+    pre = cluster.nodes["pre"].address
+    assert pre is not None
+    async with ControlClient.connect(pre, token=cluster.token) as client:
+        outcomes = [await send(client, ask) for ask in distinct_asks(2, max_tokens=5, offset=offset)]
+    assert_correct(tiny_model(), outcomes)
+    for outcome in outcomes:
+        assert [(t.source, t.destination) for t in outcome.result.transfers] == [
+            ("pre/prefill-0", "dec/decode-0")
+        ]

@@ -18,10 +18,8 @@ from engine.client import ControlClient
 from engine.cluster.certificates import make_ca, make_certificate
 from engine.hosts.cluster import CLUSTER_NAME, ETCD_HOST, ETCD_PORTS, HostCluster, NodeSpec
 from messages.cluster import NodeRecord
-from replicas.model import tiny_model
-from tests.hosts.conftest import host_cluster, wait_cluster_serving
+from tests.hosts.conftest import host_cluster, serves_token_exact, wait_cluster_serving
 from tests.node.harness import wait_idle
-from tests.node.workload import assert_correct, distinct_asks, send
 from tests.waiting import deadline
 
 # Run on a host of the network: read a key of the cluster from etcd the way the plan says, print the
@@ -52,18 +50,6 @@ async def _read_from(cluster: HostCluster, host: str, plan: dict[str, str]) -> d
     return json.loads(done.stdout.decode().strip().splitlines()[-1])
 
 
-async def _serves_token_exact(cluster: HostCluster, offset: int) -> None:
-    pre = cluster.nodes["pre"].address
-    assert pre is not None
-    async with ControlClient.connect(pre, token=cluster.token) as client:
-        outcomes = [await send(client, ask) for ask in distinct_asks(2, max_tokens=5, offset=offset)]
-    assert_correct(tiny_model(), outcomes)
-    for outcome in outcomes:
-        assert [(t.source, t.destination) for t in outcome.result.transfers] == [
-            ("pre/prefill-0", "dec/decode-0")
-        ]
-
-
 async def _lease_of(cluster: HostCluster, node: str) -> int:
     async with cluster.etcd_client() as etcd:
         stored = await etcd.get(f"/zigzag/{CLUSTER_NAME}/nodes/{node}")
@@ -81,7 +67,7 @@ async def test_a_cluster_on_an_etcd_requiring_client_certificates(tmp_path: Path
     async with host_cluster(tmp_path, layout, *options, secure_etcd=True) as cluster:
         assert cluster.etcd.url.startswith("https://")
         await wait_cluster_serving(cluster, 2)
-        await _serves_token_exact(cluster, offset=0)
+        await serves_token_exact(cluster, offset=0)
 
         # Heal: `dec` cut off past its lease; back, it takes a new lease over TLS and serves again.
         lease = await _lease_of(cluster, "dec")
@@ -91,7 +77,7 @@ async def test_a_cluster_on_an_etcd_requiring_client_certificates(tmp_path: Path
         await cluster.wait_record("dec", present=True, seconds=60)
         assert await _lease_of(cluster, "dec") != lease
         await wait_cluster_serving(cluster, 2)
-        await _serves_token_exact(cluster, offset=2)
+        await serves_token_exact(cluster, offset=2)
 
         # Readers that are not members: from a fresh host, with etcd's CA to trust it by.
         await trio.to_thread.run_sync(cluster.network.add, "x")

@@ -21,11 +21,9 @@ from engine.client import ControlClient
 from engine.cluster.etcd import Etcd
 from engine.hosts.cluster import CLUSTER_NAME, HostCluster, NodeSpec
 from messages.cluster import NodeRecord
-from replicas.model import tiny_model
 from tests.certs import make_ca, make_node_cert
-from tests.hosts.conftest import host_cluster, wait_cluster_serving
+from tests.hosts.conftest import host_cluster, serves_token_exact, wait_cluster_serving
 from tests.node.harness import wait_idle
-from tests.node.workload import assert_correct, distinct_asks, send
 from tests.waiting import deadline
 
 REPO = Path(__file__).resolve().parents[2]
@@ -67,18 +65,6 @@ def _stopped(cluster: HostCluster, node: str) -> bool:
     return any(json.loads(line).get("event") == "node_stopping" for line in lines)
 
 
-async def _serves_token_exact(cluster: HostCluster, offset: int) -> None:
-    pre = cluster.nodes["pre"].address
-    assert pre is not None
-    async with ControlClient.connect(pre, token=cluster.token) as client:
-        outcomes = [await send(client, ask) for ask in distinct_asks(2, max_tokens=5, offset=offset)]
-    assert_correct(tiny_model(), outcomes)
-    for outcome in outcomes:
-        assert [(t.source, t.destination) for t in outcome.result.transfers] == [
-            ("pre/prefill-0", "dec/decode-0")
-        ]
-
-
 @pytest.mark.slow
 async def test_a_host_that_never_joined_and_a_member_with_a_wrong_secret_are_refused(tmp_path: Path) -> None:
     secret, wrong = tmp_path / "secret", tmp_path / "wrong-secret"
@@ -93,7 +79,7 @@ async def test_a_host_that_never_joined_and_a_member_with_a_wrong_secret_are_ref
     )
     async with host_cluster(tmp_path, layout, "--transport", "tcp", "--transfer-tls") as cluster:
         await wait_cluster_serving(cluster, 2, nodes=["pre", "dec"])
-        await _serves_token_exact(cluster, offset=0)
+        await serves_token_exact(cluster, offset=0)
 
         pre, dec = await _record(cluster, "pre"), await _record(cluster, "dec")
         control_port = int(pre.control_address.rpartition(":")[2])
@@ -126,7 +112,7 @@ async def test_a_host_that_never_joined_and_a_member_with_a_wrong_secret_are_ref
         assert all(outcome.startswith("closed") for outcome in outcomes.values()), outcomes
 
         assert cluster.nodes["pre"].running  # the forged shutdown did not stop it
-        await _serves_token_exact(cluster, offset=2)
+        await serves_token_exact(cluster, offset=2)
         refused = _diagnostics(cluster, "pre", "cluster.peer_refused")
         intruder = cluster.network.address("x")
         assert sum(entry.get("remote", "").startswith(f"{intruder}:") for entry in refused) >= 7, refused
