@@ -44,6 +44,7 @@ from engine.planner.formulas import (
     prefill_by_tokens,
     target,
 )
+from engine.planner.queueing import prefill_by_delay
 from engine.planner.signals import Rates, RateWindow, add, with_capacity
 from engine.planner.slo import SloRule
 from engine.scaling import scale
@@ -109,6 +110,7 @@ class Signals:
             migration_bytes_per_s=r.migration_bytes_per_s,
             migration_bytes_per_s_per_replica=r.migration_bytes_per_s_per_replica,
             slo_miss_fraction=r.slo_miss_fraction,
+            arriving_requests_per_s=r.arriving_requests_per_s,
         )
 
 
@@ -276,6 +278,19 @@ class Planner:
                 self.bounds["prefill"],
                 drain_s=self.config.autoscale_drain,
             )
+            if self.config.autoscale_slo_ttft > 0 and rates.arriving_requests_per_s > 0:
+                mean_prompt = rates.arriving_tokens_per_s / rates.arriving_requests_per_s
+                delay = prefill_by_delay(
+                    arriving_tokens_per_s=rates.arriving_tokens_per_s,
+                    requests_per_s=rates.arriving_requests_per_s,
+                    waiting_tokens=signals.waiting_tokens,
+                    tokens_per_s_per_replica=rates.prefill_tokens_per_s,
+                    slo_s=max(
+                        self.config.autoscale_slo_ttft, self.config.autoscale_slo_ttft_per_token * mean_prompt
+                    ),
+                    maximum=self._limit(role, "max"),
+                )
+                wanted = Range(max(wanted.low, delay), max(wanted.high, delay))
             current = signals.counts.get(role, 0)
             slo_asked = self.slo.wants_more(
                 now=now,

@@ -34,6 +34,7 @@ class Rates:
     """Per second over the window; the capacities are what one replica did while busy (0: unmeasured)."""
 
     arriving_tokens_per_s: float = 0.0
+    arriving_requests_per_s: float = 0.0  # over the same span as the tokens
     prefill_tokens_per_s: float = 0.0  # of one prefill replica while it computes
     migration_bytes_per_s: float = 0.0  # KV bytes moved per second, all replicas
     migration_bytes_per_s_per_replica: float = 0.0  # of one transfer while it moves
@@ -66,10 +67,15 @@ class RateWindow:
         )
         recent_span = now - recent_at
         arriving = (totals.arrived_tokens - old.arrived_tokens) / span
+        requests = (totals.arrived_requests - old.arrived_requests) / span
         if recent_span > 0:
-            arriving = max(arriving, (totals.arrived_tokens - recent.arrived_tokens) / recent_span)
+            lately = (totals.arrived_tokens - recent.arrived_tokens) / recent_span
+            if lately > arriving:
+                arriving = lately
+                requests = (totals.arrived_requests - recent.arrived_requests) / recent_span
         return Rates(
             arriving_tokens_per_s=arriving,
+            arriving_requests_per_s=requests,
             prefill_tokens_per_s=(totals.prefilled_tokens - old.prefilled_tokens) / busy if busy > 0 else 0.0,
             migration_bytes_per_s=kv / span,
             migration_bytes_per_s_per_replica=kv / moved if moved > 0 else 0.0,

@@ -116,6 +116,7 @@ class PlannerInputs(msgspec.Struct, frozen=True, kw_only=True):
     migration_bytes_per_s: float
     migration_bytes_per_s_per_replica: float
     slo_miss_fraction: float = 0.0
+    arriving_requests_per_s: float = 0.0  # the queueing band's arrival rate (engine/planner/queueing.py)
 
 
 class PlannerForecast(msgspec.Struct, frozen=True, kw_only=True):

@@ -156,3 +156,26 @@ async def test_a_pass_that_changes_nothing_is_logged_once_a_second(tmp_path: Pat
         assert len(said) == 1, said
         gaps = [b["ts"] - a["ts"] for a, b in pairwise(same)]
         assert all(gap > 0.9 for gap in gaps), gaps  # 20 passes a second, one line
+
+
+async def test_the_band_sized_by_queueing_adds_a_replica_utilisation_would_not(tmp_path: Path) -> None:
+    """10 prompts/s of 100 tokens at 2,000 tokens/s a replica: utilisation 0.5, within the band; but one
+    replica's predicted 0.9-quantile wait (0.08 s) plus the prompt (0.05 s) passes a TTFT SLO of 0.07 s,
+    so the band's low end is two (engine/planner/queueing.py, worked in tests/planner/test_queueing.py)."""
+    rates = Rates(arriving_tokens_per_s=1_000.0, arriving_requests_per_s=10.0, prefill_tokens_per_s=2_000.0)
+    async with served_node(
+        tmp_path, *OPTIONS, "--autoscale-slo-ttft", "0.07", "--autoscale-slo-ttft-per-token", "0"
+    ) as served:
+        planner = served.node.planner
+        assert planner is not None
+        async with ControlClient.connect(served.address) as client:
+            await wait_status(
+                client, lambda s: all(r.state in ("Prefill", "Decode") for r in s.replicas), "serving"
+            )
+            planner.inject(Signals(0, rates, 0, 64, {}))
+            await wait_until(lambda: _decisions(served, "scale_up"), "a prefill scale-up", 30)
+            up = _decisions(served, "scale_up")[0]
+            assert (up["role"], up["current"], up["target"], up["low"]) == ("prefill", 1, 2, 2)
+            assert up["inputs"]["slo_miss_fraction"] == 0.0  # the band asked, not the SLO rule
+            assert up["inputs"]["arriving_requests_per_s"] == 10.0
+            planner.inject(CALM)
