@@ -1,8 +1,9 @@
 """The forecast's floor: the replicas each role needs for the load forecast over the provisioning lead
 time, and how that floor combines with the reactive target (docs/planner.md). Pure functions.
 
-- prefill: the forecast prompt tokens/s over one replica's tokens/s, at the band's `upper` utilisation
-  (the fewest replicas at or below it);
+- prefill: the forecast's 0.9 quantile of prompt tokens/s (`Forecast.tokens_per_s_q90`: the prediction
+  plus 1.28 × its recent errors' spread — a mean-sized floor is short half the time) over one replica's
+  tokens/s, at the band's `upper` utilisation (the fewest replicas at or below it);
 - decode: the KV blocks in use now, scaled by the forecast request rate over the one observed lately (the
   blocks a unit of arrival rate holds stay as they are), at the KV band's `upper`;
 - `with_floor`: the reactive rules (BlitzScale's band, `engine.planner.formulas.target`) act above the
@@ -27,7 +28,7 @@ from messages.log.scaling import PlannerForecast, WeightsSourceName
 def prefill_floor(forecast: Forecast, tokens_per_s_per_replica: float, bounds: Bounds) -> int:
     if tokens_per_s_per_replica <= 0.0:
         return 0  # one replica's speed not measured yet: no floor
-    return needed(forecast.tokens_per_s, tokens_per_s_per_replica, bounds).low
+    return needed(forecast.tokens_per_s_q90, tokens_per_s_per_replica, bounds).low
 
 
 def decode_floor(forecast: Forecast, used_blocks: int, blocks_per_replica: int, bounds: Bounds) -> int:
@@ -64,6 +65,7 @@ def planner_forecast(forecast: Forecast, source: WeightsSourceName | None, floor
         horizon_s=round(forecast.horizon_s, 4),
         lead_source=source,
         arriving_tokens_per_s=round(finite(forecast.tokens_per_s), 1),
+        arriving_tokens_per_s_q90=round(finite(forecast.tokens_per_s_q90), 1),
         requests_per_s=round(finite(forecast.requests_per_s), 3),
         mean_prompt_tokens=round(finite(forecast.mean_prompt_tokens), 1),
         mean_output_tokens=round(finite(forecast.mean_output_tokens), 1),

@@ -7,7 +7,9 @@ requests/s and asked output tokens/s — to one predictor each (`engine.planner.
 same kind, `--autoscale-predictor`). `forecast(horizon)` asks them for the intervals that cover the
 next `horizon` seconds and gives the largest prediction of each (clamped to `--autoscale-forecast-clamp`
 × the largest interval seen), with the mean lengths they imply: the load a replica decided now must be
-ready for when it serves. The planner makes that forecast its floor (`engine.planner.loop`).
+ready for when it serves. The planner makes that forecast its floor (`engine.planner.loop`), sized to
+its 0.9 quantile: the prompt-token predictor's one-interval errors over the last `ERRORS` intervals give
+a spread, and the floor takes the prediction plus 1.28 × it (`Forecast.tokens_per_s_q90`).
 
 Intervals close as samples arrive (one per planner pass): the arrivals counted since the last close are
 the interval's, so a pass every `--autoscale-period` (≤ the interval) measures each one.
@@ -24,6 +26,8 @@ from engine.planner.predictors import Clamp, Predictor, PredictorName, make_pred
 from messages.cluster import LoadTotals
 
 RECENT: Final = 5  # intervals the observed rates are averaged over
+ERRORS: Final = 20  # one-step errors of the prompt-token predictor the spread is measured over
+Z_Q90: Final = 1.2816  # the standard normal's 0.9 quantile: the floor's quantile of the forecast
 
 
 @final
@@ -39,6 +43,13 @@ class Forecast:
     observed_tokens_per_s: float  # over the last RECENT intervals
     observed_requests_per_s: float
     intervals: int  # intervals observed so far
+    tokens_spread: float = 0.0  # the root mean square of the predictor's recent one-interval errors
+
+    @property
+    def tokens_per_s_q90(self) -> float:
+        """The 0.9 quantile of the prompt tokens/s forecast: the prediction plus 1.28 × its recent error's
+        spread (errors taken as normal) — what the floor is sized to."""
+        return self.tokens_per_s + Z_Q90 * self.tokens_spread
 
     @property
     def mean_prompt_tokens(self) -> float:
@@ -63,6 +74,7 @@ class Forecaster:
             for key in ("tokens", "requests", "output")
         }
         self._recent: deque[tuple[float, float]] = deque(maxlen=RECENT)
+        self._errors: deque[float] = deque(maxlen=ERRORS)
         self._start: float | None = None
         self._base = LoadTotals()
         self.intervals = 0
@@ -84,6 +96,9 @@ class Forecaster:
             "requests": (totals.arrived_requests - base.arrived_requests) / span,
             "output": (totals.arrived_output_tokens - base.arrived_output_tokens) / span,
         }
+        if self.intervals:
+            tokens, clamp = self._series["tokens"]
+            self._errors.append(rates["tokens"] - clamp(tokens.predict(1)[0]))
         for key, (predictor, clamp) in self._series.items():
             predictor.observe(rates[key])
             clamp.observe(rates[key])
@@ -107,4 +122,7 @@ class Forecaster:
             observed_tokens_per_s=sum(t for t, _ in recent) / len(recent) if recent else 0.0,
             observed_requests_per_s=sum(r for _, r in recent) / len(recent) if recent else 0.0,
             intervals=self.intervals,
+            tokens_spread=math.sqrt(sum(e * e for e in self._errors) / len(self._errors))
+            if self._errors
+            else 0.0,
         )

@@ -132,6 +132,7 @@ class PlannerForecast(msgspec.Struct, frozen=True, kw_only=True):
     mean_prompt_tokens: float
     mean_output_tokens: float
     floor: int
+    arriving_tokens_per_s_q90: float = 0.0  # the quantile the prefill floor is sized to
 
 
 class PlannerDecision(Event, frozen=True, kw_only=True, tag="planner_decision"):

@@ -130,9 +130,31 @@ def test_a_floor_per_role_from_the_forecast() -> None:
     assert prefill_floor(forecast, 0.0, PREFILL) == 0  # one replica's speed unknown: no floor
     # 600 blocks in use at 3.5 requests/s, 7 forecast: 1200 blocks over 0.95 × 512: 3 replicas
     assert decode_floor(forecast, 600, 512, Bounds(0.75, 0.95)) == 3
+    # A predictor that erred by 1000 tokens/s lately: the 0.9 quantile is 7000 + 1.28 × 1000 = 8282,
+    # over 1400 a replica: 6 replicas.
+    spread = Forecast("constant", 1.0, 7000.0, 7.0, 70.0, 3500.0, 3.5, 10, tokens_spread=1000.0)
+    assert spread.tokens_per_s_q90 == pytest.approx(8281.6)
+    assert prefill_floor(spread, 2000.0, PREFILL) == 6
     assert lead_source(blitz=True, serving=True, host_copy=True) == "peer"
     assert lead_source(blitz=True, serving=False, host_copy=False) == "disk"
     assert lead_source(blitz=False, serving=True, host_copy=True) == "host"
+
+
+def test_the_spread_is_the_predictors_recent_one_interval_error() -> None:
+    """A steady load: the constant predictor never errs, no spread. Alternating 1000 and 3000 tokens/s:
+    each interval misses by 2000 (the first has no prediction to judge), so the spread is 2000."""
+    steady = Forecaster("constant", interval=1.0, season_s=2.0, clamp=2.0)
+    alternating = Forecaster("constant", interval=1.0, season_s=2.0, clamp=2.0)
+    steady.sample(0.0, _totals(0, 0))
+    alternating.sample(0.0, _totals(0, 0))
+    tokens = 0
+    for second in range(1, 9):
+        steady.sample(float(second), _totals(2000 * second, second))
+        tokens += 1000 if second % 2 else 3000
+        alternating.sample(float(second), _totals(tokens, second))
+    assert steady.forecast(1.0).tokens_spread == 0.0
+    assert alternating.forecast(1.0).tokens_spread == pytest.approx(2000.0)
+    assert alternating.forecast(1.0).tokens_per_s_q90 == pytest.approx(3000.0 + 1.2816 * 2000.0)
 
 
 def test_with_floor_raises_holds_and_never_lowers() -> None:
