@@ -207,6 +207,7 @@ def test_quick_run_prints_the_rows(tmp_path: Path) -> None:
     assert {field for r in rows for field in r} == set(Row.__struct_fields__)
     assert all(r["bench"] == "trace" for r in rows)
     metrics = {"slo_attainment", "ttft_p50_s", "ttft_p99_s", "replica_seconds", "scale_events"}
+    metrics |= {"late_loading_replica_s"}
     by_case: dict[str, set[str]] = {}
     for r in rows:
         by_case.setdefault(r["case"], set()).add(r["metric"])
@@ -216,16 +217,35 @@ def test_quick_run_prints_the_rows(tmp_path: Path) -> None:
         "serverless": metrics,
         "oracle": metrics,
         "blitz-vs-serverless": {"ttft_p99_s"},
+        "bound": {"slo_attainment_model", "replica_seconds"},
     }
     static = next(r for r in rows if r["case"] == "static" and r["metric"] == "prefill_replicas")
     assert (
         static["project"] in (1.0, 2.0) and static["baseline"] is None and "attainment per" in static["note"]
     )
     for r in rows:
-        if r["case"] in ("kalman", "serverless", "oracle") and r["metric"] != "scale_events":
+        if r["case"] in ("kalman", "serverless", "oracle") and r["metric"] not in (
+            "scale_events",
+            "late_loading_replica_s",
+        ):
             assert r["baseline_name"] == f"static prefill={int(static['project'])}"
             assert math.isfinite(r["project"]) and math.isfinite(r["baseline"])
-    seconds = {r["case"]: r for r in rows if r["metric"] == "replica_seconds" and r["case"] != "static"}
+    # The feasible bound: never above static's count over the span (the measured replica-seconds integrate
+    # polled samples, so they may fall short of it by a poll), its schedule and its check in the notes.
+    bound = {r["metric"]: r for r in rows if r["case"] == "bound"}
+    assert 0 < bound["replica_seconds"]["project"] <= 1.05 * bound["replica_seconds"]["baseline"]
+    assert "prefill counts per 1 s" in bound["replica_seconds"]["note"]
+    late = [r for r in rows if r["metric"] == "late_loading_replica_s"]
+    assert late and all(r["project"] >= 0 and "after the need passed" in r["note"] for r in late)
+    assert (
+        0 <= bound["slo_attainment_model"]["project"] <= 1
+        and "points" in bound["slo_attainment_model"]["note"]
+    )
+    seconds = {
+        r["case"]: r
+        for r in rows
+        if r["metric"] == "replica_seconds" and r["case"] not in ("static", "bound")
+    }
     assert all(r["project"] > 0 and "goal <= 0.55" in r["note"] for r in seconds.values())
     (versus,) = (r for r in rows if r["case"] == "blitz-vs-serverless")
     assert versus["baseline_name"] == "serverless" and "goal <= 0.5" in versus["note"]

@@ -11,10 +11,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from engine.bench.trace import late_loading
 from engine.bench.trace.bound import cost, feasible_bound
 from engine.bench.trace.gen import TraceRequest
 from engine.bench.trace.queueing import ReplicaModel, attainment, count_at, first_tokens
-from engine.bench.trace.slo import Slo
+from engine.bench.trace.slo import ReplicaSample, Slo
 
 ONE_PER_BATCH = ReplicaModel(tokens_per_s=1000.0, max_batch_tokens=100)
 
@@ -102,3 +103,16 @@ def test_the_bound_is_feasible_and_never_above_static(
     # — unless static itself is the cheapest, the bound is strictly below it.
     assert bound.replica_seconds <= cost(((0.0, static_count),), span, 0.3)[0] + 1e-9
     assert all(1 <= n <= 3 for _, n in bound.counts) and not math.isnan(bound.attainment)
+
+
+def test_late_loading_counts_only_replicas_loading_past_the_need() -> None:
+    # The bound wants 1 replica until 4 s, then 2. A replica loads from 2 to 3 s (1 serving: the need met,
+    # so late) and another from 4 to 5 s (1 serving, 2 needed: in time).
+    samples = [
+        ReplicaSample(0.0, 2, 1, 1),
+        ReplicaSample(2.0, 3, 2, 1, loading=1),
+        ReplicaSample(3.0, 2, 1, 1),
+        ReplicaSample(4.0, 3, 2, 1, loading=1),
+        ReplicaSample(5.0, 3, 2, 1),
+    ]
+    assert late_loading(samples, ((0.0, 1), (4.0, 2)), 8.0) == pytest.approx(1.0)

@@ -53,7 +53,7 @@ from pathlib import Path
 from typing import Final
 
 from engine.bench.rows import Row, row
-from engine.bench.trace.bound import feasible_bound
+from engine.bench.trace.bound import Bound, feasible_bound
 from engine.bench.trace.gen import (
     TraceRequest,
     peak_window,
@@ -66,10 +66,10 @@ from engine.bench.trace.gen import (
 from engine.bench.trace.gen import add_arguments as add_trace_arguments
 from engine.bench.trace.ideal import ideal_static
 from engine.bench.trace.oracle import player, schedule
-from engine.bench.trace.queueing import ReplicaModel, first_tokens
+from engine.bench.trace.queueing import ReplicaModel, count_at, first_tokens
 from engine.bench.trace.queueing import attainment as modelled_attainment
 from engine.bench.trace.replay import Run, replay_on_node
-from engine.bench.trace.slo import Slo, Summary, attainment, summarize
+from engine.bench.trace.slo import ReplicaSample, Slo, Summary, attainment, summarize
 
 BENCH: Final = "trace"
 BASELINE: Final = "static"
@@ -334,7 +334,8 @@ def _rows(
             f"{summary.ttft_p99:.3f} s, {summary.replica_seconds:.1f} replica-s over {summary.span:.1f} s, "
             f"{events[way]} scale events, {summary.failed} failed"
         )
-    yield from _way_rows(args, trace, speed, summaries, events, static)
+    samples = {way: run.samples for way, run in runs.items()}
+    yield from _way_rows(args, trace, speed, summaries, events, static, samples)
     if args.plot is not None and runs:
         from engine.bench.trace.plot import draw
 
@@ -350,22 +351,53 @@ def _rows(
         )
 
 
+def _bound(args: argparse.Namespace, trace: Sequence[TraceRequest], base: Summary, static: int) -> Bound:
+    """The feasible bound (engine/bench/trace/bound.py) for static's modelled attainment at `static`."""
+    slo = Slo(args.slo_ttft_floor, args.slo_ttft_per_token)
+    replica = ReplicaModel(args.prefill_tokens_per_s, args.max_batch_tokens, args.model_overhead_s)
+    ordered = sorted(trace, key=lambda r: r.at)
+    target = modelled_attainment(ordered, first_tokens(ordered, ((0.0, static),), replica), slo)
+    return feasible_bound(
+        ordered,
+        replica,
+        slo,
+        target=target,
+        span=base.span,
+        window=BOUND_WINDOW_S,
+        lead=args.load_seconds / args.peer_speedup + 0.1,
+        cap=args.max_prefill_replicas,
+    )
+
+
+def late_loading(samples: Sequence[ReplicaSample], counts: Sequence[tuple[float, int]], span: float) -> float:
+    """Replica-seconds of prefill replicas loading while those already serving met the bound's count at
+    that time (`counts`): scale-ups that arrived after the need passed."""
+    ordered = sorted(samples, key=lambda s: s.at)
+    total = 0.0
+    for index, sample in enumerate(ordered):
+        end = min(ordered[index + 1].at if index + 1 < len(ordered) else span, span)
+        if (
+            end > sample.at
+            and sample.loading
+            and sample.prefill - sample.loading >= count_at(counts, sample.at)
+        ):
+            total += sample.loading * (end - sample.at)
+    return total
+
+
 def _bound_rows(
     args: argparse.Namespace,
-    trace: Sequence[TraceRequest],
+    bound: Bound,
     summaries: dict[str, Summary],
     static: int,
     common: str,
 ) -> Iterator[Row]:
     """The queueing model at static's count against static's measured attainment (the model's check),
-    and the feasible bound (engine/bench/trace/bound.py) against static's replica-seconds; the bound's
-    note names any way that measured at least static's attainment on fewer replica-seconds (it should
-    be none: such a way would show the bound wrong)."""
+    and the feasible bound against static's replica-seconds; the bound's note names any way that
+    measured at least static's attainment on fewer replica-seconds (it should be none: such a way would
+    show the bound wrong)."""
     base = summaries[BASELINE]
-    slo = Slo(args.slo_ttft_floor, args.slo_ttft_per_token)
-    replica = ReplicaModel(args.prefill_tokens_per_s, args.max_batch_tokens, args.model_overhead_s)
-    ordered = sorted(trace, key=lambda r: r.at)
-    target = modelled_attainment(ordered, first_tokens(ordered, ((0.0, static),), replica), slo)
+    target = bound.target
     points = (target - base.attainment) * 100
     model = (
         f"queueing model: {static} replicas, {args.prefill_tokens_per_s:g} tokens/s, batches of "
@@ -376,16 +408,6 @@ def _bound_rows(
               note=f"{common}; {model}; within {MODEL_POINTS:g} points of the measured: {points:+.1f} points, "
               f"{_goal(abs(points) <= MODEL_POINTS)}")  # fmt: skip
     lead = args.load_seconds / args.peer_speedup + 0.1
-    bound = feasible_bound(
-        ordered,
-        replica,
-        slo,
-        target=target,
-        span=base.span,
-        window=BOUND_WINDOW_S,
-        lead=lead,
-        cap=args.max_prefill_replicas,
-    )
     total = bound.replica_seconds + base.spent.decode  # the decode replica, as static measured it
     beaten = [
         f"{way} ({mine.replica_seconds:.0f} replica-s, {mine.attainment:.1%})"
@@ -466,11 +488,13 @@ def _way_rows(
     summaries: dict[str, Summary],
     events: dict[str, int],
     static: int | None,
+    samples: dict[str, list[ReplicaSample]],
 ) -> Iterator[Row]:
     """Each way against static (when it ran), then the blitz way's p99 TTFT against serverless's."""
     common = _describe(args, trace, speed)
     base = summaries.get(BASELINE)
     oracle = summaries.get("oracle")
+    found: Bound | None = None
     name = f"static prefill={static}" if base is not None else None
     if base is not None:
         yield row(BENCH, BASELINE, "replica_seconds", "lower", base.replica_seconds, unit="replica-s",
@@ -488,7 +512,8 @@ def _way_rows(
             ("ttft_p99_s", base.ttft_p99, ideal[2]),
         ):
             yield row(BENCH, BASELINE, metric, "lower", measured, bound, model, unit="s", note=common)
-        yield from _bound_rows(args, trace, summaries, static or 1, common)
+        found = _bound(args, trace, base, static or 1)
+        yield from _bound_rows(args, found, summaries, static or 1, common)
     for way in WAYS:
         mine = summaries.get(way)
         if mine is None or way == BASELINE:
@@ -520,6 +545,12 @@ def _way_rows(
                   None if base is None else base.replica_seconds, name, unit="replica-s",
                   note=f"{note}; mean replicas {mine.mean_replicas:.2f} over {mine.span:.1f} s; {goal}{where}")  # fmt: skip
         yield row(BENCH, way, "scale_events", "lower", float(events.get(way, 0)), unit="events", note=note)
+        if found is not None and way in samples:
+            late = late_loading(samples[way], found.counts, mine.span)
+            yield row(BENCH, way, "late_loading_replica_s", "lower", late, unit="replica-s",
+                      note=f"{note}; prefill replicas loading while those serving already met the bound's "
+                      f"count: scale-ups that came after the need passed; of {mine.spent.loading:.1f} "
+                      f"replica-s loading in all")  # fmt: skip
     blitz, serverless = summaries.get(args.blitz_way), summaries.get("serverless")
     if blitz is not None and serverless is not None:
         met = blitz.ttft_p99 <= P99_GOAL * serverless.ttft_p99
