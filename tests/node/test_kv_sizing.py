@@ -13,6 +13,7 @@ from typing import TypedDict
 import msgspec
 import pytest
 import structlog.testing
+import trio
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -226,3 +227,29 @@ def test_on_cpu_the_flag_is_accepted_and_an_info_line_says_what_sizes_the_pools(
     assert says in logs[0]["detail"]
     expected = 64 if flags else math.ceil(core.served.context / config.kv.block_size)
     assert core.settings.kv_pool_blocks == expected
+
+
+async def test_the_replicas_a_node_starts_build_the_pools_it_sized() -> None:
+    """`NodeCore.size_kv_pools` with the device's numbers made up (what `start_replicas` reads from
+    `torch.cuda.mem_get_info` on cuda): the replicas it then starts have KV pools of the sized blocks."""
+    context = 4096
+    config = parse_node_config(
+        [
+            "--replicas",
+            "prefill=1,decode=1",
+            "--max-model-len",
+            str(context),
+            "--gpu-memory-utilization",
+            "0.5",
+        ]
+    )
+    core = NodeCore(config, open_event_log(file=None, console=None))
+    unsized = core.settings.kv_pool_blocks
+    core.size_kv_pools((412 * MIB, 512 * MIB))
+    blocks = core.settings.kv_pool_blocks
+    assert blocks != unsized and blocks >= context // config.kv.block_size
+    async with trio.open_nursery() as nursery:
+        with trio.fail_after(60):
+            await core.start_replicas(nursery)
+        assert [replica.snapshot().kv_blocks for replica in core.directory.local()] == [blocks, blocks]
+        nursery.cancel_scope.cancel()
