@@ -8,8 +8,9 @@ router subscribes to and the scale op and the cluster's reports wait on) and giv
 (`returned`, which the router subscribes to); the other nodes' replicas, in a cluster, come through the
 directory (`ReplicaDirectory.serve_remote`).
 
-Startup (`start_replicas`): the kernels' start-up check, then the replicas, each commanded into
-`Loading*`. Shutdown (`drain`, `finish`): stop admitting, let in-flight requests finish within
+Startup (`start_replicas`): the kernels' start-up check; on a CUDA device without `--kv-pool-blocks`,
+the resident weights loaded and the KV pools sized by `--gpu-memory-utilization` (`engine.kv_sizing`);
+then the replicas, each commanded into `Loading*`. Shutdown (`drain`, `finish`): stop admitting, let in-flight requests finish within
 `--shutdown-drain-deadline`, cancel the rest, then check every pool for leaked blocks (exit code 1 when
 any leaked).
 """
@@ -24,6 +25,7 @@ import time
 from collections.abc import Callable
 from typing import Final, final
 
+import structlog
 import torch
 import trio
 
@@ -32,6 +34,7 @@ from engine.config.credentials import node_credentials
 from engine.control.server import ControlServer
 from engine.controller import Controller
 from engine.generate.served import served_model
+from engine.kv_sizing import device_kv_settings
 from engine.logging import EventLog
 from engine.prefix_pull import PullEstimate
 from engine.router import Router
@@ -55,6 +58,8 @@ from transport.auth.credentials import LinkAdmission
 from transport.config import TransferConfig
 
 SETTLE_SECONDS = 5.0
+KV_SIZING_HOLDER: Final = "kv-sizing"  # holds the resident copy while the KV pools are sized
+_log = structlog.get_logger("engine.core")
 
 
 def replica_settings(
@@ -251,6 +256,54 @@ class NodeCore:
         self.directory.add(replica)
         return replica
 
+    def kv_sizing_applies(self) -> bool:
+        """Whether `--gpu-memory-utilization` sizes the KV pools (a cuda device, no `--kv-pool-blocks`,
+        a prefill or decode replica to start); logs, at info, what sizes them when it does not."""
+        config, counts = self.config, self.counts
+        default = math.ceil(self.served.context / config.kv.block_size)
+        if config.device == "cpu":
+            _log.info(
+                "kv.pool_size",
+                detail="--gpu-memory-utilization does not apply on cpu; "
+                + (
+                    f"--kv-pool-blocks sizes the KV pools ({config.kv.pool_blocks} blocks per replica)"
+                    if config.kv.pool_blocks is not None
+                    else f"each KV pool holds one maximum-context request ({default} blocks; "
+                    "--kv-pool-blocks sets it)"
+                ),
+            )
+            return False
+        if config.kv.pool_blocks is not None:
+            _log.info(
+                "kv.pool_size",
+                detail=f"--kv-pool-blocks {config.kv.pool_blocks} sizes the KV pools; "
+                "--gpu-memory-utilization is not used",
+            )
+            return False
+        if counts.prefill + counts.decode == 0:
+            _log.info(
+                "kv.pool_size",
+                detail="no prefill or decode replica to start: replicas added later get one "
+                f"maximum-context request ({default} blocks; --kv-pool-blocks sets it)",
+            )
+            return False
+        return True
+
+    def size_kv_pools(self, memory: tuple[int, int]) -> None:
+        """Size the KV pools from the device's `(free, total)` bytes, read with the weights loaded
+        (`engine.kv_sizing`). Raises `KvBudgetError`."""
+        self.settings, sized = device_kv_settings(
+            self.settings, self.config, self.host.config, self.counts, self.served.context, memory
+        )
+        _log.info(
+            "kv.pool_size",
+            detail=f"--gpu-memory-utilization {self.config.gpu_memory_utilization} sizes the KV pools",
+            kv_pool_blocks=sized.blocks,
+            budget_bytes=sized.budget,
+            in_use_bytes=sized.in_use,
+            total_bytes=sized.total,
+        )
+
     def _check_kernels(self) -> None:
         executor = self.config.executor
         cpu = self.config.device == "cpu"
@@ -275,14 +328,27 @@ class NodeCore:
 
     async def start_replicas(self, nursery: trio.Nursery) -> None:
         """Start the configured replicas in `nursery` and command each into `Loading*` (requests sent
-        meanwhile wait in the router's queue). Raises `ReplicaStartFailed` when one cannot start."""
+        meanwhile wait in the router's queue). Raises `ReplicaStartFailed` when one cannot start, the
+        loader's `ModelLoadError` or `KvBudgetError` when the KV pools are sized (`kv_sizing_applies`).
+        Cancellation: the sizing hold on the resident copy is released on the way out."""
         self._replica_nursery = nursery
         # The kernels' start-up check compiles them (seconds on a GPU): once, in a worker thread, before
         # any replica builds an executor on the event loop (they then find its cached verdict).
         await trio.to_thread.run_sync(self._check_kernels)
-        for role in ROLES:
-            for _ in range(getattr(self.counts, role)):
-                await self.add_replica(role)
+        sizing = self.kv_sizing_applies()
+        if sizing:
+            # The resident copy held while the pools are sized and allocated; the replicas then load
+            # it again from the node's host copy (no file is read twice).
+            await self.host.acquire(KV_SIZING_HOLDER)
+        try:
+            if sizing:
+                self.size_kv_pools(torch.cuda.mem_get_info(torch.device(self.config.device)))
+            for role in ROLES:
+                for _ in range(getattr(self.counts, role)):
+                    await self.add_replica(role)
+        finally:
+            if sizing:
+                self.host.release(KV_SIZING_HOLDER)
         for replica in self.directory.local():
             replica.tell(
                 Transition(command_id=new_command_id(), to=LOADING_STATE[replica.role].value, origin="node")

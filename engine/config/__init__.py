@@ -31,7 +31,8 @@ Level = Literal["debug", "info", "warning", "error"]
 ToolCallParser = Literal["hermes", "llama3_json"]  # engine.http.tools.parsers
 MIB: Final = 1024 * 1024
 TLS_TRANSPORTS: Final = ("tcp", "inproc", "auto")  # inproc and auto become tcp in a cluster
-Blocks = Annotated[int, msgspec.Meta(ge=1, le=1 << 24)]
+MAX_BLOCKS: Final = 1 << 24  # a pool's blocks at most, given (--kv-pool-blocks) or sized
+Blocks = Annotated[int, msgspec.Meta(ge=1, le=MAX_BLOCKS)]
 NonEmpty = Annotated[str, msgspec.Meta(min_length=1)]
 
 
@@ -56,7 +57,10 @@ class KvConfig(Section, frozen=True, kw_only=True):
     block_size: Annotated[int, msgspec.Meta(ge=1, le=4096), _doc("tokens per KV block")] = 16
     pool_blocks: Annotated[
         Blocks | None,
-        _doc("KV blocks per decode/prefill replica (default: one maximum-context request)"),
+        _doc(
+            "KV blocks per decode/prefill replica; given, it wins over --gpu-memory-utilization (default: "
+            "on cpu one maximum-context request, on cuda what --gpu-memory-utilization leaves)"
+        ),
     ] = None
 
 
@@ -295,6 +299,16 @@ class NodeConfig(Section, frozen=True, kw_only=True):
             "vLLM's option: 1 (a replica runs on one device; more replicas scale out, not tensor parallelism)"
         ),
     ] = 1
+    gpu_memory_utilization: Annotated[
+        float,
+        msgspec.Meta(gt=0, le=1),
+        _doc(
+            "vLLM's option, in (0, 1]: on cuda, the share of the device's memory the node may fill; what "
+            "the loaded weights and everything else in use leave of it sizes the KV pools, divided among "
+            "the prefill and decode replicas (docs/gpu.md#kv-pool-sizing); --kv-pool-blocks wins over it; "
+            "on cpu it does not apply"
+        ),
+    ] = 0.9
     transport: Annotated[
         TransportChoice,
         _doc("how replicas move blocks: inproc, tcp, ucx, cuda-ipc or auto (docs/transports.md)"),

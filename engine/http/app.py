@@ -7,7 +7,8 @@ Routes: `POST /v1/completions`, `POST /v1/chat/completions`, `POST /v1/responses
 any other path answers OpenAI's JSON error with 404. Requests go through the same `Generation` as the control socket's `generate`, so they
 share admission, routing, logging and token identity.
 
-A body's choices (`n`, a list of prompts) are one generation each, relayed by `engine.http.choices`.
+A body's choices (`n`, a list of prompts) are one generation each, relayed by `engine.http.choices`; a
+streamed reply's body is written by `engine.http.sse`.
 
 Cancellation: a client that disconnects cancels its requests — for a stream, Starlette cancels the body
 iterator; otherwise `_until_disconnected` does — and `Choices.close` (in `finally`, no await) frees
@@ -36,7 +37,7 @@ from engine.generate.generation import Generation, Outcome
 from engine.http.access import Scope, note_generation
 from engine.http.chat import renderer
 from engine.http.choices import ChoiceEnded, ChoiceEvent, ChoiceFailed, ChoicePiece, Choices
-from engine.http.errors import error_response, failed_response, sse_error, validation_response
+from engine.http.errors import error_response, failed_response, validation_response
 from engine.http.logprobs import token_text
 from engine.http.metrics import CONTENT_TYPE, NodeMetrics
 from engine.http.requests import BadBody, chat_request, completion_requests, prompt_choices
@@ -45,19 +46,20 @@ from engine.http.responses import (
     SseStream,
     chat_choice,
     chat_completion,
+    choices_usage,
     completion,
     completion_choice,
-    usage,
 )
 from engine.http.responses_api.output import ResponseBuilder, ResponseEvents, new_id, whole
 from engine.http.responses_api.store import ResponseStore
 from engine.http.responses_api.turn import Turn, UnknownResponse, turn
+from engine.http.sse import choice_events, response_events
 from engine.http.streaming import ClosingStreamingResponse
 from engine.http.tokens import TokenRoutes, not_found
 from engine.http.tools.choice import forced_calls, tool_parser
 from engine.http.tools.parsers import ParserName, Reading
 from messages.control import GenerateRequest
-from messages.openai import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList, Reply, Usage
+from messages.openai import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList, Reply
 from messages.responses_api.requests import ResponsesRequest
 from replicas.ports import EventSink
 from replicas.request import ServingRequest
@@ -66,11 +68,6 @@ from replicas.states import ReplicaState
 JSON = "application/json"
 MAX_BODY_BYTES = 256 * 1024 * 1024
 CHOICE_EVENTS: Final = 64  # events of a body's choices waiting for the client
-
-
-def _usage(ordered: list[Outcome], n: int) -> Usage:
-    """The usage of a body's choices, in index order: each prompt once (its choice 0), every choice's tokens."""
-    return usage(ordered[::n], [outcome for index, outcome in enumerate(ordered) if index % n])
 
 
 @final
@@ -228,7 +225,7 @@ class HttpApi:
         if body.stream:
             events: AsyncIterator[bytes]
             if built is not None:
-                events = self._response_events(choices, receive, ResponseEvents(built))
+                events = response_events(choices, receive, ResponseEvents(built))
             else:
                 assert not isinstance(body, ResponsesRequest)
                 include_usage = body.stream_options is not None and body.stream_options.include_usage
@@ -241,7 +238,7 @@ class HttpApi:
                     text=self._token_text,
                     tools=parser,
                 )
-                events = self._events(choices, receive, encoder, echoes)
+                events = choice_events(choices, receive, encoder, echoes)
             return ClosingStreamingResponse(
                 events,
                 media_type="text/event-stream",
@@ -274,7 +271,7 @@ class HttpApi:
             return Response(b"", status_code=499)
         created = int(time.time())
         ordered = [outcomes[index] for index in range(choices.count)]
-        total = _usage(ordered, choices.n)
+        total = choices_usage(ordered, choices.n)
         if built is not None:
             reply: Reply = whole(built, ordered[0])
         elif isinstance(body, ChatCompletionRequest):
@@ -328,89 +325,6 @@ class HttpApi:
         if isinstance(body, CompletionRequest):
             return completion_requests(body, vocab_size)
         return [chat_request(body, self._render, vocab_size)]
-
-    async def _events(
-        self,
-        choices: Choices,
-        receive: trio.MemoryReceiveChannel[ChoiceEvent],
-        encoder: SseStream,
-        echoes: list[str] | None,
-    ) -> AsyncIterator[bytes]:
-        """The SSE body: each choice's chunks as they come, its finish chunk, then the usage once all
-        ended. With `echoes` (a completion's prompt texts) a choice's prompt chunk comes first, once its
-        prefill ended. Cancelled when the client disconnects: `close` then cancels the choices."""
-        echoed: set[int] = set()
-
-        def echo(index: int, generation: Generation) -> bytes:
-            if echoes is None or index in echoed:
-                return b""
-            echoed.add(index)
-            # The prompt's scores are its choice 0's (it alone asked; it ran the prompt before the others
-            # started).
-            first = choices.generations[index - index % choices.n]
-            scored = None if first.serving.prompt_logprobs is None else first.prompt_logprobs()
-            serving = generation.serving
-            prompt_ids = serving.token_ids or serving.prompt_ids
-            return encoder.echo(index, echoes[index // choices.n], prompt_ids, scored)
-
-        outcomes: dict[int, Outcome] = {}
-        try:
-            if first := encoder.start(choices.count):
-                yield first
-            try:  # `receive` is left open: the stream's end cancels the choices' relays
-                async for event in receive:
-                    match event:
-                        case ChoicePiece(index=index, generation=generation, piece=piece):
-                            if opening := echo(index, generation):
-                                yield opening
-                            if piece.text or piece.logprobs:
-                                yield encoder.piece(index, piece)
-                        case ChoiceEnded(index=index, generation=generation, outcome=outcome):
-                            if opening := echo(index, generation):
-                                yield opening
-                            outcomes[index] = outcome
-                            yield encoder.finish(index, outcome)
-                        case ChoiceFailed(error=error):
-                            raise error
-                        case _:
-                            assert_never(event)
-            except RequestFailed as exc:
-                yield sse_error(exc)
-            else:
-                ordered = [outcomes[index] for index in range(choices.count)]
-                if closing := encoder.close(_usage(ordered, choices.n)):
-                    yield closing
-            yield b"data: [DONE]\n\n"
-        finally:
-            choices.close()
-
-    async def _response_events(
-        self,
-        choices: Choices,
-        receive: trio.MemoryReceiveChannel[ChoiceEvent],
-        encoder: ResponseEvents,
-    ) -> AsyncIterator[bytes]:
-        """The SSE body of a streamed response (`/v1/responses`: one choice), its events as OpenAI names
-        them. Cancelled when the client disconnects: `close` then cancels the request."""
-        try:
-            yield encoder.start()
-            try:  # `receive` is left open: the stream's end cancels the choice's relay
-                async for event in receive:
-                    match event:
-                        case ChoicePiece(piece=piece):
-                            if piece.text or piece.logprobs:
-                                yield encoder.piece(piece)
-                        case ChoiceEnded(outcome=outcome):
-                            yield encoder.finish(outcome)
-                        case ChoiceFailed(error=error):
-                            raise error
-                        case _:
-                            assert_never(event)
-            except RequestFailed as exc:
-                yield encoder.error(exc)
-            yield encoder.done()
-        finally:
-            choices.close()
 
     @staticmethod
     async def _until_disconnected(request: Request, scope: trio.CancelScope) -> None:

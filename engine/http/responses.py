@@ -62,6 +62,12 @@ def usage(firsts: list[Outcome], others: list[Outcome]) -> Usage:
     )
 
 
+def choices_usage(ordered: list[Outcome], n: int) -> Usage:
+    """The usage of a body's choices, in index order (`n` per prompt): each prompt once (its choice 0),
+    every choice's tokens."""
+    return usage(ordered[::n], [outcome for index, outcome in enumerate(ordered) if index % n])
+
+
 def completion(
     request_id: str, model: str, created: int, choices: list[CompletionChoice], total: Usage
 ) -> Completion:

@@ -95,7 +95,7 @@ class ResponseEvent(Reply, frozen=True, kw_only=True):
 class OutputItemEvent(Reply, frozen=True, kw_only=True):
     """`response.output_item.added` / `.done`."""
 
-    type: str
+    type: Literal["response.output_item.added", "response.output_item.done"]
     sequence_number: int
     output_index: int
     item: OutputItem
@@ -104,7 +104,7 @@ class OutputItemEvent(Reply, frozen=True, kw_only=True):
 class ContentPartEvent(Reply, frozen=True, kw_only=True):
     """`response.content_part.added` / `.done`."""
 
-    type: str
+    type: Literal["response.content_part.added", "response.content_part.done"]
     sequence_number: int
     item_id: str
     output_index: int
@@ -112,39 +112,44 @@ class ContentPartEvent(Reply, frozen=True, kw_only=True):
     part: OutputText
 
 
-class TextDeltaEvent(Reply, frozen=True, kw_only=True):
-    type: Literal["response.output_text.delta"] = "response.output_text.delta"
+class _TextEvent(Reply, frozen=True, kw_only=True):
+    """What both events of a message's text name: the item, its place in the output and in its content."""
+
+    type: str
     sequence_number: int
     item_id: str
     output_index: int
     content_index: int
+
+
+class TextDeltaEvent(_TextEvent, frozen=True, kw_only=True):
+    type: Literal["response.output_text.delta"] = "response.output_text.delta"
     delta: str
     logprobs: list[Any] = msgspec.field(default_factory=list)
 
 
-class TextDoneEvent(Reply, frozen=True, kw_only=True):
+class TextDoneEvent(_TextEvent, frozen=True, kw_only=True):
     type: Literal["response.output_text.done"] = "response.output_text.done"
-    sequence_number: int
-    item_id: str
-    output_index: int
-    content_index: int
     text: str
     logprobs: list[Any] = msgspec.field(default_factory=list)
 
 
-class ArgumentsDeltaEvent(Reply, frozen=True, kw_only=True):
-    type: Literal["response.function_call_arguments.delta"] = "response.function_call_arguments.delta"
+class _ArgumentsEvent(Reply, frozen=True, kw_only=True):
+    """What both events of a function call's arguments name: the item and its place in the output."""
+
+    type: str
     sequence_number: int
     item_id: str
     output_index: int
+
+
+class ArgumentsDeltaEvent(_ArgumentsEvent, frozen=True, kw_only=True):
+    type: Literal["response.function_call_arguments.delta"] = "response.function_call_arguments.delta"
     delta: str
 
 
-class ArgumentsDoneEvent(Reply, frozen=True, kw_only=True):
+class ArgumentsDoneEvent(_ArgumentsEvent, frozen=True, kw_only=True):
     type: Literal["response.function_call_arguments.done"] = "response.function_call_arguments.done"
-    sequence_number: int
-    item_id: str
-    output_index: int
     name: str
     arguments: str
 

@@ -49,6 +49,8 @@ from messages.responses_api.replies import (
     TextDoneEvent,
 )
 
+Stage = Literal["added", "done"]  # the two events of an output item, or of a content part
+
 
 def new_id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex}"
@@ -208,14 +210,8 @@ class ResponseEvents:
                 )
                 continue
             index, call = builder.add_call(item)
-            added = msgspec.structs.replace(call, status="in_progress", arguments="")
-            out += self._event(
-                OutputItemEvent(
-                    type="response.output_item.added",
-                    sequence_number=self._next,
-                    output_index=index,
-                    item=added,
-                )
+            out += self._output_item(
+                "added", index, msgspec.structs.replace(call, status="in_progress", arguments="")
             )
             out += self._event(
                 ArgumentsDeltaEvent(
@@ -231,37 +227,14 @@ class ResponseEvents:
                     arguments=call.arguments,
                 )
             )
-            out += self._event(
-                OutputItemEvent(
-                    type="response.output_item.done",
-                    sequence_number=self._next,
-                    output_index=index,
-                    item=call,
-                )
-            )
+            out += self._output_item("done", index, call)
         return out
 
     def _message_opened(self) -> bytes:
         builder = self._builder
         assert builder.message_index is not None
-        added = self._event(
-            OutputItemEvent(
-                type="response.output_item.added",
-                sequence_number=self._next,
-                output_index=builder.message_index,
-                item=builder.message("in_progress"),
-            )
-        )
-        return added + self._event(
-            ContentPartEvent(
-                type="response.content_part.added",
-                sequence_number=self._next,
-                item_id=builder.message_id,
-                output_index=builder.message_index,
-                content_index=0,
-                part=OutputText(text=""),
-            )
-        )
+        added = self._output_item("added", builder.message_index, builder.message("in_progress"))
+        return added + self._content_part("added", builder.message_index, "")
 
     def finish(self, outcome: Outcome) -> bytes:
         builder = self._builder
@@ -279,26 +252,36 @@ class ResponseEvents:
                     text=builder.text,
                 )
             )
-            out += self._event(
-                ContentPartEvent(
-                    type="response.content_part.done",
-                    sequence_number=self._next,
-                    item_id=item_id,
-                    output_index=index,
-                    content_index=0,
-                    part=OutputText(text=builder.text),
-                )
-            )
-            out += self._event(
-                OutputItemEvent(
-                    type="response.output_item.done",
-                    sequence_number=self._next,
-                    output_index=index,
-                    item=message,
-                )
-            )
+            out += self._content_part("done", index, builder.text)
+            out += self._output_item("done", index, message)
         kind = "response.incomplete" if response.status == "incomplete" else "response.completed"
         return out + self._event(ResponseEvent(type=kind, sequence_number=self._next, response=response))
+
+    def _output_item(self, stage: Stage, index: int, item: OutputItem) -> bytes:
+        """`response.output_item.added` or `.done`: output item `index` as it is at that stage."""
+        kind: Literal["response.output_item.added", "response.output_item.done"] = (
+            "response.output_item.added" if stage == "added" else "response.output_item.done"
+        )
+        return self._event(
+            OutputItemEvent(type=kind, sequence_number=self._next, output_index=index, item=item)
+        )
+
+    def _content_part(self, stage: Stage, index: int, text: str) -> bytes:
+        """`response.content_part.added` or `.done`: the message's one text part (output item `index`),
+        holding `text`."""
+        kind: Literal["response.content_part.added", "response.content_part.done"] = (
+            "response.content_part.added" if stage == "added" else "response.content_part.done"
+        )
+        return self._event(
+            ContentPartEvent(
+                type=kind,
+                sequence_number=self._next,
+                item_id=self._builder.message_id,
+                output_index=index,
+                content_index=0,
+                part=OutputText(text=text),
+            )
+        )
 
     def error(self, exc: RequestFailed) -> bytes:
         return self._event(ErrorEvent(sequence_number=self._next, code=exc.code, message=exc.message))
