@@ -3,7 +3,7 @@
 A `ServingRequest` is created by the router when a `generate` is admitted and lives until its final
 update. At any moment exactly one party *holds* it (the router's queue, one replica's queue or batch, or
 one migration) — the holder is the only one that changes its KV tables or appends tokens; the others only
-read. Updates to the client travel through `updates`, a channel the control handler drains; its buffer
+read. The request changes hands through one method, `hand_to`, the only writer of `holder`. Updates to the client travel through `updates`, a channel the control handler drains; its buffer
 is larger than the number of updates a request can ever produce, so replicas never block on it.
 """
 
@@ -147,7 +147,7 @@ class ServingRequest:
         self.final_update: FinishedUpdate | FailedUpdate | None = None
         # Set by `stop_early`: the request ends `stop` with this many generated tokens kept.
         self.stop_at: int | None = None
-        self.holder: str | None = None  # the replica holding it (None: the router or a migration)
+        self._holder: str | None = None  # see `holder` and `hand_to`
         self.relay: RelayInfo | None = None  # set when its prefill was relayed (ZigZag)
         # The matcher of `sampling.grammar` on this node, rebuilt from the spec and `generated` wherever
         # the request is sampled (`replicas.step.grammar`); only the holder's compute call touches it.
@@ -160,6 +160,22 @@ class ServingRequest:
         # of a cancel — a request other nodes work on, so they hear of it.
         self.on_tokens: list[Callable[[int, Sequence[int]], None]] = []
         self.on_cancel: list[Callable[[ServingRequest], None]] = []
+
+    # ------------------------------------------------------------------ holding
+    @property
+    def holder(self) -> str | None:
+        """The replica holding the request now, by name (a cluster name for another node's replica);
+        None: the router's queue or a migration between holders holds it."""
+        return self._holder
+
+    def hand_to(self, holder: str | None) -> None:
+        """Hand the request to `holder` (a replica's name; None: back to the router or into a move).
+
+        The only writer of `holder`: whoever takes the request (a replica queueing or reserving it, the
+        cluster books learning which replica holds it) or gives it back (a replica returning it, a
+        relay handing it on) calls it, so that at any moment exactly one party holds the request and
+        every reader sees which."""
+        self._holder = holder
 
     # ------------------------------------------------------------------ facts
     @property

@@ -84,7 +84,7 @@ async def run_command(
     if isinstance(command, ReserveKV):  # the remote decode replica holds the request now
         request = member.router.requests.get(command.request_id)
         if request is not None:
-            request.holder = replica.name
+            request.hand_to(replica.name)
         if request is not None and request.request_id not in member.mirrors:
             member.holders[command.request_id] = replica.node
     if isinstance(command, Relay):
@@ -101,7 +101,7 @@ def _take_relay(member: ClusterMember, command: Relay, outcome: CommandOutcome) 
     for snap in outcome.requests:
         request = member.adopt(snap)
         if request is not None:
-            request.holder = command.old_prefill
+            request.hand_to(command.old_prefill)
             _now_holding(member, snap.request_id, command.old_prefill)
     return outcome.relay
 

@@ -170,7 +170,7 @@ class Frames:
                 request = requests.get(message.request_id)
                 member.holders.pop(message.request_id, None)
                 if request is not None and not request.ended:
-                    request.holder = None
+                    request.hand_to(None)
                     member.take_back(request)
             case RunCommand():
                 member.serve_command(frame, message)
@@ -180,7 +180,7 @@ class Frames:
                 request = requests.get(message.request_id)
                 if request is not None and message.request_id not in member.mirrors:
                     member.holders[message.request_id] = frame.sender
-                    request.holder = message.replica
+                    request.hand_to(message.replica)
             case TokensForward():
                 request = requests.get(message.request_id)
                 if request is not None and message.request_id not in member.mirrors:
