@@ -6,7 +6,8 @@ node's lease now — or this node's lease, once it was lost and before a new one
 new lease — a `Submit` then would start a request its origin already failed, and hold its blocks for
 nobody — so a `Submit` is answered `Returned`, anything else dropped (logged). Any other frame counts
 only under the lease its sender is known under (`engine.cluster.books.incarnations`): then it is
-dispatched by type, what it says of a request to the books (`engine.cluster.books.requests`). Under another lease it is:
+dispatched by type, what it says of a request to the books (`engine.cluster.books.requests`). Under
+another lease it is:
 - a command (`RunCommand`) from a known node: handled, and refused `stale_lease` if it acts on a
   reservation or a lock (`engine.cluster.commands`);
 - a `Submit` from a known node: returned at once (`Returned`), so the sender routes the request again;

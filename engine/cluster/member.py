@@ -167,11 +167,6 @@ class ClusterMember:
         needs: set[Role] = {"prefill", "decode", *(("encode",) if request.needs_embeddings else ())}
         return needs <= serving
 
-    @property
-    def requests(self) -> Mapping[str, ServingRequest]:
-        """The node's requests (the router's): its own and the mirrors it holds."""
-        return self.router.requests
-
     def peer_replicas(self) -> list[RemoteReplica]:
         return list(self.remote.values()) if self.reachable else []
 
