@@ -3,10 +3,14 @@
 A `ServingRequest` is created by the router when a `generate` is admitted and lives until its final
 update. It is what was asked — its `RequestSpec`: prompt, images, sampling (grammar included), token
 limit, log-probability asks, id; frozen, so no part of the node can change it — plus its progress: the
-laid-out prompt, tokens, scores, stamps, transfers, KV hints, its end and who holds it. At any moment exactly one party *holds* it (the router's queue, one replica's queue or batch, or
-one migration) — the holder is the only one that changes its KV tables or appends tokens; the others only
-read. The request changes hands through one method, `hand_to`, the only writer of `holder`. Updates to the client travel through `updates`, a channel the control handler drains; its buffer
-is larger than the number of updates a request can ever produce, so replicas never block on it.
+laid-out prompt, tokens, scores, stamps, transfers, KV hints, its end and who holds it.
+
+At any moment exactly one party *holds* it (the router's queue, one replica's queue or batch, or one
+migration) — the holder is the only one that changes its KV tables or appends tokens; the others only
+read. The request changes hands through one method, `hand_to`, the only writer of `holder`.
+
+Updates to the client travel through `updates`, a channel the control handler drains; its buffer is
+larger than the number of updates a request can ever produce, so replicas never block on it.
 """
 
 from __future__ import annotations

@@ -6,13 +6,13 @@ each of this node's requests, the mirrors it holds of others' — and the incarn
 known under; its parts (`engine.cluster.frames`, `engine.cluster.commands`) change them through the
 books' methods only.
 
-Incarnations: this member knows each other node under one lease (from its etcd record).
-When a node leaves — or comes back under a new lease (restarted, or cut off long enough to lose its
-lease) — everything this member shared with the old incarnation ends (`_node_gone`): its replicas'
-reports, its peer connection and transfer links, the origin requests it held (`replica_failed`) and the
-mirrors it was the origin of (`RequestBooks.end_shared`); the new incarnation is then known from scratch, from its record and its
-next report. Frames count only under the sender's known lease (`engine.cluster.frames`). When this
-node's own lease ends, the others have ended what they shared with it: it ends the same
+Incarnations: this member knows each other node under one lease (from its etcd record). When a node
+leaves — or comes back under a new lease (restarted, or cut off long enough to lose its lease) —
+everything this member shared with the old incarnation ends (`_node_gone`): its replicas' reports, its
+peer connection and transfer links, the origin requests it held (`replica_failed`) and the mirrors it
+was the origin of (`RequestBooks.end_shared`); the new incarnation is then known from scratch, from its
+record and its next report. Frames count only under the sender's known lease (`engine.cluster.frames`).
+When this node's own lease ends, the others have ended what they shared with it: it ends the same
 (`_lease_lost`), takes a new lease at once and keeps serving with its own replicas meanwhile — new
 requests are admitted and wait for cross-node work until the new lease is registered (docs/cluster.md,
 "Failures").
