@@ -63,7 +63,7 @@ from replicas.inbox import CommandRefused, new_command_id
 from replicas.request import FailedUpdate, FinishedUpdate, ServingRequest
 from replicas.signals import Subscribers
 from replicas.snapshot import ReplicaSnapshot
-from replicas.states import ReplicaState
+from replicas.states import EPISODE_START, ZIGZAG_NEW, ZIGZAG_OLD, ZIGZAG_STARTS, ReplicaState
 
 R = TypeVar("R")
 
@@ -288,15 +288,15 @@ class NodeService:
     async def _transition(self, replica: Replica, request: TransitionRequest) -> ReplicaState:
         """A commanded move; NewPrefill / OldPrefill pair the replica with a partner (architecture §8)."""
         partner = None if request.paired_with is None else self._replica(request.paired_with)
-        previous = replica.state
-        if request.to == ReplicaState.NEW_PREFILL.value and replica.state is ReplicaState.LOADING_PREFILL:
+        previous, target = replica.state, ReplicaState(request.to)
+        if (previous, target) in ZIGZAG_STARTS and target in ZIGZAG_NEW:
             if await pair(self.core, replica, partner) is None:
                 raise RequestFailed(
                     "invalid_transition", f"{replica.name} finished loading first; it serves as Prefill"
                 )
             return previous
-        if request.to == ReplicaState.OLD_PREFILL.value and partner is None:
-            new = [r for r in self.core.directory.local() if r.state is ReplicaState.NEW_PREFILL]
+        if target in ZIGZAG_OLD and partner is None:
+            new = [r for r in self.core.directory.local() if r.state is EPISODE_START["new"]]
             if not new:
                 raise RequestFailed(
                     "invalid_transition", f"{replica.name}: no NewPrefill replica to pair with as OldPrefill"

@@ -1,10 +1,16 @@
 """A request in flight: what every replica that touches it reads and writes, and how it reports back.
 
 A `ServingRequest` is created by the router when a `generate` is admitted and lives until its final
-update. At any moment exactly one party *holds* it (the router's queue, one replica's queue or batch, or
-one migration) — the holder is the only one that changes its KV tables or appends tokens; the others only
-read. Updates to the client travel through `updates`, a channel the control handler drains; its buffer
-is larger than the number of updates a request can ever produce, so replicas never block on it.
+update. It is what was asked — its `RequestSpec`: prompt, images, sampling (grammar included), token
+limit, log-probability asks, id; frozen, so no part of the node can change it — plus its progress: the
+laid-out prompt, tokens, scores, stamps, transfers, KV hints, its end and who holds it.
+
+At any moment exactly one party *holds* it (the router's queue, one replica's queue or batch, or one
+migration) — the holder is the only one that changes its KV tables or appends tokens; the others only
+read. The request changes hands through one method, `hand_to`, the only writer of `holder`.
+
+Updates to the client travel through `updates`, a channel the control handler drains; its buffer is
+larger than the number of updates a request can ever produce, so replicas never block on it.
 """
 
 from __future__ import annotations
@@ -91,40 +97,66 @@ class Stamps:
 
 
 @final
-class ServingRequest:
-    """One admitted `generate`. See the module docstring for who may change what."""
+@dataclass(frozen=True, slots=True, eq=False)
+class RequestSpec:
+    """What a client asked for: fixed when the request is admitted (or, for a mirror on another node,
+    rebuilt from the origin's snapshot) and never changed after. Everything a replica learns or does on
+    the request — its layout, tokens, stamps, holder — is its progress, on `ServingRequest`.
 
-    def __init__(
-        self,
+    `logprobs`: alternatives to report for each generated token; `prompt_logprobs`: for each prompt
+    token (`replicas.model.executor.logprobs`); None: not asked for."""
+
+    request_id: str
+    prompt_ids: tuple[int, ...]
+    images: tuple[np.ndarray, ...]
+    sampling: SamplingParams
+    max_tokens: int
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+
+    @staticmethod
+    def of(
         *,
         request_id: str,
         prompt_ids: Sequence[int],
         images: Sequence[np.ndarray],
         sampling: SamplingParams,
         max_tokens: int,
-        eos_token_ids: Sequence[int],
         logprobs: int | None = None,
         prompt_logprobs: int | None = None,
-    ) -> None:
-        self.request_id = request_id
-        self.prompt_ids = list(prompt_ids)
-        self.images = list(images)
-        self.sampling = sampling
-        self.max_tokens = max_tokens
+    ) -> RequestSpec:
+        """A spec from any sequences (kept as tuples)."""
+        return RequestSpec(
+            request_id=request_id,
+            prompt_ids=tuple(prompt_ids),
+            images=tuple(images),
+            sampling=sampling,
+            max_tokens=max_tokens,
+            logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
+        )
+
+
+@final
+class ServingRequest:
+    """One admitted `generate`: its `spec` (what was asked, frozen) and its progress (the rest), which
+    only its holder changes. See the module docstring for who may change what."""
+
+    def __init__(self, spec: RequestSpec, *, eos_token_ids: Sequence[int]) -> None:
+        self._spec = spec
+        # The end-of-sequence tokens the request stops at: the admitting node's, then those of the model
+        # that prefills it (set by the prefill replica when its prefill starts).
         self.eos_token_ids = tuple(eos_token_ids)
         self.generated: list[int] = []
-        # Log-probabilities (`replicas.model.executor.logprobs`): `logprobs` alternatives for each
-        # generated token, kept in `generated_logprobs` (its index is the token's in `generated`), and
-        # `prompt_logprobs` for each prompt token, in `prompt_scores` (the first one's None: nothing
-        # comes before it). None: not asked for.
-        self.logprobs = logprobs
-        self.prompt_logprobs = prompt_logprobs
+        # Log-probabilities, where the spec asks for them: those of each generated token in
+        # `generated_logprobs` (its index is the token's in `generated`), those of each prompt token in
+        # `prompt_scores` (the first one's None: nothing comes before it).
         self.generated_logprobs: list[TokenLogprobs] = []
         self.prompt_scores: list[TokenLogprobs | None] = []
         self.stamps = Stamps()
         self.transfers: list[TransferSummary] = []
         # Filled once the prompt is laid out (images expanded: after the embedding transfer).
-        self.token_ids: list[int] = list(prompt_ids) if not images else []
+        self.token_ids: list[int] = list(spec.prompt_ids) if not spec.images else []
         self.positions: torch.Tensor | None = None
         self.next_position: int = len(self.token_ids)
         # Prompt tokens whose KV the holding prefill replica's blocks already hold (a chunked prefill's
@@ -147,12 +179,12 @@ class ServingRequest:
         self.final_update: FinishedUpdate | FailedUpdate | None = None
         # Set by `stop_early`: the request ends `stop` with this many generated tokens kept.
         self.stop_at: int | None = None
-        self.holder: str | None = None  # the replica holding it (None: the router or a migration)
+        self._holder: str | None = None  # see `holder` and `hand_to`
         self.relay: RelayInfo | None = None  # set when its prefill was relayed (ZigZag)
         # The matcher of `sampling.grammar` on this node, rebuilt from the spec and `generated` wherever
         # the request is sampled (`replicas.step.grammar`); only the holder's compute call touches it.
         self.grammar_state: GrammarState | None = None
-        self._update_send, self.updates = trio.open_memory_channel[RequestUpdate](max_tokens + 4)
+        self._update_send, self.updates = trio.open_memory_channel[RequestUpdate](spec.max_tokens + 4)
         self.cancel_hooks: list[trio.CancelScope] = []
         self.on_end: list[Callable[[ServingRequest], None]] = []
         # Subscribers (engine.cluster): told of every token emitted here, with its index in `generated` —
@@ -160,6 +192,56 @@ class ServingRequest:
         # of a cancel — a request other nodes work on, so they hear of it.
         self.on_tokens: list[Callable[[int, Sequence[int]], None]] = []
         self.on_cancel: list[Callable[[ServingRequest], None]] = []
+
+    # ------------------------------------------------------------------ the spec
+    @property
+    def spec(self) -> RequestSpec:
+        """What was asked (frozen; read-only here too)."""
+        return self._spec
+
+    @property
+    def request_id(self) -> str:
+        return self.spec.request_id
+
+    @property
+    def prompt_ids(self) -> tuple[int, ...]:
+        return self.spec.prompt_ids
+
+    @property
+    def images(self) -> tuple[np.ndarray, ...]:
+        return self.spec.images
+
+    @property
+    def sampling(self) -> SamplingParams:
+        return self.spec.sampling
+
+    @property
+    def max_tokens(self) -> int:
+        return self.spec.max_tokens
+
+    @property
+    def logprobs(self) -> int | None:
+        return self.spec.logprobs
+
+    @property
+    def prompt_logprobs(self) -> int | None:
+        return self.spec.prompt_logprobs
+
+    # ------------------------------------------------------------------ holding
+    @property
+    def holder(self) -> str | None:
+        """The replica holding the request now, by name (a cluster name for another node's replica);
+        None: the router's queue or a migration between holders holds it."""
+        return self._holder
+
+    def hand_to(self, holder: str | None) -> None:
+        """Hand the request to `holder` (a replica's name; None: back to the router or into a move).
+
+        The only writer of `holder`: whoever takes the request (a replica queueing or reserving it, the
+        cluster books learning which replica holds it) or gives it back (a replica returning it, a
+        relay handing it on) calls it, so that at any moment exactly one party holds the request and
+        every reader sees which."""
+        self._holder = holder
 
     # ------------------------------------------------------------------ facts
     @property

@@ -153,6 +153,10 @@ ZIGZAG_OLD = _states(lambda row: row.zigzag == "old")
 # A ZigZag partner for a new NewPrefill: a replica a command may move into OldPrefill, or an OldPrefill
 # (which takes one more partner).
 PAIRABLE = frozenset(a for a, b in COMMANDED if STATES[b].zigzag == "old") | ZIGZAG_OLD
+# The state a commanded ZigZag start leads to on each side (a new side takes OldPrefill partners there).
+EPISODE_START: dict[ZigZagSide, ReplicaState] = {
+    side: b for _, b in ZIGZAG_STARTS if (side := STATES[b].zigzag) is not None
+}
 # What the main loop runs: prefill batches from the own queue (the new side runs its part batches),
 # decode steps, encode jobs; a prefill-side state also migrates its prompts' KV.
 PREFILL_BATCHES = _states(lambda row: row.runs == "prefill" and row.zigzag != "new")

@@ -13,65 +13,64 @@ from typing import Any, Protocol
 
 import msgspec
 
+from engine.cluster.books.requests import RequestBooks
 from engine.cluster.membership import Membership
 from engine.cluster.peers import PeerLinks, PeerUnreachable, new_correlation
 from engine.cluster.remote import RemoteReplica
 from engine.cluster.requests import snapshot
-from engine.router import Router
-from messages.cluster import CommandOutcome, Holding, PeerFrame, RequestSnapshot, RunCommand
+from messages.cluster import CommandOutcome, PeerFrame, RunCommand
 from messages.commands import Lock, Relay, RelayOffer, ReplicaCommand, ReserveKV, Unlock
 from replicas.actor import Replica
 from replicas.directory import ReplicaDirectory
 from replicas.fabric import Fabric, UnknownEndpoint
 from replicas.inbox import CommandRefused
-from replicas.request import ServingRequest
 from replicas.states import ReplicaState
 
 
-class ClusterMember(Protocol):
-    """What the commands between nodes use of this node's cluster member (`engine.cluster.member`):
-    its links and membership, the node's router and replicas, and the books of the requests that
-    cross nodes (mirrors held here, and where this node's own requests are held)."""
+class CommandNode(Protocol):
+    """What running replica commands between nodes needs of this node (its cluster member,
+    `engine.cluster.member`): its id, links and membership, its replicas and transfer endpoints, and the
+    books of the requests that cross nodes."""
 
-    node_id: str
-    router: Router
-    directory: ReplicaDirectory
-    fabric: Fabric
-    peers: PeerLinks
-    membership: Membership
-    mirrors: dict[str, ServingRequest]
-    origins: dict[str, str]
-    holders: dict[str, str]
+    @property
+    def node_id(self) -> str: ...
+
+    @property
+    def directory(self) -> ReplicaDirectory: ...
+
+    @property
+    def fabric(self) -> Fabric: ...
+
+    @property
+    def peers(self) -> PeerLinks: ...
+
+    @property
+    def membership(self) -> Membership: ...
+
+    @property
+    def books(self) -> RequestBooks: ...
 
     @property
     def reachable(self) -> bool: ...
-
-    def track(self, request: ServingRequest) -> None: ...
-
-    def origin_of(self, request: ServingRequest) -> str: ...
-
-    def adopt(self, snap: RequestSnapshot) -> ServingRequest | None: ...
-
-    def drop_mirror(self, request: ServingRequest) -> None: ...
 
 
 LEASED = (ReserveKV, Lock, Unlock)  # commands refused from a stale lease
 
 
 async def run_command(
-    member: ClusterMember, replica: RemoteReplica, command: ReplicaCommand, *, timeout: float
+    member: CommandNode, replica: RemoteReplica, command: ReplicaCommand, *, timeout: float
 ) -> Any:
     """`RemoteReplica.ask`: a `ReserveKV` carries the request (this node's object of it)."""
     if not member.reachable:
         raise replica.refused("this node cannot reach the cluster's etcd now (cluster degraded)")
+    books = member.books
     snap = None
     if isinstance(command, ReserveKV):
-        request = member.router.requests.get(command.request_id)
+        request = books.live(command.request_id)
         if request is None or request.ended:
             raise CommandRefused("not_found", f"request {command.request_id} is not live here")
-        if request.request_id not in member.mirrors:
-            member.track(request)
-        snap = snapshot(request, member.origin_of(request), images=False)
+        books.track(request)  # its cancel reaches the decode node while the reservation is asked
+        snap = snapshot(request, books.origin_of(request), images=False)
     correlation = new_correlation(member.node_id)
     message = RunCommand(correlation=correlation, replica=replica.name, command=command, request=snap)
     try:
@@ -82,34 +81,34 @@ async def run_command(
     if outcome.error_code is not None:
         raise CommandRefused(outcome.error_code, outcome.error_message or "refused")
     if isinstance(command, ReserveKV):  # the remote decode replica holds the request now
-        request = member.router.requests.get(command.request_id)
+        request = books.live(command.request_id)
         if request is not None:
-            request.holder = replica.name
-        if request is not None and request.request_id not in member.mirrors:
-            member.holders[command.request_id] = replica.node
+            request.hand_to(replica.name)
+            books.held_at(request, replica.node)
     if isinstance(command, Relay):
         return _take_relay(member, command, outcome)
     return outcome.result
 
 
-def _take_relay(member: ClusterMember, command: Relay, outcome: CommandOutcome) -> RelayOffer:
+def _take_relay(member: CommandNode, command: Relay, outcome: CommandOutcome) -> RelayOffer:
     """A batch another node's NewPrefill replica handed over (ZigZag across nodes): its requests are
     adopted here, held by the asking OldPrefill replica (their origin hears of it, `Holding`); one that
     ended meanwhile is left out of the adoption, and the OldPrefill replica skips it."""
     if outcome.relay is None:
         raise CommandRefused("internal", f"the answer to a relay ask of {command.old_prefill} held no offer")
     for snap in outcome.requests:
-        request = member.adopt(snap)
+        request = member.books.adopt(snap)
         if request is not None:
-            request.holder = command.old_prefill
-            _now_holding(member, snap.request_id, command.old_prefill)
+            request.hand_to(command.old_prefill)
+            member.books.now_holding(snap.request_id, command.old_prefill)
     return outcome.relay
 
 
-async def serve_command(member: ClusterMember, frame: PeerFrame, message: RunCommand) -> None:
+async def serve_command(member: CommandNode, frame: PeerFrame, message: RunCommand) -> None:
     """Run a `RunCommand` from `frame.sender` here and answer with its `CommandOutcome`."""
     command = message.command
-    created = message.request is not None and message.request.request_id not in member.router.requests
+    books = member.books
+    created = message.request is not None and books.live(message.request.request_id) is None
     try:
         replica = _command_target(member, frame, message)
         result = await replica.ask(command)
@@ -120,23 +119,22 @@ async def serve_command(member: ClusterMember, frame: PeerFrame, message: RunCom
             outcome = CommandOutcome(correlation=message.correlation, result=plain)
         if isinstance(command, ReserveKV):
             # The KV starts to move now: stamped here, beside the landing's stamp (one clock).
-            request = member.router.requests.get(command.request_id)
+            request = books.live(command.request_id)
             if request is not None and request.stamps.kv_started is None:
                 request.stamps.kv_started = time.time()
-            _now_holding(member, command.request_id, replica.name)
+            books.now_holding(command.request_id, replica.name)
     except CommandRefused as exc:
         outcome = CommandOutcome(
             correlation=message.correlation,
             error_code=exc.code,
             error_message=str(exc),
         )
-        request = member.mirrors.get(message.request.request_id) if message.request else None
-        if created and request is not None:
-            member.drop_mirror(request)
+        if created and message.request is not None:
+            books.drop_mirror(message.request.request_id)
     member.peers.send(frame.sender, outcome)
 
 
-def _command_target(member: ClusterMember, frame: PeerFrame, message: RunCommand) -> Replica:
+def _command_target(member: CommandNode, frame: PeerFrame, message: RunCommand) -> Replica:
     """The replica a `RunCommand` names, its request adopted; raises `CommandRefused`."""
     sender = member.membership.members.get(frame.sender)
     if isinstance(message.command, LEASED) and (sender is None or sender.lease != frame.lease):
@@ -159,32 +157,23 @@ def _command_target(member: ClusterMember, frame: PeerFrame, message: RunCommand
                 f"node {member.node_id} has no address for {message.command.source_endpoint} yet "
                 f"(no report from node {frame.sender} since it joined)",
             ) from None
-    if message.request is not None and member.adopt(message.request) is None:
+    if message.request is not None and member.books.adopt(message.request) is None:
         raise CommandRefused("not_found", f"request {message.request.request_id} has ended")
     return replica
 
 
 def _relay_outcome(
-    member: ClusterMember, frame: PeerFrame, correlation: str, offer: RelayOffer
+    member: CommandNode, frame: PeerFrame, correlation: str, offer: RelayOffer
 ) -> CommandOutcome:
     """The answer to a `Relay` from another node's OldPrefill replica: the offer and its requests as
     they are now. The node that asked holds them from here on: a request this node is the origin of
-    fails when that node leaves (`holders`), as for a decode replica's `ReserveKV`."""
+    fails when that node leaves (`RequestBooks.held_at`), as for a decode replica's `ReserveKV`."""
+    books = member.books
     snaps = []
     for relayed in offer.requests:
-        request = member.router.requests.get(relayed.request_id)
+        request = books.live(relayed.request_id)
         if request is None or request.ended:
             continue
-        if request.request_id not in member.mirrors:
-            member.track(request)
-            member.holders[request.request_id] = frame.sender
-        snaps.append(snapshot(request, member.origin_of(request), images=False))
+        books.held_at(request, frame.sender)
+        snaps.append(snapshot(request, books.origin_of(request), images=False))
     return CommandOutcome(correlation=correlation, relay=offer, requests=snaps)
-
-
-def _now_holding(member: ClusterMember, request_id: str, replica: str) -> None:
-    origin = member.origins.get(request_id)
-    if origin is not None:
-        member.peers.send(origin, Holding(request_id=request_id, replica=replica))
-    else:
-        member.holders.pop(request_id, None)  # the origin's own decode replica holds it

@@ -5,8 +5,9 @@ it). A frame addressed to an earlier incarnation of this node (`PeerFrame.to_lea
 node's lease now — or this node's lease, once it was lost and before a new one is taken) is not acted on: its sender ended what it shared with that incarnation when it saw the
 new lease — a `Submit` then would start a request its origin already failed, and hold its blocks for
 nobody — so a `Submit` is answered `Returned`, anything else dropped (logged). Any other frame counts
-only under the lease its sender is known under (`ClusterMember.incarnations`): then it is dispatched by
-type. Under another lease it is:
+only under the lease its sender is known under (`engine.cluster.books.incarnations`): then it is
+dispatched by type, what it says of a request to the books (`engine.cluster.books.requests`). Under
+another lease it is:
 - a command (`RunCommand`) from a known node: handled, and refused `stale_lease` if it acts on a
   reservation or a lock (`engine.cluster.commands`);
 - a `Submit` from a known node: returned at once (`Returned`), so the sender routes the request again;
@@ -19,12 +20,13 @@ Runs on the Trio thread; tasks it starts (a command served, a forwarded op) run 
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import Final, Protocol, assert_never, final
 
 import structlog
 import trio
 
+from engine.cluster.books.incarnations import Incarnations
+from engine.cluster.books.requests import RequestBooks
 from engine.cluster.peers import PeerLinks
 from engine.cluster.requests import apply_ended, apply_tokens
 from messages.cluster import (
@@ -37,14 +39,12 @@ from messages.cluster import (
     Holding,
     PeerFrame,
     Report,
-    RequestSnapshot,
     Returned,
     RunCommand,
     Submit,
     TokensForward,
 )
 from replicas.directory import ReplicaDirectory
-from replicas.request import ServingRequest
 
 _log = structlog.get_logger("engine.cluster")
 HELD_FRAMES: Final = 10_000  # frames held per sender until its new lease is known
@@ -52,13 +52,14 @@ HELD_SECONDS: Final = 10.0
 
 
 class FrameOwner(Protocol):
-    """What `Frames` uses of its member (`engine.cluster.member.ClusterMember`): the node's replicas
-    (`directory`) and requests (`requests`, the router's), its peer links and the books of the requests
-    that cross nodes."""
+    """What `Frames` uses of its member (`engine.cluster.member.ClusterMember`) besides the books: the
+    node's replicas and peer links, its lease, and the work it starts in its nursery."""
 
-    directory: ReplicaDirectory
-    peers: PeerLinks
-    incarnations: dict[str, int]  # node -> the lease it is known under
+    @property
+    def directory(self) -> ReplicaDirectory: ...
+
+    @property
+    def peers(self) -> PeerLinks: ...
 
     @property
     def lease_lost(self) -> bool:
@@ -70,18 +71,7 @@ class FrameOwner(Protocol):
         """This node's lease now."""
         ...
 
-    mirrors: dict[str, ServingRequest]
-    holders: dict[str, str]
-
-    @property
-    def requests(self) -> Mapping[str, ServingRequest]: ...
-
     def take_report(self, node: str, report: Report) -> None: ...
-    def adopt(self, snap: RequestSnapshot) -> ServingRequest | None: ...
-    def drop_mirror(self, request: ServingRequest) -> None: ...
-    def end_mirror(self, request: ServingRequest) -> None: ...
-    def remember(self, request_id: str) -> None: ...
-    def take_back(self, request: ServingRequest) -> None: ...
     def serve_command(self, frame: PeerFrame, message: RunCommand) -> None: ...
     def serve_op(self, sender: str, message: ClientOp) -> None: ...
 
@@ -90,8 +80,10 @@ class FrameOwner(Protocol):
 class Frames:
     """See the module docstring."""
 
-    def __init__(self, member: FrameOwner) -> None:
+    def __init__(self, member: FrameOwner, books: RequestBooks, incarnations: Incarnations) -> None:
         self.member = member
+        self._books = books
+        self._incarnations = incarnations
         self._held: dict[str, list[tuple[float, PeerFrame]]] = {}
 
     def on_frame(self, frame: PeerFrame) -> None:
@@ -103,7 +95,7 @@ class Frames:
         if frame.to_lease and (frame.to_lease != member.lease or member.lease_lost):
             self._to_old_incarnation(frame)
             return
-        if member.incarnations.get(frame.sender) != frame.lease and not self._stale(frame):
+        if not self._incarnations.counts(frame.sender, frame.lease) and not self._stale(frame):
             return
         self._dispatch(frame)
 
@@ -122,7 +114,7 @@ class Frames:
 
     def release(self, node: str) -> None:
         """`node` is known under a new lease: handle its frames held under that lease, drop the rest."""
-        lease = self.member.incarnations[node]
+        lease = self._incarnations.lease_of(node)
         for _, frame in self._held.pop(node, []):
             if frame.lease == lease:
                 self.on_frame(frame)
@@ -138,7 +130,7 @@ class Frames:
     def _stale(self, frame: PeerFrame) -> bool:
         """A frame under another lease than its sender's known one: True when it is handled all the same."""
         message = frame.message
-        known = frame.sender in self.member.incarnations
+        known = frame.sender in self._incarnations
         if isinstance(message, RunCommand) and known:
             return True
         if isinstance(message, Submit) and known:
@@ -151,73 +143,48 @@ class Frames:
         return False
 
     def _dispatch(self, frame: PeerFrame) -> None:
-        member = self.member
+        member, books = self.member, self._books
         message = frame.message
-        requests = member.requests
         match message:
             case Report():
                 member.take_report(frame.sender, message)
             case Submit():
-                request = member.adopt(message.request)
+                request = books.adopt(message.request)
                 replica = member.directory.get(message.replica)
                 if request is not None and (replica is None or not replica.submit(request)):
                     member.peers.send(
                         frame.sender, Returned(request_id=request.request_id, replica=message.replica)
                     )
-                    if request.request_id in member.mirrors and request.holder is None:
-                        member.drop_mirror(request)
+                    if request.holder is None:
+                        books.drop_mirror(request.request_id)
             case Returned():
-                request = requests.get(message.request_id)
-                member.holders.pop(message.request_id, None)
-                if request is not None and not request.ended:
-                    request.holder = None
-                    member.take_back(request)
+                books.returned(message.request_id)
             case RunCommand():
                 member.serve_command(frame, message)
             case CommandOutcome() | ClientOpResult():
                 member.peers.answer(message)
             case Holding():
-                request = requests.get(message.request_id)
-                if request is not None and message.request_id not in member.mirrors:
-                    member.holders[message.request_id] = frame.sender
-                    request.holder = message.replica
+                books.holding(message.request_id, frame.sender, message.replica)
             case TokensForward():
-                request = requests.get(message.request_id)
-                if request is not None and message.request_id not in member.mirrors:
+                request = books.own(message.request_id)
+                if request is not None:
                     apply_tokens(request, message.start, message.token_ids, logprobs=message.logprobs)
             case EndedForward():
                 self._ended_elsewhere(message)
             case CancelForward():
-                self._cancel_forwarded(message)
+                books.cancel_mirror(message.request_id, message.stop_at)
             case ForgetRequest():
-                member.remember(message.request_id)
-                request = member.mirrors.get(message.request_id)
-                if request is not None and not request.ended:
-                    member.end_mirror(request)
+                books.forget(message.request_id)
             case ClientOp():
                 member.serve_op(frame.sender, message)
             case _:
                 assert_never(message)
 
     def _ended_elsewhere(self, message: EndedForward) -> None:
-        member = self.member
-        request = member.requests.get(message.request_id)
-        if request is None or message.request_id in self.member.mirrors:
+        request = self._books.own(message.request_id)
+        if request is None:
             return
         # A failure anywhere ends it; a normal end counts unless a replica of this node holds it now
         # (then the mirror that ended was an earlier stage's, ended by a cancel or a forget).
-        if message.outcome == "failed" or request.holder not in member.directory:
+        if message.outcome == "failed" or request.holder not in self.member.directory:
             apply_ended(request, message)
-
-    def _cancel_forwarded(self, message: CancelForward) -> None:
-        member = self.member
-        request = member.mirrors.get(message.request_id)
-        if request is None:
-            member.remember(message.request_id)  # a mirror made later starts cancelled
-            return
-        if message.stop_at is not None:
-            request.stop_early(message.stop_at)
-        else:
-            request.cancel()
-        for replica in member.directory.local():
-            replica.post()

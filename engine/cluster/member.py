@@ -1,21 +1,18 @@
 """This node as a member of a cluster: membership, peer links, the other nodes' replicas, and the
 requests that cross nodes (docs/cluster.md).
 
-Who holds what: the origin of a request keeps it; a node that works on it holds a mirror
-(`engine.cluster.requests`). The origin knows which node holds its request now (`holders`: the node it
-submitted it to, then the node whose decode replica took its KV, which says so with `Holding`); when that
-node leaves the cluster the request fails with `replica_failed`. Mirrors of requests whose origin left
-are cancelled (their client is gone), so their blocks return to the pools. A cancel reaches every node
-(`CancelForward`); when the origin's request ends it tells every node to forget it (`ForgetRequest`),
-and a mirror that arrives after that is refused (the ids stay remembered for a while).
+The member owns the books (`engine.cluster.books`): the requests that cross nodes — which node holds
+each of this node's requests, the mirrors it holds of others' — and the incarnation each other node is
+known under; its parts (`engine.cluster.frames`, `engine.cluster.commands`) change them through the
+books' methods only.
 
-Incarnations: this member knows each other node under one lease (`incarnations`, from its etcd record).
-When a node leaves — or comes back under a new lease (restarted, or cut off long enough to lose its
-lease) — everything this member shared with the old incarnation ends (`_node_gone`): its replicas'
-reports, its peer connection and transfer links, the origin requests it held (`replica_failed`) and the
-mirrors it was the origin of; the new incarnation is then known from scratch, from its record and its
-next report. Frames count only under the sender's known lease (`engine.cluster.frames`). When this
-node's own lease ends, the others have ended what they shared with it: it ends the same
+Incarnations: this member knows each other node under one lease (from its etcd record). When a node
+leaves — or comes back under a new lease (restarted, or cut off long enough to lose its lease) —
+everything this member shared with the old incarnation ends (`_node_gone`): its replicas' reports, its
+peer connection and transfer links, the origin requests it held (`replica_failed`) and the mirrors it
+was the origin of (`RequestBooks.end_shared`); the new incarnation is then known from scratch, from its
+record and its next report. Frames count only under the sender's known lease (`engine.cluster.frames`).
+When this node's own lease ends, the others have ended what they shared with it: it ends the same
 (`_lease_lost`), takes a new lease at once and keeps serving with its own replicas meanwhile — new
 requests are admitted and wait for cross-node work until the new lease is registered (docs/cluster.md,
 "Failures").
@@ -28,13 +25,14 @@ from __future__ import annotations
 
 import math
 import os
-from collections import deque
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from typing import Any, Final, TypeVar, final
 
 import structlog
 import trio
 
+from engine.cluster.books.incarnations import Incarnations
+from engine.cluster.books.requests import RequestBooks
 from engine.cluster.commands import run_command, serve_command
 from engine.cluster.frames import Frames
 from engine.cluster.membership import Membership
@@ -42,29 +40,15 @@ from engine.cluster.ops import ClusterOps, Handle
 from engine.cluster.peers import PeerLinks
 from engine.cluster.remote import RemoteReplica
 from engine.cluster.reports import build_report, node_record, prefix_versions
-from engine.cluster.requests import ended_forward, merge_snapshot, mirror, snapshot
+from engine.cluster.requests import snapshot
 from engine.control.errors import RequestFailed
 from engine.core import NodeCore
-from engine.generate.logprobs import records
-from messages.cluster import (
-    CancelForward,
-    ClientOp,
-    ForgetRequest,
-    LoadTotals,
-    NodeRecord,
-    PeerFrame,
-    Report,
-    RequestSnapshot,
-    Returned,
-    RunCommand,
-    Submit,
-    TokensForward,
-)
+from messages.cluster import ClientOp, LoadTotals, NodeRecord, PeerFrame, Report, RunCommand, Submit
 from messages.commands import ReplicaCommand
 from messages.control import ControlRequest
 from messages.control_replies import ClusterTotals, ClusterView, MetricsResult, ReplicaStatus
 from replicas.request import ServingRequest
-from replicas.states import ReplicaState as S
+from replicas.states import SERVING_ROLE, SETTLED, Role
 from transport.auth.credentials import NO_CREDENTIALS, Credentials
 
 R = TypeVar("R")
@@ -72,7 +56,6 @@ R = TypeVar("R")
 _log = structlog.get_logger("engine.cluster")
 REPORT_PERIOD: Final = 0.05
 REPORT_HEARTBEAT: Final = 1.0
-REMEMBERED_IDS: Final = 10_000
 
 
 @final
@@ -101,32 +84,31 @@ class ClusterMember:
         self.node_id = membership.node_id
         self.membership = membership
         membership.on_change = self._members_changed
-        self.frames = Frames(self)
+        self.incarnations = Incarnations()
         self.peers = PeerLinks(
             self.node_id,
             lambda: membership.lease,
-            self.frames.on_frame,
+            self._on_frame,
             credentials,
-            known_lease=lambda node: self.incarnations.get(node, 0),
+            known_lease=lambda node: self.incarnations.lease_of(node) or 0,
         )
+        self.books = RequestBooks(
+            self.node_id,
+            router=self.router,
+            post=self.peers,
+            replicas=self.directory,
+            others=self.other_nodes,
+        )
+        self.frames = Frames(self, self.books, self.incarnations)
         self.ops = ClusterOps(self, handle)
         self.remote: dict[str, RemoteReplica] = {}
         self.reported: dict[str, Report] = {}
-        self.holders: dict[str, str] = {}  # origin side: request id -> the node holding it
-        self.mirrors: dict[str, ServingRequest] = {}
-        self.origins: dict[str, str] = {}  # mirror request id -> its origin node
-        self._tracked: set[str] = set()  # origin side: requests other nodes know of
-        self._forgotten: set[str] = set()
-        self._forgotten_order: deque[str] = deque()
         self._nursery: trio.Nursery | None = None
-        # node -> the lease this member knows it under (`engine.cluster.frames` checks frames against it)
-        self.incarnations: dict[str, int] = {}
         # Replica name → the prefix-cache version the last broadcast brought the others to.
         self._prefix_versions: dict[str, int] = {}
-        self._token_hooks: dict[str, Callable[[int, Sequence[int]], None]] = {}  # mirror → its token relay
         self.pid = os.getpid()
         core.directory.serve_remote(self.peer_replicas)
-        core.router.held_returned.subscribe(self._take_back)
+        core.router.held_returned.subscribe(self.books.give_back)
         core.router.refusal = self._refusal
 
     # ------------------------------------------------------------------ life
@@ -179,14 +161,11 @@ class ClusterMember:
         )
 
     def _serves_alone(self, request: ServingRequest) -> bool:
-        states = {replica.snapshot().state for replica in self.directory.local()}
-        needs = [S.PREFILL, S.DECODE] + ([S.ENCODE] if request.needs_embeddings else [])
-        return all(state in states for state in needs)
-
-    @property
-    def requests(self) -> Mapping[str, ServingRequest]:
-        """The node's requests (the router's): its own and the mirrors it holds."""
-        return self.router.requests
+        """This node has a replica serving plainly (`SETTLED`) in each role `request` needs."""
+        states = (replica.snapshot().state for replica in self.directory.local())
+        serving = {SERVING_ROLE[state] for state in states if state in SETTLED}
+        needs: set[Role] = {"prefill", "decode", *(("encode",) if request.needs_embeddings else ())}
+        return needs <= serving
 
     def peer_replicas(self) -> list[RemoteReplica]:
         return list(self.remote.values()) if self.reachable else []
@@ -317,53 +296,29 @@ class ClusterMember:
         for node, record in members.items():
             if node == self.node_id:
                 continue
-            known = self.incarnations.get(node)
+            known = self.incarnations.lease_of(node)
             if known is not None and known != record.lease:
                 self._node_gone(node, f"it came back under a new lease {record.lease:x}")
             self.peers.set_address(node, record.peer_address)
-            if known != record.lease:
-                self.incarnations[node] = record.lease
+            if self.incarnations.know(node, record.lease):
                 self.frames.release(node)
                 # What this node serves, and where its endpoints listen, to the new incarnation now:
                 # its reservations need them (the heartbeat would tell it within a second).
                 self.peers.send(node, self._report(whole=True))
-        for node in [n for n in self.incarnations if n not in members]:
+        for node in [n for n in self.incarnations.nodes() if n not in members]:
             self._node_gone(node, "its lease ended: it stopped or was cut off")
         self.core.changes.notify()
 
     def _node_gone(self, node: str, why: str) -> None:
         """End everything shared with `node`'s incarnation (see the module docstring)."""
-        lease = self.incarnations.pop(node, 0)
+        lease = self.incarnations.forget(node)
         self.reported.pop(node, None)
         _log.warning("cluster.node_gone", node=node, lease=f"{lease:x}", why=why)
         self.peers.forget(node)
         for name in [n for n, r in self.remote.items() if r.node == node]:
             del self.remote[name]
         self.fabric.forget_remote(f"{node}/", f"node {node} left the cluster ({why})")
-        self._end_shared(node, f"node {node} left the cluster ({why})")
-
-    def _end_shared(self, node: str, why: str) -> None:
-        """End the requests shared with `node`: this node's requests it held fail, the mirrors of its
-        requests here stop (detached first: nothing about them is forwarded to a later incarnation)."""
-        for request_id, holder in list(self.holders.items()):
-            request = self.router.requests.get(request_id)
-            if holder == node:
-                self.holders.pop(request_id, None)
-                if request is not None and not request.ended:
-                    request.fail(
-                        "replica_failed",
-                        f"{why} while it held request {request_id}; the request can be sent again",
-                    )
-        for request_id, origin in list(self.origins.items()):
-            mirrored = self.mirrors.get(request_id)
-            if origin == node and mirrored is not None:
-                self.remember(request_id)
-                self.mirrors.pop(request_id, None)
-                self.origins.pop(request_id, None)
-                self._drop_token_hook(mirrored)
-                self.end_mirror(mirrored)  # its client is gone with its origin
-        for replica in self.directory.local():
-            replica.post()  # their holders look at their queues again: the cancelled ones free blocks
+        self.books.end_shared(node, f"node {node} left the cluster ({why})")
 
     async def _rejoin_loop(self) -> None:
         """A lease that expired while etcd answered: end what was shared under it and take a new one
@@ -387,8 +342,8 @@ class ClusterMember:
         and mirrors, and the transfer links to their nodes (a migration or pull under the old lease ends by
         this event, not by its wait running out; links are dialled again under the new lease)."""
         why = f"node {self.node_id} lost its cluster lease (it was cut off from etcd for over the lease TTL)"
-        for node in list(self.incarnations):
-            self._end_shared(node, why)
+        for node in self.incarnations.nodes():
+            self.books.end_shared(node, why)
             self.fabric.close_links(f"{node}/", why)
 
     # ------------------------------------------------------------------ origin side
@@ -398,104 +353,15 @@ class ClusterMember:
         submit = Submit(replica=replica.name, request=snapshot(request, self.node_id, images=True))
         if not self.peers.send(replica.node, submit):
             return False  # over the peer frame limit: its images are too large to send (logged)
-        self.track(request)
         replica.submitted_tokens += request.prompt_tokens
         if replica.report.status.role != "encode":
-            self.holders[request.request_id] = replica.node
+            self.books.held_at(request, replica.node)
+        else:
+            self.books.track(request)
         return True
 
-    def track(self, request: ServingRequest) -> None:
-        """The first time another node hears of an origin request: forward its cancel, forget it at end."""
-        if request.request_id in self._tracked or request.request_id in self.mirrors:
-            return
-        self._tracked.add(request.request_id)
-        request.on_cancel.append(self._cancelled)
-        request.on_end.append(self._origin_ended)
-
-    def _cancelled(self, request: ServingRequest) -> None:
-        message = CancelForward(request_id=request.request_id, stop_at=request.stop_at)
-        self.peers.broadcast(self.other_nodes(), message)
-
-    def _origin_ended(self, request: ServingRequest) -> None:
-        self._tracked.discard(request.request_id)
-        self.holders.pop(request.request_id, None)
-        self.peers.broadcast(self.other_nodes(), ForgetRequest(request_id=request.request_id))
-
-    def origin_of(self, request: ServingRequest) -> str:
-        return self.origins.get(request.request_id, self.node_id)
-
-    # ------------------------------------------------------------------ mirrors
-    def adopt(self, snap: RequestSnapshot) -> ServingRequest | None:
-        """The request object `snap` describes on this node: the one it already has (brought up to the
-        snapshot), or a new mirror; None when the request already ended here or was forgotten."""
-        existing = self.router.requests.get(snap.request_id)
-        if existing is not None:
-            merge_snapshot(existing, snap)
-            return None if existing.ended else existing
-        if snap.request_id in self._forgotten or snap.origin == self.node_id:
-            # Forgotten here, or this node's own request that ended: a node that still held it (a
-            # ZigZag OldPrefill reserving a decode replica here, say) had not heard of its end yet.
-            return None
-        request = mirror(snap)
-        self.mirrors[snap.request_id] = request
-        self.origins[snap.request_id] = snap.origin
-        self.router.hold(request)
-
-        def forward_tokens(start: int, ids: Sequence[int]) -> None:
-            scored = records(request.generated_logprobs[start : start + len(ids)])
-            message = TokensForward(
-                request_id=snap.request_id, start=start, token_ids=list(ids), logprobs=scored
-            )
-            self.peers.send(snap.origin, message)
-
-        self._token_hooks[snap.request_id] = forward_tokens
-        request.on_tokens.append(forward_tokens)
-        request.on_end.append(self._mirror_ended)
-        return request
-
-    def _drop_token_hook(self, request: ServingRequest) -> None:
-        hook = self._token_hooks.pop(request.request_id, None)
-        if hook is not None and hook in request.on_tokens:
-            request.on_tokens.remove(hook)
-
-    def _mirror_ended(self, request: ServingRequest) -> None:
-        self._token_hooks.pop(request.request_id, None)
-        origin = self.origins.pop(request.request_id, None)
-        if self.mirrors.pop(request.request_id, None) is not None and origin is not None:
-            self.peers.send(origin, ended_forward(request))
-
-    def end_mirror(self, request: ServingRequest) -> None:
-        """Stop a mirror: its holder frees what it holds; one nobody holds ends at once."""
-        request.cancel()
-        if request.holder is None or request.holder not in self.directory:
-            request.finish("cancelled")
-
-    def drop_mirror(self, request: ServingRequest) -> None:
-        """Forget a mirror without ending it (its work went back to the origin)."""
-        self.mirrors.pop(request.request_id, None)
-        self.origins.pop(request.request_id, None)
-        self._drop_token_hook(request)
-        self.router.release(request)
-
-    def _take_back(self, request: ServingRequest) -> None:
-        """A replica gave back a mirror (`Router.held_returned`): it goes back to its origin."""
-        origin = self.origins.get(request.request_id)
-        if origin is None:
-            return
-        self.peers.send(origin, Returned(request_id=request.request_id, replica=request.holder or ""))
-        self.drop_mirror(request)
-
-    def remember(self, request_id: str) -> None:
-        if request_id not in self._forgotten:
-            self._forgotten.add(request_id)
-            self._forgotten_order.append(request_id)
-            if len(self._forgotten_order) > REMEMBERED_IDS:
-                self._forgotten.discard(self._forgotten_order.popleft())
-
-    def take_back(self, request: ServingRequest) -> None:
-        """A request another node returned: to the front of the router's queue, dispatched again."""
-        self.router.take_back(request)
-        self.router.dispatch()
+    def _on_frame(self, frame: PeerFrame) -> None:
+        self.frames.on_frame(frame)
 
     def serve_command(self, frame: PeerFrame, message: RunCommand) -> None:
         assert self._nursery is not None

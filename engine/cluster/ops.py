@@ -38,12 +38,19 @@ S = TypeVar("S", RequestCounters, TokenCounters)
 Handle = Callable[[ControlRequest, ReplySink], Awaitable[None]]  # a node's control handler
 
 
-class ClusterMember(Protocol):
-    """What the forwarded ops use of this node's cluster member (`engine.cluster.member`)."""
+class ForwardingNode(Protocol):
+    """What forwarding control ops to other nodes needs of this node (its cluster member,
+    `engine.cluster.member`): its id, links and membership, its free replica slots and the others'
+    last reports."""
 
-    node_id: str
-    peers: PeerLinks
-    membership: Membership
+    @property
+    def node_id(self) -> str: ...
+
+    @property
+    def peers(self) -> PeerLinks: ...
+
+    @property
+    def membership(self) -> Membership: ...
 
     @property
     def replica_slots(self) -> int:
@@ -60,7 +67,7 @@ class ClusterMember(Protocol):
 class ClusterOps:
     """See the module docstring."""
 
-    def __init__(self, member: ClusterMember, handle: Handle) -> None:
+    def __init__(self, member: ForwardingNode, handle: Handle) -> None:
         self.member = member
         self._handle = handle  # the node's control handler
 

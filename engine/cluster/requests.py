@@ -20,7 +20,7 @@ from engine.generate.logprobs import logprob_value, prompt_records, prompt_value
 from messages.cluster import EndedForward, ImageData, RequestSnapshot, SamplingRecord, StampsRecord
 from messages.control_replies import TokenLogprob, TransferSummary
 from replicas.model import SamplingParams
-from replicas.request import EmbeddingRoute, FailedUpdate, ServingRequest, Stamps
+from replicas.request import EmbeddingRoute, FailedUpdate, RequestSpec, ServingRequest, Stamps
 
 _STAMPS = [f.name for f in fields(Stamps)]
 
@@ -73,7 +73,7 @@ def snapshot(request: ServingRequest, origin: str, *, images: bool) -> RequestSn
 def mirror(snap: RequestSnapshot) -> ServingRequest:
     """A new request object for this node, as `snap` describes it."""
     s = snap.sampling
-    request = ServingRequest(
+    spec = RequestSpec.of(
         request_id=snap.request_id,
         prompt_ids=snap.prompt_ids,
         images=[np.frombuffer(i.data, dtype=i.dtype).reshape(i.shape).copy() for i in snap.images],
@@ -91,10 +91,10 @@ def mirror(snap: RequestSnapshot) -> ServingRequest:
             logit_bias=tuple((token, value) for token, value in s.logit_bias),
         ),
         max_tokens=snap.max_tokens,
-        eos_token_ids=snap.eos_token_ids,
         logprobs=s.logprobs,
         prompt_logprobs=s.prompt_logprobs,
     )
+    request = ServingRequest(spec, eos_token_ids=snap.eos_token_ids)
     merge_snapshot(request, snap)
     return request
 

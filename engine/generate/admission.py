@@ -23,7 +23,7 @@ from messages.control import GenerateRequest, ImageInput
 from messages.grammar import Grammar
 from replicas.model import ImageSizeError, InvalidBatchError, SamplingParams, check_image, encode_prompt
 from replicas.model.text.grammar import grammar_name, grammar_problem, supports_grammars
-from replicas.request import ServingRequest
+from replicas.request import RequestSpec, ServingRequest
 from replicas.settings import ReplicaSettings
 from replicas.weights import ModelHost
 
@@ -81,7 +81,7 @@ def build_request(
                 f"logit_bias names token {token}, outside the vocabulary of {config.vocab_size} tokens",
             )
     seed = request.seed if request.seed is not None else served.next_seed()
-    return ServingRequest(
+    spec = RequestSpec.of(
         request_id=request.request_id or new_request_id(),
         prompt_ids=prompt_ids,
         images=images,
@@ -99,10 +99,10 @@ def build_request(
             logit_bias=tuple(sorted(request.logit_bias.items())),
         ),
         max_tokens=max_tokens,
-        eos_token_ids=config.eos_token_ids,
         logprobs=request.logprobs,
         prompt_logprobs=request.prompt_logprobs,
     )
+    return ServingRequest(spec, eos_token_ids=config.eos_token_ids)
 
 
 def _check_grammar(grammar: Grammar, host: ModelHost) -> None:

@@ -100,7 +100,7 @@ class DecodeWork:
                 f"{kv.pool.available_blocks} available",
             )
         held = Held(request, table)
-        request.holder = name
+        request.hand_to(name)
         self.incoming[command.request_id] = held
         self._actor.spawn(self._receive, held, command)
         return "accepted"
@@ -205,7 +205,7 @@ class DecodeWork:
                     f"{self._actor.name}: no KV room to decode request {request.request_id} here",
                 )
                 continue
-            request.holder = self._actor.name
+            request.hand_to(self._actor.name)
             self.arrived.append(Held(request, [*item.table, *extra]))
         return len(items)
 

@@ -235,7 +235,7 @@ class EmbeddingReceives:
         self._give(request, prompt, summary, ended)
         if self._actor.state not in KEEPS_IMAGE_REQUESTS:  # e.g. becoming a decode replica meanwhile
             self._drop(request, keep_input=True)
-            request.holder = None
+            request.hand_to(None)
             self._returned(request)
             self._changed()
 

@@ -92,7 +92,7 @@ class PrefillWork:
         return sum(chunk.tokens for chunk in self._chunks)
 
     def enqueue(self, request: ServingRequest) -> None:
-        request.holder = self._actor.name
+        request.hand_to(self._actor.name)
         self.queue.append(request)
         if request.needs_embeddings:
             if self._embeddings is None:
@@ -116,7 +116,7 @@ class PrefillWork:
                 self.queue.append(request)  # its embeddings or prefix are landing here; finish first
                 continue
             self._restart(request)
-            request.holder = None
+            request.hand_to(None)
             self._returned(request)
 
     def pull_ended(self, request: ServingRequest) -> None:
@@ -126,7 +126,7 @@ class PrefillWork:
         if request in self.queue and self._actor.state not in KEEPS_IMAGE_REQUESTS:
             self.queue.remove(request)
             self._restart(request)
-            request.holder = None
+            request.hand_to(None)
             self._returned(request)
         self._changed()
 

@@ -301,7 +301,7 @@ class NewPrefillWork:
                 )
             )
             offset += request.prompt_tokens
-            request.holder = command.old_prefill
+            request.hand_to(command.old_prefill)
             request.relay = RelayInfo(new_prefill=name, old_prefill=command.old_prefill, layer=layer)
             self._keep_half(item, layer)
         offer = RelayOffer(

@@ -16,7 +16,7 @@ from engine.client import ControlClient
 from messages.commands import ReserveKV
 from replicas.inbox import new_command_id
 from replicas.model import Model, SamplingParams
-from replicas.request import FailedUpdate, ServingRequest
+from replicas.request import FailedUpdate, RequestSpec, ServingRequest
 from tests.epd.inprocess import served_node
 from tests.epd.node import wait_serving
 from tests.waiting import deadline, wait_until
@@ -44,11 +44,13 @@ async def test_a_kv_source_that_is_gone_fails_its_request_and_the_decode_replica
                 lambda: decode.snapshot().decoding, "the long request decoding", 60, interval=0.005
             )
             victim = ServingRequest(
-                request_id="orphan",
-                prompt_ids=list(range(5, 25)),
-                images=[],
-                sampling=SamplingParams(),
-                max_tokens=4,
+                RequestSpec.of(
+                    request_id="orphan",
+                    prompt_ids=list(range(5, 25)),
+                    images=[],
+                    sampling=SamplingParams(),
+                    max_tokens=4,
+                ),
                 eos_token_ids=[],
             )
             router.requests[victim.request_id] = victim

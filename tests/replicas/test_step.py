@@ -12,7 +12,7 @@ from replicas.decode.work import schedule as decode_schedule
 from replicas.model import SamplingParams
 from replicas.prefill.queue import PromptQueue
 from replicas.prefill.queue import schedule as prefill_schedule
-from replicas.request import FinishedUpdate, ServingRequest
+from replicas.request import FinishedUpdate, RequestSpec, ServingRequest
 from replicas.step.apply import apply_tokens, refuse
 from replicas.step.plan import Held
 from replicas.zigzag.new_prefill import PartBatch
@@ -23,11 +23,13 @@ BLOCK = 16
 
 def request(name: str, tokens: int, *, max_tokens: int = 8, eos: tuple[int, ...] = ()) -> ServingRequest:
     return ServingRequest(
-        request_id=name,
-        prompt_ids=list(range(1, tokens + 1)),
-        images=[],
-        sampling=SamplingParams(),
-        max_tokens=max_tokens,
+        RequestSpec.of(
+            request_id=name,
+            prompt_ids=list(range(1, tokens + 1)),
+            images=[],
+            sampling=SamplingParams(),
+            max_tokens=max_tokens,
+        ),
         eos_token_ids=eos,
     )
 
@@ -59,11 +61,13 @@ def test_the_prefill_batch_is_first_come_first_served_within_the_budgets() -> No
 
 def test_the_prefill_batch_skips_requests_not_ready_and_runs_a_long_prompt_alone() -> None:
     waiting = ServingRequest(
-        request_id="img",
-        prompt_ids=[1, 2],
-        images=[torch.zeros(16, 16, 3, dtype=torch.uint8).numpy()],
-        sampling=SamplingParams(),
-        max_tokens=4,
+        RequestSpec.of(
+            request_id="img",
+            prompt_ids=[1, 2],
+            images=[torch.zeros(16, 16, 3, dtype=torch.uint8).numpy()],
+            sampling=SamplingParams(),
+            max_tokens=4,
+        ),
         eos_token_ids=(),
     )
     cancelled = request("gone", 5)

@@ -1,0 +1,1 @@
+"""Tests of the cluster member's books (`engine.cluster.books`)."""
