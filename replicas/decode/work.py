@@ -143,7 +143,7 @@ class DecodeWork:
             if request.cancelled or outcome is None:  # a cancel aborts the transfer: no failure
                 request.finish("cancelled")
             elif isinstance(outcome, TransferError):
-                request.fail(outcome.code, f"KV migration of request {request.request_id} failed: {outcome}")  # type: ignore[arg-type]
+                request.fail(outcome.code, f"KV migration of request {request.request_id} failed: {outcome}")
             else:
                 request.fail(
                     "transfer_failed", f"KV migration of request {request.request_id} failed: {outcome}"

@@ -322,7 +322,7 @@ def _failure(
     what = f"embedding transfer {summary.transfer_id} of request {request.request_id} from {summary.source}"
     match failure:
         case TransferError():
-            return failure.code, f"{what} failed: {failure}"  # type: ignore[return-value]
+            return failure.code, f"{what} failed: {failure}"
         case PromptTooLong():
             return "bad_request", str(failure)
         case _:
