@@ -158,7 +158,6 @@ class Node:
             if http is not None:
                 api = HttpApi(
                     core,
-                    self.service.log_end,
                     self.metrics,
                     api_key=config.api_key,
                     tool_call_parser=config.tool_call_parser,
