@@ -20,8 +20,8 @@ from typing import Any, Final, NoReturn, TypeVar, final
 import msgspec
 import msgspec.inspect as mi
 
+from engine.config.address import parse_address
 from engine.config.base import ConfigError, ReplicaCounts
-from engine.control.address import parse_address
 from messages.faults import FAULT_KINDS
 from replicas.emulation import parse_emulated_speed
 

@@ -26,7 +26,7 @@ import trio
 from engine.client import ControlClient, ControlError
 from engine.client.cluster import node_lines, shutdown_cluster, wait_serving
 from engine.config import NodeConfig
-from engine.control.address import Address
+from engine.config.address import Address
 from engine.generate.served import ServedModel
 from engine.verify import compare
 from messages.control import ImageInput

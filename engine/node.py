@@ -34,7 +34,7 @@ from engine.cluster.member import ClusterMember
 from engine.cluster.membership import JoinRefused
 from engine.cluster.peers import PeerListenError
 from engine.config import ConfigError, NodeConfig, parse_node_config
-from engine.control.address import Address
+from engine.config.address import Address
 from engine.control.outbox import ReplySink
 from engine.control.server import ControlServer, ControlServerError
 from engine.core import NodeCore
@@ -158,7 +158,6 @@ class Node:
             if http is not None:
                 api = HttpApi(
                     core,
-                    self.service.log_end,
                     self.metrics,
                     api_key=config.api_key,
                     tool_call_parser=config.tool_call_parser,

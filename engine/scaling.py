@@ -42,6 +42,7 @@ from replicas.states import (
     REVIVING_STATE,
     SETTLED,
     SHUTTING_STATE,
+    STATES,
     ZIGZAG,
     ZIGZAG_OLD,
     ReplicaState,
@@ -294,7 +295,8 @@ async def pair(
             )
         )
     except CommandRefused:
-        if new.state in (S.PREFILL, S.LOADING_PREFILL):
+        loading = LOADING_STATE["prefill"]
+        if new.state in (loading, STATES[loading].settles_to):
             return None  # it finished loading first: nothing to relay, it serves as a Prefill replica
         raise
     await old.ask(

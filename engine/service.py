@@ -56,11 +56,8 @@ from messages.control_replies import (
     TokenReply,
     TransitionResult,
 )
-from messages.log.events import RequestCancelled, RequestFinished
-from messages.log.events import RequestFailed as RequestFailedEvent
 from replicas.actor import Replica
 from replicas.inbox import CommandRefused, new_command_id
-from replicas.request import FailedUpdate, FinishedUpdate, ServingRequest
 from replicas.signals import Subscribers
 from replicas.snapshot import ReplicaSnapshot
 from replicas.states import EPISODE_START, ZIGZAG_NEW, ZIGZAG_OLD, ZIGZAG_STARTS, ReplicaState
@@ -221,7 +218,6 @@ class NodeService:
             request,
             self.core.served,
             connection=replies.connection.connection,
-            on_end=self.log_end,
             token_gap=self.token_gap,
         )
         replies.request_id = generation.request_id
@@ -263,26 +259,6 @@ class NodeService:
             )
         finally:
             generation.close()
-
-    def log_end(self, serving: ServingRequest) -> None:
-        log = self.core.log.bind(request_id=serving.request_id)
-        update = serving.final_update
-        timings = serving.timings()
-        if isinstance(update, FailedUpdate):
-            log.emit(RequestFailedEvent(code=update.code, message=update.message))
-        elif isinstance(update, FinishedUpdate) and update.finish_reason == "cancelled":
-            log.emit(RequestCancelled(reason=serving.cancel_reason, output_tokens=len(serving.generated)))
-        elif isinstance(update, FinishedUpdate):
-            log.emit(
-                RequestFinished(
-                    finish_reason=update.finish_reason,
-                    prompt_tokens=serving.prompt_tokens,
-                    output_tokens=len(serving.generated),
-                    e2e_s=timings.e2e_s or 0.0,
-                    ttft_s=timings.ttft_s,
-                    tpot_s=timings.tpot_s,
-                )
-            )
 
     # ------------------------------------------------------------------ helpers
     async def _transition(self, replica: Replica, request: TransitionRequest) -> ReplicaState:

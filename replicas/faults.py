@@ -2,8 +2,9 @@
 
 The node builds one `FaultHooks` from its `--fault` options; the parts call it at the points a fault can
 strike — a replica's loop step (`fail_replica`), a transfer endpoint's plan (`stall_sender`,
-`drop_link`), a landed transfer (`corrupt_transfer`), a weight copy's next piece (`hold_weights`). No
-part reads the fault list itself, and the default, `NO_FAULTS`, does nothing at any of them. Every fault
+`drop_link`), a landed KV or embedding transfer (`corrupt_transfer`: how the landed data is altered
+lives here, not in the roles), a weight copy's next piece (`hold_weights`), a cluster node's lease
+keepalives (`block_keepalive`). No part reads the fault list or a fault's fields itself, and the default, `NO_FAULTS`, does nothing at any of them. Every fault
 that fires is logged as a `fault_injected` event.
 
 A hold (`hold_weights`) lasts its `seconds` at most; `release_holds` — the `release` control op — ends
@@ -20,6 +21,7 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import Protocol, final
 
+import torch
 import trio
 
 from messages.faults import (
@@ -33,6 +35,7 @@ from messages.faults import (
     TransferKindName,
 )
 from messages.log.events import FaultInjected, LogEvent
+from replicas.model import KVCache
 from transport.faults import NO_FAULTS as NO_TRANSFER_FAULTS
 from transport.faults import FaultPlan
 
@@ -51,10 +54,10 @@ class FaultHooks:
     """See the module docstring. One per node; single Trio thread."""
 
     def __init__(self, faults: Sequence[Fault] = ()) -> None:
-        self.faults = tuple(faults)
-        self._fail_after = {f.replica: f.after_steps for f in self.faults if isinstance(f, FailReplica)}
+        self._faults = tuple(faults)
+        self._fail_after = {f.replica: f.after_steps for f in self._faults if isinstance(f, FailReplica)}
         self._steps: Counter[str] = Counter()
-        self._landed: Counter[TransferKindName] = Counter()
+        self._landed_count: Counter[TransferKindName] = Counter()
         self._release = trio.Event()
         self.holding = 0  # holds in progress
 
@@ -75,26 +78,66 @@ class FaultHooks:
         """What `replica`'s transfer endpoints inject as senders (a stall, a dropped link; the last
         fault naming it wins)."""
         plan = NO_TRANSFER_FAULTS
-        for fault in self.faults:
+        for fault in self._faults:
             if isinstance(fault, StallSender) and fault.replica == replica:
                 plan = FaultPlan(stall_before_round=0, stall_seconds=fault.seconds)
             elif isinstance(fault, DropLink) and fault.source == replica:
                 plan = FaultPlan(drop_link_after_bytes=max(1, fault.after_bytes))
         return plan
 
-    def landed(
-        self, kind: TransferKindName, log: _Log, detail: Callable[[int], str], alter: Callable[[], None]
+    def corrupt_landed_kv(
+        self,
+        log: _Log,
+        kv: KVCache,
+        table: Sequence[int],
+        tokens: int,
+        *,
+        transfer_id: str,
+        request_id: str,
+        replica: str,
+    ) -> None:
+        """KV transfer `transfer_id` of `request_id` finished landing on `replica` (its `tokens` rows in
+        `table`): a `corrupt_transfer` fault for it alters the landed K of layer 0, so the output must
+        change. `nth` counts the KV transfers that landed on this node, from 0, in finishing order."""
+
+        def alter() -> None:
+            rows = kv.slot_rows(table, 0, tokens)
+            keys = kv.keys(0)
+            keys.index_copy_(0, rows, -keys.index_select(0, rows) * 3.0 + 1.0)
+
+        self._landed(
+            "kv",
+            log,
+            lambda index: (
+                f"kv transfer {transfer_id} of request {request_id} altered "
+                f"(kv transfer {index} of the node, received by {replica})"
+            ),
+            alter,
+        )
+
+    def corrupt_landed_embeddings(self, log: _Log, embeds: torch.Tensor, *, replica: str) -> None:
+        """An embedding transfer finished landing on `replica` as the rows `embeds`: a `corrupt_transfer`
+        fault for it alters them, so the output must change. `nth` counts the embedding transfers that
+        landed on this node, from 0, in finishing order."""
+        self._landed(
+            "embedding",
+            log,
+            lambda index: f"embedding transfer {index} of the node (on {replica}) altered",
+            lambda: embeds.mul_(-3.0).add_(1.0),
+        )
+
+    def _landed(
+        self, kind: TransferKindName, log: _Log, detail: Callable[[int], str], alter: Callable[[], object]
     ) -> None:
         """A transfer of `kind` finished landing on this node (the `index`-th, from 0, in finishing
-        order): a `corrupt_transfer` fault for it calls `alter` — which changes the landed data so that
-        the output must change — and logs `detail(index)`."""
-        if not self.faults:
+        order): a `corrupt_transfer` fault for it calls `alter` and logs `detail(index)`."""
+        if not self._faults:
             return
-        index = self._landed[kind]
-        self._landed[kind] += 1
+        index = self._landed_count[kind]
+        self._landed_count[kind] += 1
         if any(
             isinstance(fault, CorruptTransfer) and fault.transfer == kind and fault.nth in (None, index)
-            for fault in self.faults
+            for fault in self._faults
         ):
             alter()
             log.emit(FaultInjected(fault="corrupt_transfer", detail=detail(index)))
@@ -103,7 +146,7 @@ class FaultHooks:
         """Weight copy number `copy` (of the node, from 1) into `replica` is about to load layer
         `position` (`layers`: the final norm and head). A `hold_weights` fault for it holds the copy for
         its seconds, or until `release_holds`; returns whether it held."""
-        for fault in self.faults:
+        for fault in self._faults:
             if (
                 isinstance(fault, HoldWeights)
                 and fault.before_layer == position
@@ -134,10 +177,13 @@ class FaultHooks:
         release.set()
         return held
 
-    @property
-    def keepalive_block(self) -> BlockKeepalive | None:
-        """The `block_keepalive` fault of a cluster node, if any."""
-        return next((f for f in self.faults if isinstance(f, BlockKeepalive)), None)
+    def keepalive_blocked(self, since_joined: float) -> bool:
+        """Whether a cluster node's `block_keepalive` fault holds back its lease keepalives now,
+        `since_joined` seconds after it joined (from `after_s` on, for `seconds`)."""
+        return any(
+            isinstance(f, BlockKeepalive) and f.after_s <= since_joined < f.after_s + f.seconds
+            for f in self._faults
+        )
 
 
 NO_FAULTS = FaultHooks()

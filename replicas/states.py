@@ -3,12 +3,14 @@
 `STATES` holds a row per state — the role it is for, its phase, whether it serves, counts as active,
 which ZigZag side it is, what it settles to, what its main loop runs — and every set the node's parts ask
 about is derived from it here (`SERVING_ROLE`, `ACTIVE_STATES`, `ZIGZAG_NEW`, `PREFILL_BATCHES`, ...);
-no other module keeps a list of states.
+no other module keeps a list of states. The one table keyed by state elsewhere is the conditions of the
+automatic moves (`replicas.actor.moves.AUTOMATIC`), which must have a row for exactly the states this
+table lets settle (`settles_to`; asserted there).
 
 A transition is either *commanded* (the `transition` op, the planner, the controller) or *automatic* (the
 replica moves itself when a condition holds: weights loaded, nothing left to finish — the table's
-`settles_to`). `check_command` refuses every commanded move that the table does not list, naming both
-states.
+`settles_to`, under the condition `replicas.actor.moves` gives). `check_command` refuses every
+commanded move that the table does not list, naming both states.
 """
 
 from __future__ import annotations

@@ -14,7 +14,10 @@ namespace) and the chaos run (`engine.chaos`).
 Parts of one floor do not import each other: the cluster, the HTTP API, the planner and the demo share
 only what lies below them, and among what runs whole nodes the benchmarks may use the chaos run and the
 test hosts, the chaos run the test hosts. A part that needs a little of a higher one takes a small
-protocol it owns; the composition happens in the entry point. A folder is a room: at most `ROOM` modules, split by concept, whatever their length.
+protocol it owns; the composition happens in the entry point. Folders side by side (the children of one
+folder: `replicas.prefill` and `replicas.decode`, `engine.config` and `engine.control`, …) import each
+other in one order only — no circle between them, even where every module-level import goes down —
+so each folder can be read with what lies below it. A folder is a room: at most `ROOM` modules, split by concept, whatever their length.
 """
 
 from __future__ import annotations
@@ -203,6 +206,50 @@ def test_parts_of_one_floor_do_not_import_each_other() -> None:
     assert set(RUNNER_ORDER) == set(NODE_RUNNERS)
     found = sideways(graph())
     assert not found, "imports between parts of one floor:\n  " + "\n  ".join(found)
+
+
+def sibling_circles(edges: dict[str, dict[str, int]]) -> list[str]:
+    """Circles between folders side by side: for every folder, its child folders (each with everything
+    under it) as nodes, an edge where a module of one imports a module of another; each circle with one
+    import per edge, as `module:line -> imported`. The folder's own modules are ground shared by all."""
+    known = modules()
+
+    def parts(module: str) -> tuple[str, ...]:
+        return known[module].relative_to(ROOT).parts[:-1]
+
+    parents: dict[tuple[str, ...], set[str]] = {}
+    for module in known:
+        folder = parts(module)
+        for depth in range(len(folder)):
+            parents.setdefault(folder[:depth], set()).add(folder[depth])
+    found = []
+    for parent, children in sorted(parents.items()):
+
+        def child(module: str, parent: tuple[str, ...] = parent) -> str | None:
+            folder = parts(module)
+            return (
+                folder[len(parent)] if len(folder) > len(parent) and folder[: len(parent)] == parent else None
+            )
+
+        between: dict[str, dict[str, int]] = {name: {} for name in children}
+        witness: dict[tuple[str, str], str] = {}
+        for module, targets in sorted(edges.items()):
+            here = child(module)
+            for target, line in sorted(targets.items()):
+                there = child(target)
+                if here is not None and there is not None and here != there:
+                    between[here].setdefault(there, line)
+                    witness.setdefault((here, there), f"{module}:{line} -> {target}")
+        for circle in circles(between):
+            where = ".".join(parent) or "(top)"
+            inside = [witness[(a, b)] for a in circle for b in circle if (a, b) in witness]
+            found.append(f"folders {', '.join(circle)} of {where}:\n    " + "\n    ".join(inside))
+    return found
+
+
+def test_folders_side_by_side_form_no_circle() -> None:
+    found = sibling_circles(graph())
+    assert not found, "circles between folders of one folder:\n  " + "\n  ".join(found)
 
 
 def test_a_folder_is_a_room() -> None:

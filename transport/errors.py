@@ -11,11 +11,13 @@ Exact classes, so callers catch what they mean:
 
 from __future__ import annotations
 
-from typing import Final, final
+from typing import Final, Literal, final
 
 from messages.transfer import FailureReason, TransferReport
 
-ERROR_CODES: Final[dict[FailureReason, str]] = {
+# The node error codes (`messages.control.ErrorCode`) a failed transfer maps to.
+TransferCode = Literal["transfer_failed", "transfer_timeout"]
+ERROR_CODES: Final[dict[FailureReason, TransferCode]] = {
     FailureReason.MEMORY_PRESSURE: "transfer_timeout",
     FailureReason.NO_PROGRESS: "transfer_failed",
     FailureReason.LINK_LOST: "transfer_failed",
@@ -27,7 +29,7 @@ ERROR_CODES: Final[dict[FailureReason, str]] = {
 }
 
 
-def error_code(reason: FailureReason) -> str:
+def error_code(reason: FailureReason) -> TransferCode:
     """The node's error code (architecture §7) for a failure reason."""
     return ERROR_CODES[reason]
 
@@ -39,7 +41,7 @@ class TransferError(Exception):
         assert report.reason is not None
         self.report = report
         self.reason: FailureReason = report.reason
-        self.code = error_code(report.reason)
+        self.code: TransferCode = error_code(report.reason)
         super().__init__(f"transfer {report.transfer_id!r} failed ({report.reason.value}): {report.detail}")
 
 

@@ -22,7 +22,7 @@ import msgspec
 import trio
 
 from engine.client.control_client import ControlClient, ControlClientError, ControlError
-from engine.control.address import parse_address
+from engine.config.address import parse_address
 from messages.control import ImageInput, ReplicaRole, ReplicaStateName, ScaleMode, SourceChoice
 from messages.control_replies import (
     ControlResult,

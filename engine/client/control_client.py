@@ -25,7 +25,7 @@ from typing import Final, Literal, TypeVar, final
 import msgspec
 import trio
 
-from engine.control.address import Address, TcpAddress, parse_address
+from engine.config.address import Address, TcpAddress, parse_address
 from engine.control.lines import LineReader, LineTooLong
 from messages.control import (
     CancelRequest,

@@ -28,6 +28,6 @@ def new_member(core: NodeCore, *, handle: Handle, load: Callable[[], LoadTotals]
         node_id=core.node_id,
         ttl=config.lease_ttl,
         on_change=lambda: None,
-        block=core.faults.keepalive_block,
+        blocked=core.faults.keepalive_blocked,
     )
     return ClusterMember(core, membership, handle=handle, load=load, credentials=core.credentials)

@@ -31,7 +31,6 @@ import trio
 
 from engine.cluster.etcd import Etcd, EtcdError, EtcdUnavailable, keepalive_blocking
 from messages.cluster import ClusterIdentity, NodeRecord
-from messages.faults import BlockKeepalive
 
 _log = structlog.get_logger("engine.cluster")
 RETRY_SECONDS: Final = 0.5
@@ -69,7 +68,7 @@ class Membership:
         node_id: str,
         ttl: int,
         on_change: Callable[[], None],
-        block: BlockKeepalive | None = None,
+        blocked: Callable[[float], bool] | None = None,
         token: str | None = None,
     ) -> None:
         self.etcd = etcd
@@ -77,7 +76,7 @@ class Membership:
         self.ttl = ttl
         self.prefix = f"/zigzag/{cluster_name}/"
         self.on_change = on_change
-        self.block = block
+        self._blocked_since_join = blocked
         self.token = token
         self.lease = 0
         self.members: dict[str, NodeRecord] = {}
@@ -238,11 +237,8 @@ class Membership:
                 return
 
     def _blocked(self) -> bool:
-        block = self.block
-        if block is None:
-            return False
-        since = time.monotonic() - self._joined_at
-        return block.after_s <= since < block.after_s + block.seconds
+        blocked = self._blocked_since_join
+        return blocked is not None and blocked(time.monotonic() - self._joined_at)
 
     def _kept(self, lease: int, state: State) -> None:
         if lease != self.lease:

@@ -14,12 +14,12 @@ from typing import Annotated, Final, Literal, assert_never
 
 import msgspec
 
+from engine.config.address import Address, exposed, parse_address, parse_http
 from engine.config.base import ConfigError as ConfigError
 from engine.config.base import ReplicaCounts, Section, _doc
 from engine.config.executor import ExecutorConfig
 from engine.config.prefix import PrefixConfig
 from engine.config.scaling import AutoscaleConfig, ClusterConfig
-from engine.control.address import Address, exposed, parse_address, parse_http
 from messages.control import MAX_SEED
 from messages.faults import Fault
 from replicas.emulation import EmulatedSpeed

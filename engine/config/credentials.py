@@ -6,7 +6,7 @@ from __future__ import annotations
 import structlog
 
 from engine.config import NodeConfig
-from engine.control.address import loopback
+from engine.config.address import loopback
 from transport.auth.credentials import NO_CREDENTIALS, Credentials, load_secret, load_secrets
 from transport.auth.tls import TlsFiles
 

@@ -27,7 +27,7 @@ from typing import Final, final
 import trio
 
 from engine.config import ControlConfig
-from engine.control.address import Address, TcpAddress, UnixAddress
+from engine.config.address import Address, TcpAddress, UnixAddress
 from engine.control.connection import ControlConnection
 from engine.control.handler import ControlHandler
 from engine.control.outbox import ConnectionInfo

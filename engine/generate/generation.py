@@ -20,6 +20,7 @@ the one that completed the stop string are kept, the text ends before it, and th
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
@@ -34,7 +35,7 @@ from engine.generate.stops import StopText
 from engine.router import Router
 from messages.control import GenerateRequest
 from messages.control_replies import RelayInfo, Timings, TransferSummary
-from messages.log.events import RequestArrived
+from messages.log.events import RequestArrived, RequestCancelled, RequestFinished
 from messages.log.events import RequestFailed as RequestFailedEvent
 from replicas.model import TextStream, TokenLogprobs
 from replicas.ports import EventSink
@@ -127,11 +128,11 @@ class Generation:
         served: ServedModel,
         *,
         connection: str,
-        on_end: Callable[[ServingRequest], None],
         token_gap: Callable[[float, int], None] | None = None,
     ) -> Generation:
-        """Admit `request` (a node-chosen id when it has none) and log its arrival. Raises `RequestFailed`
-        (with the request id) when it is refused: a refused request has still arrived, and failed."""
+        """Admit `request` (a node-chosen id when it has none) and log its arrival — and, when it ends, how
+        it ended (`log_end`). Raises `RequestFailed` (with the request id) when it is refused: a refused
+        request has still arrived, and failed."""
         request_id = request.request_id or new_request_id()
         if request_id in router.requests:  # before any event: the log of the live one stays its own
             raise RequestFailed("bad_request", f"request_id {request_id!r} is already in use", request_id)
@@ -154,7 +155,7 @@ class Generation:
             log.emit(RequestFailedEvent(code=exc.code, message=exc.message))
             raise RequestFailed(exc.code, exc.message, request_id) from None
         log.emit(arrived(len(serving.prompt_ids), serving.max_tokens))
-        serving.on_end.append(on_end)
+        serving.on_end.append(functools.partial(log_end, log))
         try:
             router.admit(serving)
         except RequestFailed as exc:
@@ -286,3 +287,25 @@ class Generation:
             tail = self._stops.finish(tail)
         self._text.append(tail)
         return tail
+
+
+def log_end(log: EventSink, serving: ServingRequest) -> None:
+    """Log how `serving` ended (`log`: bound to its request id): failed, cancelled, or finished with its
+    counts and timings. Both front doors (the control socket, the HTTP API) log alike through it."""
+    update = serving.final_update
+    timings = serving.timings()
+    if isinstance(update, FailedUpdate):
+        log.emit(RequestFailedEvent(code=update.code, message=update.message))
+    elif isinstance(update, FinishedUpdate) and update.finish_reason == "cancelled":
+        log.emit(RequestCancelled(reason=serving.cancel_reason, output_tokens=len(serving.generated)))
+    elif isinstance(update, FinishedUpdate):
+        log.emit(
+            RequestFinished(
+                finish_reason=update.finish_reason,
+                prompt_tokens=serving.prompt_tokens,
+                output_tokens=len(serving.generated),
+                e2e_s=timings.e2e_s or 0.0,
+                ttft_s=timings.ttft_s,
+                tpot_s=timings.tpot_s,
+            )
+        )

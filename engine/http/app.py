@@ -21,7 +21,7 @@ from __future__ import annotations
 import itertools
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from typing import Final, assert_never, final
 
 import msgspec
@@ -62,7 +62,6 @@ from messages.control import GenerateRequest
 from messages.openai import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList, Reply
 from messages.responses_api.requests import ResponsesRequest
 from replicas.ports import EventSink
-from replicas.request import ServingRequest
 from replicas.states import ReplicaState
 
 JSON = "application/json"
@@ -72,20 +71,18 @@ CHOICE_EVENTS: Final = 64  # events of a body's choices waiting for the client
 
 @final
 class HttpApi:
-    """The routes of one node (its `core`); `app` is the ASGI application hypercorn serves. `log_end`
-    logs how each request ended (the control handler's, so both front doors log alike)."""
+    """The routes of one node (its `core`); `app` is the ASGI application hypercorn serves. Each request
+    logs how it ended through its `Generation`, as on the control socket."""
 
     def __init__(
         self,
         core: NodeCore,
-        log_end: Callable[[ServingRequest], None],
         metrics: NodeMetrics,
         *,
         api_key: str | None,
         tool_call_parser: ParserName | None = None,
     ) -> None:
         self.node = core
-        self._log_end = log_end
         self._log: EventSink = core.log
         self.metrics = metrics
         self.api_key = api_key
@@ -304,7 +301,6 @@ class HttpApi:
             generate,
             self.node.served,
             connection=connection,
-            on_end=self._log_end,
             token_gap=self.metrics.token_gap,
         )
         generation.cancel_reason = lambda: "client_disconnected" if self.node.router.accepting else "shutdown"

@@ -215,11 +215,13 @@ class Loader:
     def _prepared_for_decode(self) -> None:
         self.preparing = False
 
-    def release(self) -> None:
-        """Drop the weights: the hold on the node's resident copy, or the replica's own copy."""
-        self._host.release(self._actor.name)
-        self._compute.model = None
-        if self._compute.executor is not None:
-            self._compute.executor.release()  # its CUDA graphs go with the weights
-        self._compute.executor = None
-        self._weights.released()
+
+def release_weights(host: ModelHost, name: str, compute: Compute, weights: WeightsStatus) -> None:
+    """Drop replica `name`'s weights: its hold on the node's resident copy, or its own copy, with the
+    executor (its CUDA graphs go with the weights)."""
+    host.release(name)
+    compute.model = None
+    if compute.executor is not None:
+        compute.executor.release()
+    compute.executor = None
+    weights.released()

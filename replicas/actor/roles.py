@@ -5,11 +5,13 @@ role and its migration queue, the decode role, and the two ZigZag sides; an enco
 (`EncodeRoles`) the encode role. Both are built for one run of the replica from its opened endpoints,
 and each part gets the small pieces it uses (`replicas.ports`): no part reaches another replica.
 
-`advance()` runs after every inbox batch: it applies the automatic transitions that depend on the
-roles' work (shutting drained, flush done, ZigZag episode over — the actor applies the others) and,
-when no compute is in flight, starts the next one the state runs (`replicas.states.STATES`, column
-`runs`). At most one compute runs per replica (`replicas.step.compute`). `facts()` is what the
-replica's snapshot reports of its queues and what it accepts.
+Each main-loop pass, after the inbox batch, the actor calls `tend()` (the current state's upkeep),
+reads `progress()` — what its automatic moves look at (`replicas.actor.moves`); the roles decide no
+move — and calls `start_next()`: when no compute is in flight, the next one the state runs
+(`replicas.states.STATES`, column `runs`). At most one compute runs per replica
+(`replicas.step.compute`). `commands` is the table of the commands the roles answer
+(`replicas.actor.commands`); `facts()` is what the replica's snapshot reports of its queues and what it
+accepts.
 """
 
 from __future__ import annotations
@@ -18,8 +20,21 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol, final
 
-from messages.commands import Relay, RelayOffer, ReserveKV, SendCachedKV, SendKVHalf, SendWeights
+from messages.commands import (
+    AddRelayPartner,
+    DropKVHalf,
+    Flush,
+    Relay,
+    RelayHint,
+    RelayOffer,
+    ReserveKV,
+    SendCachedKV,
+    SendKVHalf,
+    WithdrawEncode,
+)
+from replicas.actor.commands import CommandTable
 from replicas.actor.loader import Loader
+from replicas.actor.moves import Progress
 from replicas.actor.pools import EncodeEndpoints, LanguageEndpoints
 from replicas.decode.receive import KVLanding
 from replicas.decode.work import DecodeWork
@@ -27,9 +42,7 @@ from replicas.encode.work import EncodeWork
 from replicas.fabric import Fabric
 from replicas.faults import FaultHooks
 from replicas.inbox import CommandRefused
-from replicas.loading.peer_send import send_weights
-from replicas.loading.staging import WeightStaging
-from replicas.model import KVCache, Model, ModelConfig
+from replicas.model import KVCache, ModelConfig
 from replicas.ports import Actor, Directory, LiveRequests, NodeSignal
 from replicas.prefill.embeddings import EmbeddingReceives
 from replicas.prefill.migration import Migrator
@@ -44,7 +57,6 @@ from replicas.zigzag.new_prefill import NewPrefillWork
 from replicas.zigzag.old_prefill import OldPrefillWork
 
 S = ReplicaState
-Move = Callable[[ReplicaState, str], None]
 
 
 @final
@@ -66,7 +78,12 @@ class RoleFacts:
 
 
 class Roles(Protocol):
-    """The roles of one run of a replica, as its actor drives them."""
+    """The roles of one run of a replica, as its actor drives them (see the module docstring)."""
+
+    @property
+    def commands(self) -> CommandTable:
+        """The commands these roles answer (`replicas.actor.commands`)."""
+        ...
 
     def start(self) -> None: ...
 
@@ -76,31 +93,13 @@ class Roles(Protocol):
 
     def entered(self, previous: ReplicaState, target: ReplicaState) -> None: ...
 
-    def advance(self) -> None: ...
-
     def paired(self, target: ReplicaState, partner: str | None) -> None: ...
 
-    def add_relay_partner(self, old_prefill: str) -> None: ...
+    def tend(self) -> None: ...
 
-    def loading_finished(self) -> None: ...
+    def progress(self, weights_landed: bool) -> Progress: ...
 
-    def flush(self) -> int: ...
-
-    def offer_relay(self, command: Relay) -> RelayOffer: ...
-
-    def hint(self, new_prefill: str, oldest: float | None) -> None: ...
-
-    def send_half(self, command: SendKVHalf) -> str: ...
-
-    def drop_half(self, request_id: str) -> int: ...
-
-    def reserve(self, command: ReserveKV) -> str: ...
-
-    def withdraw(self, transfer_id: str) -> None: ...
-
-    def send_weights(self, command: SendWeights, model: Model | None, staging: WeightStaging) -> None: ...
-
-    def send_cached(self, command: SendCachedKV) -> int: ...
+    def start_next(self) -> None: ...
 
 
 @final
@@ -123,15 +122,12 @@ class LanguageRoles:
         directory: Directory,
         returned: Callable[[ServingRequest], None],
         changes: NodeSignal,
-        move: Move,
     ) -> None:
         self._actor = actor
         changed = changes.notify
         self._endpoints = endpoints
-        self._settings = settings
         self._compute = compute
         self._loader = loader
-        self._move = move
         self._kv = kv
         context, layers = compute.context_length, compute.num_layers
         queue = PromptQueue()
@@ -195,6 +191,17 @@ class LanguageRoles:
         zigzag |= {"settings": settings, "compute": compute, "directory": directory}
         self.new_prefill = NewPrefillWork(actor, kv_endpoint=endpoints.kv, changed=changed, **zigzag)  # type: ignore[arg-type]
         self.old_prefill = OldPrefillWork(actor, requests=requests, changes=changes, **zigzag)  # type: ignore[arg-type]
+        self.commands = (
+            CommandTable()
+            .on(Flush, lambda _: self.flush())
+            .on(Relay, self._offer_relay)
+            .on(AddRelayPartner, self._add_relay_partner)
+            .on(RelayHint, lambda command: self.old_prefill.hint(command.new_prefill, command.oldest))
+            .on(SendKVHalf, self.new_prefill.send_half)
+            .on(DropKVHalf, lambda command: self.new_prefill.drop_half(command.request_id))
+            .on(ReserveKV, self.decode.reserve)
+            .on(SendCachedKV, self._send_cached)
+        )
 
     def start(self) -> None:
         self._actor.spawn(self.migrator.run)
@@ -239,6 +246,10 @@ class LanguageRoles:
         return False
 
     def entered(self, previous: ReplicaState, target: ReplicaState) -> None:
+        if previous is S.NEW_PREFILL and target is S.REFRACTORY_PREFILL:
+            # The load finished: requests not yet in a batch go back to the router (before the
+            # actor's change signal, whose readiness change dispatches them).
+            self.new_prefill.loading_finished()
         if previous in ZIGZAG_NEW and target not in ZIGZAG_NEW:
             self.new_prefill.wake_partners()  # an OldPrefill partner may end its episode
         if target is S.MUTATING_TO_DECODE:
@@ -252,57 +263,33 @@ class LanguageRoles:
         elif target is S.OLD_PREFILL:
             self.old_prefill.pair(partner)
 
-    def add_relay_partner(self, old_prefill: str) -> None:
-        self.new_prefill.add_partner(old_prefill)
-
-    def loading_finished(self) -> None:
-        self.new_prefill.loading_finished()
-
     # ------------------------------------------------------------------ commands
     def flush(self) -> int:
         """Adopt this replica's own queued migrations (only in MutatingToDecode); returns how many."""
         return self.decode.adopt_local(self.migrator.take_unclaimed())
 
-    def offer_relay(self, command: Relay) -> RelayOffer:
+    def _offer_relay(self, command: Relay) -> RelayOffer:
+        state = self._actor.state
+        if state not in ZIGZAG_NEW:
+            raise CommandRefused("not_found", f"{self._actor.name} is {state.value}: no batch to relay")
         return self.new_prefill.offer(command)
 
-    def hint(self, new_prefill: str, oldest: float | None) -> None:
-        self.old_prefill.hint(new_prefill, oldest)
+    def _add_relay_partner(self, command: AddRelayPartner) -> None:
+        if self._actor.state in ZIGZAG_NEW:
+            self.new_prefill.add_partner(command.old_prefill)
 
-    def send_half(self, command: SendKVHalf) -> str:
-        return self.new_prefill.send_half(command)
-
-    def drop_half(self, request_id: str) -> int:
-        return self.new_prefill.drop_half(request_id)
-
-    def reserve(self, command: ReserveKV) -> str:
-        return self.decode.reserve(command)
-
-    def withdraw(self, transfer_id: str) -> None:
-        return None  # no encode jobs here
-
-    def send_weights(self, command: SendWeights, model: Model | None, staging: WeightStaging) -> None:
-        endpoint, transfer = self._endpoints.weights, self._settings.weights_transfer
-        send_weights(self._actor, model, staging, endpoint, transfer, command)
-
-    def send_cached(self, command: SendCachedKV) -> int:
+    def _send_cached(self, command: SendCachedKV) -> int:
         """A pull: send blocks of this replica's prefix cache by key (`replicas.prefill.pull.lend`)."""
         return lend(self._actor, self._kv, self._endpoints.kv, command, self._kv.block_size)
 
-    # ------------------------------------------------------------------ the main loop's step
-    def advance(self) -> None:
-        """Automatic moves of the roles' states, and the next compute of the current state."""
+    # ------------------------------------------------------------------ the main loop's pass
+    def tend(self) -> None:
+        """The current state's upkeep, before the automatic moves are looked at: a flush in
+        MutatingToDecode, migrations woken, cancelled prompts finished, a relay asked for, arrived KV
+        adopted."""
         state = self._actor.state
-        busy = self._compute.busy
         if state is S.MUTATING_TO_DECODE:
             self.flush()
-            if not busy and self.migrator.idle and not self.prefill.queue and not self._loader.preparing:
-                self._move(S.DECODE, "flush adopted the queued migrations")
-        elif state is S.REFRACTORY_PREFILL and self.new_prefill.idle and not busy:
-            self._move(S.PREFILL, "every ZigZag batch finished or handed over")
-        elif state is S.OLD_PREFILL and self.old_prefill.episode_over() and not self._relay_running():
-            self._move(S.PREFILL, "no relays left")
-        state = self._actor.state
         self.migrator.wake()
         if state in PREFILL_BATCHES or state is S.NEW_PREFILL:
             self.prefill.cancel_sweep()
@@ -310,14 +297,26 @@ class LanguageRoles:
             self.old_prefill.maybe_ask()
         if state in DECODE_STEPS or state in PREFILL_BATCHES:
             self.decode.adopt_arrivals()
-        if not self._compute.busy:
-            self._start_next(state)
-        self._check_drained(self._actor.state)
 
-    def _relay_running(self) -> bool:
-        return self._compute.busy and self.old_prefill.running is not None
+    def progress(self, weights_landed: bool) -> Progress:
+        busy = self._compute.busy
+        return Progress(
+            weights_landed=weights_landed,
+            preparing=self._loader.preparing,
+            busy=busy,
+            prompts_queued=bool(self.prefill.queue),
+            migrating=not self.migrator.idle,
+            zigzag_batches=not self.new_prefill.idle,
+            episode_over=self._actor.state is S.OLD_PREFILL and self.old_prefill.episode_over(),
+            relay_running=busy and self.old_prefill.running is not None,
+            decoding=not self.decode.idle,
+        )
 
-    def _start_next(self, state: ReplicaState) -> None:
+    def start_next(self) -> None:
+        """The next compute of the current state, when none is in flight."""
+        if self._compute.busy:
+            return
+        state = self._actor.state
         if state is S.OLD_PREFILL:
             if not self.old_prefill.start_next() and not self.old_prefill.asking:
                 self.prefill.start_batch()  # relays first; no own batch while asking (its room was offered)
@@ -327,14 +326,6 @@ class LanguageRoles:
             self.prefill.start_batch()
         elif state in DECODE_STEPS:
             self.decode.start_step()
-
-    def _check_drained(self, state: ReplicaState) -> None:
-        if self._compute.busy:
-            return
-        if state is S.SHUTTING_PREFILL and not self.prefill.queue and self.migrator.idle:
-            self._move(S.SHUTTING_NULL, "no unfinished prefills or migrations")
-        elif state is S.SHUTTING_DECODE and self.decode.idle:
-            self._move(S.SHUTTING_NULL, "no unfinished decodes")
 
 
 @final
@@ -348,15 +339,14 @@ class EncodeRoles:
         endpoints: EncodeEndpoints,
         settings: ReplicaSettings,
         compute: Compute,
-        move: Move,
     ) -> None:
         self._actor = actor
-        self._endpoints = endpoints
-        self._settings = settings
         self._compute = compute
-        self._move = move
         self.encode = EncodeWork(
             actor, endpoint=endpoints.emb, transfer=settings.embedding_transfer, compute=compute
+        )
+        self.commands = CommandTable().on(
+            WithdrawEncode, lambda command: self.encode.withdraw(command.transfer_id)
         )
 
     def start(self) -> None:
@@ -377,45 +367,12 @@ class EncodeRoles:
     def paired(self, target: ReplicaState, partner: str | None) -> None:
         return None
 
-    def add_relay_partner(self, old_prefill: str) -> None:
+    def tend(self) -> None:
         return None
 
-    def loading_finished(self) -> None:
-        return None
+    def progress(self, weights_landed: bool) -> Progress:
+        return Progress(weights_landed=weights_landed, busy=self._compute.busy, encoding=not self.encode.idle)
 
-    def flush(self) -> int:
-        return 0  # no prefilled requests here
-
-    def offer_relay(self, command: Relay) -> RelayOffer:
-        raise CommandRefused("not_found", f"{self._actor.name} has no batch to hand over now")
-
-    def hint(self, new_prefill: str, oldest: float | None) -> None:
-        return None
-
-    def send_half(self, command: SendKVHalf) -> str:
-        raise CommandRefused(
-            "not_found", f"{self._actor.name} holds no KV half of request {command.request_id}"
-        )
-
-    def drop_half(self, request_id: str) -> int:
-        return 0
-
-    def reserve(self, command: ReserveKV) -> str:
-        raise CommandRefused("overloaded", f"{self._actor.name} is {self._actor.state.value}, not Decode")
-
-    def withdraw(self, transfer_id: str) -> None:
-        self.encode.withdraw(transfer_id)
-
-    def send_weights(self, command: SendWeights, model: Model | None, staging: WeightStaging) -> None:
-        endpoint, transfer = self._endpoints.weights, self._settings.weights_transfer
-        send_weights(self._actor, model, staging, endpoint, transfer, command)
-
-    def send_cached(self, command: SendCachedKV) -> int:
-        raise CommandRefused("not_found", f"{self._actor.name} is an encode replica: it caches no KV")
-
-    def advance(self) -> None:
-        state = self._actor.state
-        if not self._compute.busy and state in ENCODE_JOBS:
+    def start_next(self) -> None:
+        if not self._compute.busy and self._actor.state in ENCODE_JOBS:
             self.encode.start_job()
-        if not self._compute.busy and state is S.SHUTTING_ENCODE and self.encode.idle:
-            self._move(S.SHUTTING_NULL, "no unfinished encodes")

@@ -143,7 +143,7 @@ class DecodeWork:
             if request.cancelled or outcome is None:  # a cancel aborts the transfer: no failure
                 request.finish("cancelled")
             elif isinstance(outcome, TransferError):
-                request.fail(outcome.code, f"KV migration of request {request.request_id} failed: {outcome}")  # type: ignore[arg-type]
+                request.fail(outcome.code, f"KV migration of request {request.request_id} failed: {outcome}")
             else:
                 request.fail(
                     "transfer_failed", f"KV migration of request {request.request_id} failed: {outcome}"
@@ -166,29 +166,16 @@ class DecodeWork:
                     layers=list(received.part.layers),
                 )
             )
-        self._maybe_corrupt(held, command)
-        self.arrived.append(held)
-
-    def _maybe_corrupt(self, held: Held, command: ReserveKV) -> None:
-        """The `corrupt_transfer` fault hook: alter the landed K of layer 0 (the output must change).
-
-        `nth` counts the KV transfers that landed on this node, from 0, in the order they finished."""
-        kv, name = self._kv, self._actor.name
-
-        def alter() -> None:
-            rows = kv.slot_rows(held.table, 0, command.prompt_tokens)
-            keys = kv.keys(0)
-            keys.index_copy_(0, rows, -keys.index_select(0, rows) * 3.0 + 1.0)
-
-        self._faults.landed(
-            "kv",
+        self._faults.corrupt_landed_kv(
             self._actor.log,
-            lambda index: (
-                f"kv transfer {command.transfer_id} of request {command.request_id} altered "
-                f"(kv transfer {index} of the node, received by {name})"
-            ),
-            alter,
+            self._kv,
+            held.table,
+            command.prompt_tokens,
+            transfer_id=command.transfer_id,
+            request_id=command.request_id,
+            replica=self._actor.name,
         )
+        self.arrived.append(held)
 
     def adopt_local(self, items: list[Held]) -> int:
         """Flush: take this replica's own prefilled requests (KV already here), growing their tables."""

@@ -231,7 +231,9 @@ class EmbeddingReceives:
             self._drop(request)
             request.fail("bad_request", refusal)
             return
-        self._maybe_corrupt(request, prompt)
+        self._faults.corrupt_landed_embeddings(
+            self._actor.log.bind(request_id=request.request_id), prompt.embeds, replica=self._actor.name
+        )
         self._give(request, prompt, summary, ended)
         if self._actor.state not in KEEPS_IMAGE_REQUESTS:  # e.g. becoming a decode replica meanwhile
             self._drop(request, keep_input=True)
@@ -272,28 +274,12 @@ class EmbeddingReceives:
             )
         return None
 
-    def _maybe_corrupt(self, request: ServingRequest, prompt: EmbeddedPrompt) -> None:
-        """The `corrupt_transfer` fault hook for embeddings: alter the landed rows (the output must change).
-
-        `nth` counts the embedding transfers that landed on this node, from 0, in the order they finished."""
-        name = self._actor.name
-        self._faults.landed(
-            "embedding",
-            self._actor.log.bind(request_id=request.request_id),
-            lambda index: f"embedding transfer {index} of the node (on {name}) altered",
-            lambda: _corrupt(prompt),
-        )
-
     def _drop(self, request: ServingRequest, *, keep_input: bool = False) -> None:
         """Take `request` out of the prefill queue (and forget its input unless kept)."""
         if request in self._queue:
             self._queue.remove(request)
         if not keep_input:
             release_input(request)
-
-
-def _corrupt(prompt: EmbeddedPrompt) -> None:
-    prompt.embeds.mul_(-3.0).add_(1.0)
 
 
 def release_input(request: ServingRequest) -> None:
@@ -322,7 +308,7 @@ def _failure(
     what = f"embedding transfer {summary.transfer_id} of request {request.request_id} from {summary.source}"
     match failure:
         case TransferError():
-            return failure.code, f"{what} failed: {failure}"  # type: ignore[return-value]
+            return failure.code, f"{what} failed: {failure}"
         case PromptTooLong():
             return "bad_request", str(failure)
         case _:

@@ -284,5 +284,5 @@ class Migrator:
         if request.cancelled:  # first: a cancel aborts the transfer, and that abort is no failure
             request.finish("cancelled")
         elif error is not None and isinstance(error, TransferError):
-            request.fail(error.code, f"KV migration of request {request.request_id} failed: {error}")  # type: ignore[arg-type]
+            request.fail(error.code, f"KV migration of request {request.request_id} failed: {error}")
         self.wake()

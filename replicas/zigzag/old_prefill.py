@@ -253,7 +253,7 @@ class OldPrefillWork:
             code = error.code if isinstance(error, TransferError) else "transfer_failed"
             self._fail(
                 incoming,
-                code,  # type: ignore[arg-type]
+                code,
                 f"the relay of batch {offer.batch_id} from {offer.new_prefill} failed: {error}",
             )
             return

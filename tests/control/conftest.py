@@ -19,7 +19,7 @@ import pytest
 import trio
 
 from engine.config import ControlConfig
-from engine.control.address import Address, TcpAddress, UnixAddress
+from engine.config.address import Address, TcpAddress, UnixAddress
 from engine.control.errors import ClientGone, RequestFailed
 from engine.control.lines import LineReader
 from engine.control.outbox import ReplySink

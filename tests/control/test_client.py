@@ -19,7 +19,7 @@ from engine.client import ControlClient, ControlConnectionClosed, ControlError
 from engine.client.cli import main as cli_main
 from engine.client.cli import render
 from engine.config import FLAG_PREFIXES, NodeConfig
-from engine.control.address import TcpAddress
+from engine.config.address import TcpAddress
 from messages.control import ImageInput
 from messages.control_replies import GenerateResult, ReplicaStatus, StatusResult, TokenReply
 from tests.control.conftest import Served, start_server

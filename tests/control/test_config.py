@@ -8,7 +8,7 @@ import pytest
 
 from engine.cli import format_default, options
 from engine.config import FLAG_PREFIXES, ConfigError, NodeConfig, ReplicaCounts, parse_node_config
-from engine.control.address import TcpAddress, UnixAddress
+from engine.config.address import TcpAddress, UnixAddress
 from messages.faults import CorruptTransfer, DropLink, FailReplica, StallSender
 
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "configuration.md"

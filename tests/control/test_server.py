@@ -12,7 +12,7 @@ import pytest
 import trio
 
 from engine.config import ControlConfig
-from engine.control.address import TcpAddress, UnixAddress
+from engine.config.address import TcpAddress, UnixAddress
 from engine.control.server import ControlServer, ControlServerError
 from messages.log.events import (
     ClientDisconnected,

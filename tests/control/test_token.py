@@ -12,7 +12,7 @@ import trio
 from engine.client import ControlClient
 from engine.client.control_client import ControlProtocolError
 from engine.config import ConfigError, parse_node_config
-from engine.control.address import TcpAddress
+from engine.config.address import TcpAddress
 from engine.control.server import ControlServer
 from engine.logging import open_event_log
 from tests.control.conftest import Handler, RawClient, limits

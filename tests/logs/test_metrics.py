@@ -9,7 +9,7 @@ import pytest
 import trio
 
 from engine.config import ControlConfig
-from engine.control.address import TcpAddress
+from engine.config.address import TcpAddress
 from engine.control.errors import RequestFailed as HandlerRequestFailed
 from engine.control.outbox import ReplySink
 from engine.control.server import ControlServer

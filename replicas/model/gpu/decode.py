@@ -19,19 +19,31 @@ Thread safety: one step at a time (the executor's contract); `capture` runs befo
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, final
+from typing import TYPE_CHECKING, Protocol, final
 
 import torch
 
-from replicas.model.gpu.inputs import DecodeInputs
+from replicas.model.gpu.inputs import DecodeInputs, DecodeRow
 from replicas.model.gpu.options import bucket_for, graph_buckets
 from replicas.model.gpu.sampling import SamplingInputs, sample_on_device
+from replicas.model.sampling import SamplingParams, TokenHistory
 
 if TYPE_CHECKING:
-    from replicas.model.executor.batch import DecodeSequence
     from replicas.model.kv_cache import KVCache
     from replicas.model.llama import Model
     from replicas.model.ops import LayerOps
+
+
+class StepRow(DecodeRow, Protocol):
+    """What a decode step reads of a sequence (`replicas.model.executor.batch.DecodeSequence` has it):
+    the executor's batch types sit above the GPU paths, which know them only by this protocol."""
+
+    @property
+    def sampling(self) -> SamplingParams: ...
+    @property
+    def token_mask(self) -> torch.Tensor | None: ...
+    @property
+    def history(self) -> TokenHistory | None: ...
 
 
 @final
@@ -82,7 +94,7 @@ class KernelDecoder:
         hidden = model.run_layers(model.embed(inputs.token_ids[:batch]), layers, cos, sin, attend, self.ops)
         return model.logits(hidden, self.ops)
 
-    def step(self, sequences: Sequence[DecodeSequence]) -> tuple[torch.Tensor, list[int]]:
+    def step(self, sequences: Sequence[StepRow]) -> tuple[torch.Tensor, list[int]]:
         """One decode step (the caller checked the sequences): logits `[n, vocab]` and sampled tokens.
         A batch larger than the buffers runs in chunks of `max_batch` (rows are independent)."""
         if len(sequences) > self.max_batch:

@@ -1,5 +1,6 @@
 """Listen addresses: the control socket's (``HOST:PORT`` — TCP; ``[v6]:PORT`` for IPv6 literals — or
-``unix:PATH``) and the HTTP API's (``--http``: ``HOST:PORT`` or ``off``; light, the config imports it)."""
+``unix:PATH``) and the HTTP API's (``--http``: ``HOST:PORT`` or ``off``): values of the configuration,
+which the control server and the client read."""
 
 from __future__ import annotations
 
