@@ -18,10 +18,11 @@ from messages.log.scaling import WeightsCopyFinished
 from replicas.loading.pieces import EMBEDDINGS, layer_piece, model_bytes, piece_bytes
 from replicas.loading.staging import BLOCK_BYTES
 from replicas.model.llama import Model
+from replicas.states import Role
 from tests.replicas.loading.harness import Harness, model_tensors, running
 from transport.kinds import TransportChoice
 
-PAIR = [("prefill-0", "prefill"), ("decode-0", "decode")]
+PAIR: list[tuple[str, Role]] = [("prefill-0", "prefill"), ("decode-0", "decode")]
 
 
 @pytest.fixture(scope="module")
