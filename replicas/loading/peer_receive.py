@@ -1,12 +1,12 @@
 """The receiving side of a peer weight copy (blitz): a loading replica pulls pieces from a replica that
 holds them, over the replicas' transport links.
 
-`PeerSource.fetch(piece)` moves one piece as one or more *parts* — a part is at most half what the
-sender's staging pool holds (`replicas.loading.peer_send`): it takes the link from its own
+`PeerSource.fetch(piece)` moves one piece as one or more *parts* — up to 64 MiB of the piece's whole
+blocks, or its last partial block (`replicas.loading.peer_send`): it takes the link from its own
 `{replica}/weights` endpoint to the peer's (`Fabric.link`, made once per pair), asks the peer with
 `SendWeights(piece, byte_offset)` for the first part and, as soon as a part's first round landed (its
-header tells where it ends), for the next one, so the sender stages a part while the last one is on the
-wire.
+header tells where it ends), for the next one, so the sender prepares a part while the last one is on
+the wire.
 
 Where the bytes land: the piece's own buffer. Over inproc, tcp and ucx links the buffer — rounded up to
 whole staging blocks (`BLOCK_BYTES`; the tail is never read, and on the CPU never touched but for the

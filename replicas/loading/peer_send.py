@@ -5,17 +5,20 @@ model — or, in a multicast chain, to the replica loading just before it, once 
 (`holds`); the actor's dispatch calls `send_weights`, which checks the request at once (a refusal is the
 command's outcome) and starts a helper task in the replica's nursery. The helper opens the transfer's
 sending session first (so the receiver's grant finds it, and any failure reaches the receiver as an
-abort), takes the piece's checkpoint tensors from the model (`replicas.loading.split`: fused weights
-split back, packed ones made dense), allocates staging blocks (a bounded wait when other copies hold
-them), stages bytes `[byte_offset, byte_offset + n)` of the piece — `n` as many as half the staging pool
-holds (`part_bytes`: two parts are staged at once when the receiver asks ahead), at most the rest of the
-piece — and sends them; the header (`messages.weights.WeightsHeader`) carries the
-piece's tensor table. The receiver asks for the next part as soon as the first round of this one has landed.
+abort), takes the piece's wire bytes (`Wire`: the checkpoint tensors, `replicas.loading.split` — fused
+weights split back, packed ones made dense — back to back as the wire has them: a view of the model's
+own storage when they already lie there so, else one buffer they are copied into once) and sends bytes
+`[byte_offset, byte_offset + n)` of the piece: while `byte_offset` is within the piece's whole 1 MiB
+blocks, `n` up to `DIRECT_PART_BYTES` of them, sent from the wire bytes where they lie (nothing
+staged); past them, the rest of the piece (less than a block), staged in the replica's staging pool
+(a bounded wait for blocks when other copies hold them; at most half the pool, `part_bytes`). The header
+(`messages.weights.WeightsHeader`) carries the piece's tensor table. The receiver asks for the next part
+as soon as the first round of this one has landed.
 
 The helper keeps a reference to the model it sends from, so a replica scaled down meanwhile still
-finishes the part. The split tensors of the last pieces asked for are cached per model (a piece of
-several parts is split once), and a piece's first part starts splitting the next piece in a worker
-thread, so the unpacking of packed weights runs while the previous piece is on the wire.
+finishes the part. The wire bytes of the last pieces asked for are cached per model (a piece of several
+parts is made once), and a piece's first part starts making the next piece's in a worker thread, so the
+unpacking of packed weights runs while the previous piece is on the wire.
 
 Cancellation: when the replica stops, the helper is cancelled; leaving the session aborts the transfer
 (the receiver learns why) and the staging blocks are freed on every path. Transfer failures are the
@@ -45,6 +48,7 @@ from replicas.loading.staging import (
     WEIGHTS_LAYOUT,
     WeightStaging,
     rows_for,
+    settle,
     stage,
 )
 from replicas.model.llama import Model
@@ -224,6 +228,7 @@ class Wire:
                 size = part.numel() * part.element_size()
                 view[at : at + size].copy_(part.reshape(-1).view(torch.uint8))
                 at += size
+            settle(view.device)  # on a GPU: copied before the transport reads it
         self.bytes = view
         blocks = total // BLOCK_BYTES
         self.direct_bytes = blocks * BLOCK_BYTES
