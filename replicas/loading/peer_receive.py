@@ -10,7 +10,8 @@ the wire.
 
 Where the bytes land: the piece's own buffer. Over inproc, tcp and ucx links the buffer — rounded up to
 whole staging blocks (`BLOCK_BYTES`; the tail is never read, and on the CPU never touched but for the
-last row's padding) — is laid out as a pool of the weights layout (`PoolStorage(over=...)`) and each
+last row's padding; a piece under half its rounded size, a final norm say, is cloned out of it once
+landed, a copy of a few KiB) — is laid out as a pool of the weights layout (`PoolStorage(over=...)`) and each
 part is received straight into its rows (`TransferEndpoint.receive(into=...)`, a borrowed landing from
 the part's first row): no staging block of this replica, no copy-out. Rounds, deadlines, aborts and
 REQUEST_MORE_CACHE are the transport's as for any borrowed landing; a failed receive returns only after
@@ -269,6 +270,8 @@ class PeerSource:
             offset += nbytes
             if offset < total and asked == transfer_id:
                 raise WeightsMismatch(f"{piece.label}: the next part from byte {offset} was not asked for")
+        if whole.numel() > 2 * total:  # a piece smaller than a block: not held in a block's worth of memory
+            buffer = buffer.clone()
         return _cut(buffer, table)
 
     async def _ask(self, piece: WeightPiece, offset: int) -> str:
