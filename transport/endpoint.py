@@ -216,10 +216,16 @@ class TransferEndpoint:
         buffers: Sequence[str] | None = None,
         consume: Consume | None = None,
         owner: str | None = None,
+        into: PoolStorage | None = None,
     ) -> ReceiveResult:
         """Receive transfer `transfer_id` from the sender at the far end of `peer`; see
         `transport.protocol.receiver` for the two landing modes. `peer` is a link from `connect` or the
-        sending endpoint's name. Raises `TransferFailed` / `TransferTimeout`."""
+        sending endpoint's name. `into`: storage of this endpoint's layout the caller owns, where the
+        borrowed `blocks` lie (instead of this endpoint's pool): the bytes land straight in it. Only over
+        a link that `lands_in_named_storage` (not cuda-ipc, whose sender writes into this pool's shared
+        memory). The caller keeps `into` alive and untouched until this returns, as with any borrowed
+        landing (a failed receive returns after its fence). Raises `TransferFailed` /
+        `TransferTimeout`; `ValueError` for a request that cannot be met."""
         if isinstance(peer, str):
             named = [link for link in self.links(peer) if link.role == "receiver"]
             if not named:
@@ -229,8 +235,20 @@ class TransferEndpoint:
             raise ValueError(f"endpoint {self.name!r}: {peer.describe()} is not one of its receiving links")
         if transfer_id in self._receivers:
             raise ValueError(f"endpoint {self.name!r}: transfer {transfer_id!r} is already being received")
+        if into is not None:
+            if blocks is None or into.layout != self.storage.layout:
+                raise ValueError(
+                    f"endpoint {self.name!r}: transfer {transfer_id!r} lands in storage of its own: it needs "
+                    "borrowed blocks in it and this endpoint's layout"
+                )
+            if not peer.lands_in_named_storage:
+                raise ValueError(
+                    f"endpoint {self.name!r}: {peer.describe()} writes only into this endpoint's pool; "
+                    "receive into the pool and copy out instead"
+                )
         layout_names = tuple(spec.name for spec in self.storage.layout.buffers)
-        names = check_landing_request(transfer_id, layout_names, buffers, self.pool, blocks, landing_offset)
+        space = self.storage if into is None else into
+        names = check_landing_request(transfer_id, layout_names, buffers, space, blocks, landing_offset)
         key = next(self._landing_keys)
         session = ReceiveSession(
             self,
@@ -245,6 +263,7 @@ class TransferEndpoint:
             all_buffers=names == layout_names,
             consume=consume,
             owner=owner,
+            into=into,
         )
         self._receivers[transfer_id] = session
         self._landings[key] = session

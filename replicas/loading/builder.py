@@ -7,6 +7,11 @@ layer is fused (`replicas.model.layers.fuse_layer`) and set, the final norm is s
 embeddings when tied — completes it. The builder keeps the tensors it is given where no conversion is
 needed: a caller that must not share them passes copies (`replicas.loading.sources`).
 
+A tied output head that the model packs (`Model.pack_tied_head`) is a reorder of the whole embedding
+table: `head_ahead()` makes it as soon as the embeddings landed — a copy runs it in a worker thread
+while the layers move (`replicas.loading.copy`) — and the norm piece installs it as made; without it
+the norm piece makes it then (`Model.set_head`).
+
 Not thread-safe: one thread adds at a time (a copy adds in worker threads, one after another); a
 reader on another thread sees each piece either absent or complete. Synchronous, so nothing here is
 cancelled half-way: a cancelled copy stops between pieces (`replicas.loading.copy`).
@@ -25,7 +30,7 @@ from replicas.loading.pieces import checkpoint_pieces, piece_shapes, relative
 from replicas.model.config import ModelConfig
 from replicas.model.errors import WeightShapeError
 from replicas.model.layers import LayerWeights, fuse_layer
-from replicas.model.linear import Kernels
+from replicas.model.linear import Kernels, Linear
 from replicas.model.llama import Model
 from replicas.model.text.tokenizer import Tokenizer
 from replicas.model.vision import VisionConfig, VisionEncoder
@@ -68,6 +73,7 @@ class ModelBuilder:
         self.pieces = checkpoint_pieces(frame.config)
         self.landed = 0
         self.model: Model | None = None
+        self._head: Linear | None = None  # a tied head made ahead (`head_ahead`)
 
     @property
     def next_piece(self) -> WeightPiece | None:
@@ -76,6 +82,13 @@ class ModelBuilder:
     @property
     def done(self) -> bool:
         return self.landed == len(self.pieces)
+
+    def head_ahead(self) -> None:
+        """Make the tied output head now, from the landed embeddings, when the model packs it (a reorder
+        of the table: a worker thread's call, run before the norm piece is added, never beside it)."""
+        model = self._model()
+        if self.frame.config.tie_word_embeddings and model.pack_tied_head and self._head is None:
+            self._head = Linear(model.embed_tokens, None, kernels=model.kernels)
 
     def add(self, piece: WeightPiece, tensors: Mapping[str, torch.Tensor] | LayerWeights) -> Model:
         """Install `piece` (it must be the next one); returns the model. A layer may come already fused
@@ -101,7 +114,10 @@ class ModelBuilder:
             case "norm":
                 model = self._model()
                 norm = self._place(next(iter(tensors.values())))
-                if self.frame.config.tie_word_embeddings:
+                if self.frame.config.tie_word_embeddings and self._head is not None:
+                    # What `set_head` installs for a packed tied head, made ahead from the same table.
+                    model.final_norm, model.lm_head, self._head = norm, self._head, None
+                elif self.frame.config.tie_word_embeddings:
                     model.set_head(norm, model.embed_tokens)
                 else:
                     model.final_norm = norm  # counted from now on; the head piece completes the output

@@ -66,6 +66,7 @@ from replicas.model.llama import Model
 from replicas.ports import Directory, EventSink, NodeSignal, PeerReplica
 from replicas.weights import ModelHost
 from transport.endpoint import TransferEndpoint
+from transport.protocol.scope import open_task_scope
 
 ORDER: tuple[WeightsSourceName, ...] = ("peer", "host", "disk")
 
@@ -278,6 +279,7 @@ class _Copy:
         self.used: list[WeightsSourceName] = []
         self.loaded_bytes = 0
         self.held = False
+        self.head_made: trio.Event | None = None  # set once the tied head made ahead is ready
         self.started = trio.current_time()
 
     async def run(self, memory_probe: MemoryProbe) -> CopyOutcome:
@@ -337,9 +339,17 @@ class _Copy:
         return DiskSource(self.host.checkpoint, self.config, self.device, fill=self.host.host_copy_to_fill())
 
     async def _pieces_from(self, source: Source) -> bool:
-        """Load pieces from `source` until the model is complete (True) or it fails under `auto` (False)."""
+        """Load pieces from `source` until the model is complete (True) or it fails under `auto` (False).
+        A tied head the model packs is made in a worker thread while the layers move (`head_ahead`),
+        and waited for before the norm piece is added."""
+        async with open_task_scope() as nursery:  # a failure leaves as itself, not in a group
+            return await self._pieces_into(source, nursery)
+
+    async def _pieces_into(self, source: Source, nursery: trio.Nursery) -> bool:
         while (piece := self.builder.next_piece) is not None:
             await self._maybe_hold(piece)
+            if piece.kind == "norm" and self.head_made is not None:
+                await self.head_made.wait()
             started = trio.current_time()
             try:
                 tensors = await source.fetch(piece)
@@ -357,12 +367,22 @@ class _Copy:
                 return False
             model = await trio.to_thread.run_sync(self.builder.add, piece, tensors)
             del tensors
+            if piece.kind == "embeddings" and self.head_made is None:
+                self.head_made = trio.Event()
+                nursery.start_soon(self._head_ahead, self.head_made)
             nbytes = piece_bytes(self.config, piece)
             pad = None if self.emulated is None else self.emulated.copy_seconds(nbytes, source.name)
             if pad is not None:
                 await trio.sleep_until(started + pad)
             self._landed(piece, source.name, nbytes, trio.current_time() - started, model)
         return True
+
+    async def _head_ahead(self, made: trio.Event) -> None:
+        """`ModelBuilder.head_ahead` in a worker thread (it runs to its end: threads are never abandoned)."""
+        try:
+            await trio.to_thread.run_sync(self.builder.head_ahead)
+        finally:
+            made.set()
 
     def _landed(
         self, piece: WeightPiece, source: WeightsSourceName, nbytes: int, seconds: float, model: Model

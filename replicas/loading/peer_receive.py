@@ -1,22 +1,35 @@
 """The receiving side of a peer weight copy (blitz): a loading replica pulls pieces from a replica that
 holds them, over the replicas' transport links.
 
-`PeerSource.fetch(piece)` moves one piece as one or more *parts* — a part is at most half what the
-sender's staging pool holds (`replicas.loading.peer_send`): it takes the link from its own
+`PeerSource.fetch(piece)` moves one piece as one or more *parts* — up to 64 MiB of the piece's whole
+blocks, or its last partial block (`replicas.loading.peer_send`): it takes the link from its own
 `{replica}/weights` endpoint to the peer's (`Fabric.link`, made once per pair), asks the peer with
 `SendWeights(piece, byte_offset)` for the first part and, as soon as a part's first round landed (its
-header tells where it ends), for the next one, so the sender stages a part while the last one is on the
-wire; it receives each transfer in the consumed mode: its staging blocks are
-granted, each landed round is copied out into the piece's byte buffer and the blocks are granted again
-(REQUEST_MORE_CACHE rounds), so a part larger than this replica's pool still lands. The header is checked
-on every round against the tensor table this side computes from its own config (names, dtype, shapes,
-offsets, the part's place in the piece). Each landed part's bytes are counted on the fabric as
-`weights` from the peer to this replica. The piece's tensors are then views of the buffer, in the
-serving dtype on this replica's device (`_cut`).
+header tells where it ends), for the next one, so the sender prepares a part while the last one is on
+the wire.
+
+Where the bytes land: the piece's own buffer. Over inproc, tcp and ucx links the buffer — rounded up to
+whole staging blocks (`BLOCK_BYTES`; the tail is never read, and on the CPU never touched but for the
+last row's padding; a piece under half its rounded size, a final norm say, is cloned out of it once
+landed, a copy of a few KiB) — is laid out as a pool of the weights layout (`PoolStorage(over=...)`) and each
+part is received straight into its rows (`TransferEndpoint.receive(into=...)`, a borrowed landing from
+the part's first row): no staging block of this replica, no copy-out. Rounds, deadlines, aborts and
+REQUEST_MORE_CACHE are the transport's as for any borrowed landing; a failed receive returns only after
+its fence, so nothing writes into the buffer afterwards. Over cuda-ipc (the sender writes into this
+replica's shared staging pool) each part is received in the consumed mode instead: staging blocks are
+granted, each landed round is copied out into the piece's buffer and the blocks are granted again.
+
+Either way the header is checked on every round against the tensor table this side computes from its
+own config (names, dtype, shapes, offsets, the part's place in the piece), and a piece is handed on only
+once every part landed and checked: a piece whose part failed is dropped whole (the copy goes on from
+that piece with the next source under `auto`), never half-installed. Each landed part's bytes are
+counted on the fabric as `weights` from the peer to this replica. The piece's tensors are then views of
+the buffer, in the serving dtype on this replica's device (`_cut`): the weights are served from where
+they landed.
 
 Failures — the peer stopped or refused, the link dropped, a deadline passed, a header disagreed — raise
 `SourceFailed("peer", piece, reason)`. Cancellation: the receive aborts (the transport returns or
-quarantines its blocks) and `Cancelled` propagates.
+quarantines its blocks, or waits for the fence of a borrowed landing) and `Cancelled` propagates.
 """
 
 from __future__ import annotations
@@ -36,13 +49,22 @@ from replicas.fabric import Fabric, UnknownEndpoint
 from replicas.inbox import CommandRefused, new_command_id
 from replicas.loading.pieces import tensor_table
 from replicas.loading.sources import SourceFailed
-from replicas.loading.staging import ROW_BYTES, copy_out, rows_for, weights_endpoint_name
+from replicas.loading.staging import (
+    BLOCK_BYTES,
+    BUFFER,
+    ROW_BYTES,
+    WEIGHTS_LAYOUT,
+    copy_out,
+    rows_for,
+    weights_endpoint_name,
+)
 from replicas.model.config import ModelConfig
 from replicas.ports import NodeSignal, PeerReplica
 from replicas.states import ReplicaState
 from transport.endpoint import TransferEndpoint
 from transport.errors import HandshakeRefused, LinkError, TransferError
-from transport.memory.storage import torch_dtype
+from transport.memory.host_memory import landing_buffer
+from transport.memory.storage import PoolStorage, torch_dtype
 from transport.protocol.landing import LandedRound
 
 THREAD_BYTES: Final = 1 << 20  # rounds at least this large are copied out in a worker thread
@@ -61,7 +83,8 @@ class PeerGone(Exception):
 
 @final
 class PartLanding:
-    """The `consume` step of one part: checks each round's header, copies its bytes into `buffer`."""
+    """The `consume` step of one part: checks each round's header and, unless the round landed in
+    `buffer` itself (`in_place`), copies its bytes there."""
 
     def __init__(
         self,
@@ -70,8 +93,11 @@ class PartLanding:
         piece: WeightPiece,
         table: tuple[WeightTensor, ...],
         offset: int,
+        *,
+        in_place: bool = False,
     ) -> None:
         self.buffer, self.model, self.piece, self.table, self.offset = buffer, model, piece, table, offset
+        self.in_place = in_place
         self.header: WeightsHeader | None = None
         self._raw: bytes | None = None
         self.rows = 0
@@ -89,6 +115,10 @@ class PartLanding:
                 f"{self.piece.label}: a round starts at row {landed.offset}, {self.rows} landed"
             )
         start = landed.offset * ROW_BYTES
+        if self.in_place:  # the bytes are in the piece's buffer already: count them
+            self.copied += min(landed.tokens * ROW_BYTES, header.nbytes - start)
+            self.rows += landed.tokens
+            return
         args = (landed.storage, landed.blocks, landed.landing_offset, landed.tokens)
         rest = (self.buffer, header.offset + start, header.nbytes - start)
         if landed.tokens * ROW_BYTES >= THREAD_BYTES:
@@ -192,31 +222,56 @@ class PeerSource:
         endpoint = self._endpoint
         table = tensor_table(self.config, piece)
         total = table[-1].offset + table[-1].nbytes
-        buffer = torch.empty(total, dtype=torch.uint8, device=self.device)
         if self._changes is not None:
             await self._landed_there(piece, self._changes)
         link = await self._fabric.link(endpoint, weights_endpoint_name(self.peer.name))
+        in_place = link.lands_in_named_storage
+        blocks = -(-total // BLOCK_BYTES)
+        whole = _piece_buffer(blocks * BLOCK_BYTES if in_place else total, self.device)
+        buffer = whole[:total]
+        into = (
+            PoolStorage(WEIGHTS_LAYOUT, blocks, device=self.device, over={BUFFER: whole})
+            if in_place
+            else None
+        )
         asked = await self._ask(piece, 0)
         offset = 0
         while offset < total:
             transfer_id = asked
-            landing = PartLanding(buffer, self.model_name, piece, table, offset)
+            landing = PartLanding(buffer, self.model_name, piece, table, offset, in_place=in_place)
 
             async def ahead(header: WeightsHeader) -> None:
                 # The sender stages the next part while this one lands (pipelined parts).
                 nonlocal asked
                 following = header.offset + header.nbytes
                 if following < total:
+                    if in_place and following % ROW_BYTES:
+                        raise WeightsMismatch(
+                            f"{piece.label}: a part ends at byte {following}, inside a row of {ROW_BYTES} bytes"
+                        )
                     asked = await self._ask(piece, following)
 
             landing.on_header = ahead
-            await endpoint.receive(transfer_id, peer=link, consume=landing.consume)
+            if into is None:
+                await endpoint.receive(transfer_id, peer=link, consume=landing.consume)
+            else:
+                row = offset // ROW_BYTES  # parts start at whole rows (checked above for each next part)
+                await endpoint.receive(
+                    transfer_id,
+                    peer=link,
+                    consume=landing.consume,
+                    blocks=range(blocks),
+                    landing_offset=row,
+                    into=into,
+                )
             nbytes = landing.finish()
             self._fabric.count_bytes(self.peer.name, self.replica, "weights", nbytes)
             self.bytes += nbytes
             offset += nbytes
             if offset < total and asked == transfer_id:
                 raise WeightsMismatch(f"{piece.label}: the next part from byte {offset} was not asked for")
+        if whole.numel() > 2 * total:  # a piece smaller than a block: not held in a block's worth of memory
+            buffer = buffer.clone()
         return _cut(buffer, table)
 
     async def _ask(self, piece: WeightPiece, offset: int) -> str:
@@ -269,6 +324,14 @@ class PeerSource:
 
     async def aclose(self) -> None:
         return None
+
+
+def _piece_buffer(nbytes: int, device: torch.device) -> torch.Tensor:
+    """A piece's buffer of `nbytes` on `device`: on the CPU on huge pages (`landing_buffer`), so its first
+    writes take a fault per 2 MiB instead of per 4 KiB."""
+    if device.type == "cpu":
+        return landing_buffer(nbytes)
+    return torch.empty(nbytes, dtype=torch.uint8, device=device)
 
 
 def _cut(buffer: torch.Tensor, table: tuple[WeightTensor, ...]) -> dict[str, torch.Tensor]:

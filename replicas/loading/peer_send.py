@@ -5,17 +5,20 @@ model — or, in a multicast chain, to the replica loading just before it, once 
 (`holds`); the actor's dispatch calls `send_weights`, which checks the request at once (a refusal is the
 command's outcome) and starts a helper task in the replica's nursery. The helper opens the transfer's
 sending session first (so the receiver's grant finds it, and any failure reaches the receiver as an
-abort), takes the piece's checkpoint tensors from the model (`replicas.loading.split`: fused weights
-split back, packed ones made dense), allocates staging blocks (a bounded wait when other copies hold
-them), stages bytes `[byte_offset, byte_offset + n)` of the piece — `n` as many as half the staging pool
-holds (`part_bytes`: two parts are staged at once when the receiver asks ahead), at most the rest of the
-piece — and sends them; the header (`messages.weights.WeightsHeader`) carries the
-piece's tensor table. The receiver asks for the next part as soon as the first round of this one has landed.
+abort), takes the piece's wire bytes (`Wire`: the checkpoint tensors, `replicas.loading.split` — fused
+weights split back, packed ones made dense — back to back as the wire has them: a view of the model's
+own storage when they already lie there so, else one buffer they are copied into once) and sends bytes
+`[byte_offset, byte_offset + n)` of the piece: while `byte_offset` is within the piece's whole 1 MiB
+blocks, `n` up to `DIRECT_PART_BYTES` of them, sent from the wire bytes where they lie (nothing
+staged); past them, the rest of the piece (less than a block), staged in the replica's staging pool
+(a bounded wait for blocks when other copies hold them; at most half the pool, `part_bytes`). The header
+(`messages.weights.WeightsHeader`) carries the piece's tensor table. The receiver asks for the next part
+as soon as the first round of this one has landed.
 
 The helper keeps a reference to the model it sends from, so a replica scaled down meanwhile still
-finishes the part. The split tensors of the last pieces asked for are cached per model (a piece of
-several parts is split once), and a piece's first part starts splitting the next piece in a worker
-thread, so the unpacking of packed weights runs while the previous piece is on the wire.
+finishes the part. The wire bytes of the last pieces asked for are cached per model (a piece of several
+parts is made once), and a piece's first part starts making the next piece's in a worker thread, so the
+unpacking of packed weights runs while the previous piece is on the wire.
 
 Cancellation: when the replica stops, the helper is cancelled; leaving the session aborts the transfer
 (the receiver learns why) and the staging blocks are freed on every path. Transfer failures are the
@@ -38,28 +41,40 @@ from messages.weights import WeightPiece, WeightsHeader, WeightTensor
 from replicas.inbox import CommandRefused
 from replicas.loading.pieces import checkpoint_pieces, tensor_table
 from replicas.loading.split import model_piece
-from replicas.loading.staging import ROW_BYTES, WeightStaging, rows_for, stage
+from replicas.loading.staging import (
+    BLOCK_BYTES,
+    BUFFER,
+    ROW_BYTES,
+    WEIGHTS_LAYOUT,
+    WeightStaging,
+    rows_for,
+    settle,
+    stage,
+)
 from replicas.model.llama import Model
 from replicas.ports import Actor
 from transport.config import TransferConfig
 from transport.endpoint import TransferEndpoint
 from transport.errors import TransferError
 from transport.memory.blocks import AllocationTimeout
+from transport.memory.host_memory import landing_buffer
+from transport.memory.storage import PoolStorage
 
 _log = structlog.get_logger("replicas.loading")
 THREAD_BYTES: Final = 1 << 20  # staging copies at least this large run in a worker thread
 CACHED_PIECES: Final = 3  # the piece being sent, the next one (split ahead), one spare
+DIRECT_PART_BYTES: Final = 64 << 20  # the most one part sent from the piece's own bytes carries
 Tensors = list[tuple[str, torch.Tensor]]
 
 
 @final
 class _Split:
-    """A piece's checkpoint tensors, split in a worker thread; `done` is set when `tensors` is (None: the
-    split failed or was cancelled, a later request splits again)."""
+    """A piece's wire bytes, made in a worker thread; `done` is set when `wire` is (None: the split
+    failed or was cancelled, a later request splits again)."""
 
     def __init__(self) -> None:
         self.done = trio.Event()
-        self.tensors: Tensors | None = None
+        self.wire: Wire | None = None
 
 
 _split_cache: weakref.WeakKeyDictionary[Model, OrderedDict[WeightPiece, _Split]] = weakref.WeakKeyDictionary()
@@ -141,33 +156,46 @@ async def _send(
 ) -> None:
     """One part of one piece (see the module docstring)."""
     total = table[-1].offset + table[-1].nbytes
-    nbytes = min(total - command.byte_offset, part_bytes(staging))
-    rows = rows_for(nbytes)
-    header = encode_header(
-        WeightsHeader(
-            model=model.name,
-            piece=command.piece,
-            piece_bytes=total,
-            offset=command.byte_offset,
-            nbytes=nbytes,
-            tensors=table,
-        )
-    )
     owner = f"weights:{command.transfer_id}"
     try:
         async with endpoint.open_send(command.transfer_id, peer=command.destination_endpoint) as session:
+            wire = await _split(model, command.piece)
+            start = command.byte_offset
+            direct = wire.storage is not None and start < wire.direct_bytes and start % ROW_BYTES == 0
+            if direct:
+                nbytes = min(wire.direct_bytes - start, DIRECT_PART_BYTES)
+            else:
+                nbytes = min(total - start, part_bytes(staging))
+            rows = rows_for(nbytes)
+            header = encode_header(
+                WeightsHeader(
+                    model=model.name,
+                    piece=command.piece,
+                    piece_bytes=total,
+                    offset=start,
+                    nbytes=nbytes,
+                    tensors=table,
+                )
+            )
             session.announce_total(rows, header)
-            tensors = await _split(model, command.piece)
+            if direct:  # from the piece's wire bytes where they lie: nothing staged
+                assert wire.storage is not None
+                blocks = range(wire.storage.num_blocks)
+                await session.send(
+                    blocks,
+                    total_tokens=rows,
+                    source_offset=start // ROW_BYTES,
+                    header=header,
+                    source=wire.storage,
+                )
+                return
             deadline = trio.current_time() + config.pressure_timeout
             ids = await staging.pool.allocate_wait(staging.pool.blocks_for(rows), owner, deadline=deadline)
             try:
-                parts = [tensor for _, tensor in tensors]
                 if nbytes >= THREAD_BYTES:
-                    await trio.to_thread.run_sync(
-                        stage, staging.storage, ids, parts, command.byte_offset, nbytes
-                    )
+                    await trio.to_thread.run_sync(stage, staging.storage, ids, [wire.bytes], start, nbytes)
                 else:
-                    stage(staging.storage, ids, parts, command.byte_offset, nbytes)
+                    stage(staging.storage, ids, [wire.bytes], start, nbytes)
                 await session.send(ids, total_tokens=rows, header=header)
             finally:
                 staging.pool.free(ids, owner)
@@ -181,22 +209,80 @@ async def _send(
         )
 
 
-async def _split(model: Model, piece: WeightPiece) -> Tensors:
-    """The piece's checkpoint tensors, split once per piece (a small per-model cache; the first part of a
-    piece splits the next one ahead, so a copy finds it split). A request that finds the split under
-    way waits for it."""
+@final
+class Wire:
+    """A piece's bytes in wire order (`tensor_table`): `bytes`, a uint8 tensor of the piece's length —
+    a view of the model's own storage when its tensors lie there back to back as the wire has them (a
+    piece a peer copy landed, the embedding table), else a buffer of its own the split tensors were
+    copied into once (packed weights made dense, fused ones split) — and `storage`, a pool of the
+    weights layout laid over its whole blocks (`direct_bytes` of them; None when it has none): parts
+    within them are sent from there, the rest (less than a block) staged. Read-only."""
+
+    def __init__(self, tensors: Tensors, total: int) -> None:
+        parts = [tensor for _, tensor in tensors]
+        view = _back_to_back(parts, total)
+        if view is None:  # the transform's output, copied once into the piece's wire order
+            view = _buffer(total, parts[0].device)
+            at = 0
+            for part in parts:
+                size = part.numel() * part.element_size()
+                view[at : at + size].copy_(part.reshape(-1).view(torch.uint8))
+                at += size
+            settle(view.device)  # on a GPU: copied before the transport reads it
+        self.bytes = view
+        blocks = total // BLOCK_BYTES
+        self.direct_bytes = blocks * BLOCK_BYTES
+        self.storage = (
+            PoolStorage(WEIGHTS_LAYOUT, blocks, device=view.device, over={BUFFER: view[: self.direct_bytes]})
+            if blocks
+            else None
+        )
+
+
+def _back_to_back(parts: list[torch.Tensor], total: int) -> torch.Tensor | None:
+    """The bytes of `parts` as one uint8 view of their storage when they lie there contiguous, back to
+    back, in order; None otherwise."""
+    first = parts[0]
+    at = first.data_ptr()
+    for part in parts:
+        if not part.is_contiguous() or part.data_ptr() != at or part.device != first.device:
+            return None
+        if part.untyped_storage().data_ptr() != first.untyped_storage().data_ptr():
+            return None
+        at += part.numel() * part.element_size()
+    head = first.reshape(-1).view(torch.uint8)
+    return torch.as_strided(head, (total,), (1,), head.storage_offset())  # within the storage: checked
+
+
+def _buffer(nbytes: int, device: torch.device) -> torch.Tensor:
+    return (
+        landing_buffer(nbytes)
+        if device.type == "cpu"
+        else torch.empty(nbytes, dtype=torch.uint8, device=device)
+    )
+
+
+async def _split(model: Model, piece: WeightPiece) -> Wire:
+    """The piece's wire bytes (`Wire`), made once per piece (a small per-model cache; the first part of
+    a piece makes the next one's ahead, so a copy finds it made). A request that finds it under way
+    waits for it."""
     cache = _split_cache.setdefault(model, OrderedDict())
     entry = cache.get(piece)
     if entry is not None:
         cache.move_to_end(piece)
         await entry.done.wait()
-        if entry.tensors is not None:
-            return entry.tensors
+        if entry.wire is not None:
+            return entry.wire
     entry = cache[piece] = _Split()
     while len(cache) > CACHED_PIECES:
         cache.popitem(last=False)
     try:
-        entry.tensors = await trio.to_thread.run_sync(model_piece, model, piece)
+        entry.wire = await trio.to_thread.run_sync(_wire, model, piece)
     finally:
         entry.done.set()
-    return entry.tensors
+    return entry.wire
+
+
+def _wire(model: Model, piece: WeightPiece) -> Wire:
+    table = tensor_table(model.config, piece)
+    return Wire(model_piece(model, piece), table[-1].offset + table[-1].nbytes)

@@ -14,6 +14,11 @@ costs at most 1/32 of it) is advised `MADV_HUGEPAGE` (Linux; honoured with trans
 a few MiB (one per layer, keys and values), and huge pages would make the first block of each cost
 2 MiB. Elsewhere, or when the advice is refused, it is ordinary zeroed memory: huge pages are a speed-up,
 never a requirement.
+
+`landing_buffer(nbytes)` is host memory that a copy writes whole at once (a weight piece landing): its
+whole huge pages are advised `MADV_HUGEPAGE` whatever its size — every byte of them is written, so a
+huge page costs nothing a small one would not, and its first touch is one fault where 512 small pages
+took 512 — and the rest `MADV_NOHUGEPAGE`, so the rounding is never resident.
 """
 
 from __future__ import annotations
@@ -48,6 +53,24 @@ def zeroed_host_tensor(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tens
     advice = _MADV_HUGEPAGE if nbytes >= HUGE_PAGE_BUFFER else _MADV_NOHUGEPAGE
     libc.madvise(ctypes.c_void_p(region.data_ptr()), ctypes.c_size_t(length), advice)
     return region.view(dtype).view(shape)
+
+
+def landing_buffer(nbytes: int) -> torch.Tensor:
+    """A uint8 CPU tensor of `nbytes`, zero until written, its whole huge pages on huge pages where the
+    kernel agrees (see the module docstring); ordinary memory below one huge page or off Linux."""
+    if nbytes < HUGE_PAGE or sys.platform != "linux":
+        return torch.empty(nbytes, dtype=torch.uint8)
+    memory = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    raw = torch.frombuffer(memory, dtype=torch.uint8)
+    start = -raw.data_ptr() % HUGE_PAGE
+    region = raw[start : start + nbytes]
+    huge = nbytes // HUGE_PAGE * HUGE_PAGE
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.madvise(ctypes.c_void_p(region.data_ptr()), ctypes.c_size_t(huge), _MADV_HUGEPAGE)
+    if huge < nbytes:
+        tail = -(-(nbytes - huge) // HUGE_PAGE) * HUGE_PAGE  # within `raw`: the slack after the region
+        libc.madvise(ctypes.c_void_p(region.data_ptr() + huge), ctypes.c_size_t(tail), _MADV_NOHUGEPAGE)
+    return region
 
 
 # glibc's mallopt parameters

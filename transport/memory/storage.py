@@ -5,6 +5,10 @@ the bytes. Buffer `name` is a tensor of shape `[num_blocks, block_size, *spec.sh
 buffer is one contiguous run of `block_size * bytes_per_token` bytes — what transports copy or
 `recv_into` directly.
 
+A storage may also be laid over tensors its caller owns (`over`): a receive then lands straight in them
+(`TransferEndpoint.receive(..., into=...)`), e.g. a weight piece's own buffer, so nothing is copied
+out of a staging pool afterwards.
+
 Token `t` of an allocation `ids` lives in block `ids[t // block_size]`, row `t % block_size`. Gather and
 scatter address tokens through that rule, vectorised: one index computation and one `index_select` /
 `index_copy_` per buffer, no Python loop per token or per block.
@@ -49,9 +53,36 @@ def token_rows(
     return rows.to(device)
 
 
+def _laid_over(
+    spec: BufferSpec, shape: tuple[int, ...], tensor: torch.Tensor | None, device: torch.device
+) -> torch.Tensor:
+    """`tensor` viewed as buffer `spec` of `shape`; `ValueError` when it is absent or does not fit."""
+    count = 1
+    for dim in shape:
+        count *= dim
+    if tensor is None:
+        raise ValueError(f"storage over given tensors: buffer {spec.name!r} has none")
+    if (
+        tensor.dtype != torch_dtype(spec.dtype)
+        or tensor.device.type != device.type
+        or device.index not in (None, tensor.device.index)
+        or not tensor.is_contiguous()
+        or tensor.numel() != count
+    ):
+        raise ValueError(
+            f"storage over given tensors: buffer {spec.name!r} needs {count} contiguous {spec.dtype} "
+            f"elements on {device}, got {tensor.numel()} {tensor.dtype} on {tensor.device}"
+        )
+    return tensor.view(shape)
+
+
 @final
 class PoolStorage:
-    """The tensors behind one pool. Never aliased with another pool's storage."""
+    """The tensors behind one pool. Never aliased with another pool's storage.
+
+    `over`: lay the pool over these tensors (one per buffer of `layout`, each contiguous, on `device`,
+    of exactly `num_blocks` blocks' elements, in the buffer's dtype) instead of allocating; they are
+    neither zeroed nor pinned. A `ValueError` names the first that does not fit."""
 
     def __init__(
         self,
@@ -60,6 +91,7 @@ class PoolStorage:
         *,
         device: str | torch.device = "cpu",
         pin_memory: bool = False,
+        over: Mapping[str, torch.Tensor] | None = None,
     ) -> None:
         self.layout = layout
         self.num_blocks = num_blocks
@@ -71,6 +103,9 @@ class PoolStorage:
         self.row_bytes: dict[str, int] = {spec.name: spec.bytes_per_token for spec in layout.buffers}
         for spec in layout.buffers:
             shape = (num_blocks, layout.block_size, *spec.shape)
+            if over is not None:
+                self.tensors[spec.name] = _laid_over(spec, shape, over.get(spec.name), self.device)
+                continue
             if self.device.type == "cpu":
                 tensor = zeroed_host_tensor(shape, torch_dtype(spec.dtype))
             else:

@@ -5,7 +5,8 @@ A `GrantedRound` is one grant: stream tokens `[offset, offset + tokens)` landing
 checked against it before a byte is written (two rounds may share a block when a borrowed landing starts
 mid-block). `Landings` keeps a transfer's rounds and the blocks behind them: *owned* (allocated per
 round from the pool, `min(want, free)`, waiting bounded by `pressure_timeout` only when none are free)
-or *borrowed* (slices of the caller's allocation). `grant_size` is the sizing rule (architecture §5.2-5.4).
+or *borrowed* (slices of the caller's allocation — in the endpoint's pool, or in storage the caller
+names for this receive: `TransferEndpoint.receive(..., into=...)`). `grant_size` is the sizing rule (architecture §5.2-5.4).
 """
 
 from __future__ import annotations
@@ -252,12 +253,12 @@ def check_landing_request(
     transfer_id: str,
     layout_names: tuple[str, ...],
     buffers: Sequence[str] | None,
-    pool: BlockPool,
+    storage: PoolStorage,
     blocks: Sequence[int] | None,
     landing_offset: int,
 ) -> tuple[str, ...]:
     """The selected buffer names; `ValueError` naming the bad value for unknown buffers or a borrowed
-    landing outside the pool."""
+    landing outside `storage` (the endpoint's pool, or the storage the receive lands in)."""
     names = layout_names if buffers is None else tuple(buffers)
     unknown = [name for name in names if name not in layout_names]
     if unknown or not names:
@@ -265,8 +266,8 @@ def check_landing_request(
             f"transfer {transfer_id!r}: unknown buffers {unknown}; the layout has {list(layout_names)}"
         )
     if blocks is not None:
-        bad = [block for block in blocks if not 0 <= block < pool.num_blocks]
-        if bad or not 0 <= landing_offset < max(1, len(blocks)) * pool.block_size:
+        bad = [block for block in blocks if not 0 <= block < storage.num_blocks]
+        if bad or not 0 <= landing_offset < max(1, len(blocks)) * storage.block_size:
             raise ValueError(
                 f"transfer {transfer_id!r}: landing blocks {bad} outside the pool or landing_offset "
                 f"{landing_offset} outside {len(blocks)} blocks"

@@ -85,7 +85,13 @@ def more_rounds_follow(trailer: PeerMessage | None) -> bool:
 
 
 class Link(abc.ABC):
-    """One end of a link. `role` is this end's role; `peer` is the far endpoint's name once known."""
+    """One end of a link. `role` is this end's role; `peer` is the far endpoint's name once known.
+
+    `lands_in_named_storage`: the link writes each bulk frame into its landing's `storage`, whatever
+    storage the receive named (inproc, tcp, ucx); False where the sender writes into the receiving
+    pool's memory it mapped at the handshake (cuda-ipc), so a receive must land in that pool."""
+
+    lands_in_named_storage: bool = True
 
     def __init__(self, *, link_id: str, local: str, role: Role, handler: LinkHandler) -> None:
         self.link_id = link_id

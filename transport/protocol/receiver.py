@@ -7,7 +7,9 @@ Landing space comes from one of two places:
   transfer larger than the whole pool completes; without one they go to the caller's `owner` on success.
 - *borrowed* (`blocks=[...]`): the caller reserved the landing allocation (KV: all-or-nothing, exact
   length) and keeps owning it; rounds are slices of it. Several transfers may land in one allocation
-  with different `buffers` (a layer range each).
+  with different `buffers` (a layer range each). The allocation may lie in storage the caller names for
+  this receive (`into`: a `PoolStorage` of the endpoint's layout laid over the caller's own tensors,
+  e.g. a weight piece's buffer): the bytes land there and nowhere else, and nothing is copied out.
 
 Up to `window` grants stand at once; once the total is known (an early `TotalAnnounce` or round 0's
 `ChunkDone`) the session grants ahead, so the sender never waits a round trip.
@@ -90,9 +92,11 @@ class ReceiveSession:
         all_buffers: bool,
         consume: Consume | None,
         owner: str | None,
+        into: PoolStorage | None = None,
     ) -> None:
         self.host, self.link, self.transfer_id, self.landing_key = host, link, transfer_id, landing_key
-        self.storage, self._config = host.storage, host.config
+        # Where this transfer's bytes land (`Landing.storage`): the links write here, checksums read here.
+        self.storage, self._config = into if into is not None else host.storage, host.config
         self._header, self._expected, self._buffers = header, expected_tokens, buffers
         self._all_buffers, self._buffer_set = all_buffers, frozenset(buffers)
         self._consume, self._owner = consume, owner

@@ -70,6 +70,7 @@ class SendSession:
         self.host, self.transfer_id, self.link = host, transfer_id, link
         self.status = StatusMachine(transfer_id)
         self._config, self._storage = host.config, host.storage
+        self._source = host.storage  # what `send` reads: the pool, or the storage it was given
         self._grants: dict[int, Grant | RequestMoreCache] = {}
         self._next_round = 0
         self._landing_key: int | None = None
@@ -162,10 +163,16 @@ class SendSession:
         total_tokens: int,
         source_offset: int = 0,
         header: msgspec.Raw = NO_HEADER,
+        source: PoolStorage | None = None,
     ) -> TransferReport:
         """Send tokens `[source_offset, +total_tokens)` of the allocation `source_ids` in this endpoint's
-        pool. Returns the report on success; raises `TransferFailed` / `TransferTimeout` otherwise.
-        The owner must keep `source_ids` allocated until this returns."""
+        pool — or, with `source`, in that storage (of this endpoint's layout, laid over the owner's own
+        tensors: `PoolStorage(over=...)`), sent from where it lies with nothing staged. Returns the
+        report on success; raises `TransferFailed` / `TransferTimeout` otherwise. The owner must keep
+        `source_ids` allocated (and `source`'s tensors unchanged) until this returns."""
+        if source is not None and source.layout != self._storage.layout:
+            raise ValueError(f"transfer {self.transfer_id!r}: the source storage has another layout")
+        self._source = source if source is not None else self._storage
         capacity = len(source_ids) * self._storage.block_size
         if total_tokens < 0 or source_offset < 0 or source_offset + total_tokens > capacity:
             raise ValueError(
@@ -233,7 +240,7 @@ class SendSession:
                 if not self._advance(TransferStatus.TRANSFERRING):
                     continue  # failed meanwhile: _next_grant acknowledges an abort and returns None
                 bulk = BulkWrite(
-                    source=self._storage,
+                    source=self._source,
                     source_ids=source_ids,
                     source_offset=source_offset + self._position,
                     dest_ids=grant.blocks,
@@ -246,7 +253,7 @@ class SendSession:
                 )
                 checksum = None
                 if self._config.checksums:
-                    checksum = checksum_runs(self._storage, bulk.runs, self._buffers, source=True)
+                    checksum = checksum_runs(self._source, bulk.runs, self._buffers, source=True)
                 done = ChunkDone(
                     transfer_id=self.transfer_id,
                     round=grant.round,

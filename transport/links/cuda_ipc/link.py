@@ -82,6 +82,8 @@ class _Forward:
 class CudaIpcLink(Link):
     """One end of a cuda-ipc link; `remote` (sender end only) is the receiver's pool, mapped."""
 
+    lands_in_named_storage = False  # the sender writes into the receiving pool it mapped
+
     def __init__(
         self,
         sock: socket.socket,
