@@ -294,6 +294,8 @@ class LanguageRoles:
         """Automatic moves of the roles' states, and the next compute of the current state."""
         state = self._actor.state
         busy = self._compute.busy
+        if state is S.OLD_PREFILL:
+            self.old_prefill.prune()  # the one place partners leave; the predicates below only read
         if state is S.MUTATING_TO_DECODE:
             self.flush()
             if not busy and self.migrator.idle and not self.prefill.queue and not self._loader.preparing:
