@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import trio
 
+from messages.commands import RelayedRequest, RelayOffer
 from messages.log.events import FirstToken, LogEvent, PrefillFinished
 from replicas.decode.work import schedule as decode_schedule
 from replicas.model import SamplingParams
@@ -16,6 +17,7 @@ from replicas.step.apply import apply_tokens, refuse
 from replicas.step.plan import Held
 from replicas.zigzag.new_prefill import PartBatch
 from replicas.zigzag.new_prefill import schedule as part_schedule
+from replicas.zigzag.old_prefill import IncomingRelay, plan_relay
 
 BLOCK = 16
 
@@ -120,6 +122,39 @@ def test_a_borrowed_prefix_moves_the_first_chunk_and_costs_only_its_idle_blocks(
     assert [line.request_id for line in plan([first, second], free_blocks=3).lines] == ["first"]
     pulled = Candidate("pulled", 40, 0, True, Pulled((1, 2), "other"))  # holds its 2 blocks already
     assert [(line.start, line.takes) for line in plan([pulled], free_blocks=1).lines] == [(32, 1)]
+
+
+def test_a_relay_plan_runs_the_live_requests_rows_and_drops_the_others() -> None:
+    """`plan_relay` is pure: the requests cancelled or ended while the relay landed are dropped, the
+    others keep their rows of the hidden states (all rows: no gather), the layers left follow the
+    offer's."""
+    first, gone, last = request("first", 3), request("gone", 2), request("last", 4)
+    gone.cancel()
+    offer = RelayOffer(
+        batch_id="b1",
+        transfer_id="t1",
+        source_endpoint="e",
+        new_prefill="np",
+        layer=1,
+        total_tokens=9,
+        requests=[
+            RelayedRequest(request_id="first", prompt_tokens=3, offset=0),
+            RelayedRequest(request_id="gone", prompt_tokens=2, offset=3),
+            RelayedRequest(request_id="last", prompt_tokens=4, offset=5),
+        ],
+    )
+    items = [Held(first, [0]), Held(gone, [1]), Held(last, [2])]
+    incoming = IncomingRelay(offer, items)
+    plan = plan_relay(incoming, rows=9, num_layers=4)
+    assert [item.request.request_id for item in plan.items] == ["first", "last"]
+    assert [item.request.request_id for item in plan.dropped] == ["gone"]
+    assert plan.starts == (0, 5) and plan.rows == (0, 1, 2, 5, 6, 7, 8) and plan.tokens == 7
+    assert plan.layers == range(1, 4)
+    assert incoming.items == items and not gone.ended  # nothing touched
+    every = plan_relay(
+        IncomingRelay(offer, [items[0], Held(request("gone", 2), [1]), items[2]]), rows=9, num_layers=4
+    )
+    assert every.rows is None and every.tokens == 9  # every row landed is a live request's: no gather
 
 
 def test_a_decode_step_takes_the_first_running_sequences() -> None:
