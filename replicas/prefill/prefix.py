@@ -27,6 +27,8 @@ from replicas.prefill.schedule import Borrow, PlanBroken
 from replicas.request import ServingRequest
 from transport.memory.prefix_cache import PrefixCache, block_keys
 
+KEYS_KEPT = 256  # prompts whose keys a `PrefixLookup` keeps between plans
+
 
 def model_identity(model: Model) -> bytes:
     """What makes two replicas' KV for the same tokens the same: the model, its dtype and its kernels."""
@@ -88,6 +90,12 @@ class PrefixLookup:
 
     def __init__(self, cache: PrefixCache) -> None:
         self.cache = cache
+        # A text prompt's keys by request id (its tokens never change), under the model they were hashed
+        # for: a prompt that waits for room is planned again every pass, and hashing a long prompt costs
+        # milliseconds. Forgotten when
+        # it borrows, or oldest first beyond `KEYS_KEPT` (a request that left unstarted).
+        self._keys: dict[str, tuple[bytes, tuple[bytes, ...]]] = {}
+        self._identity: tuple[Model, bytes] | None = None
 
     def look(self, request: ServingRequest, model: Model, *, share: bool = True) -> Borrow:
         """What `request`'s prompt would borrow of the cache now, nothing borrowed (a plan's input): at
@@ -97,15 +105,31 @@ class PrefixLookup:
         if not cache.enabled:
             return Borrow(keys=(), blocks=(), idle=frozenset(), counted=share)
         block_size = cache.pool.block_size
-        keys = prompt_keys(request, model_identity(model), block_size)
+        keys = self._prompt_keys(request, model, block_size)
         limit = (request.prompt_tokens - 1) // block_size if share else 0
         blocks, idle = cache.peek(keys, limit=limit)
-        return Borrow(keys=tuple(keys), blocks=tuple(blocks), idle=frozenset(idle), counted=share)
+        return Borrow(keys=keys, blocks=tuple(blocks), idle=frozenset(idle), counted=share)
+
+    def _prompt_keys(self, request: ServingRequest, model: Model, block_size: int) -> tuple[bytes, ...]:
+        if self._identity is None or self._identity[0] is not model:
+            self._identity = (model, model_identity(model))
+        identity = self._identity[1]
+        if request.images:  # its keys hold its landed embeddings' digests: hashed again each time
+            return tuple(prompt_keys(request, identity, block_size))
+        kept = self._keys.get(request.request_id)
+        if kept is not None and kept[0] == identity:
+            return kept[1]
+        keys = tuple(prompt_keys(request, identity, block_size))
+        self._keys[request.request_id] = (identity, keys)
+        if len(self._keys) > KEYS_KEPT:
+            del self._keys[next(iter(self._keys))]
+        return keys
 
     def borrow(self, request_id: str, borrow: Borrow) -> list[int]:
         """Borrow what `look` found for `request_id` (a plan's decision), and remember its full blocks'
         keys for `publish` and `release`; returns the blocks. Raises `PlanBroken` when the cache no
         longer holds them (the plan was made against another cache: only a bug gets here)."""
+        self._keys.pop(request_id, None)
         if not self.cache.enabled:
             return []
         blocks = self.cache.acquire(request_id, borrow.keys, limit=len(borrow.blocks))

@@ -167,14 +167,18 @@ def plan_batch(
     lines: list[Line] = []
     tokens = 0
     counted: set[int] = set()  # idle blocks an earlier line borrows
-    for candidate in candidates:
+    queue = iter(candidates)
+    while not lines or len(lines) < max_batch_size:  # a full batch reads (looks up) no further
+        candidate = next(queue, None)
+        if candidate is None:
+            break
         if not candidate.ready:
             continue
         prefix = candidate.prefix
         start = candidate.prefilled if prefix is None else len(prefix_blocks(prefix)) * block_size
         left = candidate.prompt_tokens - start
         piece = left if chunk_tokens is None else min(left, chunk_tokens)
-        if lines and (len(lines) >= max_batch_size or tokens + piece > max_batch_tokens):
+        if lines and tokens + piece > max_batch_tokens:
             break
         allocate = takes = 0
         idle: frozenset[int] = frozenset()
