@@ -25,7 +25,7 @@ class ReplicaSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     prefix_cache_blocks: int | None = None
     max_batch_tokens: int = 4096
     # Chunked prefill: a prompt longer than this runs in chunks of at most this many tokens, other
-    # requests' between them (`replicas.prefill.queue`); None: whole prompts.
+    # requests' between them (`replicas.prefill.schedule`); None: whole prompts.
     chunk_tokens: int | None = None
     max_batch_size: int = 64
     migration_wait: float = 60.0

@@ -288,6 +288,8 @@ class LanguageRoles:
         MutatingToDecode, migrations woken, cancelled prompts finished, a relay asked for, arrived KV
         adopted."""
         state = self._actor.state
+        if state is S.OLD_PREFILL:
+            self.old_prefill.prune()  # the one place partners leave; the moves and predicates only read
         if state is S.MUTATING_TO_DECODE:
             self.flush()
         self.migrator.wake()

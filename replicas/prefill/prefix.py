@@ -1,8 +1,9 @@
 """A prompt's blocks in the prefix cache (architecture §4.1, docs/prefix-cache.md): its keys, what it
 borrows before its prefill, and the prefill of the rest.
 
-`PrefixLookup` is the prefill replica's side of its `PrefixCache`: `borrow` looks a prompt's full blocks
-up and borrows the longest cached prefix — at most all but the prompt's last token, which must run to
+`PrefixLookup` is the prefill replica's side of its `PrefixCache`: `look` finds, without borrowing, the
+longest cached prefix of a prompt's full blocks (a batch plan's input, `replicas.prefill.schedule.Borrow`)
+and `borrow` takes it when the plan runs — at most all but the prompt's last token, which must run to
 sample the first token; the prompt's prefill then starts after it, as a later chunk of a chunked
 prefill does (the executor writes KV from `cached_tokens` on, attending to the blocks before). Its
 computed blocks join the cache (`PrefixCache.publish`) once the whole prompt ran; its blocks go back
@@ -22,8 +23,11 @@ from typing import final
 import torch
 
 from replicas.model import ImageGrid, Model
+from replicas.prefill.schedule import Borrow, PlanBroken
 from replicas.request import ServingRequest
 from transport.memory.prefix_cache import PrefixCache, block_keys
+
+KEYS_KEPT = 256  # prompts whose keys a `PrefixLookup` keeps between plans
 
 
 def model_identity(model: Model) -> bytes:
@@ -86,18 +90,56 @@ class PrefixLookup:
 
     def __init__(self, cache: PrefixCache) -> None:
         self.cache = cache
+        # A text prompt's keys by request id (its tokens never change), under the model they were hashed
+        # for: a prompt that waits for room is planned again every pass, and hashing a long prompt costs
+        # milliseconds. Forgotten when
+        # it borrows, or oldest first beyond `KEYS_KEPT` (a request that left unstarted).
+        self._keys: dict[str, tuple[bytes, tuple[bytes, ...]]] = {}
+        self._identity: tuple[Model, bytes] | None = None
 
-    def borrow(self, request: ServingRequest, model: Model, *, share: bool = True) -> list[int]:
-        """Borrow the cached prefix of `request`'s prompt (its block ids; empty when the cache is off)
-        and remember its full blocks' keys for `publish` and `release`. `share` false: borrow nothing (a
-        prompt whose every row must run, to score its tokens), but its computed blocks still join."""
+    def look(self, request: ServingRequest, model: Model, *, share: bool = True) -> Borrow:
+        """What `request`'s prompt would borrow of the cache now, nothing borrowed (a plan's input): at
+        most all but its last token; `share` false: nothing (a prompt whose every row must run, to score
+        its tokens), but its full blocks' keys still go with it, so that its computed blocks join."""
         cache = self.cache
         if not cache.enabled:
-            return []
+            return Borrow(keys=(), blocks=(), idle=frozenset(), counted=share)
         block_size = cache.pool.block_size
-        keys = prompt_keys(request, model_identity(model), block_size)
+        keys = self._prompt_keys(request, model, block_size)
         limit = (request.prompt_tokens - 1) // block_size if share else 0
-        return cache.acquire(request.request_id, keys, limit=limit)
+        blocks, idle = cache.peek(keys, limit=limit)
+        return Borrow(keys=keys, blocks=tuple(blocks), idle=frozenset(idle), counted=share)
+
+    def _prompt_keys(self, request: ServingRequest, model: Model, block_size: int) -> tuple[bytes, ...]:
+        if self._identity is None or self._identity[0] is not model:
+            self._identity = (model, model_identity(model))
+        identity = self._identity[1]
+        if request.images:  # its keys hold its landed embeddings' digests: hashed again each time
+            return tuple(prompt_keys(request, identity, block_size))
+        kept = self._keys.get(request.request_id)
+        if kept is not None and kept[0] == identity:
+            return kept[1]
+        keys = tuple(prompt_keys(request, identity, block_size))
+        self._keys[request.request_id] = (identity, keys)
+        if len(self._keys) > KEYS_KEPT:
+            del self._keys[next(iter(self._keys))]
+        return keys
+
+    def borrow(self, request_id: str, borrow: Borrow) -> list[int]:
+        """Borrow what `look` found for `request_id` (a plan's decision), and remember its full blocks'
+        keys for `publish` and `release`; returns the blocks. Raises `PlanBroken` when the cache no
+        longer holds them (the plan was made against another cache: only a bug gets here)."""
+        self._keys.pop(request_id, None)
+        if not self.cache.enabled:
+            return []
+        blocks = self.cache.acquire(request_id, borrow.keys, limit=len(borrow.blocks))
+        if tuple(blocks) != borrow.blocks:
+            self.cache.release(request_id, blocks)
+            raise PlanBroken(
+                f"request {request_id}: the plan borrows cached blocks {list(borrow.blocks)}, "
+                f"the prefix cache holds {blocks}"
+            )
+        return blocks
 
     def counted(self, request: ServingRequest, cached_tokens: int) -> None:
         """`request` started with `cached_tokens` from the cache: count it (Prometheus, `status`)."""

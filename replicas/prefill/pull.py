@@ -108,6 +108,10 @@ class Puller:
         self._actor.spawn(self._pull, request, holder, keys[:limit], own, landing)
         return True
 
+    def landed(self, request_id: str) -> tuple[list[int], str | None] | None:
+        """What `take` would give now, nothing taken (a batch plan's input)."""
+        return self._ready.get(request_id)
+
     def take(self, request_id: str) -> tuple[list[int], str | None] | None:
         """The blocks a pulled request's prompt starts with (its borrowing) and the replica they were
         pulled from (None: the pull failed, they are this replica's own), or None when it did not pull;

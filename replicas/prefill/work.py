@@ -1,18 +1,21 @@
 """Prefill behaviour: batch the work queue within a block budget, run the prompt, sample the first token.
 
-Plan → execute → apply: `start_batch` takes the batch `replicas.prefill.queue.schedule` chose (its KV
-blocks allocated, its requests stamped and logged), the prompts run through every layer and the head in
-a worker thread (`replicas.step.compute`), and `complete` applies the first tokens
-(`replicas.step.apply.apply_tokens`): each streamed; finished requests free their blocks, the others go
-to the migration queue, which moves their KV to a decode replica. A batch the model refuses fails its
-requests with `bad_request`.
+Plan → execute → apply: `plan` decides the next batch as a value (`replicas.prefill.schedule.BatchPlan`:
+which requests, which tokens of each, which prefix each new prompt borrows or takes from its pull, how
+many blocks each allocates) without touching anything; `execute` only does what it says — takes the
+requests off the queue, borrows, allocates, stamps and logs — and returns the running `Batch`; the
+prompts run through every layer and the head in a worker thread (`replicas.step.compute`), and the
+result is applied from that `Batch` in one place (`_finished`, then `complete` through
+`replicas.step.apply.apply_tokens`): each first token streamed; finished requests free their blocks,
+the others go to the migration queue, which moves their KV to a decode replica. A batch the model
+refuses fails its requests with `bad_request`.
 
-Chunked prefill (`ReplicaSettings.chunk_tokens`): `replicas.prefill.queue.schedule` cuts a long prompt
-into chunks; a batch runs each chunk from its start position over the KV of the chunks before it (in
-the request's blocks, allocated with the first chunk and kept in `_tables` between chunks); a chunk
-that does not end its prompt samples nothing — its request goes back to the front of the queue, its
-next chunk first in the next batch — and the one that does is applied like a whole prompt. The KV moves to the decode replica once the
-whole prompt ran (not chunk by chunk).
+Chunked prefill (`ReplicaSettings.chunk_tokens`): the plan cuts a long prompt into chunks; a batch runs
+each chunk from its start position over the KV of the chunks before it (in the request's blocks,
+allocated with the first chunk and kept in `_tables` between chunks); a chunk that does not end its
+prompt samples nothing — its request goes back to the front of the queue, its next chunk first in the
+next batch — and the one that does is applied like a whole prompt. The KV moves to the decode replica
+once the whole prompt ran (not chunk by chunk).
 
 Image requests: enqueued, they start receiving their embeddings at once (`replicas.prefill.embeddings`);
 the schedule skips them until the prompt is laid out. A request whose KV partly lives on a ZigZag
@@ -22,21 +25,34 @@ partner (`Held.relay`) has that half dropped there when it ends here.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
-from collections.abc import Callable
-from typing import final
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import assert_never, final
 
 import torch
 
 from messages.commands import DropKVHalf
 from messages.log.events import PrefillStarted
 from replicas.inbox import new_command_id
-from replicas.model import KVCache, ModelInputError, PrefillResult, PrefillSequence, token_history
+from replicas.model import KVCache, Model, ModelInputError, PrefillResult, PrefillSequence, token_history
 from replicas.ports import Actor, Directory, tell_peer
 from replicas.prefill.embeddings import EmbeddingReceives, release_input
 from replicas.prefill.prefix import PrefixLookup
 from replicas.prefill.pull import Puller
-from replicas.prefill.queue import Chunk, PromptQueue, schedule
+from replicas.prefill.queue import PromptQueue
+from replicas.prefill.schedule import (
+    BatchPlan,
+    Borrow,
+    Candidate,
+    Fresh,
+    Line,
+    PlanBroken,
+    Prefix,
+    Pulled,
+    plan_batch,
+)
 from replicas.request import ServingRequest
 from replicas.settings import ReplicaSettings
 from replicas.states import KEEPS_IMAGE_REQUESTS, ReplicaState
@@ -46,6 +62,22 @@ from replicas.step.grammar import grammar_rows
 from replicas.step.plan import Held, PrefillCall
 
 S = ReplicaState
+
+
+@final
+@dataclass(frozen=True, slots=True)
+class Batch:
+    """A batch as its plan ran: the plan's `lines` and, line for line, the requests with their tables
+    (`items`) and the model call's `sequences`. Its result is applied from it (`PrefillWork._finished`)."""
+
+    lines: tuple[Line, ...]
+    items: tuple[Held, ...]
+    sequences: tuple[PrefillSequence, ...]
+
+    @property
+    def tokens(self) -> int:
+        """The prompt tokens the batch computes."""
+        return sum(line.tokens for line in self.lines)
 
 
 @final
@@ -82,14 +114,13 @@ class PrefillWork:
         self._migrate = migrate
         self._returned = returned
         self._changed = changed
-        self.running: list[Held] = []
-        self._chunks: list[Chunk] = []  # the running batch's, item for item
+        self.running: Batch | None = None  # the batch computing now
         self._tables: dict[str, list[int]] = {}  # the blocks of queued requests whose first chunks ran
 
     @property
     def running_tokens(self) -> int:
         """The prompt tokens of the batch computing now (0: none)."""
-        return sum(chunk.tokens for chunk in self._chunks)
+        return 0 if self.running is None else self.running.tokens
 
     def enqueue(self, request: ServingRequest) -> None:
         request.hand_to(self._actor.name)
@@ -155,128 +186,163 @@ class PrefillWork:
         executor = self._compute.executor
         if executor is None or not self.queue:
             return
-        taken = self.take_batch()
-        if taken is None:
+        plan = self.plan()
+        if not plan:
             return
-        batch, sequences = taken
+        batch = self.execute(plan)
         self.running = batch
-        tokens = sum(sequence.num_tokens for sequence in sequences)
-        grammars = grammar_rows([item.request for item in batch], [chunk.last for chunk in self._chunks])
-        call = PrefillCall(sequences, grammars=grammars)
+        grammars = grammar_rows([item.request for item in batch.items], [line.last for line in batch.lines])
+        call = PrefillCall(batch.sequences, grammars=grammars)
         self._compute.run(
             lambda: call.run(executor),
-            self._finished,
-            self._refused,
-            emulated=self._compute.emulated_prefill(tokens, self._compute.num_layers),
+            functools.partial(self._finished, batch),
+            functools.partial(self._refused, batch),
+            emulated=self._compute.emulated_prefill(batch.tokens, self._compute.num_layers),
         )
 
-    def take_batch(
-        self, *, chunked: bool = True, cached: bool = True
-    ) -> tuple[list[Held], list[PrefillSequence]] | None:
-        """Take the scheduled batch off the queue, its KV blocks allocated — a new prompt's cached prefix
-        borrowed from the prefix cache (`cached`: a batch that runs every layer here; not for a prompt
-        whose log-probabilities are asked), its first chunk then starting after it —, its requests
-        stamped and logged as started; None when no request is ready or the first does not fit.
-        `chunked` false: whole prompts (a ZigZag batch)."""
-        kv, settings, model = self._kv, self._settings, self._compute.model
-        planned = schedule(
-            self.queue,
-            free_blocks=kv.pool.available_blocks,
-            blocks_for=kv.blocks_for,
+    def plan(self, *, chunked: bool = True, cached: bool = True) -> BatchPlan:
+        """The next batch (`replicas.prefill.schedule.plan_batch`), nothing touched: a new prompt's cached
+        prefix is looked up when `cached` (a batch that runs every layer here), and `chunked` false
+        plans whole prompts (a ZigZag batch). Execute it (`execute`) in the same step of the main loop."""
+        kv, settings = self._kv, self._settings
+        return plan_batch(
+            self._candidates(cached=cached),
+            free_blocks=kv.pool.allocatable_blocks,
+            block_size=kv.block_size,
             max_batch_size=settings.max_batch_size,
             max_batch_tokens=settings.max_batch_tokens,
             chunk_tokens=settings.chunk_tokens if chunked else None,
         )
-        batch: list[Held] = []
-        chunks: list[Chunk] = []
-        starting: set[str] = set()
-        for chunk in planned:
-            request = chunk.request
-            table = self._tables.pop(request.request_id, None)
-            if table is None:
-                lookup = cached and model is not None
-                # A prompt that scores its tokens runs every row: it borrows nothing (its blocks still
-                # join the cache, so later prompts — the other choices of its body — borrow them).
-                scored = request.prompt_logprobs is not None
-                pulled = self._puller.take(request.request_id) if self._puller is not None else None
-                if pulled is not None and (not lookup or scored):  # a batch that borrows nothing (ZigZag)
-                    self._kv.release(pulled[0], request.request_id)
-                    pulled = None
-                if pulled is not None:  # its prefix is borrowed already (pulled, or its own)
-                    borrowed, source = pulled
-                else:
-                    borrowed = (
-                        self._prefix.borrow(request, model, share=not scored)
-                        if lookup and model is not None
-                        else []
-                    )
-                    source = None
-                table = kv.pool.try_allocate(
-                    kv.blocks_for(request.prompt_tokens) - len(borrowed), request.request_id
-                )
-                if table is None:  # the allocator refused (a waiter is queued): the rest waits its turn
-                    self._kv.release(borrowed, request.request_id)
-                    break
-                table = borrowed + table
-                request.cached_tokens = request.prefilled = len(borrowed) * kv.block_size
-                request.cached_from = (source or "local") if borrowed else None
-                if lookup and not scored:
-                    self._prefix.counted(request, request.cached_tokens)
-                if borrowed:  # the chunk starts after the borrowed prefix, as long as planned
-                    stop = min(request.prompt_tokens, request.prefilled + chunk.tokens)
-                    chunk = Chunk(request, request.prefilled, stop)
-                starting.add(request.request_id)
+
+    def _candidates(self, *, cached: bool) -> Iterator[Candidate]:
+        """The queue as `plan_batch` reads it, a request's prefix looked up when it is reached."""
+        model = self._compute.model
+        for request in self.queue:
+            ready = request.prompt_ready and not request.cancelled and not request.pulling
+            prefix: Prefix | None = None
+            if ready and request.request_id not in self._tables:
+                prefix = self._prefix_of(request, model if cached else None)
+            yield Candidate(request.request_id, request.prompt_tokens, request.prefilled, ready, prefix)
+
+    def _prefix_of(self, request: ServingRequest, model: Model | None) -> Prefix:
+        """What a new prompt would start with: the blocks its pull left it (when the batch borrows: a
+        `model` to look up with), else its cached prefix (`model` None: nothing, a ZigZag batch). A
+        prompt that scores its tokens runs every row: it borrows nothing (its blocks still join the
+        cache, so later prompts — the other choices of its body — borrow them)."""
+        scored = request.prompt_logprobs is not None
+        pulled = self._puller.landed(request.request_id) if self._puller is not None else None
+        if pulled is not None:
+            blocks, source = pulled
+            return Pulled(tuple(blocks), source) if model is not None and not scored else Fresh(tuple(blocks))
+        if model is None:
+            return Fresh()
+        return self._prefix.look(request, model, share=not scored)
+
+    def execute(self, plan: BatchPlan) -> Batch:
+        """Do what `plan` (made in this step of the main loop) decided: take its requests off the queue,
+        borrow each new prompt's prefix — all of them before any allocation, so that none is evicted to
+        make room —, allocate their blocks, stamp and log the new ones as started. Raises `PlanBroken`
+        when the cache or pool is not what the plan saw (only a bug gets there)."""
+        kv, model = self._kv, self._compute.model
+        queued = {request.request_id: request for request in self.queue}
+        starts: dict[str, list[int]] = {}
+        for line in plan.lines:
+            rid = line.request_id
+            match line.prefix:
+                case None:
+                    continue
+                case Borrow() as borrow:
+                    starts[rid] = self._prefix.borrow(rid, borrow)
+                case Pulled(blocks=blocks):
+                    starts[rid] = self._take_pulled(rid, blocks)
+                case Fresh(drop=drop):
+                    if drop:
+                        kv.release(self._take_pulled(rid, drop), rid)
+                    starts[rid] = []
+                case _:
+                    assert_never(line.prefix)
+        items: list[Held] = []
+        started: list[ServingRequest] = []
+        for line in plan.lines:
+            request = queued[line.request_id]
+            if line.prefix is None:
+                table = self._tables.pop(request.request_id)
+            else:
+                table = self._allocate(line, request, starts[request.request_id])
+                started.append(request)
             self.queue.remove(request)
-            batch.append(Held(request, table))
-            chunks.append(chunk)
-        if not batch:
-            return None
-        self._chunks = chunks
+            items.append(Held(request, table))
         self._changed()  # room in the queue: the router may hand more
         now = time.time()
         eos = tuple(model.eos_token_ids) if model is not None else ()
-        sequences = []
-        for item, chunk in zip(batch, chunks, strict=True):
-            request = item.request
-            if request.request_id in starting:
-                request.eos_token_ids = eos
-                request.stamps.prefill_started = now
-                self._actor.log.bind(request_id=request.request_id).emit(
-                    PrefillStarted(
-                        tokens=request.prompt_tokens,
-                        batch_size=len(batch),
-                        cached_tokens=request.cached_tokens,
-                        cached_from=request.cached_from,
-                    )
+        for request in started:
+            request.eos_token_ids = eos
+            request.stamps.prefill_started = now
+            self._actor.log.bind(request_id=request.request_id).emit(
+                PrefillStarted(
+                    tokens=request.prompt_tokens,
+                    batch_size=len(items),
+                    cached_tokens=request.cached_tokens,
+                    cached_from=request.cached_from,
                 )
-            sequences.append(_sequence(item, chunk))
-        return batch, sequences
+            )
+        return Batch(
+            plan.lines,
+            tuple(items),
+            tuple(_sequence(item, line) for item, line in zip(items, plan.lines, strict=True)),
+        )
 
-    def _finished(self, result: PrefillResult) -> None:
-        batch, self.running = self.running, []
-        chunks, self._chunks = self._chunks, []
-        ended = [index for index, chunk in enumerate(chunks) if chunk.last]
+    def _take_pulled(self, request_id: str, blocks: tuple[int, ...]) -> list[int]:
+        taken = self._puller.take(request_id) if self._puller is not None else None
+        if taken is None or tuple(taken[0]) != blocks:
+            raise PlanBroken(
+                f"request {request_id}: the plan starts from pulled blocks {list(blocks)}, "
+                f"the puller holds {None if taken is None else taken[0]}"
+            )
+        return taken[0]
+
+    def _allocate(self, line: Line, request: ServingRequest, prefix: list[int]) -> list[int]:
+        """A new prompt's table: `prefix`, then the blocks `line` allocates; its prefill starts after it."""
+        assert line.prefix is not None
+        kv, rid = self._kv, line.request_id
+        allocated = kv.pool.try_allocate(line.allocate, rid)
+        if allocated is None:
+            raise PlanBroken(
+                f"request {rid}: the plan allocates {line.allocate} blocks, the pool has "
+                f"{kv.pool.allocatable_blocks} to give"
+            )
+        request.cached_tokens = request.prefilled = len(prefix) * kv.block_size
+        source = line.prefix.source if isinstance(line.prefix, Pulled) else None
+        request.cached_from = (source or "local") if prefix else None
+        if isinstance(line.prefix, Pulled) or (isinstance(line.prefix, Borrow) and line.prefix.counted):
+            self._prefix.counted(request, request.cached_tokens)
+        return prefix + allocated
+
+    def _finished(self, batch: Batch, result: PrefillResult) -> None:
+        """Apply `batch`'s result (the one place a prefill batch's outcome lands): a chunk that does not
+        end its prompt queues its next one first; the prompts that ended are completed."""
+        self.running = None
+        ended = [index for index, line in enumerate(batch.lines) if line.last]
         going_on: list[ServingRequest] = []
-        for index, (item, chunk) in enumerate(zip(batch, chunks, strict=True)):
-            if chunk.last:
+        for index, (item, line) in enumerate(zip(batch.items, batch.lines, strict=True)):
+            if line.last:
                 continue
             request = item.request  # a chunk that does not end its prompt: its next one runs first
             if result.prompt_logprobs is not None and (scored := result.prompt_logprobs[index]) is not None:
                 request.prompt_scores = [*(request.prompt_scores or [None]), *scored]
-            request.prefilled = chunk.stop
+            request.prefilled = line.stop
             self._tables[request.request_id] = item.table
             going_on.append(request)
         self.queue.push_front(going_on)
-        if len(ended) < len(batch):
+        if len(ended) < len(batch.items):
             self._changed()  # queued prompt tokens changed
             result = _rows(result, ended)
         if ended:
-            self.complete([batch[index] for index in ended], result)
+            self.complete([batch.items[index] for index in ended], result)
 
-    def _refused(self, error: ModelInputError) -> None:
-        batch, self.running = self.running, []
-        self._chunks = []
-        refuse(batch, code="bad_request", message=str(error), release=self.release)
+    def _refused(self, batch: Batch, error: ModelInputError) -> None:
+        self.running = None
+        refuse(list(batch.items), code="bad_request", message=str(error), release=self.release)
 
     def complete(self, batch: list[Held], result: PrefillResult) -> None:
         """The prompts of `batch` ran through the head: apply their first tokens (and the prompts' and
@@ -314,7 +380,7 @@ class PrefillWork:
             tell_peer(self._actor, self._directory, relay.new_prefill, drop)  # of this node or another
 
 
-def _sequence(item: Held, chunk: Chunk) -> PrefillSequence:
+def _sequence(item: Held, chunk: Line) -> PrefillSequence:
     """The prefill call's sequence for `chunk` of `item`'s prompt: its tokens from `chunk.start` on,
     over the KV of the tokens before (already in the blocks); the first token is sampled, and scored,
     only by the chunk that ends the prompt."""

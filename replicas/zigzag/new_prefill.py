@@ -174,11 +174,13 @@ class NewPrefillWork:
             return
 
     def _form_batch(self) -> PartBatch | None:
-        taken = self._prefill.take_batch(chunked=False, cached=False)  # its layers run in two places
-        if taken is None:
+        plan = self._prefill.plan(chunked=False, cached=False)  # its layers run in two places
+        if not plan:
             return None
-        items, sequences = taken
-        batch = PartBatch(f"{self._actor.name}/b{next(_batch_numbers)}", items, sequences)
+        taken = self._prefill.execute(plan)
+        batch = PartBatch(
+            f"{self._actor.name}/b{next(_batch_numbers)}", list(taken.items), list(taken.sequences)
+        )
         self.batches.append(batch)
         return batch
 

@@ -96,7 +96,7 @@ class OldPrefillWork:
         self.hinted = True
         self.receiving: IncomingRelay | None = None
         self.ready: deque[IncomingRelay] = deque()
-        self.running: IncomingRelay | None = None
+        self.running: RelayPlan | None = None
         self.waiting: dict[str, float] = {}  # partner → arrival of the oldest request it would hand over
 
     @property
@@ -151,15 +151,25 @@ class OldPrefillWork:
         return min(self.waiting.values()) <= own.stamps.arrived
 
     def live_partners(self) -> list[str]:
-        """The partners still in the episode. One on another node is known from its node's reports,
-        which lag: paired as it moved to NewPrefill, it may still be reported `LoadingPrefill`, or not
-        listed yet; it counts as in the episode until a report says NewPrefill, for up to
-        `REPORT_GRACE` seconds after the pairing (its node may have died meanwhile)."""
-        self.partners = [p for p in self.partners if self._in_episode(p)]
+        """The partners still in the episode (pure: `prune` forgets the others). One on another node is
+        known from its node's reports, which lag: paired as it moved to NewPrefill, it may still be
+        reported `LoadingPrefill`, or not listed yet; it counts as in the episode until a report says
+        NewPrefill, for up to `REPORT_GRACE` seconds after the pairing (its node may have died
+        meanwhile)."""
+        now = trio.current_time()
+        return [p for p in self.partners if self._in_episode(p, now)]
+
+    def prune(self) -> None:
+        """The one place partners leave (main loop, once a pass, before the predicates read them): those
+        no longer in the episode are forgotten, and so is the grace of one its node now reports in it;
+        once no partner lives on another node, the report watch ends."""
+        self.partners = self.live_partners()
+        for name in list(self._reported_by):
+            if name not in self.partners or self._state_of(name) in ZIGZAG_NEW:
+                del self._reported_by[name]
         if self._no_remote is not None and all(self._directory.get(p) is not None for p in self.partners):
             self._no_remote.set()
             self._no_remote = None
-        return self.partners
 
     async def _follow_reports(self, no_remote: trio.Event) -> None:
         """Wake this replica at every node-wide change (a report taken is one) until `no_remote` is set
@@ -170,17 +180,13 @@ class OldPrefillWork:
         finally:
             unwatch()
 
-    def _in_episode(self, name: str) -> bool:
+    def _in_episode(self, name: str, now: float) -> bool:
+        """Pure: `name` is reported in the episode, or not yet reported and within its grace."""
         state = self._state_of(name)
         if state in ZIGZAG_NEW:
-            self._reported_by.pop(name, None)
             return True
-        # Not yet reported NewPrefill by its node (still `LoadingPrefill`, or not listed yet).
-        by = self._reported_by.get(name)
-        if by is not None and state in (None, S.LOADING_PREFILL) and trio.current_time() < by:
-            return True
-        self._reported_by.pop(name, None)
-        return False
+        by = self._reported_by.get(name)  # not yet reported NewPrefill: still `LoadingPrefill`, or unlisted
+        return by is not None and state in (None, S.LOADING_PREFILL) and now < by
 
     def episode_over(self) -> bool:
         return not self.live_partners() and not self.in_hand
@@ -189,11 +195,12 @@ class OldPrefillWork:
     def maybe_ask(self) -> None:
         if self._compute.busy:
             return  # ask when free: the partner's batch has gone as far as it can by then
-        if self.in_hand or not self.hinted or not self.live_partners() or not self.relay_first():
+        partners = self.live_partners()
+        if self.in_hand or not self.hinted or not partners or not self.relay_first():
             return
         kv = self._kv
         self.asking, self.hinted = True, False
-        self._actor.spawn(self._ask, list(self.partners), kv.pool.available_blocks * kv.block_size)
+        self._actor.spawn(self._ask, partners, kv.pool.available_blocks * kv.block_size)
 
     async def _ask(self, partners: list[str], room_tokens: int) -> None:
         timeout = self._settings.kv_transfer.handshake_timeout
@@ -290,30 +297,25 @@ class OldPrefillWork:
 
     # ------------------------------------------------------------------ compute
     def start_next(self) -> bool:
-        """Run the oldest received relay (main loop, not busy); False when there is none."""
+        """Plan, execute and apply the oldest received relay (main loop, not busy): `plan_relay` decides,
+        this releases what it drops and runs what it keeps; `_ran` applies the result. False when none
+        runs."""
         executor = self._compute.executor
         if not self.ready or executor is None:
             return False
         incoming = self.ready.popleft()
-        live = []
-        for item in incoming.items:
-            if item.request.ended or item.request.cancelled:
-                self._prefill.release(item)
-                if not item.request.ended:
-                    item.request.finish("cancelled")
-            else:
-                live.append(item)
-        offsets = {r.request_id: r.offset for r in incoming.offer.requests}
-        assert incoming.hidden is not None and incoming.positions is not None
-        if not live:
+        assert incoming.hidden is not None and incoming.positions is not None  # received
+        plan = plan_relay(incoming, rows=incoming.hidden.shape[0], num_layers=self._compute.num_layers)
+        for item in plan.dropped:
+            self._prefill.release(item)
+            if not item.request.ended:
+                item.request.finish("cancelled")
+        if not plan.items:
             return False
         three_d = self._compute.config.position_axes == 3
-        rows: list[int] = []
         sequences: list[PrefillSequence] = []
-        for item in live:
+        for item, start in zip(plan.items, plan.starts, strict=True):
             request = item.request
-            start = offsets[request.request_id]
-            rows.extend(range(start, start + request.prompt_tokens))
             positions = incoming.positions[start : start + request.prompt_tokens]
             sequences.append(
                 PrefillSequence(
@@ -326,26 +328,73 @@ class OldPrefillWork:
                     history=token_history(request.sampling, request.token_ids, request.generated),
                 )
             )
-        hidden = incoming.hidden if len(rows) == incoming.hidden.shape[0] else incoming.hidden[rows]
-        layers = range(incoming.offer.layer, self._compute.num_layers)
-        incoming.items = live
-        self.running = incoming
+        hidden = incoming.hidden if plan.rows is None else incoming.hidden[list(plan.rows)]
+        self.running = plan
         call = PrefillCall(
-            sequences, layers=layers, hidden=hidden, grammars=grammar_rows([item.request for item in live])
+            sequences,
+            layers=plan.layers,
+            hidden=hidden,
+            grammars=grammar_rows([i.request for i in plan.items]),
         )
         self._compute.run(
             lambda: call.run(executor),
-            lambda result: self._ran(incoming, result),
-            lambda error: self._refused(incoming, error),
-            emulated=self._compute.emulated_prefill(len(rows), len(layers)),
+            functools.partial(self._ran, plan),
+            functools.partial(self._refused, plan),
+            emulated=self._compute.emulated_prefill(plan.tokens, len(plan.layers)),
         )
         return True
 
-    def _ran(self, incoming: IncomingRelay, result: PrefillResult) -> None:
+    def _ran(self, plan: RelayPlan, result: PrefillResult) -> None:
         self.running = None
         assert result.tokens is not None  # the layers ran to the end, and the head
-        self._prefill.complete(incoming.items, result)
+        self._prefill.complete(list(plan.items), result)
 
-    def _refused(self, incoming: IncomingRelay, error: ModelInputError) -> None:
+    def _refused(self, plan: RelayPlan, error: ModelInputError) -> None:
         self.running = None
-        self._fail(incoming, "internal", f"the relayed batch {incoming.offer.batch_id} was refused: {error}")
+        message = f"the relayed batch {plan.batch_id} was refused: {error}"
+        refuse(
+            list(plan.items),
+            code="internal",
+            message=message,
+            release=self._prefill.release,
+            cancel_wins=True,
+        )
+
+
+@final
+@dataclass(frozen=True, slots=True)
+class RelayPlan:
+    """What a received relay runs: `items`, its requests still live, in the offer's order, each from
+    row `starts[i]` of the relayed hidden states; `dropped`, those that ended or were cancelled while it
+    landed (released, the cancelled finished); `rows`: the hidden-state rows `items` take (None: all);
+    `layers`: the layers left to run, then the head."""
+
+    batch_id: str
+    items: tuple[Held, ...]
+    dropped: tuple[Held, ...]
+    starts: tuple[int, ...]
+    rows: tuple[int, ...] | None
+    layers: range
+
+    @property
+    def tokens(self) -> int:
+        return sum(item.request.prompt_tokens for item in self.items)
+
+
+def plan_relay(incoming: IncomingRelay, *, rows: int, num_layers: int) -> RelayPlan:
+    """The plan of `incoming` (`rows` hidden-state rows landed, a model of `num_layers`); pure."""
+    offsets = {r.request_id: r.offset for r in incoming.offer.requests}
+    items = tuple(i for i in incoming.items if not (i.request.ended or i.request.cancelled))
+    dropped = tuple(i for i in incoming.items if i.request.ended or i.request.cancelled)
+    starts = tuple(offsets[item.request.request_id] for item in items)
+    kept = [
+        r for item, s in zip(items, starts, strict=True) for r in range(s, s + item.request.prompt_tokens)
+    ]
+    return RelayPlan(
+        batch_id=incoming.offer.batch_id,
+        items=items,
+        dropped=dropped,
+        starts=starts,
+        rows=None if len(kept) == rows else tuple(kept),
+        layers=range(incoming.offer.layer, num_layers),
+    )

@@ -4,19 +4,20 @@ the one `apply_tokens` every role applies a step's tokens with."""
 from __future__ import annotations
 
 import pytest
-import torch
 import trio
 
+from messages.commands import RelayedRequest, RelayOffer
 from messages.log.events import FirstToken, LogEvent, PrefillFinished
 from replicas.decode.work import schedule as decode_schedule
 from replicas.model import SamplingParams
 from replicas.prefill.queue import PromptQueue
-from replicas.prefill.queue import schedule as prefill_schedule
+from replicas.prefill.schedule import BatchPlan, Borrow, Candidate, Fresh, Pulled, plan_batch
 from replicas.request import FinishedUpdate, RequestSpec, ServingRequest
 from replicas.step.apply import apply_tokens, refuse
 from replicas.step.plan import Held
 from replicas.zigzag.new_prefill import PartBatch
 from replicas.zigzag.new_prefill import schedule as part_schedule
+from replicas.zigzag.old_prefill import IncomingRelay, plan_relay
 
 BLOCK = 16
 
@@ -38,75 +39,124 @@ def blocks_for(tokens: int) -> int:
     return -(-tokens // BLOCK)
 
 
+def waiting(name: str, tokens: int, *, ready: bool = True) -> Candidate:
+    """A queued prompt that has not started and borrows nothing."""
+    return Candidate(name, tokens, 0, ready, Fresh())
+
+
+def plan(candidates: list[Candidate], **budgets: int | None) -> BatchPlan:
+    limits: dict[str, int | None] = {"free_blocks": 100, "max_batch_size": 8, "max_batch_tokens": 999}
+    limits.update(budgets)
+    return plan_batch(
+        candidates,
+        free_blocks=limits["free_blocks"] or 0,
+        block_size=BLOCK,
+        max_batch_size=limits["max_batch_size"] or 0,
+        max_batch_tokens=limits["max_batch_tokens"] or 0,
+        chunk_tokens=limits.get("chunk_tokens"),
+    )
+
+
 def test_the_prefill_batch_is_first_come_first_served_within_the_budgets() -> None:
     queue = PromptQueue()
     for name, tokens in (("a", 30), ("b", 40), ("c", 20), ("d", 10)):
         queue.append(request(name, tokens))
     assert queue.tokens == 100
-    plan = prefill_schedule(
-        queue, free_blocks=100, blocks_for=blocks_for, max_batch_size=8, max_batch_tokens=80
-    )
-    assert [c.request.request_id for c in plan] == ["a", "b"]  # c would pass 80 tokens: no overtaking by d
-    plan = prefill_schedule(
-        queue, free_blocks=100, blocks_for=blocks_for, max_batch_size=3, max_batch_tokens=999
-    )
-    assert [c.request.request_id for c in plan] == ["a", "b", "c"]
+    candidates = [waiting(r.request_id, r.prompt_tokens) for r in queue]
+    chosen = plan(candidates, max_batch_tokens=80)
+    assert [line.request_id for line in chosen.lines] == ["a", "b"]  # c would pass 80: no overtaking by d
+    chosen = plan(candidates, max_batch_size=3)
+    assert [line.request_id for line in chosen.lines] == ["a", "b", "c"]
     # The blocks run out before the second prompt (2 + 3 blocks needed, 4 free).
-    plan = prefill_schedule(
-        queue, free_blocks=4, blocks_for=blocks_for, max_batch_size=8, max_batch_tokens=999
-    )
-    assert [c.request.request_id for c in plan] == ["a"]
-    assert len(queue) == 4  # pure: nothing was taken
+    chosen = plan(candidates, free_blocks=4)
+    assert [(line.request_id, line.allocate, line.takes) for line in chosen.lines] == [("a", 2, 2)]
+    assert chosen.blocks == 2
 
 
 def test_the_prefill_batch_skips_requests_not_ready_and_runs_a_long_prompt_alone() -> None:
-    waiting = ServingRequest(
-        RequestSpec.of(
-            request_id="img",
-            prompt_ids=[1, 2],
-            images=[torch.zeros(16, 16, 3, dtype=torch.uint8).numpy()],
-            sampling=SamplingParams(),
-            max_tokens=4,
-        ),
-        eos_token_ids=(),
-    )
-    cancelled = request("gone", 5)
-    cancelled.cancel()
-    long = request("long", 500)
-    plan = prefill_schedule(
-        [waiting, cancelled, long, request("next", 5)],
+    chosen = plan(
+        [
+            waiting("img", 2, ready=False),
+            waiting("gone", 5, ready=False),
+            waiting("long", 500),
+            waiting("next", 5),
+        ],
         free_blocks=1000,
-        blocks_for=blocks_for,
-        max_batch_size=8,
         max_batch_tokens=100,
     )
-    assert [(c.request.request_id, c.start, c.stop, c.last) for c in plan] == [("long", 0, 500, True)]
+    assert [(line.request_id, line.start, line.stop, line.last) for line in chosen.lines] == [
+        ("long", 0, 500, True)
+    ]
 
 
 def test_a_long_prompt_runs_in_chunks_with_the_others_between() -> None:
-    """Chunks of at most `chunk_tokens`; a started prompt holds its blocks (needs none more) and, queued
-    again at the back, lets the requests that came meanwhile go first."""
-    queue = PromptQueue()
-    long, short = request("long", 100), request("short", 10)
-    queue.append(long)
-    queue.append(short)
-    plan = prefill_schedule(
-        queue, free_blocks=7, blocks_for=blocks_for, max_batch_size=8, max_batch_tokens=64, chunk_tokens=40
+    """Chunks of at most `chunk_tokens`; a started prompt holds its blocks (needs none more)."""
+    chosen = plan(
+        [waiting("long", 100), waiting("short", 10)], free_blocks=7, max_batch_tokens=64, chunk_tokens=40
     )
-    assert [(c.request.request_id, c.start, c.stop, c.last) for c in plan] == [("long", 0, 40, False)]
-    long.prefilled = 40  # its first chunk ran: queued again behind `short`
-    queue.remove(long)
-    queue.append(long)
-    assert queue.tokens == 10 + 60
-    plan = prefill_schedule(
-        queue, free_blocks=1, blocks_for=blocks_for, max_batch_size=8, max_batch_tokens=64, chunk_tokens=40
+    assert [(line.request_id, line.start, line.stop, line.last) for line in chosen.lines] == [
+        ("long", 0, 40, False)
+    ]
+    started = Candidate("long", 100, 40, True, None)  # its first chunk ran
+    chosen = plan([waiting("short", 10), started], free_blocks=1, max_batch_tokens=64, chunk_tokens=40)
+    assert [(line.request_id, line.start, line.stop, line.takes) for line in chosen.lines] == [
+        ("short", 0, 10, 1),
+        ("long", 40, 80, 0),
+    ]
+    chosen = plan(
+        [Candidate("long", 100, 80, True, None)], free_blocks=0, max_batch_tokens=64, chunk_tokens=40
     )
-    assert [(c.request.request_id, c.start, c.stop) for c in plan] == [("short", 0, 10), ("long", 40, 80)]
-    long.prefilled = 80
-    plan = prefill_schedule(
-        [long], free_blocks=0, blocks_for=blocks_for, max_batch_size=8, max_batch_tokens=64, chunk_tokens=40
+    assert [(line.start, line.stop, line.last) for line in chosen.lines] == [(80, 100, True)]
+
+
+def test_a_borrowed_prefix_moves_the_first_chunk_and_costs_only_its_idle_blocks() -> None:
+    """A new prompt's chunk starts after its prefix and the token budget counts what it computes; its
+    borrowed blocks cost a block each only when nobody referenced them, and once for the whole batch."""
+    shared = Borrow(keys=(), blocks=(7, 8, 9), idle=frozenset({8, 9}), counted=True)
+    first = Candidate("first", 64, 0, True, shared)  # 4 blocks, 3 borrowed: 1 allocated, 2 idle borrowed
+    second = Candidate("second", 64, 0, True, shared)  # the same prefix: its idle blocks counted already
+    chosen = plan([first, second], free_blocks=4, max_batch_tokens=32, chunk_tokens=40)
+    assert [(line.start, line.stop, line.allocate, line.takes) for line in chosen.lines] == [
+        (48, 64, 1, 3),
+        (48, 64, 1, 1),
+    ]
+    # One block fewer: the second does not fit.
+    assert [line.request_id for line in plan([first, second], free_blocks=3).lines] == ["first"]
+    pulled = Candidate("pulled", 40, 0, True, Pulled((1, 2), "other"))  # holds its 2 blocks already
+    assert [(line.start, line.takes) for line in plan([pulled], free_blocks=1).lines] == [(32, 1)]
+
+
+def test_a_relay_plan_runs_the_live_requests_rows_and_drops_the_others() -> None:
+    """`plan_relay` is pure: the requests cancelled or ended while the relay landed are dropped, the
+    others keep their rows of the hidden states (all rows: no gather), the layers left follow the
+    offer's."""
+    first, gone, last = request("first", 3), request("gone", 2), request("last", 4)
+    gone.cancel()
+    offer = RelayOffer(
+        batch_id="b1",
+        transfer_id="t1",
+        source_endpoint="e",
+        new_prefill="np",
+        layer=1,
+        total_tokens=9,
+        requests=[
+            RelayedRequest(request_id="first", prompt_tokens=3, offset=0),
+            RelayedRequest(request_id="gone", prompt_tokens=2, offset=3),
+            RelayedRequest(request_id="last", prompt_tokens=4, offset=5),
+        ],
     )
-    assert [(c.start, c.stop, c.last) for c in plan] == [(80, 100, True)]
+    items = [Held(first, [0]), Held(gone, [1]), Held(last, [2])]
+    incoming = IncomingRelay(offer, items)
+    plan = plan_relay(incoming, rows=9, num_layers=4)
+    assert [item.request.request_id for item in plan.items] == ["first", "last"]
+    assert [item.request.request_id for item in plan.dropped] == ["gone"]
+    assert plan.starts == (0, 5) and plan.rows == (0, 1, 2, 5, 6, 7, 8) and plan.tokens == 7
+    assert plan.layers == range(1, 4)
+    assert incoming.items == items and not gone.ended  # nothing touched
+    every = plan_relay(
+        IncomingRelay(offer, [items[0], Held(request("gone", 2), [1]), items[2]]), rows=9, num_layers=4
+    )
+    assert every.rows is None and every.tokens == 9  # every row landed is a live request's: no gather
 
 
 def test_a_decode_step_takes_the_first_running_sequences() -> None:

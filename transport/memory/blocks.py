@@ -109,6 +109,12 @@ class BlockPool:
         return len(self._free) + (self._reclaimer.reclaimable if self._reclaimer is not None else 0)
 
     @property
+    def allocatable_blocks(self) -> int:
+        """The blocks a `try_allocate` can take now: the available ones, none while a waiter is queued
+        (it goes first)."""
+        return 0 if self._waiters else self.available_blocks
+
+    @property
     def used_blocks(self) -> int:
         """Blocks held by any owner, quarantined ones included."""
         return self.num_blocks - len(self._free)

@@ -141,6 +141,15 @@ class PrefixCache:
             count += 1
         return count
 
+    def peek(self, keys: Sequence[bytes], *, limit: int) -> tuple[list[int], list[int]]:
+        """What `acquire(…, keys, limit=limit)` would borrow now, nothing changing: its blocks (empty when
+        disabled), and those of them no request references (borrowing them takes them out of
+        `reclaimable`)."""
+        if not self.enabled:
+            return [], []
+        entries = [self._entries[key] for key in keys[: min(self.match(keys), max(0, limit))]]
+        return [entry.block for entry in entries], [entry.block for entry in entries if entry.refs == 0]
+
     def holds(self, key: bytes) -> bool:
         return key in self._entries
 
@@ -171,7 +180,7 @@ class PrefixCache:
             entry.tick = tick
             blocks.append(entry.block)
         self._borrowings[owner] = _Borrowing(list(keys), count, blocks)
-        return blocks
+        return list(blocks)  # the caller's copy: `publish` extends the borrowing's own
 
     def publish(self, owner: str, table: Sequence[int]) -> int:
         """`owner`'s prompt has been computed into `table`: its full blocks after the borrowed ones join
