@@ -23,6 +23,7 @@ from engine.kv_sizing import KvBudgetError, device_kv_settings, kv_budget
 from engine.logging import open_event_log
 from replicas.actor.pools import EncodePools, LanguagePools
 from replicas.model import TINY_CONFIG
+from tests.waiting import deadline
 
 GIB = 1 << 30
 MIB = 1 << 20
@@ -249,7 +250,7 @@ async def test_the_replicas_a_node_starts_build_the_pools_it_sized() -> None:
     blocks = core.settings.kv_pool_blocks
     assert blocks != unsized and blocks >= context // config.kv.block_size
     async with trio.open_nursery() as nursery:
-        with trio.fail_after(60):
+        with deadline("the sized replicas started", 60):
             await core.start_replicas(nursery)
         assert [replica.snapshot().kv_blocks for replica in core.directory.local()] == [blocks, blocks]
         nursery.cancel_scope.cancel()
