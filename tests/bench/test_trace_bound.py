@@ -54,6 +54,16 @@ def test_a_replica_added_serves_from_its_start_and_one_removed_finishes_its_batc
     assert count_at(((0.0, 1), (0.15, 2)), 0.149) == 1 and count_at(((0.0, 1), (0.15, 2)), 0.15) == 2
 
 
+def test_a_shared_host_serialises_the_batches_of_every_replica() -> None:
+    # Two replicas, 0.05 s of the host per batch: the first batch holds the host until 0.05 and ends at
+    # 0.15; the second starts on the host at 0.05 and ends at 0.2. A third replica changes nothing for a
+    # clump of three beyond the host's queue: 0.15, 0.2, 0.25.
+    model = ReplicaModel(tokens_per_s=1000.0, max_batch_tokens=100, host_s=0.05)
+    assert first_tokens(_requests(*[(0.0, 100)] * 2), ((0.0, 2),), model) == pytest.approx([0.15, 0.2])
+    clump = _requests(*[(0.0, 100)] * 3)
+    assert first_tokens(clump, ((0.0, 3),), model) == pytest.approx([0.15, 0.2, 0.25])
+
+
 def test_bad_inputs_are_refused() -> None:
     with pytest.raises(ValueError, match="start at 0"):
         first_tokens(_requests((0.0, 1)), ((1.0, 1),), ONE_PER_BATCH)

@@ -121,6 +121,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="the queueing model's cost per prefill batch, beside the emulated speed (default 0)",
     )
     group.add_argument(
+        "--model-host-s",
+        type=float,
+        default=0.0,
+        help="the queueing model's cost per batch on the node's shared host, a batch at a time (default 0)",
+    )
+    group.add_argument(
         "--max-prefill-replicas", type=int, default=6, help="static search's, planner's and oracle's cap (6)"
     )
     group.add_argument("--keep-alive", type=float, default=None, help="the planner's --autoscale-keep-alive")
@@ -354,7 +360,9 @@ def _rows(
 def _bound(args: argparse.Namespace, trace: Sequence[TraceRequest], base: Summary, static: int) -> Bound:
     """The feasible bound (engine/bench/trace/bound.py) for static's modelled attainment at `static`."""
     slo = Slo(args.slo_ttft_floor, args.slo_ttft_per_token)
-    replica = ReplicaModel(args.prefill_tokens_per_s, args.max_batch_tokens, args.model_overhead_s)
+    replica = ReplicaModel(
+        args.prefill_tokens_per_s, args.max_batch_tokens, args.model_overhead_s, args.model_host_s
+    )
     ordered = sorted(trace, key=lambda r: r.at)
     target = modelled_attainment(ordered, first_tokens(ordered, ((0.0, static),), replica), slo)
     return feasible_bound(
@@ -401,7 +409,7 @@ def _bound_rows(
     points = (target - base.attainment) * 100
     model = (
         f"queueing model: {static} replicas, {args.prefill_tokens_per_s:g} tokens/s, batches of "
-        f"{args.max_batch_tokens} tokens, {args.model_overhead_s:g} s a batch"
+        f"{args.max_batch_tokens} tokens, {args.model_overhead_s:g} s a batch, {args.model_host_s:g} s of the host"
     )
     yield row(BENCH, "bound", "slo_attainment_model", "higher", target, base.attainment,
               f"static prefill={static}, measured",

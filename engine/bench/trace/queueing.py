@@ -9,7 +9,11 @@ first from 0), the way the node serves them:
 - a free replica takes a batch from the queue's head: whole prompts while their tokens fit
   `max_batch_tokens`, at least one (a prompt longer than the budget runs alone, as the node runs it);
 - a batch takes `overhead_s + tokens / tokens_per_s` (the emulated accelerator's speed, plus a fixed cost
-  per batch for the host's share), and each of its prompts has its first token when the batch ends;
+  per batch on its replica), and each of its prompts has its first token when the batch ends;
+- before that, every batch holds the node's one host for `host_s` (the event loop and the cores every
+  replica shares, a batch at a time): a batch starts on the host once it is free, and runs on its
+  replica after — so past some count more replicas stop helping, which the measured static probes
+  show and a per-replica cost cannot;
 - a replica removed from the count finishes its batch first; one added serves from its start.
 
 Decode, the KV transfer and the first token's trip to the client are not in it (the trace bench's TTFT
@@ -34,14 +38,16 @@ from engine.bench.trace.slo import Slo
 @final
 @dataclass(frozen=True, slots=True)
 class ReplicaModel:
-    """One prefill replica: its emulated speed, the most prompt tokens a batch takes, a cost per batch."""
+    """One prefill replica: its emulated speed, the most prompt tokens a batch takes, a cost per batch on
+    the replica (`overhead_s`) and on the node's shared host (`host_s`, one batch at a time)."""
 
     tokens_per_s: float
     max_batch_tokens: int = 512
     overhead_s: float = 0.0
+    host_s: float = 0.0
 
     def __post_init__(self) -> None:
-        if self.tokens_per_s <= 0 or self.max_batch_tokens < 1 or self.overhead_s < 0:
+        if self.tokens_per_s <= 0 or self.max_batch_tokens < 1 or self.overhead_s < 0 or self.host_s < 0:
             raise ValueError(f"a replica model needs a positive speed and batch budget: {self}")
 
     def batch_seconds(self, tokens: int) -> float:
@@ -71,8 +77,10 @@ def first_tokens(
     now = 0.0
     arrived = 0
     step = 0  # counts[step] holds at `now`
+    host_free = 0.0  # when the node's host is free for the next batch
 
     def start_batches() -> None:
+        nonlocal host_free
         while queue and len(busy) < counts[step][1]:
             tokens = 0
             batch: list[int] = []
@@ -80,7 +88,9 @@ def first_tokens(
                 index = queue.popleft()
                 batch.append(index)
                 tokens += trace[index].prompt_tokens
-            end = now + replica.batch_seconds(tokens)
+            start = max(now, host_free)
+            host_free = start + replica.host_s
+            end = host_free + replica.batch_seconds(tokens)
             for index in batch:
                 ttft[index] = end - trace[index].at
             heapq.heappush(busy, end)
