@@ -231,7 +231,7 @@ class NewPrefillWork:
         """Neighbouring batches that reached the same layer (none computing) become one, oldest first,
         within the batch budget: the sequences are independent, so their hidden states just stack. A
         request that arrives while the replica is idle runs at once in a batch of its own; merged, such
-        batches make fuller relays, and the router's batch limit counts fuller batches."""
+        batches make fuller relays."""
         settings = self._settings
         merged: deque[PartBatch] = deque()
         for batch in self.batches:
