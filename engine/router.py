@@ -9,8 +9,11 @@ a replica that would pull the prefix another one holds counts those blocks as `1
 (`engine.prefix_pull`; `--prefix-pull`), and is told to pull them (`ServingRequest.pull_from`) —
 and a replica's own queue holds at most its next batch
 (`max_batch_tokens` prompt tokens), so a backlog stays here, where a replica that starts serving later
-takes its share. A request sent while replicas are still loading simply
-waits here. A replica that stops taking work (role change) hands its unstarted requests back; they go
+takes its share. During a ZigZag episode (docs/zigzag.md) an OldPrefill takes no prompt of at most a
+batch while one of its NewPrefill partners has spare compute: the OldPrefill is the bottleneck, and a
+prompt costs it only the layers the NewPrefill lacks when relayed, all of them when sent whole — the
+prompt waits here for the NewPrefill's room instead. A request sent while replicas are still loading
+simply waits here. A replica that stops taking work (role change) hands its unstarted requests back; they go
 to the front again. Admission refuses with `overloaded` when `max_queue` requests are live, and a
 request that no replica took within `queue_wait` seconds of joining the queue fails with `overloaded`,
 naming the replicas it waited for and their states (and last errors): waiting is right while replicas
@@ -246,9 +249,14 @@ class Router:
         candidates = []
         everyone = self._everyone()
         local = len(self._directory.local())
+        snaps = {peer.name: peer.snapshot() for peer in everyone}
         for index, peer in enumerate(everyone):
-            snap = peer.snapshot()
+            snap = snaps[peer.name]
             if snap.has_room(tokens, self._budget) and snap.takes(tokens, images=images):
+                if snap.state is S.OLD_PREFILL and tokens <= self._budget:
+                    spare = (snaps.get(name) for name in snap.paired_with)
+                    if any(p is not None and p.spare_compute(images=images) for p in spare):
+                        continue  # it waits for the NewPrefill's loaded layers (docs/zigzag.md)
                 candidates.append((snap.prompt_tokens_ahead, index >= local, peer))
         pulls = self.pull is not None and not request.has_images and request.prompt_logprobs is None
         discount = self.pull.discount() if self.pull is not None and pulls else 0.0

@@ -70,6 +70,18 @@ class ReplicaSnapshot:
             and (not images or self.embedding_pool)
         )
 
+    def spare_compute(self, *, images: bool) -> bool:
+        """A NewPrefill with spare compute for a prompt (`images`: with images) — taking prompts, its
+        room not spent (`replicas.zigzag.limits`): its OldPrefill partner then takes none of the prompts
+        of at most a batch (docs/zigzag.md), which wait for this one's room."""
+        return (
+            self.state is ReplicaState.NEW_PREFILL
+            and self.takes_prefill
+            and self.prefill_limit is not None
+            and self.prefill_limit >= 0
+            and (not images or self.embedding_pool)
+        )
+
     def has_room(self, prompt_tokens: int, budget: int) -> bool:
         """Its queue holds at most its next batch (`budget` prompt tokens, or one longer prompt): the
         rest waits at the router, so a replica that starts serving later (a scale-up) takes its share

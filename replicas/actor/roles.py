@@ -285,8 +285,8 @@ class LanguageRoles:
     # ------------------------------------------------------------------ the main loop's pass
     def tend(self) -> None:
         """The current state's upkeep, before the automatic moves are looked at: a flush in
-        MutatingToDecode, migrations woken, cancelled prompts finished, a relay asked for, arrived KV
-        adopted."""
+        MutatingToDecode, migrations woken, cancelled prompts finished, an OldPrefill's queued prompts
+        handed back and a relay asked for, arrived KV adopted."""
         state = self._actor.state
         if state is S.OLD_PREFILL:
             self.old_prefill.prune()  # the one place partners leave; the moves and predicates only read
@@ -296,6 +296,7 @@ class LanguageRoles:
         if state in PREFILL_BATCHES or state is S.NEW_PREFILL:
             self.prefill.cancel_sweep()
         if state is S.OLD_PREFILL:
+            self.old_prefill.hand_back()  # prompts a partner has spare compute for go through it
             self.old_prefill.maybe_ask()
         if state in DECODE_STEPS or state in PREFILL_BATCHES:
             self.decode.adopt_arrivals()
@@ -320,8 +321,11 @@ class LanguageRoles:
             return
         state = self._actor.state
         if state is S.OLD_PREFILL:
-            if not self.old_prefill.start_next() and not self.old_prefill.asking:
-                self.prefill.start_batch()  # relays first; no own batch while asking (its room was offered)
+            old = self.old_prefill
+            if not old.start_next() and not old.asking and not old.leaves_queue():
+                # Relays first; no own batch while asking (its room was offered), nor while its prompts
+                # may go through a partner's loaded layers (`OldPrefillWork.hand_back`).
+                self.prefill.start_batch()
         elif state in ZIGZAG_NEW:
             self.new_prefill.start_next()
         elif state in PREFILL_BATCHES:

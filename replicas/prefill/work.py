@@ -150,6 +150,25 @@ class PrefillWork:
             request.hand_to(None)
             self._returned(request)
 
+    def hand_back(self, room: Callable[[ServingRequest], bool]) -> int:
+        """Give the oldest queued prompts that have not started back to the router, in order, while
+        `room` says one more goes (ZigZag: an OldPrefill's prompts its NewPrefill partner takes, which
+        it then gets first, at the front of the router's queue); the first that does not go, and every
+        prompt behind it, stays. Returns how many went."""
+        going: list[ServingRequest] = []
+        for request in self.queue:
+            started = request.request_id in self._tables or request.prefilled
+            if started or request.has_images or request.pulling or request.cancelled or not room(request):
+                break
+            going.append(request)
+        for request in reversed(going):  # each goes to the router's front: the oldest last
+            self.queue.remove(request)
+            request.hand_to(None)
+            self._returned(request)
+        if going:
+            self._changed()
+        return len(going)
+
     def pull_ended(self, request: ServingRequest) -> None:
         """`request`'s pull ended (`replicas.prefill.pull`): it may run — or, when the replica stopped
         taking prompts meanwhile (`return_queued` kept it while its blocks were landing), it goes back to

@@ -6,5 +6,5 @@
   layers until the decode replica takes it.
 - `old_prefill`: an `OldPrefill` replica — asks its partners for batches, runs the remaining layers and
   the head, samples the first token, migrates its KV half beside the partner's.
-- `limits`: how many batches the router may hand a NewPrefill replica.
+- `limits`: how much work the router may hand a NewPrefill replica: its spare compute.
 """

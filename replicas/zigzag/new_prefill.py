@@ -1,14 +1,14 @@
 """The NewPrefill side of ZigZag (architecture §8): serve with the layers that have landed, hand the rest over.
 
-While its weights arrive, a `NewPrefill` replica takes a few batches from the router (`limits`), runs
-each through the layers it has (KV of those layers lands in its own blocks) and, as more layers land,
-through those too. Its OldPrefill partner asks for work (`Relay`): it hands over its oldest batch that
-is not computing, at the layer boundary `n` it reached — hidden states and positions as a relay transfer,
-the request facts in the `RelayOffer` — and keeps each request's KV of layers `[0, n)` (a *half*) until
-the decode replica chosen by the partner takes it (`SendKVHalf`) or the request ends (`DropKVHalf`, or
-its end hook). When loading finishes the replica turns `RefractoryPrefill`: it gives its unbatched
-requests back to the router, finishes its batches with every layer (or hands them over when asked) and
-then serves as a plain `Prefill` replica.
+While its weights arrive, a `NewPrefill` replica takes prompts from the router while it has spare
+compute (`limits`), runs each through the layers it has (KV of those layers lands in its own blocks)
+and, as more layers land, through those too. Its OldPrefill partner asks for work (`Relay`): it hands
+over its oldest batch that is not computing, at the layer boundary `n` it reached — hidden states and
+positions as a relay transfer, the request facts in the `RelayOffer` — and keeps each request's KV of
+layers `[0, n)` (a *half*) until the decode replica chosen by the partner takes it (`SendKVHalf`) or the
+request ends (`DropKVHalf`, or its end hook). When loading finishes the replica turns
+`RefractoryPrefill`: it gives its unbatched requests back to the router, finishes its batches with every
+layer (or hands them over when asked) and then serves as a plain `Prefill` replica.
 
 Invariants: a batch is computing, held here, or handed over — never two; a half is freed exactly once
 (sent, dropped, or its request ended). Runs in the replica's main loop; transfers in helper tasks.
@@ -23,7 +23,6 @@ from dataclasses import dataclass
 from typing import final
 
 import torch
-import trio
 
 from messages.commands import Relay, RelayedRequest, RelayHint, RelayOffer, SendKVHalf
 from messages.control_replies import RelayInfo
@@ -41,7 +40,7 @@ from replicas.step.compute import Compute
 from replicas.step.grammar import grammar_rows
 from replicas.step.plan import Held, PrefillCall
 from replicas.zigzag import wire
-from replicas.zigzag.limits import batch_limit
+from replicas.zigzag.limits import prompt_room
 from transport.endpoint import TransferEndpoint
 from transport.errors import TransferError
 
@@ -126,14 +125,12 @@ class NewPrefillWork:
         self.batches: deque[PartBatch] = deque()
         self.halves: dict[str, Half] = {}
         self.partners: list[str] = []
-        self.entered_at = 0.0
 
     @property
     def idle(self) -> bool:
         return not self.batches
 
     def entered(self, paired_with: str | None) -> None:
-        self.entered_at = trio.current_time()
         if paired_with is not None:
             self.add_partner(paired_with)
 
@@ -143,13 +140,17 @@ class NewPrefillWork:
 
     def prompt_limit(self) -> int:
         """The longest prompt the router may hand this NewPrefill now; negative: it takes none (see
-        `limits`: its queue counts as the batches it will make; a prompt longer than a batch runs alone
-        on a serving replica — the relay pool holds a batch)."""
-        if self._actor.state is not S.NEW_PREFILL or self._compute.executor is None:
+        `limits`: while its spare compute lasts; a prompt longer than a batch runs alone on a serving
+        replica — the relay pool holds a batch)."""
+        model = self._compute.model
+        if self._actor.state is not S.NEW_PREFILL or self._compute.executor is None or model is None:
             return -1
-        budget = self._settings.max_batch_tokens
-        batches = batch_limit(trio.current_time() - self.entered_at) - len(self.batches)
-        return min(budget, batches * budget - self._prefill.queue.tokens)
+        return prompt_room(
+            budget=self._settings.max_batch_tokens,
+            loaded=model.loaded_layers,
+            queued_tokens=self._prefill.queue.tokens,
+            batches=[(batch.tokens, batch.reached) for batch in self.batches],
+        )
 
     # ------------------------------------------------------------------ compute
     def start_next(self) -> None:
@@ -208,6 +209,7 @@ class NewPrefillWork:
             return
         batch.hidden, batch.reached = result.hidden, stop
         self._hint_partners()
+        self._changed()  # its spare compute grew (`limits`): the router may hand more
 
     def _refused(self, batch: PartBatch, error: ModelInputError) -> None:
         batch.computing = False
@@ -229,7 +231,7 @@ class NewPrefillWork:
         """Neighbouring batches that reached the same layer (none computing) become one, oldest first,
         within the batch budget: the sequences are independent, so their hidden states just stack. A
         request that arrives while the replica is idle runs at once in a batch of its own; merged, such
-        batches make fuller relays, and the router's batch limit counts fuller batches."""
+        batches make fuller relays."""
         settings = self._settings
         merged: deque[PartBatch] = deque()
         for batch in self.batches:

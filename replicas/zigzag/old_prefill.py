@@ -1,13 +1,15 @@
 """The OldPrefill side of ZigZag (architecture §8): finish the batches a NewPrefill partner began.
 
-An `OldPrefill` replica keeps serving its own queue and, whenever it holds no relay, asks its partners
-in turn for work (`Relay`, with the KV room it has). On an offer it reserves blocks for the batch's
-prompts in its own KV pool, receives the hidden states (`wire.receive`) and — before any batch of its
-own — runs layers `[n, L)`, the final norm and the head, and samples each first token; the requests then
-migrate as usual, except that their KV travels in two halves (layers `[n, L)` from here, `[0, n)` from
-the partner) into one reservation on one decode replica (`replicas.prefill.migration`). A partner that computed
-a batch hints (`hint`) so the next ask is not a blind one. The replica returns to `Prefill` by itself
-when no partner is still `NewPrefill` or `RefractoryPrefill` and no relay is in hand.
+An `OldPrefill` replica keeps serving its own queue — the prompts no partner has spare compute for; the
+others it hands back to the router, which gives them to a partner (`hand_back`) — and, whenever it holds
+no relay, asks its partners in turn for work (`Relay`, with the KV room it has). On an offer it reserves
+blocks for the batch's prompts in its own KV pool, receives the hidden states (`wire.receive`) and —
+before any batch of its own — runs layers `[n, L)`, the final norm and the head, and samples each first
+token; the requests then migrate as usual, except that their KV travels in two halves (layers `[n, L)`
+from here, `[0, n)` from the partner) into one reservation on one decode replica
+(`replicas.prefill.migration`). A partner that computed a batch hints (`hint`) so the next ask is not a
+blind one. The replica returns to `Prefill` by itself when no partner is still `NewPrefill` or
+`RefractoryPrefill` and no relay is in hand.
 
 Cancellation: a relay being received is cancelled with the replica; its requests are held by this
 replica (`holder`), so a failure of the replica fails them, and their halves on the partner are freed
@@ -32,6 +34,7 @@ from replicas.inbox import CommandRefused, new_command_id
 from replicas.model import KVCache, ModelInputError, PrefillResult, PrefillSequence, token_history
 from replicas.ports import Actor, Directory, LiveRequests, NodeSignal, peer_named, tell_peer
 from replicas.prefill.work import PrefillWork
+from replicas.request import ServingRequest
 from replicas.settings import ReplicaSettings
 from replicas.states import ZIGZAG_NEW, ReplicaState
 from replicas.step.apply import refuse
@@ -131,11 +134,50 @@ class OldPrefillWork:
         self._actor.post()
 
     def takes_new_work(self) -> bool:
-        """Whether the router may queue new requests here: always with `old_prefill_serves_queue`;
+        """Whether the router may queue new requests here: always with `old_prefill_serves_queue` (the
+        router sends none of at most a batch while a partner has spare compute, `engine.router`);
         otherwise once no partner takes new work any more (the episode is ending)."""
         if self._settings.old_prefill_serves_queue:
             return True
         return not any(self._state_of(p) is S.NEW_PREFILL for p in self.partners)
+
+    def hand_back(self) -> int:
+        """Give this replica's queued prompts that have not started back to the router, oldest first,
+        while a partner in the episode has spare compute for them (its snapshot's `prefill_limit`, the
+        room `replicas.zigzag.limits` gives it, less what went before): the router then hands them to
+        that partner, and they come back as relays at the layer it reached instead of running here whole
+        (main loop, each pass; docs/zigzag.md). Returns how many went."""
+        rooms = [0]
+        for name in self.live_partners():
+            partner = peer_named(self._directory, name)
+            snap = None if partner is None else partner.snapshot()
+            if snap is not None and snap.spare_compute(images=False) and snap.prefill_limit is not None:
+                rooms.append(snap.prefill_limit)
+        left = max(rooms)
+        if not left or not self._prefill.queue:
+            return 0
+
+        def room(request: ServingRequest) -> bool:
+            nonlocal left
+            if request.prompt_tokens > left:
+                return False
+            left -= request.prompt_tokens
+            return True
+
+        return self._prefill.hand_back(room)
+
+    def leaves_queue(self) -> bool:
+        """Whether to start no batch of its own now: its oldest ready prompt (of at most a batch, no
+        images) is one a partner in the episode has spare compute for — `hand_back` gives it to that
+        partner once its room fits it — so this replica computes only the layers its partner lacks."""
+        own = self._prefill.queue.first_ready()
+        if own is None or own.has_images or own.prompt_tokens > self._settings.max_batch_tokens:
+            return False
+        for name in self.live_partners():
+            partner = peer_named(self._directory, name)
+            if partner is not None and partner.snapshot().spare_compute(images=False):
+                return True
+        return False
 
     def _state_of(self, name: str) -> ReplicaState | None:
         partner = peer_named(self._directory, name)
@@ -144,9 +186,10 @@ class OldPrefillWork:
     def relay_first(self) -> bool:
         """First come, first served across the two queues: ask for a relay unless this replica's own
         queue holds a ready request that arrived before every batch its partners hold (a partner that
-        always has a batch ready would otherwise starve the own queue for the whole episode)."""
+        always has a batch ready would otherwise starve the own queue for the whole episode) and that
+        it does not leave to a partner (`leaves_queue`)."""
         own = self._prefill.queue.first_ready()
-        if own is None or not self.waiting:
+        if own is None or not self.waiting or self.leaves_queue():
             return True
         return min(self.waiting.values()) <= own.stamps.arrived
 

@@ -1,11 +1,11 @@
-"""`--emulated-speed`: parsing and the emulated durations."""
+"""`--emulated-speed`: parsing and the emulated durations; a NewPrefill's room (`replicas.zigzag.limits`)."""
 
 from __future__ import annotations
 
 import pytest
 
 from replicas.emulation import EmulatedSpeed, parse_emulated_speed
-from replicas.zigzag.limits import batch_limit
+from replicas.zigzag.limits import prompt_room
 
 
 def test_parse_each_key_optional() -> None:
@@ -37,5 +37,13 @@ def test_parse_refuses_naming_the_part(text: str, message: str) -> None:
         parse_emulated_speed(text)
 
 
-def test_new_prefill_batch_limit_decays() -> None:
-    assert [batch_limit(t) for t in (0.0, 0.19, 0.2, 0.39, 0.4, 10.0)] == [4, 4, 3, 3, 2, 2]
+def test_a_new_prefill_takes_prompts_while_it_has_spare_compute() -> None:
+    """Its room: a batch less the queued tokens and less each held batch weighted by the share of the
+    loaded layers it has yet to run; batches at the loaded layers cost nothing."""
+    room = prompt_room
+    assert room(budget=512, loaded=0, queued_tokens=100, batches=[(512, 0), (512, -1)]) == 412
+    assert room(budget=512, loaded=2, queued_tokens=0, batches=[(512, 2), (512, 2)]) == 512
+    assert room(budget=512, loaded=2, queued_tokens=0, batches=[(300, 1), (100, -1)]) == 512 - 150 - 100
+    assert room(budget=512, loaded=4, queued_tokens=64, batches=[(512, 1)]) == 512 - 64 - 384
+    assert room(budget=512, loaded=3, queued_tokens=0, batches=[(1, 2)]) == 511  # a partial token counts
+    assert room(budget=512, loaded=4, queued_tokens=200, batches=[(512, 0)]) < 0  # behind: takes none
