@@ -33,11 +33,11 @@ from tests.node.workload import Ask, Outcome, assert_correct, distinct_asks, sen
 
 LAYER = 2  # the relays' boundary: the new replica holds layers [0, 2) of 4
 BUDGET = 128  # --max-batch-tokens: the OldPrefill's queue holds at most this many prompt tokens
-# The emulated accelerator: the long prompt below keeps the OldPrefill busy for 4 s, while the pairing
-# (two commands) happens.
+# The emulated accelerator: the long prompt below keeps the OldPrefill busy for 8 s, while the pairing
+# (two commands, each answered in well under a second even on a loaded machine) happens.
 SPEED = ("--emulated-speed", "prefill_tokens_per_s=32")
 HOLD = ("--fault", f"hold_weights:before_layer={LAYER},seconds=600")
-LONG = Ask(input_ids=tuple(range(3, 3 + BUDGET)), max_tokens=3, ignore_eos=True)  # a batch on its own
+LONG = Ask(input_ids=tuple(range(3, 3 + BUDGET)) * 2, max_tokens=3, ignore_eos=True)  # runs alone
 
 
 def _relays(outcomes: list[Outcome]) -> set[tuple[str, str, int] | None]:
