@@ -32,7 +32,6 @@ requests expire at their deadline, not on a polling tick.
 from __future__ import annotations
 
 import math
-import time
 from collections import deque
 from collections.abc import Callable
 from typing import final
@@ -198,7 +197,7 @@ class Router:
                 if replica is None:
                     return
                 self.pending.popleft()
-                request.stamps.dispatched = request.stamps.dispatched or time.time()
+                request.stamp_first("dispatched")
                 if encoder is not None:
                     route = EmbeddingRoute(encoder.name, new_embedding_transfer_id(request.request_id))
                     request.embedding_route = route

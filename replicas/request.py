@@ -103,9 +103,10 @@ and `finished` the request stamps itself (created, first token emitted, ended)."
 
 
 @final
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
 class Stamps:
-    """Wall-clock seconds (`time.time()`) of the request's milestones; None until reached."""
+    """Wall-clock seconds (`time.time()`) of the request's milestones; None until reached. Frozen: the
+    request replaces its stamps as milestones are reached (`ServingRequest.stamp`)."""
 
     arrived: float = field(default_factory=time.time)
     dispatched: float | None = None
@@ -219,7 +220,7 @@ class ServingRequest:
         # `prompt_scores` (the first one's None: nothing comes before it).
         self.generated_logprobs: list[TokenLogprobs] = []
         self.prompt_scores: list[TokenLogprobs | None] = []
-        self.stamps = Stamps()
+        self._stamps = Stamps()
         self.transfers: list[TransferSummary] = []
         # Filled once the prompt is laid out (images expanded: after the embedding transfer).
         self.token_ids: list[int] = list(spec.prompt_ids) if not spec.images else []
@@ -304,6 +305,10 @@ class ServingRequest:
         self._holder = holder
 
     # ------------------------------------------------------------------ progress, read-only
+    @property
+    def stamps(self) -> Stamps:
+        return self._stamps
+
     # ------------------------------------------------------------------ facts
     @property
     def has_images(self) -> bool:
@@ -340,11 +345,11 @@ class ServingRequest:
     def stamp(self, milestone: Milestone, at: float | None = None) -> None:
         """`milestone` was reached at `at` (default: now). A milestone reached again (a prefill that
         starts over on another replica) keeps the latest time."""
-        self.stamps = replace(self.stamps, **{milestone: time.time() if at is None else at})
+        self._stamps = replace(self._stamps, **{milestone: time.time() if at is None else at})
 
     def stamp_first(self, milestone: Milestone, at: float | None = None) -> None:
         """`milestone` was reached at `at` (default: now), unless it was already: the first time stays."""
-        if getattr(self.stamps, milestone) is None:
+        if getattr(self._stamps, milestone) is None:
             self.stamp(milestone, at)
 
     def route_embeddings(self, route: EmbeddingRoute | None) -> None:
@@ -467,10 +472,10 @@ class ServingRequest:
         merged: dict[str, float] = {
             name: value
             for name, value in report.stamps.items()
-            if value is not None and getattr(self.stamps, name) is None
+            if value is not None and getattr(self._stamps, name) is None
         }
         if merged:
-            self.stamps = replace(self.stamps, **merged)
+            self._stamps = replace(self._stamps, **merged)
         if report.cached_tokens >= self.cached_tokens and report.cached_from is not None:
             self.cached_from = report.cached_from
         self.cached_tokens = max(self.cached_tokens, report.cached_tokens)
@@ -502,8 +507,8 @@ class ServingRequest:
         """Stream `token_ids`, the newest of `generated`, to the client and the `on_tokens` subscribers
         (nothing once ended); the first ones stamp `first_token`."""
         if not self.ended and token_ids:
-            if self.stamps.first_token is None:
-                self.stamps = replace(self.stamps, first_token=time.time())
+            if self._stamps.first_token is None:
+                self._stamps = replace(self._stamps, first_token=time.time())
             self._update_send.send_nowait(TokensUpdate(tuple(token_ids)))
             for callback in list(self.on_tokens):
                 callback(len(self.generated) - len(token_ids), token_ids)
@@ -517,7 +522,7 @@ class ServingRequest:
                 del self.generated[self.stop_at :]
                 del self.generated_logprobs[self.stop_at :]
             self.ended = True
-            self.stamps = replace(self.stamps, finished=time.time())
+            self._stamps = replace(self._stamps, finished=time.time())
             self.final_update = FinishedUpdate(reason)
             self._update_send.send_nowait(self.final_update)
             self._end_work()
@@ -525,7 +530,7 @@ class ServingRequest:
     def fail(self, code: ErrorCode, message: str) -> None:
         if not self.ended:
             self.ended = True
-            self.stamps = replace(self.stamps, finished=time.time())
+            self._stamps = replace(self._stamps, finished=time.time())
             self.final_update = FailedUpdate(code, message)
             self._update_send.send_nowait(self.final_update)
             self._end_work()
@@ -568,7 +573,7 @@ class ServingRequest:
         self.cancel()
 
     def timings(self) -> Timings:
-        s = self.stamps
+        s = self._stamps
 
         def span(start: float | None, end: float | None) -> float | None:
             return None if start is None or end is None else max(0.0, end - start)

@@ -251,8 +251,8 @@ class EmbeddingReceives:
         request.embeds = prompt.embeds
         request.embed_indices = prompt.embed_indices
         request.image_grids = prompt.grids
-        request.stamps.embedding_started = request.stamps.embedding_started or (ended - summary.seconds)
-        request.stamps.embedding_finished = ended
+        request.stamp_first("embedding_started", ended - summary.seconds)
+        request.stamp("embedding_finished", ended)
         request.transfers.append(summary)
 
     def _refusal(self, request: ServingRequest, prompt: EmbeddedPrompt) -> str | None:

@@ -277,7 +277,7 @@ class PrefillWork:
         eos = tuple(model.eos_token_ids) if model is not None else ()
         for request in started:
             request.eos_token_ids = eos
-            request.stamps.prefill_started = now
+            request.stamp("prefill_started", now)
             self._actor.log.bind(request_id=request.request_id).emit(
                 PrefillStarted(
                     tokens=request.prompt_tokens,

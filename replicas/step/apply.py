@@ -47,7 +47,7 @@ def apply_tokens(
         request = item.request
         request_log = log.bind(request_id=request.request_id)
         if first:
-            request.stamps.prefill_finished = now
+            request.stamp("prefill_finished", now)
             started = request.stamps.prefill_started or now
             request_log.emit(PrefillFinished(tokens=request.prompt_tokens, seconds=now - started))
         if request.cancelled:
