@@ -213,38 +213,38 @@ class ServingRequest:
         self._spec = spec
         # The end-of-sequence tokens the request stops at: the admitting node's, then those of the model
         # that prefills it (`started_prefill`).
-        self.eos_token_ids = tuple(eos_token_ids)
+        self._eos_token_ids = tuple(eos_token_ids)
         self.generated: list[int] = []
         # Log-probabilities, where the spec asks for them: those of each generated token in
         # `generated_logprobs` (its index is the token's in `generated`), those of each prompt token in
         # `prompt_scores` (the first one's None: nothing comes before it).
         self.generated_logprobs: list[TokenLogprobs] = []
-        self.prompt_scores: list[TokenLogprobs | None] = []
+        self._prompt_scores: list[TokenLogprobs | None] = []
         self._stamps = Stamps()
         self.transfers: list[TransferSummary] = []
         # Filled once the prompt is laid out (images expanded: after the embedding transfer).
-        self.token_ids: list[int] = list(spec.prompt_ids) if not spec.images else []
-        self.positions: torch.Tensor | None = None
-        self.next_position: int = len(self.token_ids)
-        self.prefilled = 0
-        self.image_grids: list[ImageGrid] = []
-        self.embeds: torch.Tensor | None = None
-        self.embed_indices: torch.Tensor | None = None
-        self.embedding_route: EmbeddingRoute | None = None
-        self.cached_tokens = 0
-        self.cached_from: str | None = None
-        self.pull_from: str | None = None
-        self.pull_blocks = 0
-        self.pulling = False
+        self._token_ids: list[int] = list(spec.prompt_ids) if not spec.images else []
+        self._positions: torch.Tensor | None = None
+        self._next_position: int = len(self._token_ids)
+        self._prefilled = 0
+        self._image_grids: list[ImageGrid] = []
+        self._embeds: torch.Tensor | None = None
+        self._embed_indices: torch.Tensor | None = None
+        self._embedding_route: EmbeddingRoute | None = None
+        self._cached_tokens = 0
+        self._cached_from: str | None = None
+        self._pull_from: str | None = None
+        self._pull_blocks = 0
+        self._pulling = False
         self.cancelled = False
         self.ended = False
-        self.cancel_reason: CancelReason = "cancel_op"
+        self._cancel_reason: CancelReason = "cancel_op"
         self._cancel_reason_noted = False
         self.final_update: FinishedUpdate | FailedUpdate | None = None
         self.stop_at: int | None = None
         self._holder: str | None = None  # see `holder` and `hand_to`
         self.relay: RelayInfo | None = None  # set when its prefill was relayed (ZigZag)
-        self.grammar_state: GrammarState | None = None
+        self._grammar_state: GrammarState | None = None
         self._update_send, self.updates = trio.open_memory_channel[RequestUpdate](spec.max_tokens + 4)
         self.cancel_hooks: list[trio.CancelScope] = []
         self.on_end: list[Callable[[ServingRequest], None]] = []
@@ -306,8 +306,93 @@ class ServingRequest:
 
     # ------------------------------------------------------------------ progress, read-only
     @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        """The end-of-sequence tokens the request stops at (see `started_prefill`)."""
+        return self._eos_token_ids
+
+    @property
+    def prompt_scores(self) -> Sequence[TokenLogprobs | None]:
+        """The prompt tokens' log-probabilities computed so far, where asked (the first one's None)."""
+        return self._prompt_scores
+
+    @property
     def stamps(self) -> Stamps:
         return self._stamps
+
+    @property
+    def token_ids(self) -> Sequence[int]:
+        """The prompt as laid out (images expanded); empty until an image request's embeddings land."""
+        return self._token_ids
+
+    @property
+    def positions(self) -> torch.Tensor | None:
+        """The laid-out prompt's rotary positions (an image request's; None: `range(prompt_tokens)`)."""
+        return self._positions
+
+    @property
+    def next_position(self) -> int:
+        """The position after the laid-out prompt, where the generated tokens' positions start."""
+        return self._next_position
+
+    @property
+    def prefilled(self) -> int:
+        """Prompt tokens whose KV the holding prefill replica's blocks already hold (a chunked prefill's
+        finished chunks): the next prefill call starts at this position."""
+        return self._prefilled
+
+    @property
+    def image_grids(self) -> Sequence[ImageGrid]:
+        return self._image_grids
+
+    @property
+    def embeds(self) -> torch.Tensor | None:
+        """The landed embedding rows of an image request (until its prefill no longer needs them)."""
+        return self._embeds
+
+    @property
+    def embed_indices(self) -> torch.Tensor | None:
+        """Where in the laid-out prompt each row of `embeds` goes."""
+        return self._embed_indices
+
+    @property
+    def embedding_route(self) -> EmbeddingRoute | None:
+        """Where an image request's embeddings come from (set by the router when it dispatches it)."""
+        return self._embedding_route
+
+    @property
+    def cached_tokens(self) -> int:
+        """Prompt tokens whose KV came from the prefix cache (not computed)."""
+        return self._cached_tokens
+
+    @property
+    def cached_from(self) -> str | None:
+        """Where the cached tokens came from: "local", or the replica they were pulled from; None: none."""
+        return self._cached_from
+
+    @property
+    def pull_from(self) -> str | None:
+        """The router's pull hint: replica `pull_from` holds the prompt's first `pull_blocks` full blocks
+        (docs/prefix-cache.md)."""
+        return self._pull_from
+
+    @property
+    def pull_blocks(self) -> int:
+        return self._pull_blocks
+
+    @property
+    def pulling(self) -> bool:
+        """The holding prefill replica pulls the prompt's cached blocks (the request waits to run)."""
+        return self._pulling
+
+    @property
+    def cancel_reason(self) -> CancelReason:
+        """Why the request was cancelled (`note_cancel_reason`); `cancel_op` unless another was noted."""
+        return self._cancel_reason
+
+    @property
+    def grammar_state(self) -> GrammarState | None:
+        """The matcher of `sampling.grammar` on this node (see `grammar_matcher`), or None."""
+        return self._grammar_state
 
     # ------------------------------------------------------------------ facts
     @property
@@ -317,29 +402,29 @@ class ServingRequest:
     @property
     def needs_embeddings(self) -> bool:
         """Images whose embeddings have not landed yet: an encode replica and a transfer are needed."""
-        return bool(self.images) and not self.token_ids
+        return bool(self.images) and not self._token_ids
 
     @property
     def prompt_ready(self) -> bool:
         """The token ids (images expanded) and embeddings are known: prefill may run."""
-        return bool(self.token_ids)
+        return bool(self._token_ids)
 
     @property
     def prompt_tokens(self) -> int:
-        return len(self.token_ids)
+        return len(self._token_ids)
 
     @property
     def context_tokens(self) -> int:
         """Tokens whose KV a decode step attends to: prompt plus all but the newest generated token."""
-        return len(self.token_ids) + max(0, len(self.generated) - 1)
+        return len(self._token_ids) + max(0, len(self.generated) - 1)
 
     def decode_position(self) -> int:
         """Rotary position of the newest generated token (fed at the next decode step)."""
-        return self.next_position + len(self.generated) - 1
+        return self._next_position + len(self.generated) - 1
 
     def kv_capacity_tokens(self, context_length: int) -> int:
         """Tokens of KV the request may ever hold: prompt + max_tokens - 1, capped by the context."""
-        return min(len(self.token_ids) + self.max_tokens - 1, context_length)
+        return min(len(self._token_ids) + self.max_tokens - 1, context_length)
 
     # ------------------------------------------------------------------ progress: what happened
     def stamp(self, milestone: Milestone, at: float | None = None) -> None:
@@ -354,77 +439,77 @@ class ServingRequest:
 
     def route_embeddings(self, route: EmbeddingRoute | None) -> None:
         """The router sends the images to `route`'s encoder (None: that dispatch was taken back)."""
-        self.embedding_route = route
+        self._embedding_route = route
 
     def hint_pull(self, pull_from: str | None, blocks: int) -> None:
         """The router found the prompt's first `blocks` full blocks cached on replica `pull_from` (None,
         0: nowhere worth pulling from)."""
-        self.pull_from, self.pull_blocks = pull_from, blocks
+        self._pull_from, self._pull_blocks = pull_from, blocks
 
     def pull_started(self) -> None:
         """The holding prefill replica started pulling the cached blocks: the request waits to run."""
-        self.pulling = True
+        self._pulling = True
 
     def pull_ended(self) -> None:
         """The pull ended (landed, or failed): the request may run."""
-        self.pulling = False
+        self._pulling = False
 
     def laid_out(self, prompt: EmbeddedPrompt) -> None:
         """An image request's embeddings landed: its prompt is laid out (`prompt_ready` from now on)."""
-        self.token_ids = list(prompt.token_ids)
-        self.positions = prompt.positions
-        self.next_position = prompt.next_position
-        self.embeds = prompt.embeds
-        self.embed_indices = prompt.embed_indices
-        self.image_grids = list(prompt.grids)
+        self._token_ids = list(prompt.token_ids)
+        self._positions = prompt.positions
+        self._next_position = prompt.next_position
+        self._embeds = prompt.embeds
+        self._embed_indices = prompt.embed_indices
+        self._image_grids = list(prompt.grids)
 
     def drop_embeddings(self) -> None:
         """The landed embedding rows are no longer needed (they live in host tensors, not pool blocks);
         the layout stays."""
-        self.embeds = None
-        self.embed_indices = None
+        self._embeds = None
+        self._embed_indices = None
 
     def prefill_from(self, cached_tokens: int, cached_from: str | None) -> None:
         """A new prefill starts after `cached_tokens` prompt tokens whose KV came from the prefix cache
         (`cached_from`: "local" or the replica they were pulled from; None with 0 tokens): `prefilled`
         starts there. Raises `ValueError` past the prompt."""
-        if not 0 <= cached_tokens <= len(self.token_ids):
+        if not 0 <= cached_tokens <= len(self._token_ids):
             raise ValueError(
-                f"request {self.request_id}: {cached_tokens} cached tokens of a {len(self.token_ids)}-token "
+                f"request {self.request_id}: {cached_tokens} cached tokens of a {len(self._token_ids)}-token "
                 "prompt"
             )
-        self.cached_tokens = self.prefilled = cached_tokens
-        self.cached_from = cached_from if cached_tokens else None
+        self._cached_tokens = self._prefilled = cached_tokens
+        self._cached_from = cached_from if cached_tokens else None
 
     def started_prefill(self, eos_token_ids: Sequence[int], at: float) -> None:
         """A prefill replica started the prompt at `at`: the request stops at its model's EOS tokens."""
-        self.eos_token_ids = tuple(eos_token_ids)
+        self._eos_token_ids = tuple(eos_token_ids)
         self.stamp("prefill_started", at)
 
     def prefilled_to(self, position: int) -> None:
         """A chunk of the prompt ran: the KV of its first `position` tokens is in the holder's blocks.
         Raises `ValueError` when `position` goes back or past the prompt."""
-        if not self.prefilled <= position <= len(self.token_ids):
+        if not self._prefilled <= position <= len(self._token_ids):
             raise ValueError(
-                f"request {self.request_id}: prefilled to {position} after {self.prefilled} of "
-                f"{len(self.token_ids)} prompt tokens"
+                f"request {self.request_id}: prefilled to {position} after {self._prefilled} of "
+                f"{len(self._token_ids)} prompt tokens"
             )
-        self.prefilled = position
+        self._prefilled = position
 
     def prompt_scored(self, scored: Sequence[TokenLogprobs | None]) -> None:
         """A prefill call scored the next prompt tokens (the first call's first entry is the None of the
         first token, which nothing comes before)."""
-        self.prompt_scores = [*(self.prompt_scores or [None]), *scored]
+        self._prompt_scores = [*(self._prompt_scores or [None]), *scored]
 
     def released_blocks(self) -> None:
         """The holder gave the request's KV blocks back: none of the prompt's KV is held (`prefilled` 0);
         what it computed (its first token, scores) stays."""
-        self.prefilled = 0
+        self._prefilled = 0
 
     def restart_prefill(self) -> None:
         """The chunks that ran are forgotten (the blocks went back): the prefill starts over, scores too."""
-        self.prefilled = 0
-        self.prompt_scores = []
+        self._prefilled = 0
+        self._prompt_scores = []
 
     def grammar_matcher(self, start: Callable[[Grammar], GrammarState]) -> GrammarState:
         """The matcher of `sampling.grammar`, caught up with `generated`: the one kept on this node, or
@@ -432,9 +517,9 @@ class ServingRequest:
         Only the holder's compute call touches it (one at a time)."""
         spec = self.sampling.grammar
         assert spec is not None, "grammar_matcher on a request without a grammar"
-        state = self.grammar_state
+        state = self._grammar_state
         if state is None or state.spec != spec or state.consumed > len(self.generated):
-            state = self.grammar_state = start(spec)
+            state = self._grammar_state = start(spec)
         state.catch_up(self.generated)
         return state
 
@@ -449,7 +534,7 @@ class ServingRequest:
         """Why the cancel that follows is asked for (a client gone, the node shutting down); the first
         reason noted stays."""
         if not self._cancel_reason_noted:
-            self.cancel_reason, self._cancel_reason_noted = reason, True
+            self._cancel_reason, self._cancel_reason_noted = reason, True
 
     def merge(self, report: HolderReport) -> None:
         """Bring this node's copy of the request up to what another node reports of it (a snapshot sent
@@ -462,13 +547,13 @@ class ServingRequest:
         layout (and scores) when this node has none, or the report says where positions continue; the
         larger count of cached tokens; the first `stop_at`; a cancel. Only the router's hints (the pull,
         the embedding route) are taken as the sender set them. An ended request takes no tokens."""
-        if report.token_ids and (report.next_position is not None or not self.token_ids):
-            self.token_ids = list(report.token_ids)
+        if report.token_ids and (report.next_position is not None or not self._token_ids):
+            self._token_ids = list(report.token_ids)
             if report.next_position is not None:
-                self.next_position = report.next_position
+                self._next_position = report.next_position
         self._merge_tokens(report)
-        if report.prompt_scores and not self.prompt_scores:
-            self.prompt_scores = list(report.prompt_scores)
+        if report.prompt_scores and not self._prompt_scores:
+            self._prompt_scores = list(report.prompt_scores)
         merged: dict[str, float] = {
             name: value
             for name, value in report.stamps.items()
@@ -476,15 +561,15 @@ class ServingRequest:
         }
         if merged:
             self._stamps = replace(self._stamps, **merged)
-        if report.cached_tokens >= self.cached_tokens and report.cached_from is not None:
-            self.cached_from = report.cached_from
-        self.cached_tokens = max(self.cached_tokens, report.cached_tokens)
+        if report.cached_tokens >= self._cached_tokens and report.cached_from is not None:
+            self._cached_from = report.cached_from
+        self._cached_tokens = max(self._cached_tokens, report.cached_tokens)
         if report.pull is not None:
             self.hint_pull(*report.pull)
         if report.stop_at is not None and self.stop_at is None:
             self.stop_at = report.stop_at
         if report.embedding_route is not None:
-            self.embedding_route = report.embedding_route
+            self._embedding_route = report.embedding_route
         if report.cancelled and not self.cancelled:
             self.cancel()
 
