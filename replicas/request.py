@@ -214,11 +214,11 @@ class ServingRequest:
         # The end-of-sequence tokens the request stops at: the admitting node's, then those of the model
         # that prefills it (`started_prefill`).
         self._eos_token_ids = tuple(eos_token_ids)
-        self.generated: list[int] = []
+        self._generated: list[int] = []
         # Log-probabilities, where the spec asks for them: those of each generated token in
         # `generated_logprobs` (its index is the token's in `generated`), those of each prompt token in
         # `prompt_scores` (the first one's None: nothing comes before it).
-        self.generated_logprobs: list[TokenLogprobs] = []
+        self._generated_logprobs: list[TokenLogprobs] = []
         self._prompt_scores: list[TokenLogprobs | None] = []
         self._stamps = Stamps()
         self.transfers: list[TransferSummary] = []
@@ -236,12 +236,12 @@ class ServingRequest:
         self._pull_from: str | None = None
         self._pull_blocks = 0
         self._pulling = False
-        self.cancelled = False
-        self.ended = False
+        self._cancelled = False
+        self._ended = False
         self._cancel_reason: CancelReason = "cancel_op"
         self._cancel_reason_noted = False
-        self.final_update: FinishedUpdate | FailedUpdate | None = None
-        self.stop_at: int | None = None
+        self._final_update: FinishedUpdate | FailedUpdate | None = None
+        self._stop_at: int | None = None
         self._holder: str | None = None  # see `holder` and `hand_to`
         self.relay: RelayInfo | None = None  # set when its prefill was relayed (ZigZag)
         self._grammar_state: GrammarState | None = None
@@ -309,6 +309,16 @@ class ServingRequest:
     def eos_token_ids(self) -> tuple[int, ...]:
         """The end-of-sequence tokens the request stops at (see `started_prefill`)."""
         return self._eos_token_ids
+
+    @property
+    def generated(self) -> Sequence[int]:
+        """The tokens generated so far, in order."""
+        return self._generated
+
+    @property
+    def generated_logprobs(self) -> Sequence[TokenLogprobs]:
+        """The log-probabilities of `generated[: len(generated_logprobs)]`, where asked."""
+        return self._generated_logprobs
 
     @property
     def prompt_scores(self) -> Sequence[TokenLogprobs | None]:
@@ -385,9 +395,26 @@ class ServingRequest:
         return self._pulling
 
     @property
+    def cancelled(self) -> bool:
+        return self._cancelled
+
+    @property
+    def ended(self) -> bool:
+        return self._ended
+
+    @property
     def cancel_reason(self) -> CancelReason:
         """Why the request was cancelled (`note_cancel_reason`); `cancel_op` unless another was noted."""
         return self._cancel_reason
+
+    @property
+    def final_update(self) -> FinishedUpdate | FailedUpdate | None:
+        return self._final_update
+
+    @property
+    def stop_at(self) -> int | None:
+        """Set by `stop_early`: the request ends `stop` with this many generated tokens kept."""
+        return self._stop_at
 
     @property
     def grammar_state(self) -> GrammarState | None:
@@ -416,11 +443,11 @@ class ServingRequest:
     @property
     def context_tokens(self) -> int:
         """Tokens whose KV a decode step attends to: prompt plus all but the newest generated token."""
-        return len(self._token_ids) + max(0, len(self.generated) - 1)
+        return len(self._token_ids) + max(0, len(self._generated) - 1)
 
     def decode_position(self) -> int:
         """Rotary position of the newest generated token (fed at the next decode step)."""
-        return self._next_position + len(self.generated) - 1
+        return self._next_position + len(self._generated) - 1
 
     def kv_capacity_tokens(self, context_length: int) -> int:
         """Tokens of KV the request may ever hold: prompt + max_tokens - 1, capped by the context."""
@@ -518,17 +545,17 @@ class ServingRequest:
         spec = self.sampling.grammar
         assert spec is not None, "grammar_matcher on a request without a grammar"
         state = self._grammar_state
-        if state is None or state.spec != spec or state.consumed > len(self.generated):
+        if state is None or state.spec != spec or state.consumed > len(self._generated):
             state = self._grammar_state = start(spec)
-        state.catch_up(self.generated)
+        state.catch_up(self._generated)
         return state
 
     def add_token(self, token: int, scored: TokenLogprobs | None = None) -> None:
         """The holder sampled the next token (scored, where asked): appended and streamed."""
-        if scored is not None and len(self.generated_logprobs) == len(self.generated):
-            self.generated_logprobs.append(scored)
-        self.generated.append(token)
-        self.emit_tokens([token])
+        if scored is not None and len(self._generated_logprobs) == len(self._generated):
+            self._generated_logprobs.append(scored)
+        self._generated.append(token)
+        self._emit_tokens([token])
 
     def note_cancel_reason(self, reason: CancelReason) -> None:
         """Why the cancel that follows is asked for (a client gone, the node shutting down); the first
@@ -566,58 +593,58 @@ class ServingRequest:
         self._cached_tokens = max(self._cached_tokens, report.cached_tokens)
         if report.pull is not None:
             self.hint_pull(*report.pull)
-        if report.stop_at is not None and self.stop_at is None:
-            self.stop_at = report.stop_at
+        if report.stop_at is not None and self._stop_at is None:
+            self._stop_at = report.stop_at
         if report.embedding_route is not None:
             self._embedding_route = report.embedding_route
-        if report.cancelled and not self.cancelled:
+        if report.cancelled and not self._cancelled:
             self.cancel()
 
     def _merge_tokens(self, report: HolderReport) -> None:
-        have, start = len(self.generated), report.tokens_from
-        if start > have or self.ended:
+        have, start = len(self._generated), report.tokens_from
+        if start > have or self._ended:
             return  # a gap: the tokens before these arrive with a snapshot or the final update
         new = list(report.generated[have - start :])
         if not new:
             return
         logprobs = report.generated_logprobs
-        if logprobs and len(self.generated_logprobs) == have:
-            self.generated_logprobs.extend(logprobs[have - start :])
-        self.generated.extend(new)
+        if logprobs and len(self._generated_logprobs) == have:
+            self._generated_logprobs.extend(logprobs[have - start :])
+        self._generated.extend(new)
         if report.emit:
-            self.emit_tokens(new)
+            self._emit_tokens(new)
 
     # ------------------------------------------------------------------ reporting
-    def emit_tokens(self, token_ids: Sequence[int]) -> None:
+    def _emit_tokens(self, token_ids: Sequence[int]) -> None:
         """Stream `token_ids`, the newest of `generated`, to the client and the `on_tokens` subscribers
         (nothing once ended); the first ones stamp `first_token`."""
-        if not self.ended and token_ids:
+        if not self._ended and token_ids:
             if self._stamps.first_token is None:
                 self._stamps = replace(self._stamps, first_token=time.time())
             self._update_send.send_nowait(TokensUpdate(tuple(token_ids)))
             for callback in list(self.on_tokens):
-                callback(len(self.generated) - len(token_ids), token_ids)
+                callback(len(self._generated) - len(token_ids), token_ids)
 
     def finish(self, reason: FinishReason) -> None:
         """End normally. Idempotent with `fail`: the first final update wins. After `stop_early` the
         reason is `stop` and `generated` is cut to the tokens kept, whatever the holder saw last."""
-        if not self.ended:
-            if self.stop_at is not None:
+        if not self._ended:
+            if self._stop_at is not None:
                 reason = "stop"
-                del self.generated[self.stop_at :]
-                del self.generated_logprobs[self.stop_at :]
-            self.ended = True
+                del self._generated[self._stop_at :]
+                del self._generated_logprobs[self._stop_at :]
+            self._ended = True
             self._stamps = replace(self._stamps, finished=time.time())
-            self.final_update = FinishedUpdate(reason)
-            self._update_send.send_nowait(self.final_update)
+            self._final_update = FinishedUpdate(reason)
+            self._update_send.send_nowait(self._final_update)
             self._end_work()
 
     def fail(self, code: ErrorCode, message: str) -> None:
-        if not self.ended:
-            self.ended = True
+        if not self._ended:
+            self._ended = True
             self._stamps = replace(self._stamps, finished=time.time())
-            self.final_update = FailedUpdate(code, message)
-            self._update_send.send_nowait(self.final_update)
+            self._final_update = FailedUpdate(code, message)
+            self._update_send.send_nowait(self._final_update)
             self._end_work()
 
     def _end_work(self) -> None:
@@ -644,7 +671,7 @@ class ServingRequest:
 
         The holder notices `cancelled` at its next step boundary, frees the request's blocks and
         reports `finish("cancelled")`."""
-        self.cancelled = True
+        self._cancelled = True
         for scope in self.cancel_hooks:
             scope.cancel()
         for callback in list(self.on_cancel):
@@ -653,8 +680,8 @@ class ServingRequest:
     def stop_early(self, kept_tokens: int) -> None:
         """A stop string ended the text within the first `kept_tokens` generated tokens: stop generating
         (as `cancel` does) and end `stop` with only those tokens."""
-        if self.stop_at is None:
-            self.stop_at = kept_tokens
+        if self._stop_at is None:
+            self._stop_at = kept_tokens
         self.cancel()
 
     def timings(self) -> Timings:

@@ -229,7 +229,7 @@ class Generation:
 
     def _logprobs(self, start: int, stop: int) -> list[TokenLogprobs]:
         """The generated tokens `[start, stop)`'s log-probabilities (the request asked for them)."""
-        scored = self.serving.generated_logprobs[start:stop]
+        scored = list(self.serving.generated_logprobs[start:stop])
         if len(scored) != stop - start:
             raise RequestFailed(
                 "internal",

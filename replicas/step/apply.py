@@ -54,10 +54,7 @@ def apply_tokens(
             release(item)
             request.finish("cancelled")
             continue
-        if scored is not None:
-            request.generated_logprobs.append(scored)
-        request.generated.append(token)
-        request.emit_tokens([token])
+        request.add_token(token, scored)
         if first:
             request_log.emit(FirstToken(token_id=token, ttft_s=now - request.stamps.arrived))
         reason = finish_reason(request.generated, request.sampling, request.eos_token_ids, request.max_tokens)
