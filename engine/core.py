@@ -367,7 +367,7 @@ class NodeCore:
             # The handlers relay the final updates: closing before they did lost those results.
             await server.wait_requests_done()
         for request in list(requests.values()):
-            request.cancel_reason = "shutdown"
+            request.note_cancel_reason("shutdown")
             self.router.cancel(request.request_id)
         with trio.move_on_after(SETTLE_SECONDS):
             await self.router.wait_idle()

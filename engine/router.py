@@ -35,7 +35,6 @@ requests expire at their deadline, not on a polling tick.
 from __future__ import annotations
 
 import math
-import time
 from collections import deque
 from collections.abc import Callable
 from typing import final
@@ -201,19 +200,19 @@ class Router:
                 if replica is None:
                     return
                 self.pending.popleft()
-                request.stamps.dispatched = request.stamps.dispatched or time.time()
+                request.stamp_first("dispatched")
                 if encoder is not None:
                     route = EmbeddingRoute(encoder.name, new_embedding_transfer_id(request.request_id))
-                    request.embedding_route = route
+                    request.route_embeddings(route)
                     if not encoder.submit(request):
-                        request.embedding_route = None
+                        request.route_embeddings(None)
                         self.pending.appendleft(request)
                         return
-                request.pull_from, request.pull_blocks = pull or (None, 0)
+                request.hint_pull(*(pull or (None, 0)))
                 if not replica.submit(request):
                     if encoder is not None:
                         self._withdraw(encoder, request)
-                        request.embedding_route = None
+                        request.route_embeddings(None)
                     self.pending.appendleft(request)
                     return
                 self._queued_at.pop(request.request_id, None)

@@ -8,7 +8,6 @@ or directly when the origin asked). Commands that act on a reservation or a lock
 
 from __future__ import annotations
 
-import time
 from typing import Any, Protocol
 
 import msgspec
@@ -120,8 +119,8 @@ async def serve_command(member: CommandNode, frame: PeerFrame, message: RunComma
         if isinstance(command, ReserveKV):
             # The KV starts to move now: stamped here, beside the landing's stamp (one clock).
             request = books.live(command.request_id)
-            if request is not None and request.stamps.kv_started is None:
-                request.stamps.kv_started = time.time()
+            if request is not None:
+                request.stamp_first("kv_started")
             books.now_holding(command.request_id, replica.name)
     except CommandRefused as exc:
         outcome = CommandOutcome(

@@ -8,6 +8,12 @@ one past a gap waits for the gap) and ends its request with the mirror's outcome
 Log-probabilities, where the request asked for them, travel with the tokens they score.
 When the request already lives on the node a snapshot reaches (the origin itself, or a node that
 encoded it), the snapshot updates that object instead (`merge_snapshot`).
+
+The rule for writes across nodes: progress made on another node reaches this node's object only through
+`ServingRequest.merge` — snapshots, forwarded tokens and the forwarded end are each turned into one
+`HolderReport` here and merged; merging only adds what this node does not know (the request's docstring
+says what exactly), so a late or repeated report changes nothing. The transfers and the relay record
+are merged beside it (`merge_transfers`; the first relay record stays).
 """
 
 from __future__ import annotations
@@ -20,7 +26,7 @@ from engine.generate.logprobs import logprob_value, prompt_records, prompt_value
 from messages.cluster import EndedForward, ImageData, RequestSnapshot, SamplingRecord, StampsRecord
 from messages.control_replies import TokenLogprob, TransferSummary
 from replicas.model import SamplingParams
-from replicas.request import EmbeddingRoute, FailedUpdate, RequestSpec, ServingRequest, Stamps
+from replicas.request import EmbeddingRoute, FailedUpdate, HolderReport, RequestSpec, ServingRequest, Stamps
 
 _STAMPS = [f.name for f in fields(Stamps)]
 
@@ -100,25 +106,30 @@ def mirror(snap: RequestSnapshot) -> ServingRequest:
 
 
 def merge_snapshot(request: ServingRequest, snap: RequestSnapshot) -> None:
-    """Bring `request` up to `snap`: its laid-out prompt, tokens, stamps, transfers and route."""
-    if snap.token_ids:
-        request.token_ids = list(snap.token_ids)
-        request.next_position = snap.next_position
-    apply_tokens(request, 0, snap.generated, emit=False, logprobs=snap.generated_logprobs)
-    merge_prompt_logprobs(request, snap.prompt_logprobs)
-    merge_stamps(request, snap.stamps)
+    """Bring `request` up to `snap`: its laid-out prompt, tokens, stamps, transfers and route (the rule:
+    `ServingRequest.merge`)."""
     merge_transfers(request, snap.transfers)
     request.relay = request.relay or snap.relay
-    if snap.cached_tokens >= request.cached_tokens and snap.cached_from is not None:
-        request.cached_from = snap.cached_from
-    request.cached_tokens = max(request.cached_tokens, snap.cached_tokens)
-    request.pull_from, request.pull_blocks = snap.pull_from, snap.pull_blocks
-    if snap.stop_at is not None and request.stop_at is None:
-        request.stop_at = snap.stop_at
+    route = None
     if snap.embedding_encoder is not None and snap.embedding_transfer_id is not None:
-        request.embedding_route = EmbeddingRoute(snap.embedding_encoder, snap.embedding_transfer_id)
-    if snap.cancelled and not request.cancelled:
-        request.cancel()
+        route = EmbeddingRoute(snap.embedding_encoder, snap.embedding_transfer_id)
+    request.merge(
+        HolderReport(
+            generated=snap.generated,
+            generated_logprobs=[logprob_value(entry) for entry in snap.generated_logprobs],
+            emit=False,
+            token_ids=snap.token_ids,
+            next_position=snap.next_position,
+            prompt_scores=prompt_values(snap.prompt_logprobs),
+            stamps=_stamps(snap.stamps),
+            cached_tokens=snap.cached_tokens,
+            cached_from=snap.cached_from,
+            pull=(snap.pull_from, snap.pull_blocks),
+            stop_at=snap.stop_at,
+            embedding_route=route,
+            cancelled=snap.cancelled,
+        )
+    )
 
 
 def apply_tokens(
@@ -126,30 +137,25 @@ def apply_tokens(
     start: int,
     token_ids: list[int],
     *,
-    emit: bool = True,
     logprobs: list[TokenLogprob] | None = None,
 ) -> None:
     """Append the tokens `[start, start + n)` this request does not have yet (see the module docstring),
-    and their `logprobs` where they come with them."""
-    have = len(request.generated)
-    if start > have or request.ended:
-        return  # a gap: the tokens before these arrive with the snapshot or the final update
-    new = token_ids[have - start :]
-    if new:
-        if logprobs and len(request.generated_logprobs) == have:
-            request.generated_logprobs.extend(logprob_value(entry) for entry in logprobs[have - start :])
-        request.generated.extend(new)
-        if emit:
-            request.emit_tokens(new)
+    and their `logprobs` where they come with them, and stream them."""
+    scored = [logprob_value(entry) for entry in logprobs] if logprobs else ()
+    request.merge(HolderReport(tokens_from=start, generated=token_ids, generated_logprobs=scored))
 
 
 def apply_ended(request: ServingRequest, ended: EndedForward) -> None:
     """End the origin's `request` as its mirror ended (tokens not yet applied are applied first)."""
-    if ended.token_ids and not request.token_ids:
-        request.token_ids = list(ended.token_ids)  # the prompt as laid out there (images expanded)
-    apply_tokens(request, 0, ended.generated, logprobs=ended.generated_logprobs)
-    merge_prompt_logprobs(request, ended.prompt_logprobs)
-    merge_stamps(request, ended.stamps)
+    request.merge(
+        HolderReport(
+            generated=ended.generated,
+            generated_logprobs=[logprob_value(entry) for entry in ended.generated_logprobs],
+            token_ids=ended.token_ids,  # the prompt as laid out there (images expanded)
+            prompt_scores=prompt_values(ended.prompt_logprobs),
+            stamps=_stamps(ended.stamps),
+        )
+    )
     merge_transfers(request, ended.transfers)
     request.relay = request.relay or ended.relay
     if ended.outcome == "failed":
@@ -178,22 +184,12 @@ def ended_forward(request: ServingRequest) -> EndedForward:
     )
 
 
-def merge_prompt_logprobs(request: ServingRequest, scored: list[TokenLogprob | None]) -> None:
-    """Take the prompt's log-probabilities computed on another node (when this node has none)."""
-    if scored and not request.prompt_scores:
-        request.prompt_scores = prompt_values(scored)
-
-
 def stamps_record(stamps: Stamps) -> StampsRecord:
     return StampsRecord(**{name: getattr(stamps, name) for name in _STAMPS})
 
 
-def merge_stamps(request: ServingRequest, record: StampsRecord) -> None:
-    """Take the milestones this node has not seen (the origin keeps its own arrival and first token)."""
-    for name in _STAMPS:
-        value = getattr(record, name)
-        if value is not None and getattr(request.stamps, name) is None:
-            setattr(request.stamps, name, value)
+def _stamps(record: StampsRecord) -> dict[str, float | None]:
+    return {name: getattr(record, name) for name in _STAMPS}
 
 
 def merge_transfers(request: ServingRequest, transfers: list[TransferSummary]) -> None:

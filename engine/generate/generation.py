@@ -229,7 +229,7 @@ class Generation:
 
     def _logprobs(self, start: int, stop: int) -> list[TokenLogprobs]:
         """The generated tokens `[start, stop)`'s log-probabilities (the request asked for them)."""
-        scored = self.serving.generated_logprobs[start:stop]
+        scored = list(self.serving.generated_logprobs[start:stop])
         if len(scored) != stop - start:
             raise RequestFailed(
                 "internal",
@@ -242,8 +242,8 @@ class Generation:
         """Cancel the request unless it ended (no await: safe in `finally` of a cancelled task)."""
         serving = self.serving
         if not serving.ended:
-            if serving.cancel_reason == "cancel_op" and self.cancel_reason is not None:
-                serving.cancel_reason = self.cancel_reason()
+            if self.cancel_reason is not None:
+                serving.note_cancel_reason(self.cancel_reason())
             self._router.cancel(serving.request_id)
 
     def _observe_gap(self, tokens: int) -> None:

@@ -45,7 +45,7 @@ async def choice_events(
         first = choices.generations[index - index % choices.n]
         scored = None if first.serving.prompt_logprobs is None else first.prompt_logprobs()
         serving = generation.serving
-        prompt_ids = serving.token_ids or list(serving.prompt_ids)
+        prompt_ids = list(serving.token_ids or serving.prompt_ids)
         return encoder.echo(index, echoes[index // choices.n], prompt_ids, scored)
 
     outcomes: dict[int, Outcome] = {}

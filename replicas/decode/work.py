@@ -19,7 +19,6 @@ Whether the replica may take a migration at all (its state, its lock) is the act
 
 from __future__ import annotations
 
-import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from typing import final
@@ -149,7 +148,7 @@ class DecodeWork:
                     "transfer_failed", f"KV migration of request {request.request_id} failed: {outcome}"
                 )
             return
-        request.stamps.kv_finished = time.time()
+        request.stamp("kv_finished")
         for received in sorted(outcomes, key=lambda o: o.part.layers):
             report = received.report
             assert report is not None

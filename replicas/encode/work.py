@@ -116,7 +116,7 @@ class EncodeWork:
             return
         vision = model.vision
         call = EncodeCall(list(request.images))
-        request.stamps.encode_started = time.time()
+        request.stamp("encode_started")
         self._actor.log.bind(request_id=request.request_id).emit(EncodeStarted(images=len(call.images)))
         started = time.monotonic()
         self._compute.run(
@@ -135,7 +135,7 @@ class EncodeWork:
 
     def _ended_encoding(self, job: EncodeJob, started: float, rows: int) -> None:
         request = job.request
-        request.stamps.encode_finished = time.time()
+        request.stamp("encode_finished")
         self._actor.log.bind(request_id=request.request_id).emit(
             EncodeFinished(tokens=rows, seconds=time.monotonic() - started)
         )
@@ -195,4 +195,4 @@ class EncodeWork:
 
 
 def _stamp_sending(request: ServingRequest) -> None:
-    request.stamps.embedding_started = time.time()
+    request.stamp("embedding_started")

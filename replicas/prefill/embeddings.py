@@ -245,14 +245,9 @@ class EmbeddingReceives:
         self, request: ServingRequest, prompt: EmbeddedPrompt, summary: TransferSummary, ended: float
     ) -> None:
         """The request's input is complete: it is ready for prefill."""
-        request.token_ids = prompt.token_ids
-        request.positions = prompt.positions
-        request.next_position = prompt.next_position
-        request.embeds = prompt.embeds
-        request.embed_indices = prompt.embed_indices
-        request.image_grids = prompt.grids
-        request.stamps.embedding_started = request.stamps.embedding_started or (ended - summary.seconds)
-        request.stamps.embedding_finished = ended
+        request.laid_out(prompt)
+        request.stamp_first("embedding_started", ended - summary.seconds)
+        request.stamp("embedding_finished", ended)
         request.transfers.append(summary)
 
     def _refusal(self, request: ServingRequest, prompt: EmbeddedPrompt) -> str | None:
@@ -284,8 +279,7 @@ class EmbeddingReceives:
 
 def release_input(request: ServingRequest) -> None:
     """Forget a request's assembled embedding rows (they live in host tensors, not in pool blocks)."""
-    request.embeds = None
-    request.embed_indices = None
+    request.drop_embeddings()
 
 
 def _reason(failure: ReceiveFailure | None) -> str | None:

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import itertools
 import math
-import time
 from collections import deque
 from typing import final
 
@@ -232,7 +231,7 @@ class Migrator:
         endpoint = self._endpoint
         _, transfer_id = destination
         if request.stamps.kv_started is None:
-            request.stamps.kv_started = time.time()
+            request.stamp("kv_started")
         error: BaseException | None = None
         split, total = self._split(item)
         if split > 0:  # the NewPrefill partner sends layers [0, split): the whole KV when split == L

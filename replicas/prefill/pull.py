@@ -104,7 +104,7 @@ class Puller:
         if reserved is None:
             return False
         own, landing = reserved
-        request.pulling = True
+        request.pull_started()
         self._actor.spawn(self._pull, request, holder, keys[:limit], own, landing)
         return True
 
@@ -209,7 +209,7 @@ class Puller:
     ) -> None:
         """The pull ended with `landed` blocks (main loop): they join this replica's cache after the
         borrowed `own`; the rest of `landing` goes back to the pool; the prompt may run."""
-        request.pulling = False
+        request.pull_ended()
         table = land_pull(self._kv.prefix, request.request_id, own, landing, landed)
         self._ready[request.request_id] = (table, holder if landed else None)
         self._ended(request)

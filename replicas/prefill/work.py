@@ -196,8 +196,7 @@ class PrefillWork:
             self._kv.release(table, request.request_id)
         if self._puller is not None:
             self._puller.drop(request.request_id)
-        request.prefilled = 0
-        request.prompt_scores = []
+        request.restart_prefill()
 
     # ------------------------------------------------------------------ a batch
     def start_batch(self) -> None:
@@ -295,8 +294,7 @@ class PrefillWork:
         now = time.time()
         eos = tuple(model.eos_token_ids) if model is not None else ()
         for request in started:
-            request.eos_token_ids = eos
-            request.stamps.prefill_started = now
+            request.started_prefill(eos, now)
             self._actor.log.bind(request_id=request.request_id).emit(
                 PrefillStarted(
                     tokens=request.prompt_tokens,
@@ -330,9 +328,8 @@ class PrefillWork:
                 f"request {rid}: the plan allocates {line.allocate} blocks, the pool has "
                 f"{kv.pool.allocatable_blocks} to give"
             )
-        request.cached_tokens = request.prefilled = len(prefix) * kv.block_size
         source = line.prefix.source if isinstance(line.prefix, Pulled) else None
-        request.cached_from = (source or "local") if prefix else None
+        request.prefill_from(len(prefix) * kv.block_size, (source or "local") if prefix else None)
         if isinstance(line.prefix, Pulled) or (isinstance(line.prefix, Borrow) and line.prefix.counted):
             self._prefix.counted(request, request.cached_tokens)
         return prefix + allocated
@@ -348,8 +345,8 @@ class PrefillWork:
                 continue
             request = item.request  # a chunk that does not end its prompt: its next one runs first
             if result.prompt_logprobs is not None and (scored := result.prompt_logprobs[index]) is not None:
-                request.prompt_scores = [*(request.prompt_scores or [None]), *scored]
-            request.prefilled = line.stop
+                request.prompt_scored(scored)
+            request.prefilled_to(line.stop)
             self._tables[request.request_id] = item.table
             going_on.append(request)
         self.queue.push_front(going_on)
@@ -374,7 +371,7 @@ class PrefillWork:
         if result.prompt_logprobs is not None:
             for item, scored in zip(batch, result.prompt_logprobs, strict=True):
                 if scored is not None:
-                    item.request.prompt_scores = [*(item.request.prompt_scores or [None]), *scored]
+                    item.request.prompt_scored(scored)
         going_on = apply_tokens(
             batch,
             result.tokens,
@@ -392,7 +389,7 @@ class PrefillWork:
         partner frees the KV of layers `[0, n)` it keeps (the request's end does too, where the partner
         sees it; this says so)."""
         self._kv.release(item.table, item.request.request_id)
-        item.request.prefilled = 0
+        item.request.released_blocks()
         relay = item.relay
         if relay is not None and relay.layer > 0:
             drop = DropKVHalf(command_id=new_command_id(), request_id=item.request.request_id)

@@ -47,17 +47,14 @@ def apply_tokens(
         request = item.request
         request_log = log.bind(request_id=request.request_id)
         if first:
-            request.stamps.prefill_finished = now
+            request.stamp("prefill_finished", now)
             started = request.stamps.prefill_started or now
             request_log.emit(PrefillFinished(tokens=request.prompt_tokens, seconds=now - started))
         if request.cancelled:
             release(item)
             request.finish("cancelled")
             continue
-        if scored is not None:
-            request.generated_logprobs.append(scored)
-        request.generated.append(token)
-        request.emit_tokens([token])
+        request.add_token(token, scored)
         if first:
             request_log.emit(FirstToken(token_id=token, ttft_s=now - request.stamps.arrived))
         reason = finish_reason(request.generated, request.sampling, request.eos_token_ids, request.max_tokens)

@@ -18,6 +18,7 @@ import dataclasses
 from collections.abc import Sequence
 from typing import TypeVar
 
+from messages.grammar import Grammar
 from replicas.model import DecodeSequence, Model, PrefillSequence
 from replicas.model.text.grammar import GrammarState, grammar_tokenizer
 from replicas.request import ServingRequest
@@ -60,13 +61,11 @@ def feed(grammars: Sequence[ServingRequest | None], tokens: Sequence[int]) -> No
 
 
 def _state(request: ServingRequest, model: Model) -> GrammarState:
-    spec = request.sampling.grammar
-    assert spec is not None and model.tokenizer is not None  # admission refuses a grammar otherwise
-    state = request.grammar_state
-    if state is None or state.spec != spec or state.consumed > len(request.generated):
-        tokenizer = grammar_tokenizer(
-            model.tokenizer, model.config.vocab_size, tuple(sorted(model.eos_token_ids))
-        )
-        state = request.grammar_state = GrammarState(spec, tokenizer)
-    state.catch_up(request.generated)
-    return state
+    tokenizer = model.tokenizer
+    assert tokenizer is not None  # admission refuses a grammar otherwise
+
+    def start(spec: Grammar) -> GrammarState:
+        vocab = grammar_tokenizer(tokenizer, model.config.vocab_size, tuple(sorted(model.eos_token_ids)))
+        return GrammarState(spec, vocab)
+
+    return request.grammar_matcher(start)
