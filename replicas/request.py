@@ -262,31 +262,31 @@ class ServingRequest:
 
     @property
     def request_id(self) -> str:
-        return self.spec.request_id
+        return self._spec.request_id
 
     @property
     def prompt_ids(self) -> tuple[int, ...]:
-        return self.spec.prompt_ids
+        return self._spec.prompt_ids
 
     @property
     def images(self) -> tuple[np.ndarray, ...]:
-        return self.spec.images
+        return self._spec.images
 
     @property
     def sampling(self) -> SamplingParams:
-        return self.spec.sampling
+        return self._spec.sampling
 
     @property
     def max_tokens(self) -> int:
-        return self.spec.max_tokens
+        return self._spec.max_tokens
 
     @property
     def logprobs(self) -> int | None:
-        return self.spec.logprobs
+        return self._spec.logprobs
 
     @property
     def prompt_logprobs(self) -> int | None:
-        return self.spec.prompt_logprobs
+        return self._spec.prompt_logprobs
 
     # ------------------------------------------------------------------ holding
     @property
